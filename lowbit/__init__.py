@@ -1,0 +1,13 @@
+"""lowbit: train large language models in 4-bit and lower precision.
+
+    import torch, lowbit
+    q = lowbit.quantize(torch.randn(256, 512), "nvfp4")   # packed QTensor
+    x_hat = q.dequantize()
+"""
+
+from lowbit.formats import (
+    FORMATS, QTensor, QuantSpec, load_qtensors, quantize, save_qtensors,
+)
+
+__version__ = "0.1.0"
+__all__ = ["quantize", "QTensor", "QuantSpec", "save_qtensors", "load_qtensors", "FORMATS"]

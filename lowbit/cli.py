@@ -1,0 +1,103 @@
+"""The `lowbit` command: inspect (more commands join as they are built).
+
+Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
+do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        print(f"lowbit: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect", help="what FP4/FP8/intK quantization does to a model's weights",
+        description="Print, per tensor and format, SQNR (dB), relative error, the fraction of "
+                    "values clipped and flushed to zero, and packed bytes against bf16.")
+    p.add_argument("path", nargs="?", help="a .safetensors file or a folder of them (sharded checkpoint)")
+    p.add_argument("--random", metavar="SHAPE", help="inspect a random normal tensor of this shape, e.g. 4096x4096")
+    p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3,int4",
+                   help="comma-separated formats, each with optional :options "
+                        "(floor, rceil, single, sr, RxC block), e.g. nvfp4,mxfp4:rceil:32x32 "
+                        "(default: %(default)s)")
+    p.add_argument("--filter", metavar="REGEX", help="only tensors whose name matches REGEX")
+    p.add_argument("--skip-non-float", action="store_true", help="leave out integer/bool tensors instead of failing")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random and stochastic rounding")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args) -> None:
+    import torch
+
+    from lowbit.diagnostics.inspect import (
+        InspectError, format_table, inspect_tensors, iter_safetensors, parse_format, parse_shape,
+        rows_to_json,
+    )
+
+    formats = [parse_format(f) for f in args.formats.split(",") if f.strip()]
+    if not formats:
+        raise InspectError("--formats is empty; name at least one format, e.g. --formats nvfp4")
+    if (args.path is None) == (args.random is None):
+        raise InspectError("give either a safetensors path or --random SHAPE (not both, not neither)")
+    if args.random:
+        shape = parse_shape(args.random)
+        g = torch.Generator().manual_seed(args.seed)
+        tensors = [(f"random[{args.random}]", torch.randn(shape, generator=g))]
+        total = 1
+    else:
+        total, tensors = iter_safetensors(args.path, args.skip_non_float, args.filter)
+        if not total:
+            raise InspectError(f"no tensors in {args.path}" + (f" match {args.filter!r}" if args.filter else ""))
+    rows = inspect_tensors(tensors, formats, total=total, progress=not args.no_progress, seed=args.seed)
+    print(rows_to_json(rows) if args.json else format_table(rows))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lowbit", description="Train LLMs in 4-bit and lower precision.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_inspect(sub)
+    return parser
+
+
+def _version() -> str:
+    from lowbit import __version__
+    return f"lowbit {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("LOWBIT_DEBUG"):
+            raise
+        print(f"lowbit: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `lowbit inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("lowbit: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""QTensor: packed quantized storage -- codes, block scales, tensor scale -- and its safetensors form.
+
+Layout (the convention of the NVFP4 checkpoints vLLM, SGLang and TensorRT-LLM load, so that
+export is a renaming): codes are uint8, packed along the last (reduction) dim with the first
+element in the low bits (FP4: two per byte, even element in the low nibble; int2/ternary four
+per byte; binary eight); the last dim of the codes is padded to a whole number of blocks.
+Scales are row-major and not swizzled: (..., R, C/b) for 1D blocks, (..., R/b, C/b) for
+(b, b) tiles; float8_e4m3fn for NVFP4, biased E8M0 exponents (uint8, 255 = NaN) for MX,
+float32 otherwise. The NVFP4 tensor scale is amax / (448 * 6) (ModelOpt's `weight_scale_2`).
+
+A QTensor is storage, not a tensor subclass: the training math in lowbit.ops dequantizes it
+(or feeds its codes to a kernel) explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from lowbit.formats.elements import decode, e8m0_to_float, pack_codes, unpack_codes
+from lowbit.formats.spec import QuantSpec, ScaleKind
+
+__all__ = ["QTensor", "save_qtensors", "load_qtensors"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FORMAT_VERSION = "1"
+
+
+class QTensor:
+    """A quantized tensor: `codes` (packed uint8), `scales`, optional `tensor_scale`, its
+    `spec`, and the `shape` / `dtype` of the tensor it came from."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
+                 tensor_scale: torch.Tensor | None, spec: QuantSpec,
+                 shape: tuple[int, ...], dtype: torch.dtype):
+        self.codes = codes
+        self.scales = scales
+        self.tensor_scale = tensor_scale
+        self.spec = spec
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    @property
+    def format(self) -> str:
+        return self.spec.format
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """True storage size: packed codes + scales + tensor scale."""
+        size = self.codes.numel() * self.codes.element_size()
+        size += self.scales.numel() * self.scales.element_size()
+        if self.tensor_scale is not None:
+            size += self.tensor_scale.numel() * self.tensor_scale.element_size()
+        return size
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """One uint8 code per element, shape (..., R, C) (padding dropped)."""
+        codes = unpack_codes(self.codes, self.spec.info.element.code_bits)
+        return codes[..., : self.shape[-1]]
+
+    def element_scales(self) -> torch.Tensor:
+        """The float32 scale of every element, shape (..., R, C) (for 1-D tensors: (C,))."""
+        kind = self.spec.info.scale_kind
+        if kind is ScaleKind.E4M3:
+            scale = self.scales.to(torch.float32)
+            if self.tensor_scale is not None:
+                # torchao's order: s_t * block scale first, then the element multiply.
+                scale = self.tensor_scale * scale
+        elif kind is ScaleKind.E8M0:
+            scale = e8m0_to_float(self.scales)
+        else:
+            scale = self.scales
+        br, bc = self.spec.block
+        if br > 1:
+            scale = scale.repeat_interleave(br, dim=-2)[..., : self.shape[-2], :]
+        return scale.repeat_interleave(bc, dim=-1)[..., : self.shape[-1]]
+
+    def block_max(self) -> torch.Tensor:
+        """Largest magnitude each element's block can represent, shape of the tensor (float32)."""
+        return self.element_scales() * self.spec.info.element.max_value
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The represented values, in `dtype` (default: the input's dtype) and the input's shape.
+
+        A product that overflows the output dtype saturates at its largest finite value
+        (e.g. an RCEIL block rounded up past float16's 65504): a finite input never comes back
+        as Inf. NaN blocks stay NaN.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        values = decode(self.unpacked_codes(), self.spec.info.element) * self.element_scales()
+        limit = torch.finfo(dtype).max
+        return torch.clamp(values, -limit, limit).to(dtype).reshape(self.shape)
+
+    def t(self) -> "QTensor":
+        """The transpose of the last two dims, with the same bits (2D tiles only).
+
+        For (b, b) tiles, quantize(x.mT) == quantize(x).t() bit for bit (with RNE), so one
+        quantized copy of a weight serves both the forward (X W^T) and the data-gradient
+        (dY W) GEMM. 1D blocks run along the last dim only; their transpose would need a new
+        quantization with different scales, which lowbit never does implicitly.
+        """
+        if not self.spec.is_2d:
+            raise ValueError(
+                f"this QTensor has 1D blocks {self.spec.block}, which run along the last dim, so "
+                "its transpose is a different quantization: quantize x.mT instead, or use square "
+                f"2D tiles (block=({self.spec.block[1]}, {self.spec.block[1]})) for a free transpose")
+        element = self.spec.info.element
+        rows, cols = self.shape[-2], self.shape[-1]
+        codes_t = self.unpacked_codes().transpose(-1, -2)          # (..., C, R)
+        pad = (-rows) % self.spec.block[1]
+        if pad:
+            codes_t = torch.nn.functional.pad(codes_t, (0, pad))
+        packed = pack_codes(codes_t.contiguous(), element.code_bits)
+        shape = (*self.shape[:-2], cols, rows)
+        return QTensor(packed, self.scales.transpose(-1, -2).contiguous(), self.tensor_scale,
+                       self.spec, shape, self.dtype)
+
+    @property
+    def mT(self) -> "QTensor":
+        return self.t()
+
+    def to(self, device) -> "QTensor":
+        return QTensor(self.codes.to(device), self.scales.to(device),
+                       None if self.tensor_scale is None else self.tensor_scale.to(device),
+                       self.spec, tuple(self.shape), self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"QTensor({self.spec.format}, shape={tuple(self.shape)}, block={self.spec.block}, "
+                f"scale_rule={self.spec.scale_rule.value if self.spec.scale_rule else None}, "
+                f"rounding={self.spec.rounding.value}, nbytes={self.nbytes})")
+
+    def _metadata(self) -> dict:
+        return {"spec": self.spec.to_dict(), "shape": list(self.shape),
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
+
+def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
+    """Save QTensors to one safetensors file (`<name>.codes`, `<name>.scales`,
+    `<name>.tensor_scale`, and each tensor's spec in the header's metadata). Written to a
+    temporary file and renamed, so a crash never leaves a half-written file."""
+    from safetensors.torch import save_file
+
+    flat: dict[str, torch.Tensor] = {}
+    meta = {"lowbit.format_version": _FORMAT_VERSION}
+    for name, q in tensors.items():
+        if not isinstance(q, QTensor):
+            raise TypeError(f"save_qtensors: {name!r} is a {type(q).__name__}, not a QTensor")
+        flat[f"{name}.codes"] = q.codes.contiguous().cpu()
+        flat[f"{name}.scales"] = q.scales.contiguous().cpu()
+        if q.tensor_scale is not None:
+            flat[f"{name}.tensor_scale"] = q.tensor_scale.reshape(1).cpu()
+        meta[f"lowbit.{name}"] = json.dumps(q._metadata())
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(flat, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, QTensor]:
+    """Load what save_qtensors wrote, bit for bit."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    out: dict[str, QTensor] = {}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = f.metadata() or {}
+        if "lowbit.format_version" not in meta:
+            raise ValueError(f"{path} is not a lowbit QTensor file (no lowbit metadata)")
+        for key, value in meta.items():
+            if not key.startswith("lowbit.") or key == "lowbit.format_version":
+                continue
+            name = key.removeprefix("lowbit.")
+            info = json.loads(value)
+            tensor_scale = (f.get_tensor(f"{name}.tensor_scale").reshape(())
+                            if f"{name}.tensor_scale" in f.keys() else None)
+            out[name] = QTensor(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
+                                tensor_scale, QuantSpec.from_dict(info["spec"]),
+                                tuple(info["shape"]), _DTYPES[info["dtype"]])
+    return out

@@ -1,0 +1,201 @@
+"""The reference quantizer: block scaling (1D and 2D), scale rules, rounding, special values.
+
+This plain-PyTorch code is the definition every kernel is tested against, bit for bit. It
+runs on any device; on the CPU it is lowbit's bit-exact emulator.
+
+Layout. A tensor (..., R, C) is padded with zeros to (..., Rp, Cp), multiples of the block,
+and viewed as (..., R/br, br, C/bc, bc); 1D blocks are the case br = 1 (no row padding).
+Padding only feeds the amax (zeros never raise it) and the stored codes of the last block;
+nothing is read past the tensor and dequantize() drops the padding.
+
+Special values. A block that holds a NaN or an Inf gets a NaN scale (E4M3 0x7F, E8M0 255,
+float NaN), so the whole block dequantizes to NaN: a non-finite value is never turned into
+a finite one silently. The NVFP4 per-tensor scale is taken over the finite values only, so
+one Inf does not wipe out the other blocks. An all-zero block dequantizes to zeros.
+
+Where lowbit differs from torchao (the test suite pins these down):
+- Inf: torchao keeps an Inf but its block scale becomes huge (2^126 or more), so the other
+  values of that block silently become 0; lowbit makes the whole block NaN.
+- MX blocks with amax below ~2^-125 (float32's subnormal edge): torchao quantizes with a
+  2^-126 scale but decodes with 2^-127 (floor), or skips scaling (rceil, exponent 0); lowbit
+  uses the stored 2^-127 for both.
+- RCEIL: torchao's CPU path computes ceil(log2(amax/max)) with a float32 log2, which rounds
+  down when amax/max is within a few ulps above a power of two, and then the block max clips.
+  lowbit rounds the float32 amax/max up to a power of two on its bits (what cuBLAS's RCEIL,
+  Transformer Engine and torchao's own Blackwell path do), so `rceil` never clips.
+- NVFP4 two-level with a tensor amax below 2688 * 2^-120 (~3.5e-33; all-zero tensors
+  included): torchao divides by a zero or subnormal tensor scale and gets NaN; lowbit clamps
+  the tensor scale at 2^-120.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats.elements import (
+    ElementFormat, encode, pack_codes, round_to_grid,
+)
+from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
+
+__all__ = ["quantize", "quantize_with_spec", "blocked", "unblocked", "tensor_scale_of",
+           "NVFP4_TENSOR_SCALE_MIN"]
+
+E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
+NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = None,
+             scale_rule: str | None = None, rounding: str = "rne",
+             tensor_scale: bool | None = None,
+             generator: torch.Generator | None = None) -> "QTensor":
+    """Quantize `x` to `format` ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "int2".."int8",
+    "ternary", "binary") and return a packed `QTensor`.
+
+    block: (1, b) blocks along the last dim or (b, b) tiles over the last two dims; defaults
+        nvfp4 (1, 16), MX (1, 32), int/ternary/binary (1, 128). Leading dims are batch.
+    scale_rule: MX only, "floor" (default, OCP MX v1.0) or "rceil" (truncation-free).
+    rounding: "rne" or "stochastic" (draws from `generator`, else torch's default generator).
+    tensor_scale: nvfp4 only; True (default) adds the FP32 per-tensor scale amax / (448 * 6).
+    """
+    spec = QuantSpec.make(format, block, scale_rule, rounding, tensor_scale)
+    return quantize_with_spec(x, spec, generator=generator)
+
+
+def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
+                       generator: torch.Generator | None = None) -> "QTensor":
+    from lowbit.formats.qtensor import QTensor
+
+    _check_input(x, spec)
+    element = spec.info.element
+    xf = x.to(torch.float32)
+    blocks, pad_rows = blocked(xf, spec.block)           # (..., nR, br, nC, bc)
+    amax = blocks.abs().amax(dim=(-3, -1))              # (..., nR, nC); NaN propagates
+    nonfinite = ~torch.isfinite(amax)
+
+    t_scale = None
+    kind = spec.info.scale_kind
+    if kind is ScaleKind.E4M3:
+        t_scale = tensor_scale_of(xf) if spec.tensor_scale else None
+        scales, recip = _nvfp4_scales(amax, t_scale)
+    elif kind is ScaleKind.E8M0:
+        scales, recip = _mx_scales(amax, element, spec.scale_rule)
+    else:
+        scales, recip = _float_scales(xf, blocks, amax, element, kind, spec.block)
+
+    data = blocks * recip[..., :, None, :, None]
+    data = torch.clamp(data, -element.max_value, element.max_value)  # clamp keeps NaN
+    noise = None
+    if spec.rounding is Rounding.STOCHASTIC:
+        noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
+    values = round_to_grid(data, element, spec.rounding.value, noise)
+    codes = encode(values, element)
+    codes = torch.where(nonfinite[..., :, None, :, None], torch.zeros_like(codes), codes)
+    codes = unblocked(codes, pad_rows)                  # (..., R, Cp)
+    packed = pack_codes(codes, element.code_bits)
+
+    if kind is ScaleKind.E4M3:
+        scales = torch.where(nonfinite, float("nan"), scales).to(torch.float8_e4m3fn)
+    elif kind is ScaleKind.E8M0:
+        scales = torch.where(nonfinite, torch.full_like(scales, 255), scales)
+    else:
+        scales = torch.where(nonfinite, float("nan"), scales)
+    if x.dim() == 1:                                    # blocked() made it one row
+        packed, scales = packed.squeeze(0), scales.squeeze(0)
+    return QTensor(packed, scales, t_scale, spec, tuple(x.shape), x.dtype)
+
+
+def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:
+    """NVFP4 per-tensor scale: amax over the finite values / (448 * 6), at least 2^-120."""
+    finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
+    return torch.clamp(finite_abs.amax() / (448.0 * 6.0), min=NVFP4_TENSOR_SCALE_MIN)
+
+
+def _nvfp4_scales(amax: torch.Tensor, t_scale: torch.Tensor | None):
+    """E4M3 block scales and the float32 factor that maps x onto the E2M1 grid.
+
+    The operation order is torchao's `nvfp4_quantize` (and its MSLK Triton kernel): scales
+    in float32, then x * ((1 / s_t) / block_scale) -- a multiply by one rounded reciprocal,
+    not a division, so kernels that multiply give the same bits.
+    """
+    block_scale = amax / 6.0
+    if t_scale is not None:
+        block_scale = block_scale / t_scale
+    codes = torch.clamp(block_scale, min=E4M3_MIN_NORMAL, max=448.0).to(torch.float8_e4m3fn)
+    decoded = codes.to(torch.float32)
+    recip = (1.0 / t_scale) / decoded if t_scale is not None else 1.0 / decoded
+    return decoded, recip
+
+
+def _mx_scales(amax: torch.Tensor, element: ElementFormat, rule: ScaleRule):
+    """E8M0 exponents (biased, uint8) and the exact power-of-two reciprocal 2^-(code - 127)."""
+    if rule is ScaleRule.FLOOR:
+        # floor(log2 amax) from frexp (amax = m * 2^e, m in [0.5, 1)): exact, no log2 rounding.
+        _, exp = torch.frexp(amax)
+        unbiased = exp - 1 - element.emax
+    else:
+        # Round amax / max_elem (float32) up to a power of two on its bits, as cvt.rp.ue8m0 does:
+        # 2^(e-1) when the significand is exactly 0.5, else 2^e.
+        descale = amax / element.max_value
+        mant, exp = torch.frexp(descale)
+        unbiased = torch.where(mant == 0.5, exp - 1, exp)
+    unbiased = torch.where(amax == 0, torch.full_like(unbiased, -127), unbiased)
+    unbiased = torch.clamp(unbiased, -127, 127)
+    codes = (unbiased + 127).to(torch.uint8)
+    recip = torch.ldexp(torch.ones_like(amax), -unbiased)  # exact, also for 2^127
+    return codes, recip
+
+
+def _float_scales(xf, blocks, amax, element, kind, block):
+    """float32 scales for int (absmax / qmax) and ternary/binary (mean |x| over real values)."""
+    if kind is ScaleKind.ABSMAX:
+        scales = amax / element.max_value
+    else:
+        # The mean counts only the values of the tensor, not the zero padding of the last block.
+        counts = blocked(torch.ones_like(xf), block)[0].sum(dim=(-3, -1))
+        # Sum the sorted magnitudes: float addition is not associative, and a fixed order
+        # keeps the scale of a tile (and so its bits) the same for x and x.T.
+        mags = blocks.abs().transpose(-3, -2).flatten(-2)        # (..., nR, nC, br * bc)
+        scales = mags.sort(dim=-1).values.sum(dim=-1) / counts
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return scales, 1.0 / safe
+
+
+def blocked(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """(..., R, C) -> zero-padded (..., nR, br, nC, bc) and the number of padded rows.
+
+    A 1-D tensor is one row. 1D blocks (br = 1) pad only the last dim.
+    """
+    br, bc = block
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    rows, cols = x.shape[-2], x.shape[-1]
+    pad_rows = (-rows) % br
+    pad_cols = (-cols) % bc
+    if pad_rows or pad_cols:
+        x = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))
+    lead = x.shape[:-2]
+    return x.reshape(*lead, (rows + pad_rows) // br, br, (cols + pad_cols) // bc, bc), pad_rows
+
+
+def unblocked(blocks: torch.Tensor, pad_rows: int) -> torch.Tensor:
+    """(..., nR, br, nC, bc) -> (..., R, Cp): drops padded rows, keeps the padded columns."""
+    lead = blocks.shape[:-4]
+    nr, br, nc, bc = blocks.shape[-4:]
+    flat = blocks.reshape(*lead, nr * br, nc * bc)
+    return flat[..., : nr * br - pad_rows, :] if pad_rows else flat
+
+
+def _check_input(x, spec: QuantSpec) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype}; "
+                        "cast it first (x.float())")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"quantize needs a non-empty tensor with at least one dim, got shape "
+                         f"{tuple(x.shape)}")
+    if spec.is_2d and x.dim() < 2:
+        raise ValueError(f"2D blocks {spec.block} need a tensor with at least 2 dims, got shape "
+                         f"{tuple(x.shape)}; use block=(1, {spec.block[1]}) for 1-D tensors")
+
