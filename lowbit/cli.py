@@ -1,4 +1,4 @@
-"""The `lowbit` command: inspect (more commands join as they are built).
+"""The `lowbit` command: train, plot, inspect.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -64,11 +64,26 @@ def _run_inspect(args) -> None:
     print(rows_to_json(rows) if args.json else format_table(rows))
 
 
+def _add_train(sub) -> None:
+    from lowbit.train.cli_args import add_plot_arguments, add_train_arguments, run_plot, run_train
+
+    p = sub.add_parser(
+        "train", help="pretrain a language model with a quantized-training recipe",
+        description="Train a built-in LLaMA-style model. With no arguments: the tiny preset on "
+                    "Tiny Shakespeare with the stable-fp4 recipe, on the CPU in a few minutes.")
+    add_train_arguments(p)
+    p.set_defaults(func=run_train)
+    p = sub.add_parser("plot", help="redraw the loss curves of run folders in one figure")
+    add_plot_arguments(p)
+    p.set_defaults(func=run_plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowbit", description="Train LLMs in 4-bit and lower precision.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_inspect(sub)
+    _add_train(sub)
     return parser
 
 

@@ -291,3 +291,25 @@ def test_blocked_layout():
     assert b.shape == (2, 4, 3, 4) and pad_rows == 2
     assert torch.equal(b[0, :, 0, :], x[:4, :4])
     assert (b[1, 2:] == 0).all() and (b[:, :, 2, 2:] == 0).all()
+
+
+@pytest.mark.parametrize("fmt, kw", [("nvfp4", {}), ("nvfp4", {"tensor_scale": False, "block": (16, 16)}),
+                                     ("mxfp4", {"scale_rule": "rceil", "block": (32, 32)}),
+                                     ("mxfp4", {}), ("mxfp8_e4m3", {}), ("mxfp8_e5m2", {"scale_rule": "rceil"}),
+                                     ("int3", {}), ("int8", {}), ("ternary", {}), ("binary", {})])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_dequantize_equals_dequantize_of_quantize(fmt, kw, dtype):
+    from lowbit.formats import QuantSpec, quantize_dequantize
+    x = spread((3, 40, 72), seed=13)
+    x[0, 0, 0] = float("nan")
+    x[1, 5, 9] = float("inf")
+    x = x.to(dtype)
+    spec = QuantSpec.make(fmt, **kw)
+    for rounding in ("rne", "stochastic"):
+        spec_r = QuantSpec.make(fmt, rounding=rounding, **kw)
+        a = quantize_dequantize(x, spec_r, generator=torch.Generator().manual_seed(1))
+        b = lowbit.quantize(x, fmt, rounding=rounding, generator=torch.Generator().manual_seed(1),
+                            **kw).dequantize()
+        assert a.dtype == dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert spec.format == fmt

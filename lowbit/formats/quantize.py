@@ -30,14 +30,16 @@ Where lowbit differs from torchao (the test suite pins these down):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lowbit.formats.elements import (
-    ElementFormat, encode, pack_codes, round_to_grid,
+    ElementFormat, e8m0_to_float, encode, pack_codes, round_to_grid,
 )
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
-__all__ = ["quantize", "quantize_with_spec", "blocked", "unblocked", "tensor_scale_of",
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "blocked", "unblocked", "tensor_scale_of",
            "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
@@ -64,8 +66,57 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
 
 def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> "QTensor":
+    """quantize() with a prebuilt QuantSpec."""
     from lowbit.formats.qtensor import QTensor
 
+    g = _on_grid(x, spec, generator)
+    codes = encode(g.values, spec.info.element)
+    codes = torch.where(g.nonfinite[..., :, None, :, None], torch.zeros_like(codes), codes)
+    packed = pack_codes(unblocked(codes, g.pad_rows), spec.info.element.code_bits)  # (..., R, Cp/k)
+
+    kind = spec.info.scale_kind
+    scales = g.scales
+    if kind is ScaleKind.E4M3:
+        scales = torch.where(g.nonfinite, float("nan"), scales).to(torch.float8_e4m3fn)
+    elif kind is ScaleKind.E8M0:
+        scales = torch.where(g.nonfinite, torch.full_like(scales, 255), scales)
+    else:
+        scales = torch.where(g.nonfinite, float("nan"), scales)
+    if x.dim() == 1:                                    # blocked() made it one row
+        packed, scales = packed.squeeze(0), scales.squeeze(0)
+    return QTensor(packed, scales, g.tensor_scale, spec, tuple(x.shape), x.dtype)
+
+
+def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """quantize_with_spec(x, spec).dequantize(dtype), bit for bit, without encoding and
+    packing codes: the emulated GEMM path ("fake quantization")."""
+    g = _on_grid(x, spec, generator)
+    kind = spec.info.scale_kind
+    if kind is ScaleKind.E4M3:  # the same float32 products QTensor.element_scales() forms
+        scale = g.scales if g.tensor_scale is None else g.tensor_scale * g.scales
+    elif kind is ScaleKind.E8M0:
+        scale = e8m0_to_float(g.scales)
+    else:
+        scale = g.scales
+    scale = torch.where(g.nonfinite, float("nan"), scale)
+    values = unblocked(g.values * scale[..., :, None, :, None], g.pad_rows)[..., : x.shape[-1]]
+    dtype = x.dtype if dtype is None else dtype
+    limit = torch.finfo(dtype).max
+    return torch.clamp(values, -limit, limit).to(dtype).reshape(x.shape)
+
+
+class _OnGrid(NamedTuple):
+    values: torch.Tensor        # (..., nR, br, nC, bc) float32 element values on the grid
+    scales: torch.Tensor        # (..., nR, nC) stored-form block scales (E4M3 as float32)
+    tensor_scale: torch.Tensor | None
+    nonfinite: torch.Tensor     # (..., nR, nC) blocks holding NaN/Inf
+    pad_rows: int
+
+
+def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
+    """Block scales and the scaled, rounded element values: the part quantize and
+    quantize_dequantize share."""
     _check_input(x, spec)
     element = spec.info.element
     xf = x.to(torch.float32)
@@ -89,20 +140,7 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
     if spec.rounding is Rounding.STOCHASTIC:
         noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
     values = round_to_grid(data, element, spec.rounding.value, noise)
-    codes = encode(values, element)
-    codes = torch.where(nonfinite[..., :, None, :, None], torch.zeros_like(codes), codes)
-    codes = unblocked(codes, pad_rows)                  # (..., R, Cp)
-    packed = pack_codes(codes, element.code_bits)
-
-    if kind is ScaleKind.E4M3:
-        scales = torch.where(nonfinite, float("nan"), scales).to(torch.float8_e4m3fn)
-    elif kind is ScaleKind.E8M0:
-        scales = torch.where(nonfinite, torch.full_like(scales, 255), scales)
-    else:
-        scales = torch.where(nonfinite, float("nan"), scales)
-    if x.dim() == 1:                                    # blocked() made it one row
-        packed, scales = packed.squeeze(0), scales.squeeze(0)
-    return QTensor(packed, scales, t_scale, spec, tuple(x.shape), x.dtype)
+    return _OnGrid(values, scales, t_scale, nonfinite, pad_rows)
 
 
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,236 @@
+"""A LLaMA-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), dense or MoE.
+
+Module names follow Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM,
+so their `state_dict()` keys are ours and one converter (or a module filter written against
+Hugging Face names) works for both:
+
+    model.embed_tokens
+    model.layers[i].input_layernorm
+    model.layers[i].self_attn.{q_proj, k_proj, v_proj, o_proj}   (+ q_norm, k_norm if qk_norm)
+    model.layers[i].post_attention_layernorm
+    model.layers[i].mlp.{gate_proj, up_proj, down_proj}            dense
+    model.layers[i].mlp.gate, model.layers[i].mlp.experts          MoE (see moe.py)
+    model.norm
+    lm_head
+
+RoPE uses Hugging Face's rotate_half layout (the two halves of a head, not interleaved
+pairs), so converted checkpoints need no permutation of q_proj / k_proj.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.models.config import ModelConfig
+from lowbit.models.moe import SparseMoeBlock
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    """(B, T, V) next-token logits."""
+    loss: torch.Tensor | None
+    """Scalar training loss: cross-entropy + moe_aux_loss_coef * aux_loss; None without targets."""
+    aux_loss: torch.Tensor
+    """Scalar load-balancing loss averaged over MoE layers (0 for a dense model)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and scale in the input dtype, as Hugging Face does, so bf16 models
+        # match it bit for bit.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (max_seq_len, head_dim), non-persistent so they never enter checkpoints."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """(Re)compute the tables in fp32; also needed after building on the meta device."""
+        device = self.cos.device if self.cos.device.type != "meta" else None
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32,
+                                                       device=device) / self.head_dim))  # (D/2,)
+        t = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # (L, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (L, D): both halves share a frequency
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D); cos, sin (T, D). Rotates channel i with channel i + D/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Identity when off: no parameters, so the state_dict has LLaMA's keys exactly.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,  # each KV head serves H / KV query heads
+        )  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = cfg.is_moe
+        if cfg.is_moe:
+            self.mlp = SparseMoeBlock(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim, cfg.experts_per_token)
+        else:
+            self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> x (B, T, C), aux_loss (scalar; 0 for a dense layer)."""
+        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            h, aux_loss = self.mlp(h)
+        else:
+            h, aux_loss = self.mlp(h), x.new_zeros((), dtype=torch.float32)
+        return x + self.resid_dropout(h), aux_loss
+
+
+class Decoder(nn.Module):
+    """Hugging Face's `model` submodule: embeddings, layers, final norm (no output head)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx (B, T) -> hidden states (B, T, C), aux_loss averaged over MoE layers."""
+        T = idx.shape[1]
+        cos, sin = self.rotary_emb.cos[:T], self.rotary_emb.sin[:T]  # (T, D)
+        x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
+        aux_losses = []
+        for layer in self.layers:
+            x, aux_loss = layer(x, cos, sin)
+            if layer.is_moe:
+                aux_losses.append(aux_loss)
+        # Averaged rather than summed, so moe_aux_loss_coef means the same at every depth.
+        aux = torch.stack(aux_losses).mean() if aux_losses else x.new_zeros((), dtype=torch.float32)
+        return self.norm(x), aux
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model; forward(idx, targets) -> ModelOutput."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, init_std) for every matrix, init_std / sqrt(2 * n_layers) for the residual
+        output projections (o_proj, down_proj, experts.down_proj), ones for norms.
+
+        Called by __init__; call it again after `to_empty()` when the model was built on the
+        meta device (e.g. for FSDP), which also rebuilds the RoPE tables.
+        """
+        cfg = self.config
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):  # input_layernorm, post_attention_layernorm, norm, q/k_norm
+                nn.init.ones_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(param, mean=0.0, std=cfg.init_std)
+        self.model.rotary_emb.reset()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
+        """idx (B, T) token ids; targets (B, T) next-token ids, -100 where no loss is wanted."""
+        B, T = idx.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
+                             f"shorten the input or build the model with a larger max_seq_len")
+        h, aux_loss = self.model(idx)  # (B, T, C), scalar
+        logits = self.lm_head(h)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            # Cross-entropy in fp32 even under bf16 autocast: with an 8-bit mantissa the
+            # log-softmax (and so the loss curve) would move in steps of ~0.4%.
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+            if self.config.is_moe:
+                loss = loss + self.config.moe_aux_loss_coef * aux_loss
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+    def num_parameters(self) -> int:
+        """Parameters actually held (a tied matrix counted once); equals config.num_parameters()."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """A freshly initialized model (on the current default device and dtype)."""
+    return Transformer(cfg)

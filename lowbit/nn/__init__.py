@@ -1,0 +1,191 @@
+"""Quantized modules and the converter that swaps them into any nn.Module.
+
+    report = lowbit.convert(model, "stable-fp4")    # in place; prints what it swapped and kept
+    print(report)
+
+`QuantLinear` is an nn.Linear whose forward runs the recipe's three quantized GEMMs
+(lowbit.ops.quant_linear); `QuantExperts` does the same per expert for MoE expert weights
+stored as 3D tensors (lowbit's models and Hugging Face Qwen3-MoE in transformers 5.x).
+Both keep their parameters in high precision (the master weights); quantization happens in
+each GEMM. `quantization_disabled(model)` turns it off temporarily (to compare against BF16
+on the same weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lowbit.models.moe import Experts
+from lowbit.ops.linear import quant_linear
+from lowbit.recipes import LinearRecipe, Recipe, get_recipe
+
+__all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quantization_disabled",
+           "default_module_filter"]
+
+
+class QuantLinear(nn.Linear):
+    """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 linear_recipe: LinearRecipe | None = None, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.linear_recipe = linear_recipe
+        self.quantize = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None) -> "QuantLinear":
+        """A QuantLinear sharing `linear`'s parameters (no copy)."""
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.in_features, q.out_features = linear.in_features, linear.out_features
+        q.weight = linear.weight
+        q.bias = linear.bias
+        q.linear_recipe = linear_recipe
+        q.quantize = True
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.weight, self.bias, self.linear_recipe if self.quantize else None)
+
+    def extra_repr(self) -> str:
+        recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
+        return f"{super().extra_repr()}, {recipe}"
+
+
+class QuantExperts(Experts):
+    """MoE experts (3D weights) whose per-expert GEMMs are quantized like a QuantLinear's.
+
+    Routing, token gather/scatter and weighting are lowbit.models.moe.Experts' (the semantics
+    of Hugging Face's Qwen3MoeExperts); only `_expert_linear` changes. Each expert's weight
+    matrix is quantized on its own (NVFP4: its own tensor scale, as per-expert ModelOpt scales).
+    """
+
+    def __init__(self, source: nn.Module, linear_recipe: LinearRecipe | None):
+        nn.Module.__init__(self)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = _expert_dims(source)
+        self.gate_up_proj = source.gate_up_proj   # (E, 2F, C), shared, not copied
+        self.down_proj = source.down_proj         # (E, C, F)
+        self.linear_recipe = linear_recipe
+        self.quantize = True
+
+    def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
+        return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None)
+
+    def extra_repr(self) -> str:
+        recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
+        return f"{super().extra_repr()}, {recipe}"
+
+
+def _expert_dims(module: nn.Module) -> tuple[int, int, int]:
+    e, two_f, c = module.gate_up_proj.shape
+    if module.down_proj.shape != (e, c, two_f // 2):
+        raise ValueError(f"experts module has gate_up_proj {tuple(module.gate_up_proj.shape)} and "
+                         f"down_proj {tuple(module.down_proj.shape)}; expected (E, 2F, C) and (E, C, F)")
+    act = getattr(module, "act_fn", None)
+    probe = torch.linspace(-6, 6, 97)
+    if act is not None and not torch.allclose(act(probe), torch.nn.functional.silu(probe)):
+        raise ValueError(f"experts module uses activation {type(act).__name__}; QuantExperts "
+                         "implements SwiGLU (SiLU) experts only")
+    return e, c, two_f // 2
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """Fused 3D expert weights in Hugging Face's Qwen3-MoE layout (or lowbit's, the same)."""
+    weight = getattr(module, "gate_up_proj", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 3
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter))
+
+
+def default_module_filter(module: nn.Module, name: str) -> bool:
+    """Convert every linear and experts module except the output head and MoE routers."""
+    last = name.rsplit(".", 1)[-1]
+    return last not in ("lm_head", "gate", "router", "score")
+
+
+@dataclass
+class ConversionReport:
+    recipe: str
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, kind, recipe)
+    kept: list[tuple[str, str, str]] = field(default_factory=list)     # (name, kind, why)
+
+    def __str__(self) -> str:
+        lines = [f"lowbit.convert: recipe {self.recipe!r}: {len(self.swapped)} modules quantized, "
+                 f"{len(self.kept)} kept in high precision"]
+        width = max([len(n) for n, _, _ in self.swapped + self.kept] + [10])
+        for name, kind, what in self.swapped:
+            lines.append(f"  quantized  {name.ljust(width)}  {kind:<10} {what}")
+        for name, kind, why in self.kept:
+            lines.append(f"  kept       {name.ljust(width)}  {kind:<10} {why}")
+        return "\n".join(lines)
+
+
+def convert(model: nn.Module, recipe: str | Recipe,
+            module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> ConversionReport:
+    """Swap model's nn.Linear and 3D-experts modules for quantized ones, in place.
+
+    module_filter_fn(module, fully_qualified_name) -> bool picks the modules to convert
+    (torchao's signature); the default, `default_module_filter`, skips lm_head and routers.
+    The recipe then decides per module (e.g. first/last blocks or q/k projections). Embeddings,
+    norms and routers hold no GEMM a recipe quantizes and are reported as kept.
+    """
+    recipe = get_recipe(recipe)
+    keep = module_filter_fn or default_module_filter
+    names = [name for name, _ in model.named_modules()]
+    block_ids = [int(m.group(1)) for n in names for m in [re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", n)] if m]
+    n_blocks = max(block_ids) + 1 if block_ids else None
+    report = ConversionReport(recipe.name)
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (QuantLinear, QuantExperts)):
+            raise ValueError(f"{name} is already converted; convert a fresh model (or reload it)")
+        if isinstance(module, nn.Linear):
+            kind = "linear"
+        elif _is_experts(module):
+            kind = "experts"
+        else:
+            if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
+                report.kept.append((name, type(module).__name__, "not a GEMM"))
+            elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
+                report.kept.append((name, "router", "routing stays in high precision"))
+            continue
+        if not keep(module, name):
+            report.kept.append((name, kind, "module_filter_fn" if module_filter_fn
+                                else "default filter: output head and routers stay high precision"))
+            continue
+        linear_recipe = recipe.linear_for(name, n_blocks)
+        if linear_recipe is None:
+            why = "recipe: bf16" if recipe.linear is None else "recipe keeps it in high precision"
+            report.kept.append((name, kind, why))
+            continue
+        new = (QuantLinear.from_linear(module, linear_recipe) if kind == "linear"
+               else QuantExperts(module, linear_recipe))
+        _set_submodule(model, name, new)
+        report.swapped.append((name, kind, linear_recipe.describe()))
+    return report
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+@contextlib.contextmanager
+def quantization_disabled(model: nn.Module):
+    """Run `model` with every QuantLinear/QuantExperts in high precision, same weights."""
+    modules = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
+    previous = [m.quantize for m in modules]
+    try:
+        for m in modules:
+            m.quantize = False
+        yield model
+    finally:
+        for m, p in zip(modules, previous):
+            m.quantize = p
+

@@ -1,0 +1,163 @@
+"""The quantized linear layer's three GEMMs, spelled out as one autograd.Function.
+
+    fprop  Y  = X W^T      X (N, in)  W (out, in)   reduce over in
+    dgrad  dX = dY W       dY (N, out) W (out, in)  reduce over out
+    wgrad  dW = dY^T X     dY (N, out) X (N, in)    reduce over N (tokens)
+
+Each operand is quantized along its GEMM's reduction dim as the LinearRecipe says, then the
+GEMM runs on the dequantized values in the compute dtype ("emulated": the same values an FP4
+tensor-core GEMM multiplies, up to accumulation order). With 2D tiles an operand used by two
+GEMMs is quantized once and the second GEMM takes the transpose of that copy, so the weight
+the forward pass used is bit for bit the weight the data gradient uses; with 1D blocks the
+two copies differ (that is the gradient bias 2607.24953 removes).
+
+Stochastic rounding draws from torch's default generator on the operand's device, so a
+training run's RNG state (saved in its checkpoints) fixes every draw.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.formats import QuantSpec, quantize_dequantize
+from lowbit.recipes import LinearRecipe
+
+__all__ = ["quant_linear", "fake_quantize", "operand", "random_hadamard", "gemm_operands"]
+
+
+def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """Quantize-dequantize: the values `spec` represents, in t's dtype and shape."""
+    if spec is None:
+        return t
+    return quantize_dequantize(t, spec)
+
+
+def operand(t: torch.Tensor, spec: QuantSpec | None, reduce_dim: int) -> torch.Tensor:
+    """t quantized with blocks along `reduce_dim` (0 or 1 of a 2-D tensor), in t's layout.
+
+    Square 2D tiles are the same along either dim, so they need no transpose.
+    """
+    if spec is None:
+        return t
+    if spec.is_2d or reduce_dim == t.dim() - 1:
+        return fake_quantize(t, spec)
+    return fake_quantize(t.mT, spec).mT
+
+
+def _shared(first: QuantSpec | None, second: QuantSpec | None) -> bool:
+    """One quantized copy can serve both uses: the same square-tile spec."""
+    return first is not None and first == second and first.is_2d
+
+
+_HADAMARD_16 = None
+
+
+def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """t (rows, N) times a block-diagonal orthonormal (16x16 Hadamard . diag(signs)) along N.
+
+    Applied to both wgrad operands, it cancels in dW = (dY^T R)(X^T R)^T = dY^T X, while
+    spreading outliers across each block of 16 tokens before they are quantized. N is padded
+    with zero tokens to a multiple of 16 (zeros add nothing to dW).
+    """
+    global _HADAMARD_16
+    if _HADAMARD_16 is None:
+        h = torch.ones(1, 1)
+        while h.shape[0] < 16:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD_16 = h / 4.0  # orthonormal: H H^T = I
+    rows, n = t.shape
+    pad = (-n) % 16
+    if pad:
+        t = F.pad(t, (0, pad))
+    h = (_HADAMARD_16.to(t.device, torch.float32) * signs.to(t.device, torch.float32)[:, None])
+    out = (t.float().reshape(rows, -1, 16) @ h).reshape(rows, n + pad)
+    return out.to(t.dtype)
+
+
+def _saved_operands(x, weight, x_f, w_f, r: LinearRecipe):
+    """What forward keeps for backward: the quantized copy where the backward GEMM reuses it
+    (2D tiles), the high-precision tensor where it must be quantized along the other dim."""
+    x_saved = x_f if _shared(r.fprop_x, r.wgrad_x) else x
+    w_saved = w_f if _shared(r.fprop_w, r.dgrad_w) else weight
+    return x_saved, w_saved
+
+
+def _dgrad_weight(w_saved, r: LinearRecipe):
+    """W for dX = dY W, blocks along out."""
+    return w_saved if _shared(r.fprop_w, r.dgrad_w) else operand(w_saved, r.dgrad_w, reduce_dim=0)
+
+
+def _wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe):
+    """(dY, X) for dW = dY^T X, each (N, features), blocks along N; with the random Hadamard
+    transform, both rotated by the same random orthonormal R along N (N padded to 16k)."""
+    if r.wgrad_hadamard:
+        signs = torch.randint(0, 2, (16,), device=dy.device) * 2 - 1
+        dy_w = operand(random_hadamard(dy.mT, signs), r.wgrad_dy, reduce_dim=1).mT   # (N', out)
+        x_w = operand(random_hadamard(x_saved.mT, signs), r.wgrad_x, reduce_dim=1).mT  # (N', in)
+        return dy_w, x_w
+    dy_w = dy_d if _shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
+    x_w = x_saved if _shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
+    return dy_w, x_w
+
+
+def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:
+    """The six operands the three GEMMs multiply, computed as _QuantLinear computes them
+    (for diagnostics). x (N, in), weight (out, in), dy (N, out)."""
+    x_f = operand(x, r.fprop_x, reduce_dim=1)
+    w_f = operand(weight, r.fprop_w, reduce_dim=1)
+    x_saved, w_saved = _saved_operands(x, weight, x_f, w_f, r)
+    dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)
+    dy_w, x_w = _wgrad_operands(dy, dy_d, x_saved, r)
+    return {"fprop_x": x_f, "fprop_w": w_f, "dgrad_dy": dy_d, "dgrad_w": _dgrad_weight(w_saved, r),
+            "wgrad_dy": dy_w, "wgrad_x": x_w}
+
+
+class _QuantLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe):
+        # x: (N, in); weight: (out, in); bias: (out,) or None
+        x_f = operand(x, recipe.fprop_x, reduce_dim=1)          # (N, in), blocks along in
+        w_f = operand(weight, recipe.fprop_w, reduce_dim=1)     # (out, in), blocks along in
+        y = F.linear(x_f, w_f, bias)                            # (N, out)
+        ctx.save_for_backward(*_saved_operands(x, weight, x_f, w_f, recipe))
+        ctx.recipe = recipe
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # dy: (N, out)
+        x_saved, w_saved = ctx.saved_tensors
+        r: LinearRecipe = ctx.recipe
+        dx = dw = db = None
+        dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)            # (N, out), blocks along out
+        if ctx.needs_input_grad[0]:
+            dx = dy_d @ _dgrad_weight(w_saved, r)               # (N, out) @ (out, in) -> (N, in)
+        if ctx.needs_input_grad[1]:
+            dy_w, x_w = _wgrad_operands(dy, dy_d, x_saved, r)   # (N, out), (N, in)
+            dw = dy_w.mT @ x_w                                  # (out, N) @ (N, in) -> (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 recipe: LinearRecipe | None) -> torch.Tensor:
+    """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
+
+    recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
+    dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the
+    values it quantized).
+    """
+    if recipe is None or not recipe.is_quantized:
+        return F.linear(x, weight, bias)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    lead = x.shape[:-1]
+    with torch.autocast(device_type, enabled=False):
+        y = _QuantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,231 @@
+"""Named training recipes: which format, block, scale rule and rounding each operand of each
+of a linear layer's three GEMMs uses.
+
+| GEMM  | computes     | operands (reduction dim)             |
+| fprop | Y  = X W^T   | X (in_features),  W (in_features)    |
+| dgrad | dX = dY W    | dY (out_features), W (out_features)  |
+| wgrad | dW = dY^T X  | dY (tokens),       X (tokens)        |
+
+A recipe is a named function returning a validated `Recipe`; beside each, a note of what it
+is, its paper, and the evidence for it in this project. `get_recipe(name)` looks one up.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from lowbit.formats import QuantSpec
+
+__all__ = ["LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
+           "bf16", "mxfp4", "nvfp4", "stable_fp4"]
+
+
+@dataclass(frozen=True)
+class LinearRecipe:
+    """Per-operand quantizers of one linear layer; None keeps that operand in high precision.
+
+    Each spec quantizes along its GEMM's reduction dim. When an operand's two uses have the
+    same 2D spec, it is quantized once and the transpose of that one copy is used in the
+    second GEMM (2D tiles make that exact), so forward and backward see the same values.
+    """
+
+    fprop_x: QuantSpec | None = None   # X (tokens, in), blocks along in
+    fprop_w: QuantSpec | None = None   # W (out, in), blocks along in
+    dgrad_dy: QuantSpec | None = None  # dY (tokens, out), blocks along out
+    dgrad_w: QuantSpec | None = None   # W as (in, out), blocks along out
+    wgrad_dy: QuantSpec | None = None  # dY as (out, tokens), blocks along tokens
+    wgrad_x: QuantSpec | None = None   # X as (in, tokens), blocks along tokens
+    # Random Hadamard transform (16x16, random signs) on both wgrad operands along tokens.
+    wgrad_hadamard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.wgrad_hadamard:
+            for name in ("wgrad_dy", "wgrad_x"):
+                spec = getattr(self, name)
+                if spec is not None and spec.is_2d:
+                    raise ValueError(f"wgrad_hadamard mixes values along tokens, so {name} must "
+                                     f"use 1D blocks, not {spec.block}")
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(getattr(self, n) is not None for n in
+                   ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"))
+
+    def describe(self) -> str:
+        def one(spec):
+            if spec is None:
+                return "hp"
+            rule = f"/{spec.scale_rule.value}" if spec.scale_rule else ""
+            sr = "/sr" if spec.rounding.value == "stochastic" else ""
+            return f"{spec.format}[{spec.block[0]}x{spec.block[1]}{rule}{sr}]"
+        return (f"fprop X:{one(self.fprop_x)} W:{one(self.fprop_w)} | dgrad dY:{one(self.dgrad_dy)} "
+                f"W:{one(self.dgrad_w)} | wgrad dY:{one(self.wgrad_dy)} X:{one(self.wgrad_x)}"
+                + (" +RHT" if self.wgrad_hadamard else ""))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named training recipe: a default LinearRecipe plus per-module overrides.
+
+    overrides: (glob pattern on the module name, LinearRecipe or None), first match wins; None
+    keeps that module in high precision. keep_first_last_blocks: that many transformer blocks
+    at each end stay in high precision (modules named `...layers.<i>....`).
+    """
+
+    name: str
+    linear: LinearRecipe | None
+    overrides: tuple[tuple[str, LinearRecipe | None], ...] = ()
+    keep_first_last_blocks: int = 0
+    note: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.keep_first_last_blocks < 0:
+            raise ValueError("keep_first_last_blocks must be >= 0")
+
+    def linear_for(self, module_name: str, n_blocks: int | None = None) -> LinearRecipe | None:
+        """The LinearRecipe for a module (None: leave it in high precision)."""
+        if self.linear is None:
+            return None
+        keep = self.keep_first_last_blocks
+        if keep and n_blocks:
+            match = re.search(r"(?:^|\.)layers\.(\d+)\.", module_name)
+            if match and (int(match.group(1)) < keep or int(match.group(1)) >= n_blocks - keep):
+                return None
+        for pattern, linear in self.overrides:
+            if fnmatch.fnmatch(module_name, pattern):
+                return linear
+        return self.linear
+
+
+RECIPES: dict[str, Callable[[], Recipe]] = {}
+
+
+def register_recipe(name: str):
+    def wrap(fn: Callable[[], Recipe]):
+        if name in RECIPES:
+            raise ValueError(f"recipe {name!r} is already registered")
+        RECIPES[name] = fn
+        return fn
+    return wrap
+
+
+def recipe_names() -> list[str]:
+    return list(RECIPES)
+
+
+def get_recipe(name: str | Recipe) -> Recipe:
+    if isinstance(name, Recipe):
+        return name
+    try:
+        return RECIPES[name]()
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)}") from None
+
+
+def _spec(fmt, block, rule=None, sr=False, tensor_scale=None) -> QuantSpec:
+    return QuantSpec.make(fmt, block, rule, "stochastic" if sr else "rne", tensor_scale)
+
+
+# ---- the recipes --------------------------------------------------------------------------
+
+@register_recipe("bf16")
+def bf16() -> Recipe:
+    """The baseline: the same modules and code path with quantization off."""
+    return Recipe("bf16", None, note="Reference: every GEMM in high precision.")
+
+
+@register_recipe("mxfp4")
+def mxfp4() -> Recipe:
+    """Naive MXFP4: 1x32 blocks, OCP floor scales, RNE, for every operand of every GEMM.
+
+    The unstable baseline of arXiv 2607.24953 (floor scales clip block maxima; 1D blocks give
+    the forward and backward passes different weights). Evidence here: not yet measured.
+    """
+    s = _spec("mxfp4", (1, 32), "floor")
+    return Recipe("mxfp4", LinearRecipe(s, s, s, s, s, s),
+                  note="1D MXFP4 floor/RNE everywhere (naive baseline).")
+
+
+@register_recipe("nvfp4")
+def nvfp4() -> Recipe:
+    """NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149).
+
+    1x16 NVFP4 (E4M3 block scales under an FP32 tensor scale) for all three GEMMs; weights
+    in 16x16 2D tiles (so fprop and dgrad share them); stochastic rounding on gradients (dY);
+    a 16x16 random Hadamard transform on both wgrad operands; the first and last transformer
+    blocks in BF16. NVFP4's E4M3 scales do not fold into FP8 exactly, so on Hopper this recipe
+    is emulated (dequantize + BF16 GEMM). Evidence here: not yet measured.
+    """
+    x = _spec("nvfp4", (1, 16))
+    w = _spec("nvfp4", (16, 16))
+    g = _spec("nvfp4", (1, 16), sr=True)
+    return Recipe("nvfp4", LinearRecipe(x, w, g, w, g, x, wgrad_hadamard=True),
+                  keep_first_last_blocks=1,
+                  note="NVFP4 1x16, 16x16 weights, SR on dY, RHT on wgrad, first/last block BF16.")
+
+
+def _stable(name: str, block: int = 32, two_d: bool = True, rule: str = "rceil",
+            sr: bool = True, qk_fp8: bool = True) -> Recipe:
+    b = (block, block) if two_d else (1, block)
+    x = w = _spec("mxfp4", b, rule)
+    g = _spec("mxfp4", b, rule, sr=sr)
+    linear = LinearRecipe(x, w, g, w, g, x)
+    overrides = ()
+    if qk_fp8:
+        e = _spec("mxfp8_e4m3", b, rule)
+        ge = _spec("mxfp8_e4m3", b, rule, sr=sr)
+        qk = LinearRecipe(e, e, ge, e, ge, e)
+        overrides = (("*q_proj", qk), ("*k_proj", qk))
+    return Recipe(name, linear, overrides, note=(
+        f"MXFP4 {b[0]}x{b[1]} {rule} scales for W, X, dY; SR on dY: {sr}; q/k in MXFP8: {qk_fp8}."))
+
+
+@register_recipe("stable-fp4")
+def stable_fp4() -> Recipe:
+    """Stable FP4 training (arXiv 2607.24953): transposition-invariant block quantization.
+
+    2D 32x32 tiles for W, X and dY (an operand and its transpose share scales, so forward and
+    backward see bit-identical operands), truncation-free `rceil` power-of-two scales (nothing
+    clips), stochastic rounding on gradients, query/key projections in MXFP8. Its power-of-two
+    scales fold exactly into FP8 E4M3, which is what makes it fast on Hopper (issue 4).
+    Paper: within 1.3% of BF16 perplexity. Evidence here: not yet measured.
+    """
+    return _stable("stable-fp4")
+
+
+@register_recipe("stable-fp4-1d")
+def stable_fp4_1d() -> Recipe:
+    """Ablation: stable-fp4 with 1x32 blocks (forward and backward operands differ)."""
+    return _stable("stable-fp4-1d", two_d=False)
+
+
+@register_recipe("stable-fp4-floor")
+def stable_fp4_floor() -> Recipe:
+    """Ablation: stable-fp4 with OCP floor scales instead of rceil (block maxima can clip)."""
+    return _stable("stable-fp4-floor", rule="floor")
+
+
+@register_recipe("stable-fp4-nosr")
+def stable_fp4_nosr() -> Recipe:
+    """Ablation: stable-fp4 with RNE on gradients too (no stochastic rounding)."""
+    return _stable("stable-fp4-nosr", sr=False)
+
+
+@register_recipe("stable-fp4-b16")
+def stable_fp4_b16() -> Recipe:
+    """Ablation: stable-fp4 with 16x16 tiles instead of 32x32."""
+    return _stable("stable-fp4-b16", block=16)
+
+
+@register_recipe("stable-fp4-qk-fp4")
+def stable_fp4_qk_fp4() -> Recipe:
+    """Ablation: stable-fp4 with the query/key projections in MXFP4 too."""
+    return _stable("stable-fp4-qk-fp4", qk_fp8=False)
+
+
+def with_linear(recipe: Recipe, **changes) -> Recipe:
+    """A copy of `recipe` whose default LinearRecipe has some fields changed."""
+    return replace(recipe, linear=replace(recipe.linear, **changes))

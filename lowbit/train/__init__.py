@@ -1,0 +1,20 @@
+"""Pretraining / QAT loop: config, checkpoint and exact resume, eval, logs, plots.
+
+    from lowbit.train import TrainConfig, train
+    result = train(TrainConfig(model="tiny", corpus="tinyshakespeare", max_steps=200))
+    print(result.val_loss, result.run_dir)   # runs/tiny-tinyshakespeare-bf16/
+
+A run folder holds config.json, metrics.jsonl, TensorBoard events, checkpoints/latest.pt,
+loss.png and final.json. `train(config, resume=True)` continues it bit for bit.
+"""
+
+from lowbit.train.compare import CompareRow, Comparison, compare
+from lowbit.train.config import TrainConfig
+from lowbit.train.loop import (NonFiniteLossError, RunResult, TrainingData, evaluate,
+                               learning_rate_at, train)
+from lowbit.train.plot import plot_runs
+
+__all__ = [
+    "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
+    "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
+]

@@ -1,0 +1,230 @@
+"""TrainConfig: everything that defines a pretraining run, validated where it is built.
+
+One flat dataclass, because a run is one thing: the CLI fills it from flags, `train()` reads
+it, the checkpoint stores it, and `resume` compares it field by field. Every field is
+documented where it is declared; `__post_init__` rejects bad values with a one-line
+message that says what was wrong and what to do, so the CLI can print it as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+# Fields that can change between a run and its resumption without changing the run itself:
+# they decide what is observed (logs, evals, diagnostics), where data is read from, or when
+# to give up, never the sequence of weights the optimizer produces. Every other field must
+# match the checkpoint exactly, or `resume` refuses (changing max_steps, for instance,
+# stretches the cosine schedule, so the resumed run would not be the run that was started).
+FIELDS_FREE_ON_RESUME = frozenset(
+    {
+        "data_dir",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "diag_every",
+        "diagnostics",
+        "checkpoint_every",
+        "max_consecutive_nonfinite",
+        "progress",
+    }
+)
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass
+class TrainConfig:
+    # --- model -----------------------------------------------------------------------------
+    model: str = "tiny"
+    """Preset of lowbit.models.ModelConfig ("tiny", "small", "100m", "1b", ...)."""
+    n_layers: int | None = None
+    """Override the preset's depth; None keeps the preset's."""
+    dim: int | None = None
+    """Override the preset's width (with 64-dim heads, as ModelConfig.from_size picks);
+    None keeps the preset's width and heads."""
+    n_experts: int | None = None
+    """Override the preset's number of MoE experts (0: dense); None keeps the preset's."""
+    dropout: float | None = None
+    """Override the preset's dropout probability; None keeps the preset's."""
+
+    # --- data ------------------------------------------------------------------------------
+    corpus: str = "tinyshakespeare"
+    """Corpus in lowbit.data.CORPORA: tinyshakespeare, wikitext2, gutenberg, english, pycode."""
+    tokenizer: str = "bytes"
+    """Tokenizer understood by lowbit.data: "bytes" (256 symbols, nothing to train) or "bpe"."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary of the BPE tokenizer, trained on the corpus (the bytes tokenizer has 256)."""
+    data_dir: str | None = None
+    """Folder holding the corpora; None uses lowbit.data's default (env var, ../shared/data)."""
+    seq_len: int = 128
+    """Tokens per training sequence (the model's context during training)."""
+    batch_size: int = 16
+    """Sequences per micro-batch, i.e. per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; tokens per step = batch_size * this * seq_len."""
+
+    # --- run length ------------------------------------------------------------------------
+    max_steps: int = 800
+    """Optimizer steps to train for (ignored when max_tokens is set). The defaults train the
+    tiny preset on Tiny Shakespeare bytes (1.6M tokens) in about a minute on 2 CPU cores."""
+    max_tokens: int | None = None
+    """If set, train for this many tokens instead, rounded up to whole optimizer steps."""
+
+    # --- optimizer and schedule ------------------------------------------------------------
+    lr: float = 2e-3
+    """Peak learning rate of AdamW, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at lr * min_lr_ratio on the last step."""
+    warmup_steps: int = 40
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay; applied to matrices only (see train.loop._param_groups)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still logged)."""
+
+    # --- observation -----------------------------------------------------------------------
+    eval_every: int = 100
+    """Evaluate the validation loss every this many steps and at the end; 0: only at the end."""
+    eval_batches: int = 10
+    """Validation micro-batches per evaluation (the same ones every time)."""
+    log_every: int = 10
+    """Write a training record (loss, lr, grad norm, throughput) every this many steps."""
+    diag_every: int = 100
+    """Run the diagnostics every this many steps."""
+    diagnostics: bool = True
+    """Log lowbit.diagnostics.training's operand consistency, gradient bias against BF16 and
+    clipping for quantized recipes (train()'s diagnostics_fn, if given, replaces them)."""
+    checkpoint_every: int = 200
+    """Save a checkpoint every this many steps (and always at the end); 0: only at the end."""
+    max_consecutive_nonfinite: int = 5
+    """Stop the run after this many optimizer steps in a row had a NaN/Inf loss or gradient."""
+    progress: bool = True
+    """Report progress on stderr: a tqdm bar on a terminal, else one line per log record."""
+
+    # --- run -------------------------------------------------------------------------------
+    seed: int = 0
+    """Seeds the model's initialization, dropout and the data order."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    bf16_autocast: bool = True
+    """On CUDA, run forward and loss under bf16 autocast (weights and AdamW stay fp32).
+    The CPU always computes in fp32: CPU bf16 autocast is slow, and exact resume is tested there."""
+    compile: bool = False
+    """Wrap the model in torch.compile (needs a C++ compiler on the CPU; Triton on CUDA)."""
+    recipe: str = "stable-fp4"
+    """Quantized-training recipe from lowbit.recipes; "bf16" trains the model as built."""
+    out_dir: str = "runs"
+    """Parent folder of run folders."""
+    run_name: str = ""
+    """Run folder name under out_dir; empty: "<model>-<corpus>-<recipe>"."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # JSON round trips turn it into a list
+        _require(self.model != "", "model must name a preset, e.g. --model tiny")
+        for name in ("n_layers", "dim"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value >= 1),
+                     f"{name} must be a positive integer (got {value!r}); "
+                     f"omit it to keep the preset's")
+        _require(self.n_experts is None or self.n_experts >= 0,
+                 f"n_experts must be >= 0 (got {self.n_experts}); use 0 for a dense model")
+        _require(self.dropout is None or 0.0 <= self.dropout < 1.0,
+                 f"dropout must be in [0, 1) (got {self.dropout})")
+        from lowbit.data import CORPORA, TOKENIZERS
+
+        _require(self.corpus in CORPORA,
+                 f"unknown corpus {self.corpus!r}; choose one of {', '.join(CORPORA)}")
+        _require(self.tokenizer in TOKENIZERS,
+                 f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        _require(isinstance(self.bpe_vocab_size, int) and self.bpe_vocab_size >= 256,
+                 f"bpe_vocab_size must be an integer >= 256 (got {self.bpe_vocab_size!r})")
+        for name in ("seq_len", "batch_size", "grad_accum_steps", "max_steps",
+                     "eval_batches", "log_every", "diag_every", "max_consecutive_nonfinite"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"{name} must be a positive integer (got {value!r})")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0,
+                     f"{name} must be a non-negative integer (got {value!r})")
+        _require(self.max_tokens is None or self.max_tokens >= 1,
+                 f"max_tokens must be a positive integer (got {self.max_tokens})")
+        _require(math.isfinite(self.lr) and self.lr > 0,
+                 f"lr must be a positive number (got {self.lr}); e.g. --lr 1e-3")
+        _require(0.0 <= self.min_lr_ratio <= 1.0,
+                 f"min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"weight_decay must be >= 0 (got {self.weight_decay})")
+        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+                 f"betas must be two numbers in [0, 1) (got {self.betas}); e.g. --betas 0.9,0.95")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+                 f"grad_clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
+        _require(self.warmup_steps <= self.total_steps,
+                 f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.total_steps} steps; "
+                 f"lower --warmup-steps")
+        _require(_DEVICE.match(self.device) is not None,
+                 f"device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+        _require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")
+        _require(self.out_dir != "", "out_dir must be a folder, e.g. --out-dir runs")
+        _require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
+                 f"run_name {self.run_name!r} must be a plain folder name "
+                 f"(letters, digits, . _ + -; no slashes)")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum_steps * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: max_steps, or max_tokens rounded up to steps."""
+        if self.max_tokens is None:
+            return self.max_steps
+        return -(-self.max_tokens // self.tokens_per_step)
+
+    @property
+    def name(self) -> str:
+        """The run folder's name."""
+        return self.run_name or f"{self.model}-{self.corpus}-{self.recipe}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields (what config.json and the checkpoint hold)."""
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "TrainConfig":
+        """Inverse of to_dict; unknown keys are an error rather than silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        _require(not unknown, f"unknown TrainConfig field(s): {', '.join(unknown)}")
+        return cls(**fields)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def changed_fields(saved: dict, config: TrainConfig) -> list[str]:
+    """Fields that would change the run, with both values, e.g. "lr: 0.001 -> 0.002"."""
+    now = config.to_dict()
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        if key in FIELDS_FREE_ON_RESUME:
+            continue
+        before, after = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        if isinstance(before, tuple):
+            before = list(before)
+        if before != after:
+            changes.append(f"{key}: {before!r} -> {after!r}")
+    return changes
+
+
+__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "changed_fields"]

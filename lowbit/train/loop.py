@@ -1,0 +1,446 @@
+"""The pretraining loop: `train(config) -> RunResult`, readable top to bottom.
+
+One optimizer step:
+  lr = learning_rate_at(step)                  linear warmup, then cosine down to min_lr
+  for each of grad_accum_steps micro-batches:  forward (bf16 autocast on CUDA),
+                                               backward of loss / grad_accum_steps
+  grad_norm = clip_grad_norm_(grad_clip)
+  if loss and grad_norm are finite: AdamW step; else skip it and log a nonfinite_skip record
+Around it: evaluation every eval_every steps, a checkpoint every checkpoint_every steps,
+a record in metrics.jsonl every log_every steps, and diagnostics every diag_every steps.
+
+Determinism: the model is initialized from `seed`, the batch of step i is a pure function of
+(seed, i), and dropout draws from the torch RNG whose state the checkpoint saves; nothing
+else draws from it (evaluation runs in eval mode, diagnostics under fork_rng). So on the CPU,
+N steps + resume + N steps gives the same losses, bit for bit, as 2N steps in one go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Protocol
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_checkpoint,
+                                     rng_state, save_checkpoint, set_rng_state, write_text_atomic)
+from lowbit.train.config import TrainConfig, changed_fields
+from lowbit.train.metrics import MetricsLog
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: LongTensor (B, T) each
+DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
+
+
+class TrainingData(Protocol):
+    """What the loop needs from a dataset (lowbit.data's, or a stand-in in tests)."""
+
+    vocab_size: int
+
+    def train_batch(self, step: int) -> Batch:
+        """All batch_size * grad_accum_steps sequences of optimizer step `step`, (rows, seq_len);
+        a pure function of (seed, step), which is what makes resume exact."""
+
+    def eval_batches(self) -> Iterable[Batch]:
+        """The validation micro-batches, the same ones on every call."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised after config.max_consecutive_nonfinite optimizer steps in a row had a NaN/Inf
+    loss or gradient norm. The last checkpoint on disk is the one from before they began."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int
+    """Optimizer steps completed (skipped non-finite steps included)."""
+    tokens_seen: int
+    train_losses: list[float]
+    """The training loss of every step from the first, as Python floats (NaN/Inf kept)."""
+    final_train_loss: float
+    """Mean training loss over the last (up to) 10 finite steps: one step's loss is noisy."""
+    val_loss: float
+    val_ppl: float
+    wall_time_s: float
+    """Training wall time summed over all sessions of the run (resumes included)."""
+
+
+def learning_rate_at(step: int, config: TrainConfig) -> float:
+    """LR of optimizer step `step` (0-based): linear warmup to config.lr over warmup_steps
+    steps, then a cosine from config.lr to lr * min_lr_ratio, reached on the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    decay_steps = config.total_steps - 1 - config.warmup_steps
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - config.warmup_steps) / decay_steps)
+    min_lr = config.lr * config.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    model: nn.Module | None = None,
+    data: TrainingData | None = None,
+    diagnostics_fn: DiagnosticsFn | None = None,
+) -> RunResult:
+    """Train as `config` says, in `<out_dir>/<name>/`, and return the final numbers.
+
+    resume: continue the run folder's checkpoint (refused if the folder has none, or if the
+        saved config differs in a field that changes the run).
+    overwrite: start over in a run folder that already holds a run (otherwise refused).
+    model, data: use these instead of building config.model / config.corpus; the model must
+        map (idx, targets) to an output with .loss and .logits, like lowbit.models', and is
+        converted in place when config.recipe is not "bf16".
+    diagnostics_fn: called as fn(model, first micro-batch, step) every diag_every steps,
+        after the update; its dict of numbers is logged as a "diagnostics" record.
+    """
+    # Everything that can refuse the run does so before the run folder is touched.
+    device = _resolve_device(config.device)
+    recipe = _resolve_recipe(config.recipe)
+    run_dir = Path(config.out_dir) / config.name
+    checkpoint = _check_run_dir(run_dir, config, resume, overwrite)
+    say = tqdm.write if config.progress else (lambda message: None)
+    if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
+        diagnostics_fn = _recipe_diagnostics
+
+    # --- build: data, model (seeded init), recipe, optimizer --------------------------------
+    _seed_everything(config.seed)
+    data = data if data is not None else _build_data(config)
+    _seed_everything(config.seed)  # so the init does not depend on what building data drew
+    model = model if model is not None else _build_model(config, data.vocab_size)
+    _apply_recipe(model, recipe, say)
+    model.to(device)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
+                                  betas=config.betas, fused=device.type == "cuda")
+    n_params = sum(p.numel() for p in model.parameters())
+    _start_run_dir(run_dir, config, fresh=checkpoint is None)
+
+    start_step, records, losses, wall_before, nonfinite_run = 0, [], [], 0.0, 0
+    resumed = checkpoint is not None
+    if resumed:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        set_rng_state(checkpoint["rng"])
+        start_step, records = checkpoint["step"], checkpoint["metrics"]
+        losses, wall_before = checkpoint["train_losses"], checkpoint["wall_time_s"]
+        nonfinite_run = checkpoint["consecutive_nonfinite"]
+        del checkpoint  # the weights now live in the model; don't hold a second copy
+    forward = torch.compile(model) if config.compile else model
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and config.bf16_autocast else contextlib.nullcontext())
+
+    total = config.total_steps
+    accum = config.grad_accum_steps
+    last_eval = next((r for r in reversed(records) if r["event"] == "eval"), None)
+    last_checkpoint = checkpoint_path(run_dir) if resumed else None
+    say(f"{'resuming' if resumed else 'starting'} {run_dir} at step {start_step}/{total}: "
+        f"{n_params / 1e6:.2f}M parameters, recipe {config.recipe}, {device}, "
+        f"{config.tokens_per_step} tokens/step")
+
+    log = MetricsLog(run_dir, records, start_step, say)
+    bar_on_terminal = config.progress and sys.stderr.isatty()
+    bar = tqdm(total=total, initial=start_step, disable=not bar_on_terminal, unit="step",
+               dynamic_ncols=True)
+    t_session = time.perf_counter()
+    window_time, window_steps = 0.0, 0  # training time since the last train record
+    model.train()
+    step = start_step  # optimizer steps completed
+    try:
+        while True:
+            fresh = step > start_step or not resumed
+            if fresh and (step == total or (config.eval_every and step % config.eval_every == 0)):
+                val_loss = evaluate(forward, data.eval_batches(), device, autocast)
+                last_eval = {"event": "eval", "step": step, "tokens": step * config.tokens_per_step,
+                             "val_loss": val_loss, "val_ppl": _perplexity(val_loss)}
+                log.write(last_eval)
+                say(f"step {step}: val loss {val_loss:.4f}, ppl {last_eval['val_ppl']:.2f}")
+            if step > start_step and (step == total or (config.checkpoint_every
+                                                        and step % config.checkpoint_every == 0)):
+                wall = wall_before + time.perf_counter() - t_session
+                save_checkpoint({
+                    "version": CHECKPOINT_VERSION, "step": step, "config": config.to_dict(),
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": rng_state(), "metrics": log.records, "train_losses": losses,
+                    "wall_time_s": wall, "consecutive_nonfinite": nonfinite_run,
+                }, checkpoint_path(run_dir))
+                last_checkpoint = checkpoint_path(run_dir)
+                write_loss_plot(run_dir)
+            if step == total:
+                break
+
+            # --- one optimizer step ---------------------------------------------------------
+            t0 = time.perf_counter()
+            lr = learning_rate_at(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = data.train_batch(step)  # (batch_size * accum, T)
+            if inputs.shape[0] != config.batch_size * accum:
+                raise ValueError(f"the data gave {inputs.shape[0]} sequences for step {step}; "
+                                 f"batch_size * grad_accum_steps = {config.batch_size * accum}")
+            inputs, targets = inputs.to(device), targets.to(device)
+            micro_batches = list(zip(inputs.chunk(accum), targets.chunk(accum)))
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=device)
+            for x, y in micro_batches:
+                with autocast:
+                    loss = forward(x, y).loss / accum  # mean over the step's tokens, summed
+                loss.backward()
+                step_loss += loss.detach()
+            max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+            loss_value = step_loss.item()
+            losses.append(loss_value)
+            step += 1
+            if math.isfinite(loss_value) and math.isfinite(grad_norm):
+                optimizer.step()
+                nonfinite_run = 0
+            else:
+                nonfinite_run += 1
+                log.write({"event": "nonfinite_skip", "step": step, "loss": loss_value,
+                           "grad_norm": grad_norm, "lr": lr, "in_a_row": nonfinite_run})
+                say(f"step {step}: non-finite loss {loss_value} / grad norm {grad_norm}, "
+                    f"update skipped ({nonfinite_run} in a row)")
+                if nonfinite_run >= config.max_consecutive_nonfinite:
+                    raise NonFiniteLossError(_nonfinite_message(config, step, last_checkpoint),
+                                             step, last_checkpoint)
+            window_time += time.perf_counter() - t0
+            window_steps += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", refresh=False)
+
+            if step % config.log_every == 0 or step == total:
+                step_time = window_time / window_steps
+                record = {"event": "train", "step": step, "loss": loss_value, "lr": lr,
+                          "grad_norm": grad_norm, "tokens": step * config.tokens_per_step,
+                          "tokens_per_s": config.tokens_per_step / step_time,
+                          "step_time_s": step_time}
+                log.write(record)
+                window_time, window_steps = 0.0, 0
+                if config.progress and not bar_on_terminal:
+                    say(f"step {step}/{total} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                        f"grad norm {grad_norm:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+            if diagnostics_fn is not None and step % config.diag_every == 0:
+                # fork_rng: a diagnostic that samples (or runs dropout) must not shift the
+                # run's random stream, or exact resume would depend on diag_every.
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    values = diagnostics_fn(model, micro_batches[0], step)
+                model.train()
+                log.write({"event": "diagnostics", "step": step, **values})
+    finally:
+        bar.close()
+        log.close()
+
+    # --- finish: final.json, loss.png -------------------------------------------------------
+    finite = [x for x in losses if math.isfinite(x)][-10:]
+    result = RunResult(
+        run_dir=run_dir, steps=step, tokens_seen=step * config.tokens_per_step,
+        train_losses=losses,
+        final_train_loss=sum(finite) / len(finite) if finite else math.nan,
+        val_loss=last_eval["val_loss"], val_ppl=last_eval["val_ppl"],
+        wall_time_s=wall_before + time.perf_counter() - t_session,
+    )
+    final = {"final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
+             "val_ppl": result.val_ppl, "steps": result.steps, "tokens_seen": result.tokens_seen,
+             "wall_time_s": result.wall_time_s, "recipe": config.recipe, "device": str(device),
+             "n_params": n_params}
+    write_text_atomic(run_dir / "final.json", json.dumps(final, indent=2) + "\n")
+    write_loss_plot(run_dir)
+    say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
+        f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> {run_dir}")
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device,
+             autocast: contextlib.AbstractContextManager | None = None) -> float:
+    """Mean next-token cross-entropy over `batches` (no MoE aux loss: it is not a likelihood).
+
+    Runs under fork_rng: a quantized forward may round stochastically, and evaluation must not
+    move the training run's random stream (eval_every may change on resume)."""
+    autocast = autocast or contextlib.nullcontext()
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(device), targets.to(device)
+            with autocast:
+                logits = model(inputs, targets).logits  # (B, T, V)
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                     ignore_index=-100, reduction="sum").item()
+            count += (targets != -100).sum().item()  # -100: no loss wanted (lowbit.models')
+    model.train(was_training)
+    return total / count
+
+
+def _recipe_diagnostics(model: nn.Module, batch: Batch, step: int) -> dict:
+    """Operand consistency, gradient bias against BF16 and clipping (lowbit.diagnostics)."""
+    from lowbit.diagnostics.training import training_diagnostics
+
+    return training_diagnostics(model, *batch)
+
+
+def write_loss_plot(run_dir: Path) -> None:
+    from lowbit.train.plot import plot_runs  # matplotlib is imported only when plotting
+
+    plot_runs([run_dir], run_dir / "loss.png")
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only. Norm gains and biases are 1-D: pulling them toward 0
+    fights the scale and offset they exist to learn. Embedding rows get gradient only when
+    their token occurs, so decay would shrink rare tokens' rows between occurrences (a tied
+    output head shares the embedding's Parameter and is treated the same)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _produced_files(run_dir: Path) -> list[Path]:
+    names = ("config.json", "metrics.jsonl", "final.json", "loss.png")
+    return [*(run_dir / n for n in names), checkpoint_path(run_dir),
+            *run_dir.glob("events.out.tfevents.*")]
+
+
+def _check_run_dir(run_dir: Path, config: TrainConfig, resume: bool,
+                   overwrite: bool) -> dict | None:
+    """Refuse what cannot be done in `run_dir`; return the checkpoint to resume from, or None."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other; pick one")
+    ckpt = checkpoint_path(run_dir)
+    if not resume:
+        if not overwrite and any(p.exists() for p in _produced_files(run_dir)):
+            raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it, "
+                             f"--overwrite to start over, or choose another --run-name")
+        return None
+    if not ckpt.is_file():
+        raise ValueError(f"cannot resume: {run_dir} has no checkpoint ({ckpt}); "
+                         f"start the run without --resume")
+    checkpoint = load_checkpoint(ckpt)
+    changes = changed_fields(checkpoint["config"], config)
+    if changes:
+        raise ValueError(f"cannot resume {run_dir}: the config differs from the checkpoint's in "
+                         f"{'; '.join(changes)}; use the saved values (see "
+                         f"{run_dir / 'config.json'}) or start a new run with --run-name")
+    return checkpoint
+
+
+def _start_run_dir(run_dir: Path, config: TrainConfig, fresh: bool) -> None:
+    if fresh:  # what an overwritten run left behind; nothing else in the folder is touched
+        for path in _produced_files(run_dir):
+            path.unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available; "
+                         f"use --device cpu (or auto)")
+    return torch.device(name)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds the CUDA generators too
+
+
+def _resolve_recipe(name: str):
+    """The recipe object for `name`, or None for "bf16" (train the model as built)."""
+    if name == "bf16":
+        return None
+    try:
+        from lowbit.nn import convert  # noqa: F401  (checked here, used in _apply_recipe)
+        from lowbit.recipes import get_recipe
+    except ImportError as e:
+        raise ValueError(f"recipe {name!r} needs lowbit.recipes and lowbit.nn, which cannot be "
+                         f"imported ({e}); use --recipe bf16") from None
+    return get_recipe(name)
+
+
+def _apply_recipe(model: nn.Module, recipe, say) -> None:
+    """The one seam between the loop and quantized training: swap the model's layers for the
+    recipe's quantized ones, in place. The loop itself never knows which formats are in play.
+    Stochastic rounding draws from torch's default generators, which checkpoints save, so
+    resume stays exact under quantized recipes too."""
+    if recipe is None:
+        return
+    from lowbit.nn import convert
+
+    say(str(convert(model, recipe)).splitlines()[0])
+
+
+def _build_data(config: TrainConfig) -> TrainingData:
+    from lowbit.data import load_dataset
+
+    dataset = load_dataset(config.corpus, tokenizer=config.tokenizer,
+                           vocab_size=config.bpe_vocab_size, data_dir=config.data_dir)
+    return _CorpusData(dataset, config)
+
+
+class _CorpusData:
+    """lowbit.data's TokenDataset as the loop's TrainingData: the train split's batches by
+    step, the first eval_batches micro-batches of the val split for evaluation."""
+
+    def __init__(self, dataset, config: TrainConfig) -> None:
+        self.dataset, self.config = dataset, config
+        self.vocab_size = dataset.vocab_size
+
+    def train_batch(self, step: int) -> Batch:
+        c = self.config
+        return self.dataset.get_batch(step, c.batch_size * c.grad_accum_steps, c.seq_len, c.seed)
+
+    def eval_batches(self) -> Iterable[Batch]:
+        c = self.config
+        return self.dataset.eval_batches("val", c.batch_size, c.seq_len, max_batches=c.eval_batches)
+
+
+def _build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
+    from lowbit.models import ModelConfig, build_model
+
+    overrides = {name: getattr(config, name) for name in ("n_layers", "n_experts", "dropout")
+                 if getattr(config, name) is not None}
+    if config.dim is not None:
+        overrides.update(dim=config.dim, n_heads=max(1, config.dim // 64), ffn_dim=None)
+    model_config = ModelConfig.preset(config.model, vocab_size=vocab_size, **overrides)
+    if model_config.max_seq_len < config.seq_len:
+        model_config = dataclasses.replace(model_config, max_seq_len=config.seq_len)
+    return build_model(model_config)
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+def _nonfinite_message(config: TrainConfig, step: int, checkpoint: Path | None) -> str:
+    kept = (f"the last checkpoint, {checkpoint}, is from before and intact" if checkpoint
+            else "no checkpoint had been written yet")
+    return (f"stopped at step {step}: the loss or gradient norm was NaN/Inf for "
+            f"{config.max_consecutive_nonfinite} steps in a row; {kept}. Try a lower --lr, "
+            f"a longer --warmup-steps, or --grad-clip")

@@ -1,0 +1,76 @@
+"""Run metrics: one JSON record per line in metrics.jsonl, mirrored to TensorBoard.
+
+Every record has an "event" ("train", "eval", "diagnostics", "nonfinite_skip") and the
+"step" it belongs to (optimizer steps completed). A train record's "loss" is the objective
+the optimizer saw (for MoE models it includes the load-balancing term); an eval record's
+"val_loss" is pure next-token cross-entropy, and "val_ppl" its exponential. NaN and Inf are written as the strings
+"nan", "inf", "-inf": strict JSON has no spelling for them, and a record that jq or a
+browser cannot parse is worse than a string. TensorBoard is optional: without the package
+the run logs to metrics.jsonl only and says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lowbit.train.checkpoint import write_text_atomic
+
+# TensorBoard tag prefix per event; the loss of a train record becomes "train/loss".
+_TB_PREFIX = {"train": "train", "eval": "val", "diagnostics": "diag", "nonfinite_skip": "nonfinite"}
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, records: list[dict], start_step: int, say) -> None:
+        """Continue the log of `run_dir` from `records` (those a checkpoint holds).
+
+        A resumed run rewrites metrics.jsonl with exactly the checkpoint's records, dropping
+        what a crashed run logged after its last checkpoint, and tells TensorBoard to purge
+        its events past `start_step` for the same reason.
+        """
+        self.records = list(records)
+        self.path = run_dir / "metrics.jsonl"
+        write_text_atomic(self.path, "".join(_json_line(r) for r in self.records))
+        self._file = open(self.path, "a")
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            say("note: tensorboard is not installed, logging to metrics.jsonl only "
+                "(pip install tensorboard)")
+        else:
+            self._tb = SummaryWriter(str(run_dir), purge_step=start_step + 1 if records else None)
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self._file.write(_json_line(record))
+        self._file.flush()
+        if self._tb is not None:
+            prefix = _TB_PREFIX.get(record["event"], record["event"])
+            for key, value in record.items():
+                if key not in ("event", "step") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl; is it a lowbit run folder?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _json_line(record: dict) -> str:
+    return json.dumps({k: _finite_or_str(v) for k, v in record.items()}) + "\n"
+
+
+def _finite_or_str(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf"
+    return value

@@ -1,0 +1,71 @@
+"""Loss curves of one or several run folders in one figure (matplotlib, Agg backend).
+
+The x axis is tokens seen, so runs with different batch sizes line up; when all runs take
+the same number of tokens per step, a second axis on top shows the step. Training loss is
+a thin solid line, validation loss a dashed line with markers, one colour per run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from lowbit.train.metrics import read_metrics
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
+              title: str | None = None) -> Path:
+    """Draw the train and val loss curves of `run_dirs` into the PNG `out_path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
+
+    if not run_dirs:
+        raise ValueError("plot needs at least one run folder")
+    runs = [_load_run(Path(d)) for d in run_dirs]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run, color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
+        train = [(r["tokens"], r["loss"]) for r in run["metrics"]
+                 if r["event"] == "train" and isinstance(r["loss"], (int, float))]
+        val = [(r["tokens"], r["val_loss"]) for r in run["metrics"]
+               if r["event"] == "eval" and isinstance(r["val_loss"], (int, float))]
+        if train:
+            ax.plot(*zip(*train), color=color, linewidth=1, alpha=0.8,
+                    label=f"{run['label']} train")
+        if val:
+            ax.plot(*zip(*val), color=color, linestyle="--", marker="o", markersize=3,
+                    label=f"{run['label']} val")
+    ax.set_xlabel("tokens")
+    ax.xaxis.set_major_formatter(EngFormatter())  # 1.5M rather than 1.5 with a 1e6 offset
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    tokens_per_step = {run["tokens_per_step"] for run in runs}
+    if len(tokens_per_step) == 1 and None not in tokens_per_step:
+        per_step = tokens_per_step.pop()
+        top = ax.secondary_xaxis("top", functions=(lambda t: t / per_step, lambda s: s * per_step))
+        top.set_xlabel("step")
+    ax.set_title(title or ", ".join(run["label"] for run in runs), fontsize="medium")
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+def _load_run(run_dir: Path) -> dict:
+    metrics = read_metrics(run_dir)
+    config_file = run_dir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    recipe = config.get("recipe")
+    label = run_dir.name
+    if recipe is not None and recipe not in run_dir.name:
+        label += f" ({recipe})"
+    tokens_per_step = None
+    if {"batch_size", "grad_accum_steps", "seq_len"} <= config.keys():
+        tokens_per_step = config["batch_size"] * config["grad_accum_steps"] * config["seq_len"]
+    return {"metrics": metrics, "label": label, "tokens_per_step": tokens_per_step}

@@ -1,0 +1,42 @@
+"""The default `lowbit train` (stable-fp4, tiny model, Tiny Shakespeare), shortened, as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_default_train_command_writes_a_complete_run_folder(tmp_path):
+    from lowbit.data import data_root
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    env_cache = {"LOWBIT_CACHE": str(tmp_path / "cache")}
+    import os
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowbit.cli", "train", "--steps", "12", "--eval-every", "6",
+         "--eval-batches", "2", "--diag-every", "6", "--out-dir", str(tmp_path / "runs"), "--no-progress"],
+        capture_output=True, text=True, env={**os.environ, **env_cache}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "runs" / "tiny-tinyshakespeare-stable-fp4"
+    for name in ("config.json", "metrics.jsonl", "loss.png", "final.json", "checkpoints/latest.pt"):
+        assert (run / name).is_file(), name
+    assert list(run.glob("events.out.tfevents.*")) or list(run.glob("tb/events.out.tfevents.*")) \
+        or list(run.rglob("events.out.tfevents.*"))
+    final = json.loads((run / "final.json").read_text())
+    assert final["recipe"] == "stable-fp4" and final["steps"] == 12 and final["val_ppl"] > 1
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    diag = [r for r in records if r["event"] == "diagnostics"]
+    assert diag and diag[0]["diag/w_fwd_bwd_rel_diff"] == 0.0 and 0 < diag[0]["diag/dw_cos"] <= 1
+
+
+def test_bad_train_flags_are_one_line_errors(tmp_path):
+    for argv, message in ((["--recipe", "fp2"], "unknown recipe 'fp2'"),
+                          (["--lr", "-1"], "lr must be a positive number"),
+                          (["--corpus", "nope"], "unknown corpus 'nope'")):
+        proc = subprocess.run([sys.executable, "-m", "lowbit.cli", "train", "--out-dir", str(tmp_path), *argv],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1

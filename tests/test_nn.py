@@ -1,0 +1,241 @@
+"""Quantized linear layers, recipes and the converter."""
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.diagnostics import sqnr_db
+from lowbit.formats import QuantSpec
+from lowbit.models import ModelConfig, build_model
+from lowbit.nn import QuantExperts, QuantLinear, convert, quantization_disabled
+from lowbit.ops import fake_quantize, gemm_operands, operand, quant_linear, random_hadamard
+from lowbit.recipes import LinearRecipe, Recipe, get_recipe, recipe_names
+
+
+def linear_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 192, generator=g)
+    x[:, 5] *= 20  # an outlier channel, as real activations have
+    w = torch.randn(128, 192, generator=g) * 0.05
+    dy = torch.randn(256, 128, generator=g)
+    return x, w, dy
+
+
+def run_linear(x, w, dy, recipe, bias=None):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    y = quant_linear(x, w, bias, recipe)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def test_quantization_off_is_exactly_nn_linear():
+    torch.manual_seed(0)
+    ref = nn.Linear(48, 32)
+    q = QuantLinear.from_linear(nn.Linear(48, 32), None)
+    q.weight.data.copy_(ref.weight.data)
+    q.bias.data.copy_(ref.bias.data)
+    x = torch.randn(3, 7, 48)
+    for module in (ref, q):
+        module.zero_grad()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ref(xa), q(xb)
+    assert torch.equal(ya, yb)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(ref.weight.grad, q.weight.grad)
+    assert torch.equal(ref.bias.grad, q.bias.grad)
+
+
+def test_all_operands_high_precision_through_the_function_matches_f_linear():
+    # An explicit recipe whose six operands are None takes the plain F.linear path too,
+    # and the autograd.Function on identity operands gives the same GEMMs.
+    from lowbit.ops.linear import _QuantLinear
+    x, w, dy = linear_inputs()
+    ident = LinearRecipe()
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = _QuantLinear.apply(xa, wa, None, ident)
+    y.backward(dy)
+    ref = run_linear(x, w, dy, None)
+    assert torch.equal(y, ref[0]) and torch.equal(xa.grad, ref[1]) and torch.equal(wa.grad, ref[2])
+
+
+# measured (tests/test_nn.py inputs, seed 1): out / dX / dW SQNR in dB, minus ~2 dB of margin
+SQNR_FLOORS = {
+    "mxfp4": (12, 13.5, 13.5), "nvfp4": (15, 13, 14), "stable-fp4": (8.5, 9.5, 7.5),
+    "stable-fp4-1d": (12, 11.5, 11.5), "stable-fp4-floor": (9, 11.5, 8.5),
+    "stable-fp4-nosr": (8.5, 11.5, 8), "stable-fp4-b16": (10.5, 10.5, 9.5),
+    "stable-fp4-qk-fp4": (8.5, 9.5, 7.5),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in recipe_names() if n != "bf16"])
+def test_sqnr_floors_per_recipe(name):
+    x, w, dy = linear_inputs()
+    ref = run_linear(x, w, dy, None)
+    torch.manual_seed(1)
+    out = run_linear(x, w, dy, get_recipe(name).linear)
+    floors = SQNR_FLOORS[name]
+    for label, a, b, floor in zip(("out", "dX", "dW"), ref, out, floors):
+        assert sqnr_db(a, b) > floor, (name, label, sqnr_db(a, b))
+        assert sqnr_db(a, b) < 40, "a recipe that quantizes nothing would pass the floor"
+
+
+def test_2d_recipes_use_bit_identical_operands_forward_and_backward():
+    r = get_recipe("stable-fp4-nosr").linear
+    x, w, dy = linear_inputs()
+    _, dx, dw = run_linear(x, w, dy, r)
+    w_fprop = fake_quantize(w, r.fprop_w)
+    x_fprop = fake_quantize(x, r.fprop_x)
+    dy_q = fake_quantize(dy, r.dgrad_dy)
+    assert torch.equal(dx, dy_q @ w_fprop)        # dgrad used the fprop weight, bit for bit
+    assert torch.equal(dw, dy_q.mT @ x_fprop)     # wgrad used the fprop X and the dgrad dY
+    ops = gemm_operands(x, w, dy, r)
+    assert torch.equal(ops["fprop_w"], ops["dgrad_w"]) and torch.equal(ops["fprop_x"], ops["wgrad_x"])
+
+
+def test_1d_recipes_use_different_weights_forward_and_backward():
+    r = get_recipe("mxfp4").linear
+    x, w, dy = linear_inputs()
+    ops = gemm_operands(x, w, dy, r)
+    assert not torch.equal(ops["fprop_w"], ops["dgrad_w"])
+    assert torch.equal(ops["dgrad_w"], operand(w, r.dgrad_w, reduce_dim=0))
+    _, dx, _ = run_linear(x, w, dy, r)
+    assert torch.equal(dx, ops["dgrad_dy"] @ ops["dgrad_w"])
+
+
+def test_random_hadamard_cancels_in_the_product():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 40, generator=g), torch.randn(6, 40, generator=g)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    ra, rb = random_hadamard(a, signs), random_hadamard(b, signs)
+    assert ra.shape == (8, 48)
+    torch.testing.assert_close(ra @ rb.mT, a @ b.mT, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ra[:, :40], a)
+
+
+def test_stochastic_rounding_follows_the_global_seed():
+    x, w, dy = linear_inputs()
+    r = get_recipe("stable-fp4").linear
+    torch.manual_seed(5)
+    a = run_linear(x, w, dy, r)
+    torch.manual_seed(5)
+    b = run_linear(x, w, dy, r)
+    torch.manual_seed(6)
+    c = run_linear(x, w, dy, r)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not torch.equal(a[2], c[2])
+
+
+def test_autocast_bf16_on_cpu():
+    x, w, _ = linear_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = quant_linear(x, w, None, get_recipe("stable-fp4").linear)
+    assert y.dtype == torch.bfloat16
+
+
+def test_recipe_validation_and_lookup():
+    two_d = QuantSpec.make("mxfp4", (32, 32), "rceil")
+    with pytest.raises(ValueError, match="must use 1D blocks"):
+        LinearRecipe(wgrad_x=two_d, wgrad_hadamard=True)
+    with pytest.raises(ValueError, match="unknown recipe 'fp2'; known recipes: bf16"):
+        get_recipe("fp2")
+    r = get_recipe("stable-fp4")
+    assert r.linear_for("model.layers.3.self_attn.q_proj").fprop_w.format == "mxfp8_e4m3"
+    assert r.linear_for("model.layers.3.self_attn.v_proj").fprop_w.format == "mxfp4"
+    nv = get_recipe("nvfp4")
+    assert nv.linear_for("model.layers.0.mlp.up_proj", n_blocks=4) is None
+    assert nv.linear_for("model.layers.3.mlp.up_proj", n_blocks=4) is None
+    assert nv.linear_for("model.layers.2.mlp.up_proj", n_blocks=4) is not None
+
+
+def tiny_model(n_experts=0):
+    cfg = ModelConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, max_seq_len=32,
+                      n_experts=n_experts, experts_per_token=2)
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4", "stable-fp4"])
+@pytest.mark.parametrize("n_experts", [0, 4])
+def test_every_parameter_gets_a_gradient(recipe, n_experts):
+    model = tiny_model(n_experts)
+    report = convert(model, recipe)
+    assert report.swapped
+    idx = torch.randint(0, 128, (8, 32))
+    out = model(idx, idx)
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_convert_reports_and_disabling_restores_the_model():
+    model = tiny_model(4)
+    idx = torch.randint(0, 128, (2, 32))
+    before = model(idx).logits
+    report = convert(model, "stable-fp4")
+    swapped = {n for n, _, _ in report.swapped}
+    kept = {n: why for n, _, why in report.kept}
+    assert "model.layers.1.mlp.experts" in swapped and "model.layers.0.self_attn.q_proj" in swapped
+    assert "lm_head" in kept and "model.embed_tokens" in kept and "model.layers.0.mlp.gate" in kept
+    assert "model.norm" in kept
+    assert isinstance(model.model.layers[1].mlp.experts, QuantExperts)
+    assert "quantized" in str(report) and "kept" in str(report)
+    with quantization_disabled(model):
+        assert torch.equal(model(idx).logits, before)
+    assert not torch.equal(model(idx).logits, before)
+    with pytest.raises(ValueError, match="already converted"):
+        convert(model, "stable-fp4")
+
+
+def test_convert_with_a_filter_and_bf16():
+    model = tiny_model()
+    report = convert(model, "mxfp4", module_filter_fn=lambda m, name: "mlp" in name)
+    assert all("mlp" in n for n, _, _ in report.swapped)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert not isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    model = tiny_model()
+    report = convert(model, "bf16")
+    assert not report.swapped
+
+
+def hf_models():
+    pytest.importorskip("transformers")
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    yield "llama", LlamaForCausalLM(LlamaConfig(**common)), 0
+    yield "qwen3", Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)), 0
+    yield "qwen3-moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, num_experts=4,
+                                                            num_experts_per_tok=2,
+                                                            moe_intermediate_size=32,
+                                                            decoder_sparse_step=1)), 2
+
+
+@pytest.mark.parametrize("recipe", ["stable-fp4", "nvfp4"])
+def test_hugging_face_models_convert_including_experts(recipe):
+    for name, model, n_expert_modules in hf_models():
+        torch.manual_seed(0)
+        idx = torch.randint(0, 128, (2, 16))
+        before = model(idx).logits.detach()
+        report = convert(model, recipe)
+        kinds = [k for _, k, _ in report.swapped]
+        per_layer = 4 + (0 if n_expert_modules else 3)
+        n_quantized_layers = 2 if recipe == "stable-fp4" else 0   # nvfp4 keeps first/last block
+        assert kinds.count("linear") == per_layer * n_quantized_layers, (name, report)
+        if n_expert_modules and recipe == "stable-fp4":
+            assert kinds.count("experts") == n_expert_modules
+            assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
+            assert "model.layers.0.mlp.gate" in {n for n, _, _ in report.kept}
+        assert "lm_head" in {n for n, _, _ in report.kept}
+        with quantization_disabled(model):
+            torch.testing.assert_close(model(idx).logits, before, rtol=1e-5, atol=1e-5)
+        out = model(idx, labels=idx)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, (name, missing)

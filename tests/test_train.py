@@ -1,0 +1,442 @@
+"""Tests of lowbit.train on the CPU: exact resume, invariances, failure handling, files.
+
+Most tests train a stand-in model on stand-in data defined here (milliseconds per step),
+so they test the loop, not lowbit.models or lowbit.data; one integration test at the end
+runs the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lowbit.train.loop as loop
+from lowbit.train import (NonFiniteLossError, TrainConfig, compare, learning_rate_at,
+                          plot_runs, train)
+from lowbit.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from lowbit.train.cli_args import (add_plot_arguments, add_train_arguments, config_from_args,
+                                   run_plot, run_train)
+
+VOCAB = 32
+
+
+class StandInLM(nn.Module):
+    """Embedding -> Linear+tanh -> (dropout) -> LayerNorm -> head: every parameter kind the
+    optimizer groups (embedding, matrix, bias, norm), and dropout to exercise the RNG."""
+
+    def __init__(self, dropout: float = 0.0, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx, targets):
+        h = self.drop(torch.tanh(self.mix(self.embed(idx))))  # (B, T, C)
+        logits = self.head(self.norm(h))  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return SimpleNamespace(logits=logits, loss=loss, aux_loss=torch.zeros(()))
+
+
+class StandInData:
+    """A fixed token stream with learnable structure; step i's rows depend on (seed, i) only."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, config: TrainConfig):
+        g = torch.Generator().manual_seed(1234)
+        noise = torch.randint(0, VOCAB, (4096,), generator=g)
+        pattern = (torch.arange(4096) * 7) % VOCAB
+        keep = torch.rand(4096, generator=g) < 0.8
+        self.tokens = torch.where(keep, pattern, noise)
+        self.rows = config.batch_size * config.grad_accum_steps
+        self.seq_len, self.seed, self.eval_rows = config.seq_len, config.seed, config.batch_size
+        self.n_eval = config.eval_batches
+
+    def _rows(self, generator, n):
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (n,), generator=generator)
+        x = torch.stack([self.tokens[s:s + self.seq_len] for s in starts])
+        y = torch.stack([self.tokens[s + 1:s + 1 + self.seq_len] for s in starts])
+        return x, y
+
+    def train_batch(self, step):
+        return self._rows(torch.Generator().manual_seed(self.seed * 1_000_003 + step), self.rows)
+
+    def eval_batches(self):
+        g = torch.Generator().manual_seed(-1 & 0xFFFF)
+        return [self._rows(g, self.eval_rows) for _ in range(self.n_eval)]
+
+
+def make_config(tmp_path, **overrides) -> TrainConfig:
+    fields = dict(out_dir=str(tmp_path), run_name="run", max_steps=8, warmup_steps=2,
+                  batch_size=4, seq_len=16, lr=1e-2, eval_every=4, eval_batches=2,
+                  log_every=1, checkpoint_every=4, progress=False, device="cpu", recipe="bf16")
+    return TrainConfig(**{**fields, **overrides})
+
+
+def run(config, dropout=0.0, init_seed=0, **kwargs):
+    torch.manual_seed(init_seed)
+    return train(config, model=StandInLM(dropout), data=StandInData(config), **kwargs)
+
+
+def records(run_dir, event):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+class Crash(Exception):
+    pass
+
+
+# --- exact resume ---------------------------------------------------------------------------
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
+    whole = run(make_config(tmp_path, run_name="whole", max_steps=12, checkpoint_every=6),
+                dropout=0.2)
+
+    def crash_at_step_8(model, batch, step):
+        if step == 8:
+            raise Crash()
+        return {}
+
+    cut = make_config(tmp_path, run_name="cut", max_steps=12, checkpoint_every=6, diag_every=1)
+    with pytest.raises(Crash):
+        run(cut, dropout=0.2, diagnostics_fn=crash_at_step_8)
+    assert load_checkpoint(checkpoint_path(tmp_path / "cut"))["step"] == 6
+    # A differently initialized model: every weight must come from the checkpoint.
+    resumed = run(cut, dropout=0.2, init_seed=99, resume=True)
+
+    assert len(whole.train_losses) == 12
+    assert resumed.train_losses == whole.train_losses  # exact float equality
+    assert resumed.val_loss == whole.val_loss
+    # metrics.jsonl was cut back to the checkpoint: steps 7 and 8 of the crashed session
+    # appear once, from the resumed session.
+    steps = [r["step"] for r in records(tmp_path / "cut", "train")]
+    assert steps == list(range(1, 13))
+    assert [r["loss"] for r in records(tmp_path / "cut", "train")] == whole.train_losses
+
+
+def test_resume_refuses_a_changed_config_and_a_folder_without_checkpoint(tmp_path):
+    config = make_config(tmp_path, max_steps=4)
+    with pytest.raises(ValueError, match="has no checkpoint"):
+        run(config, resume=True)
+    run(config)
+    with pytest.raises(ValueError, match=r"lr: 0\.01 -> 0\.02"):
+        run(make_config(tmp_path, max_steps=4, lr=2e-2), resume=True)
+    with pytest.raises(ValueError, match="already holds a run"):
+        run(config)
+    # Fields that only change what is observed may differ.
+    run(make_config(tmp_path, max_steps=4, log_every=2, eval_batches=1), resume=True)
+
+
+def test_diagnostics_are_logged_and_do_not_perturb_the_run(tmp_path):
+    plain = run(make_config(tmp_path, run_name="plain"), dropout=0.2)
+    calls = []
+
+    def diagnostics(model, batch, step):
+        calls.append(step)
+        torch.rand(100)  # draws from the global RNG, as a sampling diagnostic might
+        model.eval()
+        return {"weight_rms": model.mix.weight.pow(2).mean().sqrt().item()}
+
+    observed = run(make_config(tmp_path, run_name="observed", diag_every=3), dropout=0.2,
+                   diagnostics_fn=diagnostics)
+    assert calls == [3, 6]
+    assert observed.train_losses == plain.train_losses
+    logged = records(tmp_path / "observed", "diagnostics")
+    assert [r["step"] for r in logged] == [3, 6] and all("weight_rms" in r for r in logged)
+
+
+# --- invariances ------------------------------------------------------------------------------
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    big = make_config(tmp_path, run_name="big", batch_size=8, grad_accum_steps=1, max_steps=6)
+    accumulated = make_config(tmp_path, run_name="acc", batch_size=4, grad_accum_steps=2,
+                              max_steps=6)
+    assert big.tokens_per_step == accumulated.tokens_per_step
+    a, b = run(big), run(accumulated)
+    torch.testing.assert_close(torch.tensor(a.train_losses), torch.tensor(b.train_losses),
+                               rtol=1e-5, atol=1e-6)
+    weights_a = load_checkpoint(checkpoint_path(a.run_dir))["model"]
+    weights_b = load_checkpoint(checkpoint_path(b.run_dir))["model"]
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_weight_decay_spares_norms_biases_and_embeddings():
+    model = StandInLM()
+    groups = loop._param_groups(model, weight_decay=0.1)
+    decayed = {id(p) for p in groups[0]["params"]}
+    assert decayed == {id(model.mix.weight), id(model.head.weight)}
+    # The rest: the embedding, two biases and the LayerNorm's weight and bias.
+    assert groups[1]["weight_decay"] == 0.0 and len(groups[1]["params"]) == 5
+
+
+# --- non-finite losses ------------------------------------------------------------------------
+
+class PoisonedLM(StandInLM):
+    """Returns a NaN loss on the training forwards (1-based) listed in `poisoned`."""
+
+    def __init__(self, poisoned):
+        super().__init__()
+        self.poisoned, self.calls = poisoned, 0
+
+    def forward(self, idx, targets):
+        out = super().forward(idx, targets)
+        if self.training:
+            self.calls += 1
+            if self.calls in self.poisoned:
+                out.loss = out.loss * float("nan")
+        return out
+
+
+def test_a_nonfinite_step_is_skipped_and_logged(tmp_path):
+    config = make_config(tmp_path)
+    torch.manual_seed(0)
+    result = train(config, model=PoisonedLM({3}), data=StandInData(config))
+    assert result.steps == 8 and math.isnan(result.train_losses[2])
+    assert math.isfinite(result.val_loss)
+    skipped = records(tmp_path / "run", "nonfinite_skip")
+    assert [(r["step"], r["loss"], r["in_a_row"]) for r in skipped] == [(3, "nan", 1)]
+
+
+def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_checkpoint(tmp_path):
+    config = make_config(tmp_path, max_steps=20, max_consecutive_nonfinite=3)
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteLossError, match="3 steps in a row") as stopped:
+        train(config, model=PoisonedLM(set(range(6, 100))), data=StandInData(config))
+    assert stopped.value.step == 8
+    assert "\n" not in str(stopped.value)
+    saved = load_checkpoint(stopped.value.checkpoint)
+    assert saved["step"] == 4
+    assert all(torch.isfinite(t).all() for t in saved["model"].values())
+    assert len(records(tmp_path / "run", "nonfinite_skip")) == 3
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    real_save = torch.save
+
+    def save_then_crash(obj, f, *args, **kwargs):
+        if obj["step"] >= 4:
+            f.write(b"half a checkpoint")
+            raise OSError("disk full (simulated)")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_then_crash)
+    with pytest.raises(OSError, match="simulated"):
+        run(make_config(tmp_path, checkpoint_every=2))
+    folder = checkpoint_path(tmp_path / "run").parent
+    assert [p.name for p in folder.iterdir()] == ["latest.pt"]  # no temp file left behind
+    assert load_checkpoint(folder / "latest.pt")["step"] == 2
+
+
+def test_save_checkpoint_replaces_atomically(tmp_path):
+    path = tmp_path / "c.pt"
+    save_checkpoint({"version": 1, "step": 1}, path)
+    save_checkpoint({"version": 1, "step": 2}, path)
+    assert load_checkpoint(path)["step"] == 2 and len(list(tmp_path.iterdir())) == 1
+
+
+# --- config, schedule, CLI --------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lr=0.0), "lr must be a positive number"),
+    (dict(batch_size=0), "batch_size must be a positive integer"),
+    (dict(max_steps=10, warmup_steps=20), r"warmup_steps \(20\) exceeds the run's 10 steps"),
+    (dict(betas=(0.9, 1.0)), "betas must be two numbers in"),
+    (dict(grad_clip=-1.0), "grad_clip must be >= 0"),
+    (dict(device="tpu"), "device must be auto, cpu, cuda or cuda:N"),
+    (dict(run_name="a/b"), "must be a plain folder name"),
+    (dict(max_tokens=0), "max_tokens must be a positive integer"),
+    (dict(min_lr_ratio=2.0), r"min_lr_ratio must be in \[0, 1\]"),
+    (dict(n_experts=-1), "n_experts must be >= 0"),
+])
+def test_config_rejects_bad_values_with_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message) as error:
+        TrainConfig(**overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_config_round_trips_and_counts_tokens():
+    config = TrainConfig(batch_size=4, grad_accum_steps=2, seq_len=8, max_tokens=100,
+                         warmup_steps=1)
+    assert config.tokens_per_step == 64 and config.total_steps == 2  # 100 tokens, rounded up
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="unknown TrainConfig field"):
+        TrainConfig.from_dict({"learning_rate": 1.0})
+
+
+def test_learning_rate_schedule():
+    config = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=111)
+    lr = [learning_rate_at(step, config) for step in range(111)]
+    assert lr[0] == pytest.approx(0.1) and lr[4] == pytest.approx(0.5)  # linear warmup
+    assert lr[9] == 1.0 and lr[10] == 1.0  # peak: end of warmup, start of the cosine
+    assert lr[60] == pytest.approx(0.55)  # halfway down the cosine
+    assert lr[110] == pytest.approx(0.1)  # min_lr on the last step
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+
+
+def parse_train(*argv):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_flags_build_the_config():
+    config = config_from_args(parse_train("--steps", "20", "--lr", "3e-4", "--betas", "0.8,0.9",
+                                          "--no-progress", "--run-name", "x"))
+    assert (config.max_steps, config.lr, config.betas) == (20, 3e-4, (0.8, 0.9))
+    assert config.warmup_steps == 2 and not config.progress  # warmup shrinks to fit --steps
+    assert config_from_args(parse_train()) == TrainConfig()
+    with pytest.raises(ValueError, match="--betas must be two comma-separated numbers"):
+        config_from_args(parse_train("--betas", "0.9"))
+    with pytest.raises(ValueError, match="--compare needs two or more distinct"):
+        config_from_args(parse_train("--compare", "bf16"))
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        config_from_args(parse_train("--lr", "-1"))
+    with pytest.raises(SystemExit) as bad_type:
+        parse_train("--steps", "many")
+    assert bad_type.value.code == 2
+
+
+def test_unknown_recipe_is_refused_before_the_run_folder_is_made(tmp_path):
+    with pytest.raises(ValueError, match="recipe 'no-such-recipe'") as error:
+        run(make_config(tmp_path, recipe="no-such-recipe"))
+    assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+
+
+def test_resume_is_exact_under_a_stochastic_rounding_recipe(tmp_path):
+    pytest.importorskip("lowbit.nn")
+    # nvfp4 rounds gradients stochastically and draws random Hadamard signs, all from torch's
+    # default generator, which the checkpoint must carry.
+    whole = run(make_config(tmp_path, run_name="whole", recipe="nvfp4"), dropout=0.2)
+
+    def crash_at_step_6(model, batch, step):
+        if step == 6:
+            raise Crash()
+        return {}
+
+    cut = make_config(tmp_path, run_name="cut", recipe="nvfp4", diag_every=1)
+    with pytest.raises(Crash):
+        run(cut, dropout=0.2, diagnostics_fn=crash_at_step_6)
+    assert run(cut, dropout=0.2, init_seed=7, resume=True).train_losses == whole.train_losses
+
+
+# --- run folder, plots, compare ---------------------------------------------------------------
+
+def test_run_folder_holds_config_metrics_events_plot_and_final(tmp_path):
+    config = make_config(tmp_path, log_every=2)
+    result = run(config)
+    folder = tmp_path / "run"
+    assert result.run_dir == folder
+    assert json.loads((folder / "config.json").read_text()) == config.to_dict()
+    strict = [json.loads(line, parse_constant=pytest.fail)
+              for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in strict if r["event"] == "train"]
+    assert [r["step"] for r in train_records] == [2, 4, 6, 8]
+    fields = {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s"}
+    assert fields <= set(train_records[0])
+    assert [r["step"] for r in strict if r["event"] == "eval"] == [0, 4, 8]
+    assert list(folder.glob("events.out.tfevents.*"))
+    assert (folder / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    final = json.loads((folder / "final.json").read_text())
+    assert final["val_loss"] == result.val_loss and final["tokens_seen"] == 8 * 64
+    assert final["val_ppl"] == pytest.approx(math.exp(final["val_loss"]))
+    assert result.train_losses[-1] < result.train_losses[0]  # it learns
+
+
+def test_without_tensorboard_the_run_logs_jsonl_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
+    run(make_config(tmp_path, progress=True))
+    assert "tensorboard is not installed" in capsys.readouterr().out
+    assert not list((tmp_path / "run").glob("events.out.tfevents.*"))
+    assert records(tmp_path / "run", "train")
+
+
+def test_plot_runs_writes_one_png_for_several_runs(tmp_path):
+    run(make_config(tmp_path, run_name="a"))
+    run(make_config(tmp_path, run_name="b", lr=3e-3))
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parser = argparse.ArgumentParser()
+    add_plot_arguments(parser)
+    run_plot(parser.parse_args([str(tmp_path / "a"), "--out", str(tmp_path / "p.png")]))
+    assert (tmp_path / "p.png").is_file()
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        plot_runs([tmp_path / "missing"], tmp_path / "x.png")
+
+
+@pytest.fixture
+def stand_in_builders(monkeypatch):
+    """Make train() build the stand-ins, as it builds lowbit.models / lowbit.data for real."""
+    monkeypatch.setattr(loop, "_build_data", StandInData)
+    monkeypatch.setattr(loop, "_build_model", lambda config, vocab_size: StandInLM())
+
+
+def test_compare_tabulates_runs_on_the_same_data(tmp_path, stand_in_builders):
+    base = make_config(tmp_path)
+    configs = [base, TrainConfig(**{**base.to_dict(), "run_name": "twin"})]
+    comparison = compare(configs, name="cmp")
+    assert [row.status for row in comparison.rows] == ["ok", "ok"]
+    assert comparison.rows[1].gap_pct == 0.0  # same recipe, seed and data: the same run
+    assert comparison.figure.is_file() and "gap vs bf16" in comparison.table.read_text()
+    with pytest.raises(ValueError, match="differ only in recipe"):
+        compare([base, TrainConfig(**{**base.to_dict(), "run_name": "other", "seed": 1})])
+
+
+def test_cli_train_runs_and_turns_nonfinite_stop_into_exit_1(tmp_path, stand_in_builders,
+                                                             monkeypatch, capsys):
+    common = ("--out-dir", str(tmp_path), "--steps", "4", "--batch-size", "4", "--seq-len",
+              "16", "--eval-batches", "1", "--no-progress", "--device", "cpu")
+    run_train(parse_train(*common))  # the default recipe, stable-fp4
+    assert (tmp_path / "tiny-tinyshakespeare-stable-fp4" / "final.json").is_file()
+    run_train(parse_train(*common, "--compare", "bf16,mxfp4", "--run-name", "cmp"))
+    table = capsys.readouterr().out
+    assert "| cmp-mxfp4 | mxfp4 |" in table and (tmp_path / "cmp" / "loss.png").is_file()
+    monkeypatch.setattr(loop, "_build_model",
+                        lambda config, vocab_size: PoisonedLM(set(range(1, 100))))
+    stop_early = ("--run-name", "nan", "--max-consecutive-nonfinite", "2", "--recipe", "bf16")
+    with pytest.raises(SystemExit) as stopped:
+        run_train(parse_train(*common, *stop_early))
+    assert stopped.value.code == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("lowbit: error: stopped at step 2") and "\n" not in error
+
+
+# --- integration with lowbit.models and lowbit.data -------------------------------------------
+
+def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, monkeypatch):
+    from lowbit.data import data_root
+
+    try:
+        data_root()
+    except FileNotFoundError as e:  # CI has the data; a bare GPU box may not
+        pytest.skip(str(e))
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    config = make_config(tmp_path, run_name="real", model="tiny", dropout=0.1,
+                         corpus="tinyshakespeare", tokenizer="bytes", max_steps=6,
+                         checkpoint_every=3, eval_every=3, seq_len=32, lr=3e-3)
+    whole = train(config)
+    assert whole.train_losses[-1] < whole.train_losses[0] and math.isfinite(whole.val_loss)
+    assert whole.val_loss < math.log(256)  # better than uniform over the byte alphabet
+
+    def crash_at_step_4(model, batch, step):
+        if step == 4:
+            raise Crash()
+        return {}
+
+    cut = make_config(tmp_path, **{**config.to_dict(), "run_name": "real-cut", "diag_every": 1})
+    with pytest.raises(Crash):
+        train(cut, diagnostics_fn=crash_at_step_4)
+    assert train(cut, resume=True).train_losses == whole.train_losses
