@@ -4,6 +4,11 @@ import warnings
 import pytest
 import torch
 
+# Triton kernels run under its CPU interpreter where there is no GPU; the variable must be set
+# before triton is first imported (torchao imports it too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # torchao warns about its CUDA extensions on CPU-only machines; that is expected here.
 warnings.filterwarnings("ignore", message=".*Failed to load.*")
 os.environ.setdefault("MPLBACKEND", "Agg")

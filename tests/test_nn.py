@@ -67,7 +67,7 @@ SQNR_FLOORS = {
     "mxfp4": (12, 13.5, 13.5), "nvfp4": (15, 13, 14), "stable-fp4": (8.5, 9.5, 7.5),
     "stable-fp4-1d": (12, 11.5, 11.5), "stable-fp4-floor": (9, 11.5, 8.5),
     "stable-fp4-nosr": (8.5, 11.5, 8), "stable-fp4-b16": (10.5, 10.5, 9.5),
-    "stable-fp4-qk-fp4": (8.5, 9.5, 7.5),
+    "stable-fp4-qk-fp4": (8.5, 9.5, 7.5), "stable-fp4-dy1d": (8.5, 11.5, 8),
 }
 
 

@@ -313,3 +313,10 @@ def test_quantize_dequantize_equals_dequantize_of_quantize(fmt, kw, dtype):
         assert a.dtype == dtype and torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert spec.format == fmt
+
+
+def test_rceil_block_whose_amax_over_max_underflows_takes_the_smallest_scale():
+    x = torch.zeros(1, 32)
+    x[0, 0] = 2.0 ** -149  # float32's smallest subnormal: amax / 6 underflows to 0
+    q = lowbit.quantize(x, "mxfp8_e5m2", scale_rule="rceil")
+    assert q.scales.item() == 0 and torch.isfinite(q.dequantize()).all()

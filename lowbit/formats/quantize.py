@@ -66,8 +66,13 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
 
 def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> "QTensor":
-    """quantize() with a prebuilt QuantSpec."""
+    """quantize() with a prebuilt QuantSpec. CUDA tensors take the Triton kernel when one
+    covers the spec (same bits; stochastic rounding draws Philox, not torch.rand)."""
+    from lowbit import kernels  # lazy: lowbit.kernels imports lowbit.formats
     from lowbit.formats.qtensor import QTensor
+
+    if kernels.use_kernels(x, spec):
+        return kernels.quantize_triton(x, spec, generator=generator)
 
     g = _on_grid(x, spec, generator)
     codes = encode(g.values, spec.info.element)
@@ -90,7 +95,12 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """quantize_with_spec(x, spec).dequantize(dtype), bit for bit, without encoding and
-    packing codes: the emulated GEMM path ("fake quantization")."""
+    packing codes: the emulated GEMM path ("fake quantization"). CUDA tensors take the fused
+    Triton kernel when one covers the spec."""
+    from lowbit import kernels
+
+    if kernels.use_kernels(x, spec):
+        return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
     g = _on_grid(x, spec, generator)
     kind = spec.info.scale_kind
     if kind is ScaleKind.E4M3:  # the same float32 products QTensor.element_scales() forms
@@ -177,6 +187,8 @@ def _mx_scales(amax: torch.Tensor, element: ElementFormat, rule: ScaleRule):
         descale = amax / element.max_value
         mant, exp = torch.frexp(descale)
         unbiased = torch.where(mant == 0.5, exp - 1, exp)
+        # amax / max underflowing to 0 (amax <= max * 2^-150) takes the smallest scale too
+        unbiased = torch.where(descale == 0, torch.full_like(unbiased, -127), unbiased)
     unbiased = torch.where(amax == 0, torch.full_like(unbiased, -127), unbiased)
     unbiased = torch.clamp(unbiased, -127, 127)
     codes = (unbiased + 127).to(torch.uint8)

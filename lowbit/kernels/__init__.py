@@ -1,5 +1,213 @@
-"""Triton kernels (fused quantize, quantize-dequantize, exact FP4 GEMMs on FP8 tensor cores).
+"""Triton kernels: fused quantize and quantize-dequantize ("fake quant"), bit-exact to the
+reference in lowbit.formats (see lowbit/kernels/quantize.py for how, and for the stochastic
+rounding seed contract).
 
-Not built yet (issue 4). Every kernel will take lowbit.formats' reference as its CPU fallback
-and its test oracle; until then all quantization runs through the reference on every device.
+    q = quantize_triton(x, spec)               # QTensor, same bits as quantize_with_spec(x, spec)
+    x_hat = fake_quantize_triton(x, spec)      # == quantize_dequantize(x, spec), same bits
+    q, q_t = quantize_triton_with_transpose(x, spec2d)       # q_t == q.t(), from the same pass
+    x_hat, x_hat_t = fake_quantize_triton_with_transpose(x, spec2d)
+
+Dispatch: `use_kernels(x, spec)` is True for CUDA tensors when triton imports, the spec is
+one the kernels cover (`supports(spec)`: NVFP4 and MX formats, power-of-two blocks), and the
+reference is not forced (`LOWBIT_FORCE_REFERENCE=1` in the environment, or inside
+`with force_reference():`). CPU tensors always take the reference: under TRITON_INTERPRET=1
+(the CPU test mode) the kernels run on CPU tensors when called directly, but the reference
+must stay the reference there, since it is their oracle.
+
+Importing this package does not import triton; the kernels load on first use.
 """
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from lowbit.formats.qtensor import QTensor
+from lowbit.formats.spec import QuantSpec, ScaleKind
+
+__all__ = ["quantize_triton", "fake_quantize_triton", "quantize_triton_with_transpose",
+           "fake_quantize_triton_with_transpose", "kernels_available", "use_kernels",
+           "supports", "force_reference", "reference_forced", "triton_importable",
+           "stochastic_uniforms"]
+
+_force_depth = 0
+
+
+@contextlib.contextmanager
+def force_reference():
+    """Inside this block (and with LOWBIT_FORCE_REFERENCE=1 set), use_kernels() is False, so
+    every quantizer runs the plain-PyTorch reference."""
+    global _force_depth
+    _force_depth += 1
+    try:
+        yield
+    finally:
+        _force_depth -= 1
+
+
+def reference_forced() -> bool:
+    return _force_depth > 0 or os.environ.get("LOWBIT_FORCE_REFERENCE", "0") not in ("", "0")
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def kernels_available(x: torch.Tensor) -> bool:
+    """The kernels can run on x: a CUDA tensor with triton importable, or a CPU tensor under
+    TRITON_INTERPRET=1 (Triton's interpreter; slow, for tests)."""
+    if not triton_importable():
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and _interpret_env())
+
+
+def supports(spec: QuantSpec) -> bool:
+    """Specs the kernels cover: NVFP4 and MX formats with power-of-two blocks (1, 2..128) or
+    (b, b) with b in 2..64. Everything else (intK, ternary, binary, other blocks) is the
+    reference's."""
+    if spec.info.scale_kind not in (ScaleKind.E4M3, ScaleKind.E8M0):
+        return False
+    br, bc = spec.block
+    pow2 = bc >= 2 and bc & (bc - 1) == 0
+    return pow2 and (bc <= 128 if br == 1 else bc <= 64)
+
+
+def use_kernels(x: torch.Tensor, spec: QuantSpec) -> bool:
+    """Whether a quantizer should run the Triton kernels on x: CUDA only (see module doc)."""
+    return (x.is_cuda and not reference_forced() and supports(spec)
+            and kernels_available(x))
+
+
+def quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
+                    generator: torch.Generator | None = None) -> QTensor:
+    """Quantize x with the fused kernel: a QTensor equal bit for bit to
+    `quantize_with_spec(x, spec)` (RNE; stochastic rounding follows the seed contract).
+
+    seed: stochastic rounding only -- an int in [0, 2^63), a one-element int64 tensor (no
+    host sync), or None: drawn from `generator` (default: torch's default generator of x's
+    device), so torch.manual_seed fixes it.
+    """
+    return _run(x, spec, seed, generator, codes=True, values=False, transpose=False)[0]
+
+
+def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
+                                   generator: torch.Generator | None = None) -> tuple[QTensor, QTensor]:
+    """(q, q_t) from one pass over x, with q_t == q.t() bit for bit (square 2D tiles only)."""
+    q, q_t = _run(x, spec, seed, generator, codes=True, values=False, transpose=True)
+    return q, q_t
+
+
+def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
+                         generator: torch.Generator | None = None,
+                         dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Quantize-dequantize in one pass: equal bit for bit to
+    `quantize_dequantize(x, spec, dtype=dtype)` (= `quantize_with_spec(x, spec).dequantize(dtype)`),
+    in x's shape and `dtype` (default x's)."""
+    return _run(x, spec, seed, generator, codes=False, values=True, transpose=False,
+                out_dtype=dtype)[0]
+
+
+def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
+                                        generator: torch.Generator | None = None,
+                                        dtype: torch.dtype | None = None):
+    """(x_hat, x_hat_t): the fake-quantized x and its transpose (last two dims, contiguous),
+    written from the same registers (square 2D tiles only)."""
+    x_hat, x_hat_t = _run(x, spec, seed, generator, codes=False, values=True, transpose=True,
+                          out_dtype=dtype)
+    return x_hat, x_hat_t
+
+
+def stochastic_uniforms(shape, seed, device="cuda") -> torch.Tensor:
+    """The uniforms in [0, 1) that stochastic rounding with `seed` gives each element of a
+    tensor of `shape` (float32, that shape): element i rounds up iff floor(ratio_i + u_i)
+    does. Computed by the kernels' own code, to reproduce or audit a draw."""
+    from lowbit.kernels import quantize as kq
+
+    shape = tuple(shape)
+    cols = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    device = torch.device(device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        u = kq.uniforms(rows, cols, _seed_tensor(seed, None, device))
+    return u.reshape(shape)
+
+
+def _seed_tensor(seed, generator, device) -> torch.Tensor:
+    if isinstance(seed, torch.Tensor):
+        if seed.numel() != 1 or seed.dtype != torch.int64:
+            raise ValueError(f"a tensor seed must hold one int64, got {seed.dtype} {tuple(seed.shape)}")
+        return seed.reshape(1).to(device)
+    if seed is None:
+        gen_device = generator.device if generator is not None else device
+        return torch.randint(0, 2**62, (1,), generator=generator, device=gen_device).to(device)
+    seed = int(seed)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2^63), got {seed}")
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, config=None):
+    from lowbit.formats.quantize import _check_input
+    from lowbit.kernels import quantize as kq
+
+    _check_input(x, spec)
+    if not supports(spec):
+        raise NotImplementedError(f"the Triton kernels do not cover {spec}; use the reference "
+                                  "(lowbit.formats.quantize_with_spec)")
+    if not (x.is_cuda or kq.INTERPRET):
+        raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
+                           "before triton is first imported (CPU interpreter, for tests)")
+    if transpose and not spec.is_2d:
+        raise ValueError(f"a transposed output from the same pass needs square 2D tiles, got "
+                         f"block {spec.block}: 1D blocks of x^T are a different quantization")
+    shape = tuple(x.shape)
+    if spec.is_2d:
+        x3 = x.reshape(-1, shape[-2], shape[-1])        # (B, R, C), a view where possible
+    else:
+        x3 = x.reshape(1, -1, shape[-1])                # 1D blocks: all rows are alike
+    stochastic = spec.rounding.value == "stochastic"
+    seed_t = _seed_tensor(seed, generator, x.device) if stochastic else None
+    if out_dtype is not None and out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"fake quantization writes float32, bfloat16 or float16, not {out_dtype}")
+    # Triton launches on the current device: make it x's
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        out = kq.launch(x3, spec, seed=seed_t, codes=codes, values=values, transpose=transpose,
+                        out_dtype=out_dtype, config=config)
+    tensor_scale = out.get("tensor_scale")
+
+    def qtensor(codes_, scales_, shape_):
+        codes_ = codes_.reshape(*shape_[:-1], codes_.shape[-1])
+        if spec.is_2d:
+            scales_ = scales_.reshape(*shape_[:-2], *scales_.shape[-2:])
+        else:
+            scales_ = scales_.reshape(*shape_[:-1], scales_.shape[-1])
+        if spec.info.scale_kind is ScaleKind.E4M3:
+            scales_ = scales_.view(torch.float8_e4m3fn)
+        return QTensor(codes_, scales_, tensor_scale, spec, shape_, x.dtype)
+
+    results = []
+    if codes:
+        results.append(qtensor(out["codes"], out["scales"], shape))
+        if transpose:
+            shape_t = (*shape[:-2], shape[-1], shape[-2])
+            results.append(qtensor(out["codes_t"], out["scales_t"], shape_t))
+    if values:
+        results.append(out["values"].reshape(shape))
+        if transpose:
+            results.append(out["values_t"].reshape(*shape[:-2], shape[-1], shape[-2]))
+    return results

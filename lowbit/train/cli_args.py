@@ -30,6 +30,7 @@ _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--corpus", "corpus", str, "tinyshakespeare, wikitext2, gutenberg, english, pycode"),
     ("--tokenizer", "tokenizer", str, "bytes or bpe"),
     ("--bpe-vocab-size", "bpe_vocab_size", int, "vocabulary of the BPE tokenizer"),
+    ("--corpus-max-bytes", "corpus_max_bytes", int, "cut each split of the corpus to this many bytes"),
     ("--data-dir", "data_dir", str, "folder of the corpora (default: lowbit.data's)"),
     ("--seq-len", "seq_len", int, "tokens per training sequence"),
     ("--batch-size", "batch_size", int, "sequences per micro-batch"),

@@ -400,7 +400,8 @@ def _build_data(config: TrainConfig) -> TrainingData:
     from lowbit.data import load_dataset
 
     dataset = load_dataset(config.corpus, tokenizer=config.tokenizer,
-                           vocab_size=config.bpe_vocab_size, data_dir=config.data_dir)
+                           vocab_size=config.bpe_vocab_size, data_dir=config.data_dir,
+                           max_bytes=config.corpus_max_bytes)
     return _CorpusData(dataset, config)
 
 

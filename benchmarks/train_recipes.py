@@ -1,0 +1,176 @@
+"""Train several recipes side by side on one GPU (parallel processes), same tokens and seed.
+
+    python benchmarks/train_recipes.py --name english-small --recipes bf16,mxfp4,nvfp4,stable-fp4 \
+        --deadline-min 8 -- --model small --corpus english --tokenizer bpe --steps 900 ...
+
+Everything after `--` is passed to every `lowbit train` run (plus --recipe and --run-name).
+The data is tokenized once before the runs start. Runs still going at the deadline are
+stopped; the comparison then uses the last evaluation step every run reached (equal tokens).
+Writes <out>/<name>/: summary.md, summary.json, loss.png, gradbias.png, runs.tar.gz (each
+run's config, metrics and final numbers); with $OUT set, copies them there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--recipes", required=True)
+    parser.add_argument("--out-dir", default="runs")
+    parser.add_argument("--deadline-min", type=float, default=8.0)
+    parser.add_argument("train_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    train_args = [a for a in args.train_args if a != "--"]
+    recipes = args.recipes.split(",")
+    out = Path(args.out_dir)
+    t0 = time.time()
+
+    prepare_data(train_args)
+    print(f"data ready in {time.time() - t0:.0f} s", flush=True)
+    procs = {}
+    for recipe in recipes:
+        run = f"{args.name}-{recipe}"
+        log = open(out / f"{run}.log", "w") if out.exists() else None
+        if log is None:
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out / f"{run}.log", "w")
+        cmd = [sys.executable, "-m", "lowbit.cli", "train", *train_args, "--recipe", recipe,
+               "--run-name", run, "--out-dir", str(out), "--no-progress", "--overwrite"]
+        procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True), log)
+    deadline = t0 + args.deadline_min * 60
+    while any(p.poll() is None for p, _ in procs.values()) and time.time() < deadline:
+        time.sleep(5)
+    for recipe, (p, log) in procs.items():
+        if p.poll() is None:
+            print(f"{recipe}: stopped at the deadline", flush=True)
+            os.killpg(p.pid, signal.SIGTERM)
+        p.wait()
+        log.close()
+    summarize(args.name, recipes, out)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+
+
+def prepare_data(train_args: list[str]) -> None:
+    """Tokenize (and train the BPE) once, so the parallel runs read the cache."""
+    from lowbit.data import load_dataset
+    from lowbit.train.cli_args import add_train_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    config = config_from_args(p.parse_args(train_args))
+    load_dataset(config.corpus, tokenizer=config.tokenizer, vocab_size=config.bpe_vocab_size,
+                 data_dir=config.data_dir, max_bytes=config.corpus_max_bytes)
+
+
+def read_run(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    final = json.loads((run_dir / "final.json").read_text()) if (run_dir / "final.json").exists() else None
+    return {"records": records, "final": final}
+
+
+def summarize(name: str, recipes: list[str], out: Path) -> None:
+    from lowbit.train.plot import plot_runs
+
+    runs = {r: read_run(out / f"{name}-{r}") for r in recipes}
+    evals = {r: {e["step"]: e for e in d["records"] if e.get("event") == "eval"} for r, d in runs.items()}
+    common = set.intersection(*(set(e) for e in evals.values())) if evals else set()
+    step = max(common) if common else None
+    base = evals[recipes[0]].get(step) if step is not None else None
+    rows = []
+    for r in recipes:
+        d, e = runs[r], evals[r].get(step) if step is not None else None
+        train = [x for x in d["records"] if x.get("event") == "train"]
+        diag = [x for x in d["records"] if x.get("event") == "diagnostics"]
+        skips = sum(1 for x in d["records"] if x.get("event") == "nonfinite_skip")
+        mean = lambda key: (sum(x[key] for x in diag if key in x) / max(1, sum(key in x for x in diag))
+                            if any(key in x for x in diag) else None)
+        rows.append({
+            "recipe": r, "steps_done": train[-1]["step"] if train else 0,
+            "finished": d["final"] is not None,
+            "val_loss": e["val_loss"] if e else None,
+            "gap_pct": (e["val_loss"] - base["val_loss"]) / base["val_loss"] * 100 if e and base else None,
+            "tokens_per_s": train[-1]["tokens_per_s"] if train else None,
+            "nonfinite_skips": skips,
+            "dw_cos": mean("diag/dw_cos"), "dx_cos": mean("diag/dx_cos"),
+            "w_fwd_bwd_rel_diff": mean("diag/w_fwd_bwd_rel_diff"), "clip_x": mean("diag/clip_x"),
+        })
+    fmt = lambda v, f: "—" if v is None else format(v, f)
+    lines = [f"Comparison at step {step} (the last evaluation every run reached).", "",
+             "| recipe | val loss | gap vs " + recipes[0] + " | steps | tok/s (last) | dW cos | dX cos | "
+             "W fwd/bwd diff | X clipped | NaN skips |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        lines.append(f"| {row['recipe']} | {fmt(row['val_loss'], '.4f')} | {fmt(row['gap_pct'], '+.2f')}% | "
+                     f"{row['steps_done']}{'' if row['finished'] else ' (stopped)'} | "
+                     f"{fmt(row['tokens_per_s'], ',.0f')} | {fmt(row['dw_cos'], '.4f')} | "
+                     f"{fmt(row['dx_cos'], '.4f')} | {fmt(row['w_fwd_bwd_rel_diff'], '.4f')} | "
+                     f"{fmt(row['clip_x'], '.4f')} | {row['nonfinite_skips']} |")
+    table = "\n".join(lines) + "\n"
+    dest = out / name
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.md").write_text(table)
+    (dest / "summary.json").write_text(json.dumps({"step": step, "rows": rows}, indent=2))
+    run_dirs = [out / f"{name}-{r}" for r in recipes if (out / f"{name}-{r}" / "metrics.jsonl").exists()]
+    try:
+        plot_runs(run_dirs, dest / "loss.png", title=f"{name}: validation loss")
+    except Exception as e:  # a plot must not lose the numbers
+        print(f"loss plot failed: {e}")
+    plot_gradient_bias(runs, dest / "gradbias.png", name)
+    with tarfile.open(dest / "runs.tar.gz", "w:gz") as tar:
+        for r in recipes:
+            run_dir = out / f"{name}-{r}"
+            for f in ("config.json", "metrics.jsonl", "final.json"):
+                if (run_dir / f).exists():
+                    tar.add(run_dir / f, arcname=f"{name}-{r}/{f}")
+            if (out / f"{name}-{r}.log").exists():
+                tar.add(out / f"{name}-{r}.log", arcname=f"{name}-{r}/train.log")
+    print(table, flush=True)
+    if os.environ.get("OUT"):
+        target = Path(os.environ["OUT"]) / name
+        target.mkdir(parents=True, exist_ok=True)
+        for f in ("summary.md", "summary.json", "loss.png", "gradbias.png", "runs.tar.gz"):
+            if (dest / f).exists():
+                shutil.copy(dest / f, target / f)
+
+
+def plot_gradient_bias(runs: dict, path: Path, name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for recipe, d in runs.items():
+        diag = [x for x in d["records"] if x.get("event") == "diagnostics" and "diag/dw_cos" in x]
+        if not diag:
+            continue
+        steps = [x["step"] for x in diag]
+        axes[0].plot(steps, [x["diag/dw_cos"] for x in diag], label=recipe)
+        axes[1].plot(steps, [x.get("diag/w_fwd_bwd_rel_diff", math.nan) for x in diag], label=recipe)
+    axes[0].set(title="dW cosine vs BF16 (same batch)", xlabel="step")
+    axes[1].set(title="||W_fprop - W_dgrad|| / ||W_fprop||", xlabel="step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

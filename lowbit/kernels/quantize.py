@@ -1,0 +1,462 @@
+"""Fused Triton quantize kernels: MXFP4 / MXFP8 (E8M0 scales, floor or rceil) and NVFP4
+(E4M3 block scales, single- or two-level), 1D (1, b) blocks and square (b, b) tiles, RNE or
+stochastic rounding, all bit-exact to lowbit.formats.quantize (the reference and the oracle).
+
+One program loads a tile of TILE_R x TILE_C input values once and, from registers: takes each
+block's amax, derives its scale, scales, rounds, encodes, packs two FP4 codes per byte and
+stores the codes and scales (`quantize`), and/or the dequantized values in the input dtype
+(`fake quantize`); with 2D tiles it can also store the transposed codes / values from the
+same registers (the tile's scale is the same for x and x^T, so nothing is requantized).
+
+How the bits match the reference (every step is the reference's operation, in its order):
+- amax on the bits: |x| as int32 (the sign bit cleared) orders like the float, and any
+  NaN/Inf has bits >= 0x7F800000, so one integer max gives both the amax and the "block is
+  not finite" flag, independent of how a float max treats NaN.
+- Divisions are `tl.math.div_rn` (IEEE round-to-nearest; `/` on fp32 lowers to an
+  approximate division on NVIDIA GPUs). There are no float adds that fp-fusion could fold
+  into an FMA with a rounded product: every product that feeds an add below is exact.
+- MX floor: floor(log2 amax) is the biased exponent field - 127; amax == 0 and float32
+  subnormal amaxes clamp to code 0 (2^-127), as the reference's frexp + clamp do.
+- MX rceil: d = amax / max_elem (rounded once), then rounded up to a power of two on its bits
+  (the exponent, plus one when the mantissa is non-zero; subnormal d handled on its mantissa).
+  When d underflows to 0 while amax > 0 (amax <= max_elem * 2^-150), the reference's
+  frexp(0) gives exponent 0, so the scale code is 127; the kernel reproduces that.
+- NVFP4: s = (amax / 6) [/ s_t], clamped to [2^-6, 448], rounded to E4M3 (RNE); the element
+  factor is (1 / s_t) / s -- a multiply by one rounded reciprocal, as the reference does.
+  The tensor scale s_t = max(amax_finite / 2688, 2^-120) needs the whole tensor's amax: a
+  first kernel reduces the finite |x| bits of every tile into one int32 with atomic_max,
+  then the quantize kernel reads it. Two-level NVFP4 therefore reads x twice.
+- Element rounding (E2M1, E4M3, E5M2) is the reference's round_to_grid: mag = min(|x| *
+  factor, max_elem), binade b = max(floor(log2 mag), emin), ratio = mag * 2^(mbits - b)
+  (exact), steps = RNE(ratio) -- ratio + 2^23 rounds to an integer, ties to even, and its
+  low mantissa bits are that integer -- or floor(ratio + u) (the sum is >= 0, so a
+  truncating conversion). The code is steps + ((b - emin) << mbits), one formula for all
+  three formats that also covers their subnormals and the carry into the next binade.
+- Casts: bfloat16 -> float32 is exact, float32 -> bfloat16 / float16 round to nearest even:
+  natively on the GPU; in Triton's interpreter, which truncates to bfloat16 and mangles
+  bfloat16 subnormals, both are done on the bits.
+
+Stochastic rounding seed contract. Element i -- its row-major index in x's logical shape
+(leading dims included, padding excluded; the same index whatever the tile, grid, block
+layout or memory strides) -- uses the uniform u_i = (r >> 8) * 2^-24 in [0, 1) (24 random
+bits, the law of torch.rand), where r is word (i mod 4) of Philox4x32-10 (Random123, Triton's
+`tl.philox`) with key (seed mod 2^32, seed >> 32) and counter (i // 4 mod 2^32, i // 4 >> 32,
+0, 0). One Philox call serves four consecutive elements. `tl.rand` is not used: it maps to
+[0, 1] and can return 1.0, which would round an on-grid value up by a whole step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+_F32_MAX = 3.4028234663852886e38
+_OUT_LIMIT = {torch.float32: _F32_MAX, torch.bfloat16: 3.3895313892515355e38,
+              torch.float16: 65504.0}
+
+# element formats: (emin, mbits, emax, max value, largest finite code, sign bit)
+_ELEMENTS = {
+    "e2m1": (0, 1, 2, 6.0, 0x7, 3),
+    "e4m3": (-6, 3, 8, 448.0, 0x7E, 7),
+    "e5m2": (-14, 2, 15, 57344.0, 0x7B, 7),
+}
+SCALE_NVFP4, SCALE_FLOOR, SCALE_RCEIL = 0, 1, 2
+TENSOR_SCALE_MIN = tl.constexpr(2.0**-120)   # the reference's NVFP4_TENSOR_SCALE_MIN
+E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)      # NVFP4 block scales clamp here (as torchao)
+TWO_POW_M24 = tl.constexpr(2.0**-24)
+SIGN_MASK = tl.constexpr(-2147483648)        # 0x80000000 as an int32
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built on the bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_wide(e):
+    """2^e for e in [-127, 127]: 2^-127 is the float32 subnormal 0x00400000."""
+    return tl.where(e == -127, 0x00400000, (e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_grid(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round magnitudes (float32 in [0, max]) onto a minifloat grid: (steps, bexp) with the
+    value steps * 2^(bexp - 127 - MBITS), bexp the biased exponent of the binade (>= emin)."""
+    bexp = tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, EMIN + 127)
+    to_ratio = ((MBITS + 254 - bexp) << 23).to(tl.float32, bitcast=True)  # 2^(MBITS - b), exact
+    if STOCHASTIC:
+        steps = (mag * to_ratio + u).to(tl.int32)      # floor (the sum is >= 0) of one rounding
+    else:
+        # the exact ratio + 2^23 rounds to an integer, ties to even, held in the low bits
+        steps = (mag * to_ratio + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return steps, bexp
+
+
+@triton.jit
+def _block_max(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(TR, TC) -> (TR/BR, TC/BC): max over each block."""
+    if BR == 1:
+        return tl.max(tl.reshape(t, (TR, TC // BC, BC)), axis=2)
+    else:
+        return tl.max(tl.max(tl.reshape(t, (TR // BR, BR, TC // BC, BC)), axis=3), axis=1)
+
+
+@triton.jit
+def _expand(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(TR/BR, TC/BC) -> (TR, TC): each block's value on each of its elements."""
+    if BR == 1:
+        return tl.reshape(tl.broadcast_to(t[:, :, None], (TR, TC // BC, BC)), (TR, TC))
+    else:
+        full = tl.broadcast_to(t[:, None, :, None], (TR // BR, BR, TC // BC, BC))
+        return tl.reshape(full, (TR, TC))
+
+
+@triton.jit
+def _pack_fp4(codes, TR: tl.constexpr, TC: tl.constexpr):
+    """(TR, TC) int32 codes -> (TR, TC/2) uint8, the even element in the low nibble."""
+    even, odd = tl.split(tl.reshape(codes, (TR, TC // 2, 2)))
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
+              GROUP4: tl.constexpr):
+    """The seed contract's u_i for the tile's elements, i = first + rows * C + col0 + j."""
+    if GROUP4:  # C % 4 == 0 and col0 % 4 == 0: four neighbours in a row share one counter
+        row_start = first + rows.to(tl.int64)[:, None] * C + col0
+        quads = row_start // 4 + tl.arange(0, TC // 4)[None, :]
+        r0, r1, r2, r3 = tl.philox(seed, (quads & 0xFFFFFFFF).to(tl.uint32),
+                                   (quads >> 32).to(tl.uint32), 0, 0)
+        bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (TR, TC))
+    else:
+        index = first + rows.to(tl.int64)[:, None] * C + col0 + tl.arange(0, TC)[None, :]
+        quads = index // 4
+        lane = index % 4
+        r0, r1, r2, r3 = tl.philox(seed, (quads & 0xFFFFFFFF).to(tl.uint32),
+                                   (quads >> 32).to(tl.uint32), 0, 0)
+        bits = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return (bits >> 8).to(tl.int32).to(tl.float32) * TWO_POW_M24
+
+
+@triton.jit
+def _load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
+    """Load as float32, masked elements 0. The interpreter converts bfloat16 subnormals
+    wrongly, so there bfloat16 widens on the bits (the top half of a float32)."""
+    if NATIVE_CAST or ptrs.dtype.element_ty != tl.bfloat16:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
+    """Cast float32 to the output dtype, rounding to nearest even."""
+    if NATIVE_CAST or out_ptr.dtype.element_ty != tl.bfloat16:
+        return v.to(out_ptr.dtype.element_ty)
+    else:  # the interpreter truncates float32 -> bfloat16: round to nearest even on the bits
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _tensor_amax_kernel(x_ptr, amax_ptr, R, C, stride_b, stride_r, stride_c, n_tiles_c, n_tiles_r,
+                        n_tiles, ITERS: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+                        NATIVE_CAST: tl.constexpr):
+    """Max of the finite |x| (as int32 bits) into amax_ptr (int32). Each program folds ITERS
+    consecutive tiles, then does one atomic_max, so the atomics do not queue up. (ITERS is a
+    constexpr: Triton's interpreter cannot loop over a runtime bound.)"""
+    acc = tl.zeros((TILE_R, TILE_C), dtype=tl.int32)
+    for i in range(ITERS):
+        tile = tl.program_id(0) * ITERS + i
+        pid_c = tile % n_tiles_c
+        pid_r = (tile // n_tiles_c) % n_tiles_r
+        batch = (tile // (n_tiles_c * n_tiles_r)).to(tl.int64)
+        rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+        cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+        row_end = tl.where(tile < n_tiles, R, 0)                   # past the last tile: none
+        mask = (rows[:, None] < row_end) & (cols[None, :] < C)
+        ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
+                + cols[None, :] * stride_c)
+        abits = _load_float32(ptrs, mask, NATIVE_CAST).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        acc = tl.maximum(acc, tl.where(abits < 0x7F800000, abits, 0))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, out_ptr, out_t_ptr,
+    amax_ptr, tensor_scale_ptr, seed_ptr,
+    R, C, stride_b, stride_r, stride_c, codes_cols, codes_t_cols, n_scale_rows, n_scale_cols,
+    EMIN: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr,
+    MAX_CODE: tl.constexpr, SIGN_BIT: tl.constexpr,
+    SCALE_KIND: tl.constexpr, TWO_LEVEL: tl.constexpr, STOCHASTIC: tl.constexpr,
+    GROUP4: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, TRANSPOSE: tl.constexpr,
+    OUT_LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr,
+):
+    # x: (B, R, C) with strides; codes: (B, R, codes_cols) uint8; 1D scales: (B*R, n_scale_cols),
+    # 2D scales: (B, n_scale_rows, n_scale_cols); out: (B, R, C); transposed: (B, C, ...).
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+    in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
+    ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
+            + cols[None, :] * stride_c)
+    x = _load_float32(ptrs, in_bounds, NATIVE_CAST)                   # (TR, TC), padding = 0
+    bits = x.to(tl.int32, bitcast=True)
+
+    # ---- one scale per block, from the amax on the bits ------------------------------------
+    amax_bits = _block_max(bits & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)  # (TR/BR, TC/BC)
+    bad = amax_bits >= 0x7F800000                                      # NaN or Inf in the block
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if SCALE_KIND == 0:  # NVFP4: E4M3 block scale, optionally under the FP32 tensor scale
+        block_scale = tl.math.div_rn(amax, 6.0)
+        if TWO_LEVEL:
+            t_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+            t_scale = tl.math.div_rn(t_amax, 2688.0)                   # amax / (448 * 6)
+            t_scale = tl.where(t_scale < TENSOR_SCALE_MIN, TENSOR_SCALE_MIN, t_scale)
+            block_scale = tl.math.div_rn(block_scale, t_scale)
+        block_scale = tl.where(block_scale < E4M3_MIN_NORMAL, E4M3_MIN_NORMAL, block_scale)
+        block_scale = tl.where(block_scale > 448.0, 448.0, block_scale)
+        steps, bexp = _round_to_grid(block_scale, 0.0, -6, 3, False)   # E4M3, RNE
+        scale_code = steps + ((bexp - 121) << 3)
+        decoded = steps.to(tl.float32) * _pow2(bexp - 130)
+        if TWO_LEVEL:
+            recip = tl.math.div_rn(tl.math.div_rn(1.0, t_scale), decoded)
+            elem_scale = t_scale * decoded                             # dequantize's order
+            if (pid_c == 0) & (pid_r == 0) & (batch == 0):
+                tl.store(tensor_scale_ptr, t_scale)
+        else:
+            recip = tl.math.div_rn(1.0, decoded)
+            elem_scale = decoded
+        scale_code = tl.where(bad, 0x7F, scale_code)                   # E4M3 NaN
+    else:  # MX: E8M0 power-of-two scale
+        if SCALE_KIND == 1:  # floor: 2^(floor(log2 amax) - emax_elem)
+            unbiased = (amax_bits >> 23) - 127 - EMAX
+        else:  # rceil: amax / max_elem rounded up to a power of two
+            d_bits = tl.math.div_rn(amax, MAXV).to(tl.int32, bitcast=True)
+            d_exp = d_bits >> 23
+            d_man = d_bits & 0x7FFFFF
+            unbiased = tl.where(d_exp > 0, d_exp - 127 + (d_man != 0).to(tl.int32),
+                                -127 + (d_man > 0x400000).to(tl.int32))
+            unbiased = tl.where(d_bits == 0, -127, unbiased)       # amax / max underflowed
+        unbiased = tl.minimum(tl.maximum(unbiased, -127), 127)
+        scale_code = tl.where(bad, 255, unbiased + 127)
+        recip = _pow2_wide(-unbiased)
+        elem_scale = _pow2_wide(unbiased)
+    elem_scale = tl.where(bad, 0x7FC00000,                             # NaN: the block dequantizes
+                          elem_scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+    # ---- elements: scale, round, encode --------------------------------------------------------
+    u = 0.0
+    if STOCHASTIC:
+        u = _uniforms(tl.load(seed_ptr), batch * R * C, C, rows, pid_c * TILE_C,
+                      TILE_R, TILE_C, GROUP4)
+    # |x| / scale, saturated (NaN lanes, only in NaN blocks, are overwritten below)
+    mag = tl.minimum(tl.abs(x * _expand(recip, TILE_R, TILE_C, BR, BC)), MAXV)
+    steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, STOCHASTIC)
+
+    if WRITE_CODES:
+        codes = steps + ((bexp - (EMIN + 127)) << MBITS)   # also subnormals and the carry
+        if STOCHASTIC:  # floor(ratio + u) can step past the largest value: saturate
+            codes = tl.minimum(codes, MAX_CODE)
+        sign = (bits >> (31 - SIGN_BIT)) & (1 << SIGN_BIT)   # copysign: -0.0 too
+        keep = _expand(tl.where(bad, 0, 0xFF), TILE_R, TILE_C, BR, BC)
+        codes = (codes | sign) & keep                       # a NaN/Inf block has codes 0
+        row_off = (batch * R + rows.to(tl.int64))[:, None] * codes_cols
+        if MBITS == 1:  # FP4: two codes per byte
+            packed_cols = pid_c * (TILE_C // 2) + tl.arange(0, TILE_C // 2)
+            tl.store(codes_ptr + row_off + packed_cols[None, :], _pack_fp4(codes, TILE_R, TILE_C),
+                     mask=(rows[:, None] < R) & (packed_cols[None, :] < codes_cols))
+        else:
+            tl.store(codes_ptr + row_off + cols[None, :], codes.to(tl.uint8),
+                     mask=(rows[:, None] < R) & (cols[None, :] < codes_cols))
+        scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
+        if BR == 1:
+            s_off = (batch * R + rows.to(tl.int64))[:, None] * n_scale_cols + scale_cols[None, :]
+            s_mask = (rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols)
+        else:
+            scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
+            s_off = ((batch * n_scale_rows + scale_rows)[:, None] * n_scale_cols
+                     + scale_cols[None, :])
+            s_mask = (scale_rows[:, None] < n_scale_rows) & (scale_cols[None, :] < n_scale_cols)
+        tl.store(scales_ptr + s_off, scale_code.to(tl.uint8), mask=s_mask)
+        if TRANSPOSE:  # (B, C, Rp) codes and (B, n_scale_cols, n_scale_rows) scales
+            codes_tr = tl.trans(codes)                                 # (TC, TR)
+            row_off_t = (batch * C + cols.to(tl.int64))[:, None] * codes_t_cols
+            if MBITS == 1:
+                packed_rows = pid_r * (TILE_R // 2) + tl.arange(0, TILE_R // 2)
+                tl.store(codes_t_ptr + row_off_t + packed_rows[None, :],
+                         _pack_fp4(codes_tr, TILE_C, TILE_R),
+                         mask=(cols[:, None] < C) & (packed_rows[None, :] < codes_t_cols))
+            else:
+                tl.store(codes_t_ptr + row_off_t + rows[None, :], codes_tr.to(tl.uint8),
+                         mask=(cols[:, None] < C) & (rows[None, :] < codes_t_cols))
+            st_off = ((batch * n_scale_cols + scale_cols)[:, None] * n_scale_rows
+                      + scale_rows[None, :])
+            tl.store(scales_t_ptr + st_off, tl.trans(scale_code).to(tl.uint8),
+                     mask=tl.trans(s_mask))
+
+    if WRITE_VALUES:  # fake quantize: the dequantized values, in the output dtype
+        value = steps.to(tl.float32) * _pow2(bexp - 127 - MBITS)
+        if STOCHASTIC:
+            value = tl.minimum(value, MAXV)
+        # decode * scale, saturated at the output dtype's max (NaN blocks stay NaN), then the
+        # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
+        value = tl.minimum(value * _expand(elem_scale, TILE_R, TILE_C, BR, BC), OUT_LIMIT,
+                           propagate_nan=tl.PropagateNan.ALL)
+        value = (value.to(tl.int32, bitcast=True) | (bits & SIGN_MASK)).to(tl.float32, bitcast=True)
+        out = _to_output(value, out_ptr, NATIVE_CAST)
+        out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
+        tl.store(out_ptr + out_off, out, mask=in_bounds)
+        if TRANSPOSE:
+            out_t_off = (batch * C + cols.to(tl.int64))[:, None] * R + rows[None, :]
+            tl.store(out_t_ptr + out_t_off, tl.trans(out), mask=tl.trans(in_bounds))
+
+
+@triton.jit
+def _uniforms_kernel(out_ptr, seed_ptr, R, C, GROUP4: tl.constexpr,
+                     TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """The seed contract's u_i of a (R, C) tensor, as the quantize kernel draws them."""
+    rows = tl.program_id(1) * TILE_R + tl.arange(0, TILE_R)
+    cols = tl.program_id(0) * TILE_C + tl.arange(0, TILE_C)
+    u = _uniforms(tl.load(seed_ptr), 0, C, rows, tl.program_id(0) * TILE_C, TILE_R, TILE_C, GROUP4)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], u,
+             mask=(rows[:, None] < R) & (cols[None, :] < C))
+
+
+# ---- host side ---------------------------------------------------------------------------
+
+class TileConfig(tuple):
+    """(tile_rows, tile_cols, num_warps) of one program."""
+
+    def __new__(cls, tile_rows: int, tile_cols: int, num_warps: int):
+        return super().__new__(cls, (tile_rows, tile_cols, num_warps))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(rows: int, cols: int, block: tuple[int, int]) -> TileConfig:
+    """Tiles of about 4096 elements (8 KiB of bf16): whole blocks, 128 columns, clipped to a
+    small tensor so the interpreter and tiny shapes do not compute on padding."""
+    br, bc = block
+    tile_cols = max(bc, min(128, _pow2_at_least(cols)))
+    tile_rows = max(br, min(4096 // tile_cols, _pow2_at_least(rows)))
+    tile_rows = max(tile_rows, 2)  # FP4 transposed packing needs pairs of rows
+    return TileConfig(tile_rows, tile_cols, 4 if tile_rows * tile_cols <= 4096 else 8)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64   # the interpreter: a small grid
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, values: bool,
+           transpose: bool, out_dtype: torch.dtype | None = None,
+           config: TileConfig | None = None):
+    """Run the kernels on x3 (B, R, C) (any strides). Returns a dict with the outputs:
+    codes (B, R, Cp/per_byte) uint8, scales (uint8 codes), tensor_scale (0-dim float32),
+    values (B, R, C) in out_dtype (default x's); with transpose, codes_t / scales_t / values_t
+    of x^T."""
+    from lowbit.formats.spec import ScaleKind, ScaleRule
+
+    batch, rows, cols = x3.shape
+    br, bc = spec.block
+    element = spec.info.element
+    emin, mbits, emax, maxv, max_code, sign_bit = _ELEMENTS[element.name]
+    if spec.info.scale_kind is ScaleKind.E4M3:
+        scale_kind = SCALE_NVFP4
+    else:
+        scale_kind = SCALE_FLOOR if spec.scale_rule is ScaleRule.FLOOR else SCALE_RCEIL
+    two_level = bool(spec.tensor_scale)
+    stochastic = spec.rounding.value == "stochastic"
+    cfg = config or default_config(rows, cols, spec.block)
+    tile_r, tile_c, num_warps = cfg
+    if tile_c % bc or tile_r % br or (transpose and tile_r % 2):
+        raise ValueError(f"tile {cfg} does not hold whole {spec.block} blocks")
+
+    dev = x3.device
+    per_byte = 8 // element.code_bits
+    padded_cols = -(-cols // bc) * bc
+    padded_rows = -(-rows // br) * br
+    n_scale_rows = padded_rows // br
+    n_scale_cols = padded_cols // bc
+    u8 = torch.uint8
+    out = {}
+    empty = torch.empty(0, device=dev, dtype=u8)
+    code_buf = scale_buf = code_t_buf = scale_t_buf = empty
+    out_dtype = out_dtype or x3.dtype
+    val_buf = val_t_buf = torch.empty(0, device=dev, dtype=out_dtype)
+    if codes:
+        code_buf = torch.empty(batch, rows, padded_cols // per_byte, device=dev, dtype=u8)
+        scale_buf = torch.empty(batch, rows if br == 1 else n_scale_rows, n_scale_cols,
+                                device=dev, dtype=u8)
+        out.update(codes=code_buf, scales=scale_buf)
+        if transpose:
+            code_t_buf = torch.empty(batch, cols, padded_rows // per_byte, device=dev, dtype=u8)
+            scale_t_buf = torch.empty(batch, n_scale_cols, n_scale_rows, device=dev, dtype=u8)
+            out.update(codes_t=code_t_buf, scales_t=scale_t_buf)
+    if values:
+        val_buf = torch.empty(batch, rows, cols, device=dev, dtype=out_dtype)
+        out["values"] = val_buf
+        if transpose:
+            val_t_buf = torch.empty(batch, cols, rows, device=dev, dtype=out_dtype)
+            out["values_t"] = val_t_buf
+
+    grid = (triton.cdiv(cols, tile_c), triton.cdiv(rows, tile_r), batch)
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"shape {tuple(x3.shape)} needs a grid {grid} past CUDA's 65535 limit "
+                         "on grid dims 1 and 2; use larger tiles")
+    amax_buf = tensor_scale = empty
+    if two_level:
+        amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)
+        tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
+        n_tiles = grid[0] * grid[1] * grid[2]
+        iters = _pow2_at_least(triton.cdiv(n_tiles, 4 * _sm_count(dev)))  # few distinct values
+        _tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
+            x3, amax_buf, rows, cols, *x3.stride(), grid[0], grid[1], n_tiles, ITERS=iters,
+            TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET, num_warps=num_warps)
+        out["tensor_scale"] = tensor_scale
+    if stochastic and seed is None:
+        raise ValueError("stochastic rounding needs a seed")
+    _quantize_kernel[grid](
+        x3, code_buf, scale_buf, code_t_buf, scale_t_buf, val_buf, val_t_buf,
+        amax_buf, tensor_scale, seed if stochastic else empty,
+        rows, cols, *x3.stride(), padded_cols // per_byte, padded_rows // per_byte,
+        n_scale_rows, n_scale_cols,
+        EMIN=emin, MBITS=mbits, EMAX=emax, MAXV=maxv, MAX_CODE=max_code, SIGN_BIT=sign_bit,
+        SCALE_KIND=scale_kind, TWO_LEVEL=two_level, STOCHASTIC=stochastic,
+        GROUP4=(cols % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc, TILE_R=tile_r, TILE_C=tile_c,
+        WRITE_CODES=codes, WRITE_VALUES=values, TRANSPOSE=transpose,
+        OUT_LIMIT=_OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def uniforms(rows: int, cols: int, seed: torch.Tensor,
+             config: TileConfig | None = None) -> torch.Tensor:
+    """(rows, cols) float32: the uniform each element of a (rows, cols) tensor draws."""
+    tile_r, tile_c, num_warps = config or default_config(rows, cols, (1, 4))
+    out = torch.empty(rows, cols, device=seed.device, dtype=torch.float32)
+    grid = (triton.cdiv(cols, tile_c), triton.cdiv(rows, tile_r))
+    _uniforms_kernel[grid](out, seed, rows, cols, GROUP4=(cols % 4 == 0 and tile_c % 4 == 0),
+                           TILE_R=tile_r, TILE_C=tile_c, num_warps=num_warps)
+    return out

@@ -1,0 +1,340 @@
+"""The Triton quantize kernels against the reference, bit for bit.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+triton is imported), on small shapes; with one, the same tests run on CUDA. Every kernel's
+codes, scales, tensor scale and dequantized values must equal the reference's (bitwise;
+NaN where the reference has NaN) on random, adversarial, odd-shaped, 3D, non-contiguous and
+bf16/fp16/fp32 inputs. Stochastic rounding is checked twice: exactly, by feeding the
+reference the seed contract's uniforms (an independent NumPy Philox4x32-10), and
+statistically, like the reference's own test.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run with "
+                    "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`, and stay set
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+import lowbit  # noqa: E402
+from lowbit.formats import QuantSpec, ScaleRule, quantize_dequantize, quantize_with_spec  # noqa: E402
+from lowbit.formats.elements import decode  # noqa: E402
+from lowbit.formats.quantize import blocked  # noqa: E402
+from lowbit.kernels import (  # noqa: E402
+    _run, fake_quantize_triton, fake_quantize_triton_with_transpose, force_reference,
+    kernels_available, quantize_triton, quantize_triton_with_transpose, reference_forced,
+    stochastic_uniforms, supports, use_kernels,
+)
+from lowbit.kernels.checks import (  # noqa: E402
+    adversarial, assert_bits_equal, assert_same_qtensor, contract_uniforms, nvfp4_order_cases,
+    philox4x32_10,
+)
+from lowbit.kernels.quantize import TileConfig  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# the interpreter (NumPy) warns where a dequantized value overflows float32 before it saturates
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MX_SPECS = [QuantSpec.make(fmt, block, rule)
+            for fmt in ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2") for rule in ("floor", "rceil")
+            for block in ((1, 32), (16, 16), (32, 32))]
+NV_SPECS = [QuantSpec.make("nvfp4", block, tensor_scale=two_level)
+            for two_level in (True, False) for block in ((1, 16), (16, 16))]
+SPECS = MX_SPECS + NV_SPECS
+
+
+def spec_id(spec):
+    level = "" if spec.scale_rule else ("-2level" if spec.tensor_scale else "-1level")
+    rule = f"-{spec.scale_rule.value}" if spec.scale_rule else ""
+    return f"{spec.format}{rule}{level}-{spec.block[0]}x{spec.block[1]}-{spec.rounding.value}"
+
+
+def with_rounding(spec, rounding):
+    return QuantSpec.make(spec.format, spec.block, spec.scale_rule, rounding, spec.tensor_scale)
+
+
+def reference(x, spec):
+    with force_reference():
+        return quantize_with_spec(x.cpu(), spec)
+
+
+def check(x, spec, seed=None):
+    """quantize_triton and fake_quantize_triton against the reference on x."""
+    r = reference(x, spec)
+    assert_same_qtensor(quantize_triton(x, spec, seed), r)
+    assert_bits_equal(fake_quantize_triton(x, spec, seed), r.dequantize())
+
+
+def spread(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float())
+    return x.to(DEVICE)
+
+
+# ---- bit-exactness with the reference ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_random_inputs_match_the_reference(spec, dtype):
+    check(spread((2, 48, 80), seed=1).to(dtype), spec)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_adversarial_inputs_match_the_reference(spec):
+    x = adversarial(64, 96, spec, seed=2).to(DEVICE)
+    check(x, spec)
+    check(x.to(torch.bfloat16), spec)
+
+
+@pytest.mark.parametrize("spec", [MX_SPECS[3], MX_SPECS[7], NV_SPECS[0], NV_SPECS[1], NV_SPECS[3]],
+                         ids=spec_id)
+def test_all_zero_and_tiny_tensors(spec):
+    """An all-zero tensor (NVFP4: tensor scale clamped at 2^-120, zeros out) and tensors whose
+    amax is far below float32's normal range."""
+    for x in (torch.zeros(20, 48), torch.full((20, 48), -0.0), spread((20, 48), seed=13) * 1e-36,
+              spread((20, 48), seed=14) * 1e-41):
+        check(x.to(DEVICE), spec)
+    assert torch.equal(fake_quantize_triton(torch.zeros(20, 48, device=DEVICE), spec).cpu(),
+                       torch.zeros(20, 48))
+
+
+def test_nvfp4_follows_the_reference_operation_order():
+    x, changed = nvfp4_order_cases(seed=0)
+    assert min(changed.values()) > 0, changed   # each alternative order would fail here
+    check(x.to(DEVICE), NV_SPECS[0])
+
+
+ODD_SHAPE_SPECS = [s for s in SPECS if s.block[1] in (16, 32) and s.block[0] in (1, 32)] + [NV_SPECS[1]]
+
+
+@pytest.mark.parametrize("spec, shape", [
+    (spec, shape) for spec in ODD_SHAPE_SPECS
+    for shape in [(1, 1), (5,), (3, 17), (2, 3, 33), (33, 47)]
+    if not (spec.is_2d and len(shape) < 2)                  # 2D tiles need 2 dims
+], ids=lambda v: spec_id(v) if isinstance(v, QuantSpec) else str(v))
+def test_shapes_not_divisible_by_the_block(spec, shape):
+    check(spread(shape, seed=3), spec)
+
+
+@pytest.mark.parametrize("spec", [MX_SPECS[1], MX_SPECS[5], NV_SPECS[0], NV_SPECS[1]], ids=spec_id)
+def test_non_contiguous_inputs(spec):
+    base = spread((64, 96), seed=4)
+    big = torch.full((80, 112), 1e30, device=DEVICE)   # huge values around a view: never read
+    big[:64, :96] = base
+    for view in (base.t(), base[:, ::2], base.reshape(8, 8, 96).permute(1, 0, 2), big[:64, :96]):
+        assert not view.is_contiguous()
+        check(view, spec)
+
+
+@pytest.mark.parametrize("spec", [MX_SPECS[5], MX_SPECS[9], NV_SPECS[0]], ids=spec_id)
+def test_fake_quantize_output_dtype_is_quantize_dequantizes(spec):
+    x = spread((40, 64), seed=15)
+    for in_dtype, out_dtype in [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                (torch.float32, torch.float16), (torch.bfloat16, None)]:
+        with force_reference():
+            ref = quantize_dequantize(x.to(in_dtype).cpu(), spec, dtype=out_dtype)
+        assert_bits_equal(fake_quantize_triton(x.to(in_dtype), spec, dtype=out_dtype), ref)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_nan_and_inf_blocks(spec):
+    x = spread((64, 96), seed=5)
+    x[0, 3], x[40, 40], x[63, 95] = float("nan"), float("inf"), -float("inf")  # 3 blocks
+    q = quantize_triton(x, spec)
+    assert_same_qtensor(q, reference(x, spec))
+    nan_code = 0x7F if spec.format == "nvfp4" else 255
+    assert (q.scales.view(torch.uint8) == nan_code).sum() == 3
+    assert torch.isnan(fake_quantize_triton(x, spec)).sum() == 3 * spec.block[0] * spec.block[1]
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.is_2d], ids=spec_id)
+@pytest.mark.parametrize("rounding", ["rne", "stochastic"])
+def test_transposed_outputs_from_the_same_pass(spec, rounding):
+    spec = with_rounding(spec, rounding)
+    x = spread((2, 40, 45), seed=6).to(torch.bfloat16)
+    q, q_t = quantize_triton_with_transpose(x, spec, seed=11)
+    ref_t = q.t()
+    assert torch.equal(q_t.codes, ref_t.codes) and torch.equal(q_t.scales.view(torch.uint8),
+                                                                ref_t.scales.view(torch.uint8))
+    assert q_t.shape == ref_t.shape and torch.equal(q_t.dequantize(), ref_t.dequantize())
+    v, v_t = fake_quantize_triton_with_transpose(x, spec, seed=11)
+    assert torch.equal(v, q.dequantize()) and torch.equal(v_t, v.mT.contiguous())
+    if rounding == "rne":  # and both equal the reference of x^T
+        assert_same_qtensor(q_t, reference(x.mT, spec))
+
+
+# ---- stochastic rounding -------------------------------------------------------------------
+
+def test_numpy_philox_is_random123s():
+    zero = philox4x32_10((0, 0, 0, 0), (0, 0))
+    assert [int(w) for w in zero] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    ones = philox4x32_10((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2)
+    assert [int(w) for w in ones] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+SR_SPECS = [with_rounding(s, "stochastic") for s in
+            (MX_SPECS[1], MX_SPECS[5], MX_SPECS[10], MX_SPECS[15], NV_SPECS[0], NV_SPECS[1], NV_SPECS[3])]
+
+
+def reference_with_uniforms(x, spec, u, monkeypatch):
+    """The reference quantizer with stochastic rounding drawing the given uniforms."""
+    def rand(size, *args, **kwargs):  # the reference's one draw, in its blocked layout
+        noise = blocked(u, spec.block)[0]
+        assert tuple(size) == tuple(noise.shape)
+        return noise
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "rand", rand)
+        return reference(x, spec)
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 64), (40, 70), (5,)], ids=str)  # C % 4 == 0 and != 0
+@pytest.mark.parametrize("seed", [0, 2**40 + 12345, 2**63 - 1])
+def test_kernel_uniforms_are_the_seed_contracts(shape, seed):
+    ours = stochastic_uniforms(shape, seed, device=DEVICE).cpu()
+    assert torch.equal(ours, contract_uniforms(shape, seed))
+    assert 0 <= ours.min() and ours.max() < 1
+
+
+@pytest.mark.parametrize("spec", SR_SPECS, ids=spec_id)
+@pytest.mark.parametrize("shape", [(2, 32, 64), (40, 70)], ids=str)
+def test_stochastic_rounding_is_the_reference_with_the_contract_uniforms(spec, shape, monkeypatch):
+    seed = 2**40 + 12345
+    x = spread(shape, seed=7)
+    r = reference_with_uniforms(x, spec, contract_uniforms(shape, seed), monkeypatch)
+    assert_same_qtensor(quantize_triton(x, spec, seed=seed), r)
+    assert_bits_equal(fake_quantize_triton(x, spec, seed=seed), r.dequantize())
+
+
+@pytest.mark.parametrize("spec", [SR_SPECS[i] for i in (0, 2, 3, 6)], ids=spec_id)
+def test_stochastic_rounding_saturates_at_the_largest_value(spec, monkeypatch):
+    """floor(ratio + u) at the largest value with u = 1 - 2^-24 rounds the float32 sum up to
+    the next integer: one step past the format's max, which must saturate (as the reference's
+    clamp does), not overflow into the sign bit or the NaN code."""
+    seed, index = 39075, 3      # found by search: element 3's uniform is 1 - 2^-24
+    u = contract_uniforms((1, 32), seed)
+    assert u[0, index] == 1 - 2.0**-24
+    x = torch.full((1, 32), 0.01)
+    x[0, index] = spec.info.element.max_value * 2.0**3   # the block amax, a power-of-two scale
+    x = x.to(DEVICE)
+    q = quantize_triton(x, spec, seed=seed)
+    r = reference_with_uniforms(x, spec, u, monkeypatch)
+    assert_same_qtensor(q, r)
+    assert_bits_equal(fake_quantize_triton(x, spec, seed=seed), r.dequantize())
+    assert q.dequantize()[0, index] == x[0, index]
+
+
+@pytest.mark.parametrize("spec", SR_SPECS[:3] + SR_SPECS[4:5], ids=spec_id)
+def test_stochastic_rounding_bits_do_not_depend_on_the_launch_config(spec):
+    x = spread((48, 96), seed=8)
+    br, bc = spec.block
+    configs = [None, TileConfig(max(br, 8), bc, 1), TileConfig(max(br, 32), 256, 4)]
+    outs = [_run(x, spec, 5, None, codes=True, values=True, transpose=False, config=c)
+            for c in configs]
+    for codes, values in outs[1:]:
+        assert torch.equal(codes.codes, outs[0][0].codes) and torch.equal(values, outs[0][1])
+
+
+def grid_neighbours(x, q):
+    """The representable values just below and just above each x (float64)."""
+    element = q.spec.info.element
+    grid = decode(torch.arange(2 ** element.code_bits, dtype=torch.uint8), element).double()
+    grid = torch.unique(grid[torch.isfinite(grid)]).float()
+    candidates = (grid * q.element_scales()[..., None]).double()
+    xd = x.double()[..., None]
+    lo = torch.where(candidates <= xd, candidates, -torch.inf).amax(-1)
+    hi = torch.where(candidates >= xd, candidates, torch.inf).amin(-1)
+    return lo, hi
+
+
+@pytest.mark.parametrize("spec", SR_SPECS[:4] + SR_SPECS[4:6], ids=spec_id)
+def test_stochastic_rounding_unbiased_neighbours_and_seeded(spec):
+    """The reference's statistical test, on the kernel. The draws are rows (2D: tiles) of one
+    launch: identical blocks have identical scales and independent uniforms (for two-level
+    NVFP4 the same tensor scale too)."""
+    n = 256
+    br = spec.block[0]
+    shape = (br, br) if br > 1 else (4, 64)                           # one tile, or 4 rows
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 3, shape, generator=g).float())
+    stacked = x.repeat(n, 1).to(DEVICE)                               # (n * rows, cols)
+    big = TileConfig(64, shape[1], 4)
+    _, draws = _run(stacked, spec, 3, None, codes=True, values=True, transpose=False, config=big)
+    draws = draws.cpu().double().reshape(n, *x.shape)
+    q = reference(x, with_rounding(spec, "rne"))
+    inside = x.abs() <= q.block_max()
+    # NVFP4's rounded block scale and MX floor can clip a block's largest values
+    assert inside.float().mean() > 0.95 and (inside.all() or spec.scale_rule is not ScaleRule.RCEIL)
+    lo, hi = grid_neighbours(x, q)
+    xs, lo, hi, draws = x[inside].double(), lo[inside], hi[inside], draws[:, inside]
+    assert ((draws == lo) | (draws == hi)).all()
+    p = ((xs - lo) / (hi - lo)).nan_to_num(0.0)
+    stderr = (hi - lo) * (p * (1 - p) / n).sqrt()
+    # within 5 standard errors, plus two draws' worth for the rare events (p n ~ 1) of
+    # values far below their block's largest, where the normal approximation is poor
+    assert ((draws.mean(0) - xs).abs() <= 5 * stderr + 2 * (hi - lo) / n + 1e-9 * xs.abs()).all()
+    a = quantize_triton(x.to(DEVICE), spec, seed=3)
+    b = quantize_triton(x.to(DEVICE), spec, seed=3)
+    c = quantize_triton(x.to(DEVICE), spec, seed=4)
+    assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
+
+
+def test_default_seed_comes_from_torchs_generator():
+    spec = SR_SPECS[0]
+    x = spread((16, 64), seed=10)
+    torch.manual_seed(123)
+    a = quantize_triton(x, spec)
+    torch.manual_seed(123)
+    b = quantize_triton(x, spec)
+    c = quantize_triton(x, spec)
+    g = torch.Generator(device=DEVICE).manual_seed(123)
+    d = quantize_triton(x, spec, generator=g)
+    e = quantize_triton(x, spec, seed=torch.tensor([2**50], device=DEVICE))
+    f = quantize_triton(x, spec, seed=2**50)
+    assert torch.equal(a.codes, b.codes) and not torch.equal(b.codes, c.codes)
+    assert torch.equal(d.codes, a.codes)
+    assert torch.equal(e.codes, f.codes)
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+
+def test_dispatch_switches(monkeypatch):
+    spec = MX_SPECS[1]
+    x = torch.randn(4, 32, device=DEVICE)
+    assert kernels_available(x)
+    assert use_kernels(x, spec) == ON_GPU      # CPU tensors always take the reference
+    assert not use_kernels(x.cpu(), spec)
+    assert not reference_forced()
+    with force_reference():
+        assert reference_forced() and not use_kernels(x, spec)
+    assert not reference_forced()
+    monkeypatch.setenv("LOWBIT_FORCE_REFERENCE", "1")
+    assert reference_forced() and not use_kernels(x, spec)
+    assert supports(spec) and supports(NV_SPECS[0])
+    assert not supports(QuantSpec.make("int4")) and not supports(QuantSpec.make("mxfp4", (1, 48)))
+
+
+def test_kernel_errors_say_what_to_do():
+    x = torch.randn(4, 32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="use the reference"):
+        quantize_triton(x, QuantSpec.make("int4"))
+    with pytest.raises(ValueError, match="square 2D tiles"):
+        quantize_triton_with_transpose(x, MX_SPECS[0])
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        quantize_triton(x.to(torch.int32), MX_SPECS[0])
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\^63\)"):
+        quantize_triton(x, SR_SPECS[0], seed=-1)
+
+
+def test_lowbit_quantize_is_unchanged_on_the_cpu():
+    """Importing the kernels does not reroute the reference (the oracle) on CPU tensors."""
+    x = spread((8, 64), seed=12).cpu()
+    q = lowbit.quantize(x, "mxfp4", scale_rule="rceil")
+    assert torch.equal(q.codes, reference(x, q.spec).codes)
