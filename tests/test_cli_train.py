@@ -40,3 +40,22 @@ def test_bad_train_flags_are_one_line_errors(tmp_path):
                               capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_that_repeats_its_data_more_than_3_times_warns(tmp_path):
+    from lowbit.data import data_root
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    import os
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowbit.cli", "train", "--recipe", "bf16", "--steps", "4",
+         "--batch-size", "64", "--seq-len", "256", "--corpus-max-bytes", "20000", "--eval-batches", "1",
+         "--out-dir", str(tmp_path / "runs"), "--no-progress"],
+        capture_output=True, text=True, env={**os.environ, "LOWBIT_CACHE": str(tmp_path / "cache")},
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "reads its training split 3.3 times" in proc.stderr
+    final = json.loads((tmp_path / "runs" / "tiny-tinyshakespeare-bf16" / "final.json").read_text())
+    assert final["epochs"] > 3

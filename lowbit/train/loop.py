@@ -125,6 +125,10 @@ def train(
     # --- build: data, model (seeded init), recipe, optimizer --------------------------------
     _seed_everything(config.seed)
     data = data if data is not None else _build_data(config)
+    epochs = _epochs(config, data)
+    if epochs is not None and epochs > 3:  # printed even without progress output
+        print(f"lowbit: warning: this run reads its training split {epochs:.1f} times (more than "
+              f"~3 repeats overfits); use a larger corpus or fewer --steps", file=sys.stderr)
     _seed_everything(config.seed)  # so the init does not depend on what building data drew
     model = model if model is not None else _build_model(config, data.vocab_size)
     _apply_recipe(model, recipe, say)
@@ -261,7 +265,7 @@ def train(
     final = {"final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
              "val_ppl": result.val_ppl, "steps": result.steps, "tokens_seen": result.tokens_seen,
              "wall_time_s": result.wall_time_s, "recipe": config.recipe, "device": str(device),
-             "n_params": n_params}
+             "n_params": n_params, "epochs": epochs}
     write_text_atomic(run_dir / "final.json", json.dumps(final, indent=2) + "\n")
     write_loss_plot(run_dir)
     say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
@@ -405,6 +409,12 @@ def _build_data(config: TrainConfig) -> TrainingData:
     return _CorpusData(dataset, config)
 
 
+def _epochs(config: TrainConfig, data) -> float | None:
+    """How many times the run reads its training split (None if the data cannot say)."""
+    per_epoch = getattr(data, "tokens_per_epoch", None)
+    return config.total_steps * config.tokens_per_step / per_epoch if per_epoch else None
+
+
 class _CorpusData:
     """lowbit.data's TokenDataset as the loop's TrainingData: the train split's batches by
     step, the first eval_batches micro-batches of the val split for evaluation."""
@@ -412,6 +422,7 @@ class _CorpusData:
     def __init__(self, dataset, config: TrainConfig) -> None:
         self.dataset, self.config = dataset, config
         self.vocab_size = dataset.vocab_size
+        self.tokens_per_epoch = dataset.tokens_per_epoch
 
     def train_batch(self, step: int) -> Batch:
         c = self.config
