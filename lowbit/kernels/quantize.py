@@ -19,8 +19,8 @@ How the bits match the reference (every step is the reference's operation, in it
   subnormal amaxes clamp to code 0 (2^-127), as the reference's frexp + clamp do.
 - MX rceil: d = amax / max_elem (rounded once), then rounded up to a power of two on its bits
   (the exponent, plus one when the mantissa is non-zero; subnormal d handled on its mantissa).
-  When d underflows to 0 while amax > 0 (amax <= max_elem * 2^-150), the reference's
-  frexp(0) gives exponent 0, so the scale code is 127; the kernel reproduces that.
+  When d underflows to 0 while amax > 0 (amax <= max_elem * 2^-150), the block takes the
+  smallest scale, code 0 (2^-127), as in the reference.
 - NVFP4: s = (amax / 6) [/ s_t], clamped to [2^-6, 448], rounded to E4M3 (RNE); the element
   factor is (1 / s_t) / s -- a multiply by one rounded reciprocal, as the reference does.
   The tensor scale s_t = max(amax_finite / 2688, 2^-120) needs the whole tensor's amax: a
