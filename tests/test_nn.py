@@ -68,6 +68,7 @@ SQNR_FLOORS = {
     "stable-fp4-1d": (12, 11.5, 11.5), "stable-fp4-floor": (9, 11.5, 8.5),
     "stable-fp4-nosr": (8.5, 11.5, 8), "stable-fp4-b16": (10.5, 10.5, 9.5),
     "stable-fp4-qk-fp4": (8.5, 9.5, 7.5), "stable-fp4-dy1d": (8.5, 11.5, 8),
+    "stable-fp4-fp8": (8.5, 9.5, 7.5),
 }
 
 
@@ -239,3 +240,43 @@ def test_hugging_face_models_convert_including_experts(recipe):
         assert torch.isfinite(out.loss)
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         assert not missing, (name, missing)
+
+
+@pytest.mark.parametrize("name", ["stable-fp4", "mxfp4", "stable-fp4-nosr"])
+def test_fp8_tensor_core_gemms_multiply_the_same_fp4_operands(name, monkeypatch):
+    """gemm='fp8' folds the MXFP4 operands into FP8 + power-of-two factors; on the CPU the
+    folded GEMM is emulated in FP32, so it must match the dequantize + GEMM path."""
+    from dataclasses import replace
+
+    import lowbit.kernels.fp8_gemm as fp8_gemm
+    calls = []
+    real = fp8_gemm.fp4_gemm_fp8
+    monkeypatch.setattr(fp8_gemm, "fp4_gemm_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, dy = linear_inputs()
+    emulated = get_recipe(name).linear
+    torch.manual_seed(3)
+    ref = run_linear(x, w, dy, emulated)
+    torch.manual_seed(3)
+    out = run_linear(x, w, dy, replace(emulated, gemm="fp8"))
+    assert len(calls) == 3  # fprop, dgrad, wgrad
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_gemm_needs_mxfp4_operands():
+    nv = get_recipe("nvfp4").linear
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="every operand must be MXFP4"):
+        replace(nv, wgrad_hadamard=False, gemm="fp8")
+    with pytest.raises(ValueError, match="unknown gemm 'int8'; use one of 'emulated', 'fp8'"):
+        replace(get_recipe("mxfp4").linear, gemm="int8")
+
+
+def test_stable_fp4_fp8_trains_a_moe_model():
+    model = tiny_model(4)
+    report = convert(model, "stable-fp4-fp8")
+    assert any("FP8 tensor cores" in what for _, _, what in report.swapped)
+    idx = torch.randint(0, 128, (4, 32))
+    out = model(idx, idx)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

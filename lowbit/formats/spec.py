@@ -131,8 +131,8 @@ class QuantSpec:
         if tensor_scale is None:
             tensor_scale = info.scale_kind is ScaleKind.E4M3
         return cls(format, (int(block[0]), int(block[1])),
-                   _enum(ScaleRule, scale_rule, "scale_rule") if scale_rule is not None else None,
-                   _enum(Rounding, rounding, "rounding"), bool(tensor_scale))
+                   parse_enum(ScaleRule, scale_rule, "scale_rule") if scale_rule is not None else None,
+                   parse_enum(Rounding, rounding, "rounding"), bool(tensor_scale))
 
     @property
     def is_2d(self) -> bool:
@@ -149,7 +149,8 @@ class QuantSpec:
                         d.get("rounding", "rne"), d.get("tensor_scale"))
 
 
-def _enum(kind, value, what):
+def parse_enum(kind, value, what: str):
+    """kind(value), or a ValueError that lists the valid values."""
     try:
         return kind(value)
     except ValueError:

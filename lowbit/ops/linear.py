@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats import QuantSpec, quantize_dequantize
-from lowbit.recipes import LinearRecipe
+from lowbit.formats import QuantSpec, quantize_dequantize, quantize_with_spec
+from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "fake_quantize", "operand", "random_hadamard", "gemm_operands"]
 
@@ -142,6 +142,57 @@ class _QuantLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+class _QuantLinearFP8(torch.autograd.Function):
+    """The same three GEMMs on MXFP4 operands, multiplied exactly on FP8 tensor cores: each
+    operand is quantized to a packed QTensor, its block scales are folded into E4M3 elements
+    and power-of-two row factors (lowbit.kernels.fp8_gemm), and torch._scaled_mm multiplies
+    them. Shared 2D operands are quantized once and folded again transposed for the second
+    GEMM, from the same FP4 codes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe):
+        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, fold_operand
+
+        # x: (N, in); weight: (out, in)
+        qx = quantize_with_spec(x, recipe.fprop_x)              # (N, in), blocks along in
+        qw = quantize_with_spec(weight, recipe.fprop_w)         # (out, in), blocks along in
+        y = fp4_gemm_fp8(fold_operand(qx), fold_operand(qw), out_dtype=x.dtype)  # (N, out)
+        if bias is not None:
+            y = y + bias
+        # QTensors are not tensors, so they ride on ctx; the inputs are saved only where the
+        # backward GEMM needs them quantized along the other dim (1D blocks).
+        ctx.qx = qx if _shared(recipe.fprop_x, recipe.wgrad_x) else None
+        ctx.qw = qw if _shared(recipe.fprop_w, recipe.dgrad_w) else None
+        ctx.save_for_backward(x if ctx.qx is None else None, weight if ctx.qw is None else None)
+        ctx.recipe, ctx.has_bias = recipe, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, fold_operand
+
+        # dy: (N, out)
+        x, weight = ctx.saved_tensors
+        r: LinearRecipe = ctx.recipe
+        dx = dw = db = None
+        qdy = quantize_with_spec(dy, r.dgrad_dy)                # (N, out), blocks along out
+        if ctx.needs_input_grad[0]:
+            # dX = dY W: B = W^T (in, out), blocks along out
+            w_d = (fold_operand(ctx.qw, transpose=True) if ctx.qw is not None
+                   else fold_operand(quantize_with_spec(weight.mT, r.dgrad_w)))
+            dx = fp4_gemm_fp8(fold_operand(qdy), w_d, out_dtype=dy.dtype)          # (N, in)
+        if ctx.needs_input_grad[1]:
+            # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
+            dy_w = (fold_operand(qdy, transpose=True) if _shared(r.dgrad_dy, r.wgrad_dy)
+                    else fold_operand(quantize_with_spec(dy.mT, r.wgrad_dy)))
+            x_w = (fold_operand(ctx.qx, transpose=True) if ctx.qx is not None
+                   else fold_operand(quantize_with_spec(x.mT, r.wgrad_x)))
+            dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                        # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
+
+
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  recipe: LinearRecipe | None) -> torch.Tensor:
     """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
@@ -158,6 +209,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     lead = x.shape[:-1]
+    function = _QuantLinearFP8 if recipe.gemm is Gemm.FP8 else _QuantLinear
     with torch.autocast(device_type, enabled=False):
-        y = _QuantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe)
+        y = function.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe)
     return y.reshape(*lead, weight.shape[0])

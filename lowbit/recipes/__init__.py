@@ -17,10 +17,26 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from lowbit.formats import QuantSpec
+from enum import Enum
 
-__all__ = ["LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
+from lowbit.formats import QuantSpec
+from lowbit.formats.spec import ScaleKind, parse_enum
+
+__all__ = ["Gemm", "LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
            "bf16", "mxfp4", "nvfp4", "stable_fp4"]
+
+
+class Gemm(str, Enum):
+    """Where a quantized GEMM runs."""
+
+    EMULATED = "emulated"  # dequantize, then a GEMM in the compute dtype (any device, any format)
+    FP8 = "fp8"            # MXFP4 operands folded into FP8 E4M3 + power-of-two row factors,
+                           # multiplied exactly on FP8 tensor cores (lowbit.kernels.fp8_gemm)
+
+
+def _foldable(spec: QuantSpec | None) -> bool:
+    return (spec is not None and spec.info.scale_kind is ScaleKind.E8M0
+            and spec.info.element.name == "e2m1")
 
 
 @dataclass(frozen=True)
@@ -40,8 +56,19 @@ class LinearRecipe:
     wgrad_x: QuantSpec | None = None   # X as (in, tokens), blocks along tokens
     # Random Hadamard transform (16x16, random signs) on both wgrad operands along tokens.
     wgrad_hadamard: bool = False
+    # Where the GEMMs run; Gemm.FP8 needs every operand in MXFP4 (E8M0 scales fold exactly).
+    gemm: Gemm = Gemm.EMULATED
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gemm", parse_enum(Gemm, self.gemm, "gemm"))
+        if self.gemm is Gemm.FP8:
+            names = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
+            bad = [n for n in names if not _foldable(getattr(self, n))]
+            if bad or self.wgrad_hadamard:
+                raise ValueError(
+                    "gemm='fp8' multiplies MXFP4 operands exactly on FP8 tensor cores, so every "
+                    f"operand must be MXFP4 (E2M1, E8M0 scales) and no Hadamard transform; "
+                    f"{', '.join(bad) or 'wgrad_hadamard'} is not: use gemm='emulated'")
         if self.wgrad_hadamard:
             for name in ("wgrad_dy", "wgrad_x"):
                 spec = getattr(self, name)
@@ -63,7 +90,8 @@ class LinearRecipe:
             return f"{spec.format}[{spec.block[0]}x{spec.block[1]}{rule}{sr}]"
         return (f"fprop X:{one(self.fprop_x)} W:{one(self.fprop_w)} | dgrad dY:{one(self.dgrad_dy)} "
                 f"W:{one(self.dgrad_w)} | wgrad dY:{one(self.wgrad_dy)} X:{one(self.wgrad_x)}"
-                + (" +RHT" if self.wgrad_hadamard else ""))
+                + (" +RHT" if self.wgrad_hadamard else "")
+                + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else ""))
 
 
 @dataclass(frozen=True)
@@ -240,6 +268,18 @@ def stable_fp4_qk_fp4() -> Recipe:
     """Ablation: stable-fp4 with the query/key projections in MXFP4 too.
     Evidence: +1.50% vs BF16 at step 300 of 900 (stable-fp4: +1.56%; docs/results/stable-fp4.md)."""
     return _stable("stable-fp4-qk-fp4", qk_fp8=False)
+
+
+@register_recipe("stable-fp4-fp8")
+def stable_fp4_fp8() -> Recipe:
+    """stable-fp4 with its MXFP4 GEMMs run exactly on FP8 tensor cores (issue 4): the same FP4
+    operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
+    power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
+    projections (MXFP8) stay emulated. Same values as stable-fp4 up to accumulation order; not
+    yet faster end to end on the H200 (the eager fold dominates: docs/results/kernels.md)."""
+    base = stable_fp4()
+    return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8), base.overrides,
+                  note=base.note + " GEMMs on FP8 tensor cores.")
 
 
 @register_recipe("stable-fp4-dy1d")
