@@ -1,0 +1,211 @@
+"""Check and time the fused quantize-and-fold kernel (lowbit.kernels.fp8_fold) on a GPU.
+
+    python benchmarks/bench_fp8_fold.py            # checks + timings (well under 3 min, H200)
+    python benchmarks/bench_fp8_fold.py --smoke    # tiny shapes on the CPU (Triton interpreter)
+
+1. Checks, bit for bit on the GPU: quantize_fold_mxfp4(x, spec[, transpose]) equals
+   fold_operand(quantize_with_spec(x, spec)[, transpose]) -- the CUDA quantizer and the eager
+   fold -- and the CPU reference fold of the CPU reference quantizer (RNE), for MXFP4 floor /
+   rceil, 1x32, 32x32 and 16x16, bf16 inputs with block exponents over +-6 and +-30 binades;
+   stochastic rounding against the fold of quantize_triton with the same seed.
+2. Timings (triton.testing.do_bench, median ms, L2 flushed), stable-fp4's quantizer (MXFP4
+   rceil 32x32) on bf16 A (M, K) and B (N, K), at 4096^3, 8192^3 and the fprop GEMMs of
+   lowbit's 1b preset at 8192 tokens. Per shape, for both operands together:
+     eager_fold   fold_operand on QTensors quantized before (the bottleneck in
+                  docs/results/kernels.md)
+     eager        quantize (Triton) + fold_operand
+     kernel       quantize_fold_mxfp4 (two Triton passes + the chunk plan)
+     eager_t / kernel_t   the same, each operand also folded transposed (the wgrad / dgrad
+                  operands a training step needs from the same FP4 values)
+     gemm         fp4_gemm_fp8 on operands folded before; bf16_mm: torch.mm(A, B^T)
+     gemm+kernel  fp4_gemm_fp8(quantize_fold_mxfp4(A), quantize_fold_mxfp4(B))
+   and kernel GB/s = (2 reads of bf16 + 1 byte written) per element / kernel ms.
+
+Prints a table; with $OUT set, writes $OUT/bench_fp8_fold.json. Exit status 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+
+DEVICE = "cuda"
+_D, _F, _KV, _T = 2048, 5504, 1024, 8192                         # 1b preset at 8192 tokens
+TIMED = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
+         ("1b q/o fprop", _T, _D, _D), ("1b k/v fprop", _T, _KV, _D),
+         ("1b gate/up fprop", _T, _F, _D), ("1b down fprop", _T, _D, _F)]   # (label, M, N, K)
+CHECK_SHAPE = (1000, 2080)     # not multiples of 32 rows: odd edges on the GPU too
+
+
+def spread(rows, cols, binades, seed, tile):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, device=DEVICE)
+    br, bc = tile
+    e = torch.randint(-binades, binades + 1, (-(-rows // br), -(-cols // bc)), generator=g,
+                      device=DEVICE).float()
+    mag = torch.exp2(e).repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)
+    return (x * mag[:, :cols]).to(torch.bfloat16)
+
+
+def same(a, b):
+    return (torch.equal(a.fp8.view(torch.uint8).cpu(), b.fp8.view(torch.uint8).cpu())
+            and torch.equal(a.factors.view(torch.int32).cpu(), b.factors.view(torch.int32).cpu())
+            and a.bounds == b.bounds and torch.equal(a.nan_rows.cpu(), b.nan_rows.cpu()))
+
+
+def run_checks():
+    from lowbit.formats import QuantSpec, quantize_with_spec
+    from lowbit.kernels import quantize_triton
+    from lowbit.kernels.fp8_fold import quantize_fold_mxfp4
+    from lowbit.kernels.fp8_gemm import fold_operand
+
+    print("== checks (bit for bit)", flush=True)
+    passed, failed = 0, []
+    rows, cols = CHECK_SHAPE
+    for rounding in ("rne", "stochastic"):
+        for rule in ("floor", "rceil"):
+            for block in ((1, 32), (32, 32), (16, 16)):
+                spec = QuantSpec.make("mxfp4", block, rule, rounding=rounding)
+                for binades in (6, 30):
+                    x = spread(rows, cols, binades, seed=binades, tile=block)
+                    seed = 1234 if rounding == "stochastic" else None
+                    for transpose in ((False, True) if spec.is_2d else (False,)):
+                        label = f"{rounding} {rule} {block} +-{binades} T={transpose}"
+                        got = quantize_fold_mxfp4(x, spec, transpose=transpose, seed=seed)
+                        if seed is None:
+                            refs = [fold_operand(quantize_with_spec(x, spec), transpose),
+                                    fold_operand(quantize_with_spec(x.cpu(), spec), transpose)]
+                        else:
+                            refs = [fold_operand(quantize_triton(x, spec, seed=seed), transpose)]
+                        if all(same(got, r) for r in refs):
+                            passed += 1
+                        else:
+                            failed.append(label)
+                            print(f"  FAIL {label}", flush=True)
+    print(f"   {passed} passed, {len(failed)} failed", flush=True)
+    return passed, failed
+
+
+def ms(fn):
+    if DEVICE != "cuda":  # --smoke: one wall-clock call after a warm-up
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_timings():
+    from lowbit.formats import QuantSpec, quantize_with_spec
+    from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
+    from lowbit.kernels.fp8_gemm import fold_operand, fp4_gemm_fp8
+
+    stable = QuantSpec.make("mxfp4", (32, 32), "rceil")
+    print("\n== timings (ms, do_bench median; both operands unless noted)", flush=True)
+    results = []
+    for label, m, n, k in TIMED:
+        a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+        qa, qb = quantize_with_spec(a, stable), quantize_with_spec(b, stable)
+        fa, fb = fold_operand(qa), fold_operand(qb)
+
+        def eager(t, transpose=False):
+            q = quantize_with_spec(t, stable)
+            return (fold_operand(q), fold_operand(q, True)) if transpose else fold_operand(q)
+
+        calls = {
+            "bf16_mm": lambda: torch.mm(a, b.t()),
+            "gemm": lambda: fp4_gemm_fp8(fa, fb),
+            "eager_fold": lambda: (fold_operand(qa), fold_operand(qb)),
+            "eager": lambda: (eager(a), eager(b)),
+            "kernel": lambda: (quantize_fold_mxfp4(a, stable), quantize_fold_mxfp4(b, stable)),
+            "eager_t": lambda: (eager(a, True), eager(b, True)),
+            "kernel_t": lambda: (quantize_fold_mxfp4_with_transpose(a, stable),
+                                 quantize_fold_mxfp4_with_transpose(b, stable)),
+            "gemm+kernel": lambda: fp4_gemm_fp8(quantize_fold_mxfp4(a, stable),
+                                                quantize_fold_mxfp4(b, stable)),
+        }
+        row = {"shape": label, "M": m, "N": n, "K": k, "chunks": (len(fa.bounds) - 1,
+                                                                  len(fb.bounds) - 1)}
+        for name, fn in calls.items():
+            try:
+                row[f"{name}_ms"] = ms(fn)
+            except Exception as e:  # noqa: BLE001 -- report, keep measuring
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                print(f"   {label} {name}: {row[name + '_error']}", flush=True)
+        if "kernel_ms" in row:
+            row["kernel_GBps"] = 5 * (m + n) * k / row["kernel_ms"] / 1e6
+        results.append(row)
+        print("   " + label + ": " + ", ".join(f"{k_} {v:.3f}" for k_, v in row.items()
+                                                 if k_.endswith("_ms")), flush=True)
+        del a, b, qa, qb, fa, fb
+    return results
+
+
+def print_timings(results):
+    cols = ["bf16_mm", "gemm", "eager_fold", "eager", "kernel", "eager_t", "kernel_t",
+            "gemm+kernel"]
+    print("\nms (median); kernel GB/s; eager/kernel = speedup of the fused fold")
+    print(f"{'shape':18s} " + " ".join(f"{c:>11s}" for c in cols)
+          + f" {'GB/s':>7s} {'eager/kern':>10s} {'eager_t/k_t':>11s}")
+    for r in results:
+        cells = [f"{r[c + '_ms']:11.3f}" if c + "_ms" in r else f"{'-':>11s}" for c in cols]
+
+        def ratio(x, y):
+            return (f"{r[x + '_ms'] / r[y + '_ms']:.2f}x" if x + "_ms" in r and y + "_ms" in r
+                    else "-")
+        gbps = f"{r['kernel_GBps']:7.0f}" if "kernel_GBps" in r else f"{'-':>7s}"
+        print(f"{r['shape']:18s} " + " ".join(cells) + f" {gbps} {ratio('eager', 'kernel'):>10s}"
+              f" {ratio('eager_t', 'kernel_t'):>11s}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU under TRITON_INTERPRET=1: tests the script")
+    args = parser.parse_args()
+    global DEVICE, TIMED, CHECK_SHAPE
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"    # before triton is first imported
+        DEVICE = "cpu"
+        TIMED = [("smoke", 40, 72, 96)]
+        CHECK_SHAPE = (40, 100)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_fp8_fold needs a CUDA GPU (or --smoke)")
+    t0 = time.time()
+    report = {"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                       "torch": torch.__version__,
+                       "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}}
+    print(json.dumps(report["meta"]), flush=True)
+
+    def save():
+        if os.environ.get("OUT"):
+            path = Path(os.environ["OUT"]) / "bench_fp8_fold.json"
+            path.write_text(json.dumps(report, indent=1))
+
+    failed = []
+    if not args.no_checks:
+        passed, failed = run_checks()
+        report["checks"] = {"passed": passed, "failed": failed}
+        save()
+    report["timings"] = run_timings()
+    save()
+    print_timings(report["timings"])
+    print(f"\ntotal {time.time() - t0:.0f}s")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""quantize_fold_mxfp4 (lowbit.kernels.fp8_fold) equals fold_operand(quantize_with_spec(x, spec))
+bit for bit: E4M3 bytes, factors (as bits), K-chunk bounds and NaN rows, for x's operand and,
+with square 2D tiles, x^T's. Under TRITON_INTERPRET=1 on the CPU (tests/conftest.py), small
+shapes: random values with block exponents spread over +-6 and +-30 binades (the latter
+K-chunked), odd shapes, all-zero / NaN / Inf blocks, blocks whose scale clamps at 2^-127 and
+2^127, -0, strided inputs, float32 / bfloat16 / float16; stochastic rounding against the fold of
+the kernel quantizer's output with the same seed.
+"""
+
+import pytest
+import torch
+
+from lowbit.formats import QuantSpec, quantize_with_spec
+from lowbit.kernels import quantize_triton
+from lowbit.kernels.fp8_gemm import fold_operand
+
+pytest.importorskip("triton")
+from lowbit.kernels.fp8_fold import (  # noqa: E402
+    quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RULES = ["floor", "rceil"]
+BLOCKS = [(1, 32), (32, 32), (16, 16)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def spread(rows, cols, binades, seed=0, tile=(1, 32), dtype=torch.float32):
+    """Gaussian values times 2^U{-binades..binades}, one exponent per tile."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    br, bc = tile
+    e = torch.randint(-binades, binades + 1, (-(-rows // br), -(-cols // bc)), generator=g)
+    mag = torch.exp2(e.double()).repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)
+    return (x * mag[:, :cols]).to(dtype)
+
+
+def assert_same(got, ref):
+    assert got.fp8.dtype == torch.float8_e4m3fn and got.fp8.shape == ref.fp8.shape
+    assert torch.equal(got.fp8.view(torch.uint8).cpu(), ref.fp8.view(torch.uint8).cpu())
+    assert got.factors.dtype == torch.float32
+    assert torch.equal(got.factors.view(torch.int32).cpu(), ref.factors.view(torch.int32).cpu())
+    assert got.bounds == ref.bounds
+    assert torch.equal(got.nan_rows.cpu(), ref.nan_rows.cpu())
+
+
+def check(x, spec, seed=None):
+    """Every output of the kernel against the reference fold (RNE: of the reference quantizer;
+    stochastic: of the kernel quantizer with the same seed). Returns x's reference operand."""
+    if seed is None:
+        q = quantize_with_spec(x.cpu(), spec)
+    else:
+        q = quantize_triton(x, spec, seed=seed)
+    ref = fold_operand(q)
+    assert_same(quantize_fold_mxfp4(x, spec, seed=seed), ref)
+    if spec.is_2d:
+        ref_t = fold_operand(q, transpose=True)
+        assert_same(quantize_fold_mxfp4(x, spec, transpose=True, seed=seed), ref_t)
+        a, a_t = quantize_fold_mxfp4_with_transpose(x, spec, seed=seed)
+        assert_same(a, ref)
+        assert_same(a_t, ref_t)
+    return ref
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("binades", [6, 30])
+def test_random_spread(rule, block, binades):
+    spec = QuantSpec.make("mxfp4", block, rule)
+    x = spread(67, 200, binades, seed=binades, tile=(block[0], block[1])).to(DEVICE)  # odd rows
+    ref = check(x, spec)
+    if binades == 30:
+        assert len(ref.bounds) > 2       # the case that needs K-chunks is exercised
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [(1, 32), (16, 16)])
+def test_dtypes_odd_shapes(dtype, block):
+    # fp16 holds 2^+-14 scaled gaussians without overflow; the spread still reaches 2 chunks
+    binades = 6 if dtype is torch.float16 else 20
+    for rows, cols in [(1, 1), (5, 33), (17, 50), (33, 97)]:
+        x = spread(rows, cols, binades, seed=rows, tile=block, dtype=dtype).to(DEVICE)
+        check(x, QuantSpec.make("mxfp4", block, "rceil"))
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_special_blocks(rule, block):
+    """All-zero blocks (must not widen a row's span), NaN and Inf blocks, -0, blocks whose
+    scale clamps at 2^-127 (float32 subnormals: some round to all-zero codes) and at 2^127."""
+    spec = QuantSpec.make("mxfp4", block, rule)
+    br, bc = block
+    x = spread(64, 160, 6, seed=1, tile=block)
+    x[:, 0:bc] = 0.0                                  # an all-zero block column
+    x[0:br, bc:2 * bc] = -0.0
+    x[5, 2 * bc + 3] = float("nan")
+    x[40, 4 * bc + 1] = float("inf")
+    x[41, 4 * bc + 2] = -float("inf")
+    x[20:20 + br, 3 * bc:4 * bc] *= 2.0**-140         # float32 subnormals, scale clamps at 2^-127
+    x[50:50 + br, 2 * bc:3 * bc] = 2.0**-149          # the smallest subnormal: codes round to 0
+    x[60:64, 3 * bc:4 * bc] = 3.0e38                  # scale 2^127 (floor) / 2^126 (rceil)
+    ref = check(x.to(DEVICE), spec)
+    assert bool(ref.nan_rows.any())
+    check(torch.zeros(33, 70, device=DEVICE), spec)
+    check(torch.full((9, 40), float("nan"), device=DEVICE), spec)
+
+
+@pytest.mark.parametrize("block", [(1, 32), (32, 32)])
+def test_strided_input(block):
+    spec = QuantSpec.make("mxfp4", block, "floor")
+    base = spread(96, 64, 10, seed=3, tile=block).to(DEVICE)
+    check(base.t(), spec)                                   # column-major
+    check(base[::2, 5:60], spec)                            # row stride 128, offset
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_stochastic_matches_kernel_quantizer(rule, block):
+    spec = QuantSpec.make("mxfp4", block, rule, rounding="stochastic")
+    x = spread(40, 130, 30, seed=7, tile=block).to(DEVICE)
+    check(x, spec, seed=1234)
+    check(x, spec, seed=2**40 + 17)
+    check(x.to(torch.bfloat16), spec, seed=torch.tensor([99], dtype=torch.int64, device=DEVICE))
+    a = quantize_fold_mxfp4(x, spec, seed=1)
+    b = quantize_fold_mxfp4(x, spec, seed=2)
+    assert not torch.equal(a.fp8.view(torch.uint8), b.fp8.view(torch.uint8))   # the seed matters
+
+
+def test_refuses_what_does_not_fold():
+    x = torch.randn(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="MXFP4"):
+        quantize_fold_mxfp4(x, QuantSpec.make("nvfp4", (1, 16)))
+    with pytest.raises(ValueError, match="square 2D tiles"):
+        quantize_fold_mxfp4(x, QuantSpec.make("mxfp4", (1, 32), "floor"), transpose=True)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fold_mxfp4(x.reshape(2, 16, 64), QuantSpec.make("mxfp4", (1, 32), "floor"))
