@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from lowbit.train.compare import compare, format_table
@@ -123,6 +124,9 @@ def run_train(args: argparse.Namespace) -> None:
         return
     if args.resume:
         raise ValueError("--resume continues one run; it does not combine with --compare")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--compare runs its recipes one after another in one process; under "
+                         "torchrun, launch one `lowbit train --recipe R` per recipe instead")
     recipes = _parse_recipes(args.compare)
     # With --run-name NAME the runs are NAME-<recipe> and the summary goes to NAME/;
     # without it, each run gets its default name and the summary compare-<model>-<corpus>/.

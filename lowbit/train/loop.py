@@ -13,6 +13,9 @@ Determinism: the model is initialized from `seed`, the batch of step i is a pure
 (seed, i), and dropout draws from the torch RNG whose state the checkpoint saves; nothing
 else draws from it (evaluation runs in eval mode, diagnostics under fork_rng). So on the CPU,
 N steps + resume + N steps gives the same losses, bit for bit, as 2N steps in one go.
+
+Under torchrun the same loop runs in every process, with DDP and each rank's share of the
+step's batch; lowbit.train.distributed says exactly what changes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tqdm import tqdm
 from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_checkpoint,
                                      rng_state, save_checkpoint, set_rng_state, write_text_atomic)
 from lowbit.train.config import TrainConfig, changed_fields
+from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.metrics import MetricsLog
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: LongTensor (B, T) each
@@ -112,21 +116,37 @@ def train(
         converted in place when config.recipe is not "bf16".
     diagnostics_fn: called as fn(model, first micro-batch, step) every diag_every steps,
         after the update; its dict of numbers is logged as a "diagnostics" record.
+
+    Launched by torchrun, every process calls this: see lowbit.train.distributed.
     """
+    process = setup(_resolve_device(config.device))
+    try:
+        if config.batch_size % process.world_size:
+            raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the "
+                             f"{process.world_size} processes, which split each micro-batch")
+        return _train(config, process, resume, overwrite, model, data, diagnostics_fn)
+    finally:
+        process.close()
+
+
+def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: bool,
+           model: nn.Module | None, data: TrainingData | None,
+           diagnostics_fn: DiagnosticsFn | None) -> RunResult:
     # Everything that can refuse the run does so before the run folder is touched.
-    device = _resolve_device(config.device)
+    device, main = process.device, process.is_main
     recipe = _resolve_recipe(config.recipe)
     run_dir = Path(config.out_dir) / config.name
     checkpoint = _check_run_dir(run_dir, config, resume, overwrite)
-    say = tqdm.write if config.progress else (lambda message: None)
+    say = tqdm.write if config.progress and main else (lambda message: None)
     if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
         diagnostics_fn = _recipe_diagnostics
 
     # --- build: data, model (seeded init), recipe, optimizer --------------------------------
     _seed_everything(config.seed)
-    data = data if data is not None else _build_data(config)
+    with process.main_first():  # rank 0 tokenizes and caches the corpus, the others read it
+        data = data if data is not None else _build_data(config)
     epochs = _epochs(config, data)
-    if epochs is not None and epochs > 3:  # printed even without progress output
+    if main and epochs is not None and epochs > 3:  # printed even without progress output
         print(f"lowbit: warning: this run reads its training split {epochs:.1f} times (more than "
               f"~3 repeats overfits); use a larger corpus or fewer --steps", file=sys.stderr)
     _seed_everything(config.seed)  # so the init does not depend on what building data drew
@@ -136,7 +156,9 @@ def train(
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
                                   betas=config.betas, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
-    _start_run_dir(run_dir, config, fresh=checkpoint is None)
+    process.barrier()  # every rank has checked the run folder before rank 0 changes it
+    if main:
+        _start_run_dir(run_dir, config, fresh=checkpoint is None)
 
     start_step, records, losses, wall_before, nonfinite_run = 0, [], [], 0.0, 0
     resumed = checkpoint is not None
@@ -144,11 +166,13 @@ def train(
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         set_rng_state(checkpoint["rng"])
+        set_own_cuda_rng_state(checkpoint["rng"], process)
         start_step, records = checkpoint["step"], checkpoint["metrics"]
         losses, wall_before = checkpoint["train_losses"], checkpoint["wall_time_s"]
         nonfinite_run = checkpoint["consecutive_nonfinite"]
         del checkpoint  # the weights now live in the model; don't hold a second copy
-    forward = torch.compile(model) if config.compile else model
+    # `model` stays the plain module: its state dict is what checkpoints hold.
+    forward = torch.compile(process.wrap(model)) if config.compile else process.wrap(model)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and config.bf16_autocast else contextlib.nullcontext())
 
@@ -160,8 +184,8 @@ def train(
         f"{n_params / 1e6:.2f}M parameters, recipe {config.recipe}, {device}, "
         f"{config.tokens_per_step} tokens/step")
 
-    log = MetricsLog(run_dir, records, start_step, say)
-    bar_on_terminal = config.progress and sys.stderr.isatty()
+    log = MetricsLog(run_dir, records, start_step, say) if main else _NoLog()
+    bar_on_terminal = config.progress and main and sys.stderr.isatty()
     bar = tqdm(total=total, initial=start_step, disable=not bar_on_terminal, unit="step",
                dynamic_ncols=True)
     t_session = time.perf_counter()
@@ -177,8 +201,8 @@ def train(
                              "val_loss": val_loss, "val_ppl": _perplexity(val_loss)}
                 log.write(last_eval)
                 say(f"step {step}: val loss {val_loss:.4f}, ppl {last_eval['val_ppl']:.2f}")
-            if step > start_step and (step == total or (config.checkpoint_every
-                                                        and step % config.checkpoint_every == 0)):
+            if main and step > start_step and (step == total or (
+                    config.checkpoint_every and step % config.checkpoint_every == 0)):
                 wall = wall_before + time.perf_counter() - t_session
                 save_checkpoint({
                     "version": CHECKPOINT_VERSION, "step": step, "config": config.to_dict(),
@@ -200,18 +224,19 @@ def train(
             if inputs.shape[0] != config.batch_size * accum:
                 raise ValueError(f"the data gave {inputs.shape[0]} sequences for step {step}; "
                                  f"batch_size * grad_accum_steps = {config.batch_size * accum}")
-            inputs, targets = inputs.to(device), targets.to(device)
+            inputs, targets = process.shard(inputs).to(device), process.shard(targets).to(device)
             micro_batches = list(zip(inputs.chunk(accum), targets.chunk(accum)))
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=device)
-            for x, y in micro_batches:
-                with autocast:
-                    loss = forward(x, y).loss / accum  # mean over the step's tokens, summed
-                loss.backward()
+            for i, (x, y) in enumerate(micro_batches):
+                with process.sync_gradients(i == accum - 1):  # DDP: on the last backward only
+                    with autocast:
+                        loss = forward(x, y).loss / accum  # mean over the step's tokens, summed
+                    loss.backward()
                 step_loss += loss.detach()
             max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-            loss_value = step_loss.item()
+            loss_value = process.average(step_loss).item()
             losses.append(loss_value)
             step += 1
             if math.isfinite(loss_value) and math.isfinite(grad_norm):
@@ -266,8 +291,9 @@ def train(
              "val_ppl": result.val_ppl, "steps": result.steps, "tokens_seen": result.tokens_seen,
              "wall_time_s": result.wall_time_s, "recipe": config.recipe, "device": str(device),
              "n_params": n_params, "epochs": epochs}
-    write_text_atomic(run_dir / "final.json", json.dumps(final, indent=2) + "\n")
-    write_loss_plot(run_dir)
+    if main:
+        write_text_atomic(run_dir / "final.json", json.dumps(final, indent=2) + "\n")
+        write_loss_plot(run_dir)
     say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
         f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> {run_dir}")
     return result
@@ -294,6 +320,16 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device,
             count += (targets != -100).sum().item()  # -100: no loss wanted (lowbit.models')
     model.train(was_training)
     return total / count
+
+
+class _NoLog:
+    """The metrics log of ranks other than 0, which write nothing."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _recipe_diagnostics(model: nn.Module, batch: Batch, step: int) -> dict:

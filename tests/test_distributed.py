@@ -1,0 +1,128 @@
+"""`lowbit train` under torchrun on the CPU (gloo, 2 processes): the tiny model on Tiny
+Shakespeare bytes, launched the way users launch it (`python -m torch.distributed.run`).
+
+Invariances checked: two processes train on the same global batches as one process (losses
+equal up to reduction order), only rank 0 writes the run folder, and a two-process run that
+crashes and resumes reproduces the uninterrupted two-process run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lowbit.cli import main
+
+# Tiny and short: 6 steps of 4 x 32 tokens; batch_size 4 splits into 2 rows per rank.
+FLAGS = ["--model", "tiny", "--corpus", "tinyshakespeare", "--tokenizer", "bytes",
+         "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--dropout", "0",
+         "--lr", "3e-3", "--log-every", "1", "--eval-every", "3", "--eval-batches", "2",
+         "--checkpoint-every", "3", "--device", "cpu", "--no-progress"]
+
+# Runs lowbit's CLI, but exits with code 3 on every rank once 4 steps are done, one step
+# past the step-3 checkpoint: a crash for the resume test.
+CRASH_AT_STEP_4 = textwrap.dedent("""
+    import sys
+    import lowbit.train.loop as loop
+    from lowbit.cli import main
+
+    schedule = loop.learning_rate_at
+    def crash_at_step_4(step, config):
+        if step == 4:
+            raise SystemExit(3)
+        return schedule(step, config)
+    loop.learning_rate_at = crash_at_step_4
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    from lowbit.data import data_root
+
+    try:
+        data_root()
+    except FileNotFoundError as e:  # CI has the data; a bare GPU box may not
+        pytest.skip(str(e))
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    return {**os.environ, "LOWBIT_CACHE": str(tmp_path / "cache")}
+
+
+def torchrun(env, *args, entry=("-m", "lowbit.cli")) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", *entry, "train", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def train_losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["event"] == "train"]
+
+
+def test_two_processes_match_one_and_only_rank_0_writes(tmp_path, env):
+    out = tmp_path / "runs"
+    two = torchrun(env, *FLAGS, "--recipe", "bf16", "--out-dir", str(out), "--run-name", "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["two"]
+    run_dir = out / "two"
+    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "metrics.jsonl", "final.json",
+                                                   "loss.png", "checkpoints"}
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
+    assert (run_dir / "checkpoints" / "latest.pt").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2, 3, 4, 5, 6]  # once each
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["steps"] == 6 and final["tokens_seen"] == 6 * 4 * 32  # global, not per rank
+
+    assert main(["train", *FLAGS, "--recipe", "bf16", "--out-dir", str(tmp_path / "single"),
+                 "--run-name", "one"]) in (0, None)
+    one = train_losses(tmp_path / "single" / "one")
+    # Same global batches and updates; only the order of float additions differs.
+    assert train_losses(run_dir) == pytest.approx(one, rel=1e-4)
+    assert train_losses(run_dir)[-1] < train_losses(run_dir)[0]
+
+
+def test_two_process_resume_continues_exactly(tmp_path, env):
+    out = tmp_path / "runs"
+    whole = torchrun(env, *FLAGS, "--recipe", "bf16", "--out-dir", str(out), "--run-name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    script = tmp_path / "crash_at_step_4.py"
+    script.write_text(CRASH_AT_STEP_4)
+    cut = [*FLAGS, "--recipe", "bf16", "--out-dir", str(out), "--run-name", "cut"]
+    crashed = torchrun(env, *cut, entry=(str(script),))
+    assert crashed.returncode != 0
+    assert train_losses(out / "cut") == train_losses(out / "whole")[:4]  # logged, then crashed
+    resumed = torchrun(env, *cut, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_losses(out / "cut") == train_losses(out / "whole")
+
+
+def test_a_quantized_recipe_trains_under_two_processes(tmp_path, env):
+    out = tmp_path / "runs"
+    run = torchrun(env, *FLAGS, "--recipe", "stable-fp4", "--diag-every", "3",
+                   "--out-dir", str(out), "--run-name", "fp4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    final = json.loads((out / "fp4" / "final.json").read_text())
+    assert final["recipe"] == "stable-fp4" and final["steps"] == 6
+    assert math.isfinite(final["val_loss"])
+    lines = (out / "fp4" / "metrics.jsonl").read_text().splitlines()
+    assert [r["step"] for r in map(json.loads, lines) if r["event"] == "diagnostics"] == [3, 6]
+
+
+def test_compare_is_refused_under_torchrun(monkeypatch, tmp_path):
+    import argparse
+
+    from lowbit.train.cli_args import add_train_arguments, run_train
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parser.parse_args(["--compare", "bf16,mxfp4", "--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="under torchrun, launch one"):
+        run_train(args)
