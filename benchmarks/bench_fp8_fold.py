@@ -27,16 +27,15 @@ Prints a table; with $OUT set, writes $OUT/bench_fp8_fold.json. Exit status 1 if
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+from common import Report, time_ms  # noqa: E402
 
 DEVICE = "cuda"
 _D, _F, _KV, _T = 2048, 5504, 1024, 8192                         # 1b preset at 8192 tokens
@@ -96,13 +95,7 @@ def run_checks():
 
 
 def ms(fn):
-    if DEVICE != "cuda":  # --smoke: one wall-clock call after a warm-up
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return time_ms(fn, DEVICE)
 
 
 def run_timings():
@@ -184,16 +177,8 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("bench_fp8_fold needs a CUDA GPU (or --smoke)")
     t0 = time.time()
-    report = {"meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-                       "torch": torch.__version__,
-                       "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}}
-    print(json.dumps(report["meta"]), flush=True)
-
-    def save():
-        if os.environ.get("OUT"):
-            path = Path(os.environ["OUT"]) / "bench_fp8_fold.json"
-            path.write_text(json.dumps(report, indent=1))
+    report = Report("bench_fp8_fold", DEVICE)
+    save = report.save
 
     failed = []
     if not args.no_checks:

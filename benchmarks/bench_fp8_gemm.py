@@ -29,18 +29,16 @@ Exit status 1 if a check failed. Needs a CUDA GPU with FP8 (SM 8.9+) and triton.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+from common import Report, time_ms  # noqa: E402
 
 from lowbit.formats import QTensor, QuantSpec, quantize_dequantize, quantize_with_spec  # noqa: E402
 from lowbit.formats.elements import pack_codes  # noqa: E402
@@ -216,13 +214,7 @@ def print_errors(rows):
 # ---- 3. timings ----------------------------------------------------------------------------
 
 def ms(fn):
-    if DEVICE != "cuda":  # --smoke: one wall-clock call after a warm-up
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return time_ms(fn, DEVICE)
 
 
 def run_timings():
@@ -306,18 +298,8 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("bench_fp8_gemm needs a CUDA GPU (or --smoke)")
     t0 = time.time()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    print(json.dumps(meta), flush=True)
-    report = {"meta": meta}
-
-    def save():  # after every section, so a run cut short keeps what it measured
-        if os.environ.get("OUT"):
-            path = Path(os.environ["OUT"]) / "bench_fp8_gemm.json"
-            path.write_text(json.dumps(report, indent=1))
+    report = Report("bench_fp8_gemm", DEVICE, cuda=torch.version.cuda)
+    save = report.save
 
     checks = None
     if not args.no_checks:

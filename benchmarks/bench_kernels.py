@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -41,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from common import Report, time_ms  # noqa: E402
 
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
 from lowbit.formats.quantize import blocked  # noqa: E402
@@ -192,12 +189,7 @@ def run_checks() -> Checks:
 # ---- 2. timings ----------------------------------------------------------------------------
 
 def ms(fn):
-    if DEVICE != "cuda":  # --smoke: the interpreter has no events; one wall-clock call
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return time_ms(fn, DEVICE)
 
 
 def qbytes(spec, shape, in_bytes=2):
@@ -400,18 +392,8 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     t0 = time.time()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(),
-            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    print(json.dumps(meta), flush=True)
-    report = {"meta": meta}
-
-    def save():  # after every section, so a run cut short keeps what it measured
-        if os.environ.get("OUT"):
-            path = Path(os.environ["OUT"]) / "bench_kernels.json"
-            path.write_text(json.dumps(report, indent=1))
+    report = Report("bench_kernels", DEVICE, triton=triton.__version__)
+    save = report.save
 
     checks = None
     if not args.no_checks:
