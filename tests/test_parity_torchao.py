@@ -85,13 +85,35 @@ def torchao_mx(x, fmt, rule):
 def assert_mx_equal(x, fmt, rule):
     q = lowbit_mx(x, fmt, rule)
     ao_scale, ao_data = torchao_mx(x, fmt, rule)
-    assert torch.equal(q.scales, ao_scale), f"{fmt}/{rule}: E8M0 scales differ"
-    ours = q.codes if fmt == "mxfp4" else q.codes
-    theirs = ao_data.view(torch.uint8)
+    ours, theirs = q.codes, ao_data.view(torch.uint8)
+    ours_values = q.dequantize(torch.float32)
+    ao_values = _torchao_mx_values(ao_data, ao_scale, fmt)  # torchao's to_dtype, float32
+    if rule == "rceil":
+        # torchao's CPU RCEIL takes ceil(log2(amax / max)) with a float32 log2, which rounds
+        # down when amax / max is a few ulps above a power of two; lowbit rounds up on the bits
+        # (cuBLAS's rule). Those blocks -- rare in random data -- must be exactly the ones where
+        # lowbit's scale is one binade above torchao's; every other block is compared in full.
+        _, max_elem = MX_ELEMENTS[fmt]
+        diverged = _torchao_log2_rounds_down(x.float(), max_elem)            # (..., n_blocks)
+        assert diverged.float().mean() < 1e-3, "too many blocks differ to be log2 rounding"
+        assert torch.equal(q.scales[diverged].int(), ao_scale[diverged].int() + 1)
+        keep = ~diverged
+        per_block = ours.shape[-1] // keep.shape[-1]
+        assert torch.equal(q.scales[keep], ao_scale[keep]), f"{fmt}/{rule}: E8M0 scales differ"
+        ours, theirs = (t[keep.repeat_interleave(per_block, -1)] for t in (ours, theirs))
+        ours_values, ao_values = (v[keep.repeat_interleave(32, -1)] for v in (ours_values, ao_values))
+    else:
+        assert torch.equal(q.scales, ao_scale), f"{fmt}/{rule}: E8M0 scales differ"
     assert torch.equal(ours, theirs), f"{fmt}/{rule}: element codes differ"
-    # decoded values: torchao's to_dtype (in float32) vs our dequantize
-    ao_values = _torchao_mx_values(ao_data, ao_scale, fmt)
-    assert_values_match(q.dequantize(torch.float32), ao_values)
+    assert_values_match(ours_values, ao_values)
+
+
+def _torchao_log2_rounds_down(x, max_elem):
+    """Blocks (of 32 along the last dim) where torchao's float32 log2 misses the exact ceil."""
+    amax = x.abs().reshape(*x.shape[:-1], -1, 32).amax(-1)
+    mant, exp = torch.frexp(amax / max_elem)
+    exact = torch.where(mant == 0.5, exp - 1, exp).float()
+    return (_torchao_rceil_exponent(amax, max_elem) != exact) & (amax > 0)
 
 
 def _torchao_mx_values(data, scale, fmt):
@@ -104,7 +126,8 @@ def _torchao_mx_values(data, scale, fmt):
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mx_random_million(fmt, rule, dtype):
-    x = random_inputs(2**20, 1024, seed=hash((fmt, rule)) % 1000).to(dtype)
+    seed = 10 * list(MX_ELEMENTS).index(fmt) + (rule == "rceil")  # fixed: hash() is per process
+    x = random_inputs(2**20, 1024, seed=seed).to(dtype)
     assert_mx_equal(x, fmt, rule)
 
 
@@ -226,3 +249,13 @@ def test_inf_block_is_nan_where_torchao_zeroes_its_neighbours():
     ao = _torchao_mx_values(ao_data, ao_scale, "mxfp4")
     # torchao keeps the Inf but its block scale becomes 2^126, so the other 31 values become 0
     assert torch.isinf(ao[0, 3]) and (ao[0, torch.arange(32) != 3] == 0).all()
+
+
+def test_random_data_hits_torchao_log2_rounding_and_lowbit_never_clips():
+    # seed 61 holds one such block for E5M2 (found by scanning seeds 0..999)
+    x = random_inputs(2**20, 1024, seed=61)
+    diverged = _torchao_log2_rounds_down(x, 57344.0)
+    assert diverged.sum() == 1
+    assert_mx_equal(x, "mxfp8_e5m2", "rceil")  # equal everywhere else, one binade up there
+    q = lowbit.quantize(x, "mxfp8_e5m2", scale_rule="rceil")
+    assert (x.abs() <= q.block_max()).all()
