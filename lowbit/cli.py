@@ -1,4 +1,4 @@
-"""The `lowbit` command: train, plot, inspect.
+"""The `lowbit` command: train, plot, inspect, bench.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -78,12 +78,23 @@ def _add_train(sub) -> None:
     p.set_defaults(func=run_plot)
 
 
+def _add_bench(sub) -> None:
+    from lowbit import bench
+
+    p = sub.add_parser("bench", help="benchmarks: step time and memory of training recipes",
+                       description="Speed and memory of recipes, printed as tables with ratios "
+                                   "to a baseline measured in the same run.")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowbit", description="Train LLMs in 4-bit and lower precision.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_inspect(sub)
     _add_train(sub)
+    _add_bench(sub)
     return parser
 
 
