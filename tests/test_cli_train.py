@@ -59,3 +59,16 @@ def test_a_run_that_repeats_its_data_more_than_3_times_warns(tmp_path):
     assert "reads its training split 3.3 times" in proc.stderr
     final = json.loads((tmp_path / "runs" / "tiny-tinyshakespeare-bf16" / "final.json").read_text())
     assert final["epochs"] > 3
+
+
+def test_seq_len_longer_than_a_split_is_refused_before_the_run_folder_exists(tmp_path):
+    from lowbit.data import data_root
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    proc = subprocess.run([sys.executable, "-m", "lowbit.cli", "train", "--seq-len", "5000000",
+                           "--steps", "2", "--out-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "use a shorter seq_len" in proc.stderr
+    assert not (tmp_path / "runs").exists()

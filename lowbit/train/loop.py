@@ -459,6 +459,10 @@ class _CorpusData:
         self.dataset, self.config = dataset, config
         self.vocab_size = dataset.vocab_size
         self.tokens_per_epoch = dataset.tokens_per_epoch
+        # Draw one window from each split now, so a seq_len longer than a split is refused
+        # before the run folder exists, not at the first evaluation.
+        dataset.get_batch(0, 1, config.seq_len, config.seed)
+        next(iter(dataset.eval_batches("val", 1, config.seq_len, max_batches=1)))
 
     def train_batch(self, step: int) -> Batch:
         c = self.config
