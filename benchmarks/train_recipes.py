@@ -6,6 +6,12 @@
 Everything after `--` is passed to every `lowbit train` run (plus --recipe and --run-name).
 The data is tokenized once before the runs start. Runs still going at the deadline are
 stopped; the comparison then uses the last evaluation step every run reached (equal tokens).
+
+--fit-min M sizes the schedule to the machine instead of --steps: every recipe first trains
+for --probe-s seconds, all in parallel as in the real runs (no evaluation or diagnostics),
+and the slowest recipe's median step time, its start-up time and the evaluation and
+diagnostic costs set --steps (a multiple of --eval-every) so that it ends in about M minutes.
+The full cosine schedule then runs to its end, which a deadline alone cannot give.
 Writes <out>/<name>/: summary.md, summary.json, loss.png, gradbias.png, runs.tar.gz (each
 run's config, metrics and final numbers); with $OUT set, copies them there.
 """
@@ -31,6 +37,9 @@ def main() -> None:
     parser.add_argument("--recipes", required=True)
     parser.add_argument("--out-dir", default="runs")
     parser.add_argument("--deadline-min", type=float, default=8.0)
+    parser.add_argument("--fit-min", type=float, default=None,
+                        help="choose --steps so the slowest recipe ends in about this many minutes")
+    parser.add_argument("--probe-s", type=float, default=75.0)
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -38,34 +47,80 @@ def main() -> None:
     out = Path(args.out_dir)
     t0 = time.time()
 
-    prepare_data(train_args)
+    out.mkdir(parents=True, exist_ok=True)
+    config = prepare_data(train_args)
     print(f"data ready in {time.time() - t0:.0f} s", flush=True)
-    procs = {}
-    for recipe in recipes:
-        run = f"{args.name}-{recipe}"
-        log = open(out / f"{run}.log", "w") if out.exists() else None
-        if log is None:
-            out.mkdir(parents=True, exist_ok=True)
-            log = open(out / f"{run}.log", "w")
-        cmd = [sys.executable, "-m", "lowbit.cli", "train", *train_args, "--recipe", recipe,
-               "--run-name", run, "--out-dir", str(out), "--no-progress", "--overwrite"]
-        procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True), log)
+    if args.fit_min is not None:
+        steps = fit_steps(config, recipes, train_args, out, args.name, args.fit_min, args.probe_s)
+        train_args = [*train_args, "--steps", str(steps)]
     deadline = t0 + args.deadline_min * 60
-    while any(p.poll() is None for p, _ in procs.values()) and time.time() < deadline:
-        time.sleep(5)
-    for recipe, (p, log) in procs.items():
-        if p.poll() is None:
-            print(f"{recipe}: stopped at the deadline", flush=True)
-            os.killpg(p.pid, signal.SIGTERM)
-        p.wait()
-        log.close()
+    run_parallel({r: f"{args.name}-{r}" for r in recipes}, train_args, out, deadline)
     summarize(args.name, recipes, out)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 
-def prepare_data(train_args: list[str]) -> None:
-    """Tokenize (and train the BPE) once, so the parallel runs read the cache."""
+def run_parallel(runs: dict[str, str], train_args: list[str], out: Path, deadline: float) -> None:
+    """Start `lowbit train` for each recipe -> run name at once; stop those still going at the
+    deadline (SIGTERM to the process group)."""
+    procs = {}
+    for recipe, run in runs.items():
+        log = open(out / f"{run}.log", "w")
+        cmd = [sys.executable, "-m", "lowbit.cli", "train", *train_args, "--recipe", recipe,
+               "--run-name", run, "--out-dir", str(out), "--no-progress", "--overwrite"]
+        procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True), log)
+    while any(p.poll() is None for p, _ in procs.values()) and time.time() < deadline:
+        time.sleep(2)
+    for recipe, (p, log) in procs.items():
+        if p.poll() is None:
+            print(f"{runs[recipe]}: stopped at the deadline", flush=True)
+            os.killpg(p.pid, signal.SIGTERM)
+        p.wait()
+        log.close()
+
+
+def fit_steps(config, recipes: list[str], train_args: list[str], out: Path, name: str,
+              minutes: float, probe_s: float) -> int:
+    """Train every recipe in parallel for probe_s seconds and return the --steps that lets the
+    slowest one finish in `minutes` (see the module doc)."""
+    t0 = time.time()
+    probe_args = [*train_args, "--steps", "1000000", "--eval-every", "0", "--log-every", "1",
+                  "--checkpoint-every", "0", "--no-diagnostics"]
+    runs = {r: f"{name}-{r}-probe" for r in recipes}
+    run_parallel(runs, probe_args, out, t0 + probe_s)
+    worst_step, worst_start = 0.0, 0.0
+    for recipe, run in runs.items():
+        log = out / f"{run}.log"
+        records = [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()
+                   if '"event": "train"' in line] if (out / run / "metrics.jsonl").exists() else []
+        if len(records) < 4:
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise SystemExit(f"probe: {recipe} made {len(records)} steps in {probe_s:.0f} s; "
+                             f"raise --probe-s or shrink the model. Its log ends:\n{tail}")
+        times = sorted(r["step_time_s"] for r in records[len(records) // 4:])
+        step_s = times[len(times) // 2]
+        start_s = probe_s - sum(r["step_time_s"] for r in records)
+        print(f"probe {recipe}: {len(records)} steps, median {step_s * 1e3:.0f} ms/step "
+              f"(all {len(recipes)} in parallel), start-up {start_s:.0f} s", flush=True)
+        worst_step, worst_start = max(worst_step, step_s), max(worst_start, start_s)
+        shutil.rmtree(out / run, ignore_errors=True)
+    every = config.eval_every or 1
+    # an evaluation batch is a forward pass (~1/3 of a step); a diagnostic ~3 steps
+    per_step = worst_step * (1 + config.eval_batches / (3 * every)
+                             + (3 / config.diag_every if config.diagnostics and config.diag_every else 0))
+    budget = minutes * 60 - worst_start - 2 * config.eval_batches * worst_step
+    steps = int(budget / per_step) // every * every
+    if steps < every:
+        raise SystemExit(f"probe: {worst_step * 1e3:.0f} ms/step leaves no room for {every} steps "
+                         f"in {minutes} min")
+    print(f"fitted --steps {steps} ({steps * config.tokens_per_step / 1e6:.1f}M tokens a run) "
+          f"in {time.time() - t0:.0f} s of probing", flush=True)
+    return steps
+
+
+def prepare_data(train_args: list[str]):
+    """Tokenize (and train the BPE) once, so the parallel runs read the cache; returns the
+    runs' TrainConfig."""
     from lowbit.data import load_dataset
     from lowbit.train.cli_args import add_train_arguments, config_from_args
 
@@ -74,6 +129,7 @@ def prepare_data(train_args: list[str]) -> None:
     config = config_from_args(p.parse_args(train_args))
     load_dataset(config.corpus, tokenizer=config.tokenizer, vocab_size=config.bpe_vocab_size,
                  data_dir=config.data_dir, max_bytes=config.corpus_max_bytes)
+    return config
 
 
 def read_run(run_dir: Path) -> dict:
