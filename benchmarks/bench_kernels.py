@@ -16,7 +16,9 @@
    bf16 inputs, GB/s = (bytes read + bytes written) / time, counting x once (two-level NVFP4
    reads x twice: its tensor amax pass, then the quantize pass), the ratio to a
    device-to-device copy of the same tensor timed in the same run, and torchao's
-   nvfp4_quantize / to_mx eager and torch.compile'd when torchao imports.
+   nvfp4_quantize / to_mx eager and torch.compile'd when torchao imports. The "graph"
+   columns time the same call replayed from a CUDA graph (do_bench_cudagraph, no L2 flush):
+   the GPU's time alone, so the gap to the first timing is host (Python + launch) overhead.
 3. A tile-config sweep on one shape, to choose the default.
 
 Prints aligned tables; with $OUT set, writes $OUT/bench_kernels.json. Exit status 1 if a
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 import triton  # noqa: E402
-from common import Report, time_ms  # noqa: E402
+from common import Report, graph_time_ms, time_ms  # noqa: E402
 
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
 from lowbit.formats.quantize import blocked  # noqa: E402
@@ -287,6 +289,8 @@ def run_timings(use_torchao: bool):
         dst = torch.empty_like(x)
         copy_ms = ms(functools.partial(dst.copy_, x))
         copy_gbs = 4 * x.numel() / copy_ms / 1e6
+        copy_graph = graph_time_ms(functools.partial(dst.copy_, x), DEVICE)
+        copy_graph_gbs = 4 * x.numel() / copy_graph / 1e6 if copy_graph else None
         print(f"   {shape}: copy {copy_ms * 1e3:.1f} us = {copy_gbs:.0f} GB/s", flush=True)
         for label, spec, kind in timed_kernels():
             row = {"kernel": label, "shape": list(shape), "copy_us": copy_ms * 1e3,
@@ -295,6 +299,10 @@ def run_timings(use_torchao: bool):
                 t = ms(kernel_call(spec, kind, x, seed))
                 gbs = moved_bytes(spec, kind, shape) / t / 1e6
                 row.update(us=t * 1e3, GBps=gbs, frac_copy=gbs / copy_gbs)
+                g = graph_time_ms(kernel_call(spec, kind, x, seed), DEVICE)
+                if g and copy_graph_gbs:
+                    ggbs = moved_bytes(spec, kind, shape) / g / 1e6
+                    row.update(graph_us=g * 1e3, graph_GBps=ggbs, graph_frac_copy=ggbs / copy_graph_gbs)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             if label in baselines and kind == "q":
@@ -350,9 +358,11 @@ def run_sweep():
 
 def print_table(results):
     cols = [("kernel", 34, "s"), ("shape", 12, "s"), ("us", 9, ".1f"), ("GBps", 8, ".0f"),
-            ("frac_copy", 9, ".0%"), ("torchao_eager_us", 12, ".1f"),
+            ("frac_copy", 9, ".0%"), ("graph_us", 9, ".1f"), ("graph_frac_copy", 9, ".0%"),
+            ("torchao_eager_us", 12, ".1f"),
             ("torchao_compiled_us", 12, ".1f"), ("speedup_vs_compiled", 10, ".1f")]
-    heads = ["kernel", "shape", "us", "GB/s", "of copy", "ao eager us", "ao comp. us", "x ao comp."]
+    heads = ["kernel", "shape", "us", "GB/s", "of copy", "graph us", "graph/cp", "ao eager us",
+             "ao comp. us", "x ao comp."]
     widths = [w for _, w, _ in cols]
     print("\n" + "  ".join(h.ljust(w) if i <= 1 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(heads, widths, strict=True))))

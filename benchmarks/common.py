@@ -25,6 +25,21 @@ def time_ms(fn, device: str) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_time_ms(fn, device: str) -> float | None:
+    """Median milliseconds of fn() replayed from a CUDA graph: the GPU's time alone, without the
+    Python and launch overhead that time_ms includes when the GPU outruns the host. None on the
+    CPU or when fn cannot be captured (it syncs with the host, say)."""
+    if device != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"   (no CUDA-graph timing: {type(e).__name__}: {str(e)[:100]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
 class Report(dict):
     """{"meta": ..., section: results}; save() writes $OUT/<name>.json, after every section,
     so a run cut short keeps what it measured."""

@@ -18,12 +18,13 @@ import time
 
 import torch
 
-__all__ = ["bench_train", "format_rows"]
+__all__ = ["bench_train", "format_profiles", "format_rows", "profile_step"]
 
 
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
-                compile: bool = False, n_experts: int | None = None, progress=print) -> list[dict]:
+                compile: bool = False, n_experts: int | None = None, profile: bool = False,
+                progress=print) -> list[dict]:
     from lowbit.models import ModelConfig, build_model
     from lowbit.nn import convert
     from lowbit.recipes import get_recipe
@@ -78,6 +79,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                                 if dev.type == "cuda" else None),
                "loss": loss.item(), "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile}
+        if profile and dev.type == "cuda":
+            row["profile"] = profile_step(step, dev)
         rows.append(row)
         progress(f"{name}: {row['step_ms']:.1f} ms/step")
         del net, optimizer, forward
@@ -87,6 +90,60 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         row["mem_vs_base"] = (row["peak_mem_gib"] / base["peak_mem_gib"]
                               if row["peak_mem_gib"] and base["peak_mem_gib"] else None)
     return rows
+
+
+# kernel-name fragments -> where a training step's GPU time goes
+_CATEGORIES = (
+    ("quantize (lowbit Triton)", ("_quantize_kernel", "_tensor_amax_kernel")),
+    ("fp8 fold (lowbit Triton)", ("_block_exponents_kernel", "_fold_kernel")),
+    ("fp8 gemm", ("f8", "fp8", "e4m3")),
+    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+)
+
+
+def profile_step(step, dev: torch.device, top: int = 12) -> dict:
+    """Profile one step: GPU time by category (lowbit's quantize / fold kernels, FP8 and other
+    GEMMs, attention, everything else), the busy fraction of the step's wall time (the rest is
+    the GPU waiting on the host), and the `top` kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+    by_category: dict[str, float] = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        category = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+        by_category[category] = by_category.get(category, 0.0) + ms
+    busy = sum(kernels.values())
+    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy,
+            "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])}
+
+
+def format_profiles(rows: list[dict]) -> str:
+    """Where each recipe's profiled step spent its GPU time (rows from bench_train(profile=True))."""
+    out = []
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        out.append(f"\n{r['recipe']}: profiled step {p['wall_ms']:.1f} ms wall, GPU busy "
+                   f"{p['gpu_busy_ms']:.1f} ms ({p['gpu_busy_ms'] / p['wall_ms']:.0%})")
+        for category, ms in p["by_category_ms"].items():
+            out.append(f"  {category:28s} {ms:9.2f} ms  {ms / p['gpu_busy_ms']:6.1%}")
+        out.append("  top kernels:")
+        for name, ms in p["top_kernels_ms"].items():
+            out.append(f"    {ms:9.2f} ms  {name[:110]}")
+    return "\n".join(out)
 
 
 def _sync(dev: torch.device) -> None:
@@ -128,6 +185,8 @@ def add_arguments(parser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: profile one more step per recipe and print where its GPU time went")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
@@ -136,8 +195,10 @@ def run(args) -> None:
     if not recipes:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
     rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
-                       args.device, args.compile, args.n_experts)
+                       args.device, args.compile, args.n_experts, args.profile)
     print(format_rows(rows))
+    if args.profile:
+        print(format_profiles(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -301,6 +301,28 @@ def weight_operands(w: QTensor) -> tuple[FoldedOperand, FoldedOperand]:
     return fold_operand(w), fold_operand(w, transpose=True)
 
 
+def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False
+                  ) -> tuple[FoldedOperand, FoldedOperand | None]:
+    """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it: (x's operand, x^T's
+    operand or None). x^T's comes from the same FP4 values (square 2D tiles only).
+
+    CUDA tensors take the fused Triton kernels (lowbit.kernels.fp8_fold, two passes over x and
+    no QTensor); elsewhere, or under force_reference(), the reference quantizer and
+    fold_operand. Both give the same bits (the kernels' contract, checked in CI under the
+    Triton interpreter and on the GPU by benchmarks/bench_fp8_fold.py)."""
+    from lowbit.formats.quantize import quantize_with_spec
+    from lowbit.kernels import use_kernels
+
+    if use_kernels(x, spec):
+        from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
+
+        if transpose_too:
+            return quantize_fold_mxfp4_with_transpose(x, spec)
+        return quantize_fold_mxfp4(x, spec), None
+    q = quantize_with_spec(x, spec)
+    return fold_operand(q), (fold_operand(q, transpose=True) if transpose_too else None)
+
+
 # ---- the GEMM ------------------------------------------------------------------------------
 
 def fp4_gemm_fp8(a: QTensor | FoldedOperand, b: QTensor | FoldedOperand,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats import QuantSpec, quantize_dequantize, quantize_with_spec
+from lowbit.formats import QuantSpec, quantize_dequantize
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "fake_quantize", "operand", "random_hadamard", "gemm_operands"]
@@ -144,50 +144,49 @@ class _QuantLinear(torch.autograd.Function):
 
 class _QuantLinearFP8(torch.autograd.Function):
     """The same three GEMMs on MXFP4 operands, multiplied exactly on FP8 tensor cores: each
-    operand is quantized to a packed QTensor, its block scales are folded into E4M3 elements
-    and power-of-two row factors (lowbit.kernels.fp8_gemm), and torch._scaled_mm multiplies
-    them. Shared 2D operands are quantized once and folded again transposed for the second
-    GEMM, from the same FP4 codes."""
+    operand is quantized to MXFP4 and its block scales folded into E4M3 elements and
+    power-of-two row factors (lowbit.kernels.fp8_gemm; on CUDA one fused Triton kernel pair,
+    lowbit.kernels.fp8_fold), and torch._scaled_mm multiplies them. A 2D operand shared by two
+    GEMMs gives both folded copies (rows, and transposed) from one quantization; the forward
+    saves the transposed copies, 1 byte per value, for the backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: LinearRecipe):
-        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, fold_operand
+        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
 
         # x: (N, in); weight: (out, in)
-        qx = quantize_with_spec(x, recipe.fprop_x)              # (N, in), blocks along in
-        qw = quantize_with_spec(weight, recipe.fprop_w)         # (out, in), blocks along in
-        y = fp4_gemm_fp8(fold_operand(qx), fold_operand(qw), out_dtype=x.dtype)  # (N, out)
+        fx, fx_t = quantize_fold(x, recipe.fprop_x, _shared(recipe.fprop_x, recipe.wgrad_x))
+        fw, fw_t = quantize_fold(weight, recipe.fprop_w, _shared(recipe.fprop_w, recipe.dgrad_w))
+        y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)              # (N, out)
         if bias is not None:
             y = y + bias
-        # QTensors are not tensors, so they ride on ctx; the inputs are saved only where the
-        # backward GEMM needs them quantized along the other dim (1D blocks).
-        ctx.qx = qx if _shared(recipe.fprop_x, recipe.wgrad_x) else None
-        ctx.qw = qw if _shared(recipe.fprop_w, recipe.dgrad_w) else None
-        ctx.save_for_backward(x if ctx.qx is None else None, weight if ctx.qw is None else None)
+        # FoldedOperands are not tensors, so they ride on ctx; the inputs are saved only where
+        # the backward GEMM needs them quantized along the other dim (1D blocks).
+        ctx.x_w, ctx.w_d = fx_t, fw_t
+        ctx.save_for_backward(x if fx_t is None else None, weight if fw_t is None else None)
         ctx.recipe, ctx.has_bias = recipe, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, fold_operand
+        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
 
         # dy: (N, out)
         x, weight = ctx.saved_tensors
         r: LinearRecipe = ctx.recipe
         dx = dw = db = None
-        qdy = quantize_with_spec(dy, r.dgrad_dy)                # (N, out), blocks along out
+        shared_dy = _shared(r.dgrad_dy, r.wgrad_dy) and ctx.needs_input_grad[1]
+        fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy)     # (N, out), blocks along out
         if ctx.needs_input_grad[0]:
             # dX = dY W: B = W^T (in, out), blocks along out
-            w_d = (fold_operand(ctx.qw, transpose=True) if ctx.qw is not None
-                   else fold_operand(quantize_with_spec(weight.mT, r.dgrad_w)))
-            dx = fp4_gemm_fp8(fold_operand(qdy), w_d, out_dtype=dy.dtype)          # (N, in)
+            w_d = ctx.w_d if ctx.w_d is not None else quantize_fold(weight.mT, r.dgrad_w)[0]
+            dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                          # (N, in)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
-            dy_w = (fold_operand(qdy, transpose=True) if _shared(r.dgrad_dy, r.wgrad_dy)
-                    else fold_operand(quantize_with_spec(dy.mT, r.wgrad_dy)))
-            x_w = (fold_operand(ctx.qx, transpose=True) if ctx.qx is not None
-                   else fold_operand(quantize_with_spec(x.mT, r.wgrad_x)))
-            dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                        # (out, in)
+            dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy)[0]
+            x_w = ctx.x_w if ctx.x_w is not None else quantize_fold(x.mT, r.wgrad_x)[0]
+            dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                          # (out, in)
+        ctx.x_w = ctx.w_d = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db, None
