@@ -9,9 +9,11 @@ stopped; the comparison then uses the last evaluation step every run reached (eq
 
 --fit-min M sizes the schedule to the machine instead of --steps: every recipe first trains
 for --probe-s seconds, all in parallel as in the real runs (no evaluation or diagnostics),
-and the slowest recipe's median step time, its start-up time and the evaluation and
-diagnostic costs set --steps (a multiple of --eval-every) so that it ends in about M minutes.
-The full cosine schedule then runs to its end, which a deadline alone cannot give.
+and the slowest recipe's step time over the probe's last --probe-window-s seconds (after
+Triton's first compilations, which a cold cache makes slow), its start-up time and the
+evaluation and diagnostic costs set --steps (a multiple of --eval-every) so that it ends in
+about M minutes. The full cosine schedule then runs to its end, which a deadline alone
+cannot give. The probe's logs go into runs.tar.gz with the runs.
 Writes <out>/<name>/: summary.md, summary.json, loss.png, gradbias.png, runs.tar.gz (each
 run's config, metrics and final numbers); with $OUT set, copies them there.
 """
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--fit-min", type=float, default=None,
                         help="choose --steps so the slowest recipe ends in about this many minutes")
     parser.add_argument("--probe-s", type=float, default=75.0)
+    parser.add_argument("--probe-window-s", type=float, default=30.0)
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -48,10 +51,11 @@ def main() -> None:
     t0 = time.time()
 
     out.mkdir(parents=True, exist_ok=True)
-    config = prepare_data(train_args)
+    config, epoch_tokens = prepare_data(train_args)
     print(f"data ready in {time.time() - t0:.0f} s", flush=True)
     if args.fit_min is not None:
-        steps = fit_steps(config, recipes, train_args, out, args.name, args.fit_min, args.probe_s)
+        steps = fit_steps(config, recipes, train_args, out, args.name, args.fit_min, args.probe_s,
+                          args.probe_window_s, epoch_tokens)
         train_args = [*train_args, "--steps", str(steps)]
     deadline = t0 + args.deadline_min * 60
     run_parallel({r: f"{args.name}-{r}" for r in recipes}, train_args, out, deadline)
@@ -80,11 +84,13 @@ def run_parallel(runs: dict[str, str], train_args: list[str], out: Path, deadlin
 
 
 def fit_steps(config, recipes: list[str], train_args: list[str], out: Path, name: str,
-              minutes: float, probe_s: float) -> int:
+              minutes: float, probe_s: float, window_s: float, epoch_tokens: int) -> int:
     """Train every recipe in parallel for probe_s seconds and return the --steps that lets the
     slowest one finish in `minutes` (see the module doc)."""
     t0 = time.time()
-    probe_args = [*train_args, "--steps", "1000000", "--eval-every", "0", "--log-every", "1",
+    # as many steps as 3 epochs allow (more would warn of overfitting); the probe ends first
+    probe_steps = max(50, 3 * epoch_tokens // config.tokens_per_step)
+    probe_args = [*train_args, "--steps", str(probe_steps), "--eval-every", "0", "--log-every", "1",
                   "--checkpoint-every", "0", "--no-diagnostics"]
     runs = {r: f"{name}-{r}-probe" for r in recipes}
     run_parallel(runs, probe_args, out, t0 + probe_s)
@@ -97,12 +103,20 @@ def fit_steps(config, recipes: list[str], train_args: list[str], out: Path, name
             tail = log.read_text()[-2000:] if log.exists() else ""
             raise SystemExit(f"probe: {recipe} made {len(records)} steps in {probe_s:.0f} s; "
                              f"raise --probe-s or shrink the model. Its log ends:\n{tail}")
-        times = sorted(r["step_time_s"] for r in records[len(records) // 4:])
+        # the steps that ended in the last window_s seconds (at least the last 3)
+        ends, total = [], 0.0
+        for r in records:
+            total += r["step_time_s"]
+            ends.append(total)
+        late = [r["step_time_s"] for r, end in zip(records, ends) if end > total - window_s]
+        times = sorted(late if len(late) >= 3 else [r["step_time_s"] for r in records[-3:]])
         step_s = times[len(times) // 2]
-        start_s = probe_s - sum(r["step_time_s"] for r in records)
-        print(f"probe {recipe}: {len(records)} steps, median {step_s * 1e3:.0f} ms/step "
-              f"(all {len(recipes)} in parallel), start-up {start_s:.0f} s", flush=True)
+        start_s = probe_s - total
+        print(f"probe {recipe}: {len(records)} steps, median {step_s * 1e3:.0f} ms/step over the "
+              f"last {len(times)} (all {len(recipes)} in parallel; first step "
+              f"{records[0]['step_time_s']:.1f} s), start-up {start_s:.0f} s", flush=True)
         worst_step, worst_start = max(worst_step, step_s), max(worst_start, start_s)
+        shutil.copy(out / run / "metrics.jsonl", out / f"{run}.metrics.jsonl")
         shutil.rmtree(out / run, ignore_errors=True)
     every = config.eval_every or 1
     # an evaluation batch is a forward pass (~1/3 of a step); a diagnostic ~3 steps
@@ -127,9 +141,9 @@ def prepare_data(train_args: list[str]):
     p = argparse.ArgumentParser()
     add_train_arguments(p)
     config = config_from_args(p.parse_args(train_args))
-    load_dataset(config.corpus, tokenizer=config.tokenizer, vocab_size=config.bpe_vocab_size,
-                 data_dir=config.data_dir, max_bytes=config.corpus_max_bytes)
-    return config
+    data = load_dataset(config.corpus, tokenizer=config.tokenizer, vocab_size=config.bpe_vocab_size,
+                        data_dir=config.data_dir, max_bytes=config.corpus_max_bytes)
+    return config, data.tokens_per_epoch
 
 
 def read_run(run_dir: Path) -> dict:
@@ -195,6 +209,9 @@ def summarize(name: str, recipes: list[str], out: Path) -> None:
                     tar.add(run_dir / f, arcname=f"{name}-{r}/{f}")
             if (out / f"{name}-{r}.log").exists():
                 tar.add(out / f"{name}-{r}.log", arcname=f"{name}-{r}/train.log")
+            for f in (f"{name}-{r}-probe.log", f"{name}-{r}-probe.metrics.jsonl"):
+                if (out / f).exists():
+                    tar.add(out / f, arcname=f"probe/{f}")
     print(table, flush=True)
     if os.environ.get("OUT"):
         target = Path(os.environ["OUT"]) / name
