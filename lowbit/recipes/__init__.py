@@ -275,8 +275,10 @@ def stable_fp4_fp8() -> Recipe:
     """stable-fp4 with its MXFP4 GEMMs run exactly on FP8 tensor cores (issue 4): the same FP4
     operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
     power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
-    projections (MXFP8) stay emulated. Same values as stable-fp4 up to accumulation order; not
-    yet faster end to end on the H200 (the eager fold dominates: docs/results/kernels.md)."""
+    projections (MXFP8) stay emulated. Same values as stable-fp4 up to accumulation order. On
+    CUDA the operands come from the fused quantize-and-fold Triton kernels. Not faster end to
+    end yet: 6.7x bf16's step time on a 1B model (H200, 2026-11-29), because every folded
+    operand waits on a host sync for its K-chunk plan (docs/results/kernels.md)."""
     base = stable_fp4()
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8), base.overrides,
                   note=base.note + " GEMMs on FP8 tensor cores.")
