@@ -14,8 +14,9 @@ Triton's first compilations, which a cold cache makes slow), its start-up time a
 evaluation and diagnostic costs set --steps (a multiple of --eval-every) so that it ends in
 about M minutes. The full cosine schedule then runs to its end, which a deadline alone
 cannot give. The probe's logs go into runs.tar.gz with the runs.
-Writes <out>/<name>/: summary.md, summary.json, loss.png, gradbias.png, runs.tar.gz (each
-run's config, metrics and final numbers); with $OUT set, copies them there.
+Writes <out>/<name>/: summary.md, summary.json, loss.png, gradbias.png, gap.png (each
+recipe's validation-loss gap to the first recipe, per evaluation), runs.tar.gz (each run's
+config, metrics and final numbers); with $OUT set, copies them there.
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def summarize(name: str, recipes: list[str], out: Path) -> None:
     except Exception as e:  # a plot must not lose the numbers
         print(f"loss plot failed: {e}")
     plot_gradient_bias(runs, dest / "gradbias.png", name)
+    plot_gaps(evals, recipes, dest / "gap.png", name)
     with tarfile.open(dest / "runs.tar.gz", "w:gz") as tar:
         for r in recipes:
             run_dir = out / f"{name}-{r}"
@@ -216,9 +218,32 @@ def summarize(name: str, recipes: list[str], out: Path) -> None:
     if os.environ.get("OUT"):
         target = Path(os.environ["OUT"]) / name
         target.mkdir(parents=True, exist_ok=True)
-        for f in ("summary.md", "summary.json", "loss.png", "gradbias.png", "runs.tar.gz"):
+        for f in ("summary.md", "summary.json", "loss.png", "gradbias.png", "gap.png", "runs.tar.gz"):
             if (dest / f).exists():
                 shutil.copy(dest / f, target / f)
+
+
+def plot_gaps(evals: dict, recipes: list[str], path: Path, name: str) -> None:
+    """Validation-loss gap of every recipe to the first (the baseline), in %, per evaluation
+    step both reached: at equal tokens the curves a loss plot draws on top of each other."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = evals[recipes[0]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for recipe in recipes[1:]:
+        steps = sorted(s for s in evals[recipe] if s in base and s > 0)
+        gaps = [(evals[recipe][s]["val_loss"] / base[s]["val_loss"] - 1) * 100 for s in steps]
+        ax.plot(steps, gaps, marker="o", ms=3, label=recipe)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set(title=f"{name}: validation loss vs {recipes[0]}", xlabel="step",
+           ylabel=f"gap to {recipes[0]} (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_gradient_bias(runs: dict, path: Path, name: str) -> None:

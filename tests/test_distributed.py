@@ -126,3 +126,64 @@ def test_compare_is_refused_under_torchrun(monkeypatch, tmp_path):
     args = parser.parse_args(["--compare", "bf16,mxfp4", "--out-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="under torchrun, launch one"):
         run_train(args)
+
+
+def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_path, env):
+    """--parallel fsdp (FSDP2 over 2 gloo processes) trains on the same global batches as one
+    process; its checkpoint holds the full state in the single-process format, so its step-3
+    checkpoint resumes on one process and under DDP and continues the same run."""
+    import shutil
+
+    import torch
+
+    out = tmp_path / "runs"
+    base = [*FLAGS, "--recipe", "bf16", "--out-dir", str(out)]
+    whole = torchrun(env, *base, "--parallel", "fsdp", "--run-name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert main(["train", *base, "--run-name", "one"]) in (0, None)
+    assert train_losses(out / "whole") == pytest.approx(train_losses(out / "one"), rel=1e-4)
+    state = torch.load(out / "whole" / "checkpoints" / "latest.pt", weights_only=False)
+    single = torch.load(out / "one" / "checkpoints" / "latest.pt", weights_only=False)
+    assert state["model"].keys() == single["model"].keys()
+    for name, value in state["model"].items():   # full tensors, not shards
+        assert type(value) is torch.Tensor and value.shape == single["model"][name].shape
+    assert set(state["optimizer"]["state"]) == set(single["optimizer"]["state"])   # by name
+
+    script = tmp_path / "crash_at_step_4.py"
+    script.write_text(CRASH_AT_STEP_4)
+    crashed = torchrun(env, *base, "--parallel", "fsdp", "--run-name", "cut", entry=(str(script),))
+    assert crashed.returncode != 0
+    for name in ("as-one", "as-ddp"):   # the step-3 FSDP checkpoint, renamed
+        shutil.copytree(out / "cut", out / name)
+        config = json.loads((out / name / "config.json").read_text())
+        (out / name / "config.json").write_text(json.dumps({**config, "run_name": name}))
+    assert main(["train", *base, "--run-name", "as-one", "--resume"]) in (0, None)
+    assert train_losses(out / "as-one") == pytest.approx(train_losses(out / "whole"), rel=1e-4)
+    as_ddp = torchrun(env, *base, "--run-name", "as-ddp", "--resume")
+    assert as_ddp.returncode == 0, as_ddp.stderr[-3000:]
+    assert train_losses(out / "as-ddp") == pytest.approx(train_losses(out / "whole"), rel=1e-4)
+
+
+def test_fsdp_quantized_run_resumes_exactly(tmp_path, env):
+    """A quantized recipe (stochastic rounding, 2D tiles) under FSDP: a run that crashes after
+    its step-3 checkpoint and resumes under FSDP reproduces the uninterrupted run bit for bit."""
+    out = tmp_path / "runs"
+    base = [*FLAGS, "--recipe", "stable-fp4", "--parallel", "fsdp", "--out-dir", str(out)]
+    whole = torchrun(env, *base, "--run-name", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    script = tmp_path / "crash_at_step_4.py"
+    script.write_text(CRASH_AT_STEP_4)
+    crashed = torchrun(env, *base, "--run-name", "cut", entry=(str(script),))
+    assert crashed.returncode != 0
+    resumed = torchrun(env, *base, "--run-name", "cut", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_losses(out / "cut") == train_losses(out / "whole")
+    records = [json.loads(x) for x in (out / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["event"] == "diagnostics"]
+
+
+def test_fsdp_refuses_moe(tmp_path, env):
+    run = torchrun(env, *FLAGS, "--recipe", "bf16", "--n-experts", "4", "--parallel", "fsdp",
+                   "--out-dir", str(tmp_path / "runs"), "--run-name", "moe")
+    assert run.returncode != 0
+    assert "--parallel fsdp does not support MoE" in run.stderr

@@ -55,6 +55,7 @@ _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
      "stop after this many NaN/Inf steps in a row"),
     ("--seed", "seed", int, "seed of the init, dropout and data order"),
     ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
+    ("--parallel", "parallel", str, "under torchrun: ddp (replicate) or fsdp (shard with FSDP2)"),
     ("--recipe", "recipe", str, "quantized-training recipe (bf16: none)"),
     ("--out-dir", "out_dir", str, "parent folder of run folders"),
     ("--run-name", "run_name", str, "run folder name (default: <model>-<corpus>-<recipe>)"),

@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass
 
 # Fields that can change between a run and its resumption without changing the run itself:
-# they decide what is observed (logs, evals, diagnostics), where data is read from, or when
-# to give up, never the sequence of weights the optimizer produces. Every other field must
+# they decide what is observed (logs, evals, diagnostics), where data is read from and files
+# are written (a run folder may be moved or renamed), how the processes share the work, or
+# when to give up, never the sequence of weights the optimizer produces. Every other field must
 # match the checkpoint exactly, or `resume` refuses (changing max_steps, for instance,
 # stretches the cosine schedule, so the resumed run would not be the run that was started).
 FIELDS_FREE_ON_RESUME = frozenset(
@@ -29,6 +30,9 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "checkpoint_every",
         "max_consecutive_nonfinite",
         "progress",
+        "parallel",
+        "out_dir",
+        "run_name",
     }
 )
 
@@ -120,6 +124,11 @@ class TrainConfig:
     The CPU always computes in fp32: CPU bf16 autocast is slow, and exact resume is tested there."""
     compile: bool = False
     """Wrap the model in torch.compile (needs a C++ compiler on the CPU; Triton on CUDA)."""
+    parallel: str = "ddp"
+    """Under torchrun: "ddp" replicates the model on every process; "fsdp" shards parameters,
+    gradients and optimizer state over them (FSDP2's fully_shard, one unit per transformer
+    block). Checkpoints hold the full state either way, so a run can resume under the other
+    or on one process. Ignored without torchrun."""
     recipe: str = "stable-fp4"
     """Quantized-training recipe from lowbit.recipes; "bf16" trains the model as built."""
     out_dir: str = "runs"
@@ -175,6 +184,8 @@ class TrainConfig:
                  f"lower --warmup-steps")
         _require(_DEVICE.match(self.device) is not None,
                  f"device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+        _require(self.parallel in ("ddp", "fsdp"),
+                 f"parallel must be ddp or fsdp (got {self.parallel!r})")
         _require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")
         _require(self.out_dir != "", "out_dir must be a folder, e.g. --out-dir runs")
         _require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,

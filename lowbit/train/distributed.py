@@ -34,7 +34,20 @@ as one process, exactly as before. What changes under N processes:
   different N is allowed (N is not in the config) but exact only without dropout and
   stochastic rounding, since the per-rank tensor shapes change how many numbers are drawn.
 
-Not here: FSDP2 (`fully_shard`); the model is replicated on every rank.
+With `--parallel fsdp` (TrainConfig.parallel) the model is sharded instead of replicated:
+FSDP2's `fully_shard` on every transformer block (each child of a ModuleList named `layers`,
+`h` or `blocks`: lowbit's and Hugging Face's decoder layers), then on the whole model, over a
+1-D mesh of all ranks. Parameters, gradients and AdamW state live 1/N on each rank; each
+block's weights are all-gathered for its forward and backward, and gradients reduce-scattered
+(averaged, as DDP does). The batch split, logging, files, evaluation and randomness are the
+ones above. A quantized layer sees the all-gathered full weight, so its quantization is the
+single-process one. Checkpoints hold the full (unsharded) model and optimizer state in the
+same format as without FSDP (optimizer state keyed by parameter name), so a run saved under
+one mode resumes under the other, or on one process. Not supported under FSDP: MoE models (an
+expert that gets no token on one rank has no gradient there, and FSDP2's reduce-scatter needs
+the same parameters on every rank; use ddp) and the training diagnostics (they run extra
+forward/backward passes through the model outside the training step; they are skipped with
+a note).
 """
 
 from __future__ import annotations
@@ -60,6 +73,8 @@ class Distributed:
     owns_group: bool = False
     """True when setup() created the process group, so close() destroys it."""
     ddp: DistributedDataParallel | None = None
+    fsdp: bool = False
+    """True once shard_model() applied FSDP2 to the model."""
 
     @property
     def enabled(self) -> bool:
@@ -70,9 +85,59 @@ class Distributed:
         """Rank 0: the one process that writes the run folder and reports progress."""
         return self.rank == 0
 
+    def shard_model(self, model: nn.Module) -> None:
+        """FSDP2: shard `model` in place over all ranks (after any recipe conversion and the
+        move to this rank's device, before the optimizer is built on its parameters)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if getattr(getattr(model, "config", None), "is_moe", False):
+            raise ValueError("--parallel fsdp does not support MoE models yet (an expert that gets "
+                             "no token on one rank has no gradient for FSDP2 to reduce-scatter); "
+                             "use --parallel ddp")
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for name, module in model.named_modules():
+            if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+                for block in module:
+                    fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.fsdp = True
+
+    def state_dicts(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """The full model and optimizer state, for a checkpoint. Every rank must call it
+        (under FSDP it gathers the shards); only rank 0's result is complete and saved. The
+        optimizer state is keyed by parameter name in every mode."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.fsdp)
+        model_state = get_model_state_dict(model, options=options) if self.fsdp else model.state_dict()
+        return model_state, get_optimizer_state_dict(model, optimizer, options=options)
+
+    def load_state_dicts(self, model: nn.Module, optimizer, model_state: dict,
+                         optimizer_state: dict) -> None:
+        """Load a checkpoint's full state on every rank (each rank has read the file). Takes
+        optimizer state keyed by parameter name, or by index (checkpoints written before
+        FSDP support; converted through the optimizer's parameter order)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.fsdp:
+            set_model_state_dict(model, model_state, options=options)
+        else:
+            model.load_state_dict(model_state)
+        if any(isinstance(key, int) for key in optimizer_state["state"]) or any(
+                isinstance(i, int) for g in optimizer_state["param_groups"] for i in g["params"]):
+            optimizer_state = _by_name(model, optimizer, optimizer_state)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        """`model` in DDP when distributed (after any recipe conversion), else as it is."""
-        if not self.enabled:
+        """`model` in DDP when distributed (after any recipe conversion), else as it is
+        (also when shard_model() made it an FSDP2 module already)."""
+        if not self.enabled or self.fsdp:
             return model
         # An MoE expert that gets no token on one rank has no gradient there; DDP must look
         # for such parameters or it waits forever for their all_reduce.
@@ -86,8 +151,12 @@ class Distributed:
         """This rank's rows of a global batch: rows rank::world_size."""
         return rows[self.rank::self.world_size] if self.enabled else rows
 
-    def sync_gradients(self, sync: bool):
-        """Context for one micro-batch's backward: DDP all_reduces only when `sync`."""
+    def sync_gradients(self, sync: bool, model: nn.Module | None = None):
+        """Context for one micro-batch's backward: DDP all_reduces (FSDP reduce-scatters)
+        only when `sync`."""
+        if self.fsdp and model is not None:
+            model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
         if self.ddp is None or sync:
             return contextlib.nullcontext()
         return self.ddp.no_sync()
@@ -118,6 +187,15 @@ class Distributed:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def _by_name(model: nn.Module, optimizer, state: dict) -> dict:
+    """An optimizer state dict keyed by index (torch.optim's own format: the order of the
+    parameters in the optimizer's groups) re-keyed by parameter name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {order[i]: v for i, v in state["state"].items()}, "param_groups": groups}
 
 
 def setup(device: torch.device) -> Distributed:

@@ -153,6 +153,11 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     model = model if model is not None else _build_model(config, data.vocab_size)
     _apply_recipe(model, recipe, say)
     model.to(device)
+    if process.enabled and config.parallel == "fsdp":
+        process.shard_model(model)  # before the optimizer takes its (now sharded) parameters
+        if diagnostics_fn is not None:
+            say("diagnostics are skipped under --parallel fsdp (see lowbit.train.distributed)")
+            diagnostics_fn = None
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
                                   betas=config.betas, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
@@ -163,8 +168,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     start_step, records, losses, wall_before, nonfinite_run = 0, [], [], 0.0, 0
     resumed = checkpoint is not None
     if resumed:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        process.load_state_dicts(model, optimizer, checkpoint["model"], checkpoint["optimizer"])
         set_rng_state(checkpoint["rng"])
         set_own_cuda_rng_state(checkpoint["rng"], process)
         start_step, records = checkpoint["step"], checkpoint["metrics"]
@@ -201,12 +205,16 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                              "val_loss": val_loss, "val_ppl": _perplexity(val_loss)}
                 log.write(last_eval)
                 say(f"step {step}: val loss {val_loss:.4f}, ppl {last_eval['val_ppl']:.2f}")
-            if main and step > start_step and (step == total or (
+            if step > start_step and (step == total or (
                     config.checkpoint_every and step % config.checkpoint_every == 0)):
+                model_state, optimizer_state = process.state_dicts(model, optimizer)  # every rank
+            else:
+                model_state = None
+            if main and model_state is not None:
                 wall = wall_before + time.perf_counter() - t_session
                 save_checkpoint({
                     "version": CHECKPOINT_VERSION, "step": step, "config": config.to_dict(),
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "model": model_state, "optimizer": optimizer_state,
                     "rng": rng_state(), "metrics": log.records, "train_losses": losses,
                     "wall_time_s": wall, "consecutive_nonfinite": nonfinite_run,
                 }, checkpoint_path(run_dir))
@@ -229,13 +237,16 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=device)
             for i, (x, y) in enumerate(micro_batches):
-                with process.sync_gradients(i == accum - 1):  # DDP: on the last backward only
+                with process.sync_gradients(i == accum - 1, model):  # on the last backward only
                     with autocast:
                         loss = forward(x, y).loss / accum  # mean over the step's tokens, summed
                     loss.backward()
                 step_loss += loss.detach()
             max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = grad_norm.item()
             loss_value = process.average(step_loss).item()
             losses.append(loss_value)
             step += 1
