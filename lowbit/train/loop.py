@@ -159,7 +159,9 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             say("diagnostics are skipped under --parallel fsdp (see lowbit.train.distributed)")
             diagnostics_fn = None
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr,
-                                  betas=config.betas, fused=device.type == "cuda")
+                                  betas=config.betas,
+                                  # FSDP's DTensor parameters take the foreach implementation
+                                  fused=device.type == "cuda" and not process.fsdp)
     n_params = sum(p.numel() for p in model.parameters())
     process.barrier()  # every rank has checked the run folder before rank 0 changes it
     if main:
