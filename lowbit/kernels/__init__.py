@@ -74,6 +74,7 @@ def kernels_available(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and _interpret_env())
 
 
+@functools.lru_cache(maxsize=256)
 def supports(spec: QuantSpec) -> bool:
     """Specs the kernels cover: NVFP4 and MX formats with power-of-two blocks (1, 2..128) or
     (b, b) with b in 2..64. Everything else (intK, ternary, binary, other blocks) is the
@@ -185,7 +186,8 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
     if out_dtype is not None and out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"fake quantization writes float32, bfloat16 or float16, not {out_dtype}")
     # Triton launches on the current device: make it x's
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    switch = x.is_cuda and x.device.index != torch.cuda.current_device()
+    with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
         out = kq.launch(x3, spec, seed=seed_t, codes=codes, values=values, transpose=transpose,
                         out_dtype=out_dtype, config=config)
     tensor_scale = out.get("tensor_scale")

@@ -47,6 +47,7 @@ bits, the law of torch.rand), where r is word (i mod 4) of Philox4x32-10 (Random
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -352,6 +353,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=4096)
 def default_config(rows: int, cols: int, block: tuple[int, int]) -> TileConfig:
     """Tiles of about 4096 elements (8 KiB of bf16): whole blocks, 128 columns, clipped to a
     small tensor so the interpreter and tiny shapes do not compute on padding."""
@@ -362,10 +364,41 @@ def default_config(rows: int, cols: int, block: tuple[int, int]) -> TileConfig:
     return TileConfig(tile_rows, tile_cols, 4 if tile_rows * tile_cols <= 4096 else 8)
 
 
+@functools.lru_cache(maxsize=64)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 64   # the interpreter: a small grid
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-size tensor for the pointer arguments a launch does not use (never written)."""
+    key = (device, dtype)
+    t = _EMPTY.get(key)
+    if t is None:
+        t = _EMPTY[key] = torch.empty(0, device=device, dtype=dtype)
+    return t
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_constants(spec) -> dict:
+    """The kernel's constexprs that depend on the spec alone (spec attribute lookups and enum
+    comparisons cost more than the small launches they configure)."""
+    from lowbit.formats.spec import ScaleKind, ScaleRule
+
+    element = spec.info.element
+    emin, mbits, emax, maxv, max_code, sign_bit = _ELEMENTS[element.name]
+    if spec.info.scale_kind is ScaleKind.E4M3:
+        scale_kind = SCALE_NVFP4
+    else:
+        scale_kind = SCALE_FLOOR if spec.scale_rule is ScaleRule.FLOOR else SCALE_RCEIL
+    return dict(EMIN=emin, MBITS=mbits, EMAX=emax, MAXV=maxv, MAX_CODE=max_code,
+                SIGN_BIT=sign_bit, SCALE_KIND=scale_kind, TWO_LEVEL=bool(spec.tensor_scale),
+                STOCHASTIC=spec.rounding.value == "stochastic", BR=spec.block[0],
+                BC=spec.block[1], PER_BYTE=8 // element.code_bits)
 
 
 def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, values: bool,
@@ -375,35 +408,26 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     codes (B, R, Cp/per_byte) uint8, scales (uint8 codes), tensor_scale (0-dim float32),
     values (B, R, C) in out_dtype (default x's); with transpose, codes_t / scales_t / values_t
     of x^T."""
-    from lowbit.formats.spec import ScaleKind, ScaleRule
-
     batch, rows, cols = x3.shape
-    br, bc = spec.block
-    element = spec.info.element
-    emin, mbits, emax, maxv, max_code, sign_bit = _ELEMENTS[element.name]
-    if spec.info.scale_kind is ScaleKind.E4M3:
-        scale_kind = SCALE_NVFP4
-    else:
-        scale_kind = SCALE_FLOOR if spec.scale_rule is ScaleRule.FLOOR else SCALE_RCEIL
-    two_level = bool(spec.tensor_scale)
-    stochastic = spec.rounding.value == "stochastic"
+    const = _launch_constants(spec)
+    br, bc, per_byte = const["BR"], const["BC"], const["PER_BYTE"]
+    two_level, stochastic = const["TWO_LEVEL"], const["STOCHASTIC"]
     cfg = config or default_config(rows, cols, spec.block)
     tile_r, tile_c, num_warps = cfg
     if tile_c % bc or tile_r % br or (transpose and tile_r % 2):
         raise ValueError(f"tile {cfg} does not hold whole {spec.block} blocks")
 
     dev = x3.device
-    per_byte = 8 // element.code_bits
     padded_cols = -(-cols // bc) * bc
     padded_rows = -(-rows // br) * br
     n_scale_rows = padded_rows // br
     n_scale_cols = padded_cols // bc
     u8 = torch.uint8
     out = {}
-    empty = torch.empty(0, device=dev, dtype=u8)
+    empty = _empty(dev, u8)
     code_buf = scale_buf = code_t_buf = scale_t_buf = empty
     out_dtype = out_dtype or x3.dtype
-    val_buf = val_t_buf = torch.empty(0, device=dev, dtype=out_dtype)
+    val_buf = val_t_buf = _empty(dev, out_dtype)
     if codes:
         code_buf = torch.empty(batch, rows, padded_cols // per_byte, device=dev, dtype=u8)
         scale_buf = torch.empty(batch, rows if br == 1 else n_scale_rows, n_scale_cols,
@@ -441,8 +465,9 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         amax_buf, tensor_scale, seed if stochastic else empty,
         rows, cols, *x3.stride(), padded_cols // per_byte, padded_rows // per_byte,
         n_scale_rows, n_scale_cols,
-        EMIN=emin, MBITS=mbits, EMAX=emax, MAXV=maxv, MAX_CODE=max_code, SIGN_BIT=sign_bit,
-        SCALE_KIND=scale_kind, TWO_LEVEL=two_level, STOCHASTIC=stochastic,
+        EMIN=const["EMIN"], MBITS=const["MBITS"], EMAX=const["EMAX"], MAXV=const["MAXV"],
+        MAX_CODE=const["MAX_CODE"], SIGN_BIT=const["SIGN_BIT"], SCALE_KIND=const["SCALE_KIND"],
+        TWO_LEVEL=two_level, STOCHASTIC=stochastic,
         GROUP4=(cols % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc, TILE_R=tile_r, TILE_C=tile_c,
         WRITE_CODES=codes, WRITE_VALUES=values, TRANSPOSE=transpose,
         OUT_LIMIT=_OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
