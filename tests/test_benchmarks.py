@@ -1,0 +1,75 @@
+"""The GPU benchmark scripts still run (their CPU smoke modes), so a device call is never spent
+on a script that breaks before it measures anything; and train_recipes.py's step fitting and
+summary work end to end on a tiny CPU run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def script(name: str, *args: str, env: dict | None = None, timeout: int = 600):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_bench_kernels_smoke():
+    pytest.importorskip("triton")
+    run = script("bench_kernels.py", "--smoke", "--no-torchao")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "0 failed" in run.stdout
+
+
+def test_bench_fp8_fold_smoke():
+    pytest.importorskip("triton")
+    run = script("bench_fp8_fold.py", "--smoke")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_host_overhead_runs():
+    pytest.importorskip("triton")
+    run = script("host_overhead.py")
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if "us per linear" in line)
+    assert set(lines) == {"bf16", "stable-fp4", "nvfp4", "mxfp4"}
+
+
+@pytest.mark.slow
+def test_train_recipes_fits_steps_and_summarizes(tmp_path):
+    from lowbit.data import data_root
+
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "runs"
+    run = script("train_recipes.py", "--name", "t", "--recipes", "bf16,stable-fp4",
+                 "--out-dir", str(out), "--fit-min", "0.25", "--probe-s", "12",
+                 "--probe-window-s", "5", "--deadline-min", "3", "--",
+                 "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "5",
+                 "--eval-batches", "1", "--diag-every", "5", "--device", "cpu",
+                 env={"LOWBIT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "fitted --steps" in run.stdout
+    steps = int(run.stdout.split("fitted --steps ")[1].split()[0])
+    assert steps >= 5 and steps % 5 == 0
+    summary = json.loads((out / "t" / "summary.json").read_text())
+    assert [r["recipe"] for r in summary["rows"]] == ["bf16", "stable-fp4"]
+    assert all(r["finished"] and r["steps_done"] == steps for r in summary["rows"])
+    assert summary["step"] == steps and summary["rows"][0]["gap_pct"] == 0
+    for f in ("summary.md", "loss.png", "gradbias.png", "gap.png"):
+        assert (out / "t" / f).stat().st_size > 0
+    with tarfile.open(out / "t" / "runs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"t-bf16/metrics.jsonl", "t-stable-fp4/final.json",
+            "probe/t-stable-fp4-probe.metrics.jsonl"} <= names
