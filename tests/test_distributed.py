@@ -187,3 +187,36 @@ def test_fsdp_refuses_moe(tmp_path, env):
                    "--out-dir", str(tmp_path / "runs"), "--run-name", "moe")
     assert run.returncode != 0
     assert "--parallel fsdp does not support MoE" in run.stderr
+
+
+def test_checkpoints_from_before_fsdp_support_still_load():
+    """Optimizer state keyed by index (torch.optim's own format, what checkpoints held before
+    FSDP support) loads through the by-name path into the same optimizer state."""
+    import torch
+
+    from lowbit.train.distributed import Distributed
+    from lowbit.train.loop import _param_groups
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                    torch.nn.LayerNorm(8), torch.nn.Linear(8, 10))
+        return model, torch.optim.AdamW(_param_groups(model, 0.1), lr=1e-2)
+
+    model, optimizer = build()
+    for _ in range(2):
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        optimizer.step()
+    old = optimizer.state_dict()
+    assert all(isinstance(k, int) for k in old["state"])
+    model2, optimizer2 = build()
+    Distributed().load_state_dicts(model2, optimizer2, model.state_dict(), old)
+    new = optimizer2.state_dict()
+    def groups(state):   # the by-name path hands betas back as a list
+        return [{**g, "betas": tuple(g["betas"])} for g in state["param_groups"]]
+    assert groups(new) == groups(old)
+    for i, state in old["state"].items():
+        for key, value in state.items():
+            assert torch.equal(new["state"][i][key], value)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
