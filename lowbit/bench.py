@@ -116,7 +116,10 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         wall = time.perf_counter() - t0
     kernels: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # user annotations ("Optimizer.step#AdamW.step") also appear on the GPU timeline,
+        # spanning kernels that are counted on their own
+        annotation = getattr(event, "is_user_annotation", False) or "#" in event.name
+        if event.device_type == torch.autograd.DeviceType.CUDA and not annotation:
             kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
