@@ -40,8 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 import triton  # noqa: E402
-from common import Report, graph_time_ms, time_ms  # noqa: E402
+from common import Report, time_ms  # noqa: E402
 
+from lowbit.bench import KERNEL_SHAPES, bench_kernels, format_kernel_rows, kernel_name  # noqa: E402
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
 from lowbit.formats.quantize import blocked  # noqa: E402
 from lowbit.kernels import (  # noqa: E402
@@ -58,8 +59,7 @@ MX = [QuantSpec.make(fmt, block, rule) for fmt in ("mxfp4", "mxfp8_e4m3", "mxfp8
 NV = [QuantSpec.make("nvfp4", block, tensor_scale=two) for two in (True, False)
       for block in ((1, 16), (16, 16))]
 SPECS = MX + NV
-SHAPES = [(4096, 4096), (8192, 8192), (16384, 8192),
-          (2048, 2048), (5632, 2048), (2048, 5632), (16384, 2048)]   # + a 1B model's GEMMs
+SHAPES = KERNEL_SHAPES
 CHECK_SIZES = {"random": (1024, 1024), "big": (4096, 4096), "adversarial": (512, 1024),
                "odd": (3, 77, 45), "stochastic": (256, 1000), "sweep": (8192, 8192)}
 DEVICE = "cuda"
@@ -73,9 +73,7 @@ def sr(spec):
     return QuantSpec.make(spec.format, spec.block, spec.scale_rule, "stochastic", spec.tensor_scale)
 
 
-def name_of(spec, kind="q"):
-    rule = spec.scale_rule.value if spec.scale_rule else ("2lvl" if spec.tensor_scale else "1lvl")
-    return f"{kind} {spec.format} {rule} {spec.block[0]}x{spec.block[1]} {spec.rounding.value}"
+name_of = kernel_name
 
 
 def spread(shape, seed, device=None):
@@ -194,131 +192,9 @@ def ms(fn):
     return time_ms(fn, DEVICE)
 
 
-def qbytes(spec, shape, in_bytes=2):
-    """Bytes read + written by one quantize call: x once, packed codes, scales, tensor scale."""
-    rows, cols = shape
-    br, bc = spec.block
-    per_byte = 8 // spec.info.element.code_bits
-    codes = rows * (-(-cols // bc) * bc) // per_byte
-    scale_rows = rows if br == 1 else -(-rows // br)
-    scales = scale_rows * -(-cols // bc)
-    return rows * cols * in_bytes + codes + scales + (4 if spec.tensor_scale else 0)
-
-
-def timed_kernels():
-    """(label, spec, kind) for the table: the recipes' quantizers first."""
-    rows = []
-    stable = find("mxfp4", "rceil", (32, 32))                 # stable-fp4's quantizer
-    nvfp4 = find("nvfp4", None, (1, 16), True)                 # the nvfp4 recipe's
-    for spec in [stable, sr(stable), find("mxfp4", "rceil", (16, 16)), find("mxfp4", "rceil", (1, 32)),
-                 find("mxfp4", "floor", (1, 32)), find("mxfp8_e4m3", "rceil", (1, 32)),
-                 find("mxfp8_e5m2", "rceil", (1, 32)), nvfp4, find("nvfp4", None, (1, 16), False),
-                 find("nvfp4", None, (16, 16), True), sr(nvfp4)]:
-        rows.append((name_of(spec), spec, "q"))
-    for spec in [stable, sr(stable), nvfp4, find("nvfp4", None, (16, 16), True)]:
-        rows.append((name_of(spec, "fq"), spec, "fq"))
-    rows.append((name_of(stable, "q+t"), stable, "q+t"))
-    rows.append((name_of(stable, "fq+t"), stable, "fq+t"))
-    return rows
-
-
-def kernel_call(spec, kind, x, seed):
-    s = seed if spec.rounding.value == "stochastic" else None
-    if kind == "q":
-        return lambda: quantize_triton(x, spec, s)
-    if kind == "fq":
-        return lambda: fake_quantize_triton(x, spec, s)
-    if kind == "q+t":
-        return lambda: quantize_triton_with_transpose(x, spec, s)
-    return lambda: fake_quantize_triton_with_transpose(x, spec, s)
-
-
-def moved_bytes(spec, kind, shape):
-    n = shape[0] * shape[1]
-    if kind == "q":
-        return qbytes(spec, shape)
-    if kind == "q+t":
-        return 2 * qbytes(spec, shape) - 2 * n
-    if kind == "fq":
-        return 4 * n
-    return 6 * n
-
-
-def torchao_baselines():
-    """name -> (eager fn, compiled fn) of torchao's quantizers matching lowbit's, or {}."""
-    try:
-        import logging
-        import warnings
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torchao.prototype.mx_formats.config import ScaleCalculationMode
-            from torchao.prototype.mx_formats.mx_tensor import to_mx
-            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
-    except Exception as e:  # noqa: BLE001
-        print(f"   torchao not importable ({type(e).__name__}: {e}); no baselines", flush=True)
-        return {}
-
-    def nvfp4_two_level(x):
-        return nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
-
-    def nvfp4_one_level(x):
-        return nvfp4_quantize(x, 16, None)
-
-    def mx(elem, mode):
-        return lambda x: to_mx(x, elem, 32, mode)
-
-    fns = {
-        name_of(find("nvfp4", None, (1, 16), True)): nvfp4_two_level,
-        name_of(find("nvfp4", None, (1, 16), False)): nvfp4_one_level,
-        name_of(find("mxfp4", "rceil", (1, 32))): mx(torch.float4_e2m1fn_x2, ScaleCalculationMode.RCEIL),
-        name_of(find("mxfp4", "floor", (1, 32))): mx(torch.float4_e2m1fn_x2, ScaleCalculationMode.FLOOR),
-        name_of(find("mxfp8_e4m3", "rceil", (1, 32))): mx(torch.float8_e4m3fn, ScaleCalculationMode.RCEIL),
-    }
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    return {k: (f, torch.compile(f, dynamic=False)) for k, f in fns.items()}
-
-
 def run_timings(use_torchao: bool):
-    print("\n== timings (bf16 inputs, do_bench median, L2 flushed)", flush=True)
-    baselines = torchao_baselines() if use_torchao else {}
-    seed = torch.tensor([12345], device=DEVICE, dtype=torch.int64)
-    results = []
-    for shape in SHAPES:
-        x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
-        dst = torch.empty_like(x)
-        copy_ms = ms(functools.partial(dst.copy_, x))
-        copy_gbs = 4 * x.numel() / copy_ms / 1e6
-        copy_graph = graph_time_ms(functools.partial(dst.copy_, x), DEVICE)
-        copy_graph_gbs = 4 * x.numel() / copy_graph / 1e6 if copy_graph else None
-        print(f"   {shape}: copy {copy_ms * 1e3:.1f} us = {copy_gbs:.0f} GB/s", flush=True)
-        for label, spec, kind in timed_kernels():
-            row = {"kernel": label, "shape": list(shape), "copy_us": copy_ms * 1e3,
-                   "copy_GBps": copy_gbs}
-            try:
-                t = ms(kernel_call(spec, kind, x, seed))
-                gbs = moved_bytes(spec, kind, shape) / t / 1e6
-                row.update(us=t * 1e3, GBps=gbs, frac_copy=gbs / copy_gbs)
-                g = graph_time_ms(kernel_call(spec, kind, x, seed), DEVICE)
-                if g and copy_graph_gbs:
-                    ggbs = moved_bytes(spec, kind, shape) / g / 1e6
-                    row.update(graph_us=g * 1e3, graph_GBps=ggbs, graph_frac_copy=ggbs / copy_graph_gbs)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:200]
-            if label in baselines and kind == "q":
-                eager, compiled = baselines[label]
-                for key, fn in (("torchao_eager_us", eager), ("torchao_compiled_us", compiled)):
-                    try:
-                        row[key] = ms(functools.partial(fn, x)) * 1e3
-                    except Exception as e:  # noqa: BLE001
-                        row[key + "_error"] = f"{type(e).__name__}: {e}"[:200]
-                if "us" in row and "torchao_compiled_us" in row:
-                    row["speedup_vs_compiled"] = row["torchao_compiled_us"] / row["us"]
-            results.append(row)
-            print("   " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in row.items() if k not in ("copy_us", "copy_GBps")),
-                  flush=True)
-    return results
+    print("\n== timings (bf16 inputs, do_bench median, L2 flushed; and CUDA-graph replay)", flush=True)
+    return bench_kernels(SHAPES, DEVICE, torchao=use_torchao, progress=lambda m: print(m, flush=True))
 
 
 def run_sweep():
@@ -356,32 +232,6 @@ def run_sweep():
     return out
 
 
-def print_table(results):
-    cols = [("kernel", 34, "s"), ("shape", 12, "s"), ("us", 9, ".1f"), ("GBps", 8, ".0f"),
-            ("frac_copy", 9, ".0%"), ("graph_us", 9, ".1f"), ("graph_frac_copy", 9, ".0%"),
-            ("torchao_eager_us", 12, ".1f"),
-            ("torchao_compiled_us", 12, ".1f"), ("speedup_vs_compiled", 10, ".1f")]
-    heads = ["kernel", "shape", "us", "GB/s", "of copy", "graph us", "graph/cp", "ao eager us",
-             "ao comp. us", "x ao comp."]
-    widths = [w for _, w, _ in cols]
-    print("\n" + "  ".join(h.ljust(w) if i <= 1 else h.rjust(w)
-                           for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
-    for r in results:
-        cells = []
-        for i, (key, w, fmt) in enumerate(cols):
-            v = r.get(key)
-            if key == "shape":
-                v = "x".join(map(str, v))
-            text = "-" if v is None else (format(v, fmt) if fmt != "s" else str(v))
-            if key == "us" and "error" in r:
-                text = "ERROR"
-            cells.append(text.ljust(w) if i <= 1 else text.rjust(w))
-        print("  ".join(cells))
-    errors = [r for r in results if "error" in r]
-    for r in errors[:10]:
-        print(f"   error {r['kernel']} {r['shape']}: {r['error']}")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks-only", action="store_true")
@@ -414,7 +264,7 @@ def main():
         try:
             report["timings"] = run_timings(not args.no_torchao)
             save()
-            print_table(report["timings"])
+            print("\n" + format_kernel_rows(report["timings"]))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         if not args.no_sweep:

@@ -1,8 +1,12 @@
-"""`lowbit bench train`: step time and peak memory of recipes on one model, ratios to bf16.
+"""`lowbit bench train` and `lowbit bench kernels`: speed measured in benchmarks, with ratios
+against a baseline timed in the same run (never in unit tests).
 
     lowbit bench train --model 1b --seq-len 2048 --batch-size 4 --recipes bf16,nvfp4,stable-fp4
     lowbit bench train --model tiny --seq-len 64 --batch-size 2 --steps 2 --warmup 1   # CPU smoke
+    lowbit bench kernels                          # the quantize kernels' GB/s vs copy (CUDA)
+    TRITON_INTERPRET=1 lowbit bench kernels --shapes 64x256 --no-torchao   # CPU smoke
 
+`bench train`:
 Each recipe gets a fresh model (same seed), converted, with fused AdamW on CUDA; a full
 training step (forward under bf16 autocast on CUDA, backward, clip, optimizer) runs on random
 tokens. The median step time over --steps timed steps after --warmup untimed ones, and the
@@ -12,13 +16,17 @@ normally bf16). Speed targets are checked here, in a benchmark, never in unit te
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
 
+from pathlib import Path
+
 import torch
 
-__all__ = ["bench_train", "format_profiles", "format_rows", "profile_step"]
+__all__ = ["bench_kernels", "bench_train", "format_kernel_rows", "format_profiles", "format_rows",
+           "graph_time_ms", "profile_step", "time_ms"]
 
 
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
@@ -149,6 +157,199 @@ def format_profiles(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ---- lowbit bench kernels ------------------------------------------------------------------
+
+KERNEL_SHAPES = [(4096, 4096), (8192, 8192), (16384, 8192),
+                 (2048, 2048), (5632, 2048), (2048, 5632), (16384, 2048)]   # + a 1B model's GEMMs
+
+
+def time_ms(fn, device: str) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench, L2 flushed) on CUDA; elsewhere
+    (smoke runs, which test the code, not the speed) one wall-clock call after a warm-up."""
+    if device != "cuda":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_time_ms(fn, device: str) -> float | None:
+    """Median milliseconds of fn() replayed from a CUDA graph: the GPU's time alone, without the
+    Python and launch overhead that time_ms includes when the GPU outruns the host. None on the
+    CPU or when fn cannot be captured (it syncs with the host, say)."""
+    if device != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"   (no CUDA-graph timing: {type(e).__name__}: {str(e)[:100]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def kernel_spec(fmt: str, rule: str | None, block: tuple[int, int], two_level: bool | None = None,
+                rounding: str = "rne"):
+    from lowbit.formats import QuantSpec
+    return QuantSpec.make(fmt, block, rule, rounding, tensor_scale=two_level)
+
+
+def kernel_name(spec, kind: str = "q") -> str:
+    rule = spec.scale_rule.value if spec.scale_rule else ("2lvl" if spec.tensor_scale else "1lvl")
+    return f"{kind} {spec.format} {rule} {spec.block[0]}x{spec.block[1]} {spec.rounding.value}"
+
+
+def timed_kernels() -> list[tuple[str, object, str]]:
+    """(label, spec, kind) of the timed kernels, the recipes' quantizers first. kind: q
+    (quantize to a QTensor), fq (fake quantize), q+t / fq+t (also the transpose)."""
+    stable = kernel_spec("mxfp4", "rceil", (32, 32))                 # stable-fp4's quantizer
+    stable_sr = kernel_spec("mxfp4", "rceil", (32, 32), rounding="stochastic")
+    nvfp4 = kernel_spec("nvfp4", None, (1, 16), True)                # the nvfp4 recipe's
+    nvfp4_sr = kernel_spec("nvfp4", None, (1, 16), True, "stochastic")
+    nvfp4_w = kernel_spec("nvfp4", None, (16, 16), True)
+    rows = [(kernel_name(spec), spec, "q") for spec in [
+        stable, stable_sr, kernel_spec("mxfp4", "rceil", (16, 16)), kernel_spec("mxfp4", "rceil", (1, 32)),
+        kernel_spec("mxfp4", "floor", (1, 32)), kernel_spec("mxfp8_e4m3", "rceil", (1, 32)),
+        kernel_spec("mxfp8_e5m2", "rceil", (1, 32)), nvfp4, kernel_spec("nvfp4", None, (1, 16), False),
+        nvfp4_w, nvfp4_sr]]
+    rows += [(kernel_name(spec, "fq"), spec, "fq") for spec in [stable, stable_sr, nvfp4, nvfp4_w]]
+    rows += [(kernel_name(stable, "q+t"), stable, "q+t"), (kernel_name(stable, "fq+t"), stable, "fq+t")]
+    return rows
+
+
+def kernel_call(spec, kind: str, x: torch.Tensor, seed: torch.Tensor):
+    from lowbit.kernels import (fake_quantize_triton, fake_quantize_triton_with_transpose,
+                                quantize_triton, quantize_triton_with_transpose)
+
+    s = seed if spec.rounding.value == "stochastic" else None
+    call = {"q": quantize_triton, "fq": fake_quantize_triton, "q+t": quantize_triton_with_transpose,
+            "fq+t": fake_quantize_triton_with_transpose}[kind]
+    return functools.partial(call, x, spec, s)
+
+
+def moved_bytes(spec, kind: str, shape: tuple[int, int], in_bytes: int = 2) -> int:
+    """Bytes read + written by one call: x once; packed codes, scales and the tensor scale
+    (quantize) or the values (fake quantize); twice the outputs with the transpose."""
+    rows, cols = shape
+    br, bc = spec.block
+    per_byte = 8 // spec.info.element.code_bits
+    codes = rows * (-(-cols // bc) * bc) // per_byte
+    scales = (rows if br == 1 else -(-rows // br)) * -(-cols // bc)
+    quantized = codes + scales + (4 if spec.tensor_scale else 0)
+    n = rows * cols
+    return {"q": n * in_bytes + quantized, "q+t": n * in_bytes + 2 * quantized,
+            "fq": 2 * n * in_bytes, "fq+t": 3 * n * in_bytes}[kind]
+
+
+def torchao_baselines() -> dict:
+    """kernel label -> (eager fn, compiled fn) of torchao's quantizer for the same format, or {}
+    when torchao does not import."""
+    try:
+        import logging
+        import warnings
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.prototype.mx_formats.config import ScaleCalculationMode
+            from torchao.prototype.mx_formats.mx_tensor import to_mx
+            from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except Exception as e:  # noqa: BLE001
+        print(f"   torchao not importable ({type(e).__name__}: {e}); no baselines", flush=True)
+        return {}
+
+    def nvfp4_two_level(x):
+        return nvfp4_quantize(x, 16, per_tensor_amax_to_scale(x.abs().amax().float()))
+
+    def nvfp4_one_level(x):
+        return nvfp4_quantize(x, 16, None)
+
+    def mx(elem, mode):
+        return lambda x: to_mx(x, elem, 32, mode)
+
+    fns = {
+        kernel_name(kernel_spec("nvfp4", None, (1, 16), True)): nvfp4_two_level,
+        kernel_name(kernel_spec("nvfp4", None, (1, 16), False)): nvfp4_one_level,
+        kernel_name(kernel_spec("mxfp4", "rceil", (1, 32))): mx(torch.float4_e2m1fn_x2, ScaleCalculationMode.RCEIL),
+        kernel_name(kernel_spec("mxfp4", "floor", (1, 32))): mx(torch.float4_e2m1fn_x2, ScaleCalculationMode.FLOOR),
+        kernel_name(kernel_spec("mxfp8_e4m3", "rceil", (1, 32))): mx(torch.float8_e4m3fn, ScaleCalculationMode.RCEIL),
+    }
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    return {k: (f, torch.compile(f, dynamic=False)) for k, f in fns.items()}
+
+
+def bench_kernels(shapes=KERNEL_SHAPES, device: str = "cuda", torchao: bool = True,
+                  progress=print) -> list[dict]:
+    """Time every kernel of timed_kernels() on bf16 inputs of each shape: microseconds and GB/s
+    eager (do_bench) and replayed from a CUDA graph, each as a fraction of a device-to-device
+    copy of the same tensor timed the same way in the same run; with torchao, its quantizer
+    for the same format, eager and torch.compile'd."""
+    baselines = torchao_baselines() if torchao else {}
+    seed = torch.tensor([12345], device=device, dtype=torch.int64)
+    results = []
+    for shape in shapes:
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(x)
+        copy_ms = time_ms(functools.partial(dst.copy_, x), device)
+        copy_gbs = 4 * x.numel() / copy_ms / 1e6
+        copy_graph = graph_time_ms(functools.partial(dst.copy_, x), device)
+        copy_graph_gbs = 4 * x.numel() / copy_graph / 1e6 if copy_graph else None
+        progress(f"   {shape}: copy {copy_ms * 1e3:.1f} us = {copy_gbs:.0f} GB/s")
+        for label, spec, kind in timed_kernels():
+            row = {"kernel": label, "shape": list(shape), "copy_us": copy_ms * 1e3,
+                   "copy_GBps": copy_gbs}
+            try:
+                t = time_ms(kernel_call(spec, kind, x, seed), device)
+                gbs = moved_bytes(spec, kind, shape) / t / 1e6
+                row.update(us=t * 1e3, GBps=gbs, frac_copy=gbs / copy_gbs)
+                g = graph_time_ms(kernel_call(spec, kind, x, seed), device)
+                if g and copy_graph_gbs:
+                    ggbs = moved_bytes(spec, kind, shape) / g / 1e6
+                    row.update(graph_us=g * 1e3, graph_GBps=ggbs, graph_frac_copy=ggbs / copy_graph_gbs)
+            except Exception as e:  # noqa: BLE001 -- one failing kernel must not lose the table
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            if label in baselines and kind == "q":
+                eager, compiled = baselines[label]
+                for key, fn in (("torchao_eager_us", eager), ("torchao_compiled_us", compiled)):
+                    try:
+                        row[key] = time_ms(functools.partial(fn, x), device) * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        row[key + "_error"] = f"{type(e).__name__}: {e}"[:200]
+                if "us" in row and "torchao_compiled_us" in row:
+                    row["speedup_vs_compiled"] = row["torchao_compiled_us"] / row["us"]
+            results.append(row)
+            progress("   " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in row.items() if k not in ("copy_us", "copy_GBps")))
+    return results
+
+
+def format_kernel_rows(results: list[dict]) -> str:
+    cols = [("kernel", 34, "s"), ("shape", 12, "s"), ("us", 9, ".1f"), ("GBps", 8, ".0f"),
+            ("frac_copy", 9, ".0%"), ("graph_us", 9, ".1f"), ("graph_frac_copy", 9, ".0%"),
+            ("torchao_eager_us", 12, ".1f"),
+            ("torchao_compiled_us", 12, ".1f"), ("speedup_vs_compiled", 10, ".1f")]
+    heads = ["kernel", "shape", "us", "GB/s", "of copy", "graph us", "graph/cp", "ao eager us",
+             "ao comp. us", "x ao comp."]
+    widths = [w for _, w, _ in cols]
+    lines = ["  ".join(h.ljust(w) if i <= 1 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(heads, widths, strict=True)))]
+    for r in results:
+        cells = []
+        for i, (key, w, fmt) in enumerate(cols):
+            v = r.get(key)
+            if key == "shape":
+                v = "x".join(map(str, v))
+            text = "-" if v is None else (format(v, fmt) if fmt != "s" else str(v))
+            if key == "us" and "error" in r:
+                text = "ERROR"
+            cells.append(text.ljust(w) if i <= 1 else text.rjust(w))
+        lines.append("  ".join(cells))
+    for r in [r for r in results if "error" in r][:10]:
+        lines.append(f"   error {r['kernel']} {r['shape']}: {r['error']}")
+    return "\n".join(lines)
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -177,6 +378,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    k = sub.add_parser("kernels", help="the quantize kernels' GB/s against copy and torchao (CUDA)")
+    k.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in KERNEL_SHAPES),
+                   help="comma-separated ROWSxCOLS bf16 inputs (default: %(default)s)")
+    k.add_argument("--no-torchao", action="store_true", help="skip torchao's quantizers")
+    k.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    k.set_defaults(bench_func=run_kernels)
     p = sub.add_parser("train", help="step time and peak memory of recipes, ratios to the first")
     p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
     p.add_argument("--n-experts", type=int, default=None, help="MoE experts (default: the preset's)")
@@ -191,9 +398,45 @@ def add_arguments(parser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(bench_func=run_train)
 
 
 def run(args) -> None:
+    args.bench_func(args)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"bad shape {text!r} in --shapes; write ROWSxCOLS, e.g. 4096x4096")
+    return int(parts[0]), int(parts[1])
+
+
+def run_kernels(args) -> None:
+    from lowbit.kernels import triton_importable
+    from lowbit.kernels.quantize import INTERPRET
+
+    shapes = [_shape(t.strip()) for t in args.shapes.split(",") if t.strip()]
+    if not shapes:
+        raise ValueError("--shapes is empty; e.g. --shapes 4096x4096,8192x8192")
+    if not triton_importable():
+        raise ValueError("lowbit bench kernels needs triton (pip install triton)")
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif INTERPRET:
+        device = "cpu"
+        print("TRITON_INTERPRET=1 on the CPU: this runs the kernels in Triton's interpreter to "
+              "check the benchmark itself; the timings mean nothing", flush=True)
+    else:
+        raise ValueError("lowbit bench kernels needs a CUDA GPU (or TRITON_INTERPRET=1 and small "
+                         "--shapes, e.g. 64x256, to try it on the CPU)")
+    rows = bench_kernels(shapes, device, torchao=not args.no_torchao)
+    print(format_kernel_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def run_train(args) -> None:
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     if not recipes:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")

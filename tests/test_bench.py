@@ -24,3 +24,39 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "train", "--recipes", "fp2"]) == 2
     assert "unknown recipe 'fp2'" in capsys.readouterr().err
+
+
+def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
+    """`lowbit bench kernels` end to end on the CPU (conftest sets TRITON_INTERPRET=1 there):
+    every timed kernel runs, the table and JSON come out; the numbers mean nothing here."""
+    import pytest
+    import torch
+
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this would time the real shapes; the CPU path is what this checks")
+    from lowbit.bench import timed_kernels
+
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--shapes", "32x64", "--no-torchao", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "timings mean nothing" in text and "fq+t mxfp4 rceil 32x32 rne" in text
+    rows = json.loads(out.read_text())
+    assert [r["kernel"] for r in rows] == [label for label, _, _ in timed_kernels()]
+    assert not [r for r in rows if "error" in r]
+    assert main(["bench", "kernels", "--shapes", "32by64"]) == 2
+    assert "bad shape '32by64'" in capsys.readouterr().err
+
+
+def test_moved_bytes_counts_reads_and_writes():
+    from lowbit.bench import kernel_spec, moved_bytes
+
+    stable = kernel_spec("mxfp4", "rceil", (32, 32))
+    nvfp4 = kernel_spec("nvfp4", None, (1, 16), True)
+    # 64x64 bf16: 8192 bytes read; MXFP4 codes 2048 bytes + 2x2 tile scales
+    assert moved_bytes(stable, "q", (64, 64)) == 8192 + 2048 + 4
+    assert moved_bytes(stable, "q+t", (64, 64)) == 8192 + 2 * (2048 + 4)
+    assert moved_bytes(stable, "fq", (64, 64)) == 2 * 8192
+    assert moved_bytes(stable, "fq+t", (64, 64)) == 3 * 8192
+    # NVFP4 1x16: one E4M3 scale per 16 values, plus the 4-byte tensor scale; 40 cols pad to 48
+    assert moved_bytes(nvfp4, "q", (2, 40)) == 2 * 40 * 2 + 2 * 48 // 2 + 2 * 3 + 4
