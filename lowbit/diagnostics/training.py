@@ -43,18 +43,28 @@ def _clipped(t: torch.Tensor, spec) -> float:
     return (t.abs().float() > q.block_max() * (1 + 2**-20)).float().mean().item()
 
 
-def _forward_backward(model: nn.Module, idx, targets, layers: dict[str, QuantLinear]):
-    """Loss backward; returns {layer: (x, dy, dx)} captured by hooks, grads left on params."""
-    captured: dict[str, dict] = {name: {} for name in layers}
+def _forward_backward(model: nn.Module, idx, targets, layers: dict[str, QuantLinear],
+                      on_operands=None) -> dict[str, torch.Tensor]:
+    """Loss backward, grads left on the params; returns {layer: dx} (its input gradient).
+
+    on_operands(name, x, dy), if given, is called from each layer's backward hook with the
+    input that layer saw and its output gradient, which are dropped right after: holding
+    every layer's x and dy until the end would double the activation memory of the step."""
+    inputs: dict[str, torch.Tensor] = {}
+    dx: dict[str, torch.Tensor] = {}
     handles = []
     for name, layer in layers.items():
-        def fwd(module, inputs, output, name=name):
-            captured[name]["x"] = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+        def fwd(module, args, output, name=name):
+            if on_operands is not None:
+                inputs[name] = args[0].detach().reshape(-1, args[0].shape[-1])
 
         def bwd(module, grad_input, grad_output, name=name):
-            captured[name]["dy"] = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
             if grad_input[0] is not None:
-                captured[name]["dx"] = grad_input[0].detach().reshape(-1, grad_input[0].shape[-1])
+                dx[name] = grad_input[0].detach().reshape(-1, grad_input[0].shape[-1])
+            if on_operands is not None and name in inputs:
+                dy = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
+                with torch.no_grad():
+                    on_operands(name, inputs.pop(name), dy)
 
         handles += [layer.register_forward_hook(fwd), layer.register_full_backward_hook(bwd)]
     try:
@@ -65,29 +75,24 @@ def _forward_backward(model: nn.Module, idx, targets, layers: dict[str, QuantLin
     finally:
         for h in handles:
             h.remove()
-    return captured
+    return dx
 
 
-@torch.no_grad()
-def _operand_stats(captured, layers) -> dict[str, list[float]]:
-    stats: dict[str, list[float]] = {k: [] for k in ("w_fwd_bwd_rel_diff", "x_fwd_bwd_rel_diff",
-                                                     "dy_dgrad_wgrad_rel_diff", "clip_w", "clip_x",
-                                                     "clip_dy")}
-    for name, layer in layers.items():
-        r = layer.linear_recipe
-        c = captured[name]
-        if r is None or "x" not in c or "dy" not in c:
-            continue
-        x, dy = c["x"].to(layer.weight.dtype), c["dy"].to(layer.weight.dtype)
-        ops = gemm_operands(x, layer.weight, dy, r)
-        stats["w_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_w"], ops["dgrad_w"]))
-        if not r.wgrad_hadamard:  # with RHT the wgrad operands live in a rotated basis
-            stats["x_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_x"], ops["wgrad_x"]))
-            stats["dy_dgrad_wgrad_rel_diff"].append(relative_difference(ops["dgrad_dy"], ops["wgrad_dy"]))
-        stats["clip_w"].append(_clipped(layer.weight, r.fprop_w))
-        stats["clip_x"].append(_clipped(x, r.fprop_x))
-        stats["clip_dy"].append(_clipped(dy, r.dgrad_dy))
-    return stats
+def _operand_stats(stats: dict[str, list[float]], layer: QuantLinear, x: torch.Tensor,
+                   dy: torch.Tensor) -> None:
+    """Append one layer's operand consistency and clipping to `stats`."""
+    r = layer.linear_recipe
+    if r is None:
+        return
+    x, dy = x.to(layer.weight.dtype), dy.to(layer.weight.dtype)
+    ops = gemm_operands(x, layer.weight, dy, r)
+    stats["w_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_w"], ops["dgrad_w"]))
+    if not r.wgrad_hadamard:  # with RHT the wgrad operands live in a rotated basis
+        stats["x_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_x"], ops["wgrad_x"]))
+        stats["dy_dgrad_wgrad_rel_diff"].append(relative_difference(ops["dgrad_dy"], ops["wgrad_dy"]))
+    stats["clip_w"].append(_clipped(layer.weight, r.fprop_w))
+    stats["clip_x"].append(_clipped(x, r.fprop_x))
+    stats["clip_dy"].append(_clipped(dy, r.dgrad_dy))
 
 
 def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -102,10 +107,13 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     saved_grads = {n: p.grad for n, p in model.named_parameters()}
     devices = [idx.device.index or 0] if idx.device.type == "cuda" else []
     try:
+        stats: dict[str, list[float]] = {k: [] for k in (
+            "w_fwd_bwd_rel_diff", "x_fwd_bwd_rel_diff", "dy_dgrad_wgrad_rel_diff", "clip_w",
+            "clip_x", "clip_dy")}
         with torch.random.fork_rng(devices=devices):
-            quant = _forward_backward(model, idx, targets, layers)
+            quant = _forward_backward(model, idx, targets, layers, on_operands=lambda name, x, dy:
+                                      _operand_stats(stats, layers[name], x, dy))
             quant_dw = {n: p.grad.detach().clone() for n, p in quantized_params.items() if p.grad is not None}
-            stats = _operand_stats(quant, layers)
             with quantization_disabled(model):
                 ref = _forward_backward(model, idx, targets, layers)
             ref_dw = {n: p.grad.detach().clone() for n, p in quantized_params.items() if p.grad is not None}
@@ -114,9 +122,9 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
             p.grad = saved_grads[n]
 
     for name in layers:
-        if "dx" in quant[name] and "dx" in ref[name]:
-            stats.setdefault("dx_cos", []).append(cosine(ref[name]["dx"], quant[name]["dx"]))
-            stats.setdefault("dx_rel_err", []).append(relative_difference(ref[name]["dx"], quant[name]["dx"]))
+        if name in quant and name in ref:
+            stats.setdefault("dx_cos", []).append(cosine(ref[name], quant[name]))
+            stats.setdefault("dx_rel_err", []).append(relative_difference(ref[name], quant[name]))
     for name in quant_dw:
         if name in ref_dw:
             stats.setdefault("dw_cos", []).append(cosine(ref_dw[name], quant_dw[name]))
