@@ -29,16 +29,14 @@ Exit status 1 if a check failed. Needs a CUDA GPU with FP8 (SM 8.9+) and triton.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
-from common import Report, time_ms  # noqa: E402
+from common import Checks, Report, time_ms  # noqa: E402
 
 from lowbit.formats import QTensor, QuantSpec, quantize_dequantize, quantize_with_spec  # noqa: E402
 from lowbit.formats.elements import pack_codes  # noqa: E402
@@ -89,19 +87,6 @@ def bits_equal(a, b):
 
 
 # ---- 1. checks -----------------------------------------------------------------------------
-
-class Checks:
-    def __init__(self):
-        self.passed, self.failed = 0, []
-
-    def run(self, label, fn, *args):
-        try:
-            fn(*args)
-            self.passed += 1
-        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-            self.failed.append((label, f"{type(e).__name__}: {e}"[:300]))
-            print(f"  FAIL {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-
 
 def check_fold(q, transpose=False):
     gpu = fold_operand(q, transpose=transpose)
@@ -299,38 +284,19 @@ def main():
         sys.exit("bench_fp8_gemm needs a CUDA GPU (or --smoke)")
     t0 = time.time()
     report = Report("bench_fp8_gemm", DEVICE, cuda=torch.version.cuda)
-    save = report.save
 
     checks = None
     if not args.no_checks:
         checks = run_checks()
         report["checks"] = {"passed": checks.passed, "failed": checks.failed}
-        save()
+        report.save()
     if not args.no_errors:
-        try:
-            report["errors"] = run_errors()
-            save()
-            print_errors(report["errors"])
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        report.section("errors", run_errors, print_errors)
     if not args.no_timings:
-        try:
-            report["timings"] = run_timings()
-            save()
-            print_timings(report["timings"])
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        report.section("timings", run_timings, print_timings)
     report["meta"]["rowwise_out_dtype_direct"] = {f"{k[0]} {k[1]}": v for k, v in
                                                   fp8_gemm._ROWWISE_DTYPE_OK.items()}
-    if checks is not None:
-        print(f"\nCHECKS: {checks.passed} passed, {len(checks.failed)} failed")
-        for label, err in checks.failed:
-            print(f"  FAIL {label}: {err}")
-    report["meta"]["seconds"] = round(time.time() - t0)
-    save()
-    print(f"total {time.time() - t0:.0f}s"
-          + ("; wrote $OUT/bench_fp8_gemm.json" if os.environ.get("OUT") else ""))
-    sys.exit(1 if checks is not None and checks.failed else 0)
+    report.finish(checks, t0)
 
 
 if __name__ == "__main__":

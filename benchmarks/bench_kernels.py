@@ -32,7 +32,6 @@ import functools
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 import triton  # noqa: E402
-from common import Report, time_ms  # noqa: E402
+from common import Checks, Report, time_ms  # noqa: E402
 
 from lowbit.bench import KERNEL_SHAPES, bench_kernels, format_kernel_rows, kernel_name  # noqa: E402
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
@@ -94,19 +93,6 @@ def reference(x, spec):
 
 
 # ---- 1. checks -----------------------------------------------------------------------------
-
-class Checks:
-    def __init__(self):
-        self.passed, self.failed = 0, []
-
-    def run(self, label, fn, *args):
-        try:
-            fn(*args)
-            self.passed += 1
-        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-            self.failed.append((label, f"{type(e).__name__}: {e}"[:300]))
-            print(f"  FAIL {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-
 
 def check_against_cpu(x, spec, seed=None):
     r = reference(x.cpu(), spec)
@@ -253,35 +239,18 @@ def main():
         sys.exit("bench_kernels needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     t0 = time.time()
     report = Report("bench_kernels", DEVICE, triton=triton.__version__)
-    save = report.save
 
     checks = None
     if not args.no_checks:
         checks = run_checks()
         report["checks"] = {"passed": checks.passed, "failed": checks.failed}
-        save()
+        report.save()
     if not args.checks_only:
-        try:
-            report["timings"] = run_timings(not args.no_torchao)
-            save()
-            print("\n" + format_kernel_rows(report["timings"]))
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        report.section("timings", lambda: run_timings(not args.no_torchao),
+                       lambda rows: print("\n" + format_kernel_rows(rows)))
         if not args.no_sweep:
-            try:
-                report["sweep"] = run_sweep()
-                save()
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-    if checks is not None:
-        print(f"\nCHECKS: {checks.passed} passed, {len(checks.failed)} failed")
-        for label, err in checks.failed:
-            print(f"  FAIL {label}: {err}")
-    report["meta"]["seconds"] = round(time.time() - t0)
-    save()
-    print(f"total {time.time() - t0:.0f}s"
-          + ("; wrote $OUT/bench_kernels.json" if os.environ.get("OUT") else ""))
-    sys.exit(1 if checks is not None and checks.failed else 0)
+            report.section("sweep", run_sweep)
+    report.finish(checks, t0)
 
 
 if __name__ == "__main__":

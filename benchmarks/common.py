@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import sys
+import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,7 +16,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 from lowbit.bench import graph_time_ms, time_ms  # noqa: E402  (the scripts import them from here)
 
-__all__ = ["Report", "graph_time_ms", "time_ms"]
+__all__ = ["Checks", "Report", "graph_time_ms", "time_ms"]
+
+
+class Checks:
+    """Pass/fail tally of a script's bitwise checks: every failure is printed and kept, none
+    stops the run."""
+
+    def __init__(self):
+        self.passed, self.failed = 0, []
+
+    def run(self, label, fn, *args):
+        try:
+            fn(*args)
+            self.passed += 1
+        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
+            self.failed.append((label, f"{type(e).__name__}: {e}"[:300]))
+            print(f"  FAIL {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 class Report(dict):
@@ -33,3 +51,26 @@ class Report(dict):
     def save(self) -> None:
         if os.environ.get("OUT"):
             (Path(os.environ["OUT"]) / f"{self.name}.json").write_text(json.dumps(self, indent=1))
+
+    def section(self, key: str, run, show=None) -> None:
+        """report[key] = run(), saved, then show(report[key]); an exception is printed and the
+        script goes on to its next section (what was measured before is already saved)."""
+        try:
+            self[key] = run()
+            self.save()
+            if show is not None:
+                show(self[key])
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+
+    def finish(self, checks: Checks | None, t0: float) -> None:
+        """Print the checks' tally, save the run time, and exit 1 if a check failed."""
+        if checks is not None:
+            print(f"\nCHECKS: {checks.passed} passed, {len(checks.failed)} failed")
+            for label, err in checks.failed:
+                print(f"  FAIL {label}: {err}")
+        self["meta"]["seconds"] = round(time.time() - t0)
+        self.save()
+        print(f"total {time.time() - t0:.0f}s"
+              + (f"; wrote $OUT/{self.name}.json" if os.environ.get("OUT") else ""))
+        sys.exit(1 if checks is not None and checks.failed else 0)
