@@ -17,3 +17,18 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def corpus_env(tmp_path, monkeypatch) -> dict:
+    """For tests that read ../shared/data: skipped where it is missing (CI has it; a bare GPU
+    box may not). Tokenizer caches go to a fresh folder (LOWBIT_CACHE, set here and in the
+    returned environment for subprocesses)."""
+    from lowbit.data import data_root
+
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    return dict(os.environ)

@@ -45,20 +45,14 @@ def test_host_overhead_runs():
 
 
 @pytest.mark.slow
-def test_train_recipes_fits_steps_and_summarizes(tmp_path):
-    from lowbit.data import data_root
-
-    try:
-        data_root()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_train_recipes_fits_steps_and_summarizes(tmp_path, corpus_env):
     out = tmp_path / "runs"
     run = script("train_recipes.py", "--name", "t", "--recipes", "bf16,stable-fp4",
                  "--out-dir", str(out), "--fit-min", "0.25", "--probe-s", "12",
                  "--probe-window-s", "5", "--deadline-min", "3", "--",
                  "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "5",
                  "--eval-batches", "1", "--diag-every", "5", "--device", "cpu",
-                 env={"LOWBIT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+                 env={"OMP_NUM_THREADS": "1"})   # LOWBIT_CACHE: corpus_env's
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "fitted --steps" in run.stdout
     steps = int(run.stdout.split("fitted --steps ")[1].split()[0])

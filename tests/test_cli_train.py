@@ -4,21 +4,13 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 
-def test_default_train_command_writes_a_complete_run_folder(tmp_path):
-    from lowbit.data import data_root
-    try:
-        data_root()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    env_cache = {"LOWBIT_CACHE": str(tmp_path / "cache")}
-    import os
+def test_default_train_command_writes_a_complete_run_folder(tmp_path, corpus_env):
     proc = subprocess.run(
         [sys.executable, "-m", "lowbit.cli", "train", "--steps", "12", "--eval-every", "6",
          "--eval-batches", "2", "--diag-every", "6", "--out-dir", str(tmp_path / "runs"), "--no-progress"],
-        capture_output=True, text=True, env={**os.environ, **env_cache}, timeout=600)
+        capture_output=True, text=True, env=corpus_env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "runs" / "tiny-tinyshakespeare-stable-fp4"
     for name in ("config.json", "metrics.jsonl", "loss.png", "final.json", "checkpoints/latest.pt"):
@@ -42,33 +34,21 @@ def test_bad_train_flags_are_one_line_errors(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_a_run_that_repeats_its_data_more_than_3_times_warns(tmp_path):
-    from lowbit.data import data_root
-    try:
-        data_root()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    import os
+def test_a_run_that_repeats_its_data_more_than_3_times_warns(tmp_path, corpus_env):
     proc = subprocess.run(
         [sys.executable, "-m", "lowbit.cli", "train", "--recipe", "bf16", "--steps", "4",
          "--batch-size", "64", "--seq-len", "256", "--corpus-max-bytes", "20000", "--eval-batches", "1",
          "--out-dir", str(tmp_path / "runs"), "--no-progress"],
-        capture_output=True, text=True, env={**os.environ, "LOWBIT_CACHE": str(tmp_path / "cache")},
-        timeout=600)
+        capture_output=True, text=True, env=corpus_env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "reads its training split 3.3 times" in proc.stderr
     final = json.loads((tmp_path / "runs" / "tiny-tinyshakespeare-bf16" / "final.json").read_text())
     assert final["epochs"] > 3
 
 
-def test_seq_len_longer_than_a_split_is_refused_before_the_run_folder_exists(tmp_path):
-    from lowbit.data import data_root
-    try:
-        data_root()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_seq_len_longer_than_a_split_is_refused_before_the_run_folder_exists(tmp_path, corpus_env):
     proc = subprocess.run([sys.executable, "-m", "lowbit.cli", "train", "--seq-len", "5000000",
                            "--steps", "2", "--out-dir", str(tmp_path / "runs")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, env=corpus_env, timeout=300)
     assert proc.returncode == 2 and "use a shorter seq_len" in proc.stderr
     assert not (tmp_path / "runs").exists()

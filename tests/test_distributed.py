@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -43,15 +42,8 @@ CRASH_AT_STEP_4 = textwrap.dedent("""
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    from lowbit.data import data_root
-
-    try:
-        data_root()
-    except FileNotFoundError as e:  # CI has the data; a bare GPU box may not
-        pytest.skip(str(e))
-    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
-    return {**os.environ, "LOWBIT_CACHE": str(tmp_path / "cache")}
+def env(corpus_env):
+    return corpus_env
 
 
 def torchrun(env, *args, entry=("-m", "lowbit.cli")) -> subprocess.CompletedProcess:

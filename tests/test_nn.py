@@ -4,13 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-import lowbit
 from lowbit.diagnostics import sqnr_db
 from lowbit.formats import QuantSpec
 from lowbit.models import ModelConfig, build_model
 from lowbit.nn import QuantExperts, QuantLinear, convert, quantization_disabled
 from lowbit.ops import fake_quantize, gemm_operands, operand, quant_linear, random_hadamard
-from lowbit.recipes import LinearRecipe, Recipe, get_recipe, recipe_names
+from lowbit.recipes import LinearRecipe, get_recipe, recipe_names
 
 
 def linear_inputs(seed=0):

@@ -17,10 +17,10 @@ import lowbit
 logging.getLogger("torchao").setLevel(logging.ERROR)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.kernels import unpack_uint4
-    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_mx
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -416,14 +416,7 @@ def test_cli_train_runs_and_turns_nonfinite_stop_into_exit_1(tmp_path, stand_in_
 
 # --- integration with lowbit.models and lowbit.data -------------------------------------------
 
-def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, monkeypatch):
-    from lowbit.data import data_root
-
-    try:
-        data_root()
-    except FileNotFoundError as e:  # CI has the data; a bare GPU box may not
-        pytest.skip(str(e))
-    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, corpus_env):
     config = make_config(tmp_path, run_name="real", model="tiny", dropout=0.1,
                          corpus="tinyshakespeare", tokenizer="bytes", max_steps=6,
                          checkpoint_every=3, eval_every=3, seq_len=32, lr=3e-3)
