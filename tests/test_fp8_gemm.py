@@ -471,3 +471,29 @@ def test_scaled_mm_nan_rows_and_columns():
     out = fp4_gemm_fp8(a.to("cuda"), b.to("cuda"), out_dtype=torch.float32).cpu()
     ref, _ = reference_gemm(a, b)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def test_fp8_linear_folds_transposed_copies_only_for_a_backward(monkeypatch):
+    """stable-fp4-fp8's forward makes the transposed folded copies of X and W only when a
+    backward will use them: not under no_grad (evaluation), not for X^T when W needs no
+    gradient; the output is the same either way."""
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    calls = []
+    original = fp8_gemm.quantize_fold
+    monkeypatch.setattr(fp8_gemm, "quantize_fold",
+                        lambda t, spec, transpose_too=False: calls.append(transpose_too)
+                        or original(t, spec, transpose_too))
+    lin = get_recipe("stable-fp4-fp8").linear
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    y = quant_linear(x, w, None, lin)
+    assert calls == [True, True]           # X and W, each with its transpose
+    calls.clear()
+    with torch.no_grad():
+        y_eval = quant_linear(x, w, None, lin)
+    assert calls == [False, False] and torch.equal(y_eval, y.detach())
+    calls.clear()
+    quant_linear(x, w.detach(), None, lin)
+    assert calls == [False, True]          # dX needs W^T; no dW, so no X^T

@@ -148,15 +148,18 @@ class _QuantLinearFP8(torch.autograd.Function):
     power-of-two row factors (lowbit.kernels.fp8_gemm; on CUDA one fused Triton kernel pair,
     lowbit.kernels.fp8_fold), and torch._scaled_mm multiplies them. A 2D operand shared by two
     GEMMs gives both folded copies (rows, and transposed) from one quantization; the forward
-    saves the transposed copies, 1 byte per value, for the backward."""
+    saves the transposed copies, 1 byte per value, for the backward, and makes them only when
+    a backward will use them (`grad`: autograd is recording; forward itself runs without)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: LinearRecipe):
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool):
         from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
 
-        # x: (N, in); weight: (out, in)
-        fx, fx_t = quantize_fold(x, recipe.fprop_x, _shared(recipe.fprop_x, recipe.wgrad_x))
-        fw, fw_t = quantize_fold(weight, recipe.fprop_w, _shared(recipe.fprop_w, recipe.dgrad_w))
+        # x: (N, in); weight: (out, in). X^T serves dW, W^T serves dX.
+        need_x_t = grad and ctx.needs_input_grad[1] and _shared(recipe.fprop_x, recipe.wgrad_x)
+        need_w_t = grad and ctx.needs_input_grad[0] and _shared(recipe.fprop_w, recipe.dgrad_w)
+        fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t)
+        fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t)
         y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)              # (N, out)
         if bias is not None:
             y = y + bias
@@ -189,7 +192,7 @@ class _QuantLinearFP8(torch.autograd.Function):
         ctx.x_w = ctx.w_d = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -208,7 +211,10 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     lead = x.shape[:-1]
-    function = _QuantLinearFP8 if recipe.gemm is Gemm.FP8 else _QuantLinear
+    args = (x.reshape(-1, x.shape[-1]), weight, bias, recipe)
     with torch.autocast(device_type, enabled=False):
-        y = function.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe)
+        if recipe.gemm is Gemm.FP8:
+            y = _QuantLinearFP8.apply(*args, torch.is_grad_enabled())
+        else:
+            y = _QuantLinear.apply(*args)
     return y.reshape(*lead, weight.shape[0])
