@@ -47,7 +47,12 @@ def main() -> None:
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
-    recipes = args.recipes.split(",")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    from lowbit.recipes import recipe_names
+    unknown = [r for r in recipes if r not in recipe_names()]
+    if not recipes or unknown:
+        parser.error(f"unknown recipe(s) {', '.join(unknown) or '(none given)'}; choose from "
+                     f"{', '.join(recipe_names())}")
     out = Path(args.out_dir)
     t0 = time.time()
 

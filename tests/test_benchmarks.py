@@ -67,3 +67,10 @@ def test_train_recipes_fits_steps_and_summarizes(tmp_path, corpus_env):
         names = set(tar.getnames())
     assert {"t-bf16/metrics.jsonl", "t-stable-fp4/final.json",
             "probe/t-stable-fp4-probe.metrics.jsonl"} <= names
+
+
+def test_train_recipes_refuses_an_unknown_recipe_before_starting(tmp_path):
+    run = script("train_recipes.py", "--name", "t", "--recipes", "bf16,fp3", "--out-dir",
+                 str(tmp_path / "runs"), "--", "--model", "tiny", timeout=120)
+    assert run.returncode == 2 and "unknown recipe(s) fp3" in run.stderr
+    assert not (tmp_path / "runs").exists()
