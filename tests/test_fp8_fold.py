@@ -20,6 +20,7 @@ from lowbit.kernels.fp8_fold import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_ITEM = torch.Tensor.item
 RULES = ["floor", "rceil"]
 BLOCKS = [(1, 32), (32, 32), (16, 16)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -124,6 +125,66 @@ def test_stochastic_matches_kernel_quantizer(rule, block):
     a = quantize_fold_mxfp4(x, spec, seed=1)
     b = quantize_fold_mxfp4(x, spec, seed=2)
     assert not torch.equal(a.fp8.view(torch.uint8), b.fp8.view(torch.uint8))   # the seed matters
+
+
+def outside_window(q, transpose=False):
+    """The nonzero values one factor per row leaves in blocks below the window (fp8_gemm's own
+    rules), and the rows that have none."""
+    from lowbit.kernels.fp8_gemm import SHIFT_MIN, _Blocks
+
+    blocks = _Blocks(q, transpose)
+    f = blocks.factor_exponents([0, blocks.n_blocks])
+    over = blocks.live & (blocks.exps - f < SHIFT_MIN)                       # (R, nb)
+    nonzero = ((blocks.codes & 0x7) != 0).sum(dim=-1)                       # (R, nb)
+    return int((nonzero * over).sum()), ~over.any(dim=1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("binades", [6, 30])
+@pytest.mark.parametrize("encode", ["gather", "compute"])
+def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades, encode,
+                                                         monkeypatch):
+    """Inside deferred_fold_check() the kernels fold with one factor per row and never read
+    anything back: within the window the result is the exact fold; past it, the check's counter
+    holds exactly the number of values left inexact, and every other row is still exact. Both
+    ways of encoding E4M3 bytes (table gather, computed)."""
+    import lowbit.kernels.fp8_fold as ff
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+
+    monkeypatch.setattr(ff, "ENCODE", encode)
+
+    spec = QuantSpec.make("mxfp4", block, rule)
+    x = spread(67, 200, binades, seed=binades, tile=block)
+    narrow = spread(67, 200, 4, seed=1, tile=block)
+    x[:32], x[:, :64] = narrow[:32], narrow[:, :64]   # rows and columns that fold in one chunk
+    x = x.to(DEVICE)
+    q = quantize_with_spec(x.cpu(), spec)
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("host sync in a deferred fold"))
+    with deferred_fold_check(x.device) as check:
+        outs = [(quantize_fold_mxfp4(x, spec), False)]
+        if spec.is_2d:
+            a, a_t = quantize_fold_mxfp4_with_transpose(x, spec)
+            outs += [(a, False), (a_t, True)]
+    monkeypatch.setattr(torch.Tensor, "item", _ITEM)
+    expected = 0
+    for got, transpose in outs:
+        ref = fold_operand(q, transpose=transpose)
+        n_over, exact_rows = outside_window(q, transpose)
+        expected += n_over
+        assert got.bounds == (0, got.shape[1])
+        if n_over == 0:
+            assert_same(got, ref)
+        else:   # every row with no block outside the window holds exactly the FP4 values
+            assert len(ref.bounds) > 2
+            rows = exact_rows.to(got.fp8.device)
+            values = q.dequantize(torch.float32)
+            values = values.t() if transpose else values
+            assert 0 < int(rows.sum()) < rows.numel()
+            assert torch.equal(got.unfold()[rows].cpu(), values[exact_rows])
+            assert torch.equal(got.nan_rows.cpu(), ref.nan_rows.cpu())
+    assert (binades == 30) == (expected > 0)
+    assert check.inexact_values() == expected
 
 
 def test_refuses_what_does_not_fold():

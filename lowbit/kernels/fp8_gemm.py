@@ -63,6 +63,8 @@ than E4M3 has. It stays on the emulated (dequantize + BF16 GEMM) path.
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +74,9 @@ from lowbit.formats.elements import E2M1_VALUES, unpack_codes
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.spec import ScaleKind
 
-__all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "FoldedOperand", "FoldReport", "fold",
-           "fold_operand", "fold_report", "weight_operands", "fp4_gemm_fp8"]
+__all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "FoldedOperand", "FoldReport", "FoldCheck",
+           "fold", "fold_operand", "fold_report", "weight_operands", "quantize_fold",
+           "deferred_fold_check", "active_fold_check", "fp4_gemm_fp8"]
 
 SHIFT_MIN, SHIFT_MAX = -8, 6          # E2M1 * 2^t is exact in E4M3 iff SHIFT_MIN <= t <= SHIFT_MAX
 WINDOW_SPAN = SHIFT_MAX - SHIFT_MIN   # 14: block exponents one factor can cover (max - min)
@@ -299,6 +302,55 @@ def weight_operands(w: QTensor) -> tuple[FoldedOperand, FoldedOperand]:
     fprop Y = X W^T takes rows = out, K = in; dgrad dX = dY W = dY (W^T)^T takes rows = in,
     K = out. Both come from the same FP4 values (W^T of a 2D-tile QTensor is exact)."""
     return fold_operand(w), fold_operand(w, transpose=True)
+
+
+class FoldCheck:
+    """The device-side count of values that folds under deferred_fold_check() could not keep
+    exact (nonzero values in a block below its row's window: the row spans more than
+    WINDOW_SPAN binades). Nonzero means the work done under the check used inexact operands and
+    is to be redone outside it (lowbit.train redoes the step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = _canonical(device)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def inexact_values(self) -> int:
+        """The count so far (reads it back: one host sync on CUDA)."""
+        return int(self.counter.item())
+
+
+_ACTIVE_CHECK: FoldCheck | None = None
+
+
+def _canonical(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@contextlib.contextmanager
+def deferred_fold_check(device) -> Iterator[FoldCheck]:
+    """Fold without host syncs inside this block (process-wide, for tensors on `device`).
+
+    The fused kernels fold every operand with one factor per row (one K-chunk) and count, on
+    the device, the values that this leaves inexact, instead of reading a flag back per operand
+    and re-folding in K-chunks. Check `inexact_values()` once afterwards (e.g. with the step's
+    loss) and redo the work outside the block if it is nonzero: then every GEMM is exact, as
+    outside the block. The reference path (CPU) is always exact and never counts."""
+    global _ACTIVE_CHECK
+    outer = _ACTIVE_CHECK
+    _ACTIVE_CHECK = check = FoldCheck(device)
+    try:
+        yield check
+    finally:
+        _ACTIVE_CHECK = outer
+
+
+def active_fold_check(device: torch.device) -> FoldCheck | None:
+    """The deferred_fold_check() in force for tensors on `device`, if any."""
+    check = _ACTIVE_CHECK
+    return check if check is not None and check.device == _canonical(device) else None
 
 
 def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False
