@@ -8,6 +8,7 @@ runs the real ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -331,6 +332,34 @@ def test_resume_is_exact_under_a_stochastic_rounding_recipe(tmp_path):
     with pytest.raises(Crash):
         run(cut, dropout=0.2, diagnostics_fn=crash_at_step_6)
     assert run(cut, dropout=0.2, init_seed=7, resume=True).train_losses == whole.train_losses
+
+
+def test_an_inexact_sync_free_fold_redoes_the_step_from_the_same_rng_state(tmp_path, monkeypatch):
+    """A step whose deferred fold check counts inexact blocks is redone (exact folds) from the
+    RNG state it started with, so the run equals one where no fold was inexact. The count is
+    forced here at steps 2 and 5 (CPU folds are exact); dropout and stochastic rounding make a
+    redo that drew from a moved RNG give other losses."""
+    pytest.importorskip("lowbit.nn")
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+
+    whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"), dropout=0.2)
+    calls = []
+
+    @contextlib.contextmanager
+    def flagging(device):
+        with deferred_fold_check(device) as check:
+            calls.append(check)
+            if len(calls) in (2, 5):        # steps 2 and 5
+                check.counter += 1
+            yield check
+
+    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    redone = run(make_config(tmp_path, run_name="redone", recipe="stable-fp4-fp8"), dropout=0.2)
+    assert len(calls) == 8                  # one per step; the redos run outside a check
+    assert [(r["step"], r["inexact_values"]) for r in records(tmp_path / "redone", "fold_redo")] \
+        == [(2, 1), (5, 1)]
+    assert redone.train_losses == whole.train_losses
+    assert redone.val_loss == whole.val_loss
 
 
 # --- run folder, plots, compare ---------------------------------------------------------------

@@ -5,6 +5,7 @@ One optimizer step:
   for each of grad_accum_steps micro-batches:  forward (bf16 autocast on CUDA),
                                                backward of loss / grad_accum_steps
   grad_norm = clip_grad_norm_(grad_clip)
+  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly)
   if loss and grad_norm are finite: AdamW step; else skip it and log a nonfinite_skip record
 Around it: evaluation every eval_every steps, a checkpoint every checkpoint_every steps,
 a record in metrics.jsonl every log_every steps, and diagnostics every diag_every steps.
@@ -37,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lowbit.kernels.fp8_gemm import deferred_fold_check
 from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_checkpoint,
                                      rng_state, save_checkpoint, set_rng_state, write_text_atomic)
 from lowbit.train.config import TrainConfig, changed_fields
@@ -236,19 +238,35 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                                  f"batch_size * grad_accum_steps = {config.batch_size * accum}")
             inputs, targets = process.shard(inputs).to(device), process.shard(targets).to(device)
             micro_batches = list(zip(inputs.chunk(accum), targets.chunk(accum)))
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=device)
-            for i, (x, y) in enumerate(micro_batches):
-                with process.sync_gradients(i == accum - 1, model):  # on the last backward only
-                    with autocast:
-                        loss = forward(x, y).loss / accum  # mean over the step's tokens, summed
-                    loss.backward()
-                step_loss += loss.detach()
-            max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = grad_norm.item()
+
+            def gradients() -> tuple[torch.Tensor, float]:
+                """Forward and backward of every micro-batch, then clip: (loss, grad norm)."""
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), device=device)
+                for i, (x, y) in enumerate(micro_batches):
+                    with process.sync_gradients(i == accum - 1, model):  # last backward only
+                        with autocast:
+                            loss = forward(x, y).loss / accum  # mean over the step's tokens
+                        loss.backward()
+                    step_loss += loss.detach()
+                max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
+                    grad_norm = grad_norm.full_tensor()
+                return step_loss, grad_norm.item()
+
+            # FP8-path recipes fold their operands without host syncs (one K-chunk each) and
+            # count on the device what that left inexact; the count is read with the step's
+            # other numbers, and a nonzero one (on any rank) redoes the step with exact folds
+            # from the same RNG state, so the step is the one an all-exact run takes.
+            rng_before = _step_rng_state(device)
+            with deferred_fold_check(device) as check:
+                step_loss, grad_norm = gradients()
+            inexact = round(process.average(check.counter.float()).item() * process.world_size)
+            if inexact:
+                _set_step_rng_state(device, rng_before)
+                step_loss, grad_norm = gradients()
+                log.write({"event": "fold_redo", "step": step + 1, "inexact_values": inexact})
             loss_value = process.average(step_loss).item()
             losses.append(loss_value)
             step += 1
@@ -497,6 +515,18 @@ def _build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     if model_config.max_seq_len < config.seq_len:
         model_config = dataclasses.replace(model_config, max_seq_len=config.seq_len)
     return build_model(model_config)
+
+
+def _step_rng_state(device: torch.device) -> tuple:
+    """What a training step draws from: torch's CPU generator and the device's."""
+    return (torch.get_rng_state(),
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_step_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _perplexity(loss: float) -> float:
