@@ -50,7 +50,19 @@ def _shared(first: QuantSpec | None, second: QuantSpec | None) -> bool:
     return first is not None and first == second and first.is_2d
 
 
-_HADAMARD_16 = None
+_HADAMARD_16: dict[torch.device, torch.Tensor] = {}
+
+
+def _hadamard_16(device: torch.device) -> torch.Tensor:
+    """The orthonormal 16x16 Sylvester Hadamard matrix, float32, cached per device (no host
+    copy per call: a CUDA graph can capture the caller)."""
+    h = _HADAMARD_16.get(device)
+    if h is None:
+        h = torch.ones(1, 1)
+        while h.shape[0] < 16:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = _HADAMARD_16[device] = (h / 4.0).to(device)  # orthonormal: H H^T = I
+    return h
 
 
 def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -60,17 +72,11 @@ def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     spreading outliers across each block of 16 tokens before they are quantized. N is padded
     with zero tokens to a multiple of 16 (zeros add nothing to dW).
     """
-    global _HADAMARD_16
-    if _HADAMARD_16 is None:
-        h = torch.ones(1, 1)
-        while h.shape[0] < 16:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD_16 = h / 4.0  # orthonormal: H H^T = I
     rows, n = t.shape
     pad = (-n) % 16
     if pad:
         t = F.pad(t, (0, pad))
-    h = (_HADAMARD_16.to(t.device, torch.float32) * signs.to(t.device, torch.float32)[:, None])
+    h = _hadamard_16(t.device) * signs.to(t.device, torch.float32)[:, None]
     out = (t.float().reshape(rows, -1, 16) @ h).reshape(rows, n + pad)
     return out.to(t.dtype)
 
