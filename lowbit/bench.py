@@ -32,17 +32,22 @@ __all__ = ["bench_kernels", "bench_train", "format_kernel_rows", "format_profile
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
-                progress=print) -> list[dict]:
+                cuda_graph: bool = False, progress=print) -> list[dict]:
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
     from lowbit.models import ModelConfig, build_model
     from lowbit.nn import convert
     from lowbit.recipes import get_recipe
 
     if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
         raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
+
     for name in recipes:
         get_recipe(name)  # refuse an unknown recipe before building anything
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
+    if cuda_graph and (dev.type != "cuda" or compile):
+        raise ValueError(f"--cuda-graph captures the step on a CUDA GPU without --compile (here: "
+                         f"{dev}{', --compile' if compile else ''}); leave it out")
     overrides = {"max_seq_len": max(seq_len, 16)}
     if n_experts is not None:
         overrides["n_experts"] = n_experts
@@ -53,24 +58,39 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         net = build_model(cfg)
         convert(net, name)
         net.to(dev).train()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev.type == "cuda")
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev.type == "cuda",
+                                      capturable=cuda_graph)
         forward = torch.compile(net) if compile else net
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+        # (a captured step must not use autocast's cast cache: it is cleared outside the graph)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda",
+                                  cache_enabled=not cuda_graph)
         tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), device=dev)
         x, y = tokens[:, :-1], tokens[:, 1:]
 
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            with autocast:
-                loss = forward(x, y).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        redo_steps = []
+
+        def step(captured: bool = False):
+            # as lowbit.train's step: sync-free FP8 folds, their count read once per step
+            # (a nonzero count is a step lowbit.train would redo with exact folds)
+            if not captured:   # a captured step keeps its gradient buffers between replays
+                optimizer.zero_grad(set_to_none=True)
+            with deferred_fold_check(dev) as check:
+                with autocast:
+                    loss = forward(x, y).loss
+                loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             optimizer.step()
+            step.last_check = check
+            if not captured:
+                norm.item()
+                redo_steps.append(check.inexact_values() > 0)
             return loss.detach()
 
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
+        if cuda_graph:
+            step = _graphed(step, optimizer, warmup, redo_steps)
         for _ in range(warmup):
             step()
         times = []
@@ -86,7 +106,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
                                 if dev.type == "cuda" else None),
                "loss": loss.item(), "device": str(dev), "model": model,
-               "params": sum(p.numel() for p in net.parameters()), "compile": compile}
+               "params": sum(p.numel() for p in net.parameters()), "compile": compile,
+               "cuda_graph": cuda_graph,
+               "fold_redo_steps": sum(redo_steps), "steps_run": len(redo_steps)}
         if profile and dev.type == "cuda":
             row["profile"] = profile_step(step, dev)
         rows.append(row)
@@ -100,10 +122,37 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     return rows
 
 
+def _graphed(step, optimizer, warmup: int, redo_steps: list):
+    """The step captured in one CUDA graph (forward, backward, clip, optimizer: no host work
+    per kernel), after `warmup` eager steps on a side stream (Triton compiles, cuBLAS picks,
+    the optimizer's state), as PyTorch's whole-network capture recipe does. Returns a function
+    that replays it; the fold check captured with it counts each replay's inexact blocks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    redo_steps.clear()
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = step(captured=True)
+    check = step.last_check
+
+    def replay():
+        graph.replay()
+        redo_steps.append(check.inexact_values() > 0)
+        return loss
+
+    return replay
+
+
 # kernel-name fragments -> where a training step's GPU time goes
 _CATEGORIES = (
     ("quantize (lowbit Triton)", ("_quantize_kernel", "_tensor_amax_kernel")),
-    ("fp8 fold (lowbit Triton)", ("_block_exponents_kernel", "_fold_kernel")),
+    ("fp8 fold (lowbit Triton)", ("_block_exponents_kernel", "_fold_kernel", "_row_max_kernel",
+                                  "_fold_one_chunk_kernel")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
     ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),
     ("attention", ("flash", "fmha", "attention")),
@@ -135,9 +184,15 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         category = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
         by_category[category] = by_category.get(category, 0.0) + ms
     busy = sum(kernels.values())
+    # the host side: CPU self time per op / runtime call (a device sync shows up as time in
+    # cudaStreamSynchronize / cudaDeviceSynchronize / a device-to-host cudaMemcpyAsync)
+    host = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0}
     return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy,
             "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])}
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
+            "host_total_ms": sum(ms for ms, _ in host.values()),
+            "top_host_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:top])}
 
 
 def format_profiles(rows: list[dict]) -> str:
@@ -154,6 +209,11 @@ def format_profiles(rows: list[dict]) -> str:
         out.append("  top kernels:")
         for name, ms in p["top_kernels_ms"].items():
             out.append(f"    {ms:9.2f} ms  {name[:110]}")
+        if "top_host_ms" in p:
+            out.append(f"  host (CPU self time, {p['host_total_ms']:.1f} ms under the profiler): "
+                       "top ops and runtime calls")
+            for name, (ms, count) in p["top_host_ms"].items():
+                out.append(f"    {ms:9.2f} ms  {count:6d}x  {name[:100]}")
     return "\n".join(out)
 
 
@@ -371,9 +431,15 @@ def format_rows(rows: list[dict]) -> str:
                              for i, (c, w) in enumerate(zip(line, widths))))
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.get("fold_redo_steps"):
+            out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps had "
+                       "inexact one-chunk FP8 folds; lowbit train redoes such a step with exact "
+                       "folds, which the times above leave out")
     r0 = rows[0]
     return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "
-            f"compile={r0['compile']}\n" + "\n".join(out))
+            f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}\n"
+            + "\n".join(out))
 
 
 def add_arguments(parser) -> None:
@@ -395,6 +461,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA: capture the whole step in a CUDA graph and time its replay (the "
+                        "step without host overhead)")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -441,7 +510,7 @@ def run_train(args) -> None:
     if not recipes:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
     rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
-                       args.device, args.compile, args.n_experts, args.profile)
+                       args.device, args.compile, args.n_experts, args.profile, args.cuda_graph)
     print(format_rows(rows))
     if args.profile:
         print(format_profiles(rows))

@@ -24,6 +24,16 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "train", "--recipes", "fp2"]) == 2
     assert "unknown recipe 'fp2'" in capsys.readouterr().err
+    assert main(["bench", "train", "--cuda-graph", "--device", "cpu"]) == 2
+    assert "--cuda-graph captures the step on a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_train_counts_steps_an_exact_run_would_redo():
+    rows = bench_train("tiny", ["bf16", "stable-fp4-fp8"], seq_len=32, batch_size=2, steps=2,
+                       warmup=1, progress=lambda message: None)
+    assert [(r["fold_redo_steps"], r["steps_run"]) for r in rows] == [(0, 3), (0, 3)]  # CPU: exact
+    rows[1]["fold_redo_steps"] = 1
+    assert "stable-fp4-fp8: 1 of 3 steps had inexact one-chunk FP8 folds" in format_rows(rows)
 
 
 def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
