@@ -282,9 +282,11 @@ def stable_fp4_fp8() -> Recipe:
     operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
     power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
     projections (MXFP8) stay emulated. Same values as stable-fp4 up to accumulation order. On
-    CUDA the operands come from the fused quantize-and-fold Triton kernels. Not faster end to
-    end yet: 6.7x bf16's step time on a 1B model (H200, 2026-11-29), because every folded
-    operand waits on a host sync for its K-chunk plan (docs/results/kernels.md)."""
+    CUDA the operands come from the fused quantize-and-fold Triton kernels, without host syncs
+    inside a lowbit train step (a step whose one-chunk folds were not all exact is redone with
+    exact ones). Not faster than bf16 yet: on a 1B model (H200, 2026-11-29) 1.12x bf16's step
+    time with the step in a CUDA graph and 1.8-2.4x eager; the fold kernels cost more GPU time
+    than the FP8 GEMMs save (docs/results/kernels.md)."""
     base = stable_fp4()
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8), base.overrides,
                   note=base.note + " GEMMs on FP8 tensor cores.")
