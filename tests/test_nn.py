@@ -116,6 +116,30 @@ def test_random_hadamard_cancels_in_the_product():
     assert not torch.allclose(ra[:, :40], a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_hadamard_is_the_float32_sum_rounded_once(dtype):
+    """In bf16 / fp16 the transform equals the exact (float64) product rounded once to the
+    dtype: entries +-1/4 make every product exact, and with magnitudes within 2^+-4 a float32
+    sum of 16 of them is exact too. In float32, within float32 accumulation's bound. Inputs are
+    a non-contiguous view, as the wgrad operands (dY^T, X^T) are."""
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(37, 12, generator=g) * torch.logspace(-1, 1, 37)[:, None]).to(dtype).mT
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    got = random_hadamard(t, signs)                                    # (12, 48)
+    assert got.dtype == dtype and got.shape == (12, 48)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    exact = (torch.nn.functional.pad(t.double(), (0, 11)).reshape(12, 3, 16)
+             @ (h / 4 * signs.double()[:, None])).reshape(12, 48)
+    if dtype == torch.float32:
+        bound = 16 * 2.0**-24 * (torch.nn.functional.pad(t.double().abs(), (0, 11))
+                                 .reshape(12, 3, 16) @ (h.abs() / 4)).reshape(12, 48)
+        assert ((got.double() - exact).abs() <= bound).all()
+    else:
+        assert torch.equal(got, exact.to(dtype))
+
+
 def test_stochastic_rounding_follows_the_global_seed():
     x, w, dy = linear_inputs()
     r = get_recipe("stable-fp4").linear
