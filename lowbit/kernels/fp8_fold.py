@@ -40,9 +40,9 @@ Traffic per element (bf16 x): pass 1 reads 2 bytes, pass 2 reads 2 and writes 1 
 transpose). Re-reading x costs less than writing codes in pass 1 and reading them back would
 save, since pass 1 would then also have to write codes (0.5 B) and pass 2 still read them.
 Measured GPU time (H200, 2026-11-29, `benchmarks/bench_fp8_fold.py`, 8192x5504 bf16, CUDA-graph
-replay): copy 0.044 ms, stable-fp4's fake-quantize-with-transpose 0.073 ms, pass 1 0.089 ms,
-pass 2 with the transpose 0.266 ms (0.331 ms with the E4M3 bits computed instead of gathered
-from the table: ENCODE). Pass 2 runs at about a quarter of copy bandwidth; see
+replay): copy 0.044 ms, stable-fp4's fake-quantize-with-transpose 0.074 ms, pass 1 0.089 ms,
+pass 2 with the transpose 0.266 ms (0.342 ms with the E4M3 bits computed instead of gathered
+from the table: ENCODE). Pass 2 runs at about a sixth of copy bandwidth; see
 docs/results/kernels.md.
 """
 
