@@ -5,9 +5,11 @@
 
 Eager training steps with quantized recipes are host-bound on an H200 (docs/results/kernels.md:
 the GPU is busy 47% of a 1B stable-fp4 step). This measures the part lowbit's own Python adds:
-the Triton kernels are replaced by no-ops (the launch arguments are still built), the tensors
-are tiny, so what remains is dispatch, argument handling, allocation and autograd. Triton's own
-launcher cost is not included (the interpreter's stand-in replaces it). Minimum over 5 repeats.
+the Triton kernels and the FP8 GEMM (torch._scaled_mm, reached through its CUDA-side code) are
+replaced by no-ops (the launch arguments are still built), the tensors are tiny, so what remains
+is dispatch, argument handling, allocation and autograd; FP8 folds run as in lowbit.train's
+step, inside deferred_fold_check(). Triton's own launcher cost is not included (the
+interpreter's stand-in replaces it). Minimum over 5 repeats.
 """
 import os
 import sys
@@ -27,9 +29,19 @@ class Stub:
         return lambda *args, **kwargs: None
 
 
+import lowbit.kernels.fp8_fold as ff  # noqa: E402
+import lowbit.kernels.fp8_gemm as fp8_gemm  # noqa: E402
+from lowbit.kernels.fp8_gemm import deferred_fold_check  # noqa: E402
+
 kq._quantize_kernel = Stub()
 kq._tensor_amax_kernel = Stub()
+for name in ("_row_max_kernel", "_fold_one_chunk_kernel", "_block_exponents_kernel", "_fold_kernel"):
+    setattr(ff, name, Stub())
 k.use_kernels = lambda x, spec: k.supports(spec)
+# the FP8 GEMM takes its CUDA path (row-wise torch._scaled_mm) with the GEMM itself stubbed
+fp8_gemm._gemm_emulated = lambda fa, fb, pieces, out_dtype: fp8_gemm._gemm_scaled_mm(
+    fa, fb, pieces, out_dtype, False)
+torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1], dtype=kw["out_dtype"])
 from lowbit.ops import quant_linear  # noqa: E402
 from lowbit.recipes import get_recipe  # noqa: E402
 
@@ -38,12 +50,13 @@ w = torch.randn(64, 64, requires_grad=True)
 
 
 def step(r):
-    y = quant_linear(x, w, None, r)
-    y.sum().backward()
+    with deferred_fold_check(x.device):   # as lowbit.train's step: FP8 folds without syncs
+        y = quant_linear(x, w, None, r)
+        y.sum().backward()
 
 
 res = {}
-for name in ['bf16', 'stable-fp4', 'nvfp4', 'mxfp4']:
+for name in ['bf16', 'stable-fp4', 'stable-fp4-fp8', 'nvfp4', 'mxfp4']:
     r = get_recipe(name).linear
     for _ in range(100): step(r)
     best = []

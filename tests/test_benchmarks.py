@@ -41,7 +41,7 @@ def test_host_overhead_runs():
     run = script("host_overhead.py")
     assert run.returncode == 0, run.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if "us per linear" in line)
-    assert set(lines) == {"bf16", "stable-fp4", "nvfp4", "mxfp4"}
+    assert set(lines) == {"bf16", "stable-fp4", "stable-fp4-fp8", "nvfp4", "mxfp4"}
 
 
 @pytest.mark.slow
