@@ -203,10 +203,13 @@ def run_pass_timings():
                  "fold_t_compute": lambda: fold(x, "compute"),
                  "fold_compute": lambda: fold(x, "compute", transpose=False)}
         row = {"shape": f"{m}x{k}"}
-        for name, fn in calls.items():
-            fn()
-            row[name] = graph_time_ms(fn, DEVICE)
-        ff.ENCODE = "compute"
+        default = ff.ENCODE
+        try:
+            for name, fn in calls.items():
+                fn()
+                row[name] = graph_time_ms(fn, DEVICE)
+        finally:
+            ff.ENCODE = default   # the later sections time the default encoding
         rows.append(row)
         print("   " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
                                 for key, v in row.items()), flush=True)

@@ -45,13 +45,16 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         get_recipe(name)  # refuse an unknown recipe before building anything
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
-    if cuda_graph and (dev.type != "cuda" or compile):
-        raise ValueError(f"--cuda-graph captures the step on a CUDA GPU without --compile (here: "
-                         f"{dev}{', --compile' if compile else ''}); leave it out")
     overrides = {"max_seq_len": max(seq_len, 16)}
     if n_experts is not None:
         overrides["n_experts"] = n_experts
     cfg = ModelConfig.preset(model, **overrides)
+    if cuda_graph and cfg.n_experts:
+        raise ValueError(f"--cuda-graph needs a dense model: this one has {cfg.n_experts} experts, "
+                         "whose routing reads counts back to the host (not capturable)")
+    if cuda_graph and (dev.type != "cuda" or compile):
+        raise ValueError(f"--cuda-graph captures the step on a CUDA GPU without --compile (here: "
+                         f"{dev}{', --compile' if compile else ''}); leave it out")
     rows = []
     for name in recipes:
         torch.manual_seed(0)
@@ -126,7 +129,7 @@ def _graphed(step, optimizer, warmup: int, redo_steps: list):
     """The step captured in one CUDA graph (forward, backward, clip, optimizer: no host work
     per kernel), after `warmup` eager steps on a side stream (Triton compiles, cuBLAS picks,
     the optimizer's state), as PyTorch's whole-network capture recipe does. Returns a function
-    that replays it; the fold check captured with it counts each replay's inexact blocks."""
+    that replays it; the fold check captured with it counts each replay's inexact values."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -7,6 +7,9 @@ K-chunked), odd shapes, all-zero / NaN / Inf blocks, blocks whose scale clamps a
 the kernel quantizer's output with the same seed.
 """
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -20,7 +23,6 @@ from lowbit.kernels.fp8_fold import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_ITEM = torch.Tensor.item
 RULES = ["floor", "rceil"]
 BLOCKS = [(1, 32), (32, 32), (16, 16)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -127,6 +129,18 @@ def test_stochastic_matches_kernel_quantizer(rule, block):
     assert not torch.equal(a.fp8.view(torch.uint8), b.fp8.view(torch.uint8))   # the seed matters
 
 
+@contextlib.contextmanager
+def no_host_reads():
+    """Fail on any read of a tensor's value into Python (a host sync on CUDA)."""
+    def fail(*args, **kwargs):
+        pytest.fail("a host sync inside a deferred fold")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+            mp.setattr(torch.Tensor, name, fail)
+        yield
+
+
 def outside_window(q, transpose=False):
     """The nonzero values one factor per row leaves in blocks below the window (fp8_gemm's own
     rules), and the rows that have none."""
@@ -160,13 +174,11 @@ def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades, e
     x[:32], x[:, :64] = narrow[:32], narrow[:, :64]   # rows and columns that fold in one chunk
     x = x.to(DEVICE)
     q = quantize_with_spec(x.cpu(), spec)
-    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("host sync in a deferred fold"))
-    with deferred_fold_check(x.device) as check:
+    with no_host_reads(), deferred_fold_check(x.device) as check:
         outs = [(quantize_fold_mxfp4(x, spec), False)]
         if spec.is_2d:
             a, a_t = quantize_fold_mxfp4_with_transpose(x, spec)
             outs += [(a, False), (a_t, True)]
-    monkeypatch.setattr(torch.Tensor, "item", _ITEM)
     expected = 0
     for got, transpose in outs:
         ref = fold_operand(q, transpose=transpose)
@@ -185,6 +197,31 @@ def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades, e
             assert torch.equal(got.nan_rows.cpu(), ref.nan_rows.cpu())
     assert (binades == 30) == (expected > 0)
     assert check.inexact_values() == expected
+
+
+def test_deferred_check_is_per_thread_nests_and_closes():
+    """A check covers its own thread only (another thread's fold stays exact and uncounted); a
+    check opened inside another adds its count to the outer one when it closes; a fold handed a
+    closed check is exact."""
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+
+    spec = QuantSpec.make("mxfp4", (1, 32), "rceil")
+    x = spread(40, 200, 30, seed=5).to(DEVICE)
+    ref = fold_operand(quantize_with_spec(x.cpu(), spec))
+    assert len(ref.bounds) > 2
+    with deferred_fold_check(x.device) as outer:
+        got = []
+        worker = threading.Thread(target=lambda: got.append(quantize_fold_mxfp4(x, spec)))
+        worker.start()
+        worker.join()
+        assert_same(got[0], ref)
+        assert outer.inexact_values() == 0
+        with deferred_fold_check(x.device) as inner:
+            quantize_fold_mxfp4(x, spec)
+        n = inner.inexact_values()
+        assert n > 0 and outer.inexact_values() == n
+    assert_same(quantize_fold_mxfp4(x, spec, check=outer), ref)
+    assert outer.inexact_values() == n
 
 
 def test_refuses_what_does_not_fold():
@@ -228,3 +265,49 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
     got = run()
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
+    """_QuantLinearFP8 hands its forward's deferred check to its backward (autograd may run the
+    backward on another thread): a backward inside the check's block counts what one K-chunk
+    leaves inexact; one that runs after the block has closed folds exactly, so its gradients
+    equal those of a run with no check at all."""
+    from dataclasses import replace
+
+    import lowbit.kernels as kernels
+    from lowbit.formats.spec import Rounding
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    lin = get_recipe("stable-fp4-fp8").linear
+    dy_spec = replace(lin.dgrad_dy, rounding=Rounding.RNE)
+    lin = replace(lin, dgrad_dy=dy_spec, wgrad_dy=dy_spec)
+    g = torch.Generator().manual_seed(4)
+    x0 = spread(64, 96, 4, seed=2, tile=(32, 32))
+    w0 = torch.randn(40, 96, generator=g)
+    # tokens 0-31 at 2^-20, 32-63 at 2^20 (one scale per 32x32 tile row): dY's rows fold in
+    # one chunk, dY^T's rows (wgrad) span 40 binades and cannot
+    grad = torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
+                                                         ).repeat_interleave(32)[:, None]
+    monkeypatch.setattr(kernels, "use_kernels", lambda x, spec: kernels.supports(spec))
+
+    def run(check_forward: bool, check_backward: bool):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with deferred_fold_check(x.device) as check:
+            y = quant_linear(x, w, None, lin) if check_forward else None
+            if check_backward:   # on another thread, as autograd runs CUDA backward passes
+                worker = threading.Thread(target=y.backward, args=(grad,))
+                worker.start()
+                worker.join()
+        if y is None:
+            y = quant_linear(x, w, None, lin)
+        if not check_backward:
+            y.backward(grad)
+        return check.inexact_values(), x.grad, w.grad
+
+    n_ref, dx_ref, dw_ref = run(False, False)
+    n_in, _, _ = run(True, True)
+    n_after, dx, dw = run(True, False)
+    assert n_ref == 0 and n_in > 0 and n_after == 0
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)

@@ -24,7 +24,7 @@ One K-chunk, no host sync (`_fold_one_chunk`, tried first):
    table[row * 16 + code] = E2M1(code) * 2^(s - f) written for x and x^T from the same
    registers (x^T's blocks are the same tiles). Factors and NaN rows come from the first tile
    column (row). A live block below the window (its row spans more than 14 binades) cannot be
-   written exactly: its nonzero values are added to an int32 counter on the device.
+   written exactly: its nonzero values are added to an int64 counter on the device.
    Outside `fp8_gemm.deferred_fold_check()` the counter is read back (the one host sync) and a
    nonzero count falls back to the planned fold; inside one, nothing is read back: the check's
    counter accumulates over every fold and its owner (lowbit.train's step) redoes the work if
@@ -228,7 +228,7 @@ def _fold_one_chunk_kernel(
 ):
     # Pass 2 of the one-chunk fold: one factor per row from pass 1's stats, each block's table
     # row computed here, E4M3 bytes written; the first tile column (row) writes the factors and
-    # NaN flags of x's (x^T's) rows. over: int32 counter of the nonzero values left inexact.
+    # NaN flags of x's (x^T's) rows. over: int64 counter of the nonzero values left inexact.
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     codes, scale_code, rows, cols, in_bounds = _load_codes(
@@ -262,7 +262,7 @@ def _fold_one_chunk_kernel(
                      mask=cols < C)
             tl.store(nan_t_ptr + cols, has_nan_t.to(tl.uint8), mask=cols < C)
     if n_over > 0:
-        tl.atomic_add(over_ptr, n_over)
+        tl.atomic_add(over_ptr, n_over.to(tl.int64))
 
 
 @triton.jit
@@ -415,7 +415,7 @@ class _Launch:
 
 def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Tensor):
     """Both passes with ONE factor per row and no host sync: exact iff no live block falls
-    outside its row's window; `over` (int32, 1 element) is raised by the count of the nonzero
+    outside its row's window; `over` (int64, 1 element) is raised by the count of the nonzero
     values in blocks that do, and the operand is then not to be used."""
     x, dev, u8 = L.x, L.x.device, torch.uint8
     n_rows, k = L.rows, L.k
@@ -484,7 +484,7 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     return out
 
 
-def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool):
+def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, check):
     """The one-chunk fold first. Inside fp8_gemm.deferred_fold_check() it is the answer, and the
     check's device counter says afterwards whether any block fell outside its window (then
     the work is to be redone outside the check). Outside one, its count is read back (one
@@ -492,8 +492,8 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool):
     L = _Launch(x, spec, seed, generator, transpose)
     if x.numel() == 0:
         return _fold_planned(L, rows_out, transpose)
-    check = fp8_gemm.active_fold_check(x.device)
-    over = check.counter if check is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
+    check = fp8_gemm.resolve_check(check, x.device)
+    over = check.counter if check is not None else torch.zeros(1, dtype=torch.int64, device=x.device)
     out = _fold_one_chunk(L, rows_out, transpose, over)
     if check is not None or int(over.item()) == 0:
         return out
@@ -501,7 +501,8 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool):
 
 
 def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = False, seed=None, *,
-                        generator: torch.Generator | None = None) -> FoldedOperand:
+                        generator: torch.Generator | None = None,
+                        check=fp8_gemm.ACTIVE) -> FoldedOperand:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it into FP8: equal bit for bit
     to `fold_operand(quantize_with_spec(x, spec), transpose)` (RNE), or, for stochastic
     rounding, to `fold_operand(quantize_triton(x, spec, seed), transpose)` (the seed contract of
@@ -511,15 +512,19 @@ def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = Fals
     spec: MXFP4, floor or rceil, 1D (1, b) blocks or square (b, b) tiles (`supports(spec)`).
     transpose=True returns x^T's operand (K becomes the rows' dim; square 2D tiles only).
     One host sync (whether one factor per row kept every block exact; if not, one more per
-    K-chunk of the planned fold), none inside fp8_gemm.deferred_fold_check()."""
+    K-chunk of the planned fold); none under a deferred fold check (`check`: fp8_gemm.ACTIVE =
+    the calling thread's deferred_fold_check(), if any; a FoldCheck; or None), which counts
+    what one factor per row leaves inexact instead of falling back."""
     return _quantize_fold(x, spec, seed, generator, rows_out=not transpose,
-                          transpose=transpose)[0]
+                          transpose=transpose, check=check)[0]
 
 
 def quantize_fold_mxfp4_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                                        generator: torch.Generator | None = None,
+                                       check=fp8_gemm.ACTIVE,
                                        ) -> tuple[FoldedOperand, FoldedOperand]:
     """(x's operand, x^T's operand) from the same two passes (square 2D tiles only): the
     fprop and wgrad operands of an activation, or the fprop and dgrad operands of a weight."""
-    a, a_t = _quantize_fold(x, spec, seed, generator, rows_out=True, transpose=True)
+    a, a_t = _quantize_fold(x, spec, seed, generator, rows_out=True, transpose=True,
+                            check=check)
     return a, a_t

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,9 +75,9 @@ from lowbit.formats.elements import E2M1_VALUES, unpack_codes
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.spec import ScaleKind
 
-__all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "FoldedOperand", "FoldReport", "FoldCheck",
-           "fold", "fold_operand", "fold_report", "weight_operands", "quantize_fold",
-           "deferred_fold_check", "active_fold_check", "fp4_gemm_fp8"]
+__all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "ACTIVE", "FoldedOperand", "FoldReport",
+           "FoldCheck", "fold", "fold_operand", "fold_report", "weight_operands", "quantize_fold",
+           "deferred_fold_check", "active_fold_check", "resolve_check", "fp4_gemm_fp8"]
 
 SHIFT_MIN, SHIFT_MAX = -8, 6          # E2M1 * 2^t is exact in E4M3 iff SHIFT_MIN <= t <= SHIFT_MAX
 WINDOW_SPAN = SHIFT_MAX - SHIFT_MIN   # 14: block exponents one factor can cover (max - min)
@@ -308,18 +309,25 @@ class FoldCheck:
     """The device-side count of values that folds under deferred_fold_check() could not keep
     exact (nonzero values in a block below its row's window: the row spans more than
     WINDOW_SPAN binades). Nonzero means the work done under the check used inexact operands and
-    is to be redone outside it (lowbit.train redoes the step)."""
+    is to be redone outside it (lowbit.train redoes the step). int64, so a step's count cannot
+    wrap."""
 
     def __init__(self, device: torch.device):
         self.device = _canonical(device)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.open = True   # once its block has closed, folds handed this check fold exactly
 
     def inexact_values(self) -> int:
         """The count so far (reads it back: one host sync on CUDA)."""
         return int(self.counter.item())
 
 
-_ACTIVE_CHECK: FoldCheck | None = None
+# The check in force, per thread: a fold on another thread (an evaluation, a rollout) stays
+# exact. Autograd runs CUDA backward passes on its own threads, so _QuantLinearFP8 takes the
+# check when its forward runs and hands it to its backward explicitly (ctx); a backward that
+# runs after the check's block has closed folds exactly.
+_LOCAL = threading.local()
+ACTIVE = "active"   # quantize_fold(check=ACTIVE): the calling thread's check, if any
 
 
 def _canonical(device) -> torch.device:
@@ -331,29 +339,43 @@ def _canonical(device) -> torch.device:
 
 @contextlib.contextmanager
 def deferred_fold_check(device) -> Iterator[FoldCheck]:
-    """Fold without host syncs inside this block (process-wide, for tensors on `device`).
+    """Fold without host syncs inside this block (on this thread, for tensors on `device`).
 
     The fused kernels fold every operand with one factor per row (one K-chunk) and count, on
-    the device, the values that this leaves inexact, instead of reading a flag back per operand
-    and re-folding in K-chunks. Check `inexact_values()` once afterwards (e.g. with the step's
-    loss) and redo the work outside the block if it is nonzero: then every GEMM is exact, as
-    outside the block. The reference path (CPU) is always exact and never counts."""
-    global _ACTIVE_CHECK
-    outer = _ACTIVE_CHECK
-    _ACTIVE_CHECK = check = FoldCheck(device)
+    the device, the values that this leaves inexact, instead of reading a count back per
+    operand and re-folding in K-chunks. Check `inexact_values()` once afterwards (e.g. with the
+    step's loss) and redo the work outside the block if it is nonzero: then every GEMM is
+    exact, as outside the block. The reference path (CPU) is always exact and never counts.
+    A check opened inside another one on the same device adds its count to the outer one's
+    when it closes (a device op, no sync)."""
+    outer = getattr(_LOCAL, "check", None)
+    _LOCAL.check = check = FoldCheck(device)
     try:
         yield check
     finally:
-        _ACTIVE_CHECK = outer
+        _LOCAL.check = outer
+        check.open = False
+        if outer is not None and outer.device == check.device:
+            outer.counter += check.counter
 
 
 def active_fold_check(device: torch.device) -> FoldCheck | None:
-    """The deferred_fold_check() in force for tensors on `device`, if any."""
-    check = _ACTIVE_CHECK
-    return check if check is not None and check.device == _canonical(device) else None
+    """The deferred_fold_check() in force on this thread for tensors on `device`, if any."""
+    return _for_device(getattr(_LOCAL, "check", None), device)
 
 
-def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False
+def _for_device(check: FoldCheck | None, device) -> FoldCheck | None:
+    return (check if check is not None and check.open and check.device == _canonical(device)
+            else None)
+
+
+def resolve_check(check, device) -> FoldCheck | None:
+    """`check` as quantize_fold takes it (ACTIVE, a FoldCheck or None) -> the FoldCheck that
+    applies to a tensor on `device`, or None (fold exactly, with a readback)."""
+    return active_fold_check(device) if check is ACTIVE else _for_device(check, device)
+
+
+def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTIVE
                   ) -> tuple[FoldedOperand, FoldedOperand | None]:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it: (x's operand, x^T's
     operand or None). x^T's comes from the same FP4 values (square 2D tiles only).
@@ -361,7 +383,9 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False
     CUDA tensors take the fused Triton kernels (lowbit.kernels.fp8_fold, two passes over x and
     no QTensor); elsewhere, or under force_reference(), the reference quantizer and
     fold_operand. Both give the same bits (the kernels' contract, checked in CI under the
-    Triton interpreter and on the GPU by benchmarks/bench_fp8_fold.py)."""
+    Triton interpreter and on the GPU by benchmarks/bench_fp8_fold.py), except under a
+    deferred fold check (`check`: ACTIVE = this thread's, or a FoldCheck, or None), where the
+    kernels fold in one K-chunk and a row that needs more is counted in the check instead."""
     from lowbit.formats.quantize import quantize_with_spec
     from lowbit.kernels import use_kernels
 
@@ -369,8 +393,8 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False
         from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
 
         if transpose_too:
-            return quantize_fold_mxfp4_with_transpose(x, spec)
-        return quantize_fold_mxfp4(x, spec), None
+            return quantize_fold_mxfp4_with_transpose(x, spec, check=check)
+        return quantize_fold_mxfp4(x, spec, check=check), None
     q = quantize_with_spec(x, spec)
     return fold_operand(q), (fold_operand(q, transpose=True) if transpose_too else None)
 

@@ -73,10 +73,11 @@ def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     with zero tokens to a multiple of 16 (zeros add nothing to dW).
 
     One GEMM (rows * N/16, 16) @ (16, 16) in t's dtype: the matrix's entries +-1/4 are exact in
-    bf16 and fp16 and each product is exact in float32, so with float32 accumulation (the
-    CPU's and cuBLAS's for 16-bit inputs) the result is the float32 sum rounded once to t's
-    dtype. A float32 GEMM would have to be followed by that same rounding, at 2x the traffic
-    and on CUDA cores.
+    bf16 and fp16 and each product is exact in float32, so with float32 accumulation the
+    result is the float32 sum rounded once to t's dtype, as a float32 GEMM followed by a cast
+    gives, at half the traffic and on tensor cores. The CPU accumulates 16-bit GEMMs in
+    float32; cuBLAS does too unless its reduced-precision reduction is allowed (PyTorch's
+    default), which a reduction over K = 16 leaves no room to use in practice.
     """
     rows, n = t.shape
     pad = (-n) % 16
@@ -164,13 +165,15 @@ class _QuantLinearFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool):
-        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
+        from lowbit.kernels.fp8_gemm import active_fold_check, fp4_gemm_fp8, quantize_fold
 
         # x: (N, in); weight: (out, in). X^T serves dW, W^T serves dX.
         need_x_t = grad and ctx.needs_input_grad[1] and _shared(recipe.fprop_x, recipe.wgrad_x)
         need_w_t = grad and ctx.needs_input_grad[0] and _shared(recipe.fprop_w, recipe.dgrad_w)
-        fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t)
-        fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t)
+        # the caller's deferred fold check, if any; the backward (on autograd's thread) uses it
+        check = ctx.fold_check = active_fold_check(x.device)
+        fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t, check)
+        fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t, check)
         y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)              # (N, out)
         if bias is not None:
             y = y + bias
@@ -189,18 +192,20 @@ class _QuantLinearFP8(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         r: LinearRecipe = ctx.recipe
         dx = dw = db = None
+        check = ctx.fold_check
         shared_dy = _shared(r.dgrad_dy, r.wgrad_dy) and ctx.needs_input_grad[1]
-        fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy)     # (N, out), blocks along out
+        fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy, check)   # (N, out), along out
         if ctx.needs_input_grad[0]:
             # dX = dY W: B = W^T (in, out), blocks along out
-            w_d = ctx.w_d if ctx.w_d is not None else quantize_fold(weight.mT, r.dgrad_w)[0]
+            w_d = (ctx.w_d if ctx.w_d is not None
+                   else quantize_fold(weight.mT, r.dgrad_w, check=check)[0])
             dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                          # (N, in)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
-            dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy)[0]
-            x_w = ctx.x_w if ctx.x_w is not None else quantize_fold(x.mT, r.wgrad_x)[0]
+            dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy, check=check)[0]
+            x_w = ctx.x_w if ctx.x_w is not None else quantize_fold(x.mT, r.wgrad_x, check=check)[0]
             dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                          # (out, in)
-        ctx.x_w = ctx.w_d = None
+        ctx.x_w = ctx.w_d = ctx.fold_check = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db, None, None

@@ -257,17 +257,20 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
 
             # FP8-path recipes fold their operands without host syncs (one K-chunk each) and
             # count on the device what that left inexact; the count is read with the step's
-            # other numbers, and a nonzero one (on any rank) redoes the step with exact folds
-            # from the same RNG state, so the step is the one an all-exact run takes.
+            # loss (one all-reduce, one readback), and a nonzero one (on any rank) redoes the
+            # step with exact folds from the same RNG state, so the step is the one an
+            # all-exact run takes.
             rng_before = _step_rng_state(device)
             with deferred_fold_check(device) as check:
                 step_loss, grad_norm = gradients()
-            inexact = round(process.average(check.counter.float()).item() * process.world_size)
+            loss_value, inexact = process.average(
+                torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
+            inexact = round(inexact * process.world_size)
             if inexact:
                 _set_step_rng_state(device, rng_before)
                 step_loss, grad_norm = gradients()
                 log.write({"event": "fold_redo", "step": step + 1, "inexact_values": inexact})
-            loss_value = process.average(step_loss).item()
+                loss_value = process.average(step_loss).item()
             losses.append(loss_value)
             step += 1
             if math.isfinite(loss_value) and math.isfinite(grad_norm):
