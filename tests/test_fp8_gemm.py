@@ -483,8 +483,8 @@ def test_fp8_linear_folds_transposed_copies_only_for_a_backward(monkeypatch):
     calls = []
     original = fp8_gemm.quantize_fold
     monkeypatch.setattr(fp8_gemm, "quantize_fold",
-                        lambda t, spec, transpose_too=False: calls.append(transpose_too)
-                        or original(t, spec, transpose_too))
+                        lambda t, spec, transpose_too=False, check=fp8_gemm.ACTIVE:
+                        calls.append(transpose_too) or original(t, spec, transpose_too, check))
     lin = get_recipe("stable-fp4-fp8").linear
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(32, 64, requires_grad=True)
