@@ -37,7 +37,7 @@ kq._quantize_kernel = Stub()
 kq._tensor_amax_kernel = Stub()
 for name in ("_row_max_kernel", "_fold_one_chunk_kernel", "_block_exponents_kernel", "_fold_kernel"):
     setattr(ff, name, Stub())
-k.use_kernels = lambda x, spec: k.supports(spec)
+k.use_kernels = lambda x, spec, codes=True: k.supports(spec, codes)
 # the FP8 GEMM takes its CUDA path (row-wise torch._scaled_mm) with the GEMM itself stubbed
 fp8_gemm._gemm_emulated = lambda fa, fb, pieces, out_dtype: fp8_gemm._gemm_scaled_mm(
     fa, fb, pieces, out_dtype, False)

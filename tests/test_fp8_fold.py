@@ -261,7 +261,8 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
         return y.detach(), x.grad, w.grad
 
     ref = run()
-    monkeypatch.setattr(kernels, "use_kernels", lambda x, spec: kernels.supports(spec))
+    monkeypatch.setattr(kernels, "use_kernels",
+                        lambda x, spec, codes=True: kernels.supports(spec, codes))
     got = run()
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
@@ -290,7 +291,8 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
     # one chunk, dY^T's rows (wgrad) span 40 binades and cannot
     grad = torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
                                                          ).repeat_interleave(32)[:, None]
-    monkeypatch.setattr(kernels, "use_kernels", lambda x, spec: kernels.supports(spec))
+    monkeypatch.setattr(kernels, "use_kernels",
+                        lambda x, spec, codes=True: kernels.supports(spec, codes))
 
     def run(check_forward: bool, check_backward: bool):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()

@@ -40,7 +40,10 @@ from lowbit.kernels.quantize import TileConfig  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # the interpreter (NumPy) warns where a dequantized value overflows float32 before it saturates
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# (and, for int blocks whose scale has no finite reciprocal, that x * inf is NaN before the
+# kernel replaces it by x / scale)
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MX_SPECS = [QuantSpec.make(fmt, block, rule)
             for fmt in ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2") for rule in ("floor", "rceil")
@@ -301,6 +304,61 @@ def test_default_seed_comes_from_torchs_generator():
     assert torch.equal(a.codes, b.codes) and not torch.equal(b.codes, c.codes)
     assert torch.equal(d.codes, a.codes)
     assert torch.equal(e.codes, f.codes)
+
+
+# ---- intK fake quantization (values only: int codes stay the reference's) ---------------------
+
+INT_SPECS = [QuantSpec.make(f"int{k}", block) for k in (2, 4, 8)
+             for block in ((1, 128), (1, 32), (16, 16))]
+
+
+def check_values(x, spec, seed=None, u=None, monkeypatch=None):
+    """fake_quantize_triton against the reference's quantize(...).dequantize(), bitwise (with
+    stochastic rounding, the reference drawing the seed contract's uniforms u)."""
+    r = (reference(x, spec) if u is None else reference_with_uniforms(x, spec, u, monkeypatch))
+    assert_bits_equal(fake_quantize_triton(x, spec, seed), r.dequantize())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", INT_SPECS, ids=spec_id)
+def test_int_fake_quantize_matches_the_reference(spec, dtype):
+    """Random values over +-12 binades, rounding ties and their float32 neighbours at
+    power-of-two block scales, huge / tiny / all-zero / -0 blocks, NaN and Inf, an odd shape
+    and a non-contiguous view."""
+    check_values(spread((2, 48, 200), seed=1).to(dtype), spec)
+    x = adversarial(64, 256, spec, seed=2)
+    x[3, 7], x[40, 130], x[63, 255] = float("nan"), float("inf"), -float("inf")
+    check_values(x.to(DEVICE).to(dtype), spec)
+    check_values(spread((37, 45), seed=3).to(dtype), spec)
+    check_values(spread((96, 64), seed=4).t().to(dtype), spec)
+
+
+@pytest.mark.parametrize("spec", [s for s in INT_SPECS if s.is_2d], ids=spec_id)
+def test_int_fake_quantize_transposed_from_the_same_pass(spec):
+    x = spread((40, 45), seed=6).to(torch.bfloat16)
+    v, v_t = fake_quantize_triton_with_transpose(x, spec)
+    assert_bits_equal(v, reference(x, spec).dequantize())
+    assert torch.equal(v_t, v.mT.contiguous())
+
+
+@pytest.mark.parametrize("spec", [INT_SPECS[0], INT_SPECS[4], INT_SPECS[8]], ids=spec_id)
+def test_int_stochastic_rounding_is_the_reference_with_the_contract_uniforms(spec, monkeypatch):
+    spec = with_rounding(spec, "stochastic")
+    seed, shape = 2**40 + 7, (40, 160)
+    x = spread(shape, seed=8)
+    check_values(x, spec, seed, contract_uniforms(shape, seed), monkeypatch)
+
+
+def test_int_quantize_dispatch():
+    """intK takes the kernels for fake quantization only; a QTensor of int codes is the
+    reference's, and asking the kernels for one says so."""
+    spec = QuantSpec.make("int4")
+    x = torch.randn(4, 256, device=DEVICE)
+    assert supports(spec, codes=False) and not supports(spec)
+    assert use_kernels(x, spec, codes=False) == ON_GPU and not use_kernels(x, spec)
+    assert not supports(QuantSpec.make("ternary"), codes=False)
+    with pytest.raises(NotImplementedError, match="write no int codes"):
+        quantize_triton(x, spec)
 
 
 # ---- dispatch ------------------------------------------------------------------------------

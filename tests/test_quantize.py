@@ -315,6 +315,25 @@ def test_quantize_dequantize_equals_dequantize_of_quantize(fmt, kw, dtype):
     assert spec.format == fmt
 
 
+@pytest.mark.parametrize("fmt", ["int2", "int4", "int8", "ternary"])
+def test_integer_grids_tiny_blocks_and_negative_zero(fmt):
+    """A block of float32 subnormals has a scale with no finite reciprocal: it is divided, not
+    multiplied by inf (which made its zeros NaN). Integer codes have no -0, so fake quantization
+    gives +0 where quantize().dequantize() does: the two agree bit for bit."""
+    from lowbit.formats import QuantSpec, quantize_dequantize
+
+    x = spread((4, 256), seed=21)
+    x[0] = torch.linspace(-1, 1, 256) * 2.0**-140                  # subnormals, one a zero
+    x[1] = -torch.rand(256) * 1e-3
+    x[1, :4] = torch.tensor([5.0, -0.0, 0.0, -1e-9])                # small negatives round to 0
+    spec = QuantSpec.make(fmt)
+    a = quantize_dequantize(x, spec)
+    b = lowbit.quantize(x, fmt).dequantize()
+    assert not a.isnan().any()
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert (a[0] != 0).any() and (a[0].abs() <= x[0].abs().max() * 1.01).all()
+
+
 def test_rceil_block_whose_amax_over_max_underflows_takes_the_smallest_scale():
     x = torch.zeros(1, 32)
     x[0, 0] = 2.0 ** -149  # float32's smallest subnormal: amax / 6 underflows to 0

@@ -99,7 +99,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
     Triton kernel when one covers the spec."""
     from lowbit import kernels
 
-    if kernels.use_kernels(x, spec):
+    if kernels.use_kernels(x, spec, codes=False):
         return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
     g = _on_grid(x, spec, generator)
     kind = spec.info.scale_kind
@@ -110,7 +110,10 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
     else:
         scale = g.scales
     scale = torch.where(g.nonfinite, float("nan"), scale)
-    values = unblocked(g.values * scale[..., :, None, :, None], g.pad_rows)[..., : x.shape[-1]]
+    grid = g.values
+    if not spec.info.element.is_float:   # integer codes have no -0: decode gives +0
+        grid = grid + 0.0
+    values = unblocked(grid * scale[..., :, None, :, None], g.pad_rows)[..., : x.shape[-1]]
     dtype = x.dtype if dtype is None else dtype
     limit = torch.finfo(dtype).max
     return torch.clamp(values, -limit, limit).to(dtype).reshape(x.shape)
@@ -145,6 +148,12 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
         scales, recip = _float_scales(xf, blocks, amax, element, kind, spec.block)
 
     data = blocks * recip[..., :, None, :, None]
+    if kind in (ScaleKind.ABSMAX, ScaleKind.ABSMEAN):
+        # a float32 scale below ~2^-128 has no finite reciprocal: divide instead (x * inf
+        # would turn the block's zeros into NaN and saturate the rest)
+        huge = torch.isinf(recip)[..., :, None, :, None]
+        if huge.any():
+            data = torch.where(huge, blocks / scales[..., :, None, :, None], data)
     data = torch.clamp(data, -element.max_value, element.max_value)  # clamp keeps NaN
     noise = None
     if spec.rounding is Rounding.STOCHASTIC:

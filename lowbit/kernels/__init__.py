@@ -8,7 +8,8 @@ rounding seed contract).
     x_hat, x_hat_t = fake_quantize_triton_with_transpose(x, spec2d)
 
 Dispatch: `use_kernels(x, spec)` is True for CUDA tensors when triton imports, the spec is
-one the kernels cover (`supports(spec)`: NVFP4 and MX formats, power-of-two blocks), and the
+one the kernels cover (`supports(spec)`: NVFP4 and MX formats, power-of-two blocks; for fake
+quantization also intK, `supports(spec, codes=False)`), and the
 reference is not forced (`LOWBIT_FORCE_REFERENCE=1` in the environment, or inside
 `with force_reference():`). CPU tensors always take the reference: under TRITON_INTERPRET=1
 (the CPU test mode) the kernels run on CPU tensors when called directly, but the reference
@@ -75,20 +76,26 @@ def kernels_available(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def supports(spec: QuantSpec) -> bool:
+def supports(spec: QuantSpec, codes: bool = True) -> bool:
     """Specs the kernels cover: NVFP4 and MX formats with power-of-two blocks (1, 2..128) or
-    (b, b) with b in 2..64. Everything else (intK, ternary, binary, other blocks) is the
+    (b, b) with b in 2..64; with codes=False (fake quantization, no QTensor) also intK's
+    absmax-scaled grids. Everything else (int codes, ternary, binary, other blocks) is the
     reference's."""
-    if spec.info.scale_kind not in (ScaleKind.E4M3, ScaleKind.E8M0):
+    kind = spec.info.scale_kind
+    if kind is ScaleKind.ABSMAX:
+        if codes:
+            return False
+    elif kind not in (ScaleKind.E4M3, ScaleKind.E8M0):
         return False
     br, bc = spec.block
     pow2 = bc >= 2 and bc & (bc - 1) == 0
     return pow2 and (bc <= 128 if br == 1 else bc <= 64)
 
 
-def use_kernels(x: torch.Tensor, spec: QuantSpec) -> bool:
-    """Whether a quantizer should run the Triton kernels on x: CUDA only (see module doc)."""
-    return (x.is_cuda and not reference_forced() and supports(spec)
+def use_kernels(x: torch.Tensor, spec: QuantSpec, codes: bool = True) -> bool:
+    """Whether a quantizer should run the Triton kernels on x: CUDA only (see module doc).
+    codes=False asks for fake quantization (values only), which covers intK too."""
+    return (x.is_cuda and not reference_forced() and supports(spec, codes)
             and kernels_available(x))
 
 
@@ -167,9 +174,11 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
     from lowbit.kernels import quantize as kq
 
     _check_input(x, spec)
-    if not supports(spec):
-        raise NotImplementedError(f"the Triton kernels do not cover {spec}; use the reference "
-                                  "(lowbit.formats.quantize_with_spec)")
+    if not supports(spec, codes):
+        why = (" as a QTensor (they write no int codes; fake_quantize_triton covers it)"
+               if supports(spec, codes=False) else "")
+        raise NotImplementedError(f"the Triton kernels do not cover {spec}{why}; use the "
+                                  "reference (lowbit.formats.quantize_with_spec)")
     if not (x.is_cuda or kq.INTERPRET):
         raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
                            "before triton is first imported (CPU interpreter, for tests)")

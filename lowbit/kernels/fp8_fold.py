@@ -438,7 +438,8 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
             **flags)
     out = []
     if rows_out:
-        out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), factors, (0, k), nan.view(torch.bool)))
+        out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), factors, (0, k),
+                                 nan.view(torch.bool)))
     if transpose:
         out.append(FoldedOperand(fp8_t.view(torch.float8_e4m3fn), factors_t, (0, n_rows),
                                  nan_t.view(torch.bool)))
@@ -493,7 +494,8 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, ch
     if x.numel() == 0:
         return _fold_planned(L, rows_out, transpose)
     check = fp8_gemm.resolve_check(check, x.device)
-    over = check.counter if check is not None else torch.zeros(1, dtype=torch.int64, device=x.device)
+    over = (check.counter if check is not None
+            else torch.zeros(1, dtype=torch.int64, device=x.device))
     out = _fold_one_chunk(L, rows_out, transpose, over)
     if check is not None or int(over.item()) == 0:
         return out

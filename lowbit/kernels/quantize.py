@@ -1,6 +1,7 @@
 """Fused Triton quantize kernels: MXFP4 / MXFP8 (E8M0 scales, floor or rceil) and NVFP4
-(E4M3 block scales, single- or two-level), 1D (1, b) blocks and square (b, b) tiles, RNE or
-stochastic rounding, all bit-exact to lowbit.formats.quantize (the reference and the oracle).
+(E4M3 block scales, single- or two-level), and for fake quantization also intK (float32
+absmax scales), 1D (1, b) blocks and square (b, b) tiles, RNE or stochastic rounding, all
+bit-exact to lowbit.formats.quantize (the reference and the oracle).
 
 One program loads a tile of TILE_R x TILE_C input values once and, from registers: takes each
 block's amax, derives its scale, scales, rounds, encodes, packs two FP4 codes per byte and
@@ -32,6 +33,10 @@ How the bits match the reference (every step is the reference's operation, in it
   low mantissa bits are that integer -- or floor(ratio + u) (the sum is >= 0, so a
   truncating conversion). The code is steps + ((b - emin) << mbits), one formula for all
   three formats that also covers their subnormals and the carry into the next binade.
+- intK (values only): scale = amax / qmax, x * (1 / scale) (or x / scale where the
+  reciprocal overflows, a block of float32 subnormals), rounded by the same round_to_grid
+  with emin = mbits (spacing 1 everywhere), times the scale; a rounded zero is +0, as
+  integer codes decode.
 - Casts: bfloat16 -> float32 is exact, float32 -> bfloat16 / float16 round to nearest even:
   natively on the GPU; in Triton's interpreter, which truncates to bfloat16 and mangles
   bfloat16 subnormals, both are done on the bits.
@@ -68,7 +73,12 @@ _ELEMENTS = {
     "e4m3": (-6, 3, 8, 448.0, 0x7E, 7),
     "e5m2": (-14, 2, 15, 57344.0, 0x7B, 7),
 }
-SCALE_NVFP4, SCALE_FLOOR, SCALE_RCEIL = 0, 1, 2
+# intK (fake quantization only): a grid of step 1 up to 2^(K-1) - 1 is the minifloat grid whose
+# smallest binade starts at 2^MBITS, past every value, so _round_to_grid's spacing is 1
+# everywhere. (Codes and sign bit are unused: the kernels write no int codes.)
+_ELEMENTS.update({f"int{k}": (k - 1, k - 1, 0, float(2 ** (k - 1) - 1), 0, 0)
+                  for k in range(2, 9)})
+SCALE_NVFP4, SCALE_FLOOR, SCALE_RCEIL, SCALE_ABSMAX = 0, 1, 2, 3
 TENSOR_SCALE_MIN = tl.constexpr(2.0**-120)   # the reference's NVFP4_TENSOR_SCALE_MIN
 E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)      # NVFP4 block scales clamp here (as torchao)
 TWO_POW_M24 = tl.constexpr(2.0**-24)
@@ -245,6 +255,11 @@ def _quantize_kernel(
             recip = tl.math.div_rn(1.0, decoded)
             elem_scale = decoded
         scale_code = tl.where(bad, 0x7F, scale_code)                   # E4M3 NaN
+    elif SCALE_KIND == 3:  # intK: float32 amax / qmax, applied as x * (1 / scale)
+        scale = tl.math.div_rn(amax, MAXV)
+        recip = tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0))   # 0 and NaN: 1
+        elem_scale = scale
+        scale_code = scale                                 # (unused: no int codes)
     else:  # MX: E8M0 power-of-two scale
         if SCALE_KIND == 1:  # floor: 2^(floor(log2 amax) - emax_elem)
             unbiased = (amax_bits >> 23) - 127 - EMAX
@@ -268,7 +283,12 @@ def _quantize_kernel(
         u = _uniforms(tl.load(seed_ptr), batch * R * C, C, rows, pid_c * TILE_C,
                       TILE_R, TILE_C, GROUP4)
     # |x| / scale, saturated (NaN lanes, only in NaN blocks, are overwritten below)
-    mag = tl.minimum(tl.abs(x * _expand(recip, TILE_R, TILE_C, BR, BC)), MAXV)
+    scaled = x * _expand(recip, TILE_R, TILE_C, BR, BC)
+    if SCALE_KIND == 3:   # a scale below ~2^-128 has no finite reciprocal: divide, as the reference
+        no_recip = _expand((recip == float("inf")).to(tl.int32), TILE_R, TILE_C, BR, BC)
+        scaled = tl.where(no_recip != 0,
+                          tl.math.div_rn(x, _expand(scale, TILE_R, TILE_C, BR, BC)), scaled)
+    mag = tl.minimum(tl.abs(scaled), MAXV)
     steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, STOCHASTIC)
 
     if WRITE_CODES:
@@ -320,7 +340,10 @@ def _quantize_kernel(
         # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
         value = tl.minimum(value * _expand(elem_scale, TILE_R, TILE_C, BR, BC), OUT_LIMIT,
                            propagate_nan=tl.PropagateNan.ALL)
-        value = (value.to(tl.int32, bitcast=True) | (bits & SIGN_MASK)).to(tl.float32, bitcast=True)
+        sign = bits & SIGN_MASK
+        if SCALE_KIND == 3:   # integer codes have no -0 (the reference decodes +0)
+            sign = tl.where(steps == 0, 0, sign)
+        value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         out = _to_output(value, out_ptr, NATIVE_CAST)
         out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
         tl.store(out_ptr + out_off, out, mask=in_bounds)
@@ -393,6 +416,8 @@ def _launch_constants(spec) -> dict:
     emin, mbits, emax, maxv, max_code, sign_bit = _ELEMENTS[element.name]
     if spec.info.scale_kind is ScaleKind.E4M3:
         scale_kind = SCALE_NVFP4
+    elif spec.info.scale_kind is ScaleKind.ABSMAX:
+        scale_kind = SCALE_ABSMAX
     else:
         scale_kind = SCALE_FLOOR if spec.scale_rule is ScaleRule.FLOOR else SCALE_RCEIL
     return dict(EMIN=emin, MBITS=mbits, EMAX=emax, MAXV=maxv, MAX_CODE=max_code,
