@@ -33,7 +33,7 @@ One K-chunk, no host sync (`_fold_one_chunk`, tried first):
 Planned (`_fold_planned`, exact for any span, one host sync per K-chunk):
 1. `_block_exponents_kernel` writes the E8M0 scale codes and, per row-block, a live flag.
 2. Torch ops on those (R, K/b) tensors: the chunk bounds and factors by fp8_gemm's own rules
-   (`_Blocks.chunk_bounds` / `factor_exponents`) and each block's table row.
+   (`_Blocks.chunk_bounds` / `plan`) and each block's table row.
 3. `_fold_kernel` writes table[row * 16 + code] as above.
 
 Traffic per element (bf16 x): pass 1 reads 2 bytes, pass 2 reads 2 and writes 1 (2 with the
@@ -58,7 +58,7 @@ from lowbit.formats.spec import QuantSpec, ScaleKind, ScaleRule
 from lowbit.kernels import _seed_tensor, supports
 from lowbit.kernels import fp8_gemm
 from lowbit.kernels import quantize as kq
-from lowbit.kernels.fp8_gemm import SHIFT_MIN, FoldedOperand
+from lowbit.kernels.fp8_gemm import FoldedOperand
 from lowbit.kernels.quantize import (
     _block_max, _expand, _load_float32, _pow2_wide, _round_to_grid, _uniforms,
 )
@@ -280,10 +280,10 @@ def _block_exponents_kernel(
     codes, scale_code, rows, cols, _ = _load_codes(
         x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c, RCEIL, STOCHASTIC, GROUP4,
         BR, BC, TILE_R, TILE_C, NATIVE_CAST)
-    nonzero = ((codes & 7) != 0).to(tl.int32)
     scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
     scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
-    live = tl.max(tl.reshape(nonzero, (TILE_R, TILE_C // BC, BC)), axis=2)   # (TR, TC/BC)
+    _, nonzero, _ = _row_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)     # (TR, TC/BC)
+    live = nonzero > 0
     row_mask = (rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols)
     tl.store(live_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
              live.to(tl.uint8), mask=row_mask)
@@ -295,7 +295,8 @@ def _block_exponents_kernel(
                  scale_code.to(tl.uint8),
                  mask=(scale_rows[:, None] < n_scale_rows) & (scale_cols[None, :] < n_scale_cols))
     if TRANSPOSE:
-        live_t = tl.max(tl.reshape(nonzero, (TILE_R // BR, BR, TILE_C)), axis=1)  # (TR/BR, TC)
+        _, nonzero_t, _ = _col_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)  # (TR/BR, TC)
+        live_t = nonzero_t > 0
         tl.store(live_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
                  tl.trans(live_t).to(tl.uint8),
                  mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows))
@@ -321,23 +322,24 @@ def _fold_kernel(
         table_row = tl.load(
             shift_row_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
             mask=(rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols), other=0)
-        index = (_expand(table_row.to(tl.int32), TILE_R, TILE_C, 1, BC) << 4) | codes
-        tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
-                 tl.load(table_ptr + index), mask=in_bounds)
+        bits = _e4m3_bits(_expand(table_row.to(tl.int32), TILE_R, TILE_C, 1, BC), codes,
+                          table_ptr, True)
+        tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits, mask=in_bounds)
     if TRANSPOSE:
         scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
         table_row_t = tl.load(
             shift_row_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
             mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows), other=0)
-        index_t = (_expand(table_row_t.to(tl.int32), TILE_C, TILE_R, 1, BR) << 4) | tl.trans(codes)
-        tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :],
-                 tl.load(table_ptr + index_t), mask=tl.trans(in_bounds))
+        bits_t = _e4m3_bits(_expand(table_row_t.to(tl.int32), TILE_C, TILE_R, 1, BR),
+                            tl.trans(codes), table_ptr, True)
+        tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], bits_t,
+                 mask=tl.trans(in_bounds))
 
 
 # ---- host side -----------------------------------------------------------------------------
 
 class _BlockExponents(fp8_gemm._Blocks):
-    """fp8_gemm's chunking and factor rules (chunk_bounds, factor_exponents), on the block
+    """fp8_gemm's chunking, factor and table-row rules (chunk_bounds, plan), on the block
     exponents and live flags pass 1 wrote instead of a QTensor's codes."""
 
     def __init__(self, scale_codes: torch.Tensor, live: torch.Tensor, k: int, b: int):
@@ -347,20 +349,6 @@ class _BlockExponents(fp8_gemm._Blocks):
         self.nan = scale_codes == 255
         self.exps = scale_codes.to(torch.int32) - 127
         self.live = live.bool() & ~self.nan
-
-    def plan(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """(table rows (R, n_blocks) uint8, factors (R, n_chunks) float32, bounds along K),
-        as fp8_gemm's _Blocks.fold / shifted compute them."""
-        block_bounds = self.chunk_bounds()
-        f = self.factor_exponents(block_bounds)                                 # (R, n_chunks)
-        lengths = torch.tensor([b - a for a, b in zip(block_bounds[:-1], block_bounds[1:])],
-                               device=f.device)
-        shift = self.exps - f.repeat_interleave(lengths, dim=1)                 # (R, nb)
-        row = torch.where(self.live, shift - SHIFT_MIN, -SHIFT_MIN)             # zeros: any row
-        row = torch.where(self.nan, _NAN_ROW, row).to(torch.uint8)
-        factors = ((f + 127) << 23).view(torch.float32)                         # 2^f, exact
-        bounds = tuple(min(u * self.b, self.k) for u in block_bounds)
-        return row.contiguous(), factors, bounds
 
 
 def _check(x: torch.Tensor, spec: QuantSpec, transpose: bool) -> None:
@@ -465,12 +453,12 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
         if rows_out:
             per_row = scales if br == 1 else scales.repeat_interleave(br, dim=0)[:n_rows]
             blocks = _BlockExponents(per_row, live, k, bc)
-            table_row, factors, bounds = blocks.plan()
+            table_row, factors, bounds = blocks.plan(blocks.chunk_bounds())
             row_plan = (factors, bounds, blocks.nan.any(dim=1))
         if transpose:   # x^T's row-blocks: x's tile columns, one row of scales per column of x
             per_col = scales.t().repeat_interleave(bc, dim=0)[:k]
             blocks_t = _BlockExponents(per_col, live_t, n_rows, br)
-            table_row_t, factors_t, bounds_t = blocks_t.plan()
+            table_row_t, factors_t, bounds_t = blocks_t.plan(blocks_t.chunk_bounds())
             t_plan = (factors_t, bounds_t, blocks_t.nan.any(dim=1))
         fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else empty
         fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else empty

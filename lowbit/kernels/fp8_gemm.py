@@ -207,24 +207,27 @@ class _Blocks:
                                    torch.clamp(top - SHIFT_MAX, min=_FACTOR_EXP_MIN), 0))
         return torch.stack(out, dim=1)
 
-    def shifted(self, factor_exps: torch.Tensor, block_bounds: list[int]) -> torch.Tensor:
-        """(R, K) float8_e4m3fn: E2M1(code) * 2^(s - f), by table lookup (exact inside the
-        window; callers guarantee every live block's shift is in it)."""
+    def plan(self, block_bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """The fold of these K-chunks (in blocks): (each block's row of the shift table,
+        (s - f) - SHIFT_MIN or the NaN row, (R, nb) uint8; factors 2^f (R, n_chunks) float32;
+        chunk bounds along K). Callers guarantee every live block's shift is in the window."""
+        f = self.factor_exponents(block_bounds)
         lengths = torch.tensor([b - a for a, b in zip(block_bounds[:-1], block_bounds[1:])],
                                device=self.exps.device)
-        shift = self.exps - factor_exps.repeat_interleave(lengths, dim=1)     # (R, nb)
+        shift = self.exps - f.repeat_interleave(lengths, dim=1)              # (R, nb)
         row = torch.where(self.live, shift - SHIFT_MIN, -SHIFT_MIN)           # zeros: any row
-        row = torch.where(self.nan, _NAN_ROW, row)
-        index = (row.to(torch.uint8) << 4)[:, :, None] | self.codes          # (R, nb, b), < 256
-        bits = _shift_table(self.codes.device)[index.to(torch.int32)]
-        return bits.reshape(self.rows, -1)[:, : self.k].view(torch.float8_e4m3fn)
-
-    def fold(self, block_bounds: list[int]) -> FoldedOperand:
-        f = self.factor_exponents(block_bounds)
+        row = torch.where(self.nan, _NAN_ROW, row).to(torch.uint8)
         factors = ((f + 127) << 23).view(torch.float32)     # 2^f from its bits: f in [-126, 121]
         bounds = tuple(min(u * self.b, self.k) for u in block_bounds)
-        return FoldedOperand(self.shifted(f, block_bounds).contiguous(), factors, bounds,
-                             self.nan.any(dim=1))
+        return row, factors, bounds
+
+    def fold(self, block_bounds: list[int]) -> FoldedOperand:
+        """E2M1(code) * 2^(s - f) as E4M3 by table lookup (exact inside the window)."""
+        rows, factors, bounds = self.plan(block_bounds)
+        index = (rows << 4)[:, :, None] | self.codes                         # (R, nb, b), < 256
+        bits = _shift_table(self.codes.device)[index.to(torch.int32)]
+        fp8 = bits.reshape(self.rows, -1)[:, : self.k].view(torch.float8_e4m3fn)
+        return FoldedOperand(fp8.contiguous(), factors, bounds, self.nan.any(dim=1))
 
 
 def _check_foldable(q: QTensor) -> None:
