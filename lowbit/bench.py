@@ -37,14 +37,13 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     from lowbit.models import ModelConfig, build_model
     from lowbit.nn import convert
     from lowbit.recipes import get_recipe
+    from lowbit.train.config import resolve_device
 
     if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
         raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
-
     for name in recipes:
         get_recipe(name)  # refuse an unknown recipe before building anything
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                       else ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     overrides = {"max_seq_len": max(seq_len, 16)}
     if n_experts is not None:
         overrides["n_experts"] = n_experts

@@ -28,6 +28,8 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     assert "--cuda-graph captures the step on a CUDA GPU" in capsys.readouterr().err
     assert main(["bench", "train", "--cuda-graph", "--n-experts", "4"]) == 2
     assert "--cuda-graph needs a dense model" in capsys.readouterr().err
+    assert main(["bench", "train", "--device", "gpu0"]) == 2
+    assert "device must be auto, cpu, cuda or cuda:N (got 'gpu0')" in capsys.readouterr().err
 
 
 def test_bench_train_counts_steps_an_exact_run_would_redo():

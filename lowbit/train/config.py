@@ -223,6 +223,20 @@ class TrainConfig:
         return cls(**fields)
 
 
+def resolve_device(name: str):
+    """A --device value as a torch.device: "auto" is cuda when a GPU is there, else cpu.
+    Refuses a malformed name, or CUDA where there is none, with a message."""
+    import torch
+
+    _require(_DEVICE.match(name) is not None,
+             f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _require(not name.startswith("cuda") or torch.cuda.is_available(),
+             f"device {name!r} asked for, but CUDA is not available; use --device cpu (or auto)")
+    return torch.device(name)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from lowbit.kernels.fp8_gemm import deferred_fold_check
 from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_checkpoint,
                                      rng_state, save_checkpoint, set_rng_state, write_text_atomic)
-from lowbit.train.config import TrainConfig, changed_fields
+from lowbit.train.config import TrainConfig, changed_fields, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.metrics import MetricsLog
 
@@ -121,7 +121,7 @@ def train(
 
     Launched by torchrun, every process calls this: see lowbit.train.distributed.
     """
-    process = setup(_resolve_device(config.device))
+    process = setup(resolve_device(config.device))
     try:
         if config.batch_size % process.world_size:
             raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the "
@@ -428,15 +428,6 @@ def _start_run_dir(run_dir: Path, config: TrainConfig, fresh: bool) -> None:
             path.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available; "
-                         f"use --device cpu (or auto)")
-    return torch.device(name)
 
 
 def _seed_everything(seed: int) -> None:
