@@ -182,8 +182,7 @@ class TrainConfig:
         _require(self.warmup_steps <= self.total_steps,
                  f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.total_steps} steps; "
                  f"lower --warmup-steps")
-        _require(_DEVICE.match(self.device) is not None,
-                 f"device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+        _check_device_name(self.device)
         _require(self.parallel in ("ddp", "fsdp"),
                  f"parallel must be ddp or fsdp (got {self.parallel!r})")
         _require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")
@@ -228,13 +227,17 @@ def resolve_device(name: str):
     Refuses a malformed name, or CUDA where there is none, with a message."""
     import torch
 
-    _require(_DEVICE.match(name) is not None,
-             f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
+    _check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _require(not name.startswith("cuda") or torch.cuda.is_available(),
              f"device {name!r} asked for, but CUDA is not available; use --device cpu (or auto)")
     return torch.device(name)
+
+
+def _check_device_name(name: str) -> None:
+    _require(_DEVICE.match(name) is not None,
+             f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
 
 
 def _require(condition: bool, message: str) -> None:
