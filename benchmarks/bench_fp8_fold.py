@@ -173,6 +173,7 @@ def run_pass_timings():
     """GPU time alone (CUDA-graph replay) of each part of the sync-free fold, against a copy
     of x and stable-fp4's fused fake-quantize-with-transpose at the same shape (x bf16)."""
     import lowbit.kernels.fp8_fold as ff
+    import lowbit.kernels.fp8_gemm as fp8_gemm
     from lowbit.formats import QuantSpec
     from lowbit.kernels import fake_quantize_triton_with_transpose
     from lowbit.kernels.fp8_gemm import deferred_fold_check
@@ -188,8 +189,8 @@ def run_pass_timings():
 
     def pass1(x):
         launch = ff._Launch(x, stable, None, None, True)
-        stats = torch.full((2 * (x.shape[0] + x.shape[1]),), -(1 << 20), dtype=torch.int32,
-                           device=x.device)
+        stats = torch.full((2 * (x.shape[0] + x.shape[1]),), fp8_gemm._NONE_HI,
+                           dtype=torch.int32, device=x.device)
         ff._row_max_kernel[launch.grid](x, launch.seed, stats, stats[2 * x.shape[0]:], *x.shape,
                                         *x.stride(), ROWS=True, TRANSPOSE=True, **launch.common)
 
