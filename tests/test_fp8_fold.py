@@ -222,6 +222,8 @@ def test_deferred_check_is_per_thread_nests_and_closes():
         assert n > 0 and outer.inexact_values() == n
     assert_same(quantize_fold_mxfp4(x, spec, check=outer), ref)
     assert outer.inexact_values() == n
+    with pytest.raises(TypeError, match="check must be"):
+        quantize_fold_mxfp4(x, spec, check="deferred")
 
 
 def test_refuses_what_does_not_fold():

@@ -375,7 +375,12 @@ def _for_device(check: FoldCheck | None, device) -> FoldCheck | None:
 def resolve_check(check, device) -> FoldCheck | None:
     """`check` as quantize_fold takes it (ACTIVE, a FoldCheck or None) -> the FoldCheck that
     applies to a tensor on `device`, or None (fold exactly, with a readback)."""
-    return active_fold_check(device) if check is ACTIVE else _for_device(check, device)
+    if check is ACTIVE:
+        return active_fold_check(device)
+    if check is not None and not isinstance(check, FoldCheck):
+        raise TypeError(f"check must be fp8_gemm.ACTIVE, a FoldCheck from deferred_fold_check() "
+                        f"or None, got {type(check).__name__}")
+    return _for_device(check, device)
 
 
 def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTIVE
