@@ -112,6 +112,42 @@ def _round_to_grid(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, STOCHASTIC: 
 
 
 @triton.jit
+def _e8m0_exponent(amax_bits, EMAX: tl.constexpr, MAXV: tl.constexpr, RCEIL: tl.constexpr):
+    """A block's E8M0 scale exponent, unbiased, in [-127, 127], from its amax's bits (int32,
+    the sign cleared): floor, 2^(floor(log2 amax) - emax_elem); or rceil, amax / max_elem
+    rounded up to a power of two on its bits. (Meaningless for NaN/Inf amaxes: callers flag
+    those blocks.)"""
+    if RCEIL:
+        d_bits = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), MAXV).to(
+            tl.int32, bitcast=True)
+        d_exp = d_bits >> 23
+        d_man = d_bits & 0x7FFFFF
+        unbiased = tl.where(d_exp > 0, d_exp - 127 + (d_man != 0).to(tl.int32),
+                            -127 + (d_man > 0x400000).to(tl.int32))
+        unbiased = tl.where(d_bits == 0, -127, unbiased)           # amax / max underflowed
+    else:
+        unbiased = (amax_bits >> 23) - 127 - EMAX
+    return tl.minimum(tl.maximum(unbiased, -127), 127)
+
+
+@triton.jit
+def _round_value(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr,
+                 STOCHASTIC: tl.constexpr):
+    """_round_to_grid's result as a float32 value (exact: a point of the grid). RNE takes
+    fewer integer operations: mag + K - K with K = 2^(b + 23 - MBITS), b mag's binade (>=
+    emin), rounds mag to the grid's spacing in that binade, ties to even, since the float add's
+    ulp at K is that spacing and K is an even multiple of it (the sum's last bit is the code's);
+    a carry into the next binade lands on its first point; subtracting K is exact."""
+    if STOCHASTIC:
+        steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, True)
+        return tl.minimum(steps.to(tl.float32) * _pow2(bexp - 127 - MBITS), MAXV)
+    else:
+        k = (tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, (EMIN + 127) << 23)
+             + ((23 - MBITS) << 23)).to(tl.float32, bitcast=True)
+        return (mag + k) - k
+
+
+@triton.jit
 def _block_max(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """(TR, TC) -> (TR/BR, TC/BC): max over each block."""
     if BR == 1:
@@ -159,13 +195,21 @@ def _uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
 
 @triton.jit
 def _load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
-    """Load as float32, masked elements 0. The interpreter converts bfloat16 subnormals
-    wrongly, so there bfloat16 widens on the bits (the top half of a float32)."""
+    """Load as float32, masked elements 0 (mask None: every element is loaded). The
+    interpreter converts bfloat16 subnormals wrongly, so there bfloat16 widens on the bits
+    (the top half of a float32)."""
     if NATIVE_CAST or ptrs.dtype.element_ty != tl.bfloat16:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if mask is None:
+            x = tl.load(ptrs).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
-        raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        if mask is None:
+            raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)))
+        else:
+            raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -261,16 +305,7 @@ def _quantize_kernel(
         elem_scale = scale
         scale_code = scale                                 # (unused: no int codes)
     else:  # MX: E8M0 power-of-two scale
-        if SCALE_KIND == 1:  # floor: 2^(floor(log2 amax) - emax_elem)
-            unbiased = (amax_bits >> 23) - 127 - EMAX
-        else:  # rceil: amax / max_elem rounded up to a power of two
-            d_bits = tl.math.div_rn(amax, MAXV).to(tl.int32, bitcast=True)
-            d_exp = d_bits >> 23
-            d_man = d_bits & 0x7FFFFF
-            unbiased = tl.where(d_exp > 0, d_exp - 127 + (d_man != 0).to(tl.int32),
-                                -127 + (d_man > 0x400000).to(tl.int32))
-            unbiased = tl.where(d_bits == 0, -127, unbiased)       # amax / max underflowed
-        unbiased = tl.minimum(tl.maximum(unbiased, -127), 127)
+        unbiased = _e8m0_exponent(amax_bits, EMAX, MAXV, SCALE_KIND == 2)
         scale_code = tl.where(bad, 255, unbiased + 127)
         recip = _pow2_wide(-unbiased)
         elem_scale = _pow2_wide(unbiased)
@@ -289,9 +324,9 @@ def _quantize_kernel(
         scaled = tl.where(no_recip != 0,
                           tl.math.div_rn(x, _expand(scale, TILE_R, TILE_C, BR, BC)), scaled)
     mag = tl.minimum(tl.abs(scaled), MAXV)
-    steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, STOCHASTIC)
 
     if WRITE_CODES:
+        steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, STOCHASTIC)
         codes = steps + ((bexp - (EMIN + 127)) << MBITS)   # also subnormals and the carry
         if STOCHASTIC:  # floor(ratio + u) can step past the largest value: saturate
             codes = tl.minimum(codes, MAX_CODE)
@@ -333,16 +368,14 @@ def _quantize_kernel(
                      mask=tl.trans(s_mask))
 
     if WRITE_VALUES:  # fake quantize: the dequantized values, in the output dtype
-        value = steps.to(tl.float32) * _pow2(bexp - 127 - MBITS)
-        if STOCHASTIC:
-            value = tl.minimum(value, MAXV)
+        value = _round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
         # decode * scale, saturated at the output dtype's max (NaN blocks stay NaN), then the
         # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
         value = tl.minimum(value * _expand(elem_scale, TILE_R, TILE_C, BR, BC), OUT_LIMIT,
                            propagate_nan=tl.PropagateNan.ALL)
         sign = bits & SIGN_MASK
         if SCALE_KIND == 3:   # integer codes have no -0 (the reference decodes +0)
-            sign = tl.where(steps == 0, 0, sign)
+            sign = tl.where(value == 0, 0, sign)
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         out = _to_output(value, out_ptr, NATIVE_CAST)
         out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
