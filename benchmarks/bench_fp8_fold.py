@@ -6,8 +6,9 @@
 1. Checks, bit for bit on the GPU: quantize_fold_mxfp4(x, spec[, transpose]) equals
    fold_operand(quantize_with_spec(x, spec)[, transpose]) -- the CUDA quantizer and the eager
    fold -- and the CPU reference fold of the CPU reference quantizer (RNE), for MXFP4 floor /
-   rceil, 1x32, 32x32 and 16x16, bf16 inputs with block exponents over +-6 and +-30 binades;
-   stochastic rounding against the fold of quantize_triton with the same seed.
+   rceil, 1x32, 32x32 and 16x16, bf16 inputs with block exponents over +-6 and +-30 binades,
+   and float32 inputs with zero, -0, NaN, Inf, subnormal and huge blocks; stochastic rounding
+   against the fold of quantize_triton with the same seed.
 2. Timings (triton.testing.do_bench, median ms, L2 flushed), stable-fp4's quantizer (MXFP4
    rceil 32x32) on bf16 A (M, K) and B (N, K), at 4096^3, 8192^3 and the fprop GEMMs of
    lowbit's 1b preset at 8192 tokens. Per shape, for both operands together:
@@ -22,9 +23,11 @@
      *_nosync     the same inside deferred_fold_check(): one K-chunk, no host sync (how
                   lowbit.train folds; the checks also test this path)
    and kernel GB/s = (2 reads of bf16 + 1 byte written) per element / kernel ms.
-3. GPU time alone (CUDA-graph replay) of the sync-free fold's passes at the 1b preset's X, dY
-   and W shapes, against a copy and stable-fp4's fake-quantize-with-transpose; pass 2's E4M3
-   encoding by table gather and computed.
+3. GPU time alone (CUDA-graph replay) of the sync-free fold at the 1b preset's X, dY and W
+   shapes, against a copy and stable-fp4's fake-quantize-with-transpose: pass 1 alone, both
+   passes for x's operand (fold) and for x's and x^T's (fold_t), and fold_t - pass1.
+4. The fold with the transpose at 8192x5504 for other tile shapes and warp counts
+   (`--only-configs` runs this alone).
 
 Prints a table; with $OUT set, writes $OUT/bench_fp8_fold.json. Exit status 1 if a check failed.
 """
@@ -61,6 +64,23 @@ def spread(rows, cols, binades, seed, tile):
     return (x * mag[:, :cols]).to(torch.bfloat16)
 
 
+def with_special_blocks(x, block):
+    """x with an all-zero block column, a -0 block, NaN and +-Inf blocks, float32-subnormal
+    blocks (scale clamped at 2^-127, some rounding to all-zero codes) and huge blocks."""
+    br, bc = block
+    rows = x.shape[0]                               # >= 40, and >= 4 blocks along K
+    x = x.float()
+    x[:, 0:bc] = 0.0
+    x[0:br, bc:2 * bc] = -0.0
+    x[5, 2 * bc + 3] = float("nan")
+    x[rows // 2, 3 * bc + 1] = float("inf")
+    x[rows // 2 + 1, 3 * bc + 2] = -float("inf")
+    x[rows // 4:rows // 4 + br, 2 * bc:3 * bc] *= 2.0**-140
+    x[rows - br:, 2 * bc:3 * bc] = 2.0**-149
+    x[rows // 2 + 4:rows // 2 + 8, bc:2 * bc] = 3.0e38
+    return x                                        # float32: bf16 cannot hold 2^-149
+
+
 def same(a, b):
     return (torch.equal(a.fp8.view(torch.uint8).cpu(), b.fp8.view(torch.uint8).cpu())
             and torch.equal(a.factors.view(torch.int32).cpu(), b.factors.view(torch.int32).cpu())
@@ -80,8 +100,10 @@ def run_checks():
         for rule in ("floor", "rceil"):
             for block in ((1, 32), (32, 32), (16, 16)):
                 spec = QuantSpec.make("mxfp4", block, rule, rounding=rounding)
-                for binades in (6, 30):
-                    x = spread(rows, cols, binades, seed=binades, tile=block)
+                for binades in (6, 30, "special"):
+                    x = (with_special_blocks(spread(rows, cols, 6, seed=5, tile=block), block)
+                         if binades == "special" else
+                         spread(rows, cols, binades, seed=binades, tile=block))
                     seed = 1234 if rounding == "stochastic" else None
                     for transpose in ((False, True) if spec.is_2d else (False,)):
                         label = f"{rounding} {rule} {block} +-{binades} T={transpose}"
@@ -181,18 +203,21 @@ def run_pass_timings():
     stable = QuantSpec.make("mxfp4", (32, 32), "rceil")
     print("\n== GPU time of the fold's passes (ms, CUDA-graph replay), x bf16", flush=True)
 
-    def fold(x, encode, rows_out=True, transpose=True):
-        ff.ENCODE = encode
+    def fold(x, rows_out=True, transpose=True):
         with deferred_fold_check(x.device) as check:
             return ff._fold_one_chunk(ff._Launch(x, stable, None, None, transpose), rows_out,
                                       transpose, check.counter)
 
     def pass1(x):
         launch = ff._Launch(x, stable, None, None, True)
-        stats = torch.full((2 * (x.shape[0] + x.shape[1]),), fp8_gemm._NONE_HI,
-                           dtype=torch.int32, device=x.device)
-        ff._row_max_kernel[launch.grid](x, launch.seed, stats, stats[2 * x.shape[0]:], *x.shape,
-                                        *x.stride(), ROWS=True, TRANSPOSE=True, **launch.common)
+        n_bands, n_bands_t = launch.n_scale_rows, launch.n_scale_cols
+        stats = torch.full((2 * (n_bands + n_bands_t),), fp8_gemm._NONE_HI, dtype=torch.int32,
+                           device=x.device)
+        scales = torch.empty(n_bands, n_bands_t, dtype=torch.uint8, device=x.device)
+        even = x.shape[0] % launch.common["TILE_R"] == 0 and x.shape[1] % launch.common["TILE_C"] == 0
+        ff._band_max_kernel[launch.grid](x, scales, stats, stats[2 * n_bands:], *x.shape,
+                                         *x.stride(), n_bands, n_bands_t, ROWS=True,
+                                         TRANSPOSE=True, EVEN=even, **launch.common)
 
     rows = []
     for m, k in PASS_SHAPES if DEVICE == "cuda" else [(40, 96)]:
@@ -200,20 +225,52 @@ def run_pass_timings():
         calls = {"copy": lambda: x.clone(),
                  "fakequant_t": lambda: fake_quantize_triton_with_transpose(x, stable),
                  "pass1": lambda: pass1(x),
-                 "fold_t_gather": lambda: fold(x, "gather"),
-                 "fold_t_compute": lambda: fold(x, "compute"),
-                 "fold_compute": lambda: fold(x, "compute", transpose=False)}
+                 "fold": lambda: fold(x, transpose=False),
+                 "fold_t": lambda: fold(x)}
         row = {"shape": f"{m}x{k}"}
-        default = ff.ENCODE
-        try:
-            for name, fn in calls.items():
-                fn()
-                row[name] = graph_time_ms(fn, DEVICE)
-        finally:
-            ff.ENCODE = default   # the later sections time the default encoding
+        for name, fn in calls.items():
+            fn()
+            row[name] = graph_time_ms(fn, DEVICE)
+        if row["fold_t"] is not None:   # None on the CPU: no graph timing there
+            row["pass2_t"] = row["fold_t"] - row["pass1"]
         rows.append(row)
         print("   " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
                                 for key, v in row.items()), flush=True)
+    return rows
+
+
+SWEEP = [(32, 128, 4), (32, 128, 8), (64, 128, 8), (32, 256, 8), (64, 64, 4), (64, 256, 16)]
+
+
+def run_config_sweep():
+    """GPU time (CUDA-graph replay) of the sync-free fold with the transpose at 8192x5504 bf16
+    for other tile shapes and warp counts than kq.default_config's (tile rows, tile columns,
+    warps); the default's row is the first."""
+    import lowbit.kernels.fp8_fold as ff
+    from lowbit.formats import QuantSpec
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+    from lowbit.kernels.quantize import TileConfig
+
+    stable = QuantSpec.make("mxfp4", (32, 32), "rceil")
+    shape = (8192, 5504) if DEVICE == "cuda" else (64, 256)
+    print(f"\n== tile configs, fold with transpose, {shape[0]}x{shape[1]} bf16 (ms)", flush=True)
+    x = torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16)
+    default = ff.kq.default_config
+    rows = []
+    try:
+        for tile_r, tile_c, warps in SWEEP:
+            ff.kq.default_config = lambda r, c, b: TileConfig(tile_r, tile_c, warps)
+
+            def fold():
+                with deferred_fold_check(x.device) as check:
+                    return ff._fold_one_chunk(ff._Launch(x, stable, None, None, True), True,
+                                              True, check.counter)
+            fold()
+            ms = graph_time_ms(fold, DEVICE)
+            rows.append({"tile": f"{tile_r}x{tile_c}", "warps": warps, "ms": ms})
+            print(f"   {tile_r}x{tile_c} warps {warps}: {ms}", flush=True)
+    finally:
+        ff.kq.default_config = default
     return rows
 
 
@@ -239,6 +296,8 @@ def main():
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-timings", action="store_true",
                         help="skip the per-shape eager timings (section 2)")
+    parser.add_argument("--only-configs", action="store_true",
+                        help="only the tile-config sweep (section 4)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1: tests the script")
     args = parser.parse_args()
@@ -247,7 +306,7 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"    # before triton is first imported
         DEVICE = "cpu"
         TIMED = [("smoke", 40, 72, 96)]
-        CHECK_SHAPE = (40, 100)
+        CHECK_SHAPE = (40, 130)
     elif not torch.cuda.is_available():
         sys.exit("bench_fp8_fold needs a CUDA GPU (or --smoke)")
     t0 = time.time()
@@ -255,11 +314,17 @@ def main():
     save = report.save
 
     failed = []
+    if args.only_configs:
+        report["configs"] = run_config_sweep()
+        save()
+        return
     if not args.no_checks:
         passed, failed = run_checks()
         report["checks"] = {"passed": passed, "failed": failed}
         save()
     report["passes"] = run_pass_timings()
+    save()
+    report["configs"] = run_config_sweep()
     save()
     if not args.no_timings:
         report["timings"] = run_timings()

@@ -35,7 +35,7 @@ from lowbit.kernels.fp8_gemm import deferred_fold_check  # noqa: E402
 
 kq._quantize_kernel = Stub()
 kq._tensor_amax_kernel = Stub()
-for name in ("_row_max_kernel", "_fold_one_chunk_kernel", "_block_exponents_kernel", "_fold_kernel"):
+for name in ("_band_max_kernel", "_fold_one_chunk_kernel", "_live_blocks_kernel", "_fold_kernel"):
     setattr(ff, name, Stub())
 k.use_kernels = lambda x, spec, codes=True: k.supports(spec, codes)
 # the FP8 GEMM takes its CUDA path (row-wise torch._scaled_mm) with the GEMM itself stubbed

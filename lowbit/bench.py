@@ -153,7 +153,7 @@ def _graphed(step, optimizer, warmup: int, redo_steps: list):
 # kernel-name fragments -> where a training step's GPU time goes
 _CATEGORIES = (
     ("quantize (lowbit Triton)", ("_quantize_kernel", "_tensor_amax_kernel")),
-    ("fp8 fold (lowbit Triton)", ("_block_exponents_kernel", "_fold_kernel", "_row_max_kernel",
+    ("fp8 fold (lowbit Triton)", ("_live_blocks_kernel", "_fold_kernel", "_band_max_kernel",
                                   "_fold_one_chunk_kernel")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
     ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),

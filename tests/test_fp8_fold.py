@@ -17,9 +17,11 @@ from lowbit.formats import QuantSpec, quantize_with_spec
 from lowbit.kernels import quantize_triton
 from lowbit.kernels.fp8_gemm import fold_operand
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from lowbit.kernels.fp8_fold import (  # noqa: E402
-    quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
+    _encode, quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,6 +76,21 @@ def test_random_spread(rule, block, binades):
     ref = check(x, spec)
     if binades == 30:
         assert len(ref.bounds) > 2       # the case that needs K-chunks is exercised
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_shapes_the_tiles_cover_exactly(block):
+    """Shapes that are whole tiles take the kernels' unmasked (EVEN) path."""
+    from lowbit.kernels.quantize import default_config
+
+    spec = QuantSpec.make("mxfp4", block, "rceil")
+    rows, cols = 64, 256
+    tile_r, tile_c, _ = default_config(rows, cols, block)
+    assert rows % tile_r == 0 and cols % tile_c == 0
+    x = spread(rows, cols, 6, seed=2, tile=block)
+    x[3, 40] = float("nan")
+    check(x.to(DEVICE), spec)
+    check(x.to(DEVICE), QuantSpec.make("mxfp4", block, "rceil", rounding="stochastic"), seed=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,20 +170,46 @@ def outside_window(q, transpose=False):
     return int((nonzero * over).sum()), ~over.any(dim=1)
 
 
+@triton.jit
+def encode_kernel(values_ptr, shift_ptr, bad_ptr, out_ptr, NATIVE_CAST: tl.constexpr):
+    """fp8_fold._encode on 32 cases (rows: a shift and a NaN flag each) x 16 values."""
+    i = tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    r = tl.arange(0, 32)[:, None]
+    bits = _encode(tl.load(values_ptr + i), tl.load(shift_ptr + r), tl.load(bad_ptr + r) != 0,
+                   1, 16, 32, 16, NATIVE_CAST)
+    tl.store(out_ptr + i, bits)
+
+
+def test_encode_equals_the_shift_table():
+    """The kernels' E4M3 encoding (E2M1 value * 2^shift through a float32 -> E4M3 conversion)
+    gives fp8_gemm's table entry for every code and every shift in the window, SHIFT_MIN's entry
+    for shifts below it, and E4M3 NaN in NaN blocks."""
+    from lowbit.formats.elements import E2M1_VALUES
+    from lowbit.kernels.fp8_gemm import _NAN_ROW, SHIFT_MAX, SHIFT_MIN, _shift_table
+
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    values = torch.cat([mags, -mags]).expand(32, 16).contiguous()             # codes 0..15
+    shifts = torch.arange(SHIFT_MIN - 3, SHIFT_MIN - 3 + 32, dtype=torch.int32).clamp(
+        max=SHIFT_MAX)
+    bad = torch.zeros(32, dtype=torch.int32)
+    bad[-1] = 1
+    out = torch.empty(32, 16, dtype=torch.uint8, device=DEVICE)
+    encode_kernel[(1,)](values.to(DEVICE), shifts.to(DEVICE), bad.to(DEVICE), out,
+                        NATIVE_CAST=DEVICE == "cuda")
+    table = _shift_table(torch.device("cpu")).reshape(16, 16)
+    rows = (shifts.clamp(min=SHIFT_MIN) - SHIFT_MIN).long()
+    rows[-1] = _NAN_ROW
+    assert torch.equal(out.cpu(), table[rows])
+
+
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("binades", [6, 30])
-@pytest.mark.parametrize("encode", ["gather", "compute"])
-def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades, encode,
-                                                         monkeypatch):
+def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades):
     """Inside deferred_fold_check() the kernels fold with one factor per row and never read
     anything back: within the window the result is the exact fold; past it, the check's counter
-    holds exactly the number of values left inexact, and every other row is still exact. Both
-    ways of encoding E4M3 bytes (table gather, computed)."""
-    import lowbit.kernels.fp8_fold as ff
+    holds exactly the number of values left inexact, and every other row is still exact."""
     from lowbit.kernels.fp8_gemm import deferred_fold_check
-
-    monkeypatch.setattr(ff, "ENCODE", encode)
 
     spec = QuantSpec.make("mxfp4", block, rule)
     x = spread(67, 200, binades, seed=binades, tile=block)

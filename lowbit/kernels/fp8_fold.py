@@ -9,41 +9,43 @@ E4M3 bytes, factors, K-chunk bounds and NaN rows (lowbit/kernels/fp8_gemm.py der
 folding; lowbit/kernels/quantize.py how the quantizer's bits match the reference).
 
 Why two passes: a row's factor, and where K splits into chunks, depend on the exponents of all
-its blocks, so no element can be written before the whole row has been quantized. Each pass
-quantizes the tile (the quantize kernel's own scale and rounding helpers, so the same codes;
-for stochastic rounding the same Philox uniforms, which depend only on the seed and the
+its blocks, so no element can be written before the whole row's scales are known. Pass 2
+quantizes the tile with the quantize kernel's own scale and rounding helpers (so the same
+codes; for stochastic rounding the same Philox uniforms, which depend only on the seed and the
 element's index). Two ways to fold:
 
 One K-chunk, no host sync (`_fold_one_chunk`, tried first):
-1. `_row_max_kernel`: per row of x (and with square 2D tiles per row of x^T, i.e. column of x)
-   the largest exponent of a block holding a nonzero code, and whether it holds a NaN block,
-   raised across the row's tiles with atomic max. A block's exponent alone does not say it is
-   live: a block whose scale clamps at 2^-127 can round to zeros.
-2. `_fold_one_chunk_kernel`: the row's factor exponent f = max(s_max - 6, -126), each block's
-   row of fp8_gemm's shift table, (s - f) - SHIFT_MIN (the NaN row for NaN blocks), and
-   table[row * 16 + code] = E2M1(code) * 2^(s - f) written for x and x^T from the same
-   registers (x^T's blocks are the same tiles). Factors and NaN rows come from the first tile
-   column (row). A live block below the window (its row spans more than 14 binades) cannot be
-   written exactly: its nonzero values are added to an int64 counter on the device.
+1. `_band_max_kernel`: per row of x the largest exponent of a finite block, and whether the row
+   holds a NaN/Inf block, raised across the row's tiles with atomic max; with square 2D tiles
+   the same per column (row of x^T). fp8_gemm takes the factor from every finite block's
+   exponent, live or not (a block whose codes are all zero has the smallest exponent unless it
+   is a zero row-segment of a 2D tile), so this pass needs only the block scales, from the
+   blocks' amaxes: no element is rounded. And with 2D tiles all BR rows of a tile band share
+   their blocks' exponents, so the stats are kept per band (BR rows), not per row.
+2. `_fold_one_chunk_kernel`: each band's factor exponent f = max(s_max - 6, -126), each block's
+   shift s - f, and the E4M3 bytes of E2M1(code) * 2^(s - f) for x and x^T (x^T's blocks are
+   the same tiles) from the same registers: the FP4 value times 2^(s - f) is exact in float32
+   and on E4M3's grid, so a float32 -> E4M3 conversion writes it. Factors and NaN rows come
+   from the first tile column (row). A live block below the window (its row spans more than
+   14 binades) cannot be written exactly: its nonzero values are added to an int64 counter on
+   the device (counted only in the rare tiles that hold such a block).
    Outside `fp8_gemm.deferred_fold_check()` the counter is read back (the one host sync) and a
    nonzero count falls back to the planned fold; inside one, nothing is read back: the check's
    counter accumulates over every fold and its owner (lowbit.train's step) redoes the work if
    it is nonzero.
 
 Planned (`_fold_planned`, exact for any span, one host sync per K-chunk):
-1. `_block_exponents_kernel` writes the E8M0 scale codes and, per row-block, a live flag.
+1. `_live_blocks_kernel` writes the E8M0 scale codes and, per row-block, a live flag.
 2. Torch ops on those (R, K/b) tensors: the chunk bounds and factors by fp8_gemm's own rules
-   (`_Blocks.chunk_bounds` / `plan`) and each block's table row.
-3. `_fold_kernel` writes table[row * 16 + code] as above.
+   (`_Blocks.chunk_bounds` / `plan`) and each block's row of fp8_gemm's shift table.
+3. `_fold_kernel` writes the E4M3 bytes as pass 2 above, with each block's shift from its row.
 
 Traffic per element (bf16 x): pass 1 reads 2 bytes, pass 2 reads 2 and writes 1 (2 with the
-transpose). Re-reading x costs less than writing codes in pass 1 and reading them back would
-save, since pass 1 would then also have to write codes (0.5 B) and pass 2 still read them.
-Measured GPU time (H200, 2026-11-29, `benchmarks/bench_fp8_fold.py`, 8192x5504 bf16, CUDA-graph
-replay): copy 0.044 ms, stable-fp4's fake-quantize-with-transpose 0.074 ms, pass 1 0.089 ms,
-pass 2 with the transpose 0.266 ms (0.342 ms with the E4M3 bits computed instead of gathered
-from the table: ENCODE). Pass 2 runs at about a sixth of copy bandwidth; see
-docs/results/kernels.md.
+transpose). Measured GPU times are in docs/results/kernels.md (`benchmarks/bench_fp8_fold.py`).
+The previous design (H200, 2026-11-29) rounded every element in pass 1 too, to find each
+row's largest live block, and gathered the E4M3 bytes from fp8_gemm's 256-entry table: at
+8192x5504 bf16 pass 1 took 0.089 ms and pass 2 with the transpose 0.266 ms, against 0.044 ms
+for a copy.
 """
 
 from __future__ import annotations
@@ -60,243 +62,238 @@ from lowbit.kernels import fp8_gemm
 from lowbit.kernels import quantize as kq
 from lowbit.kernels.fp8_gemm import FoldedOperand
 from lowbit.kernels.quantize import (
-    _block_max, _expand, _load_float32, _pow2_wide, _round_to_grid, _uniforms,
+    SIGN_MASK, _block_max, _e8m0_exponent, _expand, _load_float32, _pow2, _pow2_wide,
+    _round_value, _uniforms,
 )
 
 __all__ = ["quantize_fold_mxfp4", "quantize_fold_mxfp4_with_transpose"]
 
-_NAN_ROW = fp8_gemm._NAN_ROW   # the shift-table row of E4M3 NaNs
-# how the one-chunk fold turns (shift, code) into E4M3 bits: "gather" from fp8_gemm's table, or
-# "compute" them (benchmarks/bench_fp8_fold.py times both)
-ENCODE = "gather"
-# the same numbers as Triton constants
+# fp8_gemm's numbers as Triton constants
 NONE_C = tl.constexpr(fp8_gemm._NONE_HI)
 SHIFT_MIN_C = tl.constexpr(fp8_gemm.SHIFT_MIN)
 SHIFT_MAX_C = tl.constexpr(fp8_gemm.SHIFT_MAX)
-NAN_ROW_C = tl.constexpr(_NAN_ROW)
+NAN_ROW_C = tl.constexpr(fp8_gemm._NAN_ROW)
 FACTOR_EXP_MIN_C = tl.constexpr(fp8_gemm._FACTOR_EXP_MIN)
 
 
 @triton.jit
-def _e2m1_codes(x, u, RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
-    """(TR, TC) float32 -> (codes (TR, TC) int32, sign in bit 3, 0 in NaN/Inf blocks;
-    E8M0 scale codes (TR/BR, TC/BC), 255 for NaN/Inf blocks): the quantize kernel's MX path
-    for E2M1, step for step (see lowbit/kernels/quantize.py)."""
-    bits = x.to(tl.int32, bitcast=True)
-    amax_bits = _block_max(bits & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)
-    bad = amax_bits >= 0x7F800000
-    if RCEIL:  # amax / 6 rounded up to a power of two, on the bits
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        d_bits = tl.math.div_rn(amax, 6.0).to(tl.int32, bitcast=True)
-        d_exp = d_bits >> 23
-        d_man = d_bits & 0x7FFFFF
-        unbiased = tl.where(d_exp > 0, d_exp - 127 + (d_man != 0).to(tl.int32),
-                            -127 + (d_man > 0x400000).to(tl.int32))
-        unbiased = tl.where(d_bits == 0, -127, unbiased)
-    else:      # floor: 2^(floor(log2 amax) - 2)
-        unbiased = (amax_bits >> 23) - 127 - 2
-    unbiased = tl.minimum(tl.maximum(unbiased, -127), 127)
-    scale_code = tl.where(bad, 255, unbiased + 127)
-    mag = tl.minimum(tl.abs(x * _expand(_pow2_wide(-unbiased), TILE_R, TILE_C, BR, BC)), 6.0)
-    steps, bexp = _round_to_grid(mag, u, 0, 1, STOCHASTIC)
-    codes = steps + ((bexp - 127) << 1)
-    if STOCHASTIC:
-        codes = tl.minimum(codes, 7)
-    keep = _expand(tl.where(bad, 0, 0xF), TILE_R, TILE_C, BR, BC)
-    return (codes | ((bits >> 28) & 8)) & keep, scale_code
-
-
-@triton.jit
-def _load_codes(x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c,
-                RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
-                BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
-                NATIVE_CAST: tl.constexpr):
+def _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R: tl.constexpr,
+               TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr, EVEN: tl.constexpr):
+    """x's tile as float32 (padding 0), its rows and columns, and which elements are in x
+    (EVEN: the tiles cover x exactly, so the load is not masked; stores need no mask either)."""
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
-    in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
-    x = _load_float32(ptrs, in_bounds, NATIVE_CAST)                    # padding = 0
-    u = 0.0
-    if STOCHASTIC:  # the seed contract: x is 2-D, so element (r, c) has index r * C + c
-        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
-    codes, scale_code = _e2m1_codes(x, u, RCEIL, STOCHASTIC, BR, BC, TILE_R, TILE_C)
-    return codes, scale_code, rows, cols, in_bounds
-
-
-@triton.jit
-def _row_blocks(codes, scale_code, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
-                TILE_C: tl.constexpr):
-    """Per row-block (1 x BC along K) of the tile, (TR, TC/BC): (unbiased exponent, how many
-    nonzero codes it holds, NaN). (NaN blocks hold zero codes.)"""
-    if BR == 1:
-        code = scale_code
+    in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
+    if EVEN:
+        x = _load_float32(ptrs, None, NATIVE_CAST)
     else:
-        code = _expand(scale_code, TILE_R, TILE_C // BC, BR, 1)
-    nonzero = tl.sum(tl.reshape(((codes & 7) != 0).to(tl.int32), (TILE_R, TILE_C // BC, BC)),
-                     axis=2)
-    return code - 127, nonzero, code == 255
+        x = _load_float32(ptrs, in_bounds, NATIVE_CAST)
+    return x, rows, cols, in_bounds
 
 
 @triton.jit
-def _col_blocks(codes, scale_code, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
-                TILE_C: tl.constexpr):
-    """Per row-block of x^T (a column segment of BR rows of x), (TR/BR, TC): as _row_blocks."""
-    code = _expand(scale_code, TILE_R // BR, TILE_C, 1, BC)
-    nonzero = tl.sum(tl.reshape(((codes & 7) != 0).to(tl.int32), (TILE_R // BR, BR, TILE_C)),
-                     axis=1)
-    return code - 127, nonzero, code == 255
+def _block_exponents(x, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                     TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """(TR, TC) float32 -> per block (TR/BR, TC/BC): the E8M0 scale exponent (unbiased) and
+    whether the block holds a NaN or Inf (scale code 255): the quantize kernel's MX scales."""
+    amax_bits = _block_max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)
+    return _e8m0_exponent(amax_bits, 2, 6.0, RCEIL), amax_bits >= 0x7F800000
 
 
 @triton.jit
-def _table_rows(exp, nonzero, nan, f):
-    """fp8_gemm's shift-table row per block for factor exponent f (broadcast to exp's shape),
-    and how many nonzero values each block leaves inexact. f >= s_max - SHIFT_MAX, so no live
-    block is above the window; one below it gets the row of SHIFT_MIN (wrong) and counts its
-    nonzero values. A block of zeros takes the row of shift 0 (+-0 in every row), as
-    fp8_gemm's fold does."""
-    shift = exp - f
-    live = nonzero > 0
-    row = tl.where(live, tl.maximum(shift - SHIFT_MIN_C, 0), -SHIFT_MIN_C)
-    return tl.where(nan, NAN_ROW_C, row), tl.where(live & (shift < SHIFT_MIN_C), nonzero, 0)
+def _e2m1_values(x, e, u, STOCHASTIC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                 TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """The tile's FP4 values without their block scales, E2M1(code) as float32 (TR, TC) with
+    x's sign (meaningless in NaN/Inf blocks; +-0 iff the code's magnitude is 0): the quantize
+    kernel's MX path for E2M1, step for step."""
+    mag = tl.minimum(tl.abs(x * _expand(_pow2_wide(-e), TILE_R, TILE_C, BR, BC)), 6.0)
+    value = _round_value(mag, u, 0, 1, 6.0, STOCHASTIC)
+    sign = x.to(tl.int32, bitcast=True) & SIGN_MASK           # copysign, -0.0 too
+    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e4m3_bits(table_row, codes, table_ptr, GATHER: tl.constexpr):
-    """E4M3 bits of E2M1(code) * 2^(table_row + SHIFT_MIN) (NaN for the NaN row): fp8_gemm's
-    shift table entry, by a gather from it or computed (the same 256 values; a test checks).
-    Computed: magnitude code m is 1.0 * 2^-1 (m = 1) or (1 + (m & 1) / 2) * 2^((m >> 1) - 1);
-    the result's exponent E = that + shift is normal in E4M3 from -6 and a subnormal
-    (2 + mant) * 2^(E + 8) * 2^-9 down to -9 (the window's floor)."""
-    if GATHER:
-        return tl.load(table_ptr + ((table_row << 4) | codes))
-    m = codes & 7
-    big = m >= 2
-    mant = tl.where(big, m & 1, 0)
-    e = tl.where(big, (m >> 1) - 1, -1) + table_row + SHIFT_MIN_C
-    sub = ((2 + mant) << tl.maximum(e + 9, 0)) >> 1
-    mag = tl.where(e >= -6, ((e + 7) << 3) | (mant << 2), sub)
-    bits = tl.where(m == 0, 0, mag) | ((codes & 8) << 4)
-    return tl.where(table_row == NAN_ROW_C, 0x7F, bits).to(tl.uint8)
+def _encode(values, shift, bad, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
+            TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """E4M3 bits, uint8 (TR, TC), of values * 2^shift with one shift per block (TR/BR, TC/BC),
+    and E4M3 NaN (0x7F) in NaN/Inf blocks. A shift below the window is taken as SHIFT_MIN (the
+    caller counts those blocks' values as inexact); in the window, E2M1 * 2^shift is an E4M3
+    value, so the product is exact and the float32 -> E4M3 conversion only re-encodes it (so
+    also in Triton's interpreter, whose conversion is wrong only off E4M3's grid and for NaN).
+    NaN blocks scale by NaN: the GPU's conversion (cvt.rn.satfinite) gives 0x7F for a NaN;
+    the interpreter's does not, so there it is set."""
+    t = tl.minimum(tl.maximum(shift, SHIFT_MIN_C), SHIFT_MAX_C)
+    scale = tl.where(bad, 0x7FC00000, (t + 127) << 23).to(tl.float32, bitcast=True)  # NaN / 2^t
+    scaled = values * _expand(scale, TILE_R, TILE_C, BR, BC)
+    bits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if not NATIVE_CAST:
+        bits = tl.where(scaled != scaled, 0x7F, bits).to(tl.uint8)
+    return bits
+
+
+@triton.jit
+def _block_sum(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(TR, TC) -> (TR/BR, TC/BC): sum over each block."""
+    if BR == 1:
+        return tl.sum(tl.reshape(t, (TR, TC // BC, BC)), axis=2)
+    else:
+        return tl.sum(tl.sum(tl.reshape(t, (TR // BR, BR, TC // BC, BC)), axis=3), axis=1)
 
 
 @triton.jit
 def _factor_exponent(hi):
-    """f = max(s_max - SHIFT_MAX, -126) over a row's live blocks, 0 for a row with none."""
+    """f = max(s_max - SHIFT_MAX, -126) over a row's finite blocks, 0 for a row with none."""
     return tl.where(hi > NONE_C, tl.maximum(hi - SHIFT_MAX_C, FACTOR_EXP_MIN_C), 0)
 
 
 @triton.jit
-def _row_max_kernel(
-    x_ptr, seed_ptr, stats_ptr, stats_t_ptr,
-    R, C, stride_r, stride_c,
-    RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
-    ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
+def _band_max_kernel(
+    x_ptr, scales_ptr, stats_ptr, stats_t_ptr,
+    R, C, stride_r, stride_c, n_bands, n_bands_t,
+    RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr, ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    # Pass 1 of the one-chunk fold. stats: (2, R) int32 = (largest live block exponent, holds a
-    # NaN block) per row of x, initialised to NONE and raised with atomic max across the row's
-    # column tiles; stats_t: (2, C), the same per row of x^T (column of x).
+    # Pass 1 of the one-chunk fold. scales: (n_bands, n_bands_t) uint8, each block's E8M0 code
+    # (255: NaN/Inf), for pass 2. stats: (2, n_bands) int32, per band of rows (a row for 1D
+    # blocks, BR rows for 2D tiles, which share every block exponent) the largest exponent of
+    # a finite block and whether it holds a NaN/Inf block, initialised to NONE and raised with
+    # atomic max across the band's tiles; stats_t (2, n_bands_t) the same per band of columns
+    # (rows of x^T). The scales alone decide the factor, so no element is rounded here.
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    codes, scale_code, rows, cols, _ = _load_codes(
-        x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c, RCEIL, STOCHASTIC, GROUP4,
-        BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+    x, _, _, _ = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R, TILE_C,
+                            NATIVE_CAST, EVEN)
+    e, bad = _block_exponents(x, RCEIL, BR, BC, TILE_R, TILE_C)
+    bands = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
+    bands_t = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
+    real = (bands[:, None] < n_bands) & (bands_t[None, :] < n_bands_t)   # not the tile's padding
+    tl.store(scales_ptr + bands.to(tl.int64)[:, None] * n_bands_t + bands_t[None, :],
+             tl.where(bad, 255, e + 127).to(tl.uint8), mask=real)
+    e = tl.where(real & ~bad, e, NONE_C)
+    nan = (real & bad).to(tl.int32)
     if ROWS:
-        exp, nonzero, nan = _row_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)
-        hi = tl.max(tl.where(nonzero > 0, exp, NONE_C), axis=1)                # (TR,)
-        any_nan = tl.max(nan.to(tl.int32), axis=1)
-        tl.atomic_max(stats_ptr + rows, hi, mask=(rows < R) & (hi > NONE_C))
-        tl.atomic_max(stats_ptr + R + rows, any_nan, mask=(rows < R) & (any_nan > 0))
+        hi = tl.max(e, axis=1)
+        any_nan = tl.max(nan, axis=1)
+        tl.atomic_max(stats_ptr + bands, hi, mask=(bands < n_bands) & (hi > NONE_C))
+        tl.atomic_max(stats_ptr + n_bands + bands, any_nan, mask=(bands < n_bands) & (any_nan > 0))
     if TRANSPOSE:
-        exp, nonzero, nan = _col_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)
-        hi = tl.max(tl.where(nonzero > 0, exp, NONE_C), axis=0)                # (TC,)
-        any_nan = tl.max(nan.to(tl.int32), axis=0)
-        tl.atomic_max(stats_t_ptr + cols, hi, mask=(cols < C) & (hi > NONE_C))
-        tl.atomic_max(stats_t_ptr + C + cols, any_nan, mask=(cols < C) & (any_nan > 0))
+        hi_t = tl.max(e, axis=0)
+        any_nan_t = tl.max(nan, axis=0)
+        tl.atomic_max(stats_t_ptr + bands_t, hi_t, mask=(bands_t < n_bands_t) & (hi_t > NONE_C))
+        tl.atomic_max(stats_t_ptr + n_bands_t + bands_t, any_nan_t,
+                      mask=(bands_t < n_bands_t) & (any_nan_t > 0))
+
+
+@triton.jit
+def _store_factors(stats_ptr, n_bands, factors_ptr, nan_ptr, idx, n, B: tl.constexpr):
+    """Each row's factor 2^f and NaN flag (uint8) from its band's stats (row idx, band idx // B)."""
+    hi = tl.load(stats_ptr + idx // B, mask=idx < n, other=NONE_C)
+    tl.store(factors_ptr + idx, _pow2(_factor_exponent(hi)), mask=idx < n)
+    has_nan = tl.load(stats_ptr + n_bands + idx // B, mask=idx < n, other=0) > 0
+    tl.store(nan_ptr + idx, has_nan.to(tl.uint8), mask=idx < n)
 
 
 @triton.jit
 def _fold_one_chunk_kernel(
-    x_ptr, seed_ptr, table_ptr, stats_ptr, stats_t_ptr, fp8_ptr, fp8_t_ptr,
+    x_ptr, seed_ptr, scales_ptr, stats_ptr, stats_t_ptr, fp8_ptr, fp8_t_ptr,
     factors_ptr, factors_t_ptr, nan_ptr, nan_t_ptr, over_ptr,
-    R, C, stride_r, stride_c,
+    R, C, stride_r, stride_c, n_bands, n_bands_t,
     RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
-    ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    GATHER: tl.constexpr,
+    ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr, EVEN: tl.constexpr,
 ):
-    # Pass 2 of the one-chunk fold: one factor per row from pass 1's stats, each block's table
-    # row computed here, E4M3 bytes written; the first tile column (row) writes the factors and
-    # NaN flags of x's (x^T's) rows. over: int64 counter of the nonzero values left inexact.
+    # Pass 2 of the one-chunk fold: the block scales pass 1 wrote, one factor per band from its
+    # stats, one shift per block, the E4M3 bytes of x (and x^T from the same registers); the
+    # first tile column (row) writes the factors and NaN flags of x's (x^T's) rows. over: int64
+    # counter of the nonzero values in blocks below their row's window (left inexact).
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    codes, scale_code, rows, cols, in_bounds = _load_codes(
-        x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c, RCEIL, STOCHASTIC, GROUP4,
-        BR, BC, TILE_R, TILE_C, NATIVE_CAST)
-    n_over = 0
+    x, rows, cols, in_bounds = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c,
+                                          TILE_R, TILE_C, NATIVE_CAST, EVEN)
+    u = 0.0
+    if STOCHASTIC:  # the seed contract: x is 2-D, so element (r, c) has index r * C + c
+        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+    bands = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
+    bands_t = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
+    code = tl.load(scales_ptr + bands.to(tl.int64)[:, None] * n_bands_t + bands_t[None, :],
+                   mask=(bands[:, None] < n_bands) & (bands_t[None, :] < n_bands_t),
+                   other=0).to(tl.int32)
+    e, bad = code - 127, code == 255
+    values = _e2m1_values(x, e, u, STOCHASTIC, BR, BC, TILE_R, TILE_C)
+    below = tl.zeros((TILE_R // BR, TILE_C // BC), dtype=tl.int32)
     if ROWS:
-        f = _factor_exponent(tl.load(stats_ptr + rows, mask=rows < R, other=NONE_C))  # (TR,)
-        exp, nonzero, nan = _row_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)
-        table_row, over = _table_rows(exp, nonzero, nan, f[:, None])          # (TR, TC/BC)
-        n_over += tl.sum(over)
-        bits = _e4m3_bits(_expand(table_row, TILE_R, TILE_C, 1, BC), codes, table_ptr, GATHER)
-        tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits, mask=in_bounds)
+        f = _factor_exponent(tl.load(stats_ptr + bands, mask=bands < n_bands, other=NONE_C))
+        shift = e - f[:, None]
+        bits = _encode(values, shift, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+        if EVEN:
+            tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits)
+        else:
+            tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits,
+                     mask=in_bounds)
+        below += (shift < SHIFT_MIN_C).to(tl.int32)
         if pid_c == 0:
-            has_nan = tl.load(stats_ptr + R + rows, mask=rows < R, other=0) > 0
-            tl.store(factors_ptr + rows, ((f + 127) << 23).to(tl.float32, bitcast=True),
-                     mask=rows < R)
-            tl.store(nan_ptr + rows, has_nan.to(tl.uint8), mask=rows < R)
+            _store_factors(stats_ptr, n_bands, factors_ptr, nan_ptr, rows, R, BR)
     if TRANSPOSE:
-        f_t = _factor_exponent(tl.load(stats_t_ptr + cols, mask=cols < C, other=NONE_C))  # (TC,)
-        exp_t, nonzero_t, nan_t = _col_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)
-        table_row_t, over_t = _table_rows(exp_t, nonzero_t, nan_t, f_t[None, :])  # (TR/BR, TC)
-        n_over += tl.sum(over_t)
-        bits_t = _e4m3_bits(_expand(tl.trans(table_row_t), TILE_C, TILE_R, 1, BR),
-                            tl.trans(codes), table_ptr, GATHER)
-        tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], bits_t,
-                 mask=tl.trans(in_bounds))
+        f_t = _factor_exponent(tl.load(stats_t_ptr + bands_t, mask=bands_t < n_bands_t,
+                                       other=NONE_C))
+        shift_t = e - f_t[None, :]
+        bits_t = _encode(values, shift_t, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+        if EVEN:
+            tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t))
+        else:
+            tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t),
+                     mask=tl.trans(in_bounds))
+        below += (shift_t < SHIFT_MIN_C).to(tl.int32)
         if pid_r == 0:
-            has_nan_t = tl.load(stats_t_ptr + C + cols, mask=cols < C, other=0) > 0
-            tl.store(factors_t_ptr + cols, ((f_t + 127) << 23).to(tl.float32, bitcast=True),
-                     mask=cols < C)
-            tl.store(nan_t_ptr + cols, has_nan_t.to(tl.uint8), mask=cols < C)
-    if n_over > 0:
-        tl.atomic_add(over_ptr, n_over.to(tl.int64))
+            _store_factors(stats_t_ptr, n_bands_t, factors_t_ptr, nan_t_ptr, cols, C, BC)
+    below = tl.where(bad, 0, below)
+    if tl.max(tl.max(below, axis=1), axis=0) > 0:   # rare: count what the window loses
+        nonzero = _block_sum((values != 0).to(tl.int32), TILE_R, TILE_C, BR, BC)
+        tl.atomic_add(over_ptr, tl.sum(tl.sum(below * nonzero, axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
-def _block_exponents_kernel(
+def _live_blocks_kernel(
     x_ptr, seed_ptr, scales_ptr, live_ptr, live_t_ptr,
     R, C, stride_r, stride_c, n_scale_rows, n_scale_cols,
     RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
-    # scales: (R, nC) for 1D blocks, (nR, nC) for 2D tiles; live: (R, nC) uint8, a row-block
-    # holds a nonzero code; live_t: (C, nR), the same for x^T's row-blocks (x's column segments)
+    # Pass 1 of the planned fold. scales: (R, nC) for 1D blocks, (nR, nC) for 2D tiles (E8M0
+    # codes); live: (R, nC) uint8, a row-block (1 x BC along K) holds a nonzero finite code;
+    # live_t: (C, nR), the same for x^T's row-blocks (x's column segments of BR rows)
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    codes, scale_code, rows, cols, _ = _load_codes(
-        x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c, RCEIL, STOCHASTIC, GROUP4,
-        BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+    x, rows, cols, _ = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R,
+                                  TILE_C, NATIVE_CAST, False)
+    u = 0.0
+    if STOCHASTIC:
+        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+    e, bad = _block_exponents(x, RCEIL, BR, BC, TILE_R, TILE_C)
+    nonzero = (_e2m1_values(x, e, u, STOCHASTIC, BR, BC, TILE_R, TILE_C) != 0).to(tl.int32)
+    bad_i = bad.to(tl.int32)
     scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
     scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
-    _, nonzero, _ = _row_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)     # (TR, TC/BC)
-    live = nonzero > 0
+    live = _block_sum(nonzero, TILE_R, TILE_C, 1, BC) > 0                      # (TR, TC/BC)
+    if BR > 1:
+        bad_i = _expand(bad_i, TILE_R, TILE_C // BC, BR, 1)
     row_mask = (rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols)
     tl.store(live_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
-             live.to(tl.uint8), mask=row_mask)
+             (live & (bad_i == 0)).to(tl.uint8), mask=row_mask)
+    scale_code = tl.where(bad, 255, e + 127).to(tl.uint8)
     if BR == 1:
         tl.store(scales_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
-                 scale_code.to(tl.uint8), mask=row_mask)
+                 scale_code, mask=row_mask)
     else:
         tl.store(scales_ptr + scale_rows[:, None] * n_scale_cols + scale_cols[None, :],
-                 scale_code.to(tl.uint8),
+                 scale_code,
                  mask=(scale_rows[:, None] < n_scale_rows) & (scale_cols[None, :] < n_scale_cols))
     if TRANSPOSE:
-        _, nonzero_t, _ = _col_blocks(codes, scale_code, BR, BC, TILE_R, TILE_C)  # (TR/BR, TC)
-        live_t = nonzero_t > 0
+        live_t = _block_sum(nonzero, TILE_R, TILE_C, BR, 1) > 0                 # (TR/BR, TC)
+        live_t = live_t & (_expand(bad.to(tl.int32), TILE_R // BR, TILE_C, 1, BC) == 0)
         tl.store(live_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
                  tl.trans(live_t).to(tl.uint8),
                  mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows))
@@ -304,35 +301,41 @@ def _block_exponents_kernel(
 
 @triton.jit
 def _fold_kernel(
-    x_ptr, seed_ptr, table_ptr, shift_row_ptr, shift_row_t_ptr, fp8_ptr, fp8_t_ptr,
+    x_ptr, seed_ptr, shift_row_ptr, shift_row_t_ptr, fp8_ptr, fp8_t_ptr,
     R, C, stride_r, stride_c, n_scale_rows, n_scale_cols,
     RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
-    # shift_row: (R, nC) uint8 table row per row-block of x; shift_row_t: (C, nR) of x^T.
+    # Pass 2 of the planned fold. shift_row: (R, nC) uint8, fp8_gemm's shift-table row
+    # (shift - SHIFT_MIN, or the NaN row) per row-block of x; shift_row_t: (C, nR) of x^T's.
     # fp8: (R, C) E4M3 bits of x's operand; fp8_t: (C, R) of x^T's.
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    codes, _, rows, cols, in_bounds = _load_codes(
-        x_ptr, seed_ptr, R, C, stride_r, stride_c, pid_r, pid_c, RCEIL, STOCHASTIC, GROUP4,
-        BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+    x, rows, cols, in_bounds = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c,
+                                          TILE_R, TILE_C, NATIVE_CAST, False)
+    u = 0.0
+    if STOCHASTIC:
+        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+    e, _ = _block_exponents(x, RCEIL, BR, BC, TILE_R, TILE_C)
+    values = _e2m1_values(x, e, u, STOCHASTIC, BR, BC, TILE_R, TILE_C)
     if ROWS:
         scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
-        table_row = tl.load(
+        row = tl.load(
             shift_row_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
-            mask=(rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols), other=0)
-        bits = _e4m3_bits(_expand(table_row.to(tl.int32), TILE_R, TILE_C, 1, BC), codes,
-                          table_ptr, True)
+            mask=(rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols), other=0).to(tl.int32)
+        bits = _encode(values, row + SHIFT_MIN_C, row == NAN_ROW_C, 1, BC, TILE_R, TILE_C,
+                       NATIVE_CAST)
         tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits, mask=in_bounds)
     if TRANSPOSE:
         scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
-        table_row_t = tl.load(
+        row_t = tl.load(
             shift_row_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
             mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows), other=0)
-        bits_t = _e4m3_bits(_expand(table_row_t.to(tl.int32), TILE_C, TILE_R, 1, BR),
-                            tl.trans(codes), table_ptr, True)
-        tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], bits_t,
+        row_t = tl.trans(row_t.to(tl.int32))                                   # (TR/BR, TC)
+        bits_t = _encode(values, row_t + SHIFT_MIN_C, row_t == NAN_ROW_C, BR, 1, TILE_R, TILE_C,
+                         NATIVE_CAST)
+        tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t),
                  mask=tl.trans(in_bounds))
 
 
@@ -392,10 +395,11 @@ class _Launch:
         if self.grid[1] > 65535:
             raise ValueError(f"shape {tuple(x.shape)} needs {self.grid[1]} row tiles, past "
                              "CUDA's 65535")
-        self.common = dict(RCEIL=spec.scale_rule is ScaleRule.RCEIL, STOCHASTIC=stochastic,
-                           GROUP4=(self.k % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc,
+        # what every kernel takes; those that round elements also take `rounding`
+        self.common = dict(RCEIL=spec.scale_rule is ScaleRule.RCEIL, BR=br, BC=bc,
                            TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not kq.INTERPRET,
                            num_warps=num_warps)
+        self.rounding = dict(STOCHASTIC=stochastic, GROUP4=(self.k % 4 == 0 and tile_c % 4 == 0))
 
     def device_scope(self):
         return torch.cuda.device(self.x.device) if self.x.is_cuda else contextlib.nullcontext()
@@ -407,9 +411,11 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     values in blocks that do, and the operand is then not to be used."""
     x, dev, u8 = L.x, L.x.device, torch.uint8
     n_rows, k = L.rows, L.k
-    stats = torch.full((2 * n_rows + (2 * k if transpose else 0),), fp8_gemm._NONE_HI,
+    n_bands = n_rows if L.spec.block[0] == 1 else L.n_scale_rows
+    n_bands_t = L.n_scale_cols
+    stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fp8_gemm._NONE_HI,
                        dtype=torch.int32, device=dev)
-    stats_rows, stats_t = stats[:2 * n_rows], stats[2 * n_rows:]
+    stats_rows, stats_t = stats[:2 * n_bands], stats[2 * n_bands:]
     f32 = torch.float32
     fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else L.empty
     fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else L.empty
@@ -417,13 +423,16 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     factors_t = torch.empty(k, 1, device=dev, dtype=f32) if transpose else L.empty
     nan = torch.empty(n_rows, device=dev, dtype=u8) if rows_out else L.empty
     nan_t = torch.empty(k, device=dev, dtype=u8) if transpose else L.empty
-    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, **L.common)
+    scales = torch.empty(n_bands, n_bands_t, device=dev, dtype=u8)
+    tile_r, tile_c = L.common["TILE_R"], L.common["TILE_C"]
+    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, EVEN=n_rows % tile_r == 0 and k % tile_c == 0,
+                 **L.common)
     with L.device_scope():
-        _row_max_kernel[L.grid](x, L.seed, stats_rows, stats_t, n_rows, k, *x.stride(), **flags)
+        _band_max_kernel[L.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(), n_bands,
+                                 n_bands_t, **flags)
         _fold_one_chunk_kernel[L.grid](
-            x, L.seed, fp8_gemm._shift_table(dev), stats_rows, stats_t, fp8, fp8_t, factors,
-            factors_t, nan, nan_t, over, n_rows, k, *x.stride(), GATHER=ENCODE == "gather",
-            **flags)
+            x, L.seed, scales, stats_rows, stats_t, fp8, fp8_t, factors, factors_t, nan, nan_t,
+            over, n_rows, k, *x.stride(), n_bands, n_bands_t, **flags, **L.rounding)
     out = []
     if rows_out:
         out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), factors, (0, k),
@@ -445,9 +454,9 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     live = torch.empty(n_rows, n_scale_cols, device=dev, dtype=u8)
     live_t = torch.empty(k, n_scale_rows, device=dev, dtype=u8) if transpose else empty
     with L.device_scope():
-        _block_exponents_kernel[L.grid](x, L.seed, scales, live, live_t, n_rows, k, *x.stride(),
-                                        n_scale_rows, n_scale_cols, TRANSPOSE=transpose,
-                                        **L.common)
+        _live_blocks_kernel[L.grid](x, L.seed, scales, live, live_t, n_rows, k, *x.stride(),
+                                    n_scale_rows, n_scale_cols, TRANSPOSE=transpose,
+                                    **L.common, **L.rounding)
         row_plan = t_plan = None
         table_row = table_row_t = empty
         if rows_out:
@@ -462,9 +471,9 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
             t_plan = (factors_t, bounds_t, blocks_t.nan.any(dim=1))
         fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else empty
         fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else empty
-        _fold_kernel[L.grid](x, L.seed, fp8_gemm._shift_table(dev), table_row, table_row_t,
-                             fp8, fp8_t, n_rows, k, *x.stride(), n_scale_rows, n_scale_cols,
-                             ROWS=rows_out, TRANSPOSE=transpose, **L.common)
+        _fold_kernel[L.grid](x, L.seed, table_row, table_row_t, fp8, fp8_t, n_rows, k,
+                             *x.stride(), n_scale_rows, n_scale_cols, ROWS=rows_out,
+                             TRANSPOSE=transpose, **L.common, **L.rounding)
     out = []
     if rows_out:
         out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), *row_plan))

@@ -18,13 +18,17 @@ exactly the magnitudes 0.5 and 1.5 stop being exact (0.5*2^-9 is a tie that roun
 A block with E8M0 exponent s holds v*2^s. Folding a row with one factor 2^f stores
 v*2^(s-f) in E4M3, exact iff every block's shift s - f is in [-8, 6]. Such an f exists iff the
 row's block exponents span at most WINDOW_SPAN = 14 binades (15 consecutive exponents),
-counting only blocks that hold a nonzero value (an all-zero block is zeros at any shift; E8M0
-gives it the smallest exponent, which must not widen the span) and no NaN. DESIGN.md and
+counting at the bottom only blocks that hold a nonzero value (an all-zero block is zeros at any
+shift; E8M0 gives it the smallest exponent, which must not widen the span) and no NaN. DESIGN.md and
 issue 4 say 13 (from "E4M3 holds 1.0 and 1.5 times 2^e for e in [-8, 8]"): safe, but one
 short, since E4M3 also holds 1.0*2^-9, which is where a block's 0.5s land at shift -8. A span
 of 15 loses the smallest block's 0.5s and 1.5s. lowbit takes f = max(s_max - 6, -126): the largest
 block lands on shift 6 (its 6 becomes 384) and the factor is a normal float32 (a tiny row,
-s_max < -120, lands lower but stays in the window, since s >= -127).
+s_max < -120, lands lower but stays in the window, since s >= -127). s_max is over every finite
+block, live or not: a block whose codes are all zero has the smallest exponent, except a zero
+row-segment of a 2D tile, which takes its tile's. So the factor depends on the scales alone,
+and all rows of a 2D tile band share it (the fused kernels need no rounded element to find it);
+a row with no finite block gets f = 0.
 
 Rows that span more: the reduction dim K is split into chunks, each with its own factor per
 row, chosen greedily from the left so each chunk is as long as possible while every row of
@@ -134,8 +138,9 @@ class FoldReport:
     """What folding with ONE factor per row (no K-chunks) would do to an operand."""
 
     rows: int
-    rows_over_window: int      # rows whose nonzero blocks span more than WINDOW_SPAN binades
-    max_span: int              # the largest span of any row (0 for rows with <= 1 live block)
+    rows_over_window: int      # rows whose blocks span more than WINDOW_SPAN binades
+    max_span: int              # the largest span of any row: its largest finite block exponent
+                               # down to its smallest live one (0 for a row with none live)
     values: int                # nonzero, non-NaN values
     values_inexact: int        # of those, how many one factor per row would round
     values_flushed: int        # of the inexact ones, how many would become zero
@@ -177,7 +182,9 @@ class _Blocks:
         self.live = ((self.codes & 0x7) != 0).any(dim=-1) & ~self.nan   # a nonzero, finite value
 
     def hi_lo(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.where(self.live, self.exps, _NONE_HI),
+        """(R, nb) each: the exponents that set a row's top (every finite block, live or not)
+        and its bottom (live blocks only), _NONE_HI / _NONE_LO elsewhere."""
+        return (torch.where(self.nan, _NONE_HI, self.exps),
                 torch.where(self.live, self.exps, _NONE_LO))
 
     def chunk_bounds(self) -> list[int]:
@@ -197,8 +204,8 @@ class _Blocks:
         return bounds
 
     def factor_exponents(self, block_bounds: list[int]) -> torch.Tensor:
-        """(R, n_chunks) int32: f = max(s_max - SHIFT_MAX, -126) over each chunk's live blocks
-        (0 where a row has none)."""
+        """(R, n_chunks) int32: f = max(s_max - SHIFT_MAX, -126) over each chunk's finite
+        blocks (0 where a row has none)."""
         hi, _ = self.hi_lo()
         out = []
         for a, b in zip(block_bounds[:-1], block_bounds[1:]):
