@@ -30,6 +30,24 @@ def test_bench_kernels_smoke():
     assert "0 failed" in run.stdout
 
 
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_hopper():
+    """Triton's compiler and ptxas run on the CPU: each kernel variant the library launches
+    compiles for sm_90 (the interpreter-run tests cannot see a construct only the compiler
+    rejects)."""
+    pytest.importorskip("triton")
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton build has no ptxas")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " 0 failed" in run.stdout and "_fold_one_chunk_kernel" in run.stdout
+
+
 def test_bench_fp8_fold_smoke():
     pytest.importorskip("triton")
     run = script("bench_fp8_fold.py", "--smoke")
