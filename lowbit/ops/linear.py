@@ -217,10 +217,18 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
     dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the
-    values it quantized).
+    values it quantized). Under torch.compile a quantized linear runs eagerly, as a graph
+    break: the compiler fuses the work between the linears (norms, rotary embeddings,
+    activations, residuals) and leaves the quantizers, already fused Triton kernels, alone.
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
+    return _quant_linear(x, weight, bias, recipe)
+
+
+@torch.compiler.disable
+def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  recipe: LinearRecipe) -> torch.Tensor:
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
