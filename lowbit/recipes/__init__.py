@@ -284,9 +284,9 @@ def stable_fp4_fp8() -> Recipe:
     projections (MXFP8) stay emulated. Same values as stable-fp4 up to accumulation order. On
     CUDA the operands come from the fused quantize-and-fold Triton kernels, without host syncs
     inside a lowbit train step (a step whose one-chunk folds were not all exact is redone with
-    exact ones). Not faster than bf16 yet: on a 1B model (H200, 2026-11-29) 1.12x bf16's step
-    time with the step in a CUDA graph and 1.8-2.4x eager; the fold kernels cost more GPU time
-    than the FP8 GEMMs save (docs/results/kernels.md)."""
+    exact ones). On a 1B model (H200, 2026-11-30) 0.957x bf16's step time with the step in a
+    CUDA graph, 1.4-1.65x eager (host-bound), 2.77x under torch.compile, where the quantized
+    layers are graph breaks and bf16 compiles fully (docs/results/kernels.md)."""
     base = stable_fp4()
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8), base.overrides,
                   note=base.note + " GEMMs on FP8 tensor cores.")
