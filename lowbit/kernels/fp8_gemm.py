@@ -446,8 +446,15 @@ def _pieces(fa: FoldedOperand, fb: FoldedOperand) -> list[tuple[int, int, int, i
             for k0, k1 in zip(bounds[:-1], bounds[1:])]
 
 
+_NAN_SCALARS: dict[torch.device, torch.Tensor] = {}
+
+
 def _with_nan(factor: torch.Tensor, nan_rows: torch.Tensor) -> torch.Tensor:
-    return torch.where(nan_rows, torch.full_like(factor, float("nan")), factor)
+    """The factor, NaN on rows holding a NaN block: one kernel (a cached 0-dim NaN)."""
+    nan = _NAN_SCALARS.get(factor.device)
+    if nan is None:
+        nan = _NAN_SCALARS[factor.device] = torch.tensor(float("nan"), device=factor.device)
+    return torch.where(nan_rows, nan, factor)
 
 
 def _gemm_emulated(fa: FoldedOperand, fb: FoldedOperand, pieces, out_dtype) -> torch.Tensor:
@@ -479,7 +486,8 @@ def _scaled_mm_rowwise(a8, b8, sa, sb, out_dtype, use_fast_accum) -> torch.Tenso
     kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
     a8 = _pad_rows_cols(a8, m, kp)
     b8 = _pad_rows_cols(b8, np_, kp)
-    sb = F.pad(sb, (0, np_ - n), value=1.0)
+    if np_ != n:
+        sb = F.pad(sb, (0, np_ - n), value=1.0)
     key = (str(a8.device), out_dtype)
     if _ROWWISE_DTYPE_OK.get(key, True):
         try:
