@@ -10,7 +10,8 @@ launch is compiled for sm_90, with NATIVE_CAST=True (the GPU's casts), instead o
 stay uninitialised, so what a caller does after a launch (a readback, a fallback path) can go
 anywhere; that is fine, since only compile errors count. The variants are those the recipes
 use: MXFP4 1D/2D floor/rceil, RNE/SR, with transposes, whole-tile (unmasked) and ragged shapes,
-float32 and bfloat16 inputs; MXFP8; NVFP4 1D/2D, one- and two-level; intK; the fold's both paths.
+float32 and bfloat16 inputs; MXFP8; NVFP4 1D/2D, one- and two-level, with the fused
+Hadamard transform; intK; the fold's both paths.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def exercise(compiler: Compiler) -> None:
                     if spec.is_2d:
                         attempt(quantize_triton_with_transpose, x, spec, seed=seed)
                 attempt(fake_quantize_triton, x, spec, seed=seed)
+                if not spec.is_2d and shape[1] % 16 == 0:          # nvfp4's wgrad operands
+                    attempt(fake_quantize_triton, x.t().contiguous().t(), spec, seed=seed,
+                            hadamard=torch.ones(16))
                 if spec.is_2d:
                     attempt(fake_quantize_triton_with_transpose, x, spec, seed=seed)
                 if fmt == "mxfp4":

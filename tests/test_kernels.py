@@ -396,3 +396,142 @@ def test_lowbit_quantize_is_unchanged_on_the_cpu():
     x = spread((8, 64), seed=12).cpu()
     q = lowbit.quantize(x, "mxfp4", scale_rule="rceil")
     assert torch.equal(q.codes, reference(x, q.spec).codes)
+
+
+# ---- the random Hadamard transform fused into fake quantization ----------------------------
+
+HADAMARD_SPECS = [QuantSpec.make("nvfp4", (1, 16), tensor_scale=True),
+                  QuantSpec.make("nvfp4", (1, 16), tensor_scale=False),
+                  QuantSpec.make("mxfp4", (1, 32), "floor")]
+
+
+def rotated_reference(t, spec, signs):
+    from lowbit.ops import random_hadamard
+
+    with force_reference():
+        return quantize_dequantize(random_hadamard(t.cpu(), signs.cpu()), spec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", HADAMARD_SPECS, ids=spec_id)
+def test_fused_hadamard_is_the_rotation_then_the_quantizer(spec, dtype):
+    """fake_quantize_triton(t, spec, hadamard=signs) == quantize_dequantize(random_hadamard(t,
+    signs), spec) bit for bit: t a transposed view (as the wgrad operands dY^T, X^T), odd row
+    count, values spread over 2^+-12, a group holding 1e30 and 1e-30 (float32: butterflies that
+    round), a NaN, an Inf and an all-zero group."""
+    g = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    x = spread((64, 37), seed=3)                                    # (N, features)
+    x[0:16, 3] = 0.0
+    x[16, 5], x[17, 5] = 1e30, 1e-30
+    x[40, 7] = float("nan")
+    x[50, 8] = float("inf")
+    x = x.to(dtype)
+    t = x.mT                                                        # (37, 64), strides (1, 37)
+    got = fake_quantize_triton(t, spec, hadamard=signs)
+    assert got.shape == (37, 64) and got.dtype == dtype
+    assert_bits_equal(got, rotated_reference(t, spec, signs).to(dtype))
+
+
+@pytest.mark.parametrize("spec", [with_rounding(HADAMARD_SPECS[0], "stochastic"),
+                                  with_rounding(HADAMARD_SPECS[2], "stochastic")], ids=spec_id)
+def test_fused_hadamard_stochastic_rounding_is_the_seed_contracts(spec):
+    """With stochastic rounding the fused kernel draws what the quantize kernel draws for the
+    rotated tensor materialized first (the seed contract indexes the logical shape)."""
+    from lowbit.ops import random_hadamard
+
+    signs = torch.tensor([1, -1] * 8)
+    t = spread((32, 80), seed=4).to(torch.bfloat16)
+    got = fake_quantize_triton(t, spec, seed=99, hadamard=signs)
+    assert_bits_equal(got, fake_quantize_triton(random_hadamard(t, signs), spec, seed=99))
+
+
+def test_fused_hadamard_refuses_what_it_does_not_cover():
+    signs = torch.ones(16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fake_quantize_triton(torch.randn(4, 40, device=DEVICE), HADAMARD_SPECS[0], hadamard=signs)
+    with pytest.raises(ValueError, match="1D blocks"):
+        fake_quantize_triton(torch.randn(32, 32, device=DEVICE), QuantSpec.make("nvfp4", (16, 16)),
+                             hadamard=signs)
+    with pytest.raises(ValueError, match="16 signs"):
+        fake_quantize_triton(torch.randn(4, 32, device=DEVICE), HADAMARD_SPECS[0],
+                             hadamard=torch.ones(8))
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lowbit.kernels.quantize import _rotate16  # noqa: E402
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, signs_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr,
+                   NATIVE_CAST: tl.constexpr):
+    """_rotate16 alone on an (R, C) tensor."""
+    rows = tl.arange(0, R)[:, None]
+    cols = tl.arange(0, C)
+    x = tl.load(x_ptr + rows * C + cols[None, :]).to(tl.float32)
+    tl.store(out_ptr + rows * C + cols[None, :],
+             _rotate16(x, x_ptr, signs_ptr, cols, R, C, NATIVE_CAST))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_rotation_is_random_hadamard_bit_for_bit(dtype):
+    """The kernel's transform alone (before any quantizer could hide a last-bit difference)
+    equals random_hadamard's bits, on float32 groups whose values span 2^-30..1, where float32
+    butterflies round and any other order of the additions gives other bits."""
+    from lowbit.ops import random_hadamard
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 64, generator=g)
+         * torch.exp2(torch.randint(-30, 1, (16, 64), generator=g).float())).to(dtype)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    out = torch.empty(16, 64, dtype=torch.float32, device=DEVICE)
+    _rotate_kernel[(1,)](x.to(DEVICE), signs.float().to(DEVICE), out, 16, 64,
+                         NATIVE_CAST=ON_GPU)
+    assert_bits_equal(out.cpu(), random_hadamard(x, signs).float())
+
+
+def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
+    """nvfp4's wgrad operands through the fused kernel give the layer the same gradients, bit
+    for bit, as the rotation followed by the quantize kernel (kernels forced on the
+    interpreter; the same draws from torch's generator either way)."""
+    import lowbit.kernels as kernels
+    import lowbit.ops.linear as linear
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    monkeypatch.setattr(kernels, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    fused_calls = []
+    fake_quantize = kernels.fake_quantize_triton
+
+    def spy(x, spec, *args, hadamard=None, **kwargs):
+        fused_calls.append(hadamard is not None)
+        return fake_quantize(x, spec, *args, hadamard=hadamard, **kwargs)
+
+    monkeypatch.setattr(kernels, "fake_quantize_triton", spy)
+    r = get_recipe("nvfp4").linear
+    g = torch.Generator().manual_seed(3)
+    x0, w0 = torch.randn(48, 64, generator=g), torch.randn(32, 64, generator=g)
+    dy = torch.randn(48, 32, generator=g)
+
+    def grads():
+        torch.manual_seed(11)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        quant_linear(x, w, None, r).backward(dy)
+        return x.grad, w.grad
+
+    fused = grads()
+    assert sum(fused_calls) == 2                  # dY^T and X^T, each through the fused kernel
+    calls = []
+    unfused = linear._rotated_operand
+
+    def rotate_then_quantize(t, spec, signs):
+        calls.append(1)
+        return linear.operand(linear.random_hadamard(t.mT, signs), spec, reduce_dim=1).mT
+
+    monkeypatch.setattr(linear, "_rotated_operand", rotate_then_quantize)
+    plain = grads()
+    assert calls and unfused is not rotate_then_quantize
+    assert_bits_equal(fused[0], plain[0])
+    assert_bits_equal(fused[1], plain[1])

@@ -120,12 +120,26 @@ def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, 
 
 def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                          generator: torch.Generator | None = None,
-                         dtype: torch.dtype | None = None) -> torch.Tensor:
+                         dtype: torch.dtype | None = None,
+                         hadamard: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize in one pass: equal bit for bit to
     `quantize_dequantize(x, spec, dtype=dtype)` (= `quantize_with_spec(x, spec).dequantize(dtype)`),
-    in x's shape and `dtype` (default x's)."""
+    in x's shape and `dtype` (default x's).
+
+    hadamard: 16 signs (+-1): fake-quantize the random Hadamard transform of x's last dim
+    instead, `quantize_dequantize(random_hadamard(x, signs), spec)` (lowbit.ops.linear), fused:
+    the transform runs in registers (also in the two-level tensor amax's pass), nothing is
+    written between. 1D blocks, x 2-D, its last dim a multiple of 16."""
+    if hadamard is not None:
+        if spec.is_2d or x.dim() != 2 or x.shape[-1] % 16:
+            raise ValueError(f"the fused Hadamard transform takes a 2-D x whose last dim is a "
+                             f"multiple of 16 and 1D blocks; got shape {tuple(x.shape)}, "
+                             f"block {spec.block}")
+        if hadamard.shape != (16,):
+            raise ValueError(f"hadamard must hold 16 signs, got shape {tuple(hadamard.shape)}")
+        hadamard = hadamard.to(x.device, torch.float32)
     return _run(x, spec, seed, generator, codes=False, values=True, transpose=False,
-                out_dtype=dtype)[0]
+                out_dtype=dtype, hadamard=hadamard)[0]
 
 
 def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
@@ -169,7 +183,8 @@ def _seed_tensor(seed, generator, device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, config=None):
+def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, config=None,
+         hadamard=None):
     from lowbit.formats.quantize import _check_input
     from lowbit.kernels import quantize as kq
 
@@ -198,7 +213,7 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
     switch = x.is_cuda and x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
         out = kq.launch(x3, spec, seed=seed_t, codes=codes, values=values, transpose=transpose,
-                        out_dtype=out_dtype, config=config)
+                        out_dtype=out_dtype, config=config, hadamard=hadamard)
     tensor_scale = out.get("tensor_scale")
 
     def qtensor(codes_, scales_, shape_):

@@ -37,6 +37,10 @@ How the bits match the reference (every step is the reference's operation, in it
   reciprocal overflows, a block of float32 subnormals), rounded by the same round_to_grid
   with emin = mbits (spacing 1 everywhere), times the scale; a rounded zero is +0, as
   integer codes decode.
+- The random Hadamard transform (nvfp4's wgrad operands), when asked for: each group of 16
+  along C times its signs, float32 butterflies a + b, a - b at strides 1, 2, 4, 8, times 1/4,
+  rounded to x's dtype: lowbit.ops.linear.random_hadamard's arithmetic in its order, in
+  registers before the amax (and in the two-level tensor amax's pass too).
 - Casts: bfloat16 -> float32 is exact, float32 -> bfloat16 / float16 round to nearest even:
   natively on the GPU; in Triton's interpreter, which truncates to bfloat16 and mangles
   bfloat16 subnormals, both are done on the bits.
@@ -225,9 +229,27 @@ def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _tensor_amax_kernel(x_ptr, amax_ptr, R, C, stride_b, stride_r, stride_c, n_tiles_c, n_tiles_r,
-                        n_tiles, ITERS: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
-                        NATIVE_CAST: tl.constexpr):
+def _rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+              NATIVE_CAST: tl.constexpr):
+    """The random Hadamard transform of each group of 16 columns (lowbit.ops.linear.
+    random_hadamard, step for step): x times the group's signs, a fast Walsh-Hadamard
+    transform in float32 (butterflies a + b, a - b at strides 1, 2, 4, 8, in that order),
+    times 1/4, rounded to x's dtype (the operand the quantizer then sees)."""
+    x = x * tl.load(signs_ptr + (cols % 16))[None, :]
+    for d in tl.static_range(4):   # stride 2^d
+        y = tl.permute(tl.reshape(x, (TILE_R, TILE_C // (2 << d), 2, 1 << d)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (TILE_R, TILE_C))
+    x = x * 0.25
+    if x_ptr.dtype.element_ty != tl.float32:
+        x = _to_output(x, x_ptr, NATIVE_CAST).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, stride_c,
+                        n_tiles_c, n_tiles_r, n_tiles, ITERS: tl.constexpr, TILE_R: tl.constexpr,
+                        TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr, HADAMARD: tl.constexpr):
     """Max of the finite |x| (as int32 bits) into amax_ptr (int32). Each program folds ITERS
     consecutive tiles, then does one atomic_max, so the atomics do not queue up. (ITERS is a
     constexpr: Triton's interpreter cannot loop over a runtime bound.)"""
@@ -243,7 +265,10 @@ def _tensor_amax_kernel(x_ptr, amax_ptr, R, C, stride_b, stride_r, stride_c, n_t
         mask = (rows[:, None] < row_end) & (cols[None, :] < C)
         ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
                 + cols[None, :] * stride_c)
-        abits = _load_float32(ptrs, mask, NATIVE_CAST).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        x = _load_float32(ptrs, mask, NATIVE_CAST)
+        if HADAMARD:
+            x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
+        abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         acc = tl.maximum(acc, tl.where(abits < 0x7F800000, abits, 0))
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
@@ -251,7 +276,7 @@ def _tensor_amax_kernel(x_ptr, amax_ptr, R, C, stride_b, stride_r, stride_c, n_t
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, out_ptr, out_t_ptr,
-    amax_ptr, tensor_scale_ptr, seed_ptr,
+    amax_ptr, tensor_scale_ptr, seed_ptr, signs_ptr,
     R, C, stride_b, stride_r, stride_c, codes_cols, codes_t_cols, n_scale_rows, n_scale_cols,
     EMIN: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr,
     MAX_CODE: tl.constexpr, SIGN_BIT: tl.constexpr,
@@ -259,7 +284,7 @@ def _quantize_kernel(
     GROUP4: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, TRANSPOSE: tl.constexpr,
-    OUT_LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr,
+    OUT_LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     # x: (B, R, C) with strides; codes: (B, R, codes_cols) uint8; 1D scales: (B*R, n_scale_cols),
     # 2D scales: (B, n_scale_rows, n_scale_cols); out: (B, R, C); transposed: (B, C, ...).
@@ -272,6 +297,8 @@ def _quantize_kernel(
     ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
             + cols[None, :] * stride_c)
     x = _load_float32(ptrs, in_bounds, NATIVE_CAST)                   # (TR, TC), padding = 0
+    if HADAMARD:  # quantize the rotated operand (C is a multiple of 16: no group is padded)
+        x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
     bits = x.to(tl.int32, bitcast=True)
 
     # ---- one scale per block, from the amax on the bits ------------------------------------
@@ -461,11 +488,12 @@ def _launch_constants(spec) -> dict:
 
 def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, values: bool,
            transpose: bool, out_dtype: torch.dtype | None = None,
-           config: TileConfig | None = None):
+           config: TileConfig | None = None, hadamard: torch.Tensor | None = None):
     """Run the kernels on x3 (B, R, C) (any strides). Returns a dict with the outputs:
     codes (B, R, Cp/per_byte) uint8, scales (uint8 codes), tensor_scale (0-dim float32),
     values (B, R, C) in out_dtype (default x's); with transpose, codes_t / scales_t / values_t
-    of x^T."""
+    of x^T. hadamard: (16,) float32 signs: quantize the random Hadamard transform of each
+    group of 16 along C instead of x (C a multiple of 16)."""
     batch, rows, cols = x3.shape
     const = _launch_constants(spec)
     br, bc, per_byte = const["BR"], const["BC"], const["PER_BYTE"]
@@ -474,6 +502,9 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     tile_r, tile_c, num_warps = cfg
     if tile_c % bc or tile_r % br or (transpose and tile_r % 2):
         raise ValueError(f"tile {cfg} does not hold whole {spec.block} blocks")
+    if hadamard is not None and (cols % 16 or tile_c % 16):
+        raise ValueError(f"the fused Hadamard transform needs C and the tile's columns to be "
+                         f"multiples of 16, got C={cols}, tile {cfg}")
 
     dev = x3.device
     padded_cols = -(-cols // bc) * bc
@@ -507,20 +538,22 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         raise ValueError(f"shape {tuple(x3.shape)} needs a grid {grid} past CUDA's 65535 limit "
                          "on grid dims 1 and 2; use larger tiles")
     amax_buf = tensor_scale = empty
+    signs = empty if hadamard is None else hadamard
     if two_level:
         amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)
         tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
         n_tiles = grid[0] * grid[1] * grid[2]
         iters = _pow2_at_least(triton.cdiv(n_tiles, 4 * _sm_count(dev)))  # few distinct values
         _tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
-            x3, amax_buf, rows, cols, *x3.stride(), grid[0], grid[1], n_tiles, ITERS=iters,
-            TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET, num_warps=num_warps)
+            x3, amax_buf, signs, rows, cols, *x3.stride(), grid[0], grid[1], n_tiles,
+            ITERS=iters, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
+            HADAMARD=hadamard is not None, num_warps=num_warps)
         out["tensor_scale"] = tensor_scale
     if stochastic and seed is None:
         raise ValueError("stochastic rounding needs a seed")
     _quantize_kernel[grid](
         x3, code_buf, scale_buf, code_t_buf, scale_t_buf, val_buf, val_t_buf,
-        amax_buf, tensor_scale, seed if stochastic else empty,
+        amax_buf, tensor_scale, seed if stochastic else empty, signs,
         rows, cols, *x3.stride(), padded_cols // per_byte, padded_rows // per_byte,
         n_scale_rows, n_scale_cols,
         EMIN=const["EMIN"], MBITS=const["MBITS"], EMAX=const["EMAX"], MAXV=const["MAXV"],
@@ -529,7 +562,7 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         GROUP4=(cols % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc, TILE_R=tile_r, TILE_C=tile_c,
         WRITE_CODES=codes, WRITE_VALUES=values, TRANSPOSE=transpose,
         OUT_LIMIT=_OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
-        num_warps=num_warps,
+        HADAMARD=hadamard is not None, num_warps=num_warps,
     )
     return out
 

@@ -50,41 +50,30 @@ def _shared(first: QuantSpec | None, second: QuantSpec | None) -> bool:
     return first is not None and first == second and first.is_2d
 
 
-_HADAMARD_16: dict[torch.device, torch.Tensor] = {}
-
-
-def _hadamard_16(device: torch.device) -> torch.Tensor:
-    """The orthonormal 16x16 Sylvester Hadamard matrix, float32, cached per device (no host
-    copy per call: a CUDA graph can capture the caller)."""
-    h = _HADAMARD_16.get(device)
-    if h is None:
-        h = torch.ones(1, 1)
-        while h.shape[0] < 16:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        h = _HADAMARD_16[device] = (h / 4.0).to(device)  # orthonormal: H H^T = I
-    return h
-
-
 def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """t (rows, N) times a block-diagonal orthonormal (16x16 Hadamard . diag(signs)) along N.
+    """t (rows, N) times a block-diagonal orthonormal (diag(signs) . H16 / 4) along N, in t's
+    dtype (rows, N'), N' = N padded with zero tokens to a multiple of 16 (zeros add nothing).
 
     Applied to both wgrad operands, it cancels in dW = (dY^T R)(X^T R)^T = dY^T X, while
-    spreading outliers across each block of 16 tokens before they are quantized. N is padded
-    with zero tokens to a multiple of 16 (zeros add nothing to dW).
+    spreading outliers across each block of 16 tokens before they are quantized.
 
-    One GEMM (rows * N/16, 16) @ (16, 16) in t's dtype: the matrix's entries +-1/4 are exact in
-    bf16 and fp16 and each product is exact in float32, so with float32 accumulation the
-    result is the float32 sum rounded once to t's dtype, as a float32 GEMM followed by a cast
-    gives, at half the traffic and on tensor cores. The CPU accumulates 16-bit GEMMs in
-    float32; cuBLAS does too unless its reduced-precision reduction is allowed (PyTorch's
-    default), which a reduction over K = 16 leaves no room to use in practice.
+    The arithmetic is fixed, so the fused Triton kernel (lowbit.kernels.fake_quantize_triton
+    with `hadamard`) does exactly the same operations: t times the signs, a fast Walsh-Hadamard
+    transform in float32 (butterflies a + b, a - b at strides 1, 2, 4, 8, in that order), times
+    1/4, rounded once to t's dtype. The butterflies of bf16 inputs are exact in float32 unless
+    a group's values span more than about 12 binades (fp16: 9), so this is the exact product
+    rounded once in practice, and the same bits wherever it is computed.
     """
     rows, n = t.shape
     pad = (-n) % 16
     if pad:
         t = F.pad(t, (0, pad))
-    h = (_hadamard_16(t.device) * signs.to(t.device, torch.float32)[:, None]).to(t.dtype)
-    return (t.reshape(-1, 16) @ h).reshape(rows, n + pad)
+    x = t.to(torch.float32) * signs.to(t.device, torch.float32).repeat((n + pad) // 16)
+    for stride in (1, 2, 4, 8):
+        y = x.reshape(rows, -1, 2, stride)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        x = torch.stack([a + b, a - b], dim=2).reshape(rows, n + pad)
+    return (x * 0.25).to(t.dtype)
 
 
 def _saved_operands(x, weight, x_f, w_f, r: LinearRecipe):
@@ -105,12 +94,24 @@ def _wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe):
     transform, both rotated by the same random orthonormal R along N (N padded to 16k)."""
     if r.wgrad_hadamard:
         signs = torch.randint(0, 2, (16,), device=dy.device) * 2 - 1
-        dy_w = operand(random_hadamard(dy.mT, signs), r.wgrad_dy, reduce_dim=1).mT   # (N', out)
-        x_w = operand(random_hadamard(x_saved.mT, signs), r.wgrad_x, reduce_dim=1).mT  # (N', in)
-        return dy_w, x_w
+        return _rotated_operand(dy, r.wgrad_dy, signs), _rotated_operand(x_saved, r.wgrad_x, signs)
     dy_w = dy_d if _shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
     x_w = x_saved if _shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
     return dy_w, x_w
+
+
+def _rotated_operand(t: torch.Tensor, spec: QuantSpec | None, signs: torch.Tensor) -> torch.Tensor:
+    """t (N, features) rotated along N by random_hadamard and quantized with blocks along N:
+    (N', features). On CUDA, with 1D blocks and N a multiple of 16, one fused kernel reads t
+    and writes the fake-quantized values (the same bits: the kernel does random_hadamard's
+    arithmetic); elsewhere the rotation, then the quantizer."""
+    from lowbit.kernels import fake_quantize_triton, use_kernels
+
+    t_t = t.mT                                                     # (features, N), a view
+    if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
+            and use_kernels(t_t, spec, codes=False)):
+        return fake_quantize_triton(t_t, spec, hadamard=signs).mT
+    return operand(random_hadamard(t_t, signs), spec, reduce_dim=1).mT
 
 
 def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:

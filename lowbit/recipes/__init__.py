@@ -186,12 +186,14 @@ def nvfp4() -> Recipe:
 
     1x16 NVFP4 (E4M3 block scales under an FP32 tensor scale) for all three GEMMs; weights
     in 16x16 2D tiles (so fprop and dgrad share them); stochastic rounding on gradients (dY);
-    a 16x16 random Hadamard transform on both wgrad operands; the first and last transformer
-    blocks in BF16. NVFP4's E4M3 scales do not fold into FP8 exactly, so on Hopper this recipe
-    is emulated (dequantize + BF16 GEMM). Evidence here (docs/results/stable-fp4.md, H200, 2026-11-29,
-    10M-parameter model, 7.4M tokens): -0.18% validation loss vs BF16 (within the 0.26%
-    run-to-run noise), dW cosine vs BF16 0.98; at 97.5M parameters on pycode (11.5M tokens):
-    -0.82%, dW cosine 0.98 throughout.
+    a 16x16 random Hadamard transform on both wgrad operands (on CUDA fused into the quantize
+    kernel); the first and last transformer blocks in BF16. NVFP4's E4M3 scales do not fold
+    into FP8 exactly, so on Hopper this recipe is emulated (dequantize + BF16 GEMM). Evidence
+    here (docs/results/stable-fp4.md, H200, 2026-11-29, 10M-parameter model, 7.4M tokens):
+    -0.18% validation loss vs BF16 (within the 0.26% run-to-run noise), dW cosine vs BF16 0.98;
+    at 97.5M parameters on pycode (11.5M tokens): -0.82%, dW cosine 0.98 throughout. (Those
+    runs used the transform as a bf16 GEMM; it is now float32 butterflies: the same values
+    unless a group of 16 spans more than about 12 binades, where float32 sums round.)
     """
     x = _spec("nvfp4", (1, 16))
     w = _spec("nvfp4", (16, 16))
