@@ -358,3 +358,30 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
     n_after, dx, dw = run(True, False)
     assert n_ref == 0 and n_in > 0 and n_after == 0
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
+
+
+def test_column_offsets_past_int32():
+    """A transposed view whose column stride times its width passes 2^31 elements (as
+    quantize_fold(x.mT, ...) hands the kernels for wgrad): the offsets are 64-bit. The view
+    lies in an 11 GB allocation that is never touched but where it is read."""
+    if DEVICE != "cpu":
+        pytest.skip("the view needs an 11 GB allocation; the CPU's is virtual")
+    from lowbit.kernels import fake_quantize_triton
+    from lowbit.formats import quantize_dequantize
+
+    rows, cols, stride, offset = 16, 8, 2**29, 2**31
+    try:
+        base = torch.empty(offset + (cols - 1) * stride + rows + 64, dtype=torch.bfloat16)
+    except RuntimeError:
+        pytest.skip("no 11 GB of address space here")
+    x = base.as_strided((rows, cols), (1, stride), offset)
+    values = torch.arange(1, rows * cols + 1, dtype=torch.float32).reshape(rows, cols)
+    for c in range(cols):
+        x[:, c] = values[:, c]
+        if c * stride >= 2**31:        # where a wrapped 32-bit offset would read instead
+            wrapped = offset + c * stride - 2**32
+            base[wrapped:wrapped + rows] = -1000.0
+    spec = QuantSpec.make("mxfp4", (1, 32), "floor")
+    dense = x.contiguous()
+    assert_same(quantize_fold_mxfp4(x, spec), fold_operand(quantize_with_spec(dense, spec)))
+    assert torch.equal(fake_quantize_triton(x, spec), quantize_dequantize(dense, spec))

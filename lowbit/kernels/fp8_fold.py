@@ -28,7 +28,8 @@ One K-chunk, no host sync (`_fold_one_chunk`, tried first):
    and on E4M3's grid, so a float32 -> E4M3 conversion writes it. Factors and NaN rows come
    from the first tile column (row). A live block below the window (its row spans more than
    14 binades) cannot be written exactly: its nonzero values are added to an int64 counter on
-   the device (counted only in the rare tiles that hold such a block).
+   the device (counted only in tiles holding a block below the window; an all-zero block can
+   be one, and adds nothing).
    Outside `fp8_gemm.deferred_fold_check()` the counter is read back (the one host sync) and a
    nonzero count falls back to the planned fold; inside one, nothing is read back: the check's
    counter accumulates over every fold and its owner (lowbit.train's step) redoes the work if
@@ -83,7 +84,7 @@ def _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R: tl.constex
     (EVEN: the tiles cover x exactly, so the load is not masked; stores need no mask either)."""
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :] * stride_c
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
     in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
     if EVEN:
         x = _load_float32(ptrs, None, NATIVE_CAST)
@@ -248,8 +249,9 @@ def _fold_one_chunk_kernel(
         below += (shift_t < SHIFT_MIN_C).to(tl.int32)
         if pid_r == 0:
             _store_factors(stats_t_ptr, n_bands_t, factors_t_ptr, nan_t_ptr, cols, C, BC)
-    below = tl.where(bad, 0, below)
-    if tl.max(tl.max(below, axis=1), axis=0) > 0:   # rare: count what the window loses
+    real = (bands[:, None] < n_bands) & (bands_t[None, :] < n_bands_t)   # not the tile's padding
+    below = tl.where(bad | ~real, 0, below)
+    if tl.max(tl.max(below, axis=1), axis=0) > 0:   # count what the window loses
         nonzero = _block_sum((values != 0).to(tl.int32), TILE_R, TILE_C, BR, BC)
         tl.atomic_add(over_ptr, tl.sum(tl.sum(below * nonzero, axis=1), axis=0).to(tl.int64))
 

@@ -264,7 +264,7 @@ def _tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, st
         row_end = tl.where(tile < n_tiles, R, 0)                   # past the last tile: none
         mask = (rows[:, None] < row_end) & (cols[None, :] < C)
         ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
-                + cols[None, :] * stride_c)
+                + cols.to(tl.int64)[None, :] * stride_c)
         x = _load_float32(ptrs, mask, NATIVE_CAST)
         if HADAMARD:
             x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
@@ -295,7 +295,7 @@ def _quantize_kernel(
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
     in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
     ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
-            + cols[None, :] * stride_c)
+            + cols.to(tl.int64)[None, :] * stride_c)
     x = _load_float32(ptrs, in_bounds, NATIVE_CAST)                   # (TR, TC), padding = 0
     if HADAMARD:  # quantize the rotated operand (C is a multiple of 16: no group is padded)
         x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
@@ -396,13 +396,16 @@ def _quantize_kernel(
 
     if WRITE_VALUES:  # fake quantize: the dequantized values, in the output dtype
         value = _round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
+        # a NaN here (NaN or Inf input, so a NaN block) would lend its own sign bit to the
+        # output (a host CPU's default NaN is negative): the block's NaN scale makes it NaN
+        value = tl.where(value != value, 0.0, value)
+        sign = bits & SIGN_MASK
+        if SCALE_KIND == 3:   # integer codes have no -0 (the reference decodes +0)
+            sign = tl.where(value == 0, 0, sign)
         # decode * scale, saturated at the output dtype's max (NaN blocks stay NaN), then the
         # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
         value = tl.minimum(value * _expand(elem_scale, TILE_R, TILE_C, BR, BC), OUT_LIMIT,
                            propagate_nan=tl.PropagateNan.ALL)
-        sign = bits & SIGN_MASK
-        if SCALE_KIND == 3:   # integer codes have no -0 (the reference decodes +0)
-            sign = tl.where(value == 0, 0, sign)
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         out = _to_output(value, out_ptr, NATIVE_CAST)
         out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
