@@ -333,6 +333,19 @@ def test_int_fake_quantize_matches_the_reference(spec, dtype):
     check_values(spread((96, 64), seed=4).t().to(dtype), spec)
 
 
+def test_int_fake_quantize_nan_blocks_have_the_references_nan_bits():
+    """A block holding an Inf dequantizes to NaN; integer codes carry no sign there, so every
+    element is a positive NaN, as the reference gives (not the sign of x, nor the host CPU's
+    default NaN, which is negative). (The payload is the platform's: a GPU's canonical NaN.)"""
+    spec = QuantSpec.make("int8", (1, 32))
+    x = torch.linspace(-1, 1, 32).reshape(1, 32)
+    x[0, 31] = float("inf")
+    got = fake_quantize_triton(x.to(DEVICE), spec).cpu()
+    ref = reference(x, spec).dequantize()
+    assert torch.isnan(got).all() and torch.isnan(ref).all()
+    assert (got.view(torch.int32) > 0).all() and (ref.view(torch.int32) > 0).all()
+
+
 @pytest.mark.parametrize("spec", [s for s in INT_SPECS if s.is_2d], ids=spec_id)
 def test_int_fake_quantize_transposed_from_the_same_pass(spec):
     x = spread((40, 45), seed=6).to(torch.bfloat16)
