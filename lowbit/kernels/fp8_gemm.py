@@ -446,15 +446,9 @@ def _pieces(fa: FoldedOperand, fb: FoldedOperand) -> list[tuple[int, int, int, i
             for k0, k1 in zip(bounds[:-1], bounds[1:])]
 
 
-_NAN_SCALARS: dict[torch.device, torch.Tensor] = {}
-
-
 def _with_nan(factor: torch.Tensor, nan_rows: torch.Tensor) -> torch.Tensor:
-    """The factor, NaN on rows holding a NaN block: one kernel (a cached 0-dim NaN)."""
-    nan = _NAN_SCALARS.get(factor.device)
-    if nan is None:
-        nan = _NAN_SCALARS[factor.device] = torch.tensor(float("nan"), device=factor.device)
-    return torch.where(nan_rows, nan, factor)
+    """The factor, NaN on rows holding a NaN block: one kernel, no host copy (capturable)."""
+    return torch.where(nan_rows, float("nan"), factor)
 
 
 def _gemm_emulated(fa: FoldedOperand, fb: FoldedOperand, pieces, out_dtype) -> torch.Tensor:
