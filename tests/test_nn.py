@@ -303,3 +303,32 @@ def test_stable_fp4_fp8_trains_a_moe_model():
     out = model(idx, idx)
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["stable-fp4", "stable-fp4-fp8"])
+def test_torch_compile_runs_quantized_layers_as_graph_breaks(recipe):
+    """Under torch.compile the model compiles around its quantized layers, which run eagerly
+    as graph breaks: the loss and the gradients are the eager model's, bit for bit (dynamo
+    with the eager backend; same seeds for the stochastic rounding), and dynamo never traces
+    into a quantizer (no recompiles past the limit, no errors)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny_model(0)
+    convert(model, recipe)
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(forward):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = forward(idx, idx).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager = loss_and_grads(model)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    breaks.clear()
+    compiled = loss_and_grads(torch.compile(model, backend="eager"))
+    assert torch.equal(compiled[0], eager[0])
+    assert all(torch.equal(a, b) for a, b in zip(compiled[1], eager[1]))
+    assert sum(breaks.values()) > 0          # the quantized layers did not get traced

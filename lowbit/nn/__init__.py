@@ -50,9 +50,10 @@ class QuantLinear(nn.Linear):
         q.quantize = True
         return q
 
-    # Under torch.compile the layer runs eagerly, a graph break (see quant_linear): compiled,
-    # its frame would be recompiled for every recipe, shape and dtype it meets, past dynamo's
-    # recompile limit.
+    # Under torch.compile the layer runs eagerly, a graph break (see quant_linear), also when
+    # it does not quantize (a recipe's high-precision layers, quantization_disabled): traced,
+    # a quantized call breaks the graph inside this frame, which dynamo then compiles on its
+    # own and recompiles for every recipe, shape and dtype it meets, past its recompile limit.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.weight, self.bias, self.linear_recipe if self.quantize else None)

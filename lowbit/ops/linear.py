@@ -221,6 +221,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     values it quantized). Under torch.compile a quantized linear runs eagerly, as a graph
     break: the compiler fuses the work between the linears (norms, rotary embeddings,
     activations, residuals) and leaves the quantizers, already fused Triton kernels, alone.
+    (lowbit.nn.QuantLinear's forward is excluded as a whole, so there even an unquantized
+    layer is a graph break.)
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
