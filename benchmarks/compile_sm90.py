@@ -10,7 +10,7 @@ launch is compiled for sm_90, with NATIVE_CAST=True (the GPU's casts), instead o
 stay uninitialised, so what a caller does after a launch (a readback, a fallback path) can go
 anywhere; that is fine, since only compile errors count. The variants are those the recipes
 use: MXFP4 1D/2D floor/rceil, RNE/SR, with transposes, whole-tile (unmasked) and ragged shapes,
-float32 and bfloat16 inputs; MXFP8; NVFP4 1D/2D, one- and two-level, with the fused
+float32, bfloat16 and float16 inputs; MXFP8; NVFP4 1D/2D, one- and two-level, with the fused
 Hadamard transform; intK; the fold's both paths.
 """
 
@@ -59,6 +59,9 @@ class Compiler:
                 signature[p.name] = "*" + _TYPES[value.dtype]
             elif isinstance(value, bool):
                 signature[p.name] = "i1"
+            elif isinstance(value, int) and value == 1 and not p.do_not_specialize:
+                signature[p.name] = "constexpr"    # as Triton specializes it (a unit stride)
+                constants[p.name] = 1
             elif isinstance(value, int):
                 signature[p.name] = "i64" if abs(value) >= 2**31 else "i32"
             elif isinstance(value, float):
@@ -115,7 +118,7 @@ def exercise(compiler: Compiler) -> None:
             kwargs["scale_rule"] = rule
         spec = QuantSpec.make(fmt, block, **kwargs)
         seed = 7 if rounding == "stochastic" else None
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
             for shape in shapes:
                 x = torch.randn(*shape, dtype=dtype)
                 if supports(spec, codes=True):
@@ -134,6 +137,8 @@ def exercise(compiler: Compiler) -> None:
                         attempt(ff._fold_one_chunk, launch, True, spec.is_2d, check.counter)
                         attempt(ff._fold_one_chunk, launch, False, spec.is_2d, check.counter)
                     attempt(ff._fold_planned, launch, True, spec.is_2d)
+                    if spec.is_2d:
+                        attempt(ff._fold_planned, launch, False, True)
     attempt(stochastic_uniforms, (64, 256), 3, device="cpu")
 
 
