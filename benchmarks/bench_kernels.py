@@ -20,6 +20,9 @@
    columns time the same call replayed from a CUDA graph (do_bench_cudagraph, no L2 flush):
    the GPU's time alone, so the gap to the first timing is host (Python + launch) overhead.
 3. A tile-config sweep on one shape, to choose the default.
+4. nvfp4's wgrad operand with the random Hadamard transform fused into the kernel, against the
+   rotation then the kernel: bitwise (RNE and stochastic), eager and CUDA-graph times
+   (`--only-hadamard` runs this alone).
 
 Prints aligned tables; with $OUT set, writes $OUT/bench_kernels.json. Exit status 1 if a
 check failed. Needs a CUDA GPU and triton (written against triton 3.6).
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 import triton  # noqa: E402
-from common import Checks, Report, time_ms  # noqa: E402
+from common import Checks, Report, graph_time_ms, time_ms  # noqa: E402
 
 from lowbit.bench import KERNEL_SHAPES, bench_kernels, format_kernel_rows, kernel_name  # noqa: E402
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
@@ -218,12 +221,47 @@ def run_sweep():
     return out
 
 
+HADAMARD_SHAPES = [(8192, 2048), (8192, 5504)]   # (tokens, features): dY / X of the 1b preset
+
+
+def run_hadamard(checks: Checks):
+    """nvfp4's wgrad operand: the fused kernel (rotation in registers) against the rotation
+    followed by the quantize kernel, on t = x.mT as lowbit.ops.linear hands it: bitwise (into
+    `checks`), then eager (do_bench) and GPU-alone (CUDA-graph replay) times in ms."""
+    from lowbit.ops import random_hadamard
+
+    print("\n== nvfp4 wgrad operand: fused random Hadamard + fake quantize (bf16)", flush=True)
+    spec = find("nvfp4", None, (1, 16), True)
+    signs = torch.tensor([1, -1, -1, 1, 1, 1, -1, 1, -1, 1, 1, -1, 1, -1, -1, -1],
+                         device=DEVICE, dtype=torch.float32)
+    out = []
+    for shape in HADAMARD_SHAPES if DEVICE == "cuda" else [(64, 96)]:
+        t = spread(shape, seed=5).to(torch.bfloat16).mT                # (features, tokens)
+        seed = torch.tensor([3], device=DEVICE, dtype=torch.int64)
+        fused = functools.partial(fake_quantize_triton, t, spec, hadamard=signs)
+        unfused = lambda: fake_quantize_triton(random_hadamard(t, signs), spec)  # noqa: E731
+        fused_sr = functools.partial(fake_quantize_triton, t, sr(spec), seed, hadamard=signs)
+        checks.run(f"hadamard {shape} rne", assert_bits_equal, fused(), unfused())
+        checks.run(f"hadamard {shape} sr", assert_bits_equal, fused_sr(),
+                   fake_quantize_triton(random_hadamard(t, signs), sr(spec), seed))
+        row = {"shape": f"{shape[0]}x{shape[1]}"}
+        for name, fn in (("fused", fused), ("unfused", unfused)):
+            row[f"{name}_ms"] = ms(fn)
+            row[f"{name}_graph_ms"] = graph_time_ms(fn, DEVICE)
+        out.append(row)
+        print("   " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in row.items()), flush=True)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks-only", action="store_true")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-torchao", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--only-hadamard", action="store_true",
+                        help="only section 4, the fused random Hadamard transform")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1: tests this script, "
                              "measures nothing")
@@ -241,6 +279,11 @@ def main():
     report = Report("bench_kernels", DEVICE, triton=triton.__version__)
 
     checks = None
+    if args.only_hadamard:
+        checks = Checks()
+        report.section("hadamard", lambda: run_hadamard(checks))
+        report.finish(checks, t0)
+        return
     if not args.no_checks:
         checks = run_checks()
         report["checks"] = {"passed": checks.passed, "failed": checks.failed}
@@ -250,6 +293,8 @@ def main():
                        lambda rows: print("\n" + format_kernel_rows(rows)))
         if not args.no_sweep:
             report.section("sweep", run_sweep)
+        checks = checks or Checks()
+        report.section("hadamard", lambda: run_hadamard(checks))
     report.finish(checks, t0)
 
 
