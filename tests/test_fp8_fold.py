@@ -189,16 +189,19 @@ def test_encode_equals_the_shift_table():
 
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     values = torch.cat([mags, -mags]).expand(32, 16).contiguous()             # codes 0..15
-    shifts = torch.arange(SHIFT_MIN - 3, SHIFT_MIN - 3 + 32, dtype=torch.int32).clamp(
-        max=SHIFT_MAX)
+    # every shift in the window, shifts far below it (a row spanning > 14 binades: clamped to
+    # SHIFT_MIN), and NaN rows over in-window shifts (the GPU's conversion must give 0x7F)
+    window = torch.arange(SHIFT_MIN, SHIFT_MAX + 1)
+    below = torch.tensor([SHIFT_MIN - 1, SHIFT_MIN - 2, SHIFT_MIN - 9, -40, -127, -250])
+    shifts = torch.cat([window, below, window[:11]]).to(torch.int32)           # 32 rows
     bad = torch.zeros(32, dtype=torch.int32)
-    bad[-1] = 1
+    bad[-11:] = 1
     out = torch.empty(32, 16, dtype=torch.uint8, device=DEVICE)
     encode_kernel[(1,)](values.to(DEVICE), shifts.to(DEVICE), bad.to(DEVICE), out,
                         NATIVE_CAST=DEVICE == "cuda")
     table = _shift_table(torch.device("cpu")).reshape(16, 16)
     rows = (shifts.clamp(min=SHIFT_MIN) - SHIFT_MIN).long()
-    rows[-1] = _NAN_ROW
+    rows[-11:] = _NAN_ROW
     assert torch.equal(out.cpu(), table[rows])
 
 
