@@ -134,15 +134,6 @@ def _encode(values, shift, bad, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.c
 
 
 @triton.jit
-def _block_sum(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """(TR, TC) -> (TR/BR, TC/BC): sum over each block."""
-    if BR == 1:
-        return tl.sum(tl.reshape(t, (TR, TC // BC, BC)), axis=2)
-    else:
-        return tl.sum(tl.sum(tl.reshape(t, (TR // BR, BR, TC // BC, BC)), axis=3), axis=1)
-
-
-@triton.jit
 def _factor_exponent(hi):
     """f = max(s_max - SHIFT_MAX, -126) over a row's finite blocks, 0 for a row with none."""
     return tl.where(hi > NONE_C, tl.maximum(hi - SHIFT_MAX_C, FACTOR_EXP_MIN_C), 0)
@@ -252,8 +243,9 @@ def _fold_one_chunk_kernel(
     real = (bands[:, None] < n_bands) & (bands_t[None, :] < n_bands_t)   # not the tile's padding
     below = tl.where(bad | ~real, 0, below)
     if tl.max(tl.max(below, axis=1), axis=0) > 0:   # count what the window loses
-        nonzero = _block_sum((values != 0).to(tl.int32), TILE_R, TILE_C, BR, BC)
-        tl.atomic_add(over_ptr, tl.sum(tl.sum(below * nonzero, axis=1), axis=0).to(tl.int64))
+        # per element: how many of its operands (x's, x^T's) leave it inexact
+        lost = (values != 0).to(tl.int32) * _expand(below, TILE_R, TILE_C, BR, BC)
+        tl.atomic_add(over_ptr, tl.sum(tl.sum(lost, axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -279,7 +271,7 @@ def _live_blocks_kernel(
     bad_i = bad.to(tl.int32)
     scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
     scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
-    live = _block_sum(nonzero, TILE_R, TILE_C, 1, BC) > 0                      # (TR, TC/BC)
+    live = _block_max(nonzero, TILE_R, TILE_C, 1, BC) > 0                      # (TR, TC/BC)
     if BR > 1:
         bad_i = _expand(bad_i, TILE_R, TILE_C // BC, BR, 1)
     row_mask = (rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols)
@@ -294,7 +286,7 @@ def _live_blocks_kernel(
                  scale_code,
                  mask=(scale_rows[:, None] < n_scale_rows) & (scale_cols[None, :] < n_scale_cols))
     if TRANSPOSE:
-        live_t = _block_sum(nonzero, TILE_R, TILE_C, BR, 1) > 0                 # (TR/BR, TC)
+        live_t = _block_max(nonzero, TILE_R, TILE_C, BR, 1) > 0                 # (TR/BR, TC)
         live_t = live_t & (_expand(bad.to(tl.int32), TILE_R // BR, TILE_C, 1, BC) == 0)
         tl.store(live_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
                  tl.trans(live_t).to(tl.uint8),
