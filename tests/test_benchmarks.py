@@ -46,8 +46,9 @@ def test_every_kernel_variant_compiles_for_hopper():
                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " 0 failed" in run.stdout
-    for kernel in ("_quantize_kernel", "_tensor_amax_kernel", "_uniforms_kernel", "_band_max_kernel",
-                   "_fold_one_chunk_kernel", "_live_blocks_kernel", "_fold_kernel"):
+    for kernel in ("_quantize_kernel", "_tensor_amax_kernel", "_uniforms_kernel",
+                   "_band_max_kernel", "_fold_one_chunk_kernel", "_live_blocks_kernel",
+                   "_fold_kernel"):
         assert kernel in run.stdout, kernel
 
 

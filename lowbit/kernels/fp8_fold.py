@@ -394,6 +394,7 @@ class _Launch:
                            TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not kq.INTERPRET,
                            num_warps=num_warps)
         self.rounding = dict(STOCHASTIC=stochastic, GROUP4=(self.k % 4 == 0 and tile_c % 4 == 0))
+        self.even = self.rows % tile_r == 0 and self.k % tile_c == 0   # whole tiles: no masks
 
     def device_scope(self):
         return torch.cuda.device(self.x.device) if self.x.is_cuda else contextlib.nullcontext()
@@ -418,9 +419,7 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     nan = torch.empty(n_rows, device=dev, dtype=u8) if rows_out else L.empty
     nan_t = torch.empty(k, device=dev, dtype=u8) if transpose else L.empty
     scales = torch.empty(n_bands, n_bands_t, device=dev, dtype=u8)
-    tile_r, tile_c = L.common["TILE_R"], L.common["TILE_C"]
-    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, EVEN=n_rows % tile_r == 0 and k % tile_c == 0,
-                 **L.common)
+    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, EVEN=L.even, **L.common)
     with L.device_scope():
         _band_max_kernel[L.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(), n_bands,
                                  n_bands_t, **flags)
