@@ -406,8 +406,7 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     values in blocks that do, and the operand is then not to be used."""
     x, dev, u8 = L.x, L.x.device, torch.uint8
     n_rows, k = L.rows, L.k
-    n_bands = n_rows if L.spec.block[0] == 1 else L.n_scale_rows
-    n_bands_t = L.n_scale_cols
+    n_bands, n_bands_t = L.n_scale_rows, L.n_scale_cols   # bands of BR rows (1D: rows), of BC cols
     stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fp8_gemm._NONE_HI,
                        dtype=torch.int32, device=dev)
     stats_rows, stats_t = stats[:2 * n_bands], stats[2 * n_bands:]
