@@ -512,7 +512,9 @@ def _build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
 
 
 def _step_rng_state(device: torch.device) -> tuple:
-    """What a training step draws from: torch's CPU generator and the device's."""
+    """What a training step draws from: torch's CPU generator and the device's. (Not
+    checkpoint.rng_state(): that takes every GPU's state, touching every GPU from every rank,
+    and Python's and NumPy's generators, which a step does not draw from.)"""
     return (torch.get_rng_state(),
             torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
