@@ -192,8 +192,8 @@ def nvfp4() -> Recipe:
     here (docs/results/stable-fp4.md, H200, 2026-11-29, 10M-parameter model, 7.4M tokens):
     -0.18% validation loss vs BF16 (within the 0.26% run-to-run noise), dW cosine vs BF16 0.98;
     at 97.5M parameters on pycode (11.5M tokens): -0.82%, dW cosine 0.98 throughout. (Those
-    runs used the transform as a bf16 GEMM; it is now float32 butterflies: the same values
-    unless a group of 16 spans more than about 12 binades, where float32 sums round.)
+    runs computed the transform as a float32 matrix product; it is now float32 butterflies: the
+    same values unless a group of 16 spans more than about 12 binades, where float32 sums round.)
     """
     x = _spec("nvfp4", (1, 16))
     w = _spec("nvfp4", (16, 16))
