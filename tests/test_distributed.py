@@ -1,5 +1,7 @@
-"""`lowbit train` under torchrun on the CPU (gloo, 2 processes): the tiny model on Tiny
-Shakespeare bytes, launched the way users launch it (`python -m torch.distributed.run`).
+"""`lowbit train` under torchrun (2 processes): the tiny model on Tiny Shakespeare bytes,
+launched the way users launch it (`python -m torch.distributed.run`). On the CPU (gloo) by
+default; LOWBIT_TEST_DEVICE=cuda runs the same tests on two GPUs (nccl), where the FP8-path
+recipe is trained too.
 
 Invariances checked: two processes train on the same global batches as one process (losses
 equal up to reduction order), only rank 0 writes the run folder, and a two-process run that
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +25,11 @@ from lowbit.cli import main
 FLAGS = ["--model", "tiny", "--corpus", "tinyshakespeare", "--tokenizer", "bytes",
          "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--dropout", "0",
          "--lr", "3e-3", "--log-every", "1", "--eval-every", "3", "--eval-batches", "2",
-         "--checkpoint-every", "3", "--device", "cpu", "--no-progress"]
+         "--checkpoint-every", "3", "--device", os.environ.get("LOWBIT_TEST_DEVICE", "cpu"),
+         "--no-progress"]
+# The FP8 GEMM path runs only on CUDA; on the CPU the quantized recipe is stable-fp4 alone.
+QUANTIZED = ["stable-fp4"] + (["stable-fp4-fp8"] if "cuda" in FLAGS[FLAGS.index("--device") + 1]
+                              else [])
 
 # Runs lowbit's CLI, but exits with code 3 on every rank once 4 steps are done, one step
 # past the step-3 checkpoint: a crash for the resume test.
@@ -96,13 +103,14 @@ def test_two_process_resume_continues_exactly(tmp_path, env):
     assert train_losses(out / "cut") == train_losses(out / "whole")
 
 
-def test_a_quantized_recipe_trains_under_two_processes(tmp_path, env):
+@pytest.mark.parametrize("recipe", QUANTIZED)
+def test_a_quantized_recipe_trains_under_two_processes(tmp_path, env, recipe):
     out = tmp_path / "runs"
-    run = torchrun(env, *FLAGS, "--recipe", "stable-fp4", "--diag-every", "3",
+    run = torchrun(env, *FLAGS, "--recipe", recipe, "--diag-every", "3",
                    "--out-dir", str(out), "--run-name", "fp4")
     assert run.returncode == 0, run.stderr[-3000:]
     final = json.loads((out / "fp4" / "final.json").read_text())
-    assert final["recipe"] == "stable-fp4" and final["steps"] == 6
+    assert final["recipe"] == recipe and final["steps"] == 6
     assert math.isfinite(final["val_loss"])
     lines = (out / "fp4" / "metrics.jsonl").read_text().splitlines()
     assert [r["step"] for r in map(json.loads, lines) if r["event"] == "diagnostics"] == [3, 6]
@@ -156,11 +164,12 @@ def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_pat
     assert train_losses(out / "as-ddp") == pytest.approx(train_losses(out / "whole"), rel=1e-4)
 
 
-def test_fsdp_quantized_run_resumes_exactly(tmp_path, env):
+@pytest.mark.parametrize("recipe", QUANTIZED)
+def test_fsdp_quantized_run_resumes_exactly(tmp_path, env, recipe):
     """A quantized recipe (stochastic rounding, 2D tiles) under FSDP: a run that crashes after
     its step-3 checkpoint and resumes under FSDP reproduces the uninterrupted run bit for bit."""
     out = tmp_path / "runs"
-    base = [*FLAGS, "--recipe", "stable-fp4", "--parallel", "fsdp", "--out-dir", str(out)]
+    base = [*FLAGS, "--recipe", recipe, "--parallel", "fsdp", "--out-dir", str(out)]
     whole = torchrun(env, *base, "--run-name", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     script = tmp_path / "crash_at_step_4.py"
