@@ -27,9 +27,12 @@ FLAGS = ["--model", "tiny", "--corpus", "tinyshakespeare", "--tokenizer", "bytes
          "--lr", "3e-3", "--log-every", "1", "--eval-every", "3", "--eval-batches", "2",
          "--checkpoint-every", "3", "--device", os.environ.get("LOWBIT_TEST_DEVICE", "cpu"),
          "--no-progress"]
+ON_CUDA = "cuda" in FLAGS[FLAGS.index("--device") + 1]
 # The FP8 GEMM path runs only on CUDA; on the CPU the quantized recipe is stable-fp4 alone.
-QUANTIZED = ["stable-fp4"] + (["stable-fp4-fp8"] if "cuda" in FLAGS[FLAGS.index("--device") + 1]
-                              else [])
+QUANTIZED = ["stable-fp4"] + (["stable-fp4-fp8"] if ON_CUDA else [])
+# One process against two sees the same global batches; only the order of additions differs:
+# in fp32 on the CPU, and in bf16 autocast (GEMM outputs rounded to 8 bits) on CUDA.
+SAME_BATCHES = 1e-2 if ON_CUDA else 1e-4
 
 # Runs lowbit's CLI, but exits with code 3 on every rank once 4 steps are done, one step
 # past the step-3 checkpoint: a crash for the resume test.
@@ -83,7 +86,7 @@ def test_two_processes_match_one_and_only_rank_0_writes(tmp_path, env):
                  "--run-name", "one"]) in (0, None)
     one = train_losses(tmp_path / "single" / "one")
     # Same global batches and updates; only the order of float additions differs.
-    assert train_losses(run_dir) == pytest.approx(one, rel=1e-4)
+    assert train_losses(run_dir) == pytest.approx(one, rel=SAME_BATCHES)
     assert train_losses(run_dir)[-1] < train_losses(run_dir)[0]
 
 
@@ -141,7 +144,7 @@ def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_pat
     whole = torchrun(env, *base, "--parallel", "fsdp", "--run-name", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert main(["train", *base, "--run-name", "one"]) in (0, None)
-    assert train_losses(out / "whole") == pytest.approx(train_losses(out / "one"), rel=1e-4)
+    assert train_losses(out / "whole") == pytest.approx(train_losses(out / "one"), rel=SAME_BATCHES)
     state = torch.load(out / "whole" / "checkpoints" / "latest.pt", weights_only=False)
     single = torch.load(out / "one" / "checkpoints" / "latest.pt", weights_only=False)
     assert state["model"].keys() == single["model"].keys()
@@ -158,10 +161,11 @@ def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_pat
         config = json.loads((out / name / "config.json").read_text())
         (out / name / "config.json").write_text(json.dumps({**config, "run_name": name}))
     assert main(["train", *base, "--run-name", "as-one", "--resume"]) in (0, None)
-    assert train_losses(out / "as-one") == pytest.approx(train_losses(out / "whole"), rel=1e-4)
+    whole_losses = train_losses(out / "whole")
+    assert train_losses(out / "as-one") == pytest.approx(whole_losses, rel=SAME_BATCHES)
     as_ddp = torchrun(env, *base, "--run-name", "as-ddp", "--resume")
     assert as_ddp.returncode == 0, as_ddp.stderr[-3000:]
-    assert train_losses(out / "as-ddp") == pytest.approx(train_losses(out / "whole"), rel=1e-4)
+    assert train_losses(out / "as-ddp") == pytest.approx(whole_losses, rel=SAME_BATCHES)
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED)

@@ -508,7 +508,7 @@ def test_kernel_rotation_is_random_hadamard_bit_for_bit(dtype):
 def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     """nvfp4's wgrad operands through the fused kernel give the layer the same gradients, bit
     for bit, as the rotation followed by the quantize kernel (kernels forced on the
-    interpreter; the same draws from torch's generator either way)."""
+    interpreter, or on the GPU; the same draws from torch's generator either way)."""
     import lowbit.kernels as kernels
     import lowbit.ops.linear as linear
     from lowbit.ops import quant_linear
@@ -527,6 +527,7 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     g = torch.Generator().manual_seed(3)
     x0, w0 = torch.randn(48, 64, generator=g), torch.randn(32, 64, generator=g)
     dy = torch.randn(48, 32, generator=g)
+    x0, w0, dy = x0.to(DEVICE), w0.to(DEVICE), dy.to(DEVICE)
 
     def grads():
         torch.manual_seed(11)
