@@ -48,20 +48,19 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     if n_experts is not None:
         overrides["n_experts"] = n_experts
     cfg = ModelConfig.preset(model, **overrides)
-    if cuda_graph and cfg.n_experts:
-        raise ValueError(f"--cuda-graph needs a dense model: this one has {cfg.n_experts} experts, "
-                         "whose routing reads counts back to the host (not capturable)")
-    if cuda_graph and (dev.type != "cuda" or compile):
-        raise ValueError(f"--cuda-graph captures the step on a CUDA GPU without --compile (here: "
-                         f"{dev}{', --compile' if compile else ''}); leave it out")
+    if cuda_graph:
+        from lowbit.train.graphs import GraphedGradients, cuda_graph_refusal
+
+        refusal = cuda_graph_refusal(dev, compile=compile, moe=bool(cfg.n_experts))
+        if refusal:
+            raise ValueError(refusal)
     rows = []
     for name in recipes:
         torch.manual_seed(0)
         net = build_model(cfg)
         convert(net, name)
         net.to(dev).train()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev.type == "cuda",
-                                      capturable=cuda_graph)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev.type == "cuda")
         forward = torch.compile(net) if compile else net
         # (a captured step must not use autocast's cast cache: it is cleared outside the graph)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda",
@@ -69,30 +68,34 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), device=dev)
         x, y = tokens[:, :-1], tokens[:, 1:]
 
-        redo_steps = []
+        redo_steps = []   # per step: would lowbit.train redo it (inexact one-chunk folds)?
 
-        def step(captured: bool = False):
-            # as lowbit.train's step: sync-free FP8 folds, their count read once per step
-            # (a nonzero count is a step lowbit.train would redo with exact folds)
-            if not captured:   # a captured step keeps its gradient buffers between replays
-                optimizer.zero_grad(set_to_none=True)
-            with deferred_fold_check(dev) as check:
-                with autocast:
-                    loss = forward(x, y).loss
-                loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            optimizer.step()
-            step.last_check = check
-            if not captured:
-                norm.item()
-                redo_steps.append(check.inexact_values() > 0)
-            return loss.detach()
+        def loss_fn(inputs, targets):
+            with autocast:
+                return forward(inputs, targets).loss
 
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        if cuda_graph:
-            step = _graphed(step, optimizer, warmup, redo_steps)
+        # as lowbit.train's step: sync-free FP8 folds, their count read once per step; with
+        # --cuda-graph as lowbit train --cuda-graph's (gradients replayed, AdamW eager)
+        graphed = (GraphedGradients(net, loss_fn, x, y, max_norm=1.0, warmup=max(warmup, 2))
+                   if cuda_graph else None)
+
+        def step():
+            if graphed is not None:
+                loss, _, count = graphed(x, y)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                with deferred_fold_check(dev) as check:
+                    loss = loss_fn(x, y)
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                count = check.counter
+            optimizer.step()
+            redo_steps.append(count.item() > 0)   # one readback per step, as lowbit.train's
+            return loss.detach()
+
         for _ in range(warmup):
             step()
         times = []
@@ -110,12 +113,13 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                "loss": loss.item(), "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
                "cuda_graph": cuda_graph,
-               "fold_redo_steps": sum(redo_steps), "steps_run": len(redo_steps)}
+               "fold_redo_steps": sum(redo_steps), "steps_run": len(redo_steps),
+               "fold_redo_at": [i + 1 for i, redo in enumerate(redo_steps) if redo]}
         if profile and dev.type == "cuda":
             row["profile"] = profile_step(step, dev)
         rows.append(row)
         progress(f"{name}: {row['step_ms']:.1f} ms/step")
-        del net, optimizer, forward
+        net = optimizer = forward = graphed = None   # free this recipe's GPU memory
     base = rows[0]
     for row in rows:
         row["time_vs_base"] = row["step_ms"] / base["step_ms"]
@@ -124,40 +128,15 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     return rows
 
 
-def _graphed(step, optimizer, warmup: int, redo_steps: list):
-    """The step captured in one CUDA graph (forward, backward, clip, optimizer: no host work
-    per kernel), after `warmup` eager steps on a side stream (Triton compiles, cuBLAS picks,
-    the optimizer's state), as PyTorch's whole-network capture recipe does. Returns a function
-    that replays it; the fold check captured with it counts each replay's inexact values."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 1)):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    redo_steps.clear()
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        loss = step(captured=True)
-    check = step.last_check
-
-    def replay():
-        graph.replay()
-        redo_steps.append(check.inexact_values() > 0)
-        return loss
-
-    return replay
-
-
 # kernel-name fragments -> where a training step's GPU time goes
 _CATEGORIES = (
     ("quantize (lowbit Triton)", ("_quantize_kernel", "_tensor_amax_kernel")),
     ("fp8 fold (lowbit Triton)", ("_live_blocks_kernel", "_fold_kernel", "_band_max_kernel",
                                   "_fold_one_chunk_kernel")),
+    # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
     ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),
-    ("attention", ("flash", "fmha", "attention")),
 )
 
 
@@ -435,9 +414,10 @@ def format_rows(rows: list[dict]) -> str:
             out.append("  ".join("-" * w for w in widths))
     for r in rows:
         if r.get("fold_redo_steps"):
-            out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps had "
-                       "inexact one-chunk FP8 folds; lowbit train redoes such a step with exact "
-                       "folds, which the times above leave out")
+            at = ", ".join(map(str, r.get("fold_redo_at", [])))
+            out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps (number "
+                       f"{at}, warm-up included) had inexact one-chunk FP8 folds; lowbit train "
+                       "redoes such a step with exact folds, which the times above leave out")
     r0 = rows[0]
     return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "
             f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}\n"

@@ -36,8 +36,10 @@ def test_bench_train_counts_steps_an_exact_run_would_redo():
     rows = bench_train("tiny", ["bf16", "stable-fp4-fp8"], seq_len=32, batch_size=2, steps=2,
                        warmup=1, progress=lambda message: None)
     assert [(r["fold_redo_steps"], r["steps_run"]) for r in rows] == [(0, 3), (0, 3)]  # CPU: exact
-    rows[1]["fold_redo_steps"] = 1
-    assert "stable-fp4-fp8: 1 of 3 steps had inexact one-chunk FP8 folds" in format_rows(rows)
+    assert rows[1]["fold_redo_at"] == []
+    rows[1]["fold_redo_steps"], rows[1]["fold_redo_at"] = 1, [2]
+    assert ("stable-fp4-fp8: 1 of 3 steps (number 2, warm-up included) had inexact one-chunk FP8 "
+            "folds") in format_rows(rows)
 
 
 def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):

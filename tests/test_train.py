@@ -462,3 +462,65 @@ def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, corpus_env):
     with pytest.raises(Crash):
         train(cut, diagnostics_fn=crash_at_step_4)
     assert train(cut, resume=True).train_losses == whole.train_losses
+
+
+# --- --cuda-graph -----------------------------------------------------------------------------
+
+def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
+    from lowbit.train.graphs import cuda_graph_refusal
+
+    with pytest.raises(ValueError, match="captures the step on a CUDA GPU; this run is on cpu"):
+        run(make_config(tmp_path, cuda_graph=True))
+    assert not (tmp_path / "run").exists()          # refused before the run folder is made
+    cuda = torch.device("cuda", 0)
+    assert "needs a dense model" in cuda_graph_refusal(cuda, moe=True)
+    assert "exclude each other" in cuda_graph_refusal(cuda, compile=True)
+    assert "under torchrun (2 processes)" in cuda_graph_refusal(cuda, world_size=2)
+    assert cuda_graph_refusal(cuda) is None
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert config_from_args(parser.parse_args(["--cuda-graph"])).cuda_graph
+    assert not config_from_args(parser.parse_args([])).cuda_graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["bf16", "stable-fp4-fp8"])
+def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_path, recipe,
+                                                                           monkeypatch):
+    """--cuda-graph replays the eager step: the same losses bit for bit (dropout and stochastic
+    rounding draw the same numbers), with gradient accumulation; a graphed run that crashes
+    resumes exactly (a new graph, captured on the resumed batch); a step whose graphed folds
+    were inexact (forced at steps 2 and 5) is redone eagerly with exact folds, and the run
+    stays the same."""
+    pytest.importorskip("lowbit.nn")
+    from lowbit.train.graphs import GraphedGradients
+
+    fields = dict(recipe=recipe, device="cuda", grad_accum_steps=2)
+    eager = run(make_config(tmp_path, run_name="eager", **fields), dropout=0.2)
+    graphed = run(make_config(tmp_path, run_name="graphed", cuda_graph=True, **fields),
+                  dropout=0.2)
+    assert graphed.train_losses == eager.train_losses
+    assert graphed.val_loss == eager.val_loss
+
+    def crash_at_step_6(model, batch, step):
+        if step == 6:
+            raise Crash()
+        return {}
+
+    cut = make_config(tmp_path, run_name="cut", cuda_graph=True, diag_every=1, **fields)
+    with pytest.raises(Crash):
+        run(cut, dropout=0.2, diagnostics_fn=crash_at_step_6)
+    assert run(cut, dropout=0.2, init_seed=7, resume=True).train_losses == eager.train_losses
+
+    replays = []
+    replay = GraphedGradients.__call__
+
+    def flagging(self, inputs, targets):
+        loss, norm, count = replay(self, inputs, targets)
+        replays.append(1)
+        return loss, norm, count + (len(replays) in (2, 5))
+
+    monkeypatch.setattr(GraphedGradients, "__call__", flagging)
+    redone = run(make_config(tmp_path, run_name="redone", cuda_graph=True, **fields), dropout=0.2)
+    assert [r["step"] for r in records(tmp_path / "redone", "fold_redo")] == [2, 5]
+    assert redone.train_losses == eager.train_losses

@@ -74,6 +74,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bf16-autocast", action="store_true",
                         help="on CUDA, compute in fp32 instead of under bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay each step from one CUDA graph (one GPU, dense model, "
+                             "no --compile): a quantized step is then not host-bound")
     parser.add_argument("--no-diagnostics", action="store_true",
                         help="skip the gradient-bias / operand-consistency diagnostics")
     parser.add_argument("--no-progress", action="store_true",
@@ -99,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         fields["recipe"] = _parse_recipes(args.compare)[0]
     fields["bf16_autocast"] = not args.no_bf16_autocast
     fields["compile"] = args.compile
+    fields["cuda_graph"] = args.cuda_graph
     fields["diagnostics"] = not args.no_diagnostics
     fields["progress"] = not args.no_progress
     if "warmup_steps" not in fields:

@@ -31,6 +31,7 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "max_consecutive_nonfinite",
         "progress",
         "parallel",
+        "cuda_graph",
         "out_dir",
         "run_name",
     }
@@ -124,6 +125,10 @@ class TrainConfig:
     The CPU always computes in fp32: CPU bf16 autocast is slow, and exact resume is tested there."""
     compile: bool = False
     """Wrap the model in torch.compile (needs a C++ compiler on the CPU; Triton on CUDA)."""
+    cuda_graph: bool = False
+    """Replay each step's forward, backward and gradient clip from one CUDA graph (one process
+    on a CUDA GPU, dense model, no compile): no per-kernel host work, so a quantized step is
+    not host-bound. The same numbers as eager (lowbit.train.graphs)."""
     parallel: str = "ddp"
     """Under torchrun: "ddp" replicates the model on every process; "fsdp" shards parameters,
     gradients and optimizer state over them (FSDP2's fully_shard, one unit per transformer

@@ -139,6 +139,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     recipe = _resolve_recipe(config.recipe)
     run_dir = Path(config.out_dir) / config.name
     checkpoint = _check_run_dir(run_dir, config, resume, overwrite)
+    if config.cuda_graph:
+        _refuse_cuda_graph(config, process, bool(config.n_experts))
     say = tqdm.write if config.progress and main else (lambda message: None)
     if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
         diagnostics_fn = _recipe_diagnostics
@@ -155,6 +157,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     model = model if model is not None else _build_model(config, data.vocab_size)
     _apply_recipe(model, recipe, say)
     model.to(device)
+    if config.cuda_graph:   # again: a model passed in may be an MoE model
+        _refuse_cuda_graph(config, process, getattr(getattr(model, "config", None), "is_moe", False))
     if process.enabled and config.parallel == "fsdp":
         process.shard_model(model)  # before the optimizer takes its (now sharded) parameters
         if diagnostics_fn is not None:
@@ -183,6 +187,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     forward = torch.compile(process.wrap(model)) if config.compile else process.wrap(model)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and config.bf16_autocast else contextlib.nullcontext())
+    graphed = None   # --cuda-graph: GraphedGradients, captured at the first step
 
     total = config.total_steps
     accum = config.grad_accum_steps
@@ -241,7 +246,10 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
 
             def gradients() -> tuple[torch.Tensor, float]:
                 """Forward and backward of every micro-batch, then clip: (loss, grad norm)."""
-                optimizer.zero_grad(set_to_none=True)
+                if graphed is not None:   # the graph's gradient buffers stay in place
+                    graphed.zero_grad()
+                else:
+                    optimizer.zero_grad(set_to_none=True)
                 step_loss = torch.zeros((), device=device)
                 for i, (x, y) in enumerate(micro_batches):
                     with process.sync_gradients(i == accum - 1, model):  # last backward only
@@ -260,11 +268,19 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             # loss (one all-reduce, one readback), and a nonzero one (on any rank) redoes the
             # step with exact folds from the same RNG state, so the step is the one an
             # all-exact run takes.
+            # With --cuda-graph the same work (one process) is one graph replay.
             rng_before = _step_rng_state(device)
-            with deferred_fold_check(device) as check:
-                step_loss, grad_norm = gradients()
-            loss_value, inexact = process.average(
-                torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
+            if config.cuda_graph:
+                if graphed is None:
+                    graphed = _capture_step(model, forward, inputs, targets, config)
+                step_loss, grad_norm, count = graphed(inputs, targets)
+                loss_value, grad_norm, inexact = torch.stack(
+                    [step_loss.double(), grad_norm.double(), count[0].double()]).tolist()
+            else:
+                with deferred_fold_check(device) as check:
+                    step_loss, grad_norm = gradients()
+                loss_value, inexact = process.average(
+                    torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
             inexact = round(inexact * process.world_size)
             if inexact:
                 _set_step_rng_state(device, rng_before)
@@ -331,6 +347,33 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
         f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> {run_dir}")
     return result
+
+
+def _refuse_cuda_graph(config: TrainConfig, process: Distributed, moe: bool) -> None:
+    from lowbit.train.graphs import cuda_graph_refusal
+
+    refusal = cuda_graph_refusal(process.device, compile=config.compile, moe=moe,
+                                 world_size=process.world_size)
+    if refusal:
+        raise ValueError(refusal)
+
+
+def _capture_step(model: nn.Module, forward, inputs: torch.Tensor, targets: torch.Tensor,
+                  config: TrainConfig):
+    """The step's gradients as one CUDA graph (lowbit.train.graphs), built on its first batch."""
+    from lowbit.train.graphs import GraphedGradients
+
+    # a captured step must not use autocast's cast cache: it is cleared outside the graph
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16_autocast,
+                              cache_enabled=False)
+
+    def loss_fn(x, y):
+        with autocast:
+            return forward(x, y).loss
+
+    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+    return GraphedGradients(model, loss_fn, inputs, targets, accum=config.grad_accum_steps,
+                            max_norm=max_norm)
 
 
 @torch.no_grad()
