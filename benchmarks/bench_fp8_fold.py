@@ -22,6 +22,8 @@
      gemm+kernel  fp4_gemm_fp8(quantize_fold_mxfp4(A), quantize_fold_mxfp4(B))
      *_nosync     the same inside deferred_fold_check(): one K-chunk, no host sync (how
                   lowbit.train folds; the checks also test this path)
+     *_graph      GPU time alone (CUDA-graph replay) of bf16_mm, gemm and gemm+kernel_nosync:
+                  the GEMM with its quantization as a graphed training step runs it
    and kernel GB/s = (2 reads of bf16 + 1 byte written) per element / kernel ms.
 3. GPU time alone (CUDA-graph replay) of the sync-free fold at the 1b preset's X, dY and W
    shapes, against a copy and stable-fp4's fake-quantize-with-transpose: pass 1 alone, both
@@ -179,11 +181,14 @@ def run_timings():
             except Exception as e:  # noqa: BLE001 -- report, keep measuring
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
                 print(f"   {label} {name}: {row[name + '_error']}", flush=True)
+        for name in ("bf16_mm", "gemm", "gemm+kernel_nosync"):
+            row[f"{name}_graph_ms"] = graph_time_ms(calls[name], DEVICE)
         if "kernel_ms" in row:
             row["kernel_GBps"] = 5 * (m + n) * k / row["kernel_ms"] / 1e6
         results.append(row)
         print("   " + label + ": " + ", ".join(f"{k_} {v:.3f}" for k_, v in row.items()
-                                                 if k_.endswith("_ms")), flush=True)
+                                                 if k_.endswith("_ms") and v is not None),
+              flush=True)
         del a, b, qa, qb, fa, fb
     return results
 
@@ -288,6 +293,17 @@ def print_timings(results):
         gbps = f"{r['kernel_GBps']:7.0f}" if "kernel_GBps" in r else f"{'-':>7s}"
         print(f"{r['shape']:18s} " + " ".join(cells) + f" {gbps} {ratio('eager', 'kernel'):>10s}"
               f" {ratio('eager_t', 'kernel_t'):>11s}")
+    graphed = [r for r in results if r.get("bf16_mm_graph_ms")]
+    if graphed:
+        print("\nGPU time alone (ms, CUDA-graph replay); speedup = bf16_mm / that")
+        print(f"{'shape':18s} {'bf16_mm':>9s} {'gemm':>9s} {'speedup':>8s} "
+              f"{'gemm+fold':>10s} {'speedup':>8s}")
+        for r in graphed:
+            mm, g, q = (r.get(f"{c}_graph_ms") for c in ("bf16_mm", "gemm", "gemm+kernel_nosync"))
+            cells = [f"{'-':>9s}" if v is None else f"{v:9.3f}" for v in (g, q)]
+            print(f"{r['shape']:18s} {mm:9.3f} {cells[0]} "
+                  f"{'-' if g is None else f'{mm / g:.2f}x':>8s} {cells[1]:>10s} "
+                  f"{'-' if q is None else f'{mm / q:.2f}x':>8s}")
 
 
 def main():
