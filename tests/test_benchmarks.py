@@ -58,6 +58,15 @@ def test_bench_fp8_fold_smoke():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+def test_fold_inexact_smoke(tmp_path, corpus_env):
+    """The fold diagnosis trains the tiny model on the CPU (exact folds there: counts 0)."""
+    run = script("fold_inexact.py", "--model", "tiny", "--seq-len", "64", "--steps", "2",
+                 "--device", "cpu", env={**corpus_env, "OUT": str(tmp_path)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    steps = json.loads((tmp_path / "fold_inexact.json").read_text())["steps"]
+    assert [(s["step"], s["rounded"]) for s in steps] == [(1, 0), (2, 0)]
+
+
 def test_host_overhead_runs():
     pytest.importorskip("triton")
     run = script("host_overhead.py")

@@ -524,3 +524,33 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
     redone = run(make_config(tmp_path, run_name="redone", cuda_graph=True, **fields), dropout=0.2)
     assert [r["step"] for r in records(tmp_path / "redone", "fold_redo")] == [2, 5]
     assert redone.train_losses == eager.train_losses
+
+
+def test_fold_inexact_round_keeps_the_step_and_logs_the_count(tmp_path, monkeypatch):
+    """--fold-inexact round: a step whose one-chunk folds were inexact (forced at steps 2 and
+    5, as above) is not redone; the count is logged as a fold_rounded record. On the CPU the
+    folds are exact either way, so the run equals the default one; a bad value is refused."""
+    pytest.importorskip("lowbit.nn")
+    from lowbit.kernels.fp8_gemm import deferred_fold_check
+
+    whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"))
+    calls = []
+
+    @contextlib.contextmanager
+    def flagging(device):
+        with deferred_fold_check(device) as check:
+            calls.append(check)
+            if len(calls) in (2, 5):
+                check.counter += 3
+            yield check
+
+    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    kept = run(make_config(tmp_path, run_name="kept", recipe="stable-fp4-fp8",
+                           fold_inexact="round"))
+    assert len(calls) == 8
+    assert [(r["step"], r["inexact_values"]) for r in records(tmp_path / "kept", "fold_rounded")] \
+        == [(2, 3), (5, 3)]
+    assert records(tmp_path / "kept", "fold_redo") == []
+    assert kept.train_losses == whole.train_losses
+    with pytest.raises(ValueError, match="fold_inexact must be redo or round"):
+        make_config(tmp_path, fold_inexact="ignore")

@@ -5,7 +5,8 @@ One optimizer step:
   for each of grad_accum_steps micro-batches:  forward (bf16 autocast on CUDA),
                                                backward of loss / grad_accum_steps
   grad_norm = clip_grad_norm_(grad_clip)
-  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly)
+  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly, or
+   with fold_inexact="round" keep it and log the count)
   if loss and grad_norm are finite: AdamW step; else skip it and log a nonfinite_skip record
 Around it: evaluation every eval_every steps, a checkpoint every checkpoint_every steps,
 a record in metrics.jsonl every log_every steps, and diagnostics every diag_every steps.
@@ -265,9 +266,9 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
 
             # FP8-path recipes fold their operands without host syncs (one K-chunk each) and
             # count on the device what that left inexact; the count is read with the step's
-            # loss (one all-reduce, one readback), and a nonzero one (on any rank) redoes the
+            # loss (one all-reduce, one readback). A nonzero one (on any rank) redoes the
             # step with exact folds from the same RNG state, so the step is the one an
-            # all-exact run takes.
+            # all-exact run takes, or with --fold-inexact round is logged and kept.
             # With --cuda-graph the same work (one process) is one graph replay.
             rng_before = _step_rng_state(device)
             if config.cuda_graph:
@@ -282,7 +283,9 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 loss_value, inexact = process.average(
                     torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
             inexact = round(inexact * process.world_size)
-            if inexact:
+            if inexact and config.fold_inexact == "round":
+                log.write({"event": "fold_rounded", "step": step + 1, "inexact_values": inexact})
+            elif inexact:
                 _set_step_rng_state(device, rng_before)
                 step_loss, grad_norm = gradients()
                 log.write({"event": "fold_redo", "step": step + 1, "inexact_values": inexact})
