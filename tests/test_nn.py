@@ -295,6 +295,27 @@ def test_fp8_gemm_needs_mxfp4_operands():
         replace(get_recipe("mxfp4").linear, gemm="int8")
 
 
+def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():
+    """stable-fp4-fp8 multiplies on FP8 tensor cores everywhere but v_proj (whose dV spans too
+    many binades along tokens for one fold window) and the MXFP8 q/k projections; every layer
+    quantizes exactly as stable-fp4 does."""
+    from dataclasses import replace
+
+    from lowbit.recipes import Gemm
+
+    fp8, plain = tiny_model(0), tiny_model(0)
+    convert(fp8, "stable-fp4-fp8")
+    convert(plain, "stable-fp4")
+    layers = {n: m.linear_recipe for n, m in fp8.named_modules() if isinstance(m, QuantLinear)}
+    emulated = sorted(n.rsplit(".", 1)[1] for n, r in layers.items()
+                      if r is not None and r.gemm is Gemm.EMULATED)
+    assert set(emulated) == {"q_proj", "k_proj", "v_proj"}
+    assert any(r is not None and r.gemm is Gemm.FP8 for r in layers.values())
+    for name, module in plain.named_modules():
+        if isinstance(module, QuantLinear) and module.linear_recipe is not None:
+            assert replace(layers[name], gemm=Gemm.EMULATED) == module.linear_recipe, name
+
+
 def test_stable_fp4_fp8_trains_a_moe_model():
     model = tiny_model(4)
     report = convert(model, "stable-fp4-fp8")
