@@ -284,9 +284,10 @@ def test_refuses_what_does_not_fold():
 
 @pytest.mark.parametrize("dy_block", [(32, 32), (1, 32)])
 def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
-    """_QuantLinearFP8 through the fused kernels (quantize_fold's CUDA branch, forced here on
-    the interpreter) gives the same output and gradients, bit for bit, as through the reference
-    quantizer and fold_operand: shared 2D operands (W, X, and dY when 2D) and the 1D dY case."""
+    """_QuantLinearFP8 through the fused kernels (quantize_fold's CUDA branch; on the CPU forced
+    on the interpreter) gives the same output and gradients, bit for bit, as through the
+    reference quantizer and fold_operand: shared 2D operands (W, X, and dY when 2D) and the 1D
+    dY case."""
     from dataclasses import replace
 
     import lowbit.kernels as kernels
@@ -298,9 +299,9 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
     dy = replace(lin.dgrad_dy, rounding=Rounding.RNE, block=dy_block)
     lin = replace(lin, dgrad_dy=dy, wgrad_dy=dy)   # 1D: dY^T gets its own (1, 32) blocks
     g = torch.Generator().manual_seed(3)
-    x0 = spread(70, 96, 4, seed=1, tile=(32, 32))
-    w0 = torch.randn(40, 96, generator=g)
-    grad = torch.randn(70, 40, generator=g)
+    x0 = spread(70, 96, 4, seed=1, tile=(32, 32)).to(DEVICE)
+    w0 = torch.randn(40, 96, generator=g).to(DEVICE)
+    grad = torch.randn(70, 40, generator=g).to(DEVICE)
 
     def run():
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -308,7 +309,8 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
         y.backward(grad)
         return y.detach(), x.grad, w.grad
 
-    ref = run()
+    with kernels.force_reference():
+        ref = run()
     monkeypatch.setattr(kernels, "use_kernels",
                         lambda x, spec, codes=True: kernels.supports(spec, codes))
     got = run()
@@ -333,12 +335,13 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
     dy_spec = replace(lin.dgrad_dy, rounding=Rounding.RNE)
     lin = replace(lin, dgrad_dy=dy_spec, wgrad_dy=dy_spec)
     g = torch.Generator().manual_seed(4)
-    x0 = spread(64, 96, 4, seed=2, tile=(32, 32))
-    w0 = torch.randn(40, 96, generator=g)
+    x0 = spread(64, 96, 4, seed=2, tile=(32, 32)).to(DEVICE)
+    w0 = torch.randn(40, 96, generator=g).to(DEVICE)
     # tokens 0-31 at 2^-20, 32-63 at 2^20 (one scale per 32x32 tile row): dY's rows fold in
     # one chunk, dY^T's rows (wgrad) span 40 binades and cannot
-    grad = torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
-                                                         ).repeat_interleave(32)[:, None]
+    grad = (torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
+                                                          ).repeat_interleave(32)[:, None]
+            ).to(DEVICE)
     monkeypatch.setattr(kernels, "use_kernels",
                         lambda x, spec, codes=True: kernels.supports(spec, codes))
 
