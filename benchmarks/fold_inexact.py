@@ -1,6 +1,7 @@
 """Which operands of a real training run need more than one FP8 fold window (issue 4).
 
     python benchmarks/fold_inexact.py                      # 1b, Tiny Shakespeare bytes, H200
+    python benchmarks/fold_inexact.py --v-proj-fp8         # v_proj on FP8 too (see the recipe)
     python benchmarks/fold_inexact.py --model tiny --seq-len 64 --steps 3 --device cpu  # smoke
 
 Trains `stable-fp4-fp8` (lowbit.train's step, bf16 autocast on CUDA, its learning-rate
@@ -8,7 +9,8 @@ schedule and clipping) and counts, per step and per operand, the values that the
 one-K-chunk fold rounds because the operand's row spans more than 14 binades of block scales
 (what makes lowbit train redo a step, or with --fold-inexact round log it). Operands: X (the
 layer input: fprop along features and, transposed, wgrad along tokens), W, dY (dgrad along
-out features and, transposed, wgrad along tokens), keyed by shape. Each count is read back per
+out features and, transposed, wgrad along tokens), keyed by module. --v-proj-fp8 puts the
+v projections, which the recipe keeps emulated, on the FP8 path as well. Each count is read back per
 operand (a host sync each): a diagnostic, not a timing. On the CPU every fold is exact (no
 count): the smoke run tests the script only. Prints one table; with $OUT set writes
 $OUT/fold_inexact.json.
@@ -24,6 +26,8 @@ import os
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
@@ -36,10 +40,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--v-proj-fp8", action="store_true",
+                        help="multiply v_proj on FP8 tensor cores too (the recipe emulates it)")
     args = parser.parse_args()
 
     import lowbit.kernels.fp8_gemm as fg
     import lowbit.train.loop as loop
+    from lowbit.nn import QuantLinear
+    from lowbit.recipes import Gemm
     from lowbit.train import TrainConfig
     from lowbit.train.config import resolve_device
 
@@ -51,13 +59,21 @@ def main() -> None:
     data = loop._build_data(config)
     model = loop._build_model(config, data.vocab_size)
     loop._apply_recipe(model, loop._resolve_recipe(config.recipe), lambda m: None)
+    current = ["?"]   # the QuantLinear whose forward is running, to label its folds
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            module.register_forward_pre_hook(
+                lambda m, a, name=name.removeprefix("model."): current.__setitem__(0, name))
+            if args.v_proj_fp8 and name.endswith("v_proj"):
+                module.linear_recipe = replace(module.linear_recipe, gemm=Gemm.FP8)
     model.to(device).train()
     optimizer = torch.optim.AdamW(loop._param_groups(model, config.weight_decay), lr=config.lr,
                                   betas=config.betas, fused=device.type == "cuda")
     tokens = args.batch_size * args.seq_len
-    counts: dict = collections.defaultdict(int)   # (step, operand, shape) -> values rounded
+    counts: dict = collections.defaultdict(int)   # (step, module, operand) -> values rounded
     step_now = [0]
     fold = fg.quantize_fold
+    layer_of_ctx: dict = {}   # id(autograd ctx) -> module name, from the forward
 
     def counting(x, spec, transpose_too=False, check=fg.ACTIVE):
         outer = fg.resolve_check(check, x.device)
@@ -65,9 +81,16 @@ def main() -> None:
             return fold(x, spec, transpose_too, check)
         mine = fg.FoldCheck(x.device)
         out = fold(x, spec, transpose_too, mine)
-        caller = sys._getframe(1).f_code.co_name
-        operand = "dY" if caller == "backward" else ("X" if x.shape[0] == tokens else "W")
-        counts[(step_now[0], operand, tuple(x.shape))] += int(mine.counter.item())
+        # the caller is _QuantLinearFP8.forward / .backward: name the operand by its variable
+        local = sys._getframe(1).f_locals
+        ctx = local.get("ctx")
+        if "dy" not in local:                                   # forward
+            layer = layer_of_ctx[id(ctx)] = current[0]
+            operand = "X" if x is local.get("x") else "W"
+        else:
+            layer = layer_of_ctx.get(id(ctx), "?")
+            operand = "dY" if x is local.get("dy") else "other"
+        counts[(step_now[0], layer, operand)] += int(mine.counter.item())
         outer.counter += mine.counter
         return out
 
@@ -86,8 +109,8 @@ def main() -> None:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-        by_operand = {f"{op} {'x'.join(map(str, shape))}": n
-                      for (s, op, shape), n in sorted(counts.items()) if s == step + 1 and n}
+        by_operand = {f"{layer} {op}": n
+                      for (s, layer, op), n in sorted(counts.items()) if s == step + 1 and n}
         rows.append({"step": step + 1, "loss": loss.item(), "rounded": check.inexact_values(),
                      "by_operand": by_operand})
         print(f"step {step + 1}: loss {loss.item():.3f}, values rounded {rows[-1]['rounded']:,}"

@@ -466,6 +466,18 @@ def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, corpus_env):
 
 # --- --cuda-graph -----------------------------------------------------------------------------
 
+def test_a_run_saved_before_fold_inexact_existed_resumes_as_redo(tmp_path):
+    """Checkpoints written before the fold_inexact field have no such key: they resumed with
+    what the field's "redo" now names, and resume refuses only a different value."""
+    from lowbit.train.config import changed_fields
+
+    saved = make_config(tmp_path).to_dict()
+    del saved["fold_inexact"]
+    assert changed_fields(saved, make_config(tmp_path)) == []
+    assert changed_fields(saved, make_config(tmp_path, fold_inexact="round")) == [
+        "fold_inexact: 'redo' -> 'round'"]
+
+
 def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     from lowbit.train.graphs import cuda_graph_refusal
 
@@ -515,10 +527,13 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
     replays = []
     replay = GraphedGradients.__call__
 
-    def flagging(self, inputs, targets):
+    def flagging(self, inputs, targets):   # and spoils the gradients: the redo must redo
         loss, norm, count = replay(self, inputs, targets)
         replays.append(1)
-        return loss, norm, count + (len(replays) in (2, 5))
+        flagged = len(replays) in (2, 5)
+        if flagged:
+            torch._foreach_add_(self.grads, 1.0)
+        return loss, norm, count + flagged
 
     monkeypatch.setattr(GraphedGradients, "__call__", flagging)
     redone = run(make_config(tmp_path, run_name="redone", cuda_graph=True, **fields), dropout=0.2)

@@ -284,17 +284,19 @@ def stable_fp4_fp8() -> Recipe:
     operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
     power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
     projections (MXFP8) and v_proj (below) stay emulated. Same values as stable-fp4 up to
-    accumulation order. On
-    CUDA the operands come from the fused quantize-and-fold Triton kernels, without host syncs
-    inside a lowbit train step (a step whose one-chunk folds were not all exact is redone with
-    exact ones). On a 1B model (H200, 2026-11-30) 0.957x bf16's step time with the step in a
-    CUDA graph, 1.4-1.65x eager (host-bound), 2.77x under torch.compile, where the quantized
-    layers are graph breaks and bf16 compiles fully (docs/results/kernels.md)."""
+    accumulation order. On CUDA the operands come from the fused quantize-and-fold Triton
+    kernels, without host syncs inside a lowbit train step; a step whose one-chunk folds had
+    to round values is redone with exact ones (or, with fold_inexact="round", kept and
+    counted). On a 1B model (H200, 2026-11-30, docs/results/kernels.md): `lowbit train
+    --cuda-graph` on text 0.94-0.95x bf16's step time with no step redone; `bench train`
+    0.94-0.96x with --cuda-graph, 1.25x eager (host-bound), 2.77x under torch.compile (the
+    quantized layers are graph breaks, and bf16 compiles fully)."""
     base = stable_fp4()
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
-    # FP8 factor per row holds (a 1B model on text: 16% of dV's values from step 5 on, and no
-    # other operand; benchmarks/fold_inexact.py), which would redo nearly every step.
+    # FP8 factor per row holds. On a 1B model on text: 0.1M values rounded at step 2, 15M at
+    # step 6, 25-28M a step by steps 11-15, in v_proj's dY and no other operand
+    # (benchmarks/fold_inexact.py --v-proj-fp8), so every step from the second was redone.
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8),
                   (("*v_proj", base.linear), *base.overrides),
                   note=base.note + " GEMMs on FP8 tensor cores, v_proj's emulated.")

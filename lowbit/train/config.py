@@ -260,9 +260,15 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# Fields added after checkpoints were first written, with the value that describes how a run
+# saved before them behaved (so such a run resumes with that value, and only with it).
+FIELDS_ADDED_LATER = {"fold_inexact": "redo"}
+
+
 def changed_fields(saved: dict, config: TrainConfig) -> list[str]:
     """Fields that would change the run, with both values, e.g. "lr: 0.001 -> 0.002"."""
     now = config.to_dict()
+    saved = {**FIELDS_ADDED_LATER, **saved}
     changes = []
     for key in sorted(set(saved) | set(now)):
         if key in FIELDS_FREE_ON_RESUME:

@@ -2,8 +2,8 @@
 `lowbit bench train --cuda-graph`).
 
 Eager, a quantized step launches several kernels per linear layer from Python, and on a ~1B
-model the GPU then waits on the host (docs/results/kernels.md: stable-fp4-fp8 0.96-0.97x
-bf16's step time in a graph, 1.4-1.65x eager). GraphedGradients captures the forward and
+model the GPU then waits on the host (docs/results/kernels.md, H200: stable-fp4-fp8 0.94-0.96x
+bf16's step time with this, 1.25x eager). GraphedGradients captures the forward and
 backward of every micro-batch of a step and the gradient clip once, and replays them: one
 launch per step. The optimizer step stays eager (fused AdamW is a few launches), so the
 learning rate stays a plain float and a step whose loss is not finite is skipped as before.
@@ -21,6 +21,10 @@ What the capture needs, and how it is kept:
 It cannot hold: work that reads values back to the host (MoE routing's counts), DDP's and
 FSDP's collectives (one process only here), or a torch.compile'd model (compile has its own
 graph mode, "reduce-overhead").
+
+Memory: the graph keeps its forward and backward working set reserved between replays, and a
+step redone eagerly (an inexact FP8 fold under fold_inexact="redo"), an evaluation or a
+diagnostic allocates its own beside it; a model that only just fits eagerly may not fit then.
 """
 
 from __future__ import annotations
@@ -68,37 +72,46 @@ class GraphedGradients:
         eager runs (at least 2: the exact folds' kernels, then the sync-free ones); every
         later step must have the same shapes."""
         device = inputs.device
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad]
         self.inputs, self.targets = inputs.clone(), targets.clone()
         self.accum, self.max_norm, self.device = accum, max_norm, device
         self._loss_fn = loss_fn
+        self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
-        with torch.random.fork_rng(devices=[device]):
+        # on the inputs' GPU throughout: the capture stream and the replays are per device
+        with torch.cuda.device(device), torch.random.fork_rng(devices=[device]):
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for p in self.params:
+                for p in params:
                     p.grad = None
                 self._micro_batches()                 # creates every used parameter's .grad
-                # a parameter that got no gradient (unused) gets a zero one: fixed buffers
-                self.grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                              for p in self.params]
-                self._point_grads()
+                # A parameter the loss does not use keeps .grad None, as eager (AdamW skips
+                # it); the captured backward could never give it one.
+                self.params = [p for p in params if p.grad is not None]
+                self.grads = [p.grad for p in self.params]
                 for _ in range(max(warmup - 1, 1)):
                     self._body()
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.loss, self.grad_norm, self.inexact = self._body()
+            try:
+                with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
+                    self.loss, self.grad_norm, self.inexact = self._body()
+            except RuntimeError as e:
+                raise ValueError(
+                    "--cuda-graph could not capture this model's step: something in it reads a "
+                    "value back to the host or changes shape with the data (MoE routing, say); "
+                    f"drop --cuda-graph ({type(e).__name__}: {str(e)[:300]})") from e
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor):
         if inputs.shape != self.inputs.shape or targets.shape != self.targets.shape:
             raise ValueError(f"a CUDA-graphed step takes batches of {tuple(self.inputs.shape)} "
                              f"tokens, the shape it was captured with; got {tuple(inputs.shape)}")
-        self.inputs.copy_(inputs)
-        self.targets.copy_(targets)
-        self._point_grads()
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.inputs.copy_(inputs)
+            self.targets.copy_(targets)
+            self._point_grads()
+            self.graph.replay()
         return self.loss, self.grad_norm, self.inexact
 
     def zero_grad(self) -> None:
