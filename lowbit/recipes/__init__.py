@@ -295,7 +295,7 @@ def stable_fp4_fp8() -> Recipe:
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
     # FP8 factor per row holds. On a 1B model on text: 0.1M values rounded at step 2, 15M at
-    # step 6, 25-28M a step by steps 11-15, in v_proj's dY and no other operand
+    # step 6, 24-28M a step in steps 11-15, in v_proj's dY and no other operand
     # (benchmarks/fold_inexact.py --v-proj-fp8), so every step from the second was redone.
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8),
                   (("*v_proj", base.linear), *base.overrides),
