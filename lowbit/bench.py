@@ -32,7 +32,13 @@ __all__ = ["bench_kernels", "bench_train", "format_kernel_rows", "format_profile
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
-                cuda_graph: bool = False, progress=print) -> list[dict]:
+                cuda_graph: bool = False, corpus: str | None = None,
+                progress=print) -> list[dict]:
+    """Each recipe's median step time and peak memory on the same model (seeded init) and the
+    same batches. corpus None: one batch of random tokens, every step (the preset's
+    vocabulary); a corpus name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes`
+    reads it; the model's vocabulary is then 256): step i trains on that corpus's batch i, so
+    the gradients are those of text (the FP8 folds' redo count depends on them)."""
     from lowbit.kernels.fp8_gemm import deferred_fold_check
     from lowbit.models import ModelConfig, build_model
     from lowbit.nn import convert
@@ -47,6 +53,14 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     overrides = {"max_seq_len": max(seq_len, 16)}
     if n_experts is not None:
         overrides["n_experts"] = n_experts
+    data = None
+    if corpus is not None:
+        from lowbit.train import TrainConfig
+        from lowbit.train.loop import _build_data
+
+        data = _build_data(TrainConfig(model=model, corpus=corpus, tokenizer="bytes",
+                                       seq_len=seq_len, batch_size=batch_size, progress=False))
+        overrides["vocab_size"] = data.vocab_size
     cfg = ModelConfig.preset(model, **overrides)
     if cuda_graph:
         from lowbit.train.graphs import GraphedGradients, cuda_graph_refusal
@@ -65,9 +79,14 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         # (a captured step must not use autocast's cast cache: it is cleared outside the graph)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda",
                                   cache_enabled=not cuda_graph)
-        tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), device=dev)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if data is not None:
+                inputs, targets = data.train_batch(i)
+                return inputs.to(dev), targets.to(dev)
+            return x_random, y_random
 
+        tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), device=dev)
+        x_random, y_random = tokens[:, :-1], tokens[:, 1:]
         redo_steps = []   # per step: would lowbit.train redo it (inexact one-chunk folds)?
 
         def loss_fn(inputs, targets):
@@ -79,10 +98,11 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
             torch.cuda.reset_peak_memory_stats(dev)
         # as lowbit.train's step: sync-free FP8 folds, their count read once per step; with
         # --cuda-graph as lowbit train --cuda-graph's (gradients replayed, AdamW eager)
-        graphed = (GraphedGradients(net, loss_fn, x, y, max_norm=1.0, warmup=max(warmup, 2))
-                   if cuda_graph else None)
+        graphed = (GraphedGradients(net, loss_fn, *batch(0), max_norm=1.0,
+                                    warmup=max(warmup, 2)) if cuda_graph else None)
 
         def step():
+            x, y = batch(len(redo_steps))
             if graphed is not None:
                 loss, _, count = graphed(x, y)
             else:
@@ -113,6 +133,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                "loss": loss.item(), "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
                "cuda_graph": cuda_graph,
+               "corpus": corpus,
                "fold_redo_steps": sum(redo_steps), "steps_run": len(redo_steps),
                "fold_redo_at": [i + 1 for i, redo in enumerate(redo_steps) if redo]}
         if profile and dev.type == "cuda":
@@ -419,8 +440,9 @@ def format_rows(rows: list[dict]) -> str:
                        f"{at}, warm-up included) had inexact one-chunk FP8 folds; lowbit train "
                        "redoes such a step with exact folds, which the times above leave out")
     r0 = rows[0]
+    data = f"{r0['corpus']} bytes" if r0.get("corpus") else "random tokens"
     return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "
-            f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}\n"
+            f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}, {data}\n"
             + "\n".join(out))
 
 
@@ -446,6 +468,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA: capture the whole step in a CUDA graph and time its replay (the "
                         "step without host overhead)")
+    p.add_argument("--corpus", default=None,
+                   help="train on this corpus's byte tokens, a new batch each step (default: "
+                        "one batch of random tokens); e.g. tinyshakespeare")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -492,7 +517,8 @@ def run_train(args) -> None:
     if not recipes:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
     rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
-                       args.device, args.compile, args.n_experts, args.profile, args.cuda_graph)
+                       args.device, args.compile, args.n_experts, args.profile, args.cuda_graph,
+                       args.corpus)
     print(format_rows(rows))
     if args.profile:
         print(format_profiles(rows))

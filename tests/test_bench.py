@@ -76,3 +76,34 @@ def test_moved_bytes_counts_reads_and_writes():
     assert moved_bytes(stable, "fq+t", (64, 64)) == 3 * 8192
     # NVFP4 1x16: one E4M3 scale per 16 values, plus the 4-byte tensor scale; 40 cols pad to 48
     assert moved_bytes(nvfp4, "q", (2, 40)) == 2 * 40 * 2 + 2 * 48 // 2 + 2 * 3 + 4
+
+
+def test_bench_train_on_a_corpus_takes_a_new_text_batch_each_step(corpus_env, monkeypatch):
+    """--corpus: step i trains on the corpus's batch i (byte tokens, a 256-token model), the
+    same batches for every recipe; the table says what it trained on."""
+    import lowbit.train.loop as loop
+    from lowbit.train.loop import TrainingData
+
+    seen = []
+    build = loop._build_data
+
+    def recording(config) -> TrainingData:
+        data = build(config)
+        batch = data.train_batch
+
+        def train_batch(step):
+            seen.append(step)
+            return batch(step)
+        data.train_batch = train_batch
+        return data
+
+    monkeypatch.setattr(loop, "_build_data", recording)
+    rows = bench_train("tiny", ["bf16", "mxfp4"], seq_len=32, batch_size=2, steps=2, warmup=1,
+                       corpus="tinyshakespeare", progress=lambda message: None)
+    from lowbit.models import ModelConfig, build_model
+
+    assert seen == [0, 1, 2] * 2                      # warm-up then timed steps, per recipe
+    byte_model = build_model(ModelConfig.preset("tiny", vocab_size=256, max_seq_len=32))
+    assert rows[0]["params"] == sum(p.numel() for p in byte_model.parameters())
+    assert rows[0]["corpus"] == "tinyshakespeare"
+    assert "tinyshakespeare bytes" in format_rows(rows)
