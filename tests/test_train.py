@@ -513,6 +513,7 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
                   dropout=0.2)
     assert graphed.train_losses == eager.train_losses
     assert graphed.val_loss == eager.val_loss
+    assert [r["step"] for r in records(tmp_path / "graphed", "cuda_graph_captured")] == [1]
 
     def crash_at_step_6(model, batch, step):
         if step == 6:

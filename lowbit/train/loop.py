@@ -272,8 +272,14 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             # With --cuda-graph the same work (one process) is one graph replay.
             rng_before = _step_rng_state(device)
             if config.cuda_graph:
-                if graphed is None:
+                if graphed is None:   # its warm-up and capture are logged, not step time
+                    t_capture = time.perf_counter()
                     graphed = _capture_step(model, forward, inputs, targets, config)
+                    seconds = time.perf_counter() - t_capture
+                    t0 += seconds
+                    log.write({"event": "cuda_graph_captured", "step": step + 1,
+                               "seconds": seconds})
+                    say(f"step {step + 1}: captured the step in a CUDA graph ({seconds:.1f} s)")
                 step_loss, grad_norm, count = graphed(inputs, targets)
                 loss_value, grad_norm, inexact = torch.stack(
                     [step_loss.double(), grad_norm.double(), count[0].double()]).tolist()
