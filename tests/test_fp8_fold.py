@@ -318,11 +318,13 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
         assert torch.equal(a, b)
 
 
-def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch, compiled):
     """_QuantLinearFP8 hands its forward's deferred check to its backward (autograd may run the
     backward on another thread): a backward inside the check's block counts what one K-chunk
     leaves inexact; one that runs after the block has closed folds exactly, so its gradients
-    equal those of a run with no check at all."""
+    equal those of a run with no check at all. The same under torch.compile, where the layer
+    is lowbit.ops.compiled's custom ops (one graph, AOTAutograd's backward)."""
     from dataclasses import replace
 
     import lowbit.kernels as kernels
@@ -345,16 +347,23 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch):
     monkeypatch.setattr(kernels, "use_kernels",
                         lambda x, spec, codes=True: kernels.supports(spec, codes))
 
+    def linear(x, w):
+        return quant_linear(x, w, None, lin)
+
+    if compiled:
+        torch._dynamo.reset()
+        linear = torch.compile(linear, backend="aot_eager", fullgraph=True)
+
     def run(check_forward: bool, check_backward: bool):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         with deferred_fold_check(x.device) as check:
-            y = quant_linear(x, w, None, lin) if check_forward else None
+            y = linear(x, w) if check_forward else None
             if check_backward:   # on another thread, as autograd runs CUDA backward passes
                 worker = threading.Thread(target=y.backward, args=(grad,))
                 worker.start()
                 worker.join()
         if y is None:
-            y = quant_linear(x, w, None, lin)
+            y = linear(x, w)
         if not check_backward:
             y.backward(grad)
         return check.inexact_values(), x.grad, w.grad

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lowbit.models.moe import Experts
+from lowbit.ops.compiled import compilable
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
@@ -50,13 +51,19 @@ class QuantLinear(nn.Linear):
         q.quantize = True
         return q
 
-    # Under torch.compile the layer runs eagerly, a graph break (see quant_linear), also when
-    # it does not quantize (a recipe's high-precision layers, quantization_disabled): traced,
-    # a quantized call breaks the graph inside this frame, which dynamo then compiles on its
-    # own and recompiles for every recipe, shape and dtype it meets, past its recompile limit.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.weight, self.bias, self.linear_recipe if self.quantize else None)
+        recipe = self.linear_recipe if self.quantize else None
+        if (torch.compiler.is_compiling() and recipe is not None and recipe.is_quantized
+                and not compilable(recipe)):
+            return self._forward_eagerly(x)
+        return quant_linear(x, self.weight, self.bias, recipe)
+
+    # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
+    # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make
+    # dynamo compile the frame on its own, again for every recipe, shape and dtype it meets.
+    @torch.compiler.disable
+    def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.weight, self.bias, self.linear_recipe)
 
     def extra_repr(self) -> str:
         recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.formats import QuantSpec, quantize_dequantize
+from lowbit.ops.compiled import compilable, quant_linear_compiled
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "fake_quantize", "operand", "random_hadamard", "gemm_operands"]
@@ -126,6 +127,19 @@ def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:
             "wgrad_dy": dy_w, "wgrad_x": x_w}
 
 
+def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need_dw: bool):
+    """(dX or None, dW or None) of the emulated GEMMs, from what the forward saved
+    (_saved_operands). dy: (N, out)."""
+    dx = dw = None
+    dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)                # (N, out), blocks along out
+    if need_dx:
+        dx = dy_d @ _dgrad_weight(w_saved, r)                   # (N, out) @ (out, in) -> (N, in)
+    if need_dw:
+        dy_w, x_w = _wgrad_operands(dy, dy_d, x_saved, r)       # (N, out), (N, in)
+        dw = dy_w.mT @ x_w                                      # (out, N) @ (N, in) -> (out, in)
+    return dx, dw
+
+
 class _QuantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: LinearRecipe):
@@ -140,18 +154,9 @@ class _QuantLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        # dy: (N, out)
         x_saved, w_saved = ctx.saved_tensors
-        r: LinearRecipe = ctx.recipe
-        dx = dw = db = None
-        dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)            # (N, out), blocks along out
-        if ctx.needs_input_grad[0]:
-            dx = dy_d @ _dgrad_weight(w_saved, r)               # (N, out) @ (out, in) -> (N, in)
-        if ctx.needs_input_grad[1]:
-            dy_w, x_w = _wgrad_operands(dy, dy_d, x_saved, r)   # (N, out), (N, in)
-            dw = dy_w.mT @ x_w                                  # (out, N) @ (N, in) -> (out, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
+        dx, dw = emulated_backward(dy, x_saved, w_saved, ctx.recipe, *ctx.needs_input_grad[:2])
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
 
@@ -187,29 +192,33 @@ class _QuantLinearFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
-
-        # dy: (N, out)
         x, weight = ctx.saved_tensors
-        r: LinearRecipe = ctx.recipe
-        dx = dw = db = None
-        check = ctx.fold_check
-        shared_dy = _shared(r.dgrad_dy, r.wgrad_dy) and ctx.needs_input_grad[1]
-        fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy, check)   # (N, out), along out
-        if ctx.needs_input_grad[0]:
-            # dX = dY W: B = W^T (in, out), blocks along out
-            w_d = (ctx.w_d if ctx.w_d is not None
-                   else quantize_fold(weight.mT, r.dgrad_w, check=check)[0])
-            dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                          # (N, in)
-        if ctx.needs_input_grad[1]:
-            # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
-            dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy, check=check)[0]
-            x_w = ctx.x_w if ctx.x_w is not None else quantize_fold(x.mT, r.wgrad_x, check=check)[0]
-            dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                          # (out, in)
+        dx, dw = fp8_backward(dy, x, weight, ctx.x_w, ctx.w_d, ctx.recipe, ctx.fold_check,
+                              *ctx.needs_input_grad[:2])
         ctx.x_w = ctx.w_d = ctx.fold_check = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
+
+
+def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):
+    """(dX or None, dW or None) on FP8 tensor cores. dy: (N, out). x_w / w_d: X^T's and W^T's
+    folded operands where the forward made them (shared 2D tiles), else None and x / weight
+    are quantized along the other dim here. check: the forward's deferred fold check."""
+    from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
+
+    dx = dw = None
+    shared_dy = _shared(r.dgrad_dy, r.wgrad_dy) and need_dw
+    fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy, check)       # (N, out), along out
+    if need_dx:
+        # dX = dY W: B = W^T (in, out), blocks along out
+        w_d = w_d if w_d is not None else quantize_fold(weight.mT, r.dgrad_w, check=check)[0]
+        dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                              # (N, in)
+    if need_dw:
+        # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
+        dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy, check=check)[0]
+        x_w = x_w if x_w is not None else quantize_fold(x.mT, r.wgrad_x, check=check)[0]
+        dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                              # (out, in)
+    return dx, dw
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -218,14 +227,14 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
     dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the
-    values it quantized). Under torch.compile a quantized linear runs eagerly, as a graph
-    break: the compiler fuses the work between the linears (norms, rotary embeddings,
-    activations, residuals) and leaves the quantizers, already fused Triton kernels, alone.
-    (lowbit.nn.QuantLinear's forward is excluded as a whole, so there even an unquantized
-    layer is a graph break.)
+    values it quantized). Under torch.compile the layer is two custom ops, its forward and its
+    backward (lowbit.ops.compiled), which the compiler keeps in one graph and fuses around; a
+    recipe whose forward operands round stochastically runs eagerly instead, a graph break.
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() and compilable(recipe):
+        return quant_linear_compiled(x, weight, bias, recipe)
     return _quant_linear(x, weight, bias, recipe)
 
 

@@ -1,0 +1,138 @@
+"""The quantized linear as two torch.library custom ops, for torch.compile.
+
+Eagerly, quant_linear runs lowbit.ops.linear's autograd.Functions. Under torch.compile those
+would be graph breaks (dynamo cannot trace the quantizers' Python and Triton launches), and a
+model with a quantized linear in every block would compile into many small graphs. Here the
+forward and the backward of one layer are each an opaque op (`lowbit::quant_linear`,
+`lowbit::quant_linear_backward`) that the compiler places in one graph and fuses around: the
+norms, rotary embeddings, activations and residual adds between the linears.
+
+The two ops compute what the autograd.Functions compute, with one difference: the backward
+quantizes X and W again (once more along the other dim where 2D tiles are shared) instead of
+keeping the forward's quantized copies, because a custom op's outputs must have shapes the
+compiler knows in advance, which an FP8 fold's K-chunks do not. That gives the same values,
+since the forward operands round to nearest (`compilable`): the same input quantizes to the
+same bits. Stochastic rounding (of dY) draws in the same order as eagerly.
+
+FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
+and remembers it per device; the backward op (on autograd's thread) uses the last forward's
+while its block is still open, and folds exactly otherwise, as the autograd.Function does.
+(A forward on another thread without a check, an evaluation say, makes a backward that
+follows it fold exactly: slower, never inexact.)
+
+The GPU time this saves under torch.compile is not measured yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.formats.spec import Rounding
+from lowbit.recipes import Gemm, LinearRecipe
+
+__all__ = ["compilable", "quant_linear_compiled"]
+
+_RECIPES: dict[str, LinearRecipe] = {}     # op argument -> recipe (ops take no Python objects)
+_KEYS: dict[LinearRecipe, str] = {}
+_FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
+
+
+def compilable(r: LinearRecipe) -> bool:
+    """The recipe's forward operands round to nearest, so the backward op can quantize them
+    again to the same values (stochastic rounding would draw new ones)."""
+    return all(s is None or s.rounding is Rounding.RNE for s in (r.fprop_x, r.fprop_w))
+
+
+# Run for real while dynamo traces (its result a constant of the graph), so the registry holds
+# the recipe before the graph first runs the op.
+@torch._dynamo.assume_constant_result
+def _key(r: LinearRecipe) -> str:
+    key = _KEYS.get(r)
+    if key is None:
+        key = _KEYS[r] = f"recipe{len(_KEYS)}"
+        _RECIPES[key] = r
+    return key
+
+
+def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          recipe: LinearRecipe) -> torch.Tensor:
+    """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):   # cast as autocast would, then quantize
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    lead = x.shape[:-1]
+    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, _key(recipe))
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, weight.shape[0])
+
+
+@torch.library.custom_op("lowbit::quant_linear", mutates_args=())
+def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    from lowbit.ops.linear import operand
+
+    r = _RECIPES[recipe]
+    with torch.autocast(x.device.type, enabled=False):
+        if r.gemm is Gemm.FP8:
+            from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, fp4_gemm_fp8,
+                                                 quantize_fold)
+
+            check = _FORWARD_CHECKS[_canonical(x.device)] = active_fold_check(x.device)
+            fx, _ = quantize_fold(x, r.fprop_x, False, check)
+            fw, _ = quantize_fold(weight, r.fprop_w, False, check)
+            return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)
+        return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
+
+
+@_forward.register_fake
+def _(x, weight, recipe):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
+                 need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from lowbit.ops.linear import _shared, emulated_backward, fp8_backward, operand
+
+    r = _RECIPES[recipe]
+    with torch.autocast(dy.device.type, enabled=False):
+        if r.gemm is Gemm.FP8:
+            from lowbit.kernels.fp8_gemm import _canonical
+
+            check = _FORWARD_CHECKS.get(_canonical(dy.device))
+            check = check if check is not None and check.open else None
+            # X^T and W^T quantized here (1D blocks: along the other dim as eagerly; square
+            # tiles: the transposes of the forward's, the same bits under RNE)
+            dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
+        else:   # what the forward would have saved: the quantized copy where 2D tiles share it
+            x_saved = operand(x, r.fprop_x, 1) if _shared(r.fprop_x, r.wgrad_x) else x
+            w_saved = operand(weight, r.fprop_w, 1) if _shared(r.fprop_w, r.dgrad_w) else weight
+            dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
+    # an op returns tensors: an empty one where no gradient was asked for
+    return (dx if dx is not None else dy.new_empty(0),
+            dw if dw is not None else dy.new_empty(0))
+
+
+@_backward_op.register_fake
+def _(dy, x, weight, recipe, need_dx, need_dw):
+    return (dy.new_empty(x.shape) if need_dx else dy.new_empty(0),
+            dy.new_empty(weight.shape) if need_dw else dy.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, recipe = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.recipe = recipe
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
