@@ -289,8 +289,8 @@ def stable_fp4_fp8() -> Recipe:
     to round values is redone with exact ones (or, with fold_inexact="round", kept and
     counted). On a 1B model (H200, 2026-11-30, docs/results/kernels.md): `lowbit train
     --cuda-graph` on text 0.94-0.95x bf16's step time with no step redone; `bench train`
-    0.94-0.96x with --cuda-graph, 1.25x eager (host-bound), 2.77x under torch.compile (the
-    quantized layers are graph breaks, and bf16 compiles fully)."""
+    0.94-0.96x with --cuda-graph, 1.25x eager (host-bound); under torch.compile 2.77x while
+    the quantized layers were graph breaks (they are custom ops now; not yet re-measured)."""
     base = stable_fp4()
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
