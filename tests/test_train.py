@@ -478,6 +478,41 @@ def test_a_run_saved_before_fold_inexact_existed_resumes_as_redo(tmp_path):
         "fold_inexact: 'redo' -> 'round'"]
 
 
+def test_graphed_gradients_keep_their_buffers_and_leave_unused_parameters_alone():
+    """GraphedGradients (its CPU form: the body at each call) gives the gradients of the eager
+    micro-batch loop; a parameter the loss does not use keeps .grad None (AdamW then skips it,
+    as eagerly); a .grad that someone replaced is pointed back at the buffer before a step."""
+    from lowbit.train.graphs import GraphedGradients
+
+    torch.manual_seed(0)
+    model = StandInLM()
+    model.unused = nn.Parameter(torch.ones(3))
+    x = torch.randint(0, VOCAB, (4, 8))
+    y = torch.randint(0, VOCAB, (4, 8))
+
+    def loss_fn(a, b):
+        return model(a, b).loss
+
+    model.zero_grad(set_to_none=True)
+    for a, b in zip(x.chunk(2), y.chunk(2)):
+        (loss_fn(a, b) / 2).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    graphed = GraphedGradients(model, loss_fn, x, y, accum=2, max_norm=0.5)
+    assert model.unused.grad is None
+    model.mix.weight.grad = torch.zeros_like(model.mix.weight)       # replaced: pointed back
+    loss, graph_norm, inexact = graphed(x, y)
+    assert model.unused.grad is None and int(inexact) == 0
+    assert torch.equal(graph_norm, norm)
+    for name, grad in eager.items():
+        assert torch.equal(dict(model.named_parameters())[name].grad, grad), name
+    assert model.mix.weight.grad is graphed.grads[[id(p) for p in graphed.params].index(
+        id(model.mix.weight))]
+    with pytest.raises(ValueError, match="the shape it was captured with"):
+        graphed(x[:2], y[:2])
+
+
 def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     from lowbit.train.graphs import cuda_graph_refusal
 
@@ -495,19 +530,26 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     assert not config_from_args(parser.parse_args([])).cuda_graph
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="CUDA graphs need a CUDA GPU"))])
 @pytest.mark.parametrize("recipe", ["bf16", "stable-fp4-fp8"])
 def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_path, recipe,
-                                                                           monkeypatch):
+                                                                           device, monkeypatch):
     """--cuda-graph replays the eager step: the same losses bit for bit (dropout and stochastic
     rounding draw the same numbers), with gradient accumulation; a graphed run that crashes
     resumes exactly (a new graph, captured on the resumed batch); a step whose graphed folds
-    were inexact (forced at steps 2 and 5) is redone eagerly with exact folds, and the run
-    stays the same."""
+    were inexact (forced at steps 2 and 5, with the graph's gradients spoiled) is redone
+    eagerly with exact folds, and the run stays the same. On the CPU, where --cuda-graph is
+    refused to users, GraphedGradients runs its body at each call: the bookkeeping around the
+    graph (buffers, zeroing, the redo, resume) is checked without the capture."""
     pytest.importorskip("lowbit.nn")
+    import lowbit.train.graphs as graphs
     from lowbit.train.graphs import GraphedGradients
 
-    fields = dict(recipe=recipe, device="cuda", grad_accum_steps=2)
+    if device == "cpu":
+        monkeypatch.setattr(graphs, "cuda_graph_refusal", lambda *args, **kwargs: None)
+    fields = dict(recipe=recipe, device=device, grad_accum_steps=2)
     eager = run(make_config(tmp_path, run_name="eager", **fields), dropout=0.2)
     graphed = run(make_config(tmp_path, run_name="graphed", cuda_graph=True, **fields),
                   dropout=0.2)

@@ -20,7 +20,8 @@ What the capture needs, and how it is kept:
 - autocast without its cast cache (the cache is cleared outside the graph).
 It cannot hold: work that reads values back to the host (MoE routing's counts), DDP's and
 FSDP's collectives (one process only here), or a torch.compile'd model (compile has its own
-graph mode, "reduce-overhead").
+graph mode, "reduce-overhead"). On the CPU nothing is captured and each call runs the same
+body on the same buffers, so the bookkeeping around the graph is tested without a GPU.
 
 Memory: the graph keeps its forward and backward working set reserved between replays, and a
 step redone eagerly (an inexact FP8 fold under fold_inexact="redo"), an evaluation or a
@@ -29,6 +30,7 @@ diagnostic allocates its own beside it; a model that only just fits eagerly may 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -78,20 +80,16 @@ class GraphedGradients:
         self._loss_fn = loss_fn
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
-        # on the inputs' GPU throughout: the capture stream and the replays are per device
-        with torch.cuda.device(device), torch.random.fork_rng(devices=[device]):
+        self.graph = None
+        cuda = device.type == "cuda"
+        with self._on_device(), torch.random.fork_rng(devices=[device] if cuda else []):
+            if not cuda:   # nothing to capture: each call runs the body (tests of the rest)
+                self._warm_up(params, warmup)
+                return
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for p in params:
-                    p.grad = None
-                self._micro_batches()                 # creates every used parameter's .grad
-                # A parameter the loss does not use keeps .grad None, as eager (AdamW skips
-                # it); the captured backward could never give it one.
-                self.params = [p for p in params if p.grad is not None]
-                self.grads = [p.grad for p in self.params]
-                for _ in range(max(warmup - 1, 1)):
-                    self._body()
+                self._warm_up(params, warmup)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             try:
@@ -107,10 +105,12 @@ class GraphedGradients:
         if inputs.shape != self.inputs.shape or targets.shape != self.targets.shape:
             raise ValueError(f"a CUDA-graphed step takes batches of {tuple(self.inputs.shape)} "
                              f"tokens, the shape it was captured with; got {tuple(inputs.shape)}")
-        with torch.cuda.device(self.device):
+        with self._on_device():
             self.inputs.copy_(inputs)
             self.targets.copy_(targets)
             self._point_grads()
+            if self.graph is None:
+                return self._body()
             self.graph.replay()
         return self.loss, self.grad_norm, self.inexact
 
@@ -118,6 +118,22 @@ class GraphedGradients:
         """Zero the gradient buffers in place (an eager redo accumulates into the same ones)."""
         self._point_grads()
         torch._foreach_zero_(self.grads)
+
+    def _on_device(self):
+        """The inputs' GPU as the current device: capture streams and replays are per device."""
+        return (torch.cuda.device(self.device) if self.device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def _warm_up(self, params: list[torch.Tensor], runs: int) -> None:
+        for p in params:
+            p.grad = None
+        self._micro_batches()                 # creates every used parameter's .grad
+        # A parameter the loss does not use keeps .grad None, as eager (AdamW skips it); the
+        # captured backward could never give it one.
+        self.params = [p for p in params if p.grad is not None]
+        self.grads = [p.grad for p in self.params]
+        for _ in range(max(runs - 1, 1)):
+            self._body()
 
     def _point_grads(self) -> None:
         for p, g in zip(self.params, self.grads):

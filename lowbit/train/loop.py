@@ -373,8 +373,8 @@ def _capture_step(model: nn.Module, forward, inputs: torch.Tensor, targets: torc
     from lowbit.train.graphs import GraphedGradients
 
     # a captured step must not use autocast's cast cache: it is cleared outside the graph
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16_autocast,
-                              cache_enabled=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False,
+                              enabled=config.bf16_autocast and inputs.is_cuda)
 
     def loss_fn(x, y):
         with autocast:
