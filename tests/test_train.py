@@ -531,8 +531,12 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                         reason="CUDA graphs need a CUDA GPU"))])
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="CUDA graphs need a CUDA GPU")),
+    # a GPU other than the current one: the capture and the replays must follow the inputs
+    pytest.param("cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                    reason="needs two CUDA GPUs"))])
 @pytest.mark.parametrize("recipe", ["bf16", "stable-fp4-fp8"])
 def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_path, recipe,
                                                                            device, monkeypatch):
