@@ -400,3 +400,39 @@ def test_column_offsets_past_int32():
     dense = x.contiguous()
     assert_same(quantize_fold_mxfp4(x, spec), fold_operand(quantize_with_spec(dense, spec)))
     assert torch.equal(fake_quantize_triton(x, spec), quantize_dequantize(dense, spec))
+
+
+def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
+    """Exact folds (no deferred check) that need more than one K-chunk name their layer (the id
+    of its weight) to watch_chunked_folds(), also from a backward on another thread; a layer
+    whose operands fold in one chunk is not named, and nothing is noted outside a watch."""
+    from lowbit.kernels.fp8_gemm import watch_chunked_folds
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    lin = get_recipe("stable-fp4-fp8").linear
+    g = torch.Generator().manual_seed(4)
+    x = spread(64, 96, 4, seed=2, tile=(32, 32)).to(DEVICE)
+    w_wide, w_plain = (torch.randn(40, 96, generator=g).to(DEVICE) for _ in range(2))
+    # tokens 0-31 at 2^-20, 32-63 at 2^20: dY^T's rows (wgrad, along tokens) span 40 binades
+    wide = (torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
+                                                          ).repeat_interleave(32)[:, None]
+            ).to(DEVICE)
+    plain = torch.randn(64, 40, generator=g).to(DEVICE)
+
+    def step(w, grad):
+        w = w.clone().requires_grad_()
+        y = quant_linear(x, w, None, lin)
+        worker = threading.Thread(target=y.backward, args=(grad,))   # as autograd's thread
+        worker.start()
+        worker.join()
+        return w
+
+    with watch_chunked_folds() as seen:
+        a = step(w_wide, wide)
+        b = step(w_plain, plain)
+    assert id(a) in seen and id(b) not in seen and len(seen) == 1
+    with watch_chunked_folds() as quiet:
+        pass
+    step(w_wide, wide)                      # outside the block: noted nowhere
+    assert quiet == set()

@@ -614,5 +614,63 @@ def test_fold_inexact_round_keeps_the_step_and_logs_the_count(tmp_path, monkeypa
         == [(2, 3), (5, 3)]
     assert records(tmp_path / "kept", "fold_redo") == []
     assert kept.train_losses == whole.train_losses
-    with pytest.raises(ValueError, match="fold_inexact must be redo or round"):
+    with pytest.raises(ValueError, match="fold_inexact must be redo, adapt or round"):
         make_config(tmp_path, fold_inexact="ignore")
+
+
+def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tmp_path,
+                                                                              monkeypatch):
+    """--fold-inexact adapt: a redone step's layers whose exact folds needed K-chunks (here the
+    watch reports `mix` at the forced redos of steps 2 and 5) move to the emulated path once
+    (a fold_adapted record, kept in the checkpoint), the same FP4 values; a run that crashes
+    after the step-4 checkpoint resumes with `mix` emulated and continues bit for bit."""
+    pytest.importorskip("lowbit.nn")
+    from lowbit.kernels.fp8_gemm import deferred_fold_check, watch_chunked_folds
+    from lowbit.recipes import Gemm
+
+    calls, models = [], []
+
+    @contextlib.contextmanager
+    def flagging(device):
+        with deferred_fold_check(device) as check:
+            calls.append(check)
+            if len(calls) in (2, 5):
+                check.counter += 1
+            yield check
+
+    @contextlib.contextmanager
+    def mix_is_chunked():
+        with watch_chunked_folds() as seen:
+            yield seen
+            seen.add(id(models[-1].mix.weight))
+
+    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    monkeypatch.setattr(loop, "watch_chunked_folds", mix_is_chunked)
+
+    def adapt_run(name, **kwargs):
+        calls.clear()
+        torch.manual_seed(kwargs.pop("init_seed", 0))
+        models.append(StandInLM(0.2))
+        config = make_config(tmp_path, run_name=name, recipe="stable-fp4-fp8",
+                             fold_inexact="adapt", **kwargs.pop("fields", {}))
+        return train(config, model=models[-1], data=StandInData(config), **kwargs)
+
+    whole = adapt_run("whole")
+    assert [(r["step"], r["layers"]) for r in records(tmp_path / "whole", "fold_adapted")] == [
+        (2, ["mix"])]
+    assert models[-1].mix.linear_recipe.gemm is Gemm.EMULATED
+    assert models[-1].head.linear_recipe.gemm is Gemm.FP8
+    assert load_checkpoint(checkpoint_path(tmp_path / "whole"))["fold_emulated_layers"] == ["mix"]
+
+    def crash_at_step_6(model, batch, step):
+        if step == 6:
+            raise Crash()
+        return {}
+
+    with pytest.raises(Crash):
+        adapt_run("cut", fields=dict(diag_every=1), diagnostics_fn=crash_at_step_6)
+    resumed = adapt_run("cut", init_seed=7, resume=True)   # its forced redo: its 2nd step, 6
+    # mix came back emulated from the checkpoint, so the redo moved nothing more
+    assert [r["step"] for r in records(tmp_path / "cut", "fold_adapted")] == [2]
+    assert models[-1].mix.linear_recipe.gemm is Gemm.EMULATED
+    assert resumed.train_losses == whole.train_losses

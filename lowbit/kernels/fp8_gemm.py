@@ -81,7 +81,8 @@ from lowbit.formats.spec import ScaleKind
 
 __all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "ACTIVE", "FoldedOperand", "FoldReport",
            "FoldCheck", "fold", "fold_operand", "fold_report", "weight_operands", "quantize_fold",
-           "deferred_fold_check", "active_fold_check", "resolve_check", "fp4_gemm_fp8"]
+           "deferred_fold_check", "active_fold_check", "resolve_check", "fp4_gemm_fp8",
+           "watch_chunked_folds", "active_watch", "folding_for"]
 
 SHIFT_MIN, SHIFT_MAX = -8, 6          # E2M1 * 2^t is exact in E4M3 iff SHIFT_MIN <= t <= SHIFT_MAX
 WINDOW_SPAN = SHIFT_MAX - SHIFT_MIN   # 14: block exponents one factor can cover (max - min)
@@ -408,10 +409,55 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTI
         from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
 
         if transpose_too:
-            return quantize_fold_mxfp4_with_transpose(x, spec, check=check)
-        return quantize_fold_mxfp4(x, spec, check=check), None
-    q = quantize_with_spec(x, spec)
-    return fold_operand(q), (fold_operand(q, transpose=True) if transpose_too else None)
+            out = quantize_fold_mxfp4_with_transpose(x, spec, check=check)
+        else:
+            out = quantize_fold_mxfp4(x, spec, check=check), None
+    else:
+        q = quantize_with_spec(x, spec)
+        out = fold_operand(q), (fold_operand(q, transpose=True) if transpose_too else None)
+    _note_chunks(out)
+    return out
+
+
+# ---- which layers need K-chunks --------------------------------------------------------------
+
+@contextlib.contextmanager
+def watch_chunked_folds() -> Iterator[set]:
+    """Inside this block (on this thread, and in the backward passes of the forwards it ran),
+    every fold that needed more than one K-chunk adds its layer to the yielded set: the `layer`
+    that `folding_for` names (lowbit's FP8 linear passes the id of its weight). lowbit.train
+    watches a redone step this way to move such layers off the FP8 path (--fold-inexact adapt)."""
+    outer = getattr(_LOCAL, "watch", None)
+    _LOCAL.watch = seen = set()
+    try:
+        yield seen
+    finally:
+        _LOCAL.watch = outer
+        if outer is not None:
+            outer |= seen
+
+
+def active_watch() -> set | None:
+    """The watch_chunked_folds() set in force on this thread, if any."""
+    return getattr(_LOCAL, "watch", None)
+
+
+@contextlib.contextmanager
+def folding_for(layer, watch: set | None) -> Iterator[None]:
+    """The folds inside this block belong to `layer`, and a chunked one is noted in `watch`
+    (the set of a watch_chunked_folds() block, carried to another thread if need be)."""
+    before = getattr(_LOCAL, "folding", None)
+    _LOCAL.folding = (layer, watch) if watch is not None else None
+    try:
+        yield
+    finally:
+        _LOCAL.folding = before
+
+
+def _note_chunks(folded) -> None:
+    folding = getattr(_LOCAL, "folding", None)
+    if folding is not None and any(f is not None and len(f.bounds) > 2 for f in folded):
+        folding[1].add(folding[0])
 
 
 # ---- the GEMM ------------------------------------------------------------------------------

@@ -170,16 +170,20 @@ class _QuantLinearFP8(torch.autograd.Function):
     a backward will use them (`grad`: autograd is recording; forward itself runs without)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool):
-        from lowbit.kernels.fp8_gemm import active_fold_check, fp4_gemm_fp8, quantize_fold
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool, layer: int):
+        from lowbit.kernels.fp8_gemm import (active_fold_check, active_watch, folding_for,
+                                             fp4_gemm_fp8, quantize_fold)
 
         # x: (N, in); weight: (out, in). X^T serves dW, W^T serves dX.
         need_x_t = grad and ctx.needs_input_grad[1] and _shared(recipe.fprop_x, recipe.wgrad_x)
         need_w_t = grad and ctx.needs_input_grad[0] and _shared(recipe.fprop_w, recipe.dgrad_w)
-        # the caller's deferred fold check, if any; the backward (on autograd's thread) uses it
+        # the caller's deferred fold check and chunk watch, if any; the backward (on autograd's
+        # thread) uses them too
         check = ctx.fold_check = active_fold_check(x.device)
-        fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t, check)
-        fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t, check)
+        ctx.layer, ctx.watch = layer, active_watch()
+        with folding_for(layer, ctx.watch):
+            fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t, check)
+            fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t, check)
         y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)              # (N, out)
         if bias is not None:
             y = y + bias
@@ -192,12 +196,15 @@ class _QuantLinearFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from lowbit.kernels.fp8_gemm import folding_for
+
         x, weight = ctx.saved_tensors
-        dx, dw = fp8_backward(dy, x, weight, ctx.x_w, ctx.w_d, ctx.recipe, ctx.fold_check,
-                              *ctx.needs_input_grad[:2])
-        ctx.x_w = ctx.w_d = ctx.fold_check = None
+        with folding_for(ctx.layer, ctx.watch):
+            dx, dw = fp8_backward(dy, x, weight, ctx.x_w, ctx.w_d, ctx.recipe, ctx.fold_check,
+                                  *ctx.needs_input_grad[:2])
+        ctx.x_w = ctx.w_d = ctx.fold_check = ctx.watch = None
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):
@@ -242,6 +249,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   recipe: LinearRecipe) -> torch.Tensor:
     device_type = x.device.type
+    layer = id(weight)   # the parameter's, before a cast: names the layer to watch_chunked_folds
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
@@ -250,7 +258,7 @@ def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     args = (x.reshape(-1, x.shape[-1]), weight, bias, recipe)
     with torch.autocast(device_type, enabled=False):
         if recipe.gemm is Gemm.FP8:
-            y = _QuantLinearFP8.apply(*args, torch.is_grad_enabled())
+            y = _QuantLinearFP8.apply(*args, torch.is_grad_enabled(), layer)
         else:
             y = _QuantLinear.apply(*args)
     return y.reshape(*lead, weight.shape[0])

@@ -58,8 +58,9 @@ _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--parallel", "parallel", str, "under torchrun: ddp (replicate) or fsdp (shard with FSDP2)"),
     ("--recipe", "recipe", str, "quantized-training recipe (bf16: none)"),
     ("--fold-inexact", "fold_inexact", str,
-     "FP8-GEMM recipes, a step whose one-chunk folds rounded values: redo (exactly) or round "
-     "(keep it, log the count)"),
+     "FP8-GEMM recipes, a step whose one-chunk folds rounded values: redo (exactly), adapt "
+     "(redo, and move the layers that needed it to the emulated path) or round (keep it, log "
+     "the count)"),
     ("--out-dir", "out_dir", str, "parent folder of run folders"),
     ("--run-name", "run_name", str, "run folder name (default: <model>-<corpus>-<recipe>)"),
 ]

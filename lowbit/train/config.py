@@ -130,9 +130,12 @@ class TrainConfig:
     values, i.e. some operand row's block scales spanned more than 14 binades, so E4M3 rounds
     its blocks that lie more than 14 binades below the row's largest (to its subnormals or
     zero). "redo": redo the step's gradients with exact, K-chunked folds (every GEMM exactly
-    the FP4 values; costs an eager step with host syncs). "round": keep the step, and log the
-    count ("fold_rounded" records): each rounded value moves by at most 2^-16 times its row's
-    largest block scale (half of E4M3's smallest subnormal step at the row's factor)."""
+    the FP4 values; costs an eager step with host syncs). "adapt": redo it, and move the
+    layers whose folds needed K-chunks to the emulated path for the rest of the run (the same
+    FP4 values, a bf16 GEMM; "fold_adapted" records; kept in checkpoints), so a layer like
+    v_proj stops costing redos. "round": keep the step, and log the count ("fold_rounded"
+    records): each rounded value moves by at most 2^-16 times its row's largest block scale
+    (half of E4M3's smallest subnormal step at the row's factor)."""
     cuda_graph: bool = False
     """Replay each step's forward, backward and gradient clip from one CUDA graph (one process
     on a CUDA GPU, dense model, no compile): no per-kernel host work, so a quantized step is
@@ -196,8 +199,8 @@ class TrainConfig:
                  f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.total_steps} steps; "
                  f"lower --warmup-steps")
         _check_device_name(self.device)
-        _require(self.fold_inexact in ("redo", "round"),
-                 f"fold_inexact must be redo or round (got {self.fold_inexact!r})")
+        _require(self.fold_inexact in ("redo", "adapt", "round"),
+                 f"fold_inexact must be redo, adapt or round (got {self.fold_inexact!r})")
         _require(self.parallel in ("ddp", "fsdp"),
                  f"parallel must be ddp or fsdp (got {self.parallel!r})")
         _require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")

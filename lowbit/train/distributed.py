@@ -169,6 +169,14 @@ class Distributed:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value / self.world_size
 
+    def union(self, names: list[str]) -> list[str]:
+        """The sorted union of every rank's `names` (one all_gather_object; every rank calls it)."""
+        if not self.enabled:
+            return sorted(set(names))
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, list(names))
+        return sorted(set().union(*gathered))
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lowbit.kernels.fp8_gemm import deferred_fold_check
+from lowbit.kernels.fp8_gemm import deferred_fold_check, watch_chunked_folds
 from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_checkpoint,
                                      rng_state, save_checkpoint, set_rng_state, write_text_atomic)
 from lowbit.train.config import TrainConfig, changed_fields, resolve_device
@@ -175,6 +175,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
         _start_run_dir(run_dir, config, fresh=checkpoint is None)
 
     start_step, records, losses, wall_before, nonfinite_run = 0, [], [], 0.0, 0
+    emulated_layers: list[str] = []   # --fold-inexact adapt: layers moved off the FP8 path
     resumed = checkpoint is not None
     if resumed:
         process.load_state_dicts(model, optimizer, checkpoint["model"], checkpoint["optimizer"])
@@ -183,6 +184,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
         start_step, records = checkpoint["step"], checkpoint["metrics"]
         losses, wall_before = checkpoint["train_losses"], checkpoint["wall_time_s"]
         nonfinite_run = checkpoint["consecutive_nonfinite"]
+        emulated_layers = _emulate_layers(model, checkpoint.get("fold_emulated_layers", []))
         del checkpoint  # the weights now live in the model; don't hold a second copy
     # `model` stays the plain module: its state dict is what checkpoints hold.
     forward = torch.compile(process.wrap(model)) if config.compile else process.wrap(model)
@@ -227,6 +229,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                     "model": model_state, "optimizer": optimizer_state,
                     "rng": rng_state(), "metrics": log.records, "train_losses": losses,
                     "wall_time_s": wall, "consecutive_nonfinite": nonfinite_run,
+                    "fold_emulated_layers": emulated_layers,
                 }, checkpoint_path(run_dir))
                 last_checkpoint = checkpoint_path(run_dir)
                 write_loss_plot(run_dir)
@@ -293,9 +296,18 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 log.write({"event": "fold_rounded", "step": step + 1, "inexact_values": inexact})
             elif inexact:
                 _set_step_rng_state(device, rng_before)
-                step_loss, grad_norm = gradients()
+                with watch_chunked_folds() as chunked:
+                    step_loss, grad_norm = gradients()
                 log.write({"event": "fold_redo", "step": step + 1, "inexact_values": inexact})
                 loss_value = process.average(step_loss).item()
+                if config.fold_inexact == "adapt":
+                    moved = _emulate_layers(model, process.union(_layer_names(model, chunked)))
+                    if moved:
+                        emulated_layers = sorted(emulated_layers + moved)
+                        graphed = None   # the next step is captured with the new recipes
+                        log.write({"event": "fold_adapted", "step": step + 1, "layers": moved})
+                        say(f"step {step + 1}: {len(moved)} layer(s) need K-chunked FP8 folds; "
+                            f"they now multiply on the emulated path: {', '.join(moved)}")
             losses.append(loss_value)
             step += 1
             if math.isfinite(loss_value) and math.isfinite(grad_norm):
@@ -356,6 +368,28 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
         f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> {run_dir}")
     return result
+
+
+def _layer_names(model: nn.Module, layers: set) -> list[str]:
+    """The names of the quantized linears whose weights' ids are in `layers`."""
+    from lowbit.nn import QuantLinear
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, QuantLinear) and id(m.weight) in layers]
+
+
+def _emulate_layers(model: nn.Module, names: list[str]) -> list[str]:
+    """Move these quantized linears from the FP8 GEMMs to the emulated ones (the same FP4
+    operands); returns the names that were on the FP8 path."""
+    from lowbit.recipes import Gemm
+
+    moved = []
+    for name in names:
+        module = model.get_submodule(name)
+        if module.linear_recipe is not None and module.linear_recipe.gemm is Gemm.FP8:
+            module.linear_recipe = dataclasses.replace(module.linear_recipe, gemm=Gemm.EMULATED)
+            moved.append(name)
+    return moved
 
 
 def _refuse_cuda_graph(config: TrainConfig, process: Distributed, moe: bool) -> None:
