@@ -334,26 +334,34 @@ def test_resume_is_exact_under_a_stochastic_rounding_recipe(tmp_path):
     assert run(cut, dropout=0.2, init_seed=7, resume=True).train_losses == whole.train_losses
 
 
-def test_an_inexact_sync_free_fold_redoes_the_step_from_the_same_rng_state(tmp_path, monkeypatch):
-    """A step whose deferred fold check counts inexact blocks is redone (exact folds) from the
-    RNG state it started with, so the run equals one where no fold was inexact. The count is
-    forced here at steps 2 and 5 (CPU folds are exact); dropout and stochastic rounding make a
-    redo that drew from a moved RNG give other losses."""
-    pytest.importorskip("lowbit.nn")
+def force_inexact_folds(monkeypatch, count: int = 1, at=(2, 5)) -> list:
+    """Make the loop's deferred fold checks count `count` inexact values at the checks numbered
+    `at` (1-based: one check per step, so steps 2 and 5 of a fresh run; CPU folds are exact).
+    Returns the list of checks made, for counting them."""
     from lowbit.kernels.fp8_gemm import deferred_fold_check
 
-    whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"), dropout=0.2)
     calls = []
 
     @contextlib.contextmanager
     def flagging(device):
         with deferred_fold_check(device) as check:
             calls.append(check)
-            if len(calls) in (2, 5):        # steps 2 and 5
-                check.counter += 1
+            if len(calls) in at:
+                check.counter += count
             yield check
 
     monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    return calls
+
+
+def test_an_inexact_sync_free_fold_redoes_the_step_from_the_same_rng_state(tmp_path, monkeypatch):
+    """A step whose deferred fold check counts inexact blocks is redone (exact folds) from the
+    RNG state it started with, so the run equals one where no fold was inexact. The count is
+    forced here at steps 2 and 5 (CPU folds are exact); dropout and stochastic rounding make a
+    redo that drew from a moved RNG give other losses."""
+    pytest.importorskip("lowbit.nn")
+    whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"), dropout=0.2)
+    calls = force_inexact_folds(monkeypatch)
     redone = run(make_config(tmp_path, run_name="redone", recipe="stable-fp4-fp8"), dropout=0.2)
     assert len(calls) == 8                  # one per step; the redos run outside a check
     assert [(r["step"], r["inexact_values"]) for r in records(tmp_path / "redone", "fold_redo")] \
@@ -593,20 +601,8 @@ def test_fold_inexact_round_keeps_the_step_and_logs_the_count(tmp_path, monkeypa
     5, as above) is not redone; the count is logged as a fold_rounded record. On the CPU the
     folds are exact either way, so the run equals the default one; a bad value is refused."""
     pytest.importorskip("lowbit.nn")
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
-
     whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"))
-    calls = []
-
-    @contextlib.contextmanager
-    def flagging(device):
-        with deferred_fold_check(device) as check:
-            calls.append(check)
-            if len(calls) in (2, 5):
-                check.counter += 3
-            yield check
-
-    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    calls = force_inexact_folds(monkeypatch, count=3)
     kept = run(make_config(tmp_path, run_name="kept", recipe="stable-fp4-fp8",
                            fold_inexact="round"))
     assert len(calls) == 8
@@ -625,18 +621,11 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
     (a fold_adapted record, kept in the checkpoint), the same FP4 values; a run that crashes
     after the step-4 checkpoint resumes with `mix` emulated and continues bit for bit."""
     pytest.importorskip("lowbit.nn")
-    from lowbit.kernels.fp8_gemm import deferred_fold_check, watch_chunked_folds
+    from lowbit.kernels.fp8_gemm import watch_chunked_folds
     from lowbit.recipes import Gemm
 
-    calls, models = [], []
-
-    @contextlib.contextmanager
-    def flagging(device):
-        with deferred_fold_check(device) as check:
-            calls.append(check)
-            if len(calls) in (2, 5):
-                check.counter += 1
-            yield check
+    models = []
+    calls = force_inexact_folds(monkeypatch)
 
     @contextlib.contextmanager
     def mix_is_chunked():
@@ -644,7 +633,6 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
             yield seen
             seen.add(id(models[-1].mix.weight))
 
-    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
     monkeypatch.setattr(loop, "watch_chunked_folds", mix_is_chunked)
 
     def adapt_run(name, **kwargs):
