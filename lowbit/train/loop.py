@@ -5,8 +5,9 @@ One optimizer step:
   for each of grad_accum_steps micro-batches:  forward (bf16 autocast on CUDA),
                                                backward of loss / grad_accum_steps
   grad_norm = clip_grad_norm_(grad_clip)
-  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly, or
-   with fold_inexact="round" keep it and log the count)
+  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly; with
+   fold_inexact="adapt" also move the layers that needed it off the FP8 GEMMs; with "round"
+   keep the step and log the count)
   if loss and grad_norm are finite: AdamW step; else skip it and log a nonfinite_skip record
 Around it: evaluation every eval_every steps, a checkpoint every checkpoint_every steps,
 a record in metrics.jsonl every log_every steps, and diagnostics every diag_every steps.
@@ -159,7 +160,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     _apply_recipe(model, recipe, say)
     model.to(device)
     if config.cuda_graph:   # again: a model passed in may be an MoE model
-        _refuse_cuda_graph(config, process, getattr(getattr(model, "config", None), "is_moe", False))
+        _refuse_cuda_graph(config, process,
+                           getattr(getattr(model, "config", None), "is_moe", False))
     if process.enabled and config.parallel == "fsdp":
         process.shard_model(model)  # before the optimizer takes its (now sharded) parameters
         if diagnostics_fn is not None:
@@ -271,7 +273,9 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             # count on the device what that left inexact; the count is read with the step's
             # loss (one all-reduce, one readback). A nonzero one (on any rank) redoes the
             # step with exact folds from the same RNG state, so the step is the one an
-            # all-exact run takes, or with --fold-inexact round is logged and kept.
+            # all-exact run takes (with --fold-inexact adapt, the layers whose exact folds
+            # needed K-chunks then leave the FP8 path), or with --fold-inexact round is
+            # logged and kept.
             # With --cuda-graph the same work (one process) is one graph replay.
             rng_before = _step_rng_state(device)
             if config.cuda_graph:
