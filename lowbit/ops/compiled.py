@@ -81,10 +81,22 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor
                                                  quantize_fold)
 
             check = _FORWARD_CHECKS[_canonical(x.device)] = active_fold_check(x.device)
+            _refuse_capture(check)
             fx, _ = quantize_fold(x, r.fprop_x, False, check)
             fw, _ = quantize_fold(weight, r.fprop_w, False, check)
             return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)
         return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
+
+
+def _refuse_capture(check) -> None:
+    """A CUDA graph recorded around these ops (torch.compile's mode="reduce-overhead") would
+    replay the folds without running this Python, so their inexact count would go to the
+    check of the recording, not the one the caller reads: refuse, rather than lose it."""
+    if check is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "lowbit's FP8 folds under a deferred fold check cannot be recorded into a CUDA graph "
+            "by torch.compile (mode='reduce-overhead'): the inexact count would be lost. Compile "
+            "with the default mode, or use `lowbit train --cuda-graph` (no torch.compile)")
 
 
 @_forward.register_fake
@@ -104,6 +116,7 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe
 
             check = _FORWARD_CHECKS.get(_canonical(dy.device))
             check = check if check is not None and check.open else None
+            _refuse_capture(check)
             # X^T and W^T quantized here (1D blocks: along the other dim as eagerly; square
             # tiles: the transposes of the forward's, the same bits under RNE)
             dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
