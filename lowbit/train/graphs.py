@@ -24,8 +24,9 @@ graph mode, "reduce-overhead"). On the CPU nothing is captured and each call run
 body on the same buffers, so the bookkeeping around the graph is tested without a GPU.
 
 Memory: the graph keeps its forward and backward working set reserved between replays, and a
-step redone eagerly (an inexact FP8 fold under fold_inexact="redo"), an evaluation or a
-diagnostic allocates its own beside it; a model that only just fits eagerly may not fit then.
+step redone eagerly (an inexact FP8 fold under fold_inexact "redo" or "adapt"), an
+evaluation or a diagnostic allocates its own beside it; a model that only just fits eagerly
+may not fit then.
 """
 
 from __future__ import annotations
