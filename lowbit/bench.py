@@ -79,6 +79,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         # (a captured step must not use autocast's cast cache: it is cleared outside the graph)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda",
                                   cache_enabled=not cuda_graph)
+
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
                 inputs, targets = data.train_batch(i)
