@@ -84,7 +84,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor
             _refuse_capture(check)
             fx, _ = quantize_fold(x, r.fprop_x, False, check)
             fw, _ = quantize_fold(weight, r.fprop_w, False, check)
-            return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)
+            # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
+            return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype).contiguous()
         return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
 
 
@@ -124,9 +125,9 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe
             x_saved = operand(x, r.fprop_x, 1) if _shared(r.fprop_x, r.wgrad_x) else x
             w_saved = operand(weight, r.fprop_w, 1) if _shared(r.fprop_w, r.dgrad_w) else weight
             dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
-    # an op returns tensors: an empty one where no gradient was asked for
-    return (dx if dx is not None else dy.new_empty(0),
-            dw if dw is not None else dy.new_empty(0))
+    # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
+    return (dx.contiguous() if dx is not None else dy.new_empty(0),
+            dw.contiguous() if dw is not None else dy.new_empty(0))
 
 
 @_backward_op.register_fake
