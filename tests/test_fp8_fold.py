@@ -436,3 +436,27 @@ def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
         pass
     step(w_wide, wide)                      # outside the block: noted nowhere
     assert quiet == set()
+
+
+@pytest.mark.parametrize("kernels_on", [False, True])
+def test_transposed_operand_alone_equals_folding_the_transpose(monkeypatch, kernels_on):
+    """quantize_fold(x, spec, True, rows=False) makes x^T's operand from a row-major read of x
+    (what the compiled backward uses); under RNE with square tiles it is quantize_fold(x.mT),
+    bit for bit: odd shapes, 30 binades (K-chunks), NaN and zero tiles, kernels and reference."""
+    import lowbit.kernels as kernels
+    from lowbit.kernels.fp8_gemm import quantize_fold
+
+    if kernels_on:
+        monkeypatch.setattr(kernels, "use_kernels",
+                            lambda x, spec, codes=True: kernels.supports(spec, codes))
+    spec = QuantSpec.make("mxfp4", (32, 32), "rceil")
+    x = spread(70, 130, 30, seed=9, tile=(32, 32))
+    x[:32, 32:64] = float("nan")
+    x[32:64, :32] = 0.0
+    x = x.to(DEVICE)
+    none, alone = quantize_fold(x, spec, True, None, rows=False)
+    ref = quantize_fold(x.mT, spec, check=None)[0]
+    assert none is None and len(ref.bounds) > 2
+    assert torch.equal(alone.fp8.view(torch.uint8).cpu(), ref.fp8.view(torch.uint8).cpu())
+    assert torch.equal(alone.factors.cpu(), ref.factors.cpu()) and alone.bounds == ref.bounds
+    assert torch.equal(alone.nan_rows.cpu(), ref.nan_rows.cpu())

@@ -391,10 +391,12 @@ def resolve_check(check, device) -> FoldCheck | None:
     return _for_device(check, device)
 
 
-def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTIVE
-                  ) -> tuple[FoldedOperand, FoldedOperand | None]:
+def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTIVE,
+                  rows: bool = True) -> tuple[FoldedOperand | None, FoldedOperand | None]:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it: (x's operand, x^T's
     operand or None). x^T's comes from the same FP4 values (square 2D tiles only).
+    rows=False (with transpose_too) makes x^T's alone, from one row-major read of x: (None,
+    x^T's operand), the same bits as quantize_fold(x.mT) under round-to-nearest.
 
     CUDA tensors take the fused Triton kernels (lowbit.kernels.fp8_fold, two passes over x and
     no QTensor); elsewhere, or under force_reference(), the reference quantizer and
@@ -408,13 +410,16 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTI
     if use_kernels(x, spec):
         from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
 
-        if transpose_too:
+        if transpose_too and not rows:
+            out = None, quantize_fold_mxfp4(x, spec, transpose=True, check=check)
+        elif transpose_too:
             out = quantize_fold_mxfp4_with_transpose(x, spec, check=check)
         else:
             out = quantize_fold_mxfp4(x, spec, check=check), None
     else:
         q = quantize_with_spec(x, spec)
-        out = fold_operand(q), (fold_operand(q, transpose=True) if transpose_too else None)
+        out = (fold_operand(q) if rows else None,
+               fold_operand(q, transpose=True) if transpose_too else None)
     _note_chunks(out)
     return out
 

@@ -209,21 +209,28 @@ class _QuantLinearFP8(torch.autograd.Function):
 
 def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):
     """(dX or None, dW or None) on FP8 tensor cores. dy: (N, out). x_w / w_d: X^T's and W^T's
-    folded operands where the forward made them (shared 2D tiles), else None and x / weight
-    are quantized along the other dim here. check: the forward's deferred fold check."""
+    folded operands where the forward made them (shared 2D tiles), else None and they are
+    made here from x / weight (shared tiles: x^T's operand of the forward's quantization, the
+    same bits under round-to-nearest; 1D blocks: quantized along the other dim). check: the
+    forward's deferred fold check."""
     from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
+
+    def transposed(t, forward_spec, spec):
+        if _shared(forward_spec, spec):
+            return quantize_fold(t, spec, True, check, rows=False)[1]
+        return quantize_fold(t.mT, spec, check=check)[0]
 
     dx = dw = None
     shared_dy = _shared(r.dgrad_dy, r.wgrad_dy) and need_dw
     fdy, fdy_t = quantize_fold(dy, r.dgrad_dy, shared_dy, check)       # (N, out), along out
     if need_dx:
         # dX = dY W: B = W^T (in, out), blocks along out
-        w_d = w_d if w_d is not None else quantize_fold(weight.mT, r.dgrad_w, check=check)[0]
+        w_d = w_d if w_d is not None else transposed(weight, r.fprop_w, r.dgrad_w)
         dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                              # (N, in)
     if need_dw:
         # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
         dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy, check=check)[0]
-        x_w = x_w if x_w is not None else quantize_fold(x.mT, r.wgrad_x, check=check)[0]
+        x_w = x_w if x_w is not None else transposed(x, r.fprop_x, r.wgrad_x)
         dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                              # (out, in)
     return dx, dw
 
