@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lowbit.formats.spec import Rounding
 from lowbit.recipes import Gemm, LinearRecipe
 
-__all__ = ["compilable", "quant_linear_compiled"]
+__all__ = ["autocast_operands", "compilable", "quant_linear_compiled"]
 
 _RECIPES: dict[str, LinearRecipe] = {}     # op argument -> recipe (ops take no Python objects)
 _KEYS: dict[LinearRecipe, str] = {}
@@ -55,14 +55,21 @@ def _key(r: LinearRecipe) -> str:
     return key
 
 
-def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          recipe: LinearRecipe) -> torch.Tensor:
-    """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(x, weight, bias) cast to the autocast dtype when autocast is on, as it would cast a
+    linear's inputs; the quantized GEMMs then run with it off and see exactly these values."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):   # cast as autocast would, then quantize
+    if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    return x, weight, bias
+
+
+def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          recipe: LinearRecipe) -> torch.Tensor:
+    """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
+    x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, _key(recipe))
     if bias is not None:
@@ -108,7 +115,7 @@ def _(x, weight, recipe):
 @torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
                  need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from lowbit.ops.linear import _shared, emulated_backward, fp8_backward, operand
+    from lowbit.ops.linear import _saved_operands, emulated_backward, fp8_backward
 
     r = _RECIPES[recipe]
     with torch.autocast(dy.device.type, enabled=False):
@@ -121,10 +128,8 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe
             # X^T and W^T quantized here (1D blocks: along the other dim as eagerly; square
             # tiles: the transposes of the forward's, the same bits under RNE)
             dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
-        else:   # what the forward would have saved: the quantized copy where 2D tiles share it
-            x_saved = operand(x, r.fprop_x, 1) if _shared(r.fprop_x, r.wgrad_x) else x
-            w_saved = operand(weight, r.fprop_w, 1) if _shared(r.fprop_w, r.dgrad_w) else weight
-            dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
+        else:   # what the forward would have saved, quantized again where 2D tiles share it
+            dx, dw = emulated_backward(dy, *_saved_operands(x, weight, r), r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
     return (dx.contiguous() if dx is not None else dy.new_empty(0),
             dw.contiguous() if dw is not None else dy.new_empty(0))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.formats import QuantSpec, quantize_dequantize
-from lowbit.ops.compiled import compilable, quant_linear_compiled
+from lowbit.ops.compiled import autocast_operands, compilable, quant_linear_compiled
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "fake_quantize", "operand", "random_hadamard", "gemm_operands"]
@@ -77,11 +77,16 @@ def random_hadamard(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return (x * 0.25).to(t.dtype)
 
 
-def _saved_operands(x, weight, x_f, w_f, r: LinearRecipe):
+def _saved_operands(x, weight, r: LinearRecipe, x_f=None, w_f=None):
     """What forward keeps for backward: the quantized copy where the backward GEMM reuses it
-    (2D tiles), the high-precision tensor where it must be quantized along the other dim."""
-    x_saved = x_f if _shared(r.fprop_x, r.wgrad_x) else x
-    w_saved = w_f if _shared(r.fprop_w, r.dgrad_w) else weight
+    (2D tiles), the high-precision tensor where it must be quantized along the other dim.
+    x_f / w_f: the forward's quantized copies; None: quantized here where needed (the same
+    bits under round-to-nearest, as lowbit.ops.compiled's backward needs)."""
+    x_saved, w_saved = x, weight
+    if _shared(r.fprop_x, r.wgrad_x):
+        x_saved = x_f if x_f is not None else operand(x, r.fprop_x, reduce_dim=1)
+    if _shared(r.fprop_w, r.dgrad_w):
+        w_saved = w_f if w_f is not None else operand(weight, r.fprop_w, reduce_dim=1)
     return x_saved, w_saved
 
 
@@ -120,7 +125,7 @@ def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:
     (for diagnostics). x (N, in), weight (out, in), dy (N, out)."""
     x_f = operand(x, r.fprop_x, reduce_dim=1)
     w_f = operand(weight, r.fprop_w, reduce_dim=1)
-    x_saved, w_saved = _saved_operands(x, weight, x_f, w_f, r)
+    x_saved, w_saved = _saved_operands(x, weight, r, x_f, w_f)
     dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)
     dy_w, x_w = _wgrad_operands(dy, dy_d, x_saved, r)
     return {"fprop_x": x_f, "fprop_w": w_f, "dgrad_dy": dy_d, "dgrad_w": _dgrad_weight(w_saved, r),
@@ -147,7 +152,7 @@ class _QuantLinear(torch.autograd.Function):
         x_f = operand(x, recipe.fprop_x, reduce_dim=1)          # (N, in), blocks along in
         w_f = operand(weight, recipe.fprop_w, reduce_dim=1)     # (out, in), blocks along in
         y = F.linear(x_f, w_f, bias)                            # (N, out)
-        ctx.save_for_backward(*_saved_operands(x, weight, x_f, w_f, recipe))
+        ctx.save_for_backward(*_saved_operands(x, weight, recipe, x_f, w_f))
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         return y
@@ -255,15 +260,11 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 @torch.compiler.disable
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   recipe: LinearRecipe) -> torch.Tensor:
-    device_type = x.device.type
     layer = id(weight)   # the parameter's, before a cast: names the layer to watch_chunked_folds
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     args = (x.reshape(-1, x.shape[-1]), weight, bias, recipe)
-    with torch.autocast(device_type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         if recipe.gemm is Gemm.FP8:
             y = _QuantLinearFP8.apply(*args, torch.is_grad_enabled(), layer)
         else:
