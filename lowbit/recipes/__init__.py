@@ -294,9 +294,11 @@ def stable_fp4_fp8() -> Recipe:
     base = stable_fp4()
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
-    # FP8 factor per row holds. On a 1B model on text: 0.1M values rounded at step 2, 15M at
-    # step 6, 24-28M a step in steps 11-15, in v_proj's dY and no other operand
-    # (benchmarks/fold_inexact.py --v-proj-fp8), so every step from the second was redone.
+    # FP8 factor per row holds. On a 1B model on text (H200, 2026-11-30): 0.1M values rounded
+    # at step 2, 15M at step 6, in v_proj's dY and no other operand (benchmarks/
+    # fold_inexact.py, run while v_proj was on FP8, as --v-proj-fp8 now puts it), and 24-28M
+    # a step in steps 11-15 (lowbit train --fold-inexact round), so every step from the
+    # second was redone.
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8),
                   (("*v_proj", base.linear), *base.overrides),
                   note=base.note + " GEMMs on FP8 tensor cores, v_proj's emulated.")
