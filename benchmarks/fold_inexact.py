@@ -126,4 +126,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:   # a bad flag, a missing corpus: one line
+        sys.exit(f"fold_inexact: {e}")

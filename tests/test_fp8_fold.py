@@ -460,3 +460,5 @@ def test_transposed_operand_alone_equals_folding_the_transpose(monkeypatch, kern
     assert torch.equal(alone.fp8.view(torch.uint8).cpu(), ref.fp8.view(torch.uint8).cpu())
     assert torch.equal(alone.factors.cpu(), ref.factors.cpu()) and alone.bounds == ref.bounds
     assert torch.equal(alone.nan_rows.cpu(), ref.nan_rows.cpu())
+    with pytest.raises(ValueError, match="pass transpose_too=True too"):
+        quantize_fold(x, spec, False, None, rows=False)

@@ -407,6 +407,9 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTI
     from lowbit.formats.quantize import quantize_with_spec
     from lowbit.kernels import use_kernels
 
+    if not (rows or transpose_too):
+        raise ValueError("quantize_fold with rows=False makes x^T's operand alone: pass "
+                         "transpose_too=True too")
     if use_kernels(x, spec):
         from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
 
