@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["bench_kernels", "bench_train", "format_kernel_rows", "format_profiles", "format_rows",
-           "graph_time_ms", "profile_step", "time_ms"]
+           "graph_time_ms", "idle_gaps", "profile_step", "time_ms"]
 
 
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
@@ -175,12 +175,14 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         _sync(dev)
         wall = time.perf_counter() - t0
     kernels: dict[str, float] = {}
+    spans = []   # (start_us, end_us, name) of every GPU event, for the idle gaps between them
     for event in prof.events():
         # user annotations ("Optimizer.step#AdamW.step") also appear on the GPU timeline,
         # spanning kernels that are counted on their own
         annotation = getattr(event, "is_user_annotation", False) or "#" in event.name
         if event.device_type == torch.autograd.DeviceType.CUDA and not annotation:
             kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+            spans.append((event.time_range.start, event.time_range.end, event.name))
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
         low = name.lower()
@@ -191,11 +193,36 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
     # cudaStreamSynchronize / cudaDeviceSynchronize / a device-to-host cudaMemcpyAsync)
     host = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
             if e.self_cpu_time_total > 0}
-    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy,
+    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, **idle_gaps(spans, top),
             "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
             "host_total_ms": sum(ms for ms, _ in host.values()),
             "top_host_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:top])}
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """Where the GPU sat idle between its first and last event: spans are (start_us, end_us,
+    name); overlapping spans (several streams) are merged. Returns the span of the timeline, the
+    idle total, the idle time in gaps shorter than 20 us (launch spacing) and the `top` longest
+    gaps, each labelled by the events either side ("before -> after")."""
+    if not spans:
+        return {"timeline_ms": 0.0, "idle_ms": 0.0, "idle_small_gaps_ms": 0.0, "idle_gap_count": 0,
+                "top_gaps_ms": {}}
+    spans = sorted(spans)
+    gaps = []
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append(((start - end) / 1e3, f"{last[:50]} -> {name[:50]}"))
+        if stop >= end:
+            end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    labelled: dict[str, float] = {}
+    for ms, label in gaps[:top]:
+        labelled[label] = labelled.get(label, 0.0) + ms
+    return {"timeline_ms": (end - spans[0][0]) / 1e3, "idle_ms": sum(ms for ms, _ in gaps),
+            "idle_small_gaps_ms": sum(ms for ms, _ in gaps if ms < 0.02),
+            "idle_gap_count": len(gaps), "top_gaps_ms": labelled}
 
 
 def format_profiles(rows: list[dict]) -> str:
@@ -209,6 +236,12 @@ def format_profiles(rows: list[dict]) -> str:
                    f"{p['gpu_busy_ms']:.1f} ms ({p['gpu_busy_ms'] / p['wall_ms']:.0%})")
         for category, ms in p["by_category_ms"].items():
             out.append(f"  {category:28s} {ms:9.2f} ms  {ms / p['gpu_busy_ms']:6.1%}")
+        if "idle_ms" in p:
+            out.append(f"  GPU timeline {p['timeline_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms in "
+                       f"{p['idle_gap_count']} gaps ({p['idle_small_gaps_ms']:.1f} ms in gaps "
+                       "< 20 us); longest gaps:")
+            for label, ms in p["top_gaps_ms"].items():
+                out.append(f"    {ms:9.2f} ms  {label}")
         out.append("  top kernels:")
         for name, ms in p["top_kernels_ms"].items():
             out.append(f"    {ms:9.2f} ms  {name[:110]}")
