@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 import time
 
@@ -202,27 +203,29 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
 
 def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
     """Where the GPU sat idle between its first and last event: spans are (start_us, end_us,
-    name); overlapping spans (several streams) are merged. Returns the span of the timeline, the
-    idle total, the idle time in gaps shorter than 20 us (launch spacing) and the `top` longest
-    gaps, each labelled by the events either side ("before -> after")."""
-    if not spans:
-        return {"timeline_ms": 0.0, "idle_ms": 0.0, "idle_small_gaps_ms": 0.0, "idle_gap_count": 0,
-                "top_gaps_ms": {}}
-    spans = sorted(spans)
-    gaps = []
-    end, last = spans[0][1], spans[0][2]
-    for start, stop, name in spans[1:]:
-        if start > end:
-            gaps.append(((start - end) / 1e3, f"{last[:50]} -> {name[:50]}"))
-        if stop >= end:
+    name); overlapping spans (several streams) are merged. Returns the span of the timeline,
+    the idle total, a histogram of the gaps by length, and the idle time summed per pair of
+    events either side ("before -> after", names cut to 50 characters), the `top` pairs."""
+    bins = (("< 5 us", 0.005), ("5-20 us", 0.02), ("20-100 us", 0.1), ("0.1-1 ms", 1.0),
+            (">= 1 ms", math.inf))
+    histogram = {label: [0, 0.0] for label, _ in bins}
+    by_pair: dict[str, float] = {}
+    end = None
+    for start, stop, name in sorted(spans):
+        if end is not None and start > end:
+            ms = (start - end) / 1e3
+            label = next(label for label, upper in bins if ms < upper)
+            histogram[label][0] += 1
+            histogram[label][1] += ms
+            pair = f"{last[:50]} -> {name[:50]}"
+            by_pair[pair] = by_pair.get(pair, 0.0) + ms
+        if end is None or stop >= end:
             end, last = stop, name
-    gaps.sort(key=lambda g: -g[0])
-    labelled: dict[str, float] = {}
-    for ms, label in gaps[:top]:
-        labelled[label] = labelled.get(label, 0.0) + ms
-    return {"timeline_ms": (end - spans[0][0]) / 1e3, "idle_ms": sum(ms for ms, _ in gaps),
-            "idle_small_gaps_ms": sum(ms for ms, _ in gaps if ms < 0.02),
-            "idle_gap_count": len(gaps), "top_gaps_ms": labelled}
+    idle = sum(ms for _, ms in histogram.values())
+    return {"timeline_ms": (end - min(s for s, _, _ in spans)) / 1e3 if spans else 0.0,
+            "idle_ms": idle, "idle_gap_count": sum(n for n, _ in histogram.values()),
+            "idle_histogram": {label: {"gaps": n, "ms": ms} for label, (n, ms) in histogram.items()},
+            "top_gaps_ms": dict(sorted(by_pair.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def format_profiles(rows: list[dict]) -> str:
@@ -237,9 +240,11 @@ def format_profiles(rows: list[dict]) -> str:
         for category, ms in p["by_category_ms"].items():
             out.append(f"  {category:28s} {ms:9.2f} ms  {ms / p['gpu_busy_ms']:6.1%}")
         if "idle_ms" in p:
+            lengths = ", ".join(f"{label}: {h['gaps']} ({h['ms']:.1f} ms)"
+                                for label, h in p["idle_histogram"].items())
             out.append(f"  GPU timeline {p['timeline_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms in "
-                       f"{p['idle_gap_count']} gaps ({p['idle_small_gaps_ms']:.1f} ms in gaps "
-                       "< 20 us); longest gaps:")
+                       f"{p['idle_gap_count']} gaps; by length {lengths}")
+            out.append("  idle time by the events either side:")
             for label, ms in p["top_gaps_ms"].items():
                 out.append(f"    {ms:9.2f} ms  {label}")
         out.append("  top kernels:")

@@ -109,16 +109,18 @@ def test_bench_train_on_a_corpus_takes_a_new_text_batch_each_step(corpus_env, mo
     assert "tinyshakespeare bytes" in format_rows(rows)
 
 
-def test_idle_gaps_merges_overlaps_and_labels_the_longest_gaps():
+def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
     from lowbit.bench import idle_gaps
 
-    # two streams overlap on [10, 40); idle [40, 100) after "b", [100.. ) busy, idle [110, 115)
-    spans = [(0.0, 30.0, "a"), (10.0, 40.0, "b"), (100.0, 110.0, "c"), (115.0, 120.0, "d"),
-             (20.0, 25.0, "inside")]
+    # two streams overlap on [10, 40); idle [40, 100) after "b", [110, 115) and [120, 122)
+    spans = [(0.0, 30.0, "a"), (10.0, 40.0, "b"), (100.0, 110.0, "c"), (115.0, 120.0, "b"),
+             (20.0, 25.0, "inside"), (122.0, 130.0, "c")]
     got = idle_gaps(spans, top=1)
-    assert got["timeline_ms"] == 0.12
-    assert got["idle_ms"] == (60.0 + 5.0) / 1e3
-    assert got["idle_gap_count"] == 2
-    assert got["idle_small_gaps_ms"] == 0.005       # the 5 us gap is under 20 us
-    assert got["top_gaps_ms"] == {"b -> c": 0.06}
-    assert idle_gaps([])["idle_ms"] == 0.0
+    assert got["timeline_ms"] == 0.13
+    assert got["idle_ms"] == (60.0 + 5.0 + 2.0) / 1e3
+    assert got["idle_gap_count"] == 3
+    assert got["idle_histogram"]["< 5 us"] == {"gaps": 1, "ms": 0.002}
+    assert got["idle_histogram"]["5-20 us"] == {"gaps": 1, "ms": 0.005}
+    assert got["idle_histogram"]["20-100 us"] == {"gaps": 1, "ms": 0.06}
+    assert got["top_gaps_ms"] == {"b -> c": 0.062}     # both b -> c gaps, summed
+    assert idle_gaps([])["idle_ms"] == 0

@@ -304,7 +304,6 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     time). N = 40 is not a multiple of 16."""
     from dataclasses import replace
 
-    import lowbit.ops.compiled as compiled
     from lowbit.formats.spec import Rounding
 
     lin = get_recipe(recipe).linear
@@ -316,13 +315,32 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     w = torch.randn(40, 96, generator=g, requires_grad=True)
     dy = torch.randn(64, 40, generator=g)
     for r in (lin, nearest):
-        torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, compiled._key(r)),
+        torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, r.op_key),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.lowbit.quant_linear_backward.default,
-                              (dy, x.detach(), w.detach(), compiled._key(r), True, True),
+                              (dy, x.detach(), w.detach(), r.op_key, True, True),
                               test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, compiled._key(nearest)),
+    torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, nearest.op_key),
                           test_utils=("test_aot_dispatch_dynamic",))
+
+
+def test_a_linear_recipe_names_itself_to_the_ops_by_a_key_that_survives_copies():
+    """The custom ops take the recipe's op_key (a string); equal recipes share one, and a
+    pickled or deep-copied recipe gets this process's key for its value."""
+    import copy
+    import pickle
+    from dataclasses import replace
+
+    from lowbit.formats.spec import Rounding
+    from lowbit.recipes import recipe_for_op_key
+
+    lin = get_recipe("stable-fp4").linear
+    same = replace(lin)
+    other = replace(lin, dgrad_dy=replace(lin.dgrad_dy, rounding=Rounding.RNE))
+    assert same.op_key == lin.op_key and other.op_key != lin.op_key
+    assert recipe_for_op_key(other.op_key) == other
+    for copied in (pickle.loads(pickle.dumps(other)), copy.deepcopy(other)):
+        assert copied == other and recipe_for_op_key(copied.op_key) == other
 
 
 def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():

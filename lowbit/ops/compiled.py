@@ -29,12 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.formats.spec import Rounding
-from lowbit.recipes import Gemm, LinearRecipe
+from lowbit.recipes import Gemm, LinearRecipe, recipe_for_op_key
 
 __all__ = ["autocast_operands", "compilable", "quant_linear_compiled"]
 
-_RECIPES: dict[str, LinearRecipe] = {}     # op argument -> recipe (ops take no Python objects)
-_KEYS: dict[LinearRecipe, str] = {}
 _FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
 
 
@@ -42,17 +40,6 @@ def compilable(r: LinearRecipe) -> bool:
     """The recipe's forward operands round to nearest, so the backward op can quantize them
     again to the same values (stochastic rounding would draw new ones)."""
     return all(s is None or s.rounding is Rounding.RNE for s in (r.fprop_x, r.fprop_w))
-
-
-# Run for real while dynamo traces (its result a constant of the graph), so the registry holds
-# the recipe before the graph first runs the op.
-@torch._dynamo.assume_constant_result
-def _key(r: LinearRecipe) -> str:
-    key = _KEYS.get(r)
-    if key is None:
-        key = _KEYS[r] = f"recipe{len(_KEYS)}"
-        _RECIPES[key] = r
-    return key
 
 
 def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -71,7 +58,7 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, _key(recipe))
+    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, recipe.op_key)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
@@ -81,7 +68,7 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     from lowbit.ops.linear import operand
 
-    r = _RECIPES[recipe]
+    r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
         if r.gemm is Gemm.FP8:
             from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, fp4_gemm_fp8,
@@ -117,7 +104,7 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe
                  need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from lowbit.ops.linear import _saved_operands, emulated_backward, fp8_backward
 
-    r = _RECIPES[recipe]
+    r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
         if r.gemm is Gemm.FP8:
             from lowbit.kernels.fp8_gemm import _canonical

@@ -23,6 +23,7 @@ from lowbit.formats import QuantSpec
 from lowbit.formats.spec import ScaleKind, parse_enum
 
 __all__ = ["Gemm", "LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
+           "recipe_for_op_key",
            "bf16", "mxfp4", "nvfp4", "stable_fp4"]
 
 
@@ -75,6 +76,14 @@ class LinearRecipe:
                 if spec is not None and spec.is_2d:
                     raise ValueError(f"wgrad_hadamard mixes values along tokens, so {name} must "
                                      f"use 1D blocks, not {spec.block}")
+        # the name torch.library ops know it by (they take no Python objects): a plain
+        # attribute, which torch.compile reads as a constant of the graph
+        object.__setattr__(self, "op_key", _op_key(self))
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled or deep-copied: the key is this process's, not the one it was saved with
+        self.__dict__.update(state)
+        object.__setattr__(self, "op_key", _op_key(self))
 
     @property
     def is_quantized(self) -> bool:
@@ -92,6 +101,23 @@ class LinearRecipe:
                 f"W:{one(self.dgrad_w)} | wgrad dY:{one(self.wgrad_dy)} X:{one(self.wgrad_x)}"
                 + (" +RHT" if self.wgrad_hadamard else "")
                 + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else ""))
+
+
+_OP_KEYS: dict[LinearRecipe, str] = {}
+_BY_OP_KEY: dict[str, LinearRecipe] = {}
+
+
+def _op_key(r: LinearRecipe) -> str:
+    key = _OP_KEYS.get(r)
+    if key is None:   # equal recipes share one key
+        key = _OP_KEYS[r] = f"recipe{len(_OP_KEYS)}"
+        _BY_OP_KEY[key] = r
+    return key
+
+
+def recipe_for_op_key(key: str) -> LinearRecipe:
+    """The LinearRecipe whose `op_key` is key (lowbit.ops.compiled's ops take the key)."""
+    return _BY_OP_KEY[key]
 
 
 @dataclass(frozen=True)
