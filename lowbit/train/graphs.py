@@ -39,7 +39,22 @@ import torch.nn as nn
 
 from lowbit.kernels.fp8_gemm import deferred_fold_check
 
-__all__ = ["GraphedGradients", "cuda_graph_refusal"]
+__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal"]
+
+
+def accumulate_gradients(loss_fn, inputs: torch.Tensor, targets: torch.Tensor, accum: int,
+                         sync=None) -> torch.Tensor:
+    """Forward and backward of each of the step's `accum` micro-batches (the rows of
+    inputs/targets split in order), gradients accumulated in .grad; returns the step's mean
+    loss, a device scalar (no readback). sync(i), if given, is the context micro-batch i runs
+    in (DDP's no_sync until the last backward); a captured step passes none."""
+    step_loss = torch.zeros((), device=inputs.device)
+    for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+        with sync(i) if sync is not None else contextlib.nullcontext():
+            loss = loss_fn(x, y) / accum   # mean over the step's tokens
+            loss.backward()
+        step_loss += loss.detach()
+    return step_loss
 
 
 def cuda_graph_refusal(device: torch.device, *, compile: bool = False, moe: bool = False,
@@ -142,12 +157,7 @@ class GraphedGradients:
                 p.grad = g
 
     def _micro_batches(self) -> torch.Tensor:
-        step_loss = torch.zeros((), device=self.device)
-        for x, y in zip(self.inputs.chunk(self.accum), self.targets.chunk(self.accum)):
-            loss = self._loss_fn(x, y) / self.accum   # mean over the step's tokens
-            loss.backward()
-            step_loss += loss.detach()
-        return step_loss
+        return accumulate_gradients(self._loss_fn, self.inputs, self.targets, self.accum)
 
     def _body(self):
         torch._foreach_zero_(self.grads)

@@ -45,6 +45,7 @@ from lowbit.train.checkpoint import (CHECKPOINT_VERSION, checkpoint_path, load_c
                                      rng_state, save_checkpoint, set_rng_state, write_text_atomic)
 from lowbit.train.config import TrainConfig, changed_fields, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
+from lowbit.train.graphs import accumulate_gradients
 from lowbit.train.metrics import MetricsLog
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: LongTensor (B, T) each
@@ -194,6 +195,10 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 if device.type == "cuda" and config.bf16_autocast else contextlib.nullcontext())
     graphed = None   # --cuda-graph: GraphedGradients, captured at the first step
 
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            return forward(x, y).loss
+
     total = config.total_steps
     accum = config.grad_accum_steps
     last_eval = next((r for r in reversed(records) if r["event"] == "eval"), None)
@@ -256,13 +261,9 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                     graphed.zero_grad()
                 else:
                     optimizer.zero_grad(set_to_none=True)
-                step_loss = torch.zeros((), device=device)
-                for i, (x, y) in enumerate(micro_batches):
-                    with process.sync_gradients(i == accum - 1, model):  # last backward only
-                        with autocast:
-                            loss = forward(x, y).loss / accum  # mean over the step's tokens
-                        loss.backward()
-                    step_loss += loss.detach()
+                step_loss = accumulate_gradients(  # DDP/FSDP sync the last backward only
+                    loss_fn, inputs, targets, accum,
+                    sync=lambda i: process.sync_gradients(i == accum - 1, model))
                 max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
