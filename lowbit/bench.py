@@ -66,7 +66,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     if cuda_graph:
         from lowbit.train.graphs import GraphedGradients, cuda_graph_refusal
 
-        refusal = cuda_graph_refusal(dev, compile=compile, moe=bool(cfg.n_experts))
+        refusal = cuda_graph_refusal(dev, moe=bool(cfg.n_experts))
         if refusal:
             raise ValueError(refusal)
     rows = []
@@ -505,8 +505,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="CUDA: capture the whole step in a CUDA graph and time its replay (the "
-                        "step without host overhead)")
+                   help="CUDA: replay the step's forward, backward and clip from one CUDA graph, "
+                        "as lowbit train --cuda-graph (AdamW eager); with --compile, the "
+                        "compiled model")
     p.add_argument("--corpus", default=None,
                    help="train on this corpus's byte tokens, a new batch each step (default: "
                         "one batch of random tokens); e.g. tinyshakespeare")

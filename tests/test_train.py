@@ -529,7 +529,6 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     assert not (tmp_path / "run").exists()          # refused before the run folder is made
     cuda = torch.device("cuda", 0)
     assert "needs a dense model" in cuda_graph_refusal(cuda, moe=True)
-    assert "exclude each other" in cuda_graph_refusal(cuda, compile=True)
     assert "under torchrun (2 processes)" in cuda_graph_refusal(cuda, world_size=2)
     assert cuda_graph_refusal(cuda) is None
     parser = argparse.ArgumentParser()
@@ -538,30 +537,37 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     assert not config_from_args(parser.parse_args([])).cuda_graph
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="CUDA graphs need a CUDA GPU")),
+_ONE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+@pytest.mark.parametrize("device,compile", [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=_ONE_GPU),
     # a GPU other than the current one: the capture and the replays must follow the inputs
-    pytest.param("cuda:1", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                    reason="needs two CUDA GPUs"))])
+    pytest.param("cuda:1", False, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                           reason="needs two CUDA GPUs")),
+    # the compiled model captured (inductor on the CPU would be too slow for CI)
+    pytest.param("cuda", True, marks=_ONE_GPU)])
 @pytest.mark.parametrize("recipe", ["bf16", "stable-fp4-fp8"])
 def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_path, recipe,
-                                                                           device, monkeypatch):
+                                                                           compile, device,
+                                                                           monkeypatch):
     """--cuda-graph replays the eager step: the same losses bit for bit (dropout and stochastic
     rounding draw the same numbers), with gradient accumulation; a graphed run that crashes
     resumes exactly (a new graph, captured on the resumed batch); a step whose graphed folds
     were inexact (forced at steps 2 and 5, with the graph's gradients spoiled) is redone
     eagerly with exact folds, and the run stays the same. On the CPU, where --cuda-graph is
     refused to users, GraphedGradients runs its body at each call: the bookkeeping around the
-    graph (buffers, zeroing, the redo, resume) is checked without the capture."""
+    graph (buffers, zeroing, the redo, resume) is checked without the capture. With compile,
+    the compiled model is captured (its folds' count included) and equals the compiled eager
+    run."""
     pytest.importorskip("lowbit.nn")
     import lowbit.train.graphs as graphs
     from lowbit.train.graphs import GraphedGradients
 
     if device == "cpu":
         monkeypatch.setattr(graphs, "cuda_graph_refusal", lambda *args, **kwargs: None)
-    fields = dict(recipe=recipe, device=device, grad_accum_steps=2)
+    fields = dict(recipe=recipe, device=device, grad_accum_steps=2, compile=compile)
     eager = run(make_config(tmp_path, run_name="eager", **fields), dropout=0.2)
     graphed = run(make_config(tmp_path, run_name="graphed", cuda_graph=True, **fields),
                   dropout=0.2)

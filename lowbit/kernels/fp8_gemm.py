@@ -327,6 +327,9 @@ class FoldCheck:
         self.device = _canonical(device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.open = True   # once its block has closed, folds handed this check fold exactly
+        # opened inside a CUDA graph capture: the graph zeroes and fills this counter at each
+        # replay, so the folds it records count here (lowbit.ops.compiled checks this)
+        self.captured = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def inexact_values(self) -> int:
         """The count so far (reads it back: one host sync on CUDA)."""

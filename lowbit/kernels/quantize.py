@@ -450,6 +450,21 @@ def default_config(rows: int, cols: int, block: tuple[int, int]) -> TileConfig:
     return TileConfig(tile_rows, tile_cols, 4 if tile_rows * tile_cols <= 4096 else 8)
 
 
+def _amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: bool,
+                 sm_count: int) -> tuple[int, int, int, int]:
+    """(tile_rows, tile_cols, num_warps, tiles per program) of the two-level tensor-amax pass.
+    Without the Hadamard transform: one 64x256 tile (32 KiB of bf16) per program and 8 warps,
+    so enough bytes are in flight to read at copy speed (benchmarks/sweep_amax.py on an H200,
+    2026-11-30: 86-109% of a copy's bandwidth on the 1B shapes and 16384x8192, against 32-70%
+    for the quantize tile with up to 64 tiles a program). With it: the quantize tile, several
+    per program (the best of the few configs swept; the rotation's registers bound the tile)."""
+    if hadamard:
+        n_tiles = triton.cdiv(cols, cfg[1]) * triton.cdiv(rows, cfg[0]) * batch
+        return cfg[0], cfg[1], cfg[2], _pow2_at_least(triton.cdiv(n_tiles, 4 * sm_count))
+    tile_cols = min(256, _pow2_at_least(cols))
+    return min(16384 // tile_cols, _pow2_at_least(rows)), tile_cols, 8, 1
+
+
 @functools.lru_cache(maxsize=64)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -545,12 +560,14 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     if two_level:
         amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)
         tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
-        n_tiles = grid[0] * grid[1] * grid[2]
-        iters = _pow2_at_least(triton.cdiv(n_tiles, 4 * _sm_count(dev)))  # few distinct values
+        a_rows, a_cols, a_warps, iters = _amax_config(rows, cols, batch, cfg, hadamard is not None,
+                                                      _sm_count(dev))
+        n_tiles_c, n_tiles_r = triton.cdiv(cols, a_cols), triton.cdiv(rows, a_rows)
+        n_tiles = n_tiles_c * n_tiles_r * batch
         _tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
-            x3, amax_buf, signs, rows, cols, *x3.stride(), grid[0], grid[1], n_tiles,
-            ITERS=iters, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
-            HADAMARD=hadamard is not None, num_warps=num_warps)
+            x3, amax_buf, signs, rows, cols, *x3.stride(), n_tiles_c, n_tiles_r, n_tiles,
+            ITERS=iters, TILE_R=a_rows, TILE_C=a_cols, NATIVE_CAST=not INTERPRET,
+            HADAMARD=hadamard is not None, num_warps=a_warps)
         out["tensor_scale"] = tensor_scale
     if stochastic and seed is None:
         raise ValueError("stochastic rounding needs a seed")

@@ -84,10 +84,13 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor
 
 
 def _refuse_capture(check) -> None:
-    """A CUDA graph recorded around these ops (torch.compile's mode="reduce-overhead") would
+    """A CUDA graph recorded around these ops by torch.compile (mode="reduce-overhead") would
     replay the folds without running this Python, so their inexact count would go to the
-    check of the recording, not the one the caller reads: refuse, rather than lose it."""
-    if check is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    check of the recording, not the one the caller reads: refuse, rather than lose it. A check
+    opened inside the capture itself (lowbit.train.graphs.GraphedGradients) is the one its
+    caller reads after each replay."""
+    if (check is not None and not check.captured and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()):
         raise RuntimeError(
             "lowbit's FP8 folds under a deferred fold check cannot be recorded into a CUDA graph "
             "by torch.compile (mode='reduce-overhead'): the inexact count would be lost. Compile "

@@ -18,10 +18,15 @@ What the capture needs, and how it is kept:
   PyTorch advances on every replay as eager kernels would advance it; the warm-up runs
   and the capture run under fork_rng, so building the graph draws nothing;
 - autocast without its cast cache (the cache is cleared outside the graph).
-It cannot hold: work that reads values back to the host (MoE routing's counts), DDP's and
-FSDP's collectives (one process only here), or a torch.compile'd model (compile has its own
-graph mode, "reduce-overhead"). On the CPU nothing is captured and each call runs the same
-body on the same buffers, so the bookkeeping around the graph is tested without a GPU.
+A torch.compile'd model (default mode) is captured the same way: the warm-up runs compile
+it, and the capture records the compiled kernels and lowbit's custom ops; its folds' count goes
+to the check opened inside the capture, which this class reads (torch.compile's own graph mode,
+"reduce-overhead", is refused: see lowbit.ops.compiled). Compiled, the step has fewer and
+fused kernels; captured, none of its host work (dynamo's guards, the ops' Python) is left in
+the step.
+It cannot hold: work that reads values back to the host (MoE routing's counts), or DDP's and
+FSDP's collectives (one process only here). On the CPU nothing is captured and each call runs
+the same body on the same buffers, so the bookkeeping around the graph is tested without a GPU.
 
 Memory: the graph keeps its forward and backward working set reserved between replays, and a
 step redone eagerly (an inexact FP8 fold under fold_inexact "redo" or "adapt"), an
@@ -57,7 +62,7 @@ def accumulate_gradients(loss_fn, inputs: torch.Tensor, targets: torch.Tensor, a
     return step_loss
 
 
-def cuda_graph_refusal(device: torch.device, *, compile: bool = False, moe: bool = False,
+def cuda_graph_refusal(device: torch.device, *, moe: bool = False,
                        world_size: int = 1) -> str | None:
     """Why a step on this setup cannot be captured (a message naming the flag to change), or
     None when it can."""
@@ -66,9 +71,6 @@ def cuda_graph_refusal(device: torch.device, *, compile: bool = False, moe: bool
                 "host, which a CUDA graph cannot hold; drop --n-experts or --cuda-graph")
     if device.type != "cuda":
         return f"--cuda-graph captures the step on a CUDA GPU; this run is on {device}"
-    if compile:
-        return ("--cuda-graph and --compile exclude each other (the compiled model would be "
-                "captured with its own guards); use one")
     if world_size > 1:
         return (f"--cuda-graph runs one process; under torchrun ({world_size} processes) DDP's "
                 "and FSDP's collectives are not captured: drop --cuda-graph")

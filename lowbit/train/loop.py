@@ -400,8 +400,7 @@ def _emulate_layers(model: nn.Module, names: list[str]) -> list[str]:
 def _refuse_cuda_graph(config: TrainConfig, process: Distributed, moe: bool) -> None:
     from lowbit.train.graphs import cuda_graph_refusal
 
-    refusal = cuda_graph_refusal(process.device, compile=config.compile, moe=moe,
-                                 world_size=process.world_size)
+    refusal = cuda_graph_refusal(process.device, moe=moe, world_size=process.world_size)
     if refusal:
         raise ValueError(refusal)
 
