@@ -20,7 +20,11 @@ while its block is still open, and folds exactly otherwise, as the autograd.Func
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-The GPU time this saves under torch.compile is not measured yet.
+Measured on an H200 (docs/results/kernels.md, sixth session): compiled alone, a quantized
+1B step is host-bound on these ops' Python (stable-fp4-fp8 2.54x bf16's compiled step, its GPU
+busy a third of the time); captured with `--cuda-graph` as well, none of that host work is
+left (0.94x). The re-quantization in the backward costs about 4 ms of that step's 99.5 ms
+(folds 15.3 ms against 12.8 eagerly, quantize 4.9 against 3.2).
 """
 
 from __future__ import annotations
