@@ -403,9 +403,11 @@ def test_column_offsets_past_int32():
 
 
 def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
-    """Exact folds (no deferred check) that need more than one K-chunk name their layer (the id
-    of its weight) to watch_chunked_folds(), also from a backward on another thread; a layer
-    whose operands fold in one chunk is not named, and nothing is noted outside a watch."""
+    """Exact folds (no deferred check) that need more than one K-chunk name their layer (the
+    `layer` its linear was given) to watch_chunked_folds(), also from a backward on another
+    thread, eagerly and under torch.compile (the custom ops carry the name); a layer whose
+    operands fold in one chunk is not named, nor is an unnamed one, and nothing is noted
+    outside a watch."""
     from lowbit.kernels.fp8_gemm import watch_chunked_folds
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
@@ -420,21 +422,25 @@ def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
             ).to(DEVICE)
     plain = torch.randn(64, 40, generator=g).to(DEVICE)
 
-    def step(w, grad):
+    def step(w, grad, name, linear=quant_linear):
         w = w.clone().requires_grad_()
-        y = quant_linear(x, w, None, lin)
+        y = linear(x, w, None, lin, name)
         worker = threading.Thread(target=y.backward, args=(grad,))   # as autograd's thread
         worker.start()
         worker.join()
-        return w
 
+    compiled = torch.compile(quant_linear, backend="aot_eager", fullgraph=True)
     with watch_chunked_folds() as seen:
-        a = step(w_wide, wide)
-        b = step(w_plain, plain)
-    assert id(a) in seen and id(b) not in seen and len(seen) == 1
+        step(w_wide, wide, "wide")
+        step(w_plain, plain, "plain")
+        step(w_wide, wide, "")              # unnamed: not reported
+        step(w_wide, wide, "compiled wide", compiled)
+        step(w_plain, plain, "compiled plain", compiled)
+    assert seen == {"wide", "compiled wide"}
     with watch_chunked_folds() as quiet:
         pass
-    step(w_wide, wide)                      # outside the block: noted nowhere
+    step(w_wide, wide, "wide")              # outside the block: noted nowhere
+    step(w_wide, wide, "compiled wide", compiled)
     assert quiet == set()
 
 

@@ -315,12 +315,12 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     w = torch.randn(40, 96, generator=g, requires_grad=True)
     dy = torch.randn(64, 40, generator=g)
     for r in (lin, nearest):
-        torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, r.op_key),
+        torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, r.op_key, "l"),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.lowbit.quant_linear_backward.default,
-                              (dy, x.detach(), w.detach(), r.op_key, True, True),
+                              (dy, x.detach(), w.detach(), r.op_key, "l", True, True),
                               test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, nearest.op_key),
+    torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, nearest.op_key, "l"),
                           test_utils=("test_aot_dispatch_dynamic",))
 
 

@@ -436,7 +436,8 @@ def quantize_fold(x: torch.Tensor, spec, transpose_too: bool = False, check=ACTI
 def watch_chunked_folds() -> Iterator[set]:
     """Inside this block (on this thread, and in the backward passes of the forwards it ran),
     every fold that needed more than one K-chunk adds its layer to the yielded set: the `layer`
-    that `folding_for` names (lowbit's FP8 linear passes the id of its weight). lowbit.train
+    that `folding_for` names (lowbit's FP8 linear passes its `layer` name; lowbit.train names
+    each QuantLinear by its module name), eagerly and under torch.compile alike. lowbit.train
     watches a redone step this way to move such layers off the FP8 path (--fold-inexact adapt)."""
     outer = getattr(_LOCAL, "watch", None)
     _LOCAL.watch = seen = set()
@@ -456,9 +457,10 @@ def active_watch() -> set | None:
 @contextlib.contextmanager
 def folding_for(layer, watch: set | None) -> Iterator[None]:
     """The folds inside this block belong to `layer`, and a chunked one is noted in `watch`
-    (the set of a watch_chunked_folds() block, carried to another thread if need be)."""
+    (the set of a watch_chunked_folds() block, carried to another thread if need be). An
+    unnamed layer ("" or None) is not noted."""
     before = getattr(_LOCAL, "folding", None)
-    _LOCAL.folding = (layer, watch) if watch is not None else None
+    _LOCAL.folding = (layer, watch) if watch is not None and layer else None
     try:
         yield
     finally:

@@ -31,16 +31,23 @@ __all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quanti
 
 
 class QuantLinear(nn.Linear):
-    """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear."""
+    """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear.
+
+    layer_name: the name lowbit.kernels.fp8_gemm.watch_chunked_folds() reports for this layer
+    (`convert` sets the module's name in the converted model; lowbit.train sets it from the
+    trained model's names)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 linear_recipe: LinearRecipe | None = None, device=None, dtype=None):
+                 linear_recipe: LinearRecipe | None = None, device=None, dtype=None,
+                 layer_name: str = ""):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.linear_recipe = linear_recipe
         self.quantize = True
+        self.layer_name = layer_name
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None,
+                    layer_name: str = "") -> "QuantLinear":
         """A QuantLinear sharing `linear`'s parameters (no copy)."""
         q = cls.__new__(cls)
         nn.Module.__init__(q)
@@ -49,6 +56,7 @@ class QuantLinear(nn.Linear):
         q.bias = linear.bias
         q.linear_recipe = linear_recipe
         q.quantize = True
+        q.layer_name = layer_name
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,14 +64,14 @@ class QuantLinear(nn.Linear):
         if (torch.compiler.is_compiling() and recipe is not None and recipe.is_quantized
                 and not compilable(recipe)):
             return self._forward_eagerly(x)
-        return quant_linear(x, self.weight, self.bias, recipe)
+        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name)
 
     # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
     # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make
     # dynamo compile the frame on its own, again for every recipe, shape and dtype it meets.
     @torch.compiler.disable
     def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.weight, self.bias, self.linear_recipe)
+        return quant_linear(x, self.weight, self.bias, self.linear_recipe, self.layer_name)
 
     def extra_repr(self) -> str:
         recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
@@ -175,7 +183,7 @@ def convert(model: nn.Module, recipe: str | Recipe,
             why = "recipe: bf16" if recipe.linear is None else "recipe keeps it in high precision"
             report.kept.append((name, kind, why))
             continue
-        new = (QuantLinear.from_linear(module, linear_recipe) if kind == "linear"
+        new = (QuantLinear.from_linear(module, linear_recipe, name) if kind == "linear"
                else QuantExperts(module, linear_recipe))
         _set_submodule(model, name, new)
         report.swapped.append((name, kind, linear_recipe.describe()))

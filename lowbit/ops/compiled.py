@@ -17,6 +17,9 @@ same bits. Stochastic rounding (of dY) draws in the same order as eagerly.
 FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
 and remembers it per device; the backward op (on autograd's thread) uses the last forward's
 while its block is still open, and folds exactly otherwise, as the autograd.Function does.
+A watch_chunked_folds() block is carried to the backward the same way, and both ops name
+their layer (`layer`, a string argument) to it, so --fold-inexact adapt finds chunked layers
+in a compiled model too.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
@@ -38,6 +41,7 @@ from lowbit.recipes import Gemm, LinearRecipe, recipe_for_op_key
 __all__ = ["autocast_operands", "compilable", "quant_linear_compiled"]
 
 _FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
+_FORWARD_WATCHES: dict = {}                # device -> the chunk watch of the last forward
 
 
 def compilable(r: LinearRecipe) -> bool:
@@ -58,30 +62,33 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          recipe: LinearRecipe) -> torch.Tensor:
+                          recipe: LinearRecipe, layer: str = "") -> torch.Tensor:
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, recipe.op_key)
+    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, recipe.op_key, layer)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
 
 
 @torch.library.custom_op("lowbit::quant_linear", mutates_args=())
-def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str) -> torch.Tensor:
     from lowbit.ops.linear import operand
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
         if r.gemm is Gemm.FP8:
-            from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, fp4_gemm_fp8,
-                                                 quantize_fold)
+            from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, active_watch,
+                                                 folding_for, fp4_gemm_fp8, quantize_fold)
 
-            check = _FORWARD_CHECKS[_canonical(x.device)] = active_fold_check(x.device)
+            device = _canonical(x.device)
+            check = _FORWARD_CHECKS[device] = active_fold_check(x.device)
+            watch = _FORWARD_WATCHES[device] = active_watch()
             _refuse_capture(check)
-            fx, _ = quantize_fold(x, r.fprop_x, False, check)
-            fw, _ = quantize_fold(weight, r.fprop_w, False, check)
+            with folding_for(layer, watch):
+                fx, _ = quantize_fold(x, r.fprop_x, False, check)
+                fw, _ = quantize_fold(weight, r.fprop_w, False, check)
             # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
             return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype).contiguous()
         return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
@@ -102,26 +109,28 @@ def _refuse_capture(check) -> None:
 
 
 @_forward.register_fake
-def _(x, weight, recipe):
+def _(x, weight, recipe, layer):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
-                 need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 layer: str, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from lowbit.ops.linear import _saved_operands, emulated_backward, fp8_backward
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
         if r.gemm is Gemm.FP8:
-            from lowbit.kernels.fp8_gemm import _canonical
+            from lowbit.kernels.fp8_gemm import _canonical, folding_for
 
-            check = _FORWARD_CHECKS.get(_canonical(dy.device))
+            device = _canonical(dy.device)
+            check = _FORWARD_CHECKS.get(device)
             check = check if check is not None and check.open else None
             _refuse_capture(check)
             # X^T and W^T quantized here (1D blocks: along the other dim as eagerly; square
             # tiles: the transposes of the forward's, the same bits under RNE)
-            dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
+            with folding_for(layer, _FORWARD_WATCHES.get(device)):
+                dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
         else:   # what the forward would have saved, quantized again where 2D tiles share it
             dx, dw = emulated_backward(dy, *_saved_operands(x, weight, r), r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
@@ -130,22 +139,23 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe
 
 
 @_backward_op.register_fake
-def _(dy, x, weight, recipe, need_dx, need_dw):
+def _(dy, x, weight, recipe, layer, need_dx, need_dw):
     return (dy.new_empty(x.shape) if need_dx else dy.new_empty(0),
             dy.new_empty(weight.shape) if need_dw else dy.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, recipe = inputs
+    x, weight, recipe, layer = inputs
     ctx.save_for_backward(x, weight)
-    ctx.recipe = recipe
+    ctx.recipe, ctx.layer = recipe, layer
 
 
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None
+    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x, weight, ctx.recipe, ctx.layer,
+                                                    need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)

@@ -175,7 +175,7 @@ class _QuantLinearFP8(torch.autograd.Function):
     a backward will use them (`grad`: autograd is recording; forward itself runs without)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool, layer: int):
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool, layer: str):
         from lowbit.kernels.fp8_gemm import (active_fold_check, active_watch, folding_for,
                                              fp4_gemm_fp8, quantize_fold)
 
@@ -241,8 +241,11 @@ def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool,
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 recipe: LinearRecipe | None) -> torch.Tensor:
+                 recipe: LinearRecipe | None, layer: str = "") -> torch.Tensor:
     """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
+
+    layer: the name watch_chunked_folds() reports when an exact FP8 fold of this layer needs
+    K-chunks (lowbit.train names each QuantLinear by its module name); "" is never reported.
 
     recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
     dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the
@@ -253,14 +256,13 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and compilable(recipe):
-        return quant_linear_compiled(x, weight, bias, recipe)
-    return _quant_linear(x, weight, bias, recipe)
+        return quant_linear_compiled(x, weight, bias, recipe, layer)
+    return _quant_linear(x, weight, bias, recipe, layer)
 
 
 @torch.compiler.disable
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  recipe: LinearRecipe) -> torch.Tensor:
-    layer = id(weight)   # the parameter's, before a cast: names the layer to watch_chunked_folds
+                  recipe: LinearRecipe, layer: str) -> torch.Tensor:
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     args = (x.reshape(-1, x.shape[-1]), weight, bias, recipe)

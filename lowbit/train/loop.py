@@ -159,6 +159,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     _seed_everything(config.seed)  # so the init does not depend on what building data drew
     model = model if model is not None else _build_model(config, data.vocab_size)
     _apply_recipe(model, recipe, say)
+    _name_layers(model)
     model.to(device)
     if config.cuda_graph:   # again: a model passed in may be an MoE model
         _refuse_cuda_graph(config, process,
@@ -306,7 +307,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 log.write({"event": "fold_redo", "step": step + 1, "inexact_values": inexact})
                 loss_value = process.average(step_loss).item()
                 if config.fold_inexact == "adapt":
-                    moved = _emulate_layers(model, process.union(_layer_names(model, chunked)))
+                    moved = _emulate_layers(model, process.union(list(chunked)))
                     if moved:
                         emulated_layers = sorted(emulated_layers + moved)
                         graphed = None   # the next step is captured with the new recipes
@@ -375,12 +376,14 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     return result
 
 
-def _layer_names(model: nn.Module, layers: set) -> list[str]:
-    """The names of the quantized linears whose weights' ids are in `layers`."""
+def _name_layers(model: nn.Module) -> None:
+    """Each quantized linear reports chunked FP8 folds (--fold-inexact adapt) under its name in
+    this model, the name _emulate_layers and checkpoints use."""
     from lowbit.nn import QuantLinear
 
-    return [name for name, m in model.named_modules()
-            if isinstance(m, QuantLinear) and id(m.weight) in layers]
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            m.layer_name = name
 
 
 def _emulate_layers(model: nn.Module, names: list[str]) -> list[str]:
