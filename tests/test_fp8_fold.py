@@ -468,3 +468,71 @@ def test_transposed_operand_alone_equals_folding_the_transpose(monkeypatch, kern
     assert torch.equal(alone.nan_rows.cpu(), ref.nan_rows.cpu())
     with pytest.raises(ValueError, match="pass transpose_too=True too"):
         quantize_fold(x, spec, False, None, rows=False)
+
+
+@pytest.mark.parametrize("kernels_on,deferred", [(False, False), (True, False), (True, True)])
+def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backward(
+        monkeypatch, kernels_on, deferred):
+    """Under torch.compile an FP8 linear's forward op returns X^T's and W^T's folded operands
+    (from its one quantization of each square-tile operand, K-chunks and all, padded to fixed
+    shapes) and the backward op multiplies them instead of quantizing X and W again: the output
+    and both gradients equal the eager layer's bit for bit, with X spanning 30 binades along
+    tokens so X^T's exact fold needs K-chunks, N = 72 not a multiple of the 32-row tile; the
+    backward folds dY alone; the reference folds, and the kernels (under the interpreter on the
+    CPU), exactly and under a deferred fold check (one K-chunk each, the count carried to the
+    backward). The ops pass torch.library's opcheck (fake shapes; the schema check for the
+    forward)."""
+    import lowbit.kernels as kernels
+    import lowbit.kernels.fp8_gemm as fp8_gemm
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    lin = get_recipe("stable-fp4-fp8").linear
+    g = torch.Generator().manual_seed(5)
+    x = spread(72, 96, 15, seed=3, tile=(32, 32)).to(DEVICE)
+    w = (torch.randn(40, 96, generator=g) / 8).to(DEVICE)
+    dy = torch.randn(72, 40, generator=g).to(DEVICE)
+
+    if kernels_on:
+        monkeypatch.setattr(kernels, "use_kernels",
+                            lambda x, spec, codes=True: kernels.supports(spec, codes))
+
+    def run(linear):
+        torch.manual_seed(7)   # dY rounds stochastically: the same draws in both runs
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with (fp8_gemm.deferred_fold_check(x.device) if deferred
+              else contextlib.nullcontext()) as check:
+            y = linear(xi, wi, None, lin, "l")
+            y.backward(dy)
+        return y.detach(), xi.grad, wi.grad, check.counter if deferred else torch.zeros(1)
+
+    eager = run(quant_linear)
+    folded = []
+    real = fp8_gemm.quantize_fold
+
+    def counting(t, spec, transpose_too=False, check=fp8_gemm.ACTIVE, rows=True):
+        out = real(t, spec, transpose_too, check, rows)
+        folded.append((tuple(t.shape), transpose_too, rows, out))
+        return out
+
+    monkeypatch.setattr(fp8_gemm, "quantize_fold", counting)
+    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    x_t = next(out[1] for shape, t_too, _, out in folded if shape == (72, 96) and t_too)
+    if deferred:   # one K-chunk each; the count of what that rounded is the eager one's
+        assert len(x_t.bounds) == 2 and compiled[3].item() > 0
+    else:
+        assert len(x_t.bounds) > 2                # the kept X^T fold has K-chunks
+    # forward: X and W with their transposes; backward: dY (rows and transposed) alone
+    assert [(shape, t_too, rows) for shape, t_too, rows, _ in folded] == [
+        ((72, 96), True, True), ((40, 96), True, True), ((72, 40), True, True)]
+
+    kept = torch.ops.lowbit.quant_linear_fp8(x, w, lin.op_key, "l", True, True)
+    torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8.default,
+                          (x, w, lin.op_key, "l", True, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    # (its schema check compares the fp8 inputs before and after with arithmetic that torch
+    # does not have for float8 on the CPU)
+    torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8_backward.default,
+                          (dy, None, None, kept[1:], lin.op_key, "l", True, True),
+                          test_utils=("test_faketensor",))

@@ -1,18 +1,21 @@
-"""The quantized linear as two torch.library custom ops, for torch.compile.
+"""The quantized linear as torch.library custom ops, for torch.compile.
 
 Eagerly, quant_linear runs lowbit.ops.linear's autograd.Functions. Under torch.compile those
 would be graph breaks (dynamo cannot trace the quantizers' Python and Triton launches), and a
 model with a quantized linear in every block would compile into many small graphs. Here the
-forward and the backward of one layer are each an opaque op (`lowbit::quant_linear`,
-`lowbit::quant_linear_backward`) that the compiler places in one graph and fuses around: the
-norms, rotary embeddings, activations and residual adds between the linears.
+forward and the backward of one layer are each an opaque op that the compiler places in one
+graph and fuses around: the norms, rotary embeddings, activations and residual adds between
+the linears. Emulated recipes: `lowbit::quant_linear` and `lowbit::quant_linear_backward`;
+FP8 recipes: `lowbit::quant_linear_fp8` and `lowbit::quant_linear_fp8_backward`.
 
-The two ops compute what the autograd.Functions compute, with one difference: the backward
-quantizes X and W again (once more along the other dim where 2D tiles are shared) instead of
-keeping the forward's quantized copies, because a custom op's outputs must have shapes the
-compiler knows in advance, which an FP8 fold's K-chunks do not. That gives the same values,
-since the forward operands round to nearest (`compilable`): the same input quantizes to the
-same bits. Stochastic rounding (of dY) draws in the same order as eagerly.
+The ops compute what the autograd.Functions compute. The FP8 forward returns, beside Y, the
+folded transposes its one quantization of X and W gives (X^T for dW, W^T for dX, square tiles),
+packed into tensors of shapes the compiler knows in advance (an exact fold's K-chunks are
+chosen from the data; see _kept), and the backward multiplies those, as the Function does.
+The emulated backward quantizes X and W again (once more along the other dim where 2D tiles
+are shared) instead of keeping the forward's quantized copies: the same values, since the
+forward operands round to nearest (`compilable`): the same input quantizes to the same bits.
+Stochastic rounding (of dY) draws in the same order as eagerly.
 
 FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
 and remembers it per device; the backward op (on autograd's thread) uses the last forward's
@@ -26,8 +29,9 @@ follows it fold exactly: slower, never inexact.)
 Measured on an H200 (docs/results/kernels.md, sixth session): compiled alone, a quantized
 1B step is host-bound on these ops' Python (stable-fp4-fp8 2.54x bf16's compiled step, its GPU
 busy a third of the time); captured with `--cuda-graph` as well, none of that host work is
-left (0.94x). The re-quantization in the backward costs about 4 ms of that step's 99.5 ms
-(folds 15.3 ms against 12.8 eagerly, quantize 4.9 against 3.2).
+left (0.94x). That was before the FP8 forward kept its transposes: the backward then
+quantized X and W again, about 4 ms of that step's 99.5 ms (folds 15.3 ms against 12.8
+eagerly, quantize 4.9 against 3.2); with them kept, not measured yet.
 """
 
 from __future__ import annotations
@@ -66,7 +70,18 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.lowbit.quant_linear(x.reshape(-1, x.shape[-1]), weight, recipe.op_key, layer)
+    x2 = x.reshape(-1, x.shape[-1])
+    if recipe.gemm is Gemm.FP8:
+        from lowbit.ops.linear import _shared
+
+        # keep X^T's / W^T's folded operands for the backward where it will use them
+        grad = torch.is_grad_enabled()
+        keep_x_t = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
+        keep_w_t = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
+        y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x_t,
+                                              keep_w_t)[0]
+    else:
+        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, layer)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
@@ -76,21 +91,8 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str) -> torch.Tensor:
     from lowbit.ops.linear import operand
 
-    r = recipe_for_op_key(recipe)
+    r = recipe_for_op_key(recipe)   # an emulated recipe (FP8 ones: quant_linear_fp8)
     with torch.autocast(x.device.type, enabled=False):
-        if r.gemm is Gemm.FP8:
-            from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, active_watch,
-                                                 folding_for, fp4_gemm_fp8, quantize_fold)
-
-            device = _canonical(x.device)
-            check = _FORWARD_CHECKS[device] = active_fold_check(x.device)
-            watch = _FORWARD_WATCHES[device] = active_watch()
-            _refuse_capture(check)
-            with folding_for(layer, watch):
-                fx, _ = quantize_fold(x, r.fprop_x, False, check)
-                fw, _ = quantize_fold(weight, r.fprop_w, False, check)
-            # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
-            return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype).contiguous()
         return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
 
 
@@ -116,23 +118,12 @@ def _(x, weight, recipe, layer):
 @torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
                  layer: str, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from lowbit.ops.linear import _saved_operands, emulated_backward, fp8_backward
+    from lowbit.ops.linear import _saved_operands, emulated_backward
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
-        if r.gemm is Gemm.FP8:
-            from lowbit.kernels.fp8_gemm import _canonical, folding_for
-
-            device = _canonical(dy.device)
-            check = _FORWARD_CHECKS.get(device)
-            check = check if check is not None and check.open else None
-            _refuse_capture(check)
-            # X^T and W^T quantized here (1D blocks: along the other dim as eagerly; square
-            # tiles: the transposes of the forward's, the same bits under RNE)
-            with folding_for(layer, _FORWARD_WATCHES.get(device)):
-                dx, dw = fp8_backward(dy, x, weight, None, None, r, check, need_dx, need_dw)
-        else:   # what the forward would have saved, quantized again where 2D tiles share it
-            dx, dw = emulated_backward(dy, *_saved_operands(x, weight, r), r, need_dx, need_dw)
+        # what the forward would have saved, quantized again where 2D tiles share it
+        dx, dw = emulated_backward(dy, *_saved_operands(x, weight, r), r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
     return (dx.contiguous() if dx is not None else dy.new_empty(0),
             dw.contiguous() if dw is not None else dy.new_empty(0))
@@ -159,3 +150,137 @@ def _backward(ctx, dy):
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- FP8 recipes: the forward keeps the transposed folded operands for the backward --------
+#
+# As the eager autograd.Function does, the forward's single quantization of a square-tile
+# operand gives the backward's folded transpose (X^T for dW, W^T for dX) in the same pass, and
+# the backward uses it instead of quantizing X and W again. A custom op returns tensors of
+# shapes known in advance, and a FoldedOperand has one factor column per K-chunk, which exact
+# folds choose from the data; so each kept operand is returned as four tensors: the E4M3
+# values, the factors padded to one column per block along K (the most chunks there can be),
+# the NaN rows, and the chunk bounds padded with -1, a CPU tensor (the forward knows them on
+# the host; the backward reads them without a device sync).
+
+
+def _kept(folded, rows: int, k: int, block: int, device: torch.device) -> list[torch.Tensor]:
+    """A FoldedOperand (rows, k) or None -> [fp8, factors, nan_rows, bounds] (empty if None)."""
+    if folded is None:
+        return _kept_empty(device)
+    most = -(-k // block)
+    factors = torch.ones(rows, most, device=device, dtype=torch.float32)
+    chunks = len(folded.bounds) - 1
+    factors[:, :chunks] = folded.factors
+    bounds = torch.full((most + 1,), -1, dtype=torch.int64)
+    bounds[:chunks + 1] = torch.tensor(folded.bounds, dtype=torch.int64)
+    return [folded.fp8.contiguous(), factors, folded.nan_rows.contiguous(), bounds]
+
+
+def _kept_empty(device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(0, 0, device=device, dtype=torch.float8_e4m3fn),
+            torch.empty(0, 0, device=device, dtype=torch.float32),
+            torch.empty(0, device=device, dtype=torch.bool), torch.empty(0, dtype=torch.int64)]
+
+
+def _unkept(fp8, factors, nan_rows, bounds):
+    """The FoldedOperand _kept packed, or None."""
+    from lowbit.kernels.fp8_gemm import FoldedOperand
+
+    if bounds.numel() == 0:
+        return None
+    edges = [b for b in bounds.tolist() if b >= 0]   # a CPU tensor: no device sync
+    return FoldedOperand(fp8, factors[:, :len(edges) - 1], tuple(edges), nan_rows)
+
+
+@torch.library.custom_op("lowbit::quant_linear_fp8", mutates_args=())
+def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
+                 keep_x_t: bool, keep_w_t: bool) -> list[torch.Tensor]:
+    """[y, X^T's kept operand (4 tensors, empty unless keep_x_t), W^T's (likewise)]."""
+    from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, active_watch,
+                                         folding_for, fp4_gemm_fp8, quantize_fold)
+
+    r = recipe_for_op_key(recipe)
+    with torch.autocast(x.device.type, enabled=False):
+        device = _canonical(x.device)
+        check = _FORWARD_CHECKS[device] = active_fold_check(x.device)
+        watch = _FORWARD_WATCHES[device] = active_watch()
+        _refuse_capture(check)
+        with folding_for(layer, watch):
+            fx, fx_t = quantize_fold(x, r.fprop_x, keep_x_t, check)
+            fw, fw_t = quantize_fold(weight, r.fprop_w, keep_w_t, check)
+        # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
+        y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype).contiguous()
+    n, k_in = x.shape
+    return [y, *_kept(fx_t, k_in, n, r.fprop_x.block[0], x.device),
+            *_kept(fw_t, k_in, weight.shape[0], r.fprop_w.block[0], x.device)]
+
+
+@_fp8_forward.register_fake
+def _(x, weight, recipe, layer, keep_x_t, keep_w_t):
+    r = recipe_for_op_key(recipe)
+    n, k_in = x.shape
+
+    def kept(keep, k, block):
+        if not keep:
+            return _kept_empty(x.device)
+        most = (k + block - 1) // block
+        return [x.new_empty(k_in, k, dtype=torch.float8_e4m3fn),
+                x.new_empty(k_in, most, dtype=torch.float32),
+                x.new_empty(k_in, dtype=torch.bool),
+                torch.empty(most + 1, dtype=torch.int64)]
+
+    return [x.new_empty(n, weight.shape[0]), *kept(keep_x_t, n, r.fprop_x.block[0]),
+            *kept(keep_w_t, weight.shape[0], r.fprop_w.block[0])]
+
+
+@torch.library.custom_op("lowbit::quant_linear_fp8_backward", mutates_args=())
+def _fp8_backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                     kept: list[torch.Tensor], recipe: str, layer: str, need_dx: bool,
+                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX, dW (empty where not asked for). x / weight: None where the forward kept their
+    transposed operands (kept: X^T's four tensors, then W^T's)."""
+    from lowbit.kernels.fp8_gemm import _canonical, folding_for
+    from lowbit.ops.linear import fp8_backward
+
+    r = recipe_for_op_key(recipe)
+    with torch.autocast(dy.device.type, enabled=False):
+        device = _canonical(dy.device)
+        check = _FORWARD_CHECKS.get(device)
+        check = check if check is not None and check.open else None
+        _refuse_capture(check)
+        with folding_for(layer, _FORWARD_WATCHES.get(device)):
+            # where not kept: 1D blocks, quantized along the other dim here, as eagerly
+            dx, dw = fp8_backward(dy, x, weight, _unkept(*kept[:4]), _unkept(*kept[4:]), r,
+                                  check, need_dx, need_dw)
+    return (dx.contiguous() if dx is not None else dy.new_empty(0),
+            dw.contiguous() if dw is not None else dy.new_empty(0))
+
+
+@_fp8_backward_op.register_fake
+def _(dy, x, weight, kept, recipe, layer, need_dx, need_dw):
+    k_in = x.shape[1] if x is not None else kept[0].shape[0] if kept[0].numel() else \
+        kept[4].shape[0]
+    n_out = dy.shape[1]
+    return (dy.new_empty(dy.shape[0], k_in) if need_dx else dy.new_empty(0),
+            dy.new_empty(n_out, k_in) if need_dw else dy.new_empty(0))
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    x, weight, recipe, layer, keep_x_t, keep_w_t = inputs
+    kept = output[1:]
+    # X is needed where X^T was not kept (1D blocks along tokens), W where W^T was not
+    ctx.save_for_backward(None if keep_x_t else x, None if keep_w_t else weight, *kept)
+    ctx.recipe, ctx.layer = recipe, layer
+
+
+def _fp8_backward(ctx, grads):
+    dy = grads[0]   # the op returns a list: its gradients come as one (the kept ones unused)
+    x, weight, *kept = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.lowbit.quant_linear_fp8_backward(dy, x, weight, kept, ctx.recipe,
+                                                        ctx.layer, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+
+
+_fp8_forward.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
