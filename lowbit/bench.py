@@ -210,7 +210,7 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
             (">= 1 ms", math.inf))
     histogram = {label: [0, 0.0] for label, _ in bins}
     by_pair: dict[str, float] = {}
-    end = None
+    end, last = None, ""
     for start, stop, name in sorted(spans):
         if end is not None and start > end:
             ms = (start - end) / 1e3

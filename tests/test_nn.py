@@ -315,13 +315,47 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     w = torch.randn(40, 96, generator=g, requires_grad=True)
     dy = torch.randn(64, 40, generator=g)
     for r in (lin, nearest):
-        torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, r.op_key, "l"),
+        torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
+                              (x, w, r.op_key, "l", True, True),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.lowbit.quant_linear_backward.default,
                               (dy, x.detach(), w.detach(), r.op_key, "l", True, True),
                               test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.lowbit.quant_linear.default, (x, w, nearest.op_key, "l"),
+    torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
+                          (x, w, nearest.op_key, "l", True, True),
                           test_utils=("test_aot_dispatch_dynamic",))
+
+
+@pytest.mark.parametrize("recipe", ["stable-fp4", "nvfp4"])
+def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch, recipe):
+    """Compiled, an emulated layer's forward op returns the quantized X and W where square
+    tiles let the backward reuse them (stable-fp4: both; nvfp4: W's 16x16 tiles), as the eager
+    Function saves them: the backward quantizes only dY (and nvfp4's 1D X along tokens), and
+    the output and gradients are the eager layer's bit for bit."""
+    import lowbit.ops.linear as linear
+    from lowbit.ops import quant_linear
+
+    lin = get_recipe(recipe).linear
+    g = torch.Generator().manual_seed(3)
+    x, w, dy = (torch.randn(*shape, generator=g) for shape in ((64, 96), (48, 96), (64, 48)))
+
+    def run(fn):
+        torch.manual_seed(7)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, None, lin, "l")
+        y.backward(dy)
+        return y.detach(), xi.grad, wi.grad
+
+    eager = run(quant_linear)
+    quantized = []
+    real = linear.operand
+    monkeypatch.setattr(linear, "operand", lambda t, spec, reduce_dim: (
+        quantized.append((tuple(t.shape), reduce_dim)) or real(t, spec, reduce_dim)))
+    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    assert [q for q in quantized if q[0] == (48, 96)] == [((48, 96), 1)]   # W: forward only
+    # X: forward only (nvfp4's wgrad X is rotated along tokens first: a (96, 64) operand)
+    assert [q for q in quantized if q[0] == (64, 96)] == [((64, 96), 1)]
 
 
 def test_inductor_compiles_an_fp8_recipe_model_to_eager_loss_and_gradients():

@@ -12,9 +12,9 @@ The ops compute what the autograd.Functions compute. The FP8 forward returns, be
 folded transposes its one quantization of X and W gives (X^T for dW, W^T for dX, square tiles),
 packed into tensors of shapes the compiler knows in advance (an exact fold's K-chunks are
 chosen from the data; see _kept), and the backward multiplies those, as the Function does.
-The emulated backward quantizes X and W again (once more along the other dim where 2D tiles
-are shared) instead of keeping the forward's quantized copies: the same values, since the
-forward operands round to nearest (`compilable`): the same input quantizes to the same bits.
+The emulated forward returns, beside Y, the quantized X and W where square tiles let the
+backward reuse them, as the Function saves them. Only recipes whose forward operands round to
+nearest compile to these ops (`compilable`; a stochastic forward stays eager, a graph break).
 Stochastic rounding (of dY) draws in the same order as eagerly.
 
 FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
@@ -81,19 +81,33 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x_t,
                                               keep_w_t)[0]
     else:
-        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, layer)
+        from lowbit.ops.linear import _shared
+
+        # keep the quantized X / W where the backward reuses them (square tiles)
+        grad = torch.is_grad_enabled()
+        keep_x = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
+        keep_w = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
+        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, layer, keep_x, keep_w)[0]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
 
 
 @torch.library.custom_op("lowbit::quant_linear", mutates_args=())
-def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str, keep_x: bool,
+             keep_w: bool) -> list[torch.Tensor]:
+    """[y, the quantized X (empty unless keep_x), the quantized W (empty unless keep_w)], for
+    an emulated recipe (FP8 ones: quant_linear_fp8)."""
     from lowbit.ops.linear import operand
 
-    r = recipe_for_op_key(recipe)   # an emulated recipe (FP8 ones: quant_linear_fp8)
+    r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(operand(x, r.fprop_x, reduce_dim=1), operand(weight, r.fprop_w, 1))
+        x_f = operand(x, r.fprop_x, reduce_dim=1)
+        w_f = operand(weight, r.fprop_w, reduce_dim=1)
+        y = F.linear(x_f, w_f)
+    # (kept ones are the quantizer's new tensors, never x or weight: r's specs are not None)
+    return [y, x_f.contiguous() if keep_x else x.new_empty(0),
+            w_f.contiguous() if keep_w else x.new_empty(0)]
 
 
 def _refuse_capture(check) -> None:
@@ -111,42 +125,46 @@ def _refuse_capture(check) -> None:
 
 
 @_forward.register_fake
-def _(x, weight, recipe, layer):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _(x, weight, recipe, layer, keep_x, keep_w):
+    return [x.new_empty(x.shape[0], weight.shape[0]),
+            x.new_empty(x.shape) if keep_x else x.new_empty(0),
+            x.new_empty(weight.shape) if keep_w else x.new_empty(0)]
 
 
 @torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
-def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str,
+def _backward_op(dy: torch.Tensor, x_saved: torch.Tensor, w_saved: torch.Tensor, recipe: str,
                  layer: str, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from lowbit.ops.linear import _saved_operands, emulated_backward
+    """dX, dW (empty where not asked for) of an emulated recipe, from what the forward saved:
+    the quantized X / W where square tiles share them, else X / W (lowbit.ops.linear.
+    _saved_operands' rule)."""
+    from lowbit.ops.linear import emulated_backward
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
-        # what the forward would have saved, quantized again where 2D tiles share it
-        dx, dw = emulated_backward(dy, *_saved_operands(x, weight, r), r, need_dx, need_dw)
+        dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
     return (dx.contiguous() if dx is not None else dy.new_empty(0),
             dw.contiguous() if dw is not None else dy.new_empty(0))
-
-
 @_backward_op.register_fake
-def _(dy, x, weight, recipe, layer, need_dx, need_dw):
-    return (dy.new_empty(x.shape) if need_dx else dy.new_empty(0),
-            dy.new_empty(weight.shape) if need_dw else dy.new_empty(0))
+def _(dy, x_saved, w_saved, recipe, layer, need_dx, need_dw):
+    return (dy.new_empty(x_saved.shape) if need_dx else dy.new_empty(0),
+            dy.new_empty(w_saved.shape) if need_dw else dy.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, recipe, layer = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, recipe, layer, keep_x, keep_w = inputs
+    _, x_f, w_f = output
+    ctx.save_for_backward(x_f if keep_x else x, w_f if keep_w else weight)
     ctx.recipe, ctx.layer = recipe, layer
 
 
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
+def _backward(ctx, grads):
+    dy = grads[0]   # the op returns a list: its gradients come as one (the kept ones unused)
+    x_saved, w_saved = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x, weight, ctx.recipe, ctx.layer,
+    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x_saved, w_saved, ctx.recipe, ctx.layer,
                                                     need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
