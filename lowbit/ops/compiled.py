@@ -49,8 +49,9 @@ _FORWARD_WATCHES: dict = {}                # device -> the chunk watch of the la
 
 
 def compilable(r: LinearRecipe) -> bool:
-    """The recipe's forward operands round to nearest, so the backward op can quantize them
-    again to the same values (stochastic rounding would draw new ones)."""
+    """The recipe's forward operands round to nearest. A forward that rounds stochastically
+    stays in the eager Function (a graph break), so that it draws its random numbers in eager's
+    order, not in whatever order the compiled graph runs the ops."""
     return all(s is None or s.rounding is Rounding.RNE for s in (r.fprop_x, r.fprop_w))
 
 
@@ -71,23 +72,16 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if recipe.gemm is Gemm.FP8:
-        from lowbit.ops.linear import _shared
+    from lowbit.ops.linear import _shared
 
-        # keep X^T's / W^T's folded operands for the backward where it will use them
-        grad = torch.is_grad_enabled()
-        keep_x_t = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
-        keep_w_t = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
-        y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x_t,
-                                              keep_w_t)[0]
-    else:
-        from lowbit.ops.linear import _shared
-
-        # keep the quantized X / W where the backward reuses them (square tiles)
-        grad = torch.is_grad_enabled()
-        keep_x = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
-        keep_w = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
-        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, layer, keep_x, keep_w)[0]
+    # keep, for the backward, the quantized (emulated) or folded transposed (FP8) operands of
+    # X and W where square tiles let it reuse them and it will need them
+    grad = torch.is_grad_enabled()
+    keep_x = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
+    keep_w = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
+    op = (torch.ops.lowbit.quant_linear_fp8 if recipe.gemm is Gemm.FP8
+          else torch.ops.lowbit.quant_linear)
+    y = op(x2, weight, recipe.op_key, layer, keep_x, keep_w)[0]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
@@ -121,7 +115,8 @@ def _refuse_capture(check) -> None:
         raise RuntimeError(
             "lowbit's FP8 folds under a deferred fold check cannot be recorded into a CUDA graph "
             "by torch.compile (mode='reduce-overhead'): the inexact count would be lost. Compile "
-            "with the default mode, or use `lowbit train --cuda-graph` (no torch.compile)")
+            "with the default mode, and capture with `lowbit train --cuda-graph`, which opens "
+            "its check inside the capture")
 
 
 @_forward.register_fake
