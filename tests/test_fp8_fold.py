@@ -527,9 +527,9 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
     assert [(shape, t_too, rows) for shape, t_too, rows, _ in folded] == [
         ((72, 96), True, True), ((40, 96), True, True), ((72, 40), True, True)]
 
-    kept = torch.ops.lowbit.quant_linear_fp8(x, w, lin.op_key, "l", True, True)
+    kept = torch.ops.lowbit.quant_linear_fp8(x, w, lin.op_key, "l", True, True, True)
     torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8.default,
-                          (x, w, lin.op_key, "l", True, False),
+                          (x, w, lin.op_key, "l", True, False, True),
                           test_utils=("test_schema", "test_faketensor"))
     # (its schema check compares the fp8 inputs before and after with arithmetic that torch
     # does not have for float8 on the CPU)

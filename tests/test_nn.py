@@ -316,13 +316,13 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     dy = torch.randn(64, 40, generator=g)
     for r in (lin, nearest):
         torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
-                              (x, w, r.op_key, "l", True, True),
+                              (x, w, r.op_key, True, True),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.lowbit.quant_linear_backward.default,
-                              (dy, x.detach(), w.detach(), r.op_key, "l", True, True),
+                              (dy, x.detach(), w.detach(), r.op_key, False, False, True, True),
                               test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
-                          (x, w, nearest.op_key, "l", True, True),
+                          (x, w, nearest.op_key, True, True),
                           test_utils=("test_aot_dispatch_dynamic",))
 
 
@@ -356,6 +356,40 @@ def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch
     assert [q for q in quantized if q[0] == (48, 96)] == [((48, 96), 1)]   # W: forward only
     # X: forward only (nvfp4's wgrad X is rotated along tokens first: a (96, 64) operand)
     assert [q for q in quantized if q[0] == (64, 96)] == [((64, 96), 1)]
+
+
+@pytest.mark.parametrize("recipe", ["stable-fp4", "stable-fp4-fp8"])
+@pytest.mark.parametrize("needs", ["x", "weight", "both"])
+def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(recipe, needs):
+    """A frozen weight (or an input that needs no gradient): the compiled ops keep and save
+    only what the one backward GEMM needs, and give eager's output and gradient bit for bit.
+    The emulated backward op also takes the inputs themselves where the forward kept nothing
+    (a direct call), quantizing them as the forward would have."""
+    from lowbit.ops import quant_linear
+
+    lin = get_recipe(recipe).linear
+    g = torch.Generator().manual_seed(3)
+    x, w, dy = (torch.randn(*shape, generator=g) for shape in ((64, 96), (48, 96), (64, 48)))
+
+    def run(fn):
+        torch.manual_seed(7)
+        xi = x.clone().requires_grad_(needs in ("x", "both"))
+        wi = w.clone().requires_grad_(needs in ("weight", "both"))
+        y = fn(xi, wi, None, lin, "l")
+        y.backward(dy)
+        return y.detach(), xi.grad, wi.grad
+
+    eager = run(quant_linear)
+    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(compiled, eager))
+    if recipe == "stable-fp4":
+        _, x_f, w_f = torch.ops.lowbit.quant_linear(x, w, lin.op_key, True, True)
+        grads = []
+        for a, b, kept in ((x, w, False), (x_f, w_f, True)):
+            torch.manual_seed(7)   # dY rounds stochastically: the same draws
+            grads.append(torch.ops.lowbit.quant_linear_backward(dy, a, b, lin.op_key, kept,
+                                                                kept, True, True))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_inductor_compiles_an_fp8_recipe_model_to_eager_loss_and_gradients():

@@ -652,6 +652,8 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
     whole = adapt_run("whole")
     assert [(r["step"], r["layers"]) for r in records(tmp_path / "whole", "fold_adapted")] == [
         (2, ["mix"])]
+    # the layers report chunked folds under their module names (adapt only: see QuantLinear)
+    assert (models[-1].mix.layer_name, models[-1].head.layer_name) == ("mix", "head")
     assert models[-1].mix.linear_recipe.gemm is Gemm.EMULATED
     assert models[-1].head.linear_recipe.gemm is Gemm.FP8
     assert load_checkpoint(checkpoint_path(tmp_path / "whole"))["fold_emulated_layers"] == ["mix"]

@@ -33,9 +33,10 @@ __all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quanti
 class QuantLinear(nn.Linear):
     """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear.
 
-    layer_name: the name lowbit.kernels.fp8_gemm.watch_chunked_folds() reports for this layer
-    (`convert` sets the module's name in the converted model; lowbit.train sets it from the
-    trained model's names)."""
+    layer_name: the name lowbit.kernels.fp8_gemm.watch_chunked_folds() reports for this layer;
+    "" (the default) is not reported. lowbit.train sets the module names under --fold-inexact
+    adapt only: torch.compile reads the name as a constant, so blocks compiled one by one (the
+    same code, other names) would each compile again."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  linear_recipe: LinearRecipe | None = None, device=None, dtype=None,
@@ -183,7 +184,7 @@ def convert(model: nn.Module, recipe: str | Recipe,
             why = "recipe: bf16" if recipe.linear is None else "recipe keeps it in high precision"
             report.kept.append((name, kind, why))
             continue
-        new = (QuantLinear.from_linear(module, linear_recipe, name) if kind == "linear"
+        new = (QuantLinear.from_linear(module, linear_recipe) if kind == "linear"
                else QuantExperts(module, linear_recipe))
         _set_submodule(model, name, new)
         report.swapped.append((name, kind, linear_recipe.describe()))

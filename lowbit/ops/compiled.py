@@ -20,9 +20,11 @@ Stochastic rounding (of dY) draws in the same order as eagerly.
 FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
 and remembers it per device; the backward op (on autograd's thread) uses the last forward's
 while its block is still open, and folds exactly otherwise, as the autograd.Function does.
-A watch_chunked_folds() block is carried to the backward the same way, and both ops name
+A watch_chunked_folds() block is carried to the backward the same way, and both FP8 ops name
 their layer (`layer`, a string argument) to it, so --fold-inexact adapt finds chunked layers
-in a compiled model too.
+in a compiled model too. Only a forward that a backward will follow updates what is carried
+(an evaluation on another thread does not), but it is one per device, not per thread: two
+threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
@@ -76,19 +78,22 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
     # keep, for the backward, the quantized (emulated) or folded transposed (FP8) operands of
     # X and W where square tiles let it reuse them and it will need them
-    grad = torch.is_grad_enabled()
-    keep_x = grad and weight.requires_grad and _shared(recipe.fprop_x, recipe.wgrad_x)
-    keep_w = grad and x.requires_grad and _shared(recipe.fprop_w, recipe.dgrad_w)
-    op = (torch.ops.lowbit.quant_linear_fp8 if recipe.gemm is Gemm.FP8
-          else torch.ops.lowbit.quant_linear)
-    y = op(x2, weight, recipe.op_key, layer, keep_x, keep_w)[0]
+    grad_x = torch.is_grad_enabled() and x.requires_grad      # dX will be asked for
+    grad_w = torch.is_grad_enabled() and weight.requires_grad  # dW will be
+    keep_x = grad_w and _shared(recipe.fprop_x, recipe.wgrad_x)
+    keep_w = grad_x and _shared(recipe.fprop_w, recipe.dgrad_w)
+    if recipe.gemm is Gemm.FP8:
+        y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x, keep_w,
+                                              grad_x or grad_w)[0]
+    else:
+        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, keep_x, keep_w)[0]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
 
 
 @torch.library.custom_op("lowbit::quant_linear", mutates_args=())
-def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str, keep_x: bool,
+def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, keep_x: bool,
              keep_w: bool) -> list[torch.Tensor]:
     """[y, the quantized X (empty unless keep_x), the quantized W (empty unless keep_w)], for
     an emulated recipe (FP8 ones: quant_linear_fp8)."""
@@ -120,46 +125,52 @@ def _refuse_capture(check) -> None:
 
 
 @_forward.register_fake
-def _(x, weight, recipe, layer, keep_x, keep_w):
+def _(x, weight, recipe, keep_x, keep_w):
     return [x.new_empty(x.shape[0], weight.shape[0]),
             x.new_empty(x.shape) if keep_x else x.new_empty(0),
             x.new_empty(weight.shape) if keep_w else x.new_empty(0)]
 
 
 @torch.library.custom_op("lowbit::quant_linear_backward", mutates_args=())
-def _backward_op(dy: torch.Tensor, x_saved: torch.Tensor, w_saved: torch.Tensor, recipe: str,
-                 layer: str, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """dX, dW (empty where not asked for) of an emulated recipe, from what the forward saved:
-    the quantized X / W where square tiles share them, else X / W (lowbit.ops.linear.
-    _saved_operands' rule)."""
-    from lowbit.ops.linear import emulated_backward
+def _backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                 recipe: str, x_kept: bool, w_kept: bool, need_dx: bool,
+                 need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX, dW (empty where not asked for) of an emulated recipe. x / weight: the forward's
+    quantized copies where x_kept / w_kept, else the inputs (quantized here where square tiles
+    share them, lowbit.ops.linear._saved_operands' rule), or None where no GEMM needs them."""
+    from lowbit.ops.linear import _saved_operands, emulated_backward
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
+        x_saved, w_saved = _saved_operands(x, weight, r, x if x_kept else None,
+                                           weight if w_kept else None)
         dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
     return (dx.contiguous() if dx is not None else dy.new_empty(0),
             dw.contiguous() if dw is not None else dy.new_empty(0))
 @_backward_op.register_fake
-def _(dy, x_saved, w_saved, recipe, layer, need_dx, need_dw):
-    return (dy.new_empty(x_saved.shape) if need_dx else dy.new_empty(0),
-            dy.new_empty(w_saved.shape) if need_dw else dy.new_empty(0))
+def _(dy, x, weight, recipe, x_kept, w_kept, need_dx, need_dw):
+    k_in = x.shape[1] if x is not None else weight.shape[1]
+    return (dy.new_empty(dy.shape[0], k_in) if need_dx else dy.new_empty(0),
+            dy.new_empty(dy.shape[1], k_in) if need_dw else dy.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, recipe, layer, keep_x, keep_w = inputs
+    x, weight, recipe, keep_x, keep_w = inputs
     _, x_f, w_f = output
-    ctx.save_for_backward(x_f if keep_x else x, w_f if keep_w else weight)
-    ctx.recipe, ctx.layer = recipe, layer
+    # dW = dY^T X needs X (or its kept quantized copy), dX = dY W needs W; nothing else
+    ctx.save_for_backward((x_f if keep_x else x) if weight.requires_grad else None,
+                          (w_f if keep_w else weight) if x.requires_grad else None)
+    ctx.recipe, ctx.kept = recipe, (keep_x, keep_w)
 
 
 def _backward(ctx, grads):
     dy = grads[0]   # the op returns a list: its gradients come as one (the kept ones unused)
-    x_saved, w_saved = ctx.saved_tensors
+    x, weight = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x_saved, w_saved, ctx.recipe, ctx.layer,
+    dx, dw = torch.ops.lowbit.quant_linear_backward(dy, x, weight, ctx.recipe, *ctx.kept,
                                                     need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -185,15 +196,16 @@ def _kept(folded, rows: int, k: int, block: int, device: torch.device) -> list[t
     factors = torch.ones(rows, most, device=device, dtype=torch.float32)
     chunks = len(folded.bounds) - 1
     factors[:, :chunks] = folded.factors
-    bounds = torch.full((most + 1,), -1, dtype=torch.int64)
-    bounds[:chunks + 1] = torch.tensor(folded.bounds, dtype=torch.int64)
+    bounds = torch.full((most + 1,), -1, dtype=torch.int64, device="cpu")
+    bounds[:chunks + 1] = torch.tensor(folded.bounds, dtype=torch.int64, device="cpu")
     return [folded.fp8.contiguous(), factors, folded.nan_rows.contiguous(), bounds]
 
 
 def _kept_empty(device: torch.device) -> list[torch.Tensor]:
     return [torch.empty(0, 0, device=device, dtype=torch.float8_e4m3fn),
             torch.empty(0, 0, device=device, dtype=torch.float32),
-            torch.empty(0, device=device, dtype=torch.bool), torch.empty(0, dtype=torch.int64)]
+            torch.empty(0, device=device, dtype=torch.bool),
+            torch.empty(0, dtype=torch.int64, device="cpu")]
 
 
 def _unkept(fp8, factors, nan_rows, bounds):
@@ -208,16 +220,20 @@ def _unkept(fp8, factors, nan_rows, bounds):
 
 @torch.library.custom_op("lowbit::quant_linear_fp8", mutates_args=())
 def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
-                 keep_x_t: bool, keep_w_t: bool) -> list[torch.Tensor]:
-    """[y, X^T's kept operand (4 tensors, empty unless keep_x_t), W^T's (likewise)]."""
+                 keep_x_t: bool, keep_w_t: bool, grad: bool) -> list[torch.Tensor]:
+    """[y, X^T's kept operand (4 tensors, empty unless keep_x_t), W^T's (likewise)]. grad: a
+    backward will follow, which uses this forward's fold check and chunk watch; a forward
+    without one (an evaluation, on this thread or another) leaves those of the last one that
+    has one in place."""
     from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, active_watch,
                                          folding_for, fp4_gemm_fp8, quantize_fold)
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
         device = _canonical(x.device)
-        check = _FORWARD_CHECKS[device] = active_fold_check(x.device)
-        watch = _FORWARD_WATCHES[device] = active_watch()
+        check, watch = active_fold_check(x.device), active_watch()
+        if grad:
+            _FORWARD_CHECKS[device], _FORWARD_WATCHES[device] = check, watch
         _refuse_capture(check)
         with folding_for(layer, watch):
             fx, fx_t = quantize_fold(x, r.fprop_x, keep_x_t, check)
@@ -230,7 +246,7 @@ def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
 
 
 @_fp8_forward.register_fake
-def _(x, weight, recipe, layer, keep_x_t, keep_w_t):
+def _(x, weight, recipe, layer, keep_x_t, keep_w_t, grad):
     r = recipe_for_op_key(recipe)
     n, k_in = x.shape
 
@@ -241,7 +257,7 @@ def _(x, weight, recipe, layer, keep_x_t, keep_w_t):
         return [x.new_empty(k_in, k, dtype=torch.float8_e4m3fn),
                 x.new_empty(k_in, most, dtype=torch.float32),
                 x.new_empty(k_in, dtype=torch.bool),
-                torch.empty(most + 1, dtype=torch.int64)]
+                torch.empty(most + 1, dtype=torch.int64, device="cpu")]
 
     return [x.new_empty(n, weight.shape[0]), *kept(keep_x_t, n, r.fprop_x.block[0]),
             *kept(keep_w_t, weight.shape[0], r.fprop_w.block[0])]
@@ -272,18 +288,20 @@ def _fp8_backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Ten
 
 @_fp8_backward_op.register_fake
 def _(dy, x, weight, kept, recipe, layer, need_dx, need_dw):
-    k_in = x.shape[1] if x is not None else kept[0].shape[0] if kept[0].numel() else \
-        kept[4].shape[0]
+    # in_features: from whichever of X, W, X^T's or W^T's operand the forward saved
+    k_in = next(t.shape[dim] for t, dim in ((x, 1), (weight, 1), (kept[0], 0), (kept[4], 0))
+                if t is not None and t.numel())
     n_out = dy.shape[1]
     return (dy.new_empty(dy.shape[0], k_in) if need_dx else dy.new_empty(0),
             dy.new_empty(n_out, k_in) if need_dw else dy.new_empty(0))
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    x, weight, recipe, layer, keep_x_t, keep_w_t = inputs
+    x, weight, recipe, layer, keep_x_t, keep_w_t, grad = inputs
     kept = output[1:]
-    # X is needed where X^T was not kept (1D blocks along tokens), W where W^T was not
-    ctx.save_for_backward(None if keep_x_t else x, None if keep_w_t else weight, *kept)
+    # dW needs X where X^T was not kept (1D blocks along tokens), dX needs W where W^T was not
+    ctx.save_for_backward(x if weight.requires_grad and not keep_x_t else None,
+                          weight if x.requires_grad and not keep_w_t else None, *kept)
     ctx.recipe, ctx.layer = recipe, layer
 
 
@@ -293,7 +311,7 @@ def _fp8_backward(ctx, grads):
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     dx, dw = torch.ops.lowbit.quant_linear_fp8_backward(dy, x, weight, kept, ctx.recipe,
                                                         ctx.layer, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None
 
 
 _fp8_forward.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)

@@ -81,11 +81,11 @@ def _saved_operands(x, weight, r: LinearRecipe, x_f=None, w_f=None):
     """What forward keeps for backward: the quantized copy where the backward GEMM reuses it
     (2D tiles), the high-precision tensor where it must be quantized along the other dim.
     x_f / w_f: the forward's quantized copies; None: quantized here where needed (the same
-    bits under round-to-nearest, as lowbit.ops.compiled's backward needs)."""
+    bits under round-to-nearest). x / weight None (no GEMM needs it) stays None."""
     x_saved, w_saved = x, weight
-    if _shared(r.fprop_x, r.wgrad_x):
+    if _shared(r.fprop_x, r.wgrad_x) and x is not None:
         x_saved = x_f if x_f is not None else operand(x, r.fprop_x, reduce_dim=1)
-    if _shared(r.fprop_w, r.dgrad_w):
+    if _shared(r.fprop_w, r.dgrad_w) and weight is not None:
         w_saved = w_f if w_f is not None else operand(weight, r.fprop_w, reduce_dim=1)
     return x_saved, w_saved
 

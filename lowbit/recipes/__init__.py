@@ -13,6 +13,7 @@ is, its paper, and the evidence for it in this project. `get_recipe(name)` looks
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -103,15 +104,14 @@ class LinearRecipe:
                 + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else ""))
 
 
-_OP_KEYS: dict[LinearRecipe, str] = {}
 _BY_OP_KEY: dict[str, LinearRecipe] = {}
 
 
 def _op_key(r: LinearRecipe) -> str:
-    key = _OP_KEYS.get(r)
-    if key is None:   # equal recipes share one key
-        key = _OP_KEYS[r] = f"recipe{len(_OP_KEYS)}"
-        _BY_OP_KEY[key] = r
+    """A name drawn from the recipe's fields: equal recipes share it, in every process (it may
+    sit in torch.compile's on-disk caches), whichever thread or order makes them."""
+    key = "recipe-" + hashlib.sha1(repr(r).encode()).hexdigest()[:16]
+    _BY_OP_KEY.setdefault(key, r)
     return key
 
 

@@ -27,7 +27,8 @@ fused kernels; captured, none of its host work (dynamo's guards, the ops' Python
 the step.
 It cannot hold: work that reads values back to the host (MoE routing's counts), or DDP's and
 FSDP's collectives (one process only here). On the CPU nothing is captured and each call runs
-the same body on the same buffers, so the bookkeeping around the graph is tested without a GPU.
+the same body (its gradients new tensors each time), so the bookkeeping around the graph is
+tested without a GPU.
 
 Memory: the graph keeps its forward and backward working set reserved between replays, and a
 step redone eagerly (an inexact FP8 fold under fold_inexact "redo" or "adapt"), an
@@ -110,6 +111,9 @@ class GraphedGradients:
             with torch.cuda.stream(side):
                 self._warm_up(params, warmup)
             torch.cuda.current_stream(device).wait_stream(side)
+            # the capture allocates from its own pool: give it the warm-up's freed memory
+            self._drop_grads()
+            torch.cuda.empty_cache()
             self.graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
@@ -154,6 +158,13 @@ class GraphedGradients:
         for _ in range(max(runs - 1, 1)):
             self._body()
 
+    def _drop_grads(self) -> None:
+        """No gradient held, by the parameters or here: the backward's new ones do not sit
+        beside the old (two sets of a large model's gradients)."""
+        for p in self.params:
+            p.grad = None
+        self.grads = []
+
     def _point_grads(self) -> None:
         for p, g in zip(self.params, self.grads):
             if p.grad is not g:
@@ -164,11 +175,11 @@ class GraphedGradients:
 
     def _body(self):
         # The backward assigns each gradient afresh, as eager after zero_grad(set_to_none=True):
-        # no zeroing pass and no adding into a zeroed buffer (about 5 ms a step on a 1B model).
+        # no zeroing pass and no adding into a zeroed buffer (4-6 ms a step on a 1B model on an
+        # H200: docs/results/kernels.md, sixth session).
         # Inside the capture these tensors come from the graph's pool, and every replay
         # writes them again: they are the step's gradient buffers from then on.
-        for p in self.params:
-            p.grad = None
+        self._drop_grads()
         with deferred_fold_check(self.device) as check:
             step_loss = self._micro_batches()
         self.grads = [p.grad for p in self.params]

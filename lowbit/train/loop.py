@@ -159,7 +159,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
     _seed_everything(config.seed)  # so the init does not depend on what building data drew
     model = model if model is not None else _build_model(config, data.vocab_size)
     _apply_recipe(model, recipe, say)
-    _name_layers(model)
+    if config.fold_inexact == "adapt":
+        _name_layers(model)
     model.to(device)
     if config.cuda_graph:   # again: a model passed in may be an MoE model
         _refuse_cuda_graph(config, process,
@@ -377,8 +378,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
 
 
 def _name_layers(model: nn.Module) -> None:
-    """Each quantized linear reports chunked FP8 folds (--fold-inexact adapt) under its name in
-    this model, the name _emulate_layers and checkpoints use."""
+    """--fold-inexact adapt: each quantized linear reports its chunked FP8 folds under its name
+    in this model, the name _emulate_layers and checkpoints use."""
     from lowbit.nn import QuantLinear
 
     for name, m in model.named_modules():
