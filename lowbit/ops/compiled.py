@@ -71,11 +71,11 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           recipe: LinearRecipe, layer: str = "") -> torch.Tensor:
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
+    from lowbit.ops.linear import _shared   # (lowbit.ops.linear imports this module)
+
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    from lowbit.ops.linear import _shared
-
     # keep, for the backward, the quantized (emulated) or folded transposed (FP8) operands of
     # X and W where square tiles let it reuse them and it will need them
     grad_x = torch.is_grad_enabled() and x.requires_grad      # dX will be asked for
@@ -148,6 +148,8 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor 
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
     return (dx.contiguous() if dx is not None else dy.new_empty(0),
             dw.contiguous() if dw is not None else dy.new_empty(0))
+
+
 @_backward_op.register_fake
 def _(dy, x, weight, recipe, x_kept, w_kept, need_dx, need_dw):
     k_in = x.shape[1] if x is not None else weight.shape[1]
