@@ -392,17 +392,14 @@ def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(r
         assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_inductor_compiles_an_fp8_recipe_model_to_eager_loss_and_gradients():
-    """torch.compile's default backend (inductor, CPU) on a stable-fp4-fp8 model: the custom
-    ops, with the FP8 forward's kept transposes (CPU bounds among its outputs), compile and
-    run; the loss and the gradients are eager's within 1e-6 and 1e-5 (inductor fuses the norms,
-    the softmax and the residual adds, whose fp32 arithmetic then rounds in another order; the
-    quantized layers themselves are bitwise eager's: the test above)."""
+def _converted_tiny_model(recipe):
+    """A fresh tiny model converted to `recipe` (dynamo's caches reset), and
+    loss_and_grads(forward) -> (loss, [gradients]) of one step on a fixed batch, seeded."""
     import torch._dynamo
 
     torch._dynamo.reset()
     model = tiny_model(0)
-    convert(model, "stable-fp4-fp8")
+    convert(model, recipe)
     idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
 
     def loss_and_grads(forward):
@@ -412,6 +409,16 @@ def test_inductor_compiles_an_fp8_recipe_model_to_eager_loss_and_gradients():
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
+    return model, loss_and_grads
+
+
+def test_inductor_compiles_an_fp8_recipe_model_to_eager_loss_and_gradients():
+    """torch.compile's default backend (inductor, CPU) on a stable-fp4-fp8 model: the custom
+    ops, with the FP8 forward's kept transposes (CPU bounds among its outputs), compile and
+    run; the loss and the gradients are eager's within 1e-6 and 1e-5 (inductor fuses the norms,
+    the softmax and the residual adds, whose fp32 arithmetic then rounds in another order; the
+    quantized layers themselves are bitwise eager's: the test above)."""
+    model, loss_and_grads = _converted_tiny_model("stable-fp4-fp8")
     eager = loss_and_grads(model)
     compiled = loss_and_grads(torch.compile(model))
     assert abs(compiled[0] - eager[0]) <= 1e-6 * eager[0]
@@ -493,18 +500,8 @@ def test_torch_compile_traces_quantized_layers_as_custom_ops(recipe, backend):
     layers eager, as graph breaks, with the same result."""
     import torch._dynamo
 
-    torch._dynamo.reset()
-    model = tiny_model(0)
-    convert(model, _sr_forward_recipe() if recipe == "sr-forward" else recipe)
-    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-    def loss_and_grads(forward):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)
-        loss = forward(idx, idx).loss
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
+    model, loss_and_grads = _converted_tiny_model(
+        _sr_forward_recipe() if recipe == "sr-forward" else recipe)
     eager = loss_and_grads(model)
     breaks = torch._dynamo.utils.counters["graph_break"]
     breaks.clear()
