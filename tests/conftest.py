@@ -20,6 +20,20 @@ def _seed():
 
 
 @pytest.fixture
+def compiled_quant_linear():
+    """lowbit.ops.quant_linear under torch.compile (AOTAutograd, eager kernels, no graph break
+    allowed), with dynamo's caches reset: every test that compiles it adds entries for the one
+    code object, and past 8 dynamo stops compiling it (fullgraph: an error)."""
+    import torch._dynamo
+
+    from lowbit.ops import quant_linear
+
+    torch._dynamo.reset()
+    yield torch.compile(quant_linear, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def corpus_env(tmp_path, monkeypatch) -> dict:
     """For tests that read ../shared/data: skipped where it is missing (CI has it; a bare GPU
     box may not). Tokenizer caches go to a fresh folder (LOWBIT_CACHE, set here and in the

@@ -402,7 +402,7 @@ def test_column_offsets_past_int32():
     assert torch.equal(fake_quantize_triton(x, spec), quantize_dequantize(dense, spec))
 
 
-def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
+def test_watch_names_the_layers_whose_exact_folds_need_k_chunks(compiled_quant_linear):
     """Exact folds (no deferred check) that need more than one K-chunk name their layer (the
     `layer` its linear was given) to watch_chunked_folds(), also from a backward on another
     thread, eagerly and under torch.compile (the custom ops carry the name); a layer whose
@@ -429,7 +429,7 @@ def test_watch_names_the_layers_whose_exact_folds_need_k_chunks():
         worker.start()
         worker.join()
 
-    compiled = torch.compile(quant_linear, backend="aot_eager", fullgraph=True)
+    compiled = compiled_quant_linear
     with watch_chunked_folds() as seen:
         step(w_wide, wide, "wide")
         step(w_plain, plain, "plain")
@@ -472,7 +472,7 @@ def test_transposed_operand_alone_equals_folding_the_transpose(monkeypatch, kern
 
 @pytest.mark.parametrize("kernels_on,deferred", [(False, False), (True, False), (True, True)])
 def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backward(
-        monkeypatch, kernels_on, deferred):
+        monkeypatch, kernels_on, deferred, compiled_quant_linear):
     """Under torch.compile an FP8 linear's forward op returns X^T's and W^T's folded operands
     (from its one quantization of each square-tile operand, K-chunks and all, padded to fixed
     shapes) and the backward op multiplies them instead of quantizing X and W again: the output
@@ -516,7 +516,7 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
         return out
 
     monkeypatch.setattr(fp8_gemm, "quantize_fold", counting)
-    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    compiled = run(compiled_quant_linear)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     x_t = next(out[1] for shape, t_too, _, out in folded if shape == (72, 96) and t_too)
     if deferred:   # one K-chunk each; the count of what that rounded is the eager one's

@@ -327,7 +327,8 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["stable-fp4", "nvfp4"])
-def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch, recipe):
+def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch, recipe,
+                                                                     compiled_quant_linear):
     """Compiled, an emulated layer's forward op returns the quantized X and W where square
     tiles let the backward reuse them (stable-fp4: both; nvfp4: W's 16x16 tiles), as the eager
     Function saves them: the backward quantizes only dY (and nvfp4's 1D X along tokens), and
@@ -351,7 +352,7 @@ def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch
     real = linear.operand
     monkeypatch.setattr(linear, "operand", lambda t, spec, reduce_dim: (
         quantized.append((tuple(t.shape), reduce_dim)) or real(t, spec, reduce_dim)))
-    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    compiled = run(compiled_quant_linear)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     assert [q for q in quantized if q[0] == (48, 96)] == [((48, 96), 1)]   # W: forward only
     # X: forward only (nvfp4's wgrad X is rotated along tokens first: a (96, 64) operand)
@@ -360,7 +361,8 @@ def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch
 
 @pytest.mark.parametrize("recipe", ["stable-fp4", "stable-fp4-fp8"])
 @pytest.mark.parametrize("needs", ["x", "weight", "both"])
-def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(recipe, needs):
+def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(
+        recipe, needs, compiled_quant_linear):
     """A frozen weight (or an input that needs no gradient): the compiled ops keep and save
     only what the one backward GEMM needs, and give eager's output and gradient bit for bit.
     The emulated backward op also takes the inputs themselves where the forward kept nothing
@@ -380,7 +382,7 @@ def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(r
         return y.detach(), xi.grad, wi.grad
 
     eager = run(quant_linear)
-    compiled = run(torch.compile(quant_linear, backend="aot_eager", fullgraph=True))
+    compiled = run(compiled_quant_linear)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(compiled, eager))
     if recipe == "stable-fp4":
         _, x_f, w_f = torch.ops.lowbit.quant_linear(x, w, lin.op_key, True, True)
