@@ -245,7 +245,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
 
     layer: the name watch_chunked_folds() reports when an exact FP8 fold of this layer needs
-    K-chunks (lowbit.train names each QuantLinear by its module name); "" is never reported.
+    K-chunks (under --fold-inexact adapt lowbit.train names each QuantLinear by its module
+    name); "" is never reported.
 
     recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
     dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the
