@@ -455,7 +455,7 @@ def _amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: bo
     """(tile_rows, tile_cols, num_warps, tiles per program) of the two-level tensor-amax pass.
     Without the Hadamard transform: one 64x256 tile (32 KiB of bf16) per program and 8 warps,
     so enough bytes are in flight to read at copy speed (benchmarks/sweep_amax.py on an H200,
-    2026-11-30: 86-109% of a copy's bandwidth on the 1B shapes and 16384x8192, against 32-70%
+    2026-11-30: 84-109% of a copy's bandwidth on the 1B shapes and 16384x8192, against 32-70%
     for the quantize tile with up to 64 tiles a program). With it: the quantize tile, several
     per program (the best of the few configs swept; the rotation's registers bound the tile)."""
     if hadamard:

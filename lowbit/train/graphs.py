@@ -175,7 +175,7 @@ class GraphedGradients:
 
     def _body(self):
         # The backward assigns each gradient afresh, as eager after zero_grad(set_to_none=True):
-        # no zeroing pass and no adding into a zeroed buffer (4-6 ms a step on a 1B model on an
+        # no zeroing pass and no adding into a zeroed buffer (4-5 ms a step on a 1B model on an
         # H200: docs/results/kernels.md, sixth session).
         # Inside the capture these tensors come from the graph's pool, and every replay
         # writes them again: they are the step's gradient buffers from then on.
