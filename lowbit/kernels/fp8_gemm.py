@@ -438,8 +438,8 @@ def watch_chunked_folds() -> Iterator[set]:
     every fold that needed more than one K-chunk adds its layer to the yielded set: the `layer`
     that `folding_for` names (lowbit's FP8 linear passes its `layer` name; under --fold-inexact
     adapt lowbit.train names each QuantLinear by its module name), eagerly and under
-    torch.compile alike. lowbit.train
-    watches a redone step this way to move such layers off the FP8 path (--fold-inexact adapt)."""
+    torch.compile alike. lowbit.train watches a redone step this way to move such layers off
+    the FP8 path (--fold-inexact adapt)."""
     outer = getattr(_LOCAL, "watch", None)
     _LOCAL.watch = seen = set()
     try:

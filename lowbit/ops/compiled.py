@@ -39,7 +39,6 @@ eagerly, quantize 4.9 against 3.2); with them kept, not measured yet.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.formats.spec import Rounding
 from lowbit.recipes import Gemm, LinearRecipe, recipe_for_op_key
@@ -71,7 +70,7 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           recipe: LinearRecipe, layer: str = "") -> torch.Tensor:
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
-    from lowbit.ops.linear import _shared   # (lowbit.ops.linear imports this module)
+    from lowbit.ops.linear import kept_operands   # (lowbit.ops.linear imports this module)
 
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
@@ -80,8 +79,7 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     # X and W where square tiles let it reuse them and it will need them
     grad_x = torch.is_grad_enabled() and x.requires_grad      # dX will be asked for
     grad_w = torch.is_grad_enabled() and weight.requires_grad  # dW will be
-    keep_x = grad_w and _shared(recipe.fprop_x, recipe.wgrad_x)
-    keep_w = grad_x and _shared(recipe.fprop_w, recipe.dgrad_w)
+    keep_x, keep_w = kept_operands(recipe, grad_x, grad_w)
     if recipe.gemm is Gemm.FP8:
         y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x, keep_w,
                                               grad_x or grad_w)[0]
@@ -97,13 +95,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, keep_x: bool,
              keep_w: bool) -> list[torch.Tensor]:
     """[y, the quantized X (empty unless keep_x), the quantized W (empty unless keep_w)], for
     an emulated recipe (FP8 ones: quant_linear_fp8)."""
-    from lowbit.ops.linear import operand
+    from lowbit.ops.linear import emulated_forward
 
-    r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
-        x_f = operand(x, r.fprop_x, reduce_dim=1)
-        w_f = operand(weight, r.fprop_w, reduce_dim=1)
-        y = F.linear(x_f, w_f)
+        y, x_f, w_f = emulated_forward(x, weight, recipe_for_op_key(recipe))
     # (kept ones are the quantizer's new tensors, never x or weight: r's specs are not None)
     return [y, x_f.contiguous() if keep_x else x.new_empty(0),
             w_f.contiguous() if keep_w else x.new_empty(0)]
@@ -227,8 +222,8 @@ def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
     backward will follow, which uses this forward's fold check and chunk watch; a forward
     without one (an evaluation, on this thread or another) leaves those of the last one that
     has one in place."""
-    from lowbit.kernels.fp8_gemm import (_canonical, active_fold_check, active_watch,
-                                         folding_for, fp4_gemm_fp8, quantize_fold)
+    from lowbit.kernels.fp8_gemm import _canonical, active_fold_check, active_watch, folding_for
+    from lowbit.ops.linear import fp8_forward
 
     r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
@@ -238,10 +233,9 @@ def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
             _FORWARD_CHECKS[device], _FORWARD_WATCHES[device] = check, watch
         _refuse_capture(check)
         with folding_for(layer, watch):
-            fx, fx_t = quantize_fold(x, r.fprop_x, keep_x_t, check)
-            fw, fw_t = quantize_fold(weight, r.fprop_w, keep_w_t, check)
+            y, fx_t, fw_t = fp8_forward(x, weight, r, keep_x_t, keep_w_t, check)
         # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
-        y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype).contiguous()
+        y = y.contiguous()
     n, k_in = x.shape
     return [y, *_kept(fx_t, k_in, n, r.fprop_x.block[0], x.device),
             *_kept(fw_t, k_in, weight.shape[0], r.fprop_w.block[0], x.device)]

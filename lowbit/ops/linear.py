@@ -132,6 +132,20 @@ def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:
             "wgrad_dy": dy_w, "wgrad_x": x_w}
 
 
+def kept_operands(r: LinearRecipe, grad_x: bool, grad_w: bool) -> tuple[bool, bool]:
+    """Which quantized operands a forward keeps for its backward: X's where dW will be asked
+    for (grad_w) and square tiles share X between fprop and wgrad; W's where dX will be
+    (grad_x) and they share W between fprop and dgrad."""
+    return grad_w and _shared(r.fprop_x, r.wgrad_x), grad_x and _shared(r.fprop_w, r.dgrad_w)
+
+
+def emulated_forward(x, weight, r: LinearRecipe, bias=None):
+    """(Y, the quantized X, the quantized W) of the emulated fprop GEMM. x (N, in)."""
+    x_f = operand(x, r.fprop_x, reduce_dim=1)                   # (N, in), blocks along in
+    w_f = operand(weight, r.fprop_w, reduce_dim=1)              # (out, in), blocks along in
+    return F.linear(x_f, w_f, bias), x_f, w_f                   # (N, out)
+
+
 def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need_dw: bool):
     """(dX or None, dW or None) of the emulated GEMMs, from what the forward saved
     (_saved_operands). dy: (N, out)."""
@@ -149,9 +163,7 @@ class _QuantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: LinearRecipe):
         # x: (N, in); weight: (out, in); bias: (out,) or None
-        x_f = operand(x, recipe.fprop_x, reduce_dim=1)          # (N, in), blocks along in
-        w_f = operand(weight, recipe.fprop_w, reduce_dim=1)     # (out, in), blocks along in
-        y = F.linear(x_f, w_f, bias)                            # (N, out)
+        y, x_f, w_f = emulated_forward(x, weight, recipe, bias)
         ctx.save_for_backward(*_saved_operands(x, weight, recipe, x_f, w_f))
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
@@ -176,20 +188,17 @@ class _QuantLinearFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: LinearRecipe, grad: bool, layer: str):
-        from lowbit.kernels.fp8_gemm import (active_fold_check, active_watch, folding_for,
-                                             fp4_gemm_fp8, quantize_fold)
+        from lowbit.kernels.fp8_gemm import active_fold_check, active_watch, folding_for
 
         # x: (N, in); weight: (out, in). X^T serves dW, W^T serves dX.
-        need_x_t = grad and ctx.needs_input_grad[1] and _shared(recipe.fprop_x, recipe.wgrad_x)
-        need_w_t = grad and ctx.needs_input_grad[0] and _shared(recipe.fprop_w, recipe.dgrad_w)
+        need_x_t, need_w_t = kept_operands(recipe, grad and ctx.needs_input_grad[0],
+                                           grad and ctx.needs_input_grad[1])
         # the caller's deferred fold check and chunk watch, if any; the backward (on autograd's
         # thread) uses them too
         check = ctx.fold_check = active_fold_check(x.device)
         ctx.layer, ctx.watch = layer, active_watch()
         with folding_for(layer, ctx.watch):
-            fx, fx_t = quantize_fold(x, recipe.fprop_x, need_x_t, check)
-            fw, fw_t = quantize_fold(weight, recipe.fprop_w, need_w_t, check)
-        y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype)              # (N, out)
+            y, fx_t, fw_t = fp8_forward(x, weight, recipe, need_x_t, need_w_t, check)
         if bias is not None:
             y = y + bias
         # FoldedOperands are not tensors, so they ride on ctx; the inputs are saved only where
@@ -210,6 +219,17 @@ class _QuantLinearFP8(torch.autograd.Function):
         ctx.x_w = ctx.w_d = ctx.fold_check = ctx.watch = None
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
+
+
+def fp8_forward(x, weight, r: LinearRecipe, keep_x_t: bool, keep_w_t: bool, check):
+    """(Y (N, out), X^T's folded operand or None, W^T's or None) on FP8 tensor cores: one
+    quantization of each operand gives its fprop operand and, where kept (kept_operands), the
+    transposed one for the backward. check: the deferred fold check, or None (exact folds)."""
+    from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, quantize_fold
+
+    fx, fx_t = quantize_fold(x, r.fprop_x, keep_x_t, check)
+    fw, fw_t = quantize_fold(weight, r.fprop_w, keep_w_t, check)
+    return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype), fx_t, fw_t
 
 
 def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):

@@ -314,9 +314,10 @@ def stable_fp4_fp8() -> Recipe:
     kernels, without host syncs inside a lowbit train step; a step whose one-chunk folds had
     to round values is redone with exact ones (or, with fold_inexact="round", kept and
     counted). On a 1B model (H200, 2026-11-30, docs/results/kernels.md): `lowbit train
-    --cuda-graph` on text 0.94-0.95x bf16's step time with no step redone; `bench train`
-    0.94-0.96x with --cuda-graph, 1.25x eager (host-bound); under torch.compile 2.77x while
-    the quantized layers were graph breaks (they are custom ops now; not yet re-measured)."""
+    --cuda-graph` on text 0.94-0.95x bf16's step time with no step redone, with --compile
+    --cuda-graph too 0.94-0.95x (0.102-0.103 s against 0.109 s); `bench train` 0.94-0.96x with
+    --cuda-graph, 1.25x eager (host-bound), 2.54x compiled without a graph (host-bound on the
+    custom ops' Python)."""
     base = stable_fp4()
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one

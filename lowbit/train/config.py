@@ -138,8 +138,8 @@ class TrainConfig:
     (half of E4M3's smallest subnormal step at the row's factor)."""
     cuda_graph: bool = False
     """Replay each step's forward, backward and gradient clip from one CUDA graph (one process
-    on a CUDA GPU, dense model, no compile): no per-kernel host work, so a quantized step is
-    not host-bound. The same numbers as eager (lowbit.train.graphs)."""
+    on a CUDA GPU, dense model; with compile, the compiled model): no per-kernel host work, so
+    a quantized step is not host-bound. The same numbers as eager (lowbit.train.graphs)."""
     parallel: str = "ddp"
     """Under torchrun: "ddp" replicates the model on every process; "fsdp" shards parameters,
     gradients and optimizer state over them (FSDP2's fully_shard, one unit per transformer

@@ -197,6 +197,8 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 if device.type == "cuda" and config.bf16_autocast else contextlib.nullcontext())
     graphed = None   # --cuda-graph: GraphedGradients, captured at the first step
 
+    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+
     def loss_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast:
             return forward(x, y).loss
@@ -266,7 +268,6 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
                 step_loss = accumulate_gradients(  # DDP/FSDP sync the last backward only
                     loss_fn, inputs, targets, accum,
                     sync=lambda i: process.sync_gradients(i == accum - 1, model))
-                max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
                     grad_norm = grad_norm.full_tensor()
@@ -284,7 +285,7 @@ def _train(config: TrainConfig, process: Distributed, resume: bool, overwrite: b
             if config.cuda_graph:
                 if graphed is None:   # its warm-up and capture are logged, not step time
                     t_capture = time.perf_counter()
-                    graphed = _capture_step(model, forward, inputs, targets, config)
+                    graphed = _capture_step(model, forward, inputs, targets, config, max_norm)
                     seconds = time.perf_counter() - t_capture
                     t0 += seconds
                     log.write({"event": "cuda_graph_captured", "step": step + 1,
@@ -410,7 +411,7 @@ def _refuse_cuda_graph(config: TrainConfig, process: Distributed, moe: bool) -> 
 
 
 def _capture_step(model: nn.Module, forward, inputs: torch.Tensor, targets: torch.Tensor,
-                  config: TrainConfig):
+                  config: TrainConfig, max_norm: float):
     """The step's gradients as one CUDA graph (lowbit.train.graphs), built on its first batch."""
     from lowbit.train.graphs import GraphedGradients
 
@@ -422,7 +423,6 @@ def _capture_step(model: nn.Module, forward, inputs: torch.Tensor, targets: torc
         with autocast:
             return forward(x, y).loss
 
-    max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
     return GraphedGradients(model, loss_fn, inputs, targets, accum=config.grad_accum_steps,
                             max_norm=max_norm)
 
