@@ -15,6 +15,8 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, ".")
 from lowbit.kernels.quantize import _tensor_amax_kernel, default_config, _pow2_at_least, _sm_count
 
+if not torch.cuda.is_available():
+    sys.exit("sweep_amax.py times the kernel on a CUDA GPU; this machine has none")
 dev = torch.device("cuda")
 sm = _sm_count(dev)
 out = {}
