@@ -93,6 +93,7 @@ def exercise(compiler: Compiler) -> None:
     from lowbit.kernels import fp8_fold as ff
     from lowbit.kernels import quantize as kq
     from lowbit.kernels.fp8_gemm import deferred_fold_check
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
 
     kq.INTERPRET = True   # the entry points' "CUDA tensor or interpreter" check (casts: above)
 
@@ -129,6 +130,8 @@ def exercise(compiler: Compiler) -> None:
                 if not spec.is_2d and shape[1] % 16 == 0:          # nvfp4's wgrad operands
                     attempt(fake_quantize_triton, x.t().contiguous().t(), spec, seed=seed,
                             hadamard=torch.ones(16))
+                if rht_rows_supported(x, spec):                     # ... along rows
+                    attempt(fake_quantize_rht_rows, x, spec, torch.ones(16), seed=seed)
                 if spec.is_2d:
                     attempt(fake_quantize_triton_with_transpose, x, spec, seed=seed)
                 if fmt == "mxfp4":

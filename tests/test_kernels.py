@@ -471,6 +471,73 @@ def test_fused_hadamard_refuses_what_it_does_not_cover():
                              hadamard=torch.ones(8))
 
 
+# ---- the same along rows: the row-group kernel nvfp4's layers use (lowbit.kernels.hadamard) --
+
+RHT_ROWS_SPECS = HADAMARD_SPECS[:2] + [with_rounding(HADAMARD_SPECS[0], "stochastic")]
+
+
+@pytest.mark.parametrize("config", [None, (1, 16, 1), (4, 64, 2)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", RHT_ROWS_SPECS, ids=spec_id)
+def test_rht_rows_is_the_fused_kernel_on_the_transposed_view(spec, dtype, config):
+    """fake_quantize_rht_rows(t, spec, signs) == fake_quantize_triton(t.mT, spec,
+    hadamard=signs).mT bit for bit (so, through the test above, == the reference), with
+    stochastic rounding the same draws (the seed contract indexes t.mT): ragged F (37, not a
+    multiple of the tile), values over 2^+-12, a group holding 1e30 and 1e-30, a NaN, an Inf,
+    an all-zero group; any tile and warps; the output (N, F) contiguous."""
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
+
+    g = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    x = spread((64, 37), seed=3)                                    # (N, features)
+    x[0:16, 3] = 0.0
+    x[16, 5], x[17, 5] = 1e30, 1e-30
+    x[40, 7] = float("nan")
+    x[50, 8] = float("inf")
+    x = x.to(dtype).to(DEVICE)
+    got = fake_quantize_rht_rows(x, spec, signs, seed=7, config=config)
+    assert got.shape == (64, 37) and got.dtype == dtype and got.is_contiguous()
+    want = fake_quantize_triton(x.mT, spec, seed=7, hadamard=signs).mT
+    assert_bits_equal(got, want)
+    assert got.isnan().any() and got.isnan().sum() == want.isnan().sum()
+    if spec.rounding.value == "rne":
+        assert_bits_equal(got.cpu(), rotated_reference(x.mT, spec, signs).to(dtype).mT)
+
+
+def test_rht_rows_reads_any_strides_and_huge_and_tiny_groups():
+    """A column-major t (a transposed copy's view) and a row slice with a stride gap give the
+    contiguous copy's bits; groups at float32's extremes (2^120, subnormal 2^-140) too."""
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
+
+    spec = HADAMARD_SPECS[0]
+    signs = torch.tensor([1, -1, -1, 1] * 4)
+    x = spread((32, 48), seed=9)
+    x[:16, :8] *= 2.0**120
+    x[16:, 40:] *= 2.0**-140
+    x = x.to(DEVICE)
+    want = fake_quantize_rht_rows(x, spec, signs)
+    assert_bits_equal(fake_quantize_rht_rows(x.t().contiguous().t(), spec, signs), want)
+    wide = torch.zeros(32, 96, device=DEVICE)
+    wide[:, ::2] = x
+    assert_bits_equal(fake_quantize_rht_rows(wide[:, ::2], spec, signs), want)
+    assert_bits_equal(want.cpu(), rotated_reference(x.mT, spec, signs).mT)
+
+
+def test_rht_rows_refuses_what_it_does_not_cover():
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
+
+    spec = HADAMARD_SPECS[0]
+    with pytest.raises(ValueError, match="groups of 16"):
+        fake_quantize_rht_rows(torch.randn(40, 8, device=DEVICE), spec, torch.ones(16))
+    with pytest.raises(ValueError, match="NVFP4 1x16"):
+        fake_quantize_rht_rows(torch.randn(32, 8, device=DEVICE), HADAMARD_SPECS[2],
+                               torch.ones(16))
+    with pytest.raises(ValueError, match="16 values"):
+        fake_quantize_rht_rows(torch.randn(32, 8, device=DEVICE), spec, torch.ones(8))
+    assert rht_rows_supported(torch.randn(32, 8), spec)
+    assert not rht_rows_supported(torch.randn(2, 32, 8), spec)
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -506,23 +573,25 @@ def test_kernel_rotation_is_random_hadamard_bit_for_bit(dtype):
 
 
 def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
-    """nvfp4's wgrad operands through the fused kernel give the layer the same gradients, bit
-    for bit, as the rotation followed by the quantize kernel (kernels forced on the
+    """nvfp4's wgrad operands through the fused row-group kernel give the layer the same
+    gradients, bit for bit, as the rotation followed by the quantize kernel (kernels forced on the
     interpreter, or on the GPU; the same draws from torch's generator either way)."""
     import lowbit.kernels as kernels
     import lowbit.ops.linear as linear
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
+    import lowbit.kernels.hadamard as hadamard
+
     monkeypatch.setattr(kernels, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
     fused_calls = []
-    fake_quantize = kernels.fake_quantize_triton
+    fake_quantize = hadamard.fake_quantize_rht_rows
 
-    def spy(x, spec, *args, hadamard=None, **kwargs):
-        fused_calls.append(hadamard is not None)
-        return fake_quantize(x, spec, *args, hadamard=hadamard, **kwargs)
+    def spy(t, spec, signs, *args, **kwargs):
+        fused_calls.append(True)
+        return fake_quantize(t, spec, signs, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "fake_quantize_triton", spy)
+    monkeypatch.setattr(hadamard, "fake_quantize_rht_rows", spy)
     r = get_recipe("nvfp4").linear
     g = torch.Generator().manual_seed(3)
     x0, w0 = torch.randn(48, 64, generator=g), torch.randn(32, 64, generator=g)
@@ -536,13 +605,16 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
         return x.grad, w.grad
 
     fused = grads()
-    assert sum(fused_calls) == 2                  # dY^T and X^T, each through the fused kernel
+    assert len(fused_calls) == 2                  # dY^T and X^T, each through the fused kernel
     calls = []
     unfused = linear._rotated_operand
 
     def rotate_then_quantize(t, spec, signs):
         calls.append(1)
-        return linear.operand(linear.random_hadamard(t.mT, signs), spec, reduce_dim=1).mT
+        # contiguous, as the fused kernel writes it: on the GPU the wgrad GEMM's bits depend
+        # on its operands' layout (cuBLAS picks its kernel by it), not only their values
+        return linear.operand(linear.random_hadamard(t.mT, signs), spec,
+                              reduce_dim=1).mT.contiguous()
 
     monkeypatch.setattr(linear, "_rotated_operand", rotate_then_quantize)
     plain = grads()

@@ -295,6 +295,45 @@ def test_fp8_gemm_needs_mxfp4_operands():
         replace(get_recipe("mxfp4").linear, gemm="int8")
 
 
+def test_fast_accumulation_is_chosen_per_fp8_gemm(monkeypatch):
+    """fast_accum names the FP8 GEMMs that fast-accumulate: validated, kept in GEMM order, part
+    of the recipe's op key, refused on emulated GEMMs; each GEMM passes its own flag to
+    fp4_gemm_fp8 (the CPU's emulation ignores it: the values equal the promoting recipe's).
+    stable-fp4-fp8 fast-accumulates in fprop only, as Transformer Engine does."""
+    from dataclasses import replace
+
+    import lowbit.kernels.fp8_gemm as fp8_gemm
+
+    fp8 = replace(get_recipe("stable-fp4").linear, gemm="fp8")
+    with pytest.raises(ValueError, match="fast_accum names GEMMs, 'fprop', 'dgrad', 'wgrad'; "
+                                         "got 'forward'"):
+        replace(fp8, fast_accum=("forward",))
+    with pytest.raises(ValueError, match="needs gemm='fp8'"):
+        replace(get_recipe("stable-fp4").linear, fast_accum=("fprop",))
+    both = replace(fp8, fast_accum=("wgrad", "fprop"))
+    assert both.fast_accum == ("fprop", "wgrad") and replace(fp8, fast_accum="dgrad").fast_accum == ("dgrad",)
+    assert both.op_key != fp8.op_key and "fast accumulation: fprop, wgrad" in both.describe()
+    s8 = get_recipe("stable-fp4-fp8")
+    assert s8.linear.fast_accum == ("fprop",)
+    assert s8.linear_for("model.layers.0.self_attn.v_proj").gemm.value == "emulated"
+
+    flags = []
+    real = fp8_gemm.fp4_gemm_fp8
+    monkeypatch.setattr(fp8_gemm, "fp4_gemm_fp8",
+                        lambda *a, use_fast_accum=False, **k: flags.append(use_fast_accum)
+                        or real(*a, use_fast_accum=use_fast_accum, **k))
+    x, w, dy = linear_inputs()
+    torch.manual_seed(3)
+    plain = run_linear(x, w, dy, fp8)
+    assert flags == [False, False, False]
+    flags.clear()
+    torch.manual_seed(3)
+    fast = run_linear(x, w, dy, both)
+    assert flags == [True, False, True]                   # fprop, dgrad, wgrad
+    for a, b in zip(plain, fast):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("recipe", ["stable-fp4", "stable-fp4-fp8", "nvfp4", "mxfp4"])
 def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     """lowbit::quant_linear and its backward as torch.library checks custom ops: the fake

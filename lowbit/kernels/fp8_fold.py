@@ -369,10 +369,42 @@ def _check(x: torch.Tensor, spec: QuantSpec, transpose: bool) -> None:
                            "before triton is first imported (CPU interpreter, for tests)")
 
 
-class _Launch:
-    """One operand's launch geometry and the arguments both passes of either fold share."""
+class _Tiles:
+    """One kernel's launch geometry on x: grid, tile and warps, and whether the tiles cover x
+    exactly (EVEN: no masks)."""
 
-    def __init__(self, x: torch.Tensor, spec: QuantSpec, seed, generator, transpose: bool):
+    def __init__(self, rows: int, k: int, config: kq.TileConfig, block: tuple[int, int]):
+        tile_r, tile_c, num_warps = config
+        if tile_r % block[0] or tile_c % block[1]:
+            raise ValueError(f"tile {tuple(config)} does not hold whole {block} blocks")
+        self.grid = (triton.cdiv(k, tile_c), triton.cdiv(rows, tile_r))
+        if self.grid[1] > 65535:
+            raise ValueError(f"shape {(rows, k)} needs {self.grid[1]} row tiles, past CUDA's "
+                             "65535")
+        self.kw = dict(TILE_R=tile_r, TILE_C=tile_c, num_warps=num_warps)
+        self.even = rows % tile_r == 0 and k % tile_c == 0
+        self.group4 = k % 4 == 0 and tile_c % 4 == 0
+
+
+def fold_configs(rows: int, k: int, block: tuple[int, int]) -> tuple[kq.TileConfig, kq.TileConfig]:
+    """(pass 1, pass 2) tiles of the one-chunk fold. Pass 2 takes the quantize kernel's
+    default tile (32x128 elements for 32x32 blocks, 4 warps); pass 1, which only reads, twice
+    its columns (benchmarks/sweep_fold.py on an H200, 2026-11-30, 32x32 tiles: pass 1 at 32x256
+    took both passes from 40.8 to 38.2 us at 8192x2048 and from 27.6 to 25.3 us at 5504x2048;
+    no other tile or warp count of the 11 swept did better on any of the 1B model's shapes)."""
+    cfg = kq.default_config(rows, k, block)
+    wide = kq.TileConfig(cfg[0], max(cfg[1], min(256, kq._pow2_at_least(k))), cfg[2])
+    return wide, cfg
+
+
+class _Launch:
+    """One operand's launch geometry and the arguments both passes of either fold share.
+    configs: (pass 1, pass 2) TileConfigs of the one-chunk fold (default `fold_configs`); the
+    planned fold takes the quantize kernel's default tile. Block scales and band stats are
+    per block, not per tile, so the two passes may tile x differently."""
+
+    def __init__(self, x: torch.Tensor, spec: QuantSpec, seed, generator, transpose: bool,
+                 configs=None):
         _check(x, spec, transpose)
         self.x, self.spec = x, spec
         self.rows, self.k = x.shape
@@ -384,17 +416,18 @@ class _Launch:
         # drawn once: a fold that is redone (the planned path after the one-chunk one) must
         # see the same uniforms
         self.seed = _seed_tensor(seed, generator, x.device) if stochastic else self.empty
-        tile_r, tile_c, num_warps = kq.default_config(self.rows, self.k, spec.block)
-        self.grid = (triton.cdiv(self.k, tile_c), triton.cdiv(self.rows, tile_r))
-        if self.grid[1] > 65535:
-            raise ValueError(f"shape {tuple(x.shape)} needs {self.grid[1]} row tiles, past "
-                             "CUDA's 65535")
+        pass1, pass2 = configs or fold_configs(self.rows, self.k, spec.block)
+        self.pass1 = _Tiles(self.rows, self.k, pass1, spec.block)
+        self.pass2 = _Tiles(self.rows, self.k, pass2, spec.block)
+        self.planned = _Tiles(self.rows, self.k, kq.default_config(self.rows, self.k, spec.block),
+                              spec.block)
         # what every kernel takes; those that round elements also take `rounding`
         self.common = dict(RCEIL=spec.scale_rule is ScaleRule.RCEIL, BR=br, BC=bc,
-                           TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not kq.INTERPRET,
-                           num_warps=num_warps)
-        self.rounding = dict(STOCHASTIC=stochastic, GROUP4=(self.k % 4 == 0 and tile_c % 4 == 0))
-        self.even = self.rows % tile_r == 0 and self.k % tile_c == 0   # whole tiles: no masks
+                           NATIVE_CAST=not kq.INTERPRET)
+        self.stochastic = stochastic
+
+    def rounding(self, tiles: _Tiles) -> dict:
+        return dict(STOCHASTIC=self.stochastic, GROUP4=tiles.group4)
 
     def device_scope(self):
         return torch.cuda.device(self.x.device) if self.x.is_cuda else contextlib.nullcontext()
@@ -418,13 +451,15 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     nan = torch.empty(n_rows, device=dev, dtype=u8) if rows_out else L.empty
     nan_t = torch.empty(k, device=dev, dtype=u8) if transpose else L.empty
     scales = torch.empty(n_bands, n_bands_t, device=dev, dtype=u8)
-    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, EVEN=L.even, **L.common)
+    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, **L.common)
+    p1, p2 = L.pass1, L.pass2
     with L.device_scope():
-        _band_max_kernel[L.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(), n_bands,
-                                 n_bands_t, **flags)
-        _fold_one_chunk_kernel[L.grid](
+        _band_max_kernel[p1.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(),
+                                  n_bands, n_bands_t, EVEN=p1.even, **p1.kw, **flags)
+        _fold_one_chunk_kernel[p2.grid](
             x, L.seed, scales, stats_rows, stats_t, fp8, fp8_t, factors, factors_t, nan, nan_t,
-            over, n_rows, k, *x.stride(), n_bands, n_bands_t, **flags, **L.rounding)
+            over, n_rows, k, *x.stride(), n_bands, n_bands_t, EVEN=p2.even, **p2.kw, **flags,
+            **L.rounding(p2))
     out = []
     if rows_out:
         out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), factors, (0, k),
@@ -446,9 +481,10 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     live = torch.empty(n_rows, n_scale_cols, device=dev, dtype=u8)
     live_t = torch.empty(k, n_scale_rows, device=dev, dtype=u8) if transpose else empty
     with L.device_scope():
-        _live_blocks_kernel[L.grid](x, L.seed, scales, live, live_t, n_rows, k, *x.stride(),
+        P = L.planned
+        _live_blocks_kernel[P.grid](x, L.seed, scales, live, live_t, n_rows, k, *x.stride(),
                                     n_scale_rows, n_scale_cols, TRANSPOSE=transpose,
-                                    **L.common, **L.rounding)
+                                    **P.kw, **L.common, **L.rounding(P))
         row_plan = t_plan = None
         table_row = table_row_t = empty
         if rows_out:
@@ -463,9 +499,9 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
             t_plan = (factors_t, bounds_t, blocks_t.nan.any(dim=1))
         fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else empty
         fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else empty
-        _fold_kernel[L.grid](x, L.seed, table_row, table_row_t, fp8, fp8_t, n_rows, k,
+        _fold_kernel[P.grid](x, L.seed, table_row, table_row_t, fp8, fp8_t, n_rows, k,
                              *x.stride(), n_scale_rows, n_scale_cols, ROWS=rows_out,
-                             TRANSPOSE=transpose, **L.common, **L.rounding)
+                             TRANSPOSE=transpose, **P.kw, **L.common, **L.rounding(P))
     out = []
     if rows_out:
         out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), *row_plan))
@@ -474,12 +510,13 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     return out
 
 
-def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, check):
+def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, check,
+                   configs=None):
     """The one-chunk fold first. Inside fp8_gemm.deferred_fold_check() it is the answer, and the
     check's device counter says afterwards whether any block fell outside its window (then
     the work is to be redone outside the check). Outside one, its count is read back (one
     host sync) and, if nonzero, the planned fold (K-chunks) is the answer."""
-    L = _Launch(x, spec, seed, generator, transpose)
+    L = _Launch(x, spec, seed, generator, transpose, configs)
     if x.numel() == 0:
         return _fold_planned(L, rows_out, transpose)
     check = fp8_gemm.resolve_check(check, x.device)

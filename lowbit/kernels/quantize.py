@@ -229,6 +229,54 @@ def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
+    """NVFP4 block scales from the blocks' amaxes (float32) and NaN/Inf flags: (E4M3 scale
+    code, the factor elements are multiplied by, the dequantize scale, the tensor scale (0.0
+    for one level)). s = (amax / 6) [/ s_t] clamped to [2^-6, 448] and rounded to E4M3; the
+    factor is (1 / s_t) / s, the dequantize scale s_t * s (the reference's orders); the tensor
+    scale max(amax_finite / 2688, 2^-120) from the finite amax (int32 bits) at amax_ptr."""
+    block_scale = tl.math.div_rn(amax, 6.0)
+    t_scale = 0.0
+    if TWO_LEVEL:
+        t_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        t_scale = tl.math.div_rn(t_amax, 2688.0)                       # amax / (448 * 6)
+        t_scale = tl.where(t_scale < TENSOR_SCALE_MIN, TENSOR_SCALE_MIN, t_scale)
+        block_scale = tl.math.div_rn(block_scale, t_scale)
+    block_scale = tl.where(block_scale < E4M3_MIN_NORMAL, E4M3_MIN_NORMAL, block_scale)
+    block_scale = tl.where(block_scale > 448.0, 448.0, block_scale)
+    steps, bexp = _round_to_grid(block_scale, 0.0, -6, 3, False)       # E4M3, RNE
+    scale_code = steps + ((bexp - 121) << 3)
+    decoded = steps.to(tl.float32) * _pow2(bexp - 130)
+    if TWO_LEVEL:
+        recip = tl.math.div_rn(tl.math.div_rn(1.0, t_scale), decoded)
+        elem_scale = t_scale * decoded                                 # dequantize's order
+    else:
+        recip = tl.math.div_rn(1.0, decoded)
+        elem_scale = decoded
+    return tl.where(bad, 0x7F, scale_code), recip, elem_scale, t_scale   # 0x7F: E4M3 NaN
+
+
+@triton.jit
+def _dequantized(mag, u, bits, elem_scale, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                 MAXV: tl.constexpr, STOCHASTIC: tl.constexpr, INT_CODES: tl.constexpr,
+                 OUT_LIMIT: tl.constexpr):
+    """Fake quantization's float32 values: mag (|x| times its block's factor, saturated)
+    rounded onto the grid, times elem_scale (per element; NaN in NaN/Inf blocks), saturated
+    at the output dtype's max, with the sign of x's bits."""
+    value = _round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
+    # a NaN here (NaN or Inf input, so a NaN block) would lend its own sign bit to the
+    # output (a host CPU's default NaN is negative): the block's NaN scale makes it NaN
+    value = tl.where(value != value, 0.0, value)
+    sign = bits & SIGN_MASK
+    if INT_CODES:   # integer codes have no -0 (the reference decodes +0)
+        sign = tl.where(value == 0, 0, sign)
+    # decode * scale, saturated at the output dtype's max (NaN blocks stay NaN), then the
+    # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
+    value = tl.minimum(value * elem_scale, OUT_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
               NATIVE_CAST: tl.constexpr):
     """The random Hadamard transform of each group of 16 columns (lowbit.ops.linear.
@@ -306,26 +354,9 @@ def _quantize_kernel(
     bad = amax_bits >= 0x7F800000                                      # NaN or Inf in the block
     amax = amax_bits.to(tl.float32, bitcast=True)
     if SCALE_KIND == 0:  # NVFP4: E4M3 block scale, optionally under the FP32 tensor scale
-        block_scale = tl.math.div_rn(amax, 6.0)
-        if TWO_LEVEL:
-            t_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-            t_scale = tl.math.div_rn(t_amax, 2688.0)                   # amax / (448 * 6)
-            t_scale = tl.where(t_scale < TENSOR_SCALE_MIN, TENSOR_SCALE_MIN, t_scale)
-            block_scale = tl.math.div_rn(block_scale, t_scale)
-        block_scale = tl.where(block_scale < E4M3_MIN_NORMAL, E4M3_MIN_NORMAL, block_scale)
-        block_scale = tl.where(block_scale > 448.0, 448.0, block_scale)
-        steps, bexp = _round_to_grid(block_scale, 0.0, -6, 3, False)   # E4M3, RNE
-        scale_code = steps + ((bexp - 121) << 3)
-        decoded = steps.to(tl.float32) * _pow2(bexp - 130)
-        if TWO_LEVEL:
-            recip = tl.math.div_rn(tl.math.div_rn(1.0, t_scale), decoded)
-            elem_scale = t_scale * decoded                             # dequantize's order
-            if (pid_c == 0) & (pid_r == 0) & (batch == 0):
-                tl.store(tensor_scale_ptr, t_scale)
-        else:
-            recip = tl.math.div_rn(1.0, decoded)
-            elem_scale = decoded
-        scale_code = tl.where(bad, 0x7F, scale_code)                   # E4M3 NaN
+        scale_code, recip, elem_scale, t_scale = _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL)
+        if TWO_LEVEL and (pid_c == 0) & (pid_r == 0) & (batch == 0):
+            tl.store(tensor_scale_ptr, t_scale)
     elif SCALE_KIND == 3:  # intK: float32 amax / qmax, applied as x * (1 / scale)
         scale = tl.math.div_rn(amax, MAXV)
         recip = tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0))   # 0 and NaN: 1
@@ -395,18 +426,8 @@ def _quantize_kernel(
                      mask=tl.trans(s_mask))
 
     if WRITE_VALUES:  # fake quantize: the dequantized values, in the output dtype
-        value = _round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
-        # a NaN here (NaN or Inf input, so a NaN block) would lend its own sign bit to the
-        # output (a host CPU's default NaN is negative): the block's NaN scale makes it NaN
-        value = tl.where(value != value, 0.0, value)
-        sign = bits & SIGN_MASK
-        if SCALE_KIND == 3:   # integer codes have no -0 (the reference decodes +0)
-            sign = tl.where(value == 0, 0, sign)
-        # decode * scale, saturated at the output dtype's max (NaN blocks stay NaN), then the
-        # sign on the bits (Triton's unary minus is 0 - x, which loses -0.0)
-        value = tl.minimum(value * _expand(elem_scale, TILE_R, TILE_C, BR, BC), OUT_LIMIT,
-                           propagate_nan=tl.PropagateNan.ALL)
-        value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        value = _dequantized(mag, u, bits, _expand(elem_scale, TILE_R, TILE_C, BR, BC), EMIN,
+                             MBITS, MAXV, STOCHASTIC, SCALE_KIND == 3, OUT_LIMIT)
         out = _to_output(value, out_ptr, NATIVE_CAST)
         out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
         tl.store(out_ptr + out_off, out, mask=in_bounds)

@@ -110,12 +110,16 @@ def _rotated_operand(t: torch.Tensor, spec: QuantSpec | None, signs: torch.Tenso
     """t (N, features) rotated along N by random_hadamard and quantized with blocks along N:
     (N', features). On CUDA, with 1D blocks and N a multiple of 16, one fused kernel reads t
     and writes the fake-quantized values (the same bits: the kernel does random_hadamard's
-    arithmetic); elsewhere the rotation, then the quantizer."""
+    arithmetic): for NVFP4 1x16 the row-group kernel (lowbit.kernels.hadamard), which reads
+    and writes along features; elsewhere the rotation, then the quantizer."""
     from lowbit.kernels import fake_quantize_triton, use_kernels
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
 
     t_t = t.mT                                                     # (features, N), a view
     if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
             and use_kernels(t_t, spec, codes=False)):
+        if rht_rows_supported(t, spec):
+            return fake_quantize_rht_rows(t, spec, signs)
         return fake_quantize_triton(t_t, spec, hadamard=signs).mT
     return operand(random_hadamard(t_t, signs), spec, reduce_dim=1).mT
 
@@ -229,7 +233,8 @@ def fp8_forward(x, weight, r: LinearRecipe, keep_x_t: bool, keep_w_t: bool, chec
 
     fx, fx_t = quantize_fold(x, r.fprop_x, keep_x_t, check)
     fw, fw_t = quantize_fold(weight, r.fprop_w, keep_w_t, check)
-    return fp4_gemm_fp8(fx, fw, out_dtype=x.dtype), fx_t, fw_t
+    y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype, use_fast_accum="fprop" in r.fast_accum)
+    return y, fx_t, fw_t
 
 
 def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):
@@ -251,12 +256,14 @@ def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool,
     if need_dx:
         # dX = dY W: B = W^T (in, out), blocks along out
         w_d = w_d if w_d is not None else transposed(weight, r.fprop_w, r.dgrad_w)
-        dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype)                              # (N, in)
+        dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype,                              # (N, in)
+                          use_fast_accum="dgrad" in r.fast_accum)
     if need_dw:
         # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
         dy_w = fdy_t if fdy_t is not None else quantize_fold(dy.mT, r.wgrad_dy, check=check)[0]
         x_w = x_w if x_w is not None else transposed(x, r.fprop_x, r.wgrad_x)
-        dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype)                              # (out, in)
+        dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype,                            # (out, in)
+                          use_fast_accum="wgrad" in r.fast_accum)
     return dx, dw
 
 

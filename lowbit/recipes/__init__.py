@@ -36,6 +36,9 @@ class Gemm(str, Enum):
                            # multiplied exactly on FP8 tensor cores (lowbit.kernels.fp8_gemm)
 
 
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
 def _foldable(spec: QuantSpec | None) -> bool:
     return (spec is not None and spec.info.scale_kind is ScaleKind.E8M0
             and spec.info.element.name == "e2m1")
@@ -60,9 +63,23 @@ class LinearRecipe:
     wgrad_hadamard: bool = False
     # Where the GEMMs run; Gemm.FP8 needs every operand in MXFP4 (E8M0 scales fold exactly).
     gemm: Gemm = Gemm.EMULATED
+    # Gemm.FP8 only: the GEMMs ("fprop", "dgrad", "wgrad") whose FP8 tensor cores accumulate
+    # all of K in their reduced precision (torch._scaled_mm's use_fast_accum) instead of
+    # promoting partial sums to float32; faster, with more accumulation error (measured in
+    # docs/results/kernels.md). Transformer Engine's FP8 recipes do this in fprop only.
+    fast_accum: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gemm", parse_enum(Gemm, self.gemm, "gemm"))
+        fast = (self.fast_accum,) if isinstance(self.fast_accum, str) else tuple(self.fast_accum)
+        unknown = sorted(set(fast) - set(GEMMS))
+        if unknown:
+            raise ValueError(f"fast_accum names GEMMs, {', '.join(map(repr, GEMMS))}; got "
+                             f"{', '.join(map(repr, unknown))}")
+        if fast and self.gemm is not Gemm.FP8:
+            raise ValueError("fast_accum sets how FP8 tensor cores accumulate, so it needs "
+                             "gemm='fp8'; the emulated GEMMs accumulate in float32")
+        object.__setattr__(self, "fast_accum", tuple(g for g in GEMMS if g in fast))
         if self.gemm is Gemm.FP8:
             names = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
             bad = [n for n in names if not _foldable(getattr(self, n))]
@@ -101,7 +118,9 @@ class LinearRecipe:
         return (f"fprop X:{one(self.fprop_x)} W:{one(self.fprop_w)} | dgrad dY:{one(self.dgrad_dy)} "
                 f"W:{one(self.dgrad_w)} | wgrad dY:{one(self.wgrad_dy)} X:{one(self.wgrad_x)}"
                 + (" +RHT" if self.wgrad_hadamard else "")
-                + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else ""))
+                + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else "")
+                + (f" (fast accumulation: {', '.join(self.fast_accum)})" if self.fast_accum
+                   else ""))
 
 
 _BY_OP_KEY: dict[str, LinearRecipe] = {}
@@ -309,15 +328,19 @@ def stable_fp4_fp8() -> Recipe:
     """stable-fp4 with its MXFP4 GEMMs run exactly on FP8 tensor cores (issue 4): the same FP4
     operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
     power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
-    projections (MXFP8) and v_proj (below) stay emulated. Same values as stable-fp4 up to
-    accumulation order. On CUDA the operands come from the fused quantize-and-fold Triton
-    kernels, without host syncs inside a lowbit train step; a step whose one-chunk folds had
-    to round values is redone with exact ones (or, with fold_inexact="round", kept and
-    counted). On a 1B model (H200, 2026-11-30, docs/results/kernels.md): `lowbit train
-    --cuda-graph` on text 0.94-0.95x bf16's step time with no step redone, with --compile
-    --cuda-graph too 0.94-0.95x (0.102-0.103 s against 0.109 s); `bench train` 0.94-0.96x with
-    --cuda-graph, 1.25x eager (host-bound), 2.54x compiled without a graph (host-bound on the
-    custom ops' Python)."""
+    projections (MXFP8) and v_proj (below) stay emulated. Same operand values as stable-fp4;
+    the products are summed in another order and precision: the forward GEMM accumulates in
+    the FP8 tensor cores' reduced precision (fast_accum, as Transformer Engine's FP8 recipes
+    do), dgrad and wgrad promote partial sums to float32. On CUDA the operands come from the
+    fused quantize-and-fold Triton kernels, without host syncs inside a lowbit train step; a
+    step whose one-chunk folds had to round values is redone with exact ones (or, with
+    fold_inexact="round", kept and counted).
+    Error of a 1B model's FP8 GEMMs with bf16 output against fp64 of the same operands (H200,
+    2026-11-30, benchmarks/sweep_fp8_gemm.py): 1.67e-3 promoting, 1.86e-3 (K=2048) and 2.12e-3
+    (K=5504) fast-accumulating in fprop, against 1.66e-3 for a bf16 GEMM of the same values.
+    Step time on that model (`lowbit bench train --compile --cuda-graph`, same session,
+    docs/results/kernels.md): 0.89x bf16's (94.9 against 106.3 ms); with every GEMM
+    promoting 0.90x (96.5 against 107.1 ms), every GEMM fast 0.87x."""
     base = stable_fp4()
     # v_proj stays emulated: its output gradient dV weighs each token by the attention it
     # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
@@ -326,9 +349,10 @@ def stable_fp4_fp8() -> Recipe:
     # fold_inexact.py, run while v_proj was on FP8, as --v-proj-fp8 now puts it), and 24-28M
     # a step in steps 11-15 (lowbit train --fold-inexact round), so every step from the
     # second was redone.
-    return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8),
+    return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8, fast_accum=("fprop",)),
                   (("*v_proj", base.linear), *base.overrides),
-                  note=base.note + " GEMMs on FP8 tensor cores, v_proj's emulated.")
+                  note=base.note + " GEMMs on FP8 tensor cores (fprop fast-accumulating), "
+                  "v_proj's emulated.")
 
 
 @register_recipe("stable-fp4-dy1d")
