@@ -7,21 +7,26 @@ for bit. Chose lowbit.kernels.fp8_fold.fold_configs.
 
     python benchmarks/sweep_fold.py        # CUDA; writes $OUT/fold_sweep.json (or /tmp)
     python benchmarks/sweep_fold.py dY     # only the operands named dY
+    python benchmarks/sweep_fold.py --smoke   # tiny shapes on the CPU (Triton interpreter)
 """
 import json
 import os
 import sys
 
-import torch
-from triton.testing import do_bench_cudagraph
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported
+import torch  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 sys.path.insert(0, ".")
-from lowbit.formats.spec import QuantSpec
-from lowbit.kernels import fp8_fold as ff
-from lowbit.kernels.quantize import TileConfig
+from lowbit.formats.spec import QuantSpec  # noqa: E402
+from lowbit.kernels import fp8_fold as ff  # noqa: E402
+from lowbit.kernels.quantize import TileConfig  # noqa: E402
 
-if not torch.cuda.is_available():
-    sys.exit("sweep_fold.py times the kernels on a CUDA GPU; this machine has none")
-dev = torch.device("cuda")
+if not (SMOKE or torch.cuda.is_available()):
+    sys.exit("sweep_fold.py times the kernels on a CUDA GPU; this machine has none (--smoke: "
+             "the CPU interpreter on tiny shapes, untimed)")
+dev = torch.device("cpu" if SMOKE else "cuda")
 PASS1 = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32, 256, 4), (32, 256, 8),
          (64, 256, 8), (128, 128, 8), (128, 256, 8), (128, 256, 16), (64, 512, 8)]
 PASS2 = [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4),
@@ -29,6 +34,17 @@ PASS2 = [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 8), (64,
          (128, 128, 16)]
 OPERANDS = [("X", 8192, 2048, False), ("X", 8192, 5504, False), ("W", 5504, 2048, False),
             ("W", 2048, 5504, False), ("dY", 8192, 2048, True), ("dY", 8192, 5504, True)]
+if SMOKE:
+    PASS1, PASS2 = PASS1[:2], [(32, 64, 4), (64, 64, 4)]
+    OPERANDS = [("X", 96, 160, False), ("dY", 64, 256, True)]
+
+
+def bench(fn):
+    """GPU ms of fn, replayed from a CUDA graph (smoke: run once, 1.0)."""
+    if SMOKE:
+        fn()
+        return 1.0
+    return do_bench_cudagraph(fn, rep=50)
 
 
 def spec_for(sr):
@@ -50,14 +66,14 @@ def flat(out):
 
 def main():
     results = {}
-    only = sys.argv[1:]
+    only = [a for a in sys.argv[1:] if a != "--smoke"]
     for name, rows, k, sr in OPERANDS:
         if only and name not in only:
             continue
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         spec = spec_for(sr)
         y = torch.empty_like(x)
-        copy_ms = do_bench_cudagraph(lambda: y.copy_(x), rep=50)
+        copy_ms = bench(lambda: y.copy_(x))
         copy_bw = 4 * x.numel() / copy_ms / 1e6                  # GB/s, read + write
         default = (TileConfig(32, 128, 4),) * 2   # the quantize kernel's tile, both passes
         ref = flat(fold(x, spec, default))
@@ -69,7 +85,7 @@ def main():
             try:
                 got = flat(fold(x, spec, configs))
                 same = all(torch.equal(a, b) for a, b in zip(got, ref))
-                return do_bench_cudagraph(lambda: fold(x, spec, configs), rep=50), same
+                return bench(lambda: fold(x, spec, configs)), same
             except Exception as e:                       # a tile past the registers, say
                 return f"{type(e).__name__}: {str(e)[:80]}", False
 

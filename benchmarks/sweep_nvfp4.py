@@ -7,24 +7,29 @@ tensor in the same run, and whether the output equals the default config's bit f
 Chose lowbit.kernels.quantize's nvfp4 configs.
 
     python benchmarks/sweep_nvfp4.py [--rotated] [--amax]   # CUDA; writes $OUT/nvfp4_sweep.json
-    (--rotated: only the wgrad operands; --amax: also sweep the tensor-amax pass on them)
+    (--rotated: only the wgrad operands; --amax: also sweep the tensor-amax pass on them;
+    --smoke: tiny shapes on the CPU under the Triton interpreter, untimed)
 """
 import json
 import os
 import sys
 
-import torch
-import triton
-from triton.testing import do_bench_cudagraph
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 sys.path.insert(0, ".")
-from lowbit.formats.spec import QuantSpec
-from lowbit.kernels import _seed_tensor
-from lowbit.kernels import quantize as kq
-from lowbit.kernels.hadamard import fake_quantize_rht_rows
+from lowbit.formats.spec import QuantSpec  # noqa: E402
+from lowbit.kernels import _seed_tensor  # noqa: E402
+from lowbit.kernels import quantize as kq  # noqa: E402
+from lowbit.kernels.hadamard import fake_quantize_rht_rows  # noqa: E402
 
-if not torch.cuda.is_available():
-    sys.exit("sweep_nvfp4.py times the kernels on a CUDA GPU; this machine has none")
-dev = torch.device("cuda")
+if not (SMOKE or torch.cuda.is_available()):
+    sys.exit("sweep_nvfp4.py times the kernels on a CUDA GPU; this machine has none (--smoke: "
+             "the CPU interpreter on tiny shapes, untimed)")
+dev = torch.device("cpu" if SMOKE else "cuda")
 CONFIGS = [(32, 128, 4), (16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4),
            (16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 64, 8), (8, 512, 4), (16, 512, 8)]
 # lowbit.kernels.hadamard's row-group kernel: (groups of 16 rows, columns, warps)
@@ -38,6 +43,17 @@ OPERANDS = [("X", 8192, 2048, False, False), ("X", 8192, 5504, False, False),
             ("dY", 8192, 2048, True, False), ("dY", 8192, 5504, True, False),
             ("X^T rht", 8192, 2048, False, True), ("X^T rht", 8192, 5504, False, True),
             ("dY^T rht", 8192, 2048, True, True), ("dY^T rht", 8192, 5504, True, True)]
+if SMOKE:
+    CONFIGS, RHT_ROWS, AMAX = CONFIGS[:2], [(1, 32, 4), (2, 64, 4)], AMAX[:2]
+    OPERANDS = [("dY", 64, 96, True, False), ("dY^T rht", 64, 96, True, True)]
+
+
+def bench(fn):
+    """GPU ms of fn, replayed from a CUDA graph (smoke: run once, 1.0)."""
+    if SMOKE:
+        fn()
+        return 1.0
+    return do_bench_cudagraph(fn, rep=50)
 
 
 def main():
@@ -54,7 +70,7 @@ def main():
         x3 = x.reshape(1, -1, x.shape[-1])
         had = signs if rotated else None
         y = torch.empty_like(base)
-        copy_ms = do_bench_cudagraph(lambda: y.copy_(base), rep=50)
+        copy_ms = bench(lambda: y.copy_(base))
         copy_bw = 4 * base.numel() / copy_ms / 1e6
 
         def run(cfg):
@@ -68,7 +84,7 @@ def main():
             cfg = kq.TileConfig(*cfg)
             try:
                 same = torch.equal(run(cfg).view(torch.int16), ref.view(torch.int16))
-                ms = do_bench_cudagraph(lambda: run(cfg), rep=50)
+                ms = bench(lambda: run(cfg))
             except Exception as e:
                 row[str(tuple(cfg))] = f"{type(e).__name__}: {str(e)[:80]}"
                 continue
@@ -86,7 +102,7 @@ def main():
                                                   config=cfg)
                 try:
                     same = torch.equal(f().view(torch.int16), ref[0].mT.contiguous().view(torch.int16))
-                    timings[str(cfg)] = {"ms": do_bench_cudagraph(f, rep=50), "same": same}
+                    timings[str(cfg)] = {"ms": bench(f), "same": same}
                 except Exception as e:
                     timings[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
             row["rht_rows"] = timings
@@ -110,10 +126,11 @@ def main():
                                                  n, ITERS=it, TILE_R=tr, TILE_C=tc,
                                                  NATIVE_CAST=True, HADAMARD=True, num_warps=w)
                 try:
-                    amax.zero_(); f(); torch.cuda.synchronize()
+                    amax.zero_()
+                    f()
                     value = amax.item()
                     ref_amax = value if ref_amax is None else ref_amax
-                    timings[f"{tr}x{tc} w{w} it{it}"] = {"ms": do_bench_cudagraph(f, rep=50),
+                    timings[f"{tr}x{tc} w{w} it{it}"] = {"ms": bench(f),
                                                          "same": value == ref_amax}
                 except Exception as e:
                     timings[f"{tr}x{tc} w{w} it{it}"] = f"{type(e).__name__}: {str(e)[:80]}"

@@ -48,7 +48,7 @@ def test_every_kernel_variant_compiles_for_hopper():
     assert " 0 failed" in run.stdout
     for kernel in ("_quantize_kernel", "_tensor_amax_kernel", "_uniforms_kernel",
                    "_band_max_kernel", "_fold_one_chunk_kernel", "_live_blocks_kernel",
-                   "_fold_kernel"):
+                   "_fold_kernel", "_rht_rows_kernel"):
         assert kernel in run.stdout, kernel
 
 
@@ -56,6 +56,29 @@ def test_bench_fp8_fold_smoke():
     pytest.importorskip("triton")
     run = script("bench_fp8_fold.py", "--smoke")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, args, expect", [
+    ("sweep_fold.py", (), "equal=True"),
+    ("sweep_nvfp4.py", ("--amax",), "2/2 configs equal the transposed-view kernel"),
+])
+def test_config_sweeps_smoke(name, args, expect, tmp_path):
+    """The tile sweeps run end to end on tiny shapes, every swept config giving the default's
+    bits (so a device call spends its time timing, not failing)."""
+    pytest.importorskip("triton")
+    run = script(name, "--smoke", *args, env={"OUT": str(tmp_path)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert expect in run.stdout and "equal=False" not in run.stdout
+    assert list(tmp_path.glob("*.json"))
+
+
+def test_sweeps_without_a_gpu_say_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the sweep would run")
+    run = script("sweep_fp8_gemm.py")
+    assert run.returncode == 1 and "this machine has none" in run.stderr
 
 
 def test_fold_inexact_smoke(tmp_path, corpus_env):
