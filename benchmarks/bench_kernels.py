@@ -20,8 +20,10 @@
    columns time the same call replayed from a CUDA graph (do_bench_cudagraph, no L2 flush):
    the GPU's time alone, so the gap to the first timing is host (Python + launch) overhead.
 3. A tile-config sweep on one shape, to choose the default.
-4. nvfp4's wgrad operand with the random Hadamard transform fused into the kernel, against the
-   rotation then the kernel: bitwise (RNE and stochastic), eager and CUDA-graph times
+4. nvfp4's wgrad operand with the random Hadamard transform fused into the kernel (quantize.py's
+   on the transposed view, and lowbit.kernels.hadamard's row-group kernel on the tensor
+   itself, which the layers use), against the rotation then the kernel: bitwise (RNE and
+   stochastic), eager and CUDA-graph times
    (`--only-hadamard` runs this alone).
 
 Prints aligned tables; with $OUT set, writes $OUT/bench_kernels.json. Exit status 1 if a
@@ -228,9 +230,11 @@ def run_hadamard(checks: Checks):
     """nvfp4's wgrad operand: the fused kernel (rotation in registers) against the rotation
     followed by the quantize kernel, on t = x.mT as lowbit.ops.linear hands it: bitwise (into
     `checks`), then eager (do_bench) and GPU-alone (CUDA-graph replay) times in ms."""
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
     from lowbit.ops import random_hadamard
 
-    print("\n== nvfp4 wgrad operand: fused random Hadamard + fake quantize (bf16)", flush=True)
+    print("\n== nvfp4 wgrad operand: fused random Hadamard + fake quantize (bf16); rows: "
+          "lowbit.kernels.hadamard on the untransposed tensor", flush=True)
     spec = find("nvfp4", None, (1, 16), True)
     signs = torch.tensor([1, -1, -1, 1, 1, 1, -1, 1, -1, 1, 1, -1, 1, -1, -1, -1],
                          device=DEVICE, dtype=torch.float32)
@@ -241,11 +245,16 @@ def run_hadamard(checks: Checks):
         fused = functools.partial(fake_quantize_triton, t, spec, hadamard=signs)
         unfused = lambda: fake_quantize_triton(random_hadamard(t, signs), spec)  # noqa: E731
         fused_sr = functools.partial(fake_quantize_triton, t, sr(spec), seed, hadamard=signs)
+        # the row-group kernel lowbit's nvfp4 layers use: on the (tokens, features) tensor
+        rows = functools.partial(fake_quantize_rht_rows, t.mT, spec, signs)
         checks.run(f"hadamard {shape} rne", assert_bits_equal, fused(), unfused())
         checks.run(f"hadamard {shape} sr", assert_bits_equal, fused_sr(),
                    fake_quantize_triton(random_hadamard(t, signs), sr(spec), seed))
+        checks.run(f"hadamard rows {shape} rne", assert_bits_equal, rows(), fused().mT)
+        checks.run(f"hadamard rows {shape} sr", assert_bits_equal,
+                   fake_quantize_rht_rows(t.mT, sr(spec), signs, seed), fused_sr().mT)
         row = {"shape": f"{shape[0]}x{shape[1]}"}
-        for name, fn in (("fused", fused), ("unfused", unfused)):
+        for name, fn in (("rows", rows), ("fused", fused), ("unfused", unfused)):
             row[f"{name}_ms"] = ms(fn)
             row[f"{name}_graph_ms"] = graph_time_ms(fn, DEVICE)
         out.append(row)

@@ -28,12 +28,12 @@ threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-Measured on an H200 (docs/results/kernels.md, sixth session): compiled alone, a quantized
-1B step is host-bound on these ops' Python (stable-fp4-fp8 2.54x bf16's compiled step, its GPU
-busy a third of the time); captured with `--cuda-graph` as well, none of that host work is
-left (0.94x). That was before the FP8 forward kept its transposes: the backward then
-quantized X and W again, about 4 ms of that step's 99.5 ms (folds 15.3 ms against 12.8
-eagerly, quantize 4.9 against 3.2); with them kept, not measured yet.
+Measured on an H200 (docs/results/kernels.md, sixth and seventh sessions): compiled alone, a
+quantized 1B step is host-bound on these ops' Python (stable-fp4-fp8 2.54x bf16's compiled
+step, its GPU busy a third of the time); captured with `--cuda-graph` as well, none of that
+host work is left. Keeping the FP8 forward's transposes took that step from 0.94x to 0.92x
+bf16's (folds 15.3 -> 13.1 ms, quantize 4.9 -> 3.2: the backward no longer quantizes X and W
+again).
 """
 
 from __future__ import annotations
