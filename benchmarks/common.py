@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 from lowbit.bench import graph_time_ms, time_ms  # noqa: E402  (the scripts import them from here)
 
-__all__ = ["Checks", "Report", "graph_time_ms", "time_ms"]
+__all__ = ["Checks", "Report", "graph_time_ms", "sweep_setup", "time_ms"]
 
 
 class Checks:
@@ -74,3 +74,25 @@ class Report(dict):
         print(f"total {time.time() - t0:.0f}s"
               + (f"; wrote $OUT/{self.name}.json" if os.environ.get("OUT") else ""))
         sys.exit(1 if checks is not None and checks.failed else 0)
+
+
+def sweep_setup(script: str):
+    """(smoke, device, bench) for a tile sweep. Without --smoke: CUDA, or exit with a line that
+    says so; bench(fn) is fn's GPU ms replayed from a CUDA graph. With --smoke: the CPU under
+    Triton's interpreter (this must run before triton is first imported), and bench(fn) runs
+    fn once and returns 1.0, so the script's checks run and its timings mean nothing."""
+    smoke = "--smoke" in sys.argv
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        sys.exit(f"{script} times kernels on a CUDA GPU; this machine has none (--smoke: the CPU "
+                 "interpreter on tiny shapes, untimed)")
+
+    def bench(fn) -> float:
+        if smoke:
+            fn()
+            return 1.0
+        from triton.testing import do_bench_cudagraph
+        return do_bench_cudagraph(fn, rep=50)
+
+    return smoke, torch.device("cpu" if smoke else "cuda"), bench

@@ -12,21 +12,18 @@ for bit. Chose lowbit.kernels.fp8_fold.fold_configs.
 import json
 import os
 import sys
+from pathlib import Path
 
-SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+from common import sweep_setup  # noqa: E402
+
+SMOKE, dev, bench = sweep_setup("sweep_fold.py")   # before triton is first imported
 import torch  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
-sys.path.insert(0, ".")
+
 from lowbit.formats.spec import QuantSpec  # noqa: E402
 from lowbit.kernels import fp8_fold as ff  # noqa: E402
 from lowbit.kernels.quantize import TileConfig  # noqa: E402
 
-if not (SMOKE or torch.cuda.is_available()):
-    sys.exit("sweep_fold.py times the kernels on a CUDA GPU; this machine has none (--smoke: "
-             "the CPU interpreter on tiny shapes, untimed)")
-dev = torch.device("cpu" if SMOKE else "cuda")
 PASS1 = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32, 256, 4), (32, 256, 8),
          (64, 256, 8), (128, 128, 8), (128, 256, 8), (128, 256, 16), (64, 512, 8)]
 PASS2 = [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4),
@@ -37,21 +34,11 @@ OPERANDS = [("X", 8192, 2048, False), ("X", 8192, 5504, False), ("W", 5504, 2048
 if SMOKE:
     PASS1, PASS2 = PASS1[:2], [(32, 64, 4), (64, 64, 4)]
     OPERANDS = [("X", 96, 160, False), ("dY", 64, 256, True)]
-
-
-def bench(fn):
-    """GPU ms of fn, replayed from a CUDA graph (smoke: run once, 1.0)."""
-    if SMOKE:
-        fn()
-        return 1.0
-    return do_bench_cudagraph(fn, rep=50)
+SEED = torch.tensor([1234], dtype=torch.int64, device=dev)   # made before any graph capture
 
 
 def spec_for(sr):
     return QuantSpec.make("mxfp4", (32, 32), "rceil", "stochastic" if sr else "rne")
-
-
-SEED = torch.tensor([1234], dtype=torch.int64, device=dev)   # made before any graph capture
 
 
 def fold(x, spec, configs):
@@ -91,21 +78,18 @@ def main():
 
         base_ms, _ = timed(default)
         row["default"] = {"configs": [list(c) for c in default], "ms": base_ms}
-        for which, grid in ((1, PASS1), (2, PASS2)):
-            for cfg in grid:
-                configs = (TileConfig(*cfg), default[1]) if which == 1 else (default[0], TileConfig(*cfg))
-                ms, same = timed(configs)
-                row[f"pass{which} {cfg[0]}x{cfg[1]} w{cfg[2]}"] = {"ms": ms, "same": same}
         best = {}
-        for which in (1, 2):
-            ok = [(v["ms"], key) for key, v in row.items() if key.startswith(f"pass{which}")
-                  and isinstance(v, dict) and v["same"] and isinstance(v["ms"], float)]
-            best[which] = min(ok)
-        cfg1 = TileConfig(*[int(t) for t in best[1][1].split()[1].split("x")], int(best[1][1].split("w")[-1]))
-        cfg2 = TileConfig(*[int(t) for t in best[2][1].split()[1].split("x")], int(best[2][1].split("w")[-1]))
+        for which, grid in ((1, PASS1), (2, PASS2)):
+            for cfg in (TileConfig(*c) for c in grid):
+                configs = (cfg, default[1]) if which == 1 else (default[0], cfg)
+                key = f"pass{which} {cfg[0]}x{cfg[1]} w{cfg[2]}"
+                ms, same = timed(configs)
+                row[key] = {"ms": ms, "same": same}
+                if same and isinstance(ms, float) and (which not in best or ms < best[which][0]):
+                    best[which] = (ms, key, cfg)
+        cfg1, cfg2 = best[1][2], best[2][2]
         both_ms, same = timed((cfg1, cfg2))
         row["best"] = {"configs": [list(cfg1), list(cfg2)], "ms": both_ms, "same": same}
-        # each pass's own time, from the best pair minus the other pass at its best
         print(f"{name} {rows}x{k} {'SR' if sr else 'RNE'}: copy {copy_ms * 1e3:.1f} us "
               f"({copy_bw:.0f} GB/s); default {default} {base_ms * 1e3:.1f} us; best pass 1 "
               f"{best[1][1]} ({best[1][0] * 1e3:.1f} us with default pass 2), best pass 2 "

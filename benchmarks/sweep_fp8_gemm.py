@@ -76,8 +76,8 @@ def main():
     total = {key: sum(r[f"{key}_us"] for r in results.values()) for key in
              ("bf16_mm", "rowwise", "rowwise_fast", "tensorwise", "tensorwise_fast")}
     print("sum over the nine GEMMs (us): " + ", ".join(f"{k} {v:.0f}" for k, v in total.items()))
-    json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "fp8_gemm_sweep.json"), "w"),
-              indent=1)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "fp8_gemm_sweep.json")
+    json.dump(results, open(path, "w"), indent=1)
 
 
 if __name__ == "__main__":

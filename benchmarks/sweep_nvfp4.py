@@ -13,23 +13,20 @@ Chose lowbit.kernels.quantize's nvfp4 configs.
 import json
 import os
 import sys
+from pathlib import Path
 
-SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+from common import sweep_setup  # noqa: E402
+
+SMOKE, dev, bench = sweep_setup("sweep_nvfp4.py")   # before triton is first imported
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
-sys.path.insert(0, ".")
+
 from lowbit.formats.spec import QuantSpec  # noqa: E402
 from lowbit.kernels import _seed_tensor  # noqa: E402
 from lowbit.kernels import quantize as kq  # noqa: E402
 from lowbit.kernels.hadamard import fake_quantize_rht_rows  # noqa: E402
 
-if not (SMOKE or torch.cuda.is_available()):
-    sys.exit("sweep_nvfp4.py times the kernels on a CUDA GPU; this machine has none (--smoke: "
-             "the CPU interpreter on tiny shapes, untimed)")
-dev = torch.device("cpu" if SMOKE else "cuda")
 CONFIGS = [(32, 128, 4), (16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4),
            (16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 64, 8), (8, 512, 4), (16, 512, 8)]
 # lowbit.kernels.hadamard's row-group kernel: (groups of 16 rows, columns, warps)
@@ -46,14 +43,6 @@ OPERANDS = [("X", 8192, 2048, False, False), ("X", 8192, 5504, False, False),
 if SMOKE:
     CONFIGS, RHT_ROWS, AMAX = CONFIGS[:2], [(1, 32, 4), (2, 64, 4)], AMAX[:2]
     OPERANDS = [("dY", 64, 96, True, False), ("dY^T rht", 64, 96, True, True)]
-
-
-def bench(fn):
-    """GPU ms of fn, replayed from a CUDA graph (smoke: run once, 1.0)."""
-    if SMOKE:
-        fn()
-        return 1.0
-    return do_bench_cudagraph(fn, rep=50)
 
 
 def main():
@@ -93,7 +82,8 @@ def main():
         print(f"{name} {rows}x{feats}{' SR' if sr else ''}: copy {copy_ms * 1e3:.1f} us; "
               f"default {tuple(default)} {row[str(tuple(default))]['ms'] * 1e3:.1f} us; best "
               + ", ".join(f"{k} {ms * 1e3:.1f} us" for ms, k in ok[:4])
-              + f"; amax pass + quantize pass at copy speed {(2 + 4) * base.numel() / copy_bw / 1e3:.1f} us")
+              + f"; amax pass + quantize pass at copy speed "
+              f"{(2 + 4) * base.numel() / copy_bw / 1e3:.1f} us")
         if rotated:   # the row-group kernel on the untransposed tensor: the same values
             timings = {}
             for cfg in RHT_ROWS:
@@ -101,12 +91,14 @@ def main():
                     return fake_quantize_rht_rows(base, spec, signs, seed if sr else None,
                                                   config=cfg)
                 try:
-                    same = torch.equal(f().view(torch.int16), ref[0].mT.contiguous().view(torch.int16))
+                    want = ref[0].mT.contiguous().view(torch.int16)
+                    same = torch.equal(f().view(torch.int16), want)
                     timings[str(cfg)] = {"ms": bench(f), "same": same}
                 except Exception as e:
                     timings[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
             row["rht_rows"] = timings
-            top = sorted((v["ms"], k) for k, v in timings.items() if isinstance(v, dict) and v["same"])
+            top = sorted((v["ms"], k) for k, v in timings.items()
+                         if isinstance(v, dict) and v["same"])
             print("    row-group kernel (G, TILE_F, warps), both passes: best "
                   + ", ".join(f"{k} {ms * 1e3:.1f} us" for ms, k in top[:4])
                   + f"; {sum(1 for v in timings.values() if isinstance(v, dict) and v['same'])}"
@@ -136,9 +128,12 @@ def main():
                     timings[f"{tr}x{tc} w{w} it{it}"] = f"{type(e).__name__}: {str(e)[:80]}"
             cfg_r, cfg_c, cfg_w, cfg_it = kq._amax_config(R, C, 1, default, True, kq._sm_count(dev))
             row["amax"] = timings
-            top = sorted((v["ms"], k) for k, v in timings.items() if isinstance(v, dict) and v["same"])
+            top = sorted((v["ms"], k) for k, v in timings.items()
+                         if isinstance(v, dict) and v["same"])
+            default_ms = timings.get(f"{cfg_r}x{cfg_c} w{cfg_w} it{cfg_it}", {})
+            default_ms = default_ms.get("ms", float("nan")) if isinstance(default_ms, dict) else float("nan")
             print(f"    rotated amax: default {cfg_r}x{cfg_c} w{cfg_w} it{cfg_it} "
-                  f"{timings.get(f'{cfg_r}x{cfg_c} w{cfg_w} it{cfg_it}', {}).get('ms', float('nan')) * 1e3:.1f} us; "
+                  f"{default_ms * 1e3:.1f} us; "
                   f"read at copy speed {2 * base.numel() / copy_bw / 1e3:.1f} us; best "
                   + ", ".join(f"{k} {ms * 1e3:.1f} us" for ms, k in top[:4]))
         results[f"{name} {rows}x{feats}"] = row

@@ -418,6 +418,19 @@ HADAMARD_SPECS = [QuantSpec.make("nvfp4", (1, 16), tensor_scale=True),
                   QuantSpec.make("mxfp4", (1, 32), "floor")]
 
 
+def hadamard_inputs(dtype):
+    """16 random signs and x (N=64, features=37) on DEVICE: values over 2^+-12, an all-zero
+    group, a group holding 1e30 and 1e-30 (float32: butterflies that round), a NaN, an Inf."""
+    g = torch.Generator().manual_seed(5)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    x = spread((64, 37), seed=3)                                    # (N, features)
+    x[0:16, 3] = 0.0
+    x[16, 5], x[17, 5] = 1e30, 1e-30
+    x[40, 7] = float("nan")
+    x[50, 8] = float("inf")
+    return signs, x.to(dtype)
+
+
 def rotated_reference(t, spec, signs):
     from lowbit.ops import random_hadamard
 
@@ -432,14 +445,7 @@ def test_fused_hadamard_is_the_rotation_then_the_quantizer(spec, dtype):
     signs), spec) bit for bit: t a transposed view (as the wgrad operands dY^T, X^T), odd row
     count, values spread over 2^+-12, a group holding 1e30 and 1e-30 (float32: butterflies that
     round), a NaN, an Inf and an all-zero group."""
-    g = torch.Generator().manual_seed(5)
-    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
-    x = spread((64, 37), seed=3)                                    # (N, features)
-    x[0:16, 3] = 0.0
-    x[16, 5], x[17, 5] = 1e30, 1e-30
-    x[40, 7] = float("nan")
-    x[50, 8] = float("inf")
-    x = x.to(dtype)
+    signs, x = hadamard_inputs(dtype)
     t = x.mT                                                        # (37, 64), strides (1, 37)
     got = fake_quantize_triton(t, spec, hadamard=signs)
     assert got.shape == (37, 64) and got.dtype == dtype
@@ -487,14 +493,7 @@ def test_rht_rows_is_the_fused_kernel_on_the_transposed_view(spec, dtype, config
     an all-zero group; any tile and warps; the output (N, F) contiguous."""
     from lowbit.kernels.hadamard import fake_quantize_rht_rows
 
-    g = torch.Generator().manual_seed(5)
-    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
-    x = spread((64, 37), seed=3)                                    # (N, features)
-    x[0:16, 3] = 0.0
-    x[16, 5], x[17, 5] = 1e30, 1e-30
-    x[40, 7] = float("nan")
-    x[50, 8] = float("inf")
-    x = x.to(dtype).to(DEVICE)
+    signs, x = hadamard_inputs(dtype)
     got = fake_quantize_rht_rows(x, spec, signs, seed=7, config=config)
     assert got.shape == (64, 37) and got.dtype == dtype and got.is_contiguous()
     want = fake_quantize_triton(x.mT, spec, seed=7, hadamard=signs).mT

@@ -37,6 +37,7 @@ from lowbit.kernels.quantize import (
 
 __all__ = ["fake_quantize_rht_rows", "rht_rows_supported"]
 
+
 @triton.jit
 def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
                     G: tl.constexpr, TILE_F: tl.constexpr, NATIVE_CAST: tl.constexpr):
@@ -46,7 +47,8 @@ def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
     groups = pid_g * G + tl.arange(0, G)
     cols = pid_f * TILE_F + tl.arange(0, TILE_F)
     mask = (groups[:, None] < N // 16) & (cols[None, :] < F)
-    base = t_ptr + (groups.to(tl.int64) * 16)[:, None] * stride_n + cols.to(tl.int64)[None, :] * stride_f
+    base = (t_ptr + (groups.to(tl.int64) * 16)[:, None] * stride_n
+            + cols.to(tl.int64)[None, :] * stride_f)
     xs = ()
     for j in tl.static_range(16):
         xs = xs + (_load_float32(base + j * stride_n, mask, NATIVE_CAST) * tl.load(signs_ptr + j),)
@@ -69,7 +71,7 @@ def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
 
 @triton.jit
 def _rht_rows_kernel(
-    t_ptr, out_ptr, amax_ptr, tensor_scale_ptr, seed_ptr, signs_ptr,
+    t_ptr, out_ptr, amax_ptr, seed_ptr, signs_ptr,
     N, F, stride_n, stride_f,
     AMAX_ONLY: tl.constexpr, TWO_LEVEL: tl.constexpr, STOCHASTIC: tl.constexpr,
     G: tl.constexpr, TILE_F: tl.constexpr, OUT_LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr,
@@ -90,10 +92,8 @@ def _rht_rows_kernel(
         tl.atomic_max(amax_ptr, tl.max(tl.max(amax_bits, axis=1), axis=0))
     else:
         bad = amax_bits >= 0x7F800000                            # NaN or Inf in the block
-        _, recip, elem_scale, t_scale = _nvfp4_scales(amax_bits.to(tl.float32, bitcast=True),
-                                                      bad, amax_ptr, TWO_LEVEL)
-        if TWO_LEVEL and (pid_f == 0) & (pid_g == 0):
-            tl.store(tensor_scale_ptr, t_scale)
+        _, recip, elem_scale, _ = _nvfp4_scales(amax_bits.to(tl.float32, bitcast=True), bad,
+                                                amax_ptr, TWO_LEVEL)
         elem_scale = tl.where(bad, 0x7FC00000,
                               elem_scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
         rows0 = groups.to(tl.int64)[:, None] * 16                  # (G, 1): the group's first row
@@ -158,7 +158,8 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
         raise ValueError(f"signs must hold 16 values (+-1), got shape {tuple(signs.shape)}")
     n, f = t.shape
     stochastic = spec.rounding.value == "stochastic"
-    seed_t = _seed_tensor(seed, generator, t.device) if stochastic else kq._empty(t.device, torch.int64)
+    seed_t = (_seed_tensor(seed, generator, t.device) if stochastic
+              else kq._empty(t.device, torch.int64))
     signs = signs.to(t.device, torch.float32)
     g, tile_f, warps = config or _config(n, f)
     out = torch.empty(n, f, device=t.device, dtype=t.dtype)
@@ -166,16 +167,15 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     if grid[1] > 65535:
         raise ValueError(f"shape {(n, f)} needs {grid[1]} row programs, past CUDA's 65535")
     two_level = bool(spec.tensor_scale)
-    amax = tensor_scale = kq._empty(t.device, torch.uint8)
+    amax = kq._empty(t.device, torch.int32)
     args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq._OUT_LIMIT[t.dtype],
                 NATIVE_CAST=not kq.INTERPRET, TWO_LEVEL=two_level, num_warps=warps)
     switch = t.is_cuda and t.device.index != torch.cuda.current_device()
     with torch.cuda.device(t.device) if switch else contextlib.nullcontext():
         if two_level:
             amax = torch.zeros(1, device=t.device, dtype=torch.int32)
-            tensor_scale = torch.empty((), device=t.device, dtype=torch.float32)
-            _rht_rows_kernel[grid](t, out, amax, tensor_scale, seed_t, signs, n, f, *t.stride(),
+            _rht_rows_kernel[grid](t, out, amax, seed_t, signs, n, f, *t.stride(),
                                    AMAX_ONLY=True, **args)
-        _rht_rows_kernel[grid](t, out, amax, tensor_scale, seed_t, signs, n, f, *t.stride(),
+        _rht_rows_kernel[grid](t, out, amax, seed_t, signs, n, f, *t.stride(),
                                AMAX_ONLY=False, **args)
     return out
