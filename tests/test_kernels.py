@@ -522,6 +522,25 @@ def test_rht_rows_reads_any_strides_and_huge_and_tiny_groups():
     assert_bits_equal(want.cpu(), rotated_reference(x.mT, spec, signs).mT)
 
 
+@pytest.mark.parametrize("two_level", [True, False])
+def test_rotated_bf16_subnormals_and_partly_filled_programs(two_level):
+    """bf16 groups near float32's smallest normal (rotated values that are bf16 subnormals,
+    rounded and widened back exactly), and 3 groups of 16 rows on programs of 2: both fused
+    kernels equal the reference."""
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
+    from lowbit.ops import random_hadamard
+
+    spec = QuantSpec.make("nvfp4", (1, 16), tensor_scale=two_level)
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    x = (torch.randn(48, 11, generator=g) * torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+    with force_reference():
+        want = quantize_dequantize(random_hadamard(x.mT, signs), spec).mT
+    x = x.to(DEVICE)
+    assert_bits_equal(fake_quantize_rht_rows(x, spec, signs, config=(2, 16, 1)).cpu(), want)
+    assert_bits_equal(fake_quantize_triton(x.mT, spec, hadamard=signs).mT.cpu(), want)
+
+
 def test_rht_rows_refuses_what_it_does_not_cover():
     from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
 
@@ -533,6 +552,9 @@ def test_rht_rows_refuses_what_it_does_not_cover():
                                torch.ones(16))
     with pytest.raises(ValueError, match="16 values"):
         fake_quantize_rht_rows(torch.randn(32, 8, device=DEVICE), spec, torch.ones(8))
+    with pytest.raises(ValueError, match="past CUDA's 65535 on grid axis 1"):
+        fake_quantize_rht_rows(torch.zeros(16, 65536 * 16 + 1, device=DEVICE), spec,
+                               torch.ones(16), config=(1, 16, 1))
     assert rht_rows_supported(torch.randn(32, 8), spec)
     assert not rht_rows_supported(torch.randn(2, 32, 8), spec)
 

@@ -505,7 +505,7 @@ def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():
     assert any(r is not None and r.gemm is Gemm.FP8 for r in layers.values())
     for name, module in plain.named_modules():
         if isinstance(module, QuantLinear) and module.linear_recipe is not None:
-            assert replace(layers[name], gemm=Gemm.EMULATED) == module.linear_recipe, name
+            assert layers[name].with_gemm(Gemm.EMULATED) == module.linear_recipe, name
 
 
 def test_stable_fp4_fp8_trains_a_moe_model():

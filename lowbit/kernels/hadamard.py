@@ -32,7 +32,7 @@ import triton.language as tl
 
 from lowbit.kernels import quantize as kq
 from lowbit.kernels.quantize import (
-    TWO_POW_M24, _dequantized, _load_float32, _nvfp4_scales, _to_output,
+    TWO_POW_M24, _dequantized, _load_float32, _nvfp4_scales, _to_output, _widen,
 )
 
 __all__ = ["fake_quantize_rht_rows", "rht_rows_supported"]
@@ -64,7 +64,7 @@ def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
     for j in tl.static_range(16):
         x = xs[j] * 0.25
         if t_ptr.dtype.element_ty != tl.float32:
-            x = _to_output(x, t_ptr, NATIVE_CAST).to(tl.float32)
+            x = _widen(_to_output(x, t_ptr, NATIVE_CAST), NATIVE_CAST)
         out = out + (x,)
     return out, groups, cols, mask
 
@@ -78,8 +78,8 @@ def _rht_rows_kernel(
 ):
     # AMAX_ONLY: the max finite |rotated value| (int32 bits) into amax_ptr. Otherwise: out (N, F)
     # contiguous, the fake-quantized rotated values, 1x16 NVFP4 blocks along N (one per group).
-    pid_f = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    pid_g = tl.program_id(0)      # axis 0: up to 2^31 - 1 programs (tokens); axis 1: 65535
+    pid_f = tl.program_id(1)
     xs, groups, cols, mask = _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g,
                                              pid_f, G, TILE_F, NATIVE_CAST)
     amax_bits = tl.zeros((G, TILE_F), dtype=tl.int32)
@@ -163,9 +163,10 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     signs = signs.to(t.device, torch.float32)
     g, tile_f, warps = config or _config(n, f)
     out = torch.empty(n, f, device=t.device, dtype=t.dtype)
-    grid = (triton.cdiv(f, tile_f), triton.cdiv(n // 16, g))
+    grid = (triton.cdiv(n // 16, g), triton.cdiv(f, tile_f))
     if grid[1] > 65535:
-        raise ValueError(f"shape {(n, f)} needs {grid[1]} row programs, past CUDA's 65535")
+        raise ValueError(f"shape {(n, f)} needs {grid[1]} column programs, past CUDA's 65535 "
+                         f"on grid axis 1; use wider tiles (config)")
     two_level = bool(spec.tensor_scale)
     amax = kq._empty(t.device, torch.int32)
     args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq._OUT_LIMIT[t.dtype],

@@ -217,6 +217,16 @@ def _load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
+def _widen(v, NATIVE_CAST: tl.constexpr):
+    """A bfloat16 / float16 / float32 tensor as float32, exactly. The interpreter flushes
+    bfloat16 subnormals, so there bfloat16 widens on the bits (the top half of a float32)."""
+    if NATIVE_CAST or v.dtype != tl.bfloat16:
+        return v.to(tl.float32)
+    else:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
     """Cast float32 to the output dtype, rounding to nearest even."""
     if NATIVE_CAST or out_ptr.dtype.element_ty != tl.bfloat16:
@@ -290,7 +300,7 @@ def _rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.conste
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (TILE_R, TILE_C))
     x = x * 0.25
     if x_ptr.dtype.element_ty != tl.float32:
-        x = _to_output(x, x_ptr, NATIVE_CAST).to(tl.float32)
+        x = _widen(_to_output(x, x_ptr, NATIVE_CAST), NATIVE_CAST)
     return x
 
 

@@ -113,11 +113,12 @@ def _rotated_operand(t: torch.Tensor, spec: QuantSpec | None, signs: torch.Tenso
     arithmetic): for NVFP4 1x16 the row-group kernel (lowbit.kernels.hadamard), which reads
     and writes along features; elsewhere the rotation, then the quantizer."""
     from lowbit.kernels import fake_quantize_triton, use_kernels
-    from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
 
     t_t = t.mT                                                     # (features, N), a view
     if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
             and use_kernels(t_t, spec, codes=False)):
+        from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
+
         if rht_rows_supported(t, spec):
             return fake_quantize_rht_rows(t, spec, signs)
         return fake_quantize_triton(t_t, spec, hadamard=signs).mT

@@ -103,6 +103,11 @@ class LinearRecipe:
         self.__dict__.update(state)
         object.__setattr__(self, "op_key", _op_key(self))
 
+    def with_gemm(self, gemm: Gemm | str) -> "LinearRecipe":
+        """The same operands on other GEMMs (fast_accum kept on FP8 GEMMs, dropped elsewhere)."""
+        gemm = parse_enum(Gemm, gemm, "gemm")
+        return replace(self, gemm=gemm, fast_accum=self.fast_accum if gemm is Gemm.FP8 else ())
+
     @property
     def is_quantized(self) -> bool:
         return any(getattr(self, n) is not None for n in

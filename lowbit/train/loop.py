@@ -397,7 +397,7 @@ def _emulate_layers(model: nn.Module, names: list[str]) -> list[str]:
     for name in names:
         module = model.get_submodule(name)
         if module.linear_recipe is not None and module.linear_recipe.gemm is Gemm.FP8:
-            module.linear_recipe = dataclasses.replace(module.linear_recipe, gemm=Gemm.EMULATED)
+            module.linear_recipe = module.linear_recipe.with_gemm(Gemm.EMULATED)
             moved.append(name)
     return moved
 
