@@ -8,9 +8,10 @@ The wgrad GEMM dW = dY^T X wants dY and X with 1x16 blocks along N (tokens), eac
 tokens rotated by a 16-point random Hadamard transform first. quantize.py's kernel does that
 on t.mT, a (F, N) view whose groups run along its strided dim: its tile is read with the
 features contiguous while the rotation and the blocks run across them, and the butterflies'
-reshapes move the tile through shared memory (H200, 2026-11-30, benchmarks/sweep_nvfp4.py:
-2.2-3.1x the time of the same bytes at copy speed, against 1.2-1.9x without the rotation;
-this kernel 1.6-1.7x).
+reshapes move the tile through shared memory (H200, 2026-11-30, benchmarks/sweep_nvfp4.py,
+both passes against the time of their bytes at copy speed: 2.3-2.4x on X^T, 2.9-3.1x on the
+stochastically rounded dY^T, against 1.2-1.9x for X and dY without the rotation; this kernel
+1.6-1.7x on X^T).
 
 Here one program takes G groups of 16 rows and TILE_F columns of t (F contiguous) as 16
 separate (G, TILE_F) tensors, one per position j in the group: the butterflies are

@@ -71,7 +71,8 @@ class LinearRecipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gemm", parse_enum(Gemm, self.gemm, "gemm"))
-        fast = (self.fast_accum,) if isinstance(self.fast_accum, str) else tuple(self.fast_accum)
+        fast = self.fast_accum or ()
+        fast = (fast,) if isinstance(fast, str) else tuple(fast)
         unknown = sorted(set(fast) - set(GEMMS))
         if unknown:
             raise ValueError(f"fast_accum names GEMMs, {', '.join(map(repr, GEMMS))}; got "
@@ -340,9 +341,11 @@ def stable_fp4_fp8() -> Recipe:
     fused quantize-and-fold Triton kernels, without host syncs inside a lowbit train step; a
     step whose one-chunk folds had to round values is redone with exact ones (or, with
     fold_inexact="round", kept and counted).
-    Error of a 1B model's FP8 GEMMs with bf16 output against fp64 of the same operands (H200,
-    2026-11-30, benchmarks/sweep_fp8_gemm.py): 1.67e-3 promoting, 1.86e-3 (K=2048) and 2.12e-3
-    (K=5504) fast-accumulating in fprop, against 1.66e-3 for a bf16 GEMM of the same values.
+    Error of FP8 GEMMs at a 1B model's shapes with bf16 output against fp64 of the same
+    operands, on random E4M3 codes (H200, 2026-11-30, benchmarks/sweep_fp8_gemm.py): 1.67e-3
+    promoting, 1.86e-3 (K=2048) and 2.12e-3 (K=5504) fast-accumulating, against 1.66e-3 for a
+    bf16 GEMM of the same values (folded FP4 operands, with two significant bits, may lose
+    less: not measured).
     Step time on that model (`lowbit bench train --compile --cuda-graph`, same session,
     docs/results/kernels.md): 0.89x bf16's (94.9 against 106.3 ms); with every GEMM
     promoting 0.90x (96.5 against 107.1 ms), every GEMM fast 0.87x."""
