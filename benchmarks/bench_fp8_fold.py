@@ -219,9 +219,10 @@ def run_pass_timings():
         stats = torch.full((2 * (n_bands + n_bands_t),), fp8_gemm._NONE_HI, dtype=torch.int32,
                            device=x.device)
         scales = torch.empty(n_bands, n_bands_t, dtype=torch.uint8, device=x.device)
-        ff._band_max_kernel[launch.grid](x, scales, stats, stats[2 * n_bands:], *x.shape,
-                                         *x.stride(), n_bands, n_bands_t, ROWS=True,
-                                         TRANSPOSE=True, EVEN=launch.even, **launch.common)
+        p1 = launch.pass1
+        ff._band_max_kernel[p1.grid](x, scales, stats, stats[2 * n_bands:], *x.shape,
+                                     *x.stride(), n_bands, n_bands_t, ROWS=True, TRANSPOSE=True,
+                                     EVEN=p1.even, **p1.kw, **launch.common)
 
     rows = []
     for m, k in PASS_SHAPES if DEVICE == "cuda" else [(40, 96)]:
