@@ -79,8 +79,11 @@ def _rht_rows_kernel(
 ):
     # AMAX_ONLY: the max finite |rotated value| (int32 bits) into amax_ptr. Otherwise: out (N, F)
     # contiguous, the fake-quantized rotated values, 1x16 NVFP4 blocks along N (one per group).
-    pid_g = tl.program_id(0)      # axis 0: up to 2^31 - 1 programs (tokens); axis 1: 65535
-    pid_f = tl.program_id(1)
+    # one grid axis (up to 2^31 - 1 programs), the column tiles of a row band consecutive: the
+    # launch order of the (column tiles, row bands) grid this kernel was measured with
+    n_tiles_f = tl.cdiv(F, TILE_F)
+    pid_f = tl.program_id(0) % n_tiles_f
+    pid_g = tl.program_id(0) // n_tiles_f
     xs, groups, cols, mask = _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g,
                                              pid_f, G, TILE_F, NATIVE_CAST)
     amax_bits = tl.zeros((G, TILE_F), dtype=tl.int32)
@@ -164,10 +167,10 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     signs = signs.to(t.device, torch.float32)
     g, tile_f, warps = config or _config(n, f)
     out = torch.empty(n, f, device=t.device, dtype=t.dtype)
-    grid = (triton.cdiv(n // 16, g), triton.cdiv(f, tile_f))
-    if grid[1] > 65535:
-        raise ValueError(f"shape {(n, f)} needs {grid[1]} column programs, past CUDA's 65535 "
-                         f"on grid axis 1; use wider tiles (config)")
+    grid = (triton.cdiv(f, tile_f) * triton.cdiv(n // 16, g),)
+    if grid[0] >= 2**31:
+        raise ValueError(f"shape {(n, f)} needs {grid[0]} programs, past CUDA's 2^31 - 1; use "
+                         "larger tiles (config)")
     two_level = bool(spec.tensor_scale)
     amax = kq._empty(t.device, torch.int32)
     args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq._OUT_LIMIT[t.dtype],
