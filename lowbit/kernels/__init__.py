@@ -194,9 +194,7 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
                if supports(spec, codes=False) else "")
         raise NotImplementedError(f"the Triton kernels do not cover {spec}{why}; use the "
                                   "reference (lowbit.formats.quantize_with_spec)")
-    if not (x.is_cuda or kq.INTERPRET):
-        raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
-                           "before triton is first imported (CPU interpreter, for tests)")
+    kq.require_kernel_tensor(x)
     if transpose and not spec.is_2d:
         raise ValueError(f"a transposed output from the same pass needs square 2D tiles, got "
                          f"block {spec.block}: 1D blocks of x^T are a different quantization")
@@ -209,9 +207,7 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
     seed_t = _seed_tensor(seed, generator, x.device) if stochastic else None
     if out_dtype is not None and out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"fake quantization writes float32, bfloat16 or float16, not {out_dtype}")
-    # Triton launches on the current device: make it x's
-    switch = x.is_cuda and x.device.index != torch.cuda.current_device()
-    with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
+    with kq.on_device(x):
         out = kq.launch(x3, spec, seed=seed_t, codes=codes, values=values, transpose=transpose,
                         out_dtype=out_dtype, config=config, hadamard=hadamard)
     tensor_scale = out.get("tensor_scale")

@@ -51,7 +51,6 @@ for a copy.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -364,9 +363,7 @@ def _check(x: torch.Tensor, spec: QuantSpec, transpose: bool) -> None:
     if transpose and not spec.is_2d:
         raise ValueError(f"transpose=True needs square 2D tiles, got block {spec.block}: 1D "
                          "blocks of x^T are a different quantization (quantize x.t() instead)")
-    if not (x.is_cuda or kq.INTERPRET):
-        raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
-                           "before triton is first imported (CPU interpreter, for tests)")
+    kq.require_kernel_tensor(x)
 
 
 class _Tiles:
@@ -430,9 +427,6 @@ class _Launch:
     def rounding(self, tiles: _Tiles) -> dict:
         return dict(STOCHASTIC=self.stochastic, GROUP4=tiles.group4)
 
-    def device_scope(self):
-        return torch.cuda.device(self.x.device) if self.x.is_cuda else contextlib.nullcontext()
-
 
 def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Tensor):
     """Both passes with ONE factor per row and no host sync: exact iff no live block falls
@@ -454,7 +448,7 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     scales = torch.empty(n_bands, n_bands_t, device=dev, dtype=u8)
     flags = dict(ROWS=rows_out, TRANSPOSE=transpose, **L.common)
     p1, p2 = L.pass1, L.pass2
-    with L.device_scope():
+    with kq.on_device(L.x):
         _band_max_kernel[p1.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(),
                                   n_bands, n_bands_t, EVEN=p1.even, **p1.kw, **flags)
         _fold_one_chunk_kernel[p2.grid](
@@ -481,7 +475,7 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     scales = torch.empty(n_rows if br == 1 else n_scale_rows, n_scale_cols, device=dev, dtype=u8)
     live = torch.empty(n_rows, n_scale_cols, device=dev, dtype=u8)
     live_t = torch.empty(k, n_scale_rows, device=dev, dtype=u8) if transpose else empty
-    with L.device_scope():
+    with kq.on_device(L.x):
         P = L.planned
         _live_blocks_kernel[P.grid](x, L.seed, scales, live, live_t, n_rows, k, *x.stride(),
                                     n_scale_rows, n_scale_cols, TRANSPOSE=transpose,

@@ -25,8 +25,6 @@ two-level tensor amax takes a first pass over the rotated values (AMAX_ONLY).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -155,9 +153,7 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     if not rht_rows_supported(t, spec):
         raise ValueError(f"fake_quantize_rht_rows takes a 2-D t with rows in groups of 16 and "
                          f"NVFP4 1x16 blocks; got shape {tuple(t.shape)}, {spec}")
-    if not (t.is_cuda or kq.INTERPRET):
-        raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
-                           "before triton is first imported (CPU interpreter, for tests)")
+    kq.require_kernel_tensor(t)
     if signs.shape != (16,):
         raise ValueError(f"signs must hold 16 values (+-1), got shape {tuple(signs.shape)}")
     n, f = t.shape
@@ -175,8 +171,7 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     amax = kq._empty(t.device, torch.int32)
     args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq._OUT_LIMIT[t.dtype],
                 NATIVE_CAST=not kq.INTERPRET, TWO_LEVEL=two_level, num_warps=warps)
-    switch = t.is_cuda and t.device.index != torch.cuda.current_device()
-    with torch.cuda.device(t.device) if switch else contextlib.nullcontext():
+    with kq.on_device(t):
         if two_level:
             amax = torch.zeros(1, device=t.device, dtype=torch.int32)
             _rht_rows_kernel[grid](t, out, amax, seed_t, signs, n, f, *t.stride(),

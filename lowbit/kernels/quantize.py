@@ -56,6 +56,7 @@ bits, the law of torch.rand), where r is word (i mod 4) of Philox4x32-10 (Random
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -199,21 +200,13 @@ def _uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
 
 @triton.jit
 def _load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
-    """Load as float32, masked elements 0 (mask None: every element is loaded). The
-    interpreter converts bfloat16 subnormals wrongly, so there bfloat16 widens on the bits
-    (the top half of a float32)."""
-    if NATIVE_CAST or ptrs.dtype.element_ty != tl.bfloat16:
-        if mask is None:
-            x = tl.load(ptrs).to(tl.float32)
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    """Load as float32, masked elements 0 (mask None: every element is loaded), widened by
+    _widen (exactly, also bfloat16 subnormals in the interpreter)."""
+    if mask is None:
+        x = tl.load(ptrs)
     else:
-        if mask is None:
-            raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)))
-        else:
-            raw = tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0)
-        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return _widen(x, NATIVE_CAST)
 
 
 @triton.jit
@@ -501,6 +494,20 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 64   # the interpreter: a small grid
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def require_kernel_tensor(x: torch.Tensor) -> None:
+    """Refuse a tensor the Triton kernels cannot take: they need CUDA, or the interpreter."""
+    if not (x.is_cuda or INTERPRET):
+        raise RuntimeError("the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
+                           "before triton is first imported (CPU interpreter, for tests)")
+
+
+def on_device(x: torch.Tensor):
+    """The context to launch on x's device (Triton launches on the current CUDA device)."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 _EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
