@@ -3,9 +3,9 @@
 
 Eager, a quantized step launches several kernels per linear layer from Python, and on a ~1B
 model the GPU then waits on the host (docs/results/kernels.md, H200: stable-fp4-fp8
-0.94-0.96x bf16's step time with this, 1.25x eager; compiled and captured, 0.89x). GraphedGradients captures the forward and
-backward of every micro-batch of a step and the gradient clip once, and replays them: one
-launch per step. The optimizer step stays eager (fused AdamW is a few launches), so the
+0.94-0.96x bf16's step time with this, 1.25x eager; compiled and captured, 0.89x).
+GraphedGradients captures the forward and backward of every micro-batch of a step and the
+gradient clip once, and replays them: one launch per step. The optimizer step stays eager (fused AdamW is a few launches), so the
 learning rate stays a plain float and a step whose loss is not finite is skipped as before.
 
 What the capture needs, and how it is kept:
