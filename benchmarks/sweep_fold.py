@@ -54,6 +54,10 @@ def flat(out):
 def main():
     results = {}
     only = [a for a in sys.argv[1:] if a != "--smoke"]
+    names = sorted({name for name, *_ in OPERANDS})
+    if set(only) - set(names):
+        sys.exit(f"sweep_fold.py sweeps the operands {', '.join(names)}; got "
+                 f"{', '.join(sorted(set(only) - set(names)))}")
     for name, rows, k, sr in OPERANDS:
         if only and name not in only:
             continue
