@@ -552,6 +552,9 @@ def test_rht_rows_refuses_what_it_does_not_cover():
                                torch.ones(16))
     with pytest.raises(ValueError, match="16 values"):
         fake_quantize_rht_rows(torch.randn(32, 8, device=DEVICE), spec, torch.ones(8))
+    with pytest.raises(ValueError, match="must be powers of two"):
+        fake_quantize_rht_rows(torch.randn(32, 8, device=DEVICE), spec, torch.ones(16),
+                               config=(3, 16, 4))
     assert rht_rows_supported(torch.randn(32, 8), spec)
     assert not rht_rows_supported(torch.randn(2, 32, 8), spec)
 

@@ -162,6 +162,8 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
               else kq._empty(t.device, torch.int64))
     signs = signs.to(t.device, torch.float32)
     g, tile_f, warps = config or _config(n, f)
+    if not all(v > 0 and v & (v - 1) == 0 for v in (g, tile_f, warps)):
+        raise ValueError(f"config (groups, columns, warps) must be powers of two, got {config}")
     out = torch.empty(n, f, device=t.device, dtype=t.dtype)
     grid = (triton.cdiv(f, tile_f) * triton.cdiv(n // 16, g),)
     if grid[0] >= 2**31:
