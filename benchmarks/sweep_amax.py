@@ -1,7 +1,7 @@
 """Sweep the two-level NVFP4 tensor-amax kernel's tile, tiles per program and warps on bf16
 inputs: GPU time (CUDA-graph replay), read GB/s and the ratio to a device-to-device copy's
 (read + write) bandwidth in the same run, the default launch config, and whether the result
-equals torch's. Chose lowbit.kernels.quantize._amax_config.
+equals torch's. Chose lowbit.kernels.quantize.amax_config.
 
     python benchmarks/sweep_amax.py        # CUDA; writes $OUT/amax_sweep.json (or /tmp)
 """
@@ -13,12 +13,12 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 sys.path.insert(0, ".")
-from lowbit.kernels.quantize import _tensor_amax_kernel, default_config, _pow2_at_least, _sm_count
+from lowbit.kernels.quantize import tensor_amax_kernel, default_config, pow2_at_least, sm_count
 
 if not torch.cuda.is_available():
     sys.exit("sweep_amax.py times the kernel on a CUDA GPU; this machine has none")
 dev = torch.device("cuda")
-sm = _sm_count(dev)
+sm = sm_count(dev)
 out = {}
 signs = torch.ones(16, device=dev)
 for (R, C) in [(8192, 2048), (8192, 5632), (5632, 2048), (16384, 8192)]:
@@ -40,12 +40,12 @@ for (R, C) in [(8192, 2048), (8192, 5632), (5632, 2048), (16384, 8192)]:
     for tr, tc, w, it in configs:
         n_tc, n_tr = triton.cdiv(C, tc), triton.cdiv(R, tr)
         n = n_tc * n_tr
-        iters = it if it is not None else _pow2_at_least(triton.cdiv(n, 4 * sm))
+        iters = it if it is not None else pow2_at_least(triton.cdiv(n, 4 * sm))
         grid = (triton.cdiv(n, iters),)
         for had in (False, True):
             if had and not (it is None or (w == 8 and it == 4)):
                 continue
-            f = lambda: _tensor_amax_kernel[grid](x, amax, signs, R, C, 0, *x.stride(), n_tc, n_tr, n,
+            f = lambda: tensor_amax_kernel[grid](x, amax, signs, R, C, 0, *x.stride(), n_tc, n_tr, n,
                                                   ITERS=iters, TILE_R=tr, TILE_C=tc, NATIVE_CAST=True,
                                                   HADAMARD=had, num_warps=w)
             try:

@@ -114,7 +114,7 @@ def main():
                 grid = (triton.cdiv(n, it),)
 
                 def f():
-                    kq._tensor_amax_kernel[grid](x3, amax, signs, R, C, *x3.stride(), n_tc, n_tr,
+                    kq.tensor_amax_kernel[grid](x3, amax, signs, R, C, *x3.stride(), n_tc, n_tr,
                                                  n, ITERS=it, TILE_R=tr, TILE_C=tc,
                                                  NATIVE_CAST=True, HADAMARD=True, num_warps=w)
                 try:
@@ -126,7 +126,7 @@ def main():
                                                          "same": value == ref_amax}
                 except Exception as e:
                     timings[f"{tr}x{tc} w{w} it{it}"] = f"{type(e).__name__}: {str(e)[:80]}"
-            cfg_r, cfg_c, cfg_w, cfg_it = kq._amax_config(R, C, 1, default, True, kq._sm_count(dev))
+            cfg_r, cfg_c, cfg_w, cfg_it = kq.amax_config(R, C, 1, default, True, kq.sm_count(dev))
             row["amax"] = timings
             top = sorted((v["ms"], k) for k, v in timings.items()
                          if isinstance(v, dict) and v["same"])

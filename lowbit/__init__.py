@@ -5,9 +5,8 @@
     x_hat = q.dequantize()
 """
 
-from lowbit.formats import (
-    FORMATS, QTensor, QuantSpec, load_qtensors, quantize, save_qtensors,
-)
+from lowbit.dispatch import quantize
+from lowbit.formats import FORMATS, QTensor, QuantSpec, load_qtensors, save_qtensors
 
 __version__ = "0.1.0"
 __all__ = ["quantize", "QTensor", "QuantSpec", "save_qtensors", "load_qtensors", "FORMATS",

@@ -16,6 +16,7 @@ normally bf16). Speed targets are checked here, in a benchmark, never in unit te
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -36,87 +37,61 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                 cuda_graph: bool = False, corpus: str | None = None,
                 progress=print) -> list[dict]:
     """Each recipe's median step time and peak memory on the same model (seeded init) and the
-    same batches. corpus None: one batch of random tokens, every step (the preset's
-    vocabulary); a corpus name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes`
-    reads it; the model's vocabulary is then 256): step i trains on that corpus's batch i, so
-    the gradients are those of text (the FP8 folds' redo count depends on them)."""
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
-    from lowbit.models import ModelConfig, build_model
-    from lowbit.nn import convert
+    same batches, timing lowbit.train's own step (TrainStep: its optimizer groups, schedule,
+    clipping, autocast, fold policy and CUDA graph), built as `lowbit train` builds a run.
+    corpus None: one batch of random tokens, every step (the preset's vocabulary); a corpus
+    name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes` reads it; the model's
+    vocabulary is then 256): step i trains on that corpus's batch i, so the gradients are those
+    of text (the FP8 folds' redo count depends on them)."""
     from lowbit.recipes import get_recipe
+    from lowbit.train import TrainConfig
+    from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
+                                    model_config, resolve_recipe)
     from lowbit.train.config import resolve_device
+    from lowbit.train.distributed import Distributed
+    from lowbit.train.step import TrainStep, refuse_cuda_graph
 
     if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
         raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
     for name in recipes:
         get_recipe(name)  # refuse an unknown recipe before building anything
     dev = resolve_device(device)
-    overrides = {"max_seq_len": max(seq_len, 16)}
-    if n_experts is not None:
-        overrides["n_experts"] = n_experts
-    data = None
-    if corpus is not None:
-        from lowbit.train import TrainConfig
-        from lowbit.train.loop import _build_data
-
-        data = _build_data(TrainConfig(model=model, corpus=corpus, tokenizer="bytes",
-                                       seq_len=seq_len, batch_size=batch_size, progress=False))
-        overrides["vocab_size"] = data.vocab_size
-    cfg = ModelConfig.preset(model, **overrides)
+    process = Distributed(device=dev)   # one process: the benchmark is not run under torchrun
+    total = warmup + steps
+    base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
+                       max_steps=total + (1 if profile else 0), warmup_steps=min(warmup, 1),
+                       compile=compile, cuda_graph=cuda_graph, device=str(dev),
+                       corpus=corpus or "tinyshakespeare", tokenizer="bytes", progress=False,
+                       diagnostics=False)
+    data = build_data(base) if corpus is not None else None
+    vocab_size = data.vocab_size if data is not None else None
     if cuda_graph:
-        from lowbit.train.graphs import GraphedGradients, cuda_graph_refusal
-
-        refusal = cuda_graph_refusal(dev, moe=bool(cfg.n_experts))
-        if refusal:
-            raise ValueError(refusal)
+        refuse_cuda_graph(process, moe=model_config(base).is_moe)
     rows = []
     for name in recipes:
+        config = dataclasses.replace(base, recipe=name)
         torch.manual_seed(0)
-        net = build_model(cfg)
-        convert(net, name)
+        net = build_model(config, vocab_size)
+        apply_recipe(net, resolve_recipe(name))
         net.to(dev).train()
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev.type == "cuda")
-        forward = torch.compile(net) if compile else net
-        # (a captured step must not use autocast's cast cache: it is cleared outside the graph)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda",
-                                  cache_enabled=not cuda_graph)
+        optimizer = build_optimizer(net, config, dev)
+        step_fn = TrainStep(net, optimizer, config, process)
+        tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
-                inputs, targets = data.train_batch(i)
-                return inputs.to(dev), targets.to(dev)
-            return x_random, y_random
-
-        tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), device=dev)
-        x_random, y_random = tokens[:, :-1], tokens[:, 1:]
-        redo_steps = []   # per step: would lowbit.train redo it (inexact one-chunk folds)?
-
-        def loss_fn(inputs, targets):
-            with autocast:
-                return forward(inputs, targets).loss
+                return data.train_batch(i)
+            return tokens[:, :-1], tokens[:, 1:]
 
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
-        # as lowbit.train's step: sync-free FP8 folds, their count read once per step; with
-        # --cuda-graph as lowbit train --cuda-graph's (gradients replayed, AdamW eager)
-        graphed = (GraphedGradients(net, loss_fn, *batch(0), max_norm=1.0,
-                                    warmup=max(warmup, 2)) if cuda_graph else None)
+        results = []
 
         def step():
-            x, y = batch(len(redo_steps))
-            if graphed is not None:
-                loss, _, count = graphed(x, y)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                with deferred_fold_check(dev) as check:
-                    loss = loss_fn(x, y)
-                    loss.backward()
-                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-                count = check.counter
-            optimizer.step()
-            redo_steps.append(count.item() > 0)   # one readback per step, as lowbit.train's
-            return loss.detach()
+            i = len(results)
+            results.append(step_fn(i, *batch(i)))
+            return results[-1]
 
         for _ in range(warmup):
             step()
@@ -124,30 +99,31 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         for _ in range(steps):
             _sync(dev)
             t0 = time.perf_counter()
-            loss = step()
+            result = step()
             _sync(dev)
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0 - result.capture_s)
         step_s = statistics.median(times)
+        redone = [i + 1 for i, r in enumerate(results)
+                  if any(rec["event"] == "fold_redo" for rec in r.records)]
         row = {"recipe": name, "step_ms": step_s * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
                "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
                                 if dev.type == "cuda" else None),
-               "loss": loss.item(), "device": str(dev), "model": model,
+               "loss": result.loss, "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
-               "cuda_graph": cuda_graph,
-               "corpus": corpus,
-               "fold_redo_steps": sum(redo_steps), "steps_run": len(redo_steps),
-               "fold_redo_at": [i + 1 for i, redo in enumerate(redo_steps) if redo]}
+               "cuda_graph": cuda_graph, "corpus": corpus,
+               "fold_redo_steps": len(redone), "steps_run": len(results),
+               "fold_redo_at": redone}
         if profile and dev.type == "cuda":
             row["profile"] = profile_step(step, dev)
         rows.append(row)
         progress(f"{name}: {row['step_ms']:.1f} ms/step")
-        net = optimizer = forward = graphed = None   # free this recipe's GPU memory
-    base = rows[0]
+        net = optimizer = step_fn = None   # free this recipe's GPU memory
+    base_row = rows[0]
     for row in rows:
-        row["time_vs_base"] = row["step_ms"] / base["step_ms"]
-        row["mem_vs_base"] = (row["peak_mem_gib"] / base["peak_mem_gib"]
-                              if row["peak_mem_gib"] and base["peak_mem_gib"] else None)
+        row["time_vs_base"] = row["step_ms"] / base_row["step_ms"]
+        row["mem_vs_base"] = (row["peak_mem_gib"] / base_row["peak_mem_gib"]
+                              if row["peak_mem_gib"] and base_row["peak_mem_gib"] else None)
     return rows
 
 
@@ -476,8 +452,8 @@ def format_rows(rows: list[dict]) -> str:
         if r.get("fold_redo_steps"):
             at = ", ".join(map(str, r.get("fold_redo_at", [])))
             out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps (number "
-                       f"{at}, warm-up included) had inexact one-chunk FP8 folds; lowbit train "
-                       "redoes such a step with exact folds, which the times above leave out")
+                       f"{at}, warm-up included) had inexact one-chunk FP8 folds and were redone "
+                       "with exact ones, as lowbit train does (in the times above)")
     r0 = rows[0]
     data = f"{r0['corpus']} bytes" if r0.get("corpus") else "random tokens"
     return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "

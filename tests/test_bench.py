@@ -32,12 +32,33 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     assert "device must be auto, cpu, cuda or cuda:N (got 'gpu0')" in capsys.readouterr().err
 
 
-def test_bench_train_counts_steps_an_exact_run_would_redo():
+def test_bench_train_counts_the_steps_it_redoes(monkeypatch):
+    """bench train times lowbit.train's own step, redos of inexact FP8 folds included, and
+    counts them: none on the CPU (its folds are exact), and the step whose deferred fold check
+    is forced to count an inexact value (the third of warm-up + timed steps here) is named."""
+    import contextlib
+
+    import lowbit.train.step as step_module
+    from lowbit.dispatch.fold_check import deferred_fold_check
+
     rows = bench_train("tiny", ["bf16", "stable-fp4-fp8"], seq_len=32, batch_size=2, steps=2,
                        warmup=1, progress=lambda message: None)
     assert [(r["fold_redo_steps"], r["steps_run"]) for r in rows] == [(0, 3), (0, 3)]  # CPU: exact
     assert rows[1]["fold_redo_at"] == []
-    rows[1]["fold_redo_steps"], rows[1]["fold_redo_at"] = 1, [2]
+    checks = []
+
+    @contextlib.contextmanager
+    def flagging(device):
+        with deferred_fold_check(device) as check:
+            checks.append(check)
+            if len(checks) == 2:
+                check.counter += 1
+            yield check
+
+    monkeypatch.setattr(step_module, "deferred_fold_check", flagging)
+    rows = bench_train("tiny", ["stable-fp4-fp8"], seq_len=32, batch_size=2, steps=2, warmup=1,
+                       progress=lambda message: None)
+    assert len(checks) == 3 and rows[0]["fold_redo_steps"] == 1 and rows[0]["fold_redo_at"] == [2]
     assert ("stable-fp4-fp8: 1 of 3 steps (number 2, warm-up included) had inexact one-chunk FP8 "
             "folds") in format_rows(rows)
 
@@ -81,11 +102,11 @@ def test_moved_bytes_counts_reads_and_writes():
 def test_bench_train_on_a_corpus_takes_a_new_text_batch_each_step(corpus_env, monkeypatch):
     """--corpus: step i trains on the corpus's batch i (byte tokens, a 256-token model), the
     same batches for every recipe; the table says what it trained on."""
-    import lowbit.train.loop as loop
-    from lowbit.train.loop import TrainingData
+    import lowbit.train.build as build_module
+    from lowbit.train import TrainingData
 
     seen = []
-    build = loop._build_data
+    build = build_module.build_data
 
     def recording(config) -> TrainingData:
         data = build(config)
@@ -97,7 +118,7 @@ def test_bench_train_on_a_corpus_takes_a_new_text_batch_each_step(corpus_env, mo
         data.train_batch = train_batch
         return data
 
-    monkeypatch.setattr(loop, "_build_data", recording)
+    monkeypatch.setattr(build_module, "build_data", recording)
     rows = bench_train("tiny", ["bf16", "mxfp4"], seq_len=32, batch_size=2, steps=2, warmup=1,
                        corpus="tinyshakespeare", progress=lambda message: None)
     from lowbit.models import ModelConfig, build_model

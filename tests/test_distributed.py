@@ -38,15 +38,15 @@ SAME_BATCHES = 1e-2 if ON_CUDA else 1e-4
 # past the step-3 checkpoint: a crash for the resume test.
 CRASH_AT_STEP_4 = textwrap.dedent("""
     import sys
-    import lowbit.train.loop as loop
+    import lowbit.train.step as train_step
     from lowbit.cli import main
 
-    schedule = loop.learning_rate_at
+    schedule = train_step.learning_rate_at
     def crash_at_step_4(step, config):
         if step == 4:
             raise SystemExit(3)
         return schedule(step, config)
-    loop.learning_rate_at = crash_at_step_4
+    train_step.learning_rate_at = crash_at_step_4
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -200,13 +200,13 @@ def test_checkpoints_from_before_fsdp_support_still_load():
     import torch
 
     from lowbit.train.distributed import Distributed
-    from lowbit.train.loop import _param_groups
+    from lowbit.train.build import param_groups
 
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
                                     torch.nn.LayerNorm(8), torch.nn.Linear(8, 10))
-        return model, torch.optim.AdamW(_param_groups(model, 0.1), lr=1e-2)
+        return model, torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2)
 
     model, optimizer = build()
     for _ in range(2):

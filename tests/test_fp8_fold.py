@@ -13,16 +13,24 @@ import threading
 import pytest
 import torch
 
+import lowbit.dispatch as dispatch
+from lowbit.dispatch.fold_check import ACTIVE, deferred_fold_check, watch_chunked_folds
 from lowbit.formats import QuantSpec, quantize_with_spec
-from lowbit.kernels import quantize_triton
-from lowbit.kernels.fp8_gemm import fold_operand
+from lowbit.formats.fold import NAN_ROW, SHIFT_MAX, SHIFT_MIN, BlockExponents, shift_table
+from lowbit.formats.fold import fold_operand
+from lowbit.kernels import quantize_triton, supports
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from lowbit.kernels.fp8_fold import (  # noqa: E402
-    _encode, quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
+    encode_shifted, quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
 )
+
+
+def kernels_on_cpu(monkeypatch):
+    """lowbit.dispatch hands CPU tensors to the kernels too (under the interpreter here)."""
+    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULES = ["floor", "rceil"]
@@ -159,11 +167,9 @@ def no_host_reads():
 
 
 def outside_window(q, transpose=False):
-    """The nonzero values one factor per row leaves in blocks below the window (fp8_gemm's own
-    rules), and the rows that have none."""
-    from lowbit.kernels.fp8_gemm import SHIFT_MIN, _Blocks
-
-    blocks = _Blocks(q, transpose)
+    """The nonzero values one factor per row leaves in blocks below the window (the reference
+    fold's own rules), and the rows that have none."""
+    blocks = BlockExponents(q, transpose)
     f = blocks.factor_exponents([0, blocks.n_blocks])
     over = blocks.live & (blocks.exps - f < SHIFT_MIN)                       # (R, nb)
     nonzero = ((blocks.codes & 0x7) != 0).sum(dim=-1)                       # (R, nb)
@@ -172,20 +178,19 @@ def outside_window(q, transpose=False):
 
 @triton.jit
 def encode_kernel(values_ptr, shift_ptr, bad_ptr, out_ptr, NATIVE_CAST: tl.constexpr):
-    """fp8_fold._encode on 32 cases (rows: a shift and a NaN flag each) x 16 values."""
+    """fp8_fold.encode_shifted on 32 cases (rows: a shift and a NaN flag each) x 16 values."""
     i = tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
     r = tl.arange(0, 32)[:, None]
-    bits = _encode(tl.load(values_ptr + i), tl.load(shift_ptr + r), tl.load(bad_ptr + r) != 0,
+    bits = encode_shifted(tl.load(values_ptr + i), tl.load(shift_ptr + r), tl.load(bad_ptr + r) != 0,
                    1, 16, 32, 16, NATIVE_CAST)
     tl.store(out_ptr + i, bits)
 
 
 def test_encode_equals_the_shift_table():
     """The kernels' E4M3 encoding (E2M1 value * 2^shift through a float32 -> E4M3 conversion)
-    gives fp8_gemm's table entry for every code and every shift in the window, SHIFT_MIN's entry
-    for shifts below it, and E4M3 NaN in NaN blocks."""
+    gives the reference fold's table entry for every code and every shift in the window,
+    SHIFT_MIN's entry for shifts below it, and E4M3 NaN in NaN blocks."""
     from lowbit.formats.elements import E2M1_VALUES
-    from lowbit.kernels.fp8_gemm import _NAN_ROW, SHIFT_MAX, SHIFT_MIN, _shift_table
 
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     values = torch.cat([mags, -mags]).expand(32, 16).contiguous()             # codes 0..15
@@ -199,9 +204,9 @@ def test_encode_equals_the_shift_table():
     out = torch.empty(32, 16, dtype=torch.uint8, device=DEVICE)
     encode_kernel[(1,)](values.to(DEVICE), shifts.to(DEVICE), bad.to(DEVICE), out,
                         NATIVE_CAST=DEVICE == "cuda")
-    table = _shift_table(torch.device("cpu")).reshape(16, 16)
+    table = shift_table(torch.device("cpu")).reshape(16, 16)
     rows = (shifts.clamp(min=SHIFT_MIN) - SHIFT_MIN).long()
-    rows[-11:] = _NAN_ROW
+    rows[-11:] = NAN_ROW
     assert torch.equal(out.cpu(), table[rows])
 
 
@@ -212,8 +217,6 @@ def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades):
     """Inside deferred_fold_check() the kernels fold with one factor per row and never read
     anything back: within the window the result is the exact fold; past it, the check's counter
     holds exactly the number of values left inexact, and every other row is still exact."""
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
-
     spec = QuantSpec.make("mxfp4", block, rule)
     x = spread(67, 200, binades, seed=binades, tile=block)
     narrow = spread(67, 200, 4, seed=1, tile=block)
@@ -221,9 +224,9 @@ def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades):
     x = x.to(DEVICE)
     q = quantize_with_spec(x.cpu(), spec)
     with no_host_reads(), deferred_fold_check(x.device) as check:
-        outs = [(quantize_fold_mxfp4(x, spec), False)]
+        outs = [(quantize_fold_mxfp4(x, spec, counter=check.counter), False)]
         if spec.is_2d:
-            a, a_t = quantize_fold_mxfp4_with_transpose(x, spec)
+            a, a_t = quantize_fold_mxfp4_with_transpose(x, spec, counter=check.counter)
             outs += [(a, False), (a_t, True)]
     expected = 0
     for got, transpose in outs:
@@ -245,11 +248,14 @@ def test_deferred_check_folds_in_one_chunk_without_syncs(rule, block, binades):
     assert check.inexact_values() == expected
 
 
-def test_deferred_check_is_per_thread_nests_and_closes():
+def test_deferred_check_is_per_thread_nests_and_closes(monkeypatch):
     """A check covers its own thread only (another thread's fold stays exact and uncounted); a
     check opened inside another adds its count to the outer one when it closes; a fold handed a
-    closed check is exact."""
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
+    closed check is exact. (lowbit.dispatch.quantize_fold resolves the check; the kernels run.)"""
+    kernels_on_cpu(monkeypatch)
+
+    def quantize_fold_mxfp4(x, spec, check=ACTIVE):
+        return dispatch.quantize_fold(x, spec, check=check)[0]
 
     spec = QuantSpec.make("mxfp4", (1, 32), "rceil")
     x = spread(40, 200, 30, seed=5).to(DEVICE)
@@ -290,7 +296,6 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
     dY case."""
     from dataclasses import replace
 
-    import lowbit.kernels as kernels
     from lowbit.formats.spec import Rounding
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
@@ -309,10 +314,9 @@ def test_linear_fp8_kernel_path_equals_reference_path(monkeypatch, dy_block):
         y.backward(grad)
         return y.detach(), x.grad, w.grad
 
-    with kernels.force_reference():
+    with dispatch.force_reference():
         ref = run()
-    monkeypatch.setattr(kernels, "use_kernels",
-                        lambda x, spec, codes=True: kernels.supports(spec, codes))
+    kernels_on_cpu(monkeypatch)
     got = run()
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
@@ -327,9 +331,7 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch, 
     is lowbit.ops.compiled's custom ops (one graph, AOTAutograd's backward)."""
     from dataclasses import replace
 
-    import lowbit.kernels as kernels
     from lowbit.formats.spec import Rounding
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
@@ -344,8 +346,7 @@ def test_linear_fp8_backward_folds_under_the_check_its_forward_saw(monkeypatch, 
     grad = (torch.randn(64, 40, generator=g) * torch.exp2(torch.tensor([-20.0, 20.0])
                                                           ).repeat_interleave(32)[:, None]
             ).to(DEVICE)
-    monkeypatch.setattr(kernels, "use_kernels",
-                        lambda x, spec, codes=True: kernels.supports(spec, codes))
+    kernels_on_cpu(monkeypatch)
 
     def linear(x, w):
         return quant_linear(x, w, None, lin)
@@ -408,7 +409,6 @@ def test_watch_names_the_layers_whose_exact_folds_need_k_chunks(compiled_quant_l
     thread, eagerly and under torch.compile (the custom ops carry the name); a layer whose
     operands fold in one chunk is not named, nor is an unnamed one, and nothing is noted
     outside a watch."""
-    from lowbit.kernels.fp8_gemm import watch_chunked_folds
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
@@ -449,12 +449,9 @@ def test_transposed_operand_alone_equals_folding_the_transpose(monkeypatch, kern
     """quantize_fold(x, spec, True, rows=False) makes x^T's operand from a row-major read of x
     (what the compiled backward uses); under RNE with square tiles it is quantize_fold(x.mT),
     bit for bit: odd shapes, 30 binades (K-chunks), NaN and zero tiles, kernels and reference."""
-    import lowbit.kernels as kernels
-    from lowbit.kernels.fp8_gemm import quantize_fold
-
+    quantize_fold = dispatch.quantize_fold
     if kernels_on:
-        monkeypatch.setattr(kernels, "use_kernels",
-                            lambda x, spec, codes=True: kernels.supports(spec, codes))
+        kernels_on_cpu(monkeypatch)
     spec = QuantSpec.make("mxfp4", (32, 32), "rceil")
     x = spread(70, 130, 30, seed=9, tile=(32, 32))
     x[:32, 32:64] = float("nan")
@@ -482,9 +479,8 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
     CPU), exactly and under a deferred fold check (one K-chunk each, the count carried to the
     backward). The ops pass torch.library's opcheck (fake shapes; the schema check for the
     forward)."""
-    import lowbit.kernels as kernels
-    import lowbit.kernels.fp8_gemm as fp8_gemm
     from lowbit.ops import quant_linear
+    from lowbit.ops.compiled import op_key
     from lowbit.recipes import get_recipe
 
     lin = get_recipe("stable-fp4-fp8").linear
@@ -494,13 +490,12 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
     dy = torch.randn(72, 40, generator=g).to(DEVICE)
 
     if kernels_on:
-        monkeypatch.setattr(kernels, "use_kernels",
-                            lambda x, spec, codes=True: kernels.supports(spec, codes))
+        kernels_on_cpu(monkeypatch)
 
     def run(linear):
         torch.manual_seed(7)   # dY rounds stochastically: the same draws in both runs
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        with (fp8_gemm.deferred_fold_check(x.device) if deferred
+        with (deferred_fold_check(x.device) if deferred
               else contextlib.nullcontext()) as check:
             y = linear(xi, wi, None, lin, "l")
             y.backward(dy)
@@ -508,14 +503,14 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
 
     eager = run(quant_linear)
     folded = []
-    real = fp8_gemm.quantize_fold
+    real = dispatch.quantize_fold
 
-    def counting(t, spec, transpose_too=False, check=fp8_gemm.ACTIVE, rows=True):
+    def counting(t, spec, transpose_too=False, check=ACTIVE, rows=True):
         out = real(t, spec, transpose_too, check, rows)
         folded.append((tuple(t.shape), transpose_too, rows, out))
         return out
 
-    monkeypatch.setattr(fp8_gemm, "quantize_fold", counting)
+    monkeypatch.setattr(dispatch, "quantize_fold", counting)
     compiled = run(compiled_quant_linear)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     x_t = next(out[1] for shape, t_too, _, out in folded if shape == (72, 96) and t_too)
@@ -527,12 +522,12 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
     assert [(shape, t_too, rows) for shape, t_too, rows, _ in folded] == [
         ((72, 96), True, True), ((40, 96), True, True), ((72, 40), True, True)]
 
-    kept = torch.ops.lowbit.quant_linear_fp8(x, w, lin.op_key, "l", True, True, True)
+    kept = torch.ops.lowbit.quant_linear_fp8(x, w, op_key(lin), "l", True, True, True)
     torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8.default,
-                          (x, w, lin.op_key, "l", True, False, True),
+                          (x, w, op_key(lin), "l", True, False, True),
                           test_utils=("test_schema", "test_faketensor"))
     # (its schema check compares the fp8 inputs before and after with arithmetic that torch
     # does not have for float8 on the CPU)
     torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8_backward.default,
-                          (dy, None, None, kept[1:], lin.op_key, "l", True, True),
+                          (dy, None, None, kept[1:], op_key(lin), "l", True, True),
                           test_utils=("test_faketensor",))

@@ -1,4 +1,4 @@
-"""MXFP4 folded into FP8 E4M3 (lowbit.kernels.fp8_gemm): the folding is bit-exact, the GEMM
+"""MXFP4 folded into FP8 E4M3 (lowbit.formats.fold, lowbit.kernels.fp8_gemm): the folding is bit-exact, the GEMM
 on the folded operands equals an fp64 GEMM of the dequantized operands within its bound.
 
 CPU tests (CI): the exactness window enumerated from torch's own E4M3 cast; fold / fold_operand
@@ -16,11 +16,11 @@ import torch
 
 from lowbit.formats import QTensor, QuantSpec, quantize
 from lowbit.formats.elements import E2M1_VALUES, pack_codes
-from lowbit.kernels import fp8_gemm
-from lowbit.kernels.fp8_gemm import (
+from lowbit.formats.fold import (
     SHIFT_MAX, SHIFT_MIN, WINDOW_SPAN, FoldedOperand, fold, fold_operand, fold_report,
-    fp4_gemm_fp8, weight_operands,
+    shift_table, weight_operands,
 )
+from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, gemm_pieces
 
 ON_GPU = torch.cuda.is_available()
 
@@ -129,7 +129,7 @@ def test_window_is_what_e4m3_holds():
 
 
 def test_shift_table_matches_the_cast():
-    table = fp8_gemm._shift_table(torch.device("cpu")).view(torch.float8_e4m3fn).reshape(16, 16)
+    table = shift_table(torch.device("cpu")).view(torch.float8_e4m3fn).reshape(16, 16)
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float64)
     values = torch.cat([mags, -mags])
     for row, t in enumerate(range(SHIFT_MIN, SHIFT_MAX + 1)):
@@ -384,7 +384,7 @@ def test_chunked_operands_with_different_bounds():
     b = make_q(codes_b, torch.tensor([[0, 0, -30, -30, -30, -30, 10, 10]]).repeat(6, 1), (1, 32))
     assert fold_operand(a).bounds == (0, 32, 128, 256)
     assert fold_operand(b).bounds == (0, 64, 192, 256)
-    assert len(fp8_gemm._pieces(fold_operand(a), fold_operand(b))) == 5
+    assert len(gemm_pieces(fold_operand(a), fold_operand(b))) == 5
     ref, bound = reference_gemm(a, b)
     out = fp4_gemm_fp8(a, b, out_dtype=torch.float64)
     assert ((out - ref).abs() <= bound).all()
@@ -396,17 +396,18 @@ def test_scaled_mm_call_conventions_on_cpu():
     a = quantize(spread(24, 200, 30, 5), "mxfp4", block=(1, 32), scale_rule="rceil")
     b = quantize(spread(40, 200, 6, 6), "mxfp4", block=(1, 32), scale_rule="floor")
     fa, fb = fold_operand(a), fold_operand(b)
-    pieces = fp8_gemm._pieces(fa, fb)
+    pieces = gemm_pieces(fa, fb)
     try:
-        out = fp8_gemm._gemm_scaled_mm(fa, fb, pieces, torch.float32, False)
+        out = fp4_gemm_fp8(fa, fb, torch.float32, backend="scaled_mm")
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"no CPU torch._scaled_mm here: {e}")
     assert len(pieces) > 1
     ref, bound = reference_gemm(a, b)
     assert ((out.double() - ref).abs() <= bound + ref.abs() * 2.0**-24).all()
     try:   # bf16 output takes the row-wise scales directly, which not every CPU build has
-        one = fp8_gemm._gemm_scaled_mm(fold_operand(b), fold_operand(b), [(0, 200, 0, 0)],
-                                       torch.bfloat16, False)
+        fb1 = fold_operand(b)
+        assert gemm_pieces(fb1, fb1) == [(0, 200, 0, 0)]
+        one = fp4_gemm_fp8(fb1, fb1, torch.bfloat16, backend="scaled_mm")
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"this torch's CPU _scaled_mm has no row-wise scales: {str(e)[:200]}")
     ref_b, bound_b = reference_gemm(b, b)
@@ -482,13 +483,15 @@ def test_fp8_linear_folds_transposed_copies_only_for_a_backward(monkeypatch):
     """stable-fp4-fp8's forward makes the transposed folded copies of X and W only when a
     backward will use them: not under no_grad (evaluation), not for X^T when W needs no
     gradient; the output is the same either way."""
+    import lowbit.dispatch as dispatch
+    from lowbit.dispatch.fold_check import ACTIVE
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
     calls = []
-    original = fp8_gemm.quantize_fold
-    monkeypatch.setattr(fp8_gemm, "quantize_fold",
-                        lambda t, spec, transpose_too=False, check=fp8_gemm.ACTIVE:
+    original = dispatch.quantize_fold
+    monkeypatch.setattr(dispatch, "quantize_fold",
+                        lambda t, spec, transpose_too=False, check=ACTIVE:
                         calls.append(transpose_too) or original(t, spec, transpose_too, check))
     lin = get_recipe("stable-fp4-fp8").linear
     x = torch.randn(64, 64, requires_grad=True)

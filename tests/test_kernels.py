@@ -27,10 +27,11 @@ import lowbit  # noqa: E402
 from lowbit.formats import QuantSpec, ScaleRule, quantize_dequantize, quantize_with_spec  # noqa: E402
 from lowbit.formats.elements import decode  # noqa: E402
 from lowbit.formats.quantize import blocked  # noqa: E402
+from lowbit.dispatch import force_reference, reference_forced, use_kernels  # noqa: E402
 from lowbit.kernels import (  # noqa: E402
-    _run, fake_quantize_triton, fake_quantize_triton_with_transpose, force_reference,
-    kernels_available, quantize_triton, quantize_triton_with_transpose, reference_forced,
-    stochastic_uniforms, supports, use_kernels,
+    fake_quantize_triton, fake_quantize_triton_with_transpose, kernels_available,
+    quantize_triton, quantize_triton_with_transpose, run_quantize_kernel, stochastic_uniforms,
+    supports,
 )
 from lowbit.kernels.checks import (  # noqa: E402
     adversarial, assert_bits_equal, assert_same_qtensor, contract_uniforms, nvfp4_order_cases,
@@ -239,7 +240,7 @@ def test_stochastic_rounding_bits_do_not_depend_on_the_launch_config(spec):
     x = spread((48, 96), seed=8)
     br, bc = spec.block
     configs = [None, TileConfig(max(br, 8), bc, 1), TileConfig(max(br, 32), 256, 4)]
-    outs = [_run(x, spec, 5, None, codes=True, values=True, transpose=False, config=c)
+    outs = [run_quantize_kernel(x, spec, 5, None, codes=True, values=True, transpose=False, config=c)
             for c in configs]
     for codes, values in outs[1:]:
         assert torch.equal(codes.codes, outs[0][0].codes) and torch.equal(values, outs[0][1])
@@ -269,7 +270,7 @@ def test_stochastic_rounding_unbiased_neighbours_and_seeded(spec):
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 3, shape, generator=g).float())
     stacked = x.repeat(n, 1).to(DEVICE)                               # (n * rows, cols)
     big = TileConfig(64, shape[1], 4)
-    _, draws = _run(stacked, spec, 3, None, codes=True, values=True, transpose=False, config=big)
+    _, draws = run_quantize_kernel(stacked, spec, 3, None, codes=True, values=True, transpose=False, config=big)
     draws = draws.cpu().double().reshape(n, *x.shape)
     q = reference(x, with_rounding(spec, "rne"))
     inside = x.abs() <= q.block_max()
@@ -562,18 +563,18 @@ def test_rht_rows_refuses_what_it_does_not_cover():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from lowbit.kernels.quantize import _rotate16  # noqa: E402
+from lowbit.kernels.quantize import rotate16  # noqa: E402
 
 
 @triton.jit
 def _rotate_kernel(x_ptr, signs_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr,
                    NATIVE_CAST: tl.constexpr):
-    """_rotate16 alone on an (R, C) tensor."""
+    """rotate16 alone on an (R, C) tensor."""
     rows = tl.arange(0, R)[:, None]
     cols = tl.arange(0, C)
     x = tl.load(x_ptr + rows * C + cols[None, :]).to(tl.float32)
     tl.store(out_ptr + rows * C + cols[None, :],
-             _rotate16(x, x_ptr, signs_ptr, cols, R, C, NATIVE_CAST))
+             rotate16(x, x_ptr, signs_ptr, cols, R, C, NATIVE_CAST))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -597,14 +598,14 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     """nvfp4's wgrad operands through the fused row-group kernel give the layer the same
     gradients, bit for bit, as the rotation followed by the quantize kernel (kernels forced on the
     interpreter, or on the GPU; the same draws from torch's generator either way)."""
-    import lowbit.kernels as kernels
-    import lowbit.ops.linear as linear
+    import lowbit.dispatch as dispatch
+    from lowbit.formats import random_hadamard
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
     import lowbit.kernels.hadamard as hadamard
 
-    monkeypatch.setattr(kernels, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
     fused_calls = []
     fake_quantize = hadamard.fake_quantize_rht_rows
 
@@ -628,16 +629,15 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     fused = grads()
     assert len(fused_calls) == 2                  # dY^T and X^T, each through the fused kernel
     calls = []
-    unfused = linear._rotated_operand
+    unfused = dispatch.rotated_fake_quantize
 
     def rotate_then_quantize(t, spec, signs):
         calls.append(1)
         # contiguous, as the fused kernel writes it: on the GPU the wgrad GEMM's bits depend
         # on its operands' layout (cuBLAS picks its kernel by it), not only their values
-        return linear.operand(linear.random_hadamard(t.mT, signs), spec,
-                              reduce_dim=1).mT.contiguous()
+        return dispatch.quantize_dequantize(random_hadamard(t.mT, signs), spec).mT.contiguous()
 
-    monkeypatch.setattr(linear, "_rotated_operand", rotate_then_quantize)
+    monkeypatch.setattr(dispatch, "rotated_fake_quantize", rotate_then_quantize)
     plain = grads()
     assert calls and unfused is not rotate_then_quantize
     assert_bits_equal(fused[0], plain[0])

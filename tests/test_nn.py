@@ -9,6 +9,7 @@ from lowbit.formats import QuantSpec
 from lowbit.models import ModelConfig, build_model
 from lowbit.nn import QuantExperts, QuantLinear, convert, quantization_disabled
 from lowbit.ops import fake_quantize, gemm_operands, operand, quant_linear, random_hadamard
+from lowbit.ops.compiled import op_key
 from lowbit.recipes import LinearRecipe, get_recipe, recipe_names
 
 
@@ -51,11 +52,11 @@ def test_quantization_off_is_exactly_nn_linear():
 def test_all_operands_high_precision_through_the_function_matches_f_linear():
     # An explicit recipe whose six operands are None takes the plain F.linear path too,
     # and the autograd.Function on identity operands gives the same GEMMs.
-    from lowbit.ops.linear import _QuantLinear
+    from lowbit.ops.linear import QuantLinearFunction
     x, w, dy = linear_inputs()
     ident = LinearRecipe()
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = _QuantLinear.apply(xa, wa, None, ident)
+    y = QuantLinearFunction.apply(xa, wa, None, ident)
     y.backward(dy)
     ref = run_linear(x, w, dy, None)
     assert torch.equal(y, ref[0]) and torch.equal(xa.grad, ref[1]) and torch.equal(wa.grad, ref[2])
@@ -271,10 +272,10 @@ def test_fp8_tensor_core_gemms_multiply_the_same_fp4_operands(name, monkeypatch)
     folded GEMM is emulated in FP32, so it must match the dequantize + GEMM path."""
     from dataclasses import replace
 
-    import lowbit.kernels.fp8_gemm as fp8_gemm
+    import lowbit.ops.gemms as gemms
     calls = []
-    real = fp8_gemm.fp4_gemm_fp8
-    monkeypatch.setattr(fp8_gemm, "fp4_gemm_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gemms.fp4_gemm_fp8
+    monkeypatch.setattr(gemms, "fp4_gemm_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
     x, w, dy = linear_inputs()
     emulated = get_recipe(name).linear
     torch.manual_seed(3)
@@ -302,7 +303,7 @@ def test_fast_accumulation_is_chosen_per_fp8_gemm(monkeypatch):
     stable-fp4-fp8 fast-accumulates in fprop only, as Transformer Engine does."""
     from dataclasses import replace
 
-    import lowbit.kernels.fp8_gemm as fp8_gemm
+    import lowbit.ops.gemms as gemms
 
     fp8 = replace(get_recipe("stable-fp4").linear, gemm="fp8")
     with pytest.raises(ValueError, match="fast_accum names GEMMs, 'fprop', 'dgrad', 'wgrad'; "
@@ -313,14 +314,14 @@ def test_fast_accumulation_is_chosen_per_fp8_gemm(monkeypatch):
     both = replace(fp8, fast_accum=("wgrad", "fprop"))
     assert both.fast_accum == ("fprop", "wgrad")
     assert replace(fp8, fast_accum="dgrad").fast_accum == ("dgrad",)
-    assert both.op_key != fp8.op_key and "fast accumulation: fprop, wgrad" in both.describe()
+    assert op_key(both) != op_key(fp8) and "fast accumulation: fprop, wgrad" in both.describe()
     s8 = get_recipe("stable-fp4-fp8")
     assert s8.linear.fast_accum == ("fprop",)
     assert s8.linear_for("model.layers.0.self_attn.v_proj").gemm.value == "emulated"
 
     flags = []
-    real = fp8_gemm.fp4_gemm_fp8
-    monkeypatch.setattr(fp8_gemm, "fp4_gemm_fp8",
+    real = gemms.fp4_gemm_fp8
+    monkeypatch.setattr(gemms, "fp4_gemm_fp8",
                         lambda *a, use_fast_accum=False, **k: flags.append(use_fast_accum)
                         or real(*a, use_fast_accum=use_fast_accum, **k))
     x, w, dy = linear_inputs()
@@ -356,13 +357,13 @@ def test_the_compiled_ops_pass_torch_library_opcheck(recipe):
     dy = torch.randn(64, 40, generator=g)
     for r in (lin, nearest):
         torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
-                              (x, w, r.op_key, True, True),
+                              (x, w, op_key(r), True, True),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.lowbit.quant_linear_backward.default,
-                              (dy, x.detach(), w.detach(), r.op_key, False, False, True, True),
+                              (dy, x.detach(), w.detach(), op_key(r), False, False, True, True),
                               test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.lowbit.quant_linear.default,
-                          (x, w, nearest.op_key, True, True),
+                          (x, w, op_key(nearest), True, True),
                           test_utils=("test_aot_dispatch_dynamic",))
 
 
@@ -373,7 +374,7 @@ def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch
     tiles let the backward reuse them (stable-fp4: both; nvfp4: W's 16x16 tiles), as the eager
     Function saves them: the backward quantizes only dY (and nvfp4's 1D X along tokens), and
     the output and gradients are the eager layer's bit for bit."""
-    import lowbit.ops.linear as linear
+    import lowbit.ops.gemms as gemms
     from lowbit.ops import quant_linear
 
     lin = get_recipe(recipe).linear
@@ -389,8 +390,8 @@ def test_the_compiled_emulated_linear_quantizes_shared_operands_once(monkeypatch
 
     eager = run(quant_linear)
     quantized = []
-    real = linear.operand
-    monkeypatch.setattr(linear, "operand", lambda t, spec, reduce_dim: (
+    real = gemms.operand
+    monkeypatch.setattr(gemms, "operand", lambda t, spec, reduce_dim: (
         quantized.append((tuple(t.shape), reduce_dim)) or real(t, spec, reduce_dim)))
     compiled = run(compiled_quant_linear)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
@@ -425,11 +426,11 @@ def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(
     compiled = run(compiled_quant_linear)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(compiled, eager))
     if recipe == "stable-fp4":
-        _, x_f, w_f = torch.ops.lowbit.quant_linear(x, w, lin.op_key, True, True)
+        _, x_f, w_f = torch.ops.lowbit.quant_linear(x, w, op_key(lin), True, True)
         grads = []
         for a, b, kept in ((x, w, False), (x_f, w_f, True)):
             torch.manual_seed(7)   # dY rounds stochastically: the same draws
-            grads.append(torch.ops.lowbit.quant_linear_backward(dy, a, b, lin.op_key, kept,
+            grads.append(torch.ops.lowbit.quant_linear_backward(dy, a, b, op_key(lin), kept,
                                                                 kept, True, True))
         assert all(torch.equal(a, b) for a, b in zip(*grads))
 
@@ -476,15 +477,15 @@ def test_a_linear_recipe_names_itself_to_the_ops_by_a_key_that_survives_copies()
     from dataclasses import replace
 
     from lowbit.formats.spec import Rounding
-    from lowbit.recipes import recipe_for_op_key
+    from lowbit.ops.compiled import recipe_for_op_key
 
     lin = get_recipe("stable-fp4").linear
     same = replace(lin)
     other = replace(lin, dgrad_dy=replace(lin.dgrad_dy, rounding=Rounding.RNE))
-    assert same.op_key == lin.op_key and other.op_key != lin.op_key
-    assert recipe_for_op_key(other.op_key) == other
+    assert op_key(same) == op_key(lin) and op_key(other) != op_key(lin)
+    assert recipe_for_op_key(op_key(other)) == other
     for copied in (pickle.loads(pickle.dumps(other)), copy.deepcopy(other)):
-        assert copied == other and recipe_for_op_key(copied.op_key) == other
+        assert copied == other and recipe_for_op_key(op_key(copied)) == other
 
 
 def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():

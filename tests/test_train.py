@@ -20,8 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lowbit.train.loop as loop
+import lowbit.train.step as step_module
 from lowbit.train import (NonFiniteLossError, TrainConfig, compare, learning_rate_at,
                           plot_runs, train)
+from lowbit.train.build import param_groups
 from lowbit.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from lowbit.train.cli_args import (add_plot_arguments, add_train_arguments, config_from_args,
                                    run_plot, run_train)
@@ -175,7 +177,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 def test_weight_decay_spares_norms_biases_and_embeddings():
     model = StandInLM()
-    groups = loop._param_groups(model, weight_decay=0.1)
+    groups = param_groups(model, weight_decay=0.1)
     decayed = {id(p) for p in groups[0]["params"]}
     assert decayed == {id(model.mix.weight), id(model.head.weight)}
     # The rest: the embedding, two biases and the LayerNorm's weight and bias.
@@ -318,7 +320,6 @@ def test_unknown_recipe_is_refused_before_the_run_folder_is_made(tmp_path):
 
 
 def test_resume_is_exact_under_a_stochastic_rounding_recipe(tmp_path):
-    pytest.importorskip("lowbit.nn")
     # nvfp4 rounds gradients stochastically and draws random Hadamard signs, all from torch's
     # default generator, which the checkpoint must carry.
     whole = run(make_config(tmp_path, run_name="whole", recipe="nvfp4"), dropout=0.2)
@@ -338,7 +339,7 @@ def force_inexact_folds(monkeypatch, count: int = 1, at=(2, 5)) -> list:
     """Make the loop's deferred fold checks count `count` inexact values at the checks numbered
     `at` (1-based: one check per step, so steps 2 and 5 of a fresh run; CPU folds are exact).
     Returns the list of checks made, for counting them."""
-    from lowbit.kernels.fp8_gemm import deferred_fold_check
+    from lowbit.dispatch.fold_check import deferred_fold_check
 
     calls = []
 
@@ -350,7 +351,7 @@ def force_inexact_folds(monkeypatch, count: int = 1, at=(2, 5)) -> list:
                 check.counter += count
             yield check
 
-    monkeypatch.setattr(loop, "deferred_fold_check", flagging)
+    monkeypatch.setattr(step_module, "deferred_fold_check", flagging)
     return calls
 
 
@@ -359,7 +360,6 @@ def test_an_inexact_sync_free_fold_redoes_the_step_from_the_same_rng_state(tmp_p
     RNG state it started with, so the run equals one where no fold was inexact. The count is
     forced here at steps 2 and 5 (CPU folds are exact); dropout and stochastic rounding make a
     redo that drew from a moved RNG give other losses."""
-    pytest.importorskip("lowbit.nn")
     whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"), dropout=0.2)
     calls = force_inexact_folds(monkeypatch)
     redone = run(make_config(tmp_path, run_name="redone", recipe="stable-fp4-fp8"), dropout=0.2)
@@ -417,8 +417,8 @@ def test_plot_runs_writes_one_png_for_several_runs(tmp_path):
 @pytest.fixture
 def stand_in_builders(monkeypatch):
     """Make train() build the stand-ins, as it builds lowbit.models / lowbit.data for real."""
-    monkeypatch.setattr(loop, "_build_data", StandInData)
-    monkeypatch.setattr(loop, "_build_model", lambda config, vocab_size: StandInLM())
+    monkeypatch.setattr(loop, "build_data", StandInData)
+    monkeypatch.setattr(loop, "build_model", lambda config, vocab_size: StandInLM())
 
 
 def test_compare_tabulates_runs_on_the_same_data(tmp_path, stand_in_builders):
@@ -441,7 +441,7 @@ def test_cli_train_runs_and_turns_nonfinite_stop_into_exit_1(tmp_path, stand_in_
     run_train(parse_train(*common, "--compare", "bf16,mxfp4", "--run-name", "cmp"))
     table = capsys.readouterr().out
     assert "| cmp-mxfp4 | mxfp4 |" in table and (tmp_path / "cmp" / "loss.png").is_file()
-    monkeypatch.setattr(loop, "_build_model",
+    monkeypatch.setattr(loop, "build_model",
                         lambda config, vocab_size: PoisonedLM(set(range(1, 100))))
     stop_early = ("--run-name", "nan", "--max-consecutive-nonfinite", "2", "--recipe", "bf16")
     with pytest.raises(SystemExit) as stopped:
@@ -561,7 +561,6 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
     graph (buffers, zeroing, the redo, resume) is checked without the capture. With compile,
     the compiled model is captured (its folds' count included) and equals the compiled eager
     run."""
-    pytest.importorskip("lowbit.nn")
     import lowbit.train.graphs as graphs
     from lowbit.train.graphs import GraphedGradients
 
@@ -606,7 +605,6 @@ def test_fold_inexact_round_keeps_the_step_and_logs_the_count(tmp_path, monkeypa
     """--fold-inexact round: a step whose one-chunk folds were inexact (forced at steps 2 and
     5, as above) is not redone; the count is logged as a fold_rounded record. On the CPU the
     folds are exact either way, so the run equals the default one; a bad value is refused."""
-    pytest.importorskip("lowbit.nn")
     whole = run(make_config(tmp_path, run_name="whole", recipe="stable-fp4-fp8"))
     calls = force_inexact_folds(monkeypatch, count=3)
     kept = run(make_config(tmp_path, run_name="kept", recipe="stable-fp4-fp8",
@@ -626,8 +624,7 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
     watch reports `mix` at the forced redos of steps 2 and 5) move to the emulated path once
     (a fold_adapted record, kept in the checkpoint), the same FP4 values; a run that crashes
     after the step-4 checkpoint resumes with `mix` emulated and continues bit for bit."""
-    pytest.importorskip("lowbit.nn")
-    from lowbit.kernels.fp8_gemm import watch_chunked_folds
+    from lowbit.dispatch.fold_check import watch_chunked_folds
     from lowbit.recipes import Gemm
 
     models = []
@@ -639,7 +636,7 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
             yield seen
             seen.add("mix")
 
-    monkeypatch.setattr(loop, "watch_chunked_folds", mix_is_chunked)
+    monkeypatch.setattr(step_module, "watch_chunked_folds", mix_is_chunked)
 
     def adapt_run(name, **kwargs):
         calls.clear()

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import lowbit
-
 CORPORA = ("tinyshakespeare", "wikitext2", "gutenberg", "english", "pycode")
 
 # Whole books held out of `gutenberg` for validation (~5% of its bytes). Named rather than
@@ -71,8 +69,8 @@ def data_root(path: str | os.PathLike | None = None) -> Path:
             raise FileNotFoundError(f"{source} {str(root)!r} is not a directory; pass --data-dir or set "
                                     f"LOWBIT_DATA to the folder holding tinyshakespeare/, wikitext-2/, ...")
         return root
-    # lowbit/__init__.py -> lowbit/ -> checkout -> its parent, where shared/ lives.
-    beside_checkout = Path(lowbit.__file__).resolve().parents[2] / "shared" / "data"
+    # lowbit/data/corpora.py -> lowbit/data/ -> lowbit/ -> checkout -> its parent (shared/).
+    beside_checkout = Path(__file__).resolve().parents[3] / "shared" / "data"
     if beside_checkout.is_dir():
         return beside_checkout
     raise FileNotFoundError(f"no data directory found (looked for {beside_checkout}); pass --data-dir "

@@ -16,7 +16,8 @@ from typing import Iterator
 import torch
 
 from lowbit.diagnostics.quant_error import QuantError, quantization_error
-from lowbit.formats import QuantSpec, quantize_with_spec
+from lowbit.dispatch import quantize_with_spec
+from lowbit.formats import QuantSpec
 from lowbit.formats.spec import FORMATS
 
 __all__ = ["InspectError", "parse_format", "parse_shape", "iter_safetensors", "inspect_tensors",

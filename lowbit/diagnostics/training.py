@@ -17,9 +17,9 @@ import math
 import torch
 from torch import nn
 
-from lowbit.formats import quantize_with_spec
+from lowbit.dispatch import quantize_with_spec
 from lowbit.nn import QuantExperts, QuantLinear, quantization_disabled
-from lowbit.ops.linear import gemm_operands
+from lowbit.ops.gemms import gemm_operands
 
 __all__ = ["training_diagnostics", "relative_difference", "cosine"]
 

@@ -1,7 +1,8 @@
 """The reference quantizer: block scaling (1D and 2D), scale rules, rounding, special values.
 
 This plain-PyTorch code is the definition every kernel is tested against, bit for bit. It
-runs on any device; on the CPU it is lowbit's bit-exact emulator.
+runs on any device, always as written here (lowbit.dispatch is where a CUDA tensor is handed
+to the Triton kernels instead); on the CPU it is lowbit's bit-exact emulator.
 
 Layout. A tensor (..., R, C) is padded with zeros to (..., Rp, Cp), multiples of the block,
 and viewed as (..., R/br, br, C/bc, bc); 1D blocks are the case br = 1 (no row padding).
@@ -37,10 +38,11 @@ import torch
 from lowbit.formats.elements import (
     ElementFormat, e8m0_to_float, encode, pack_codes, round_to_grid,
 )
+from lowbit.formats.qtensor import QTensor
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "blocked", "unblocked", "tensor_scale_of",
-           "NVFP4_TENSOR_SCALE_MIN"]
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "blocked", "unblocked",
+           "tensor_scale_of", "check_input", "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -50,7 +52,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = None,
              scale_rule: str | None = None, rounding: str = "rne",
              tensor_scale: bool | None = None,
-             generator: torch.Generator | None = None) -> "QTensor":
+             generator: torch.Generator | None = None) -> QTensor:
     """Quantize `x` to `format` ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "int2".."int8",
     "ternary", "binary") and return a packed `QTensor`.
 
@@ -65,15 +67,8 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
 
 
 def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
-                       generator: torch.Generator | None = None) -> "QTensor":
-    """quantize() with a prebuilt QuantSpec. CUDA tensors take the Triton kernel when one
-    covers the spec (same bits; stochastic rounding draws Philox, not torch.rand)."""
-    from lowbit import kernels  # lazy: lowbit.kernels imports lowbit.formats
-    from lowbit.formats.qtensor import QTensor
-
-    if kernels.use_kernels(x, spec):
-        return kernels.quantize_triton(x, spec, generator=generator)
-
+                       generator: torch.Generator | None = None) -> QTensor:
+    """quantize() with a prebuilt QuantSpec."""
     g = _on_grid(x, spec, generator)
     codes = encode(g.values, spec.info.element)
     codes = torch.where(g.nonfinite[..., :, None, :, None], torch.zeros_like(codes), codes)
@@ -95,12 +90,7 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """quantize_with_spec(x, spec).dequantize(dtype), bit for bit, without encoding and
-    packing codes: the emulated GEMM path ("fake quantization"). CUDA tensors take the fused
-    Triton kernel when one covers the spec."""
-    from lowbit import kernels
-
-    if kernels.use_kernels(x, spec, codes=False):
-        return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
+    packing codes: the emulated GEMM path ("fake quantization")."""
     g = _on_grid(x, spec, generator)
     kind = spec.info.scale_kind
     if kind is ScaleKind.E4M3:  # the same float32 products QTensor.element_scales() forms
@@ -130,7 +120,7 @@ class _OnGrid(NamedTuple):
 def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
     """Block scales and the scaled, rounded element values: the part quantize and
     quantize_dequantize share."""
-    _check_input(x, spec)
+    check_input(x, spec)
     element = spec.info.element
     xf = x.to(torch.float32)
     blocks, pad_rows = blocked(xf, spec.block)           # (..., nR, br, nC, bc)
@@ -245,7 +235,9 @@ def unblocked(blocks: torch.Tensor, pad_rows: int) -> torch.Tensor:
     return flat[..., : nr * br - pad_rows, :] if pad_rows else flat
 
 
-def _check_input(x, spec: QuantSpec) -> None:
+def check_input(x, spec: QuantSpec) -> None:
+    """Refuse what no quantizer takes: not a float32/bfloat16/float16 tensor, an empty or 0-dim
+    one, or a 1-D one with 2D tiles (one line that says what to do)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:

@@ -7,13 +7,10 @@ rounding seed contract).
     q, q_t = quantize_triton_with_transpose(x, spec2d)       # q_t == q.t(), from the same pass
     x_hat, x_hat_t = fake_quantize_triton_with_transpose(x, spec2d)
 
-Dispatch: `use_kernels(x, spec)` is True for CUDA tensors when triton imports, the spec is
-one the kernels cover (`supports(spec)`: NVFP4 and MX formats, power-of-two blocks; for fake
-quantization also intK, `supports(spec, codes=False)`), and the
-reference is not forced (`LOWBIT_FORCE_REFERENCE=1` in the environment, or inside
-`with force_reference():`). CPU tensors always take the reference: under TRITON_INTERPRET=1
-(the CPU test mode) the kernels run on CPU tensors when called directly, but the reference
-must stay the reference there, since it is their oracle.
+The kernels cover `supports(spec)`: NVFP4 and MX formats with power-of-two blocks, and for
+fake quantization also intK (`supports(spec, codes=False)`). They run on CUDA tensors, and on
+CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter: the CPU test mode). Which of a
+kernel and the reference a quantizer runs is lowbit.dispatch's choice, not this package's.
 
 Importing this package does not import triton; the kernels load on first use.
 """
@@ -27,33 +24,17 @@ import os
 import torch
 
 from lowbit.formats.qtensor import QTensor
+from lowbit.formats.quantize import check_input
 from lowbit.formats.spec import QuantSpec, ScaleKind
 
 __all__ = ["quantize_triton", "fake_quantize_triton", "quantize_triton_with_transpose",
-           "fake_quantize_triton_with_transpose", "kernels_available", "use_kernels",
-           "supports", "force_reference", "reference_forced", "triton_importable",
-           "stochastic_uniforms"]
-
-_force_depth = 0
+           "fake_quantize_triton_with_transpose", "kernels_available", "supports",
+           "triton_importable", "stochastic_uniforms", "seed_tensor", "interpret_mode",
+           "run_quantize_kernel"]
 
 
-@contextlib.contextmanager
-def force_reference():
-    """Inside this block (and with LOWBIT_FORCE_REFERENCE=1 set), use_kernels() is False, so
-    every quantizer runs the plain-PyTorch reference."""
-    global _force_depth
-    _force_depth += 1
-    try:
-        yield
-    finally:
-        _force_depth -= 1
-
-
-def reference_forced() -> bool:
-    return _force_depth > 0 or os.environ.get("LOWBIT_FORCE_REFERENCE", "0") not in ("", "0")
-
-
-def _interpret_env() -> bool:
+def interpret_mode() -> bool:
+    """TRITON_INTERPRET=1 is set: Triton runs its kernels in its CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -72,7 +53,7 @@ def kernels_available(x: torch.Tensor) -> bool:
     TRITON_INTERPRET=1 (Triton's interpreter; slow, for tests)."""
     if not triton_importable():
         return False
-    return x.is_cuda or (x.device.type == "cpu" and _interpret_env())
+    return x.is_cuda or (x.device.type == "cpu" and interpret_mode())
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,13 +73,6 @@ def supports(spec: QuantSpec, codes: bool = True) -> bool:
     return pow2 and (bc <= 128 if br == 1 else bc <= 64)
 
 
-def use_kernels(x: torch.Tensor, spec: QuantSpec, codes: bool = True) -> bool:
-    """Whether a quantizer should run the Triton kernels on x: CUDA only (see module doc).
-    codes=False asks for fake quantization (values only), which covers intK too."""
-    return (x.is_cuda and not reference_forced() and supports(spec, codes)
-            and kernels_available(x))
-
-
 def quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                     generator: torch.Generator | None = None) -> QTensor:
     """Quantize x with the fused kernel: a QTensor equal bit for bit to
@@ -108,13 +82,13 @@ def quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
     host sync), or None: drawn from `generator` (default: torch's default generator of x's
     device), so torch.manual_seed fixes it.
     """
-    return _run(x, spec, seed, generator, codes=True, values=False, transpose=False)[0]
+    return run_quantize_kernel(x, spec, seed, generator, codes=True, values=False, transpose=False)[0]
 
 
 def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                                    generator: torch.Generator | None = None) -> tuple[QTensor, QTensor]:
     """(q, q_t) from one pass over x, with q_t == q.t() bit for bit (square 2D tiles only)."""
-    q, q_t = _run(x, spec, seed, generator, codes=True, values=False, transpose=True)
+    q, q_t = run_quantize_kernel(x, spec, seed, generator, codes=True, values=False, transpose=True)
     return q, q_t
 
 
@@ -127,7 +101,7 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
     in x's shape and `dtype` (default x's).
 
     hadamard: 16 signs (+-1): fake-quantize the random Hadamard transform of x's last dim
-    instead, `quantize_dequantize(random_hadamard(x, signs), spec)` (lowbit.ops.linear), fused:
+    instead, `quantize_dequantize(random_hadamard(x, signs), spec)` (lowbit.formats), fused:
     the transform runs in registers (also in the two-level tensor amax's pass), nothing is
     written between. 1D blocks, x 2-D, its last dim a multiple of 16."""
     if hadamard is not None:
@@ -138,7 +112,7 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
         if hadamard.shape != (16,):
             raise ValueError(f"hadamard must hold 16 signs, got shape {tuple(hadamard.shape)}")
         hadamard = hadamard.to(x.device, torch.float32)
-    return _run(x, spec, seed, generator, codes=False, values=True, transpose=False,
+    return run_quantize_kernel(x, spec, seed, generator, codes=False, values=True, transpose=False,
                 out_dtype=dtype, hadamard=hadamard)[0]
 
 
@@ -147,7 +121,7 @@ def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=N
                                         dtype: torch.dtype | None = None):
     """(x_hat, x_hat_t): the fake-quantized x and its transpose (last two dims, contiguous),
     written from the same registers (square 2D tiles only)."""
-    x_hat, x_hat_t = _run(x, spec, seed, generator, codes=False, values=True, transpose=True,
+    x_hat, x_hat_t = run_quantize_kernel(x, spec, seed, generator, codes=False, values=True, transpose=True,
                           out_dtype=dtype)
     return x_hat, x_hat_t
 
@@ -165,11 +139,14 @@ def stochastic_uniforms(shape, seed, device="cuda") -> torch.Tensor:
         rows *= d
     device = torch.device(device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        u = kq.uniforms(rows, cols, _seed_tensor(seed, None, device))
+        u = kq.uniforms(rows, cols, seed_tensor(seed, None, device))
     return u.reshape(shape)
 
 
-def _seed_tensor(seed, generator, device) -> torch.Tensor:
+def seed_tensor(seed, generator, device) -> torch.Tensor:
+    """A stochastic-rounding seed as the kernels take it, a one-element int64 tensor on
+    `device`: `seed` as given (int or tensor), or one drawn from `generator` (default: torch's
+    default generator of `device`) when it is None."""
     if isinstance(seed, torch.Tensor):
         if seed.numel() != 1 or seed.dtype != torch.int64:
             raise ValueError(f"a tensor seed must hold one int64, got {seed.dtype} {tuple(seed.shape)}")
@@ -183,12 +160,15 @@ def _seed_tensor(seed, generator, device) -> torch.Tensor:
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
-def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, config=None,
-         hadamard=None):
-    from lowbit.formats.quantize import _check_input
+def run_quantize_kernel(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None,
+                        config=None, hadamard=None) -> list:
+    """The one launch every entry point above makes: [QTensor (codes), its transpose's
+    (codes and transpose), the values (values), their transpose's (values and transpose)], in
+    that order, of what is asked for. config: a kernels.quantize.TileConfig (tests and
+    tuning sweeps try others than the default)."""
     from lowbit.kernels import quantize as kq
 
-    _check_input(x, spec)
+    check_input(x, spec)
     if not supports(spec, codes):
         why = (" as a QTensor (they write no int codes; fake_quantize_triton covers it)"
                if supports(spec, codes=False) else "")
@@ -204,7 +184,7 @@ def _run(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None, 
     else:
         x3 = x.reshape(1, -1, shape[-1])                # 1D blocks: all rows are alike
     stochastic = spec.rounding.value == "stochastic"
-    seed_t = _seed_tensor(seed, generator, x.device) if stochastic else None
+    seed_t = seed_tensor(seed, generator, x.device) if stochastic else None
     if out_dtype is not None and out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"fake quantization writes float32, bfloat16 or float16, not {out_dtype}")
     with kq.on_device(x):

@@ -5,7 +5,7 @@
     a, a_t = quantize_fold_mxfp4_with_transpose(x, spec2d) # both, from the same two passes
 
 The result equals `fold_operand(quantize_with_spec(x, spec), transpose)` bit for bit: the same
-E4M3 bytes, factors, K-chunk bounds and NaN rows (lowbit/kernels/fp8_gemm.py derives the
+E4M3 bytes, factors, K-chunk bounds and NaN rows (lowbit/formats/fold.py derives the
 folding; lowbit/kernels/quantize.py how the quantizer's bits match the reference).
 
 Why two passes: a row's factor, and where K splits into chunks, depend on the exponents of all
@@ -17,7 +17,7 @@ element's index). Two ways to fold:
 One K-chunk, no host sync (`_fold_one_chunk`, tried first):
 1. `_band_max_kernel`: per row of x the largest exponent of a finite block, and whether the row
    holds a NaN/Inf block, raised across the row's tiles with atomic max; with square 2D tiles
-   the same per column (row of x^T). fp8_gemm takes the factor from every finite block's
+   the same per column (row of x^T). The fold takes the factor from every finite block's
    exponent, live or not (a block whose codes are all zero has the smallest exponent unless it
    is a zero row-segment of a 2D tile), so this pass needs only the block scales, from the
    blocks' amaxes: no element is rounded. And with 2D tiles all BR rows of a tile band share
@@ -30,23 +30,19 @@ One K-chunk, no host sync (`_fold_one_chunk`, tried first):
    14 binades) cannot be written exactly: its nonzero values are added to an int64 counter on
    the device (counted only in tiles holding a block below the window; an all-zero block can
    be one, and adds nothing).
-   Outside `fp8_gemm.deferred_fold_check()` the counter is read back (the one host sync) and a
-   nonzero count falls back to the planned fold; inside one, nothing is read back: the check's
-   counter accumulates over every fold and its owner (lowbit.train's step) redoes the work if
-   it is nonzero.
+   Without a deferred fold check's counter (lowbit.dispatch.fold_check) the count is read back
+   (the one host sync) and a nonzero count falls back to the planned fold; with one, nothing is
+   read back: the counter accumulates over every fold and the check's owner (lowbit.train's
+   step) redoes the work if it is nonzero.
 
 Planned (`_fold_planned`, exact for any span, one host sync per K-chunk):
 1. `_live_blocks_kernel` writes the E8M0 scale codes and, per row-block, a live flag.
-2. Torch ops on those (R, K/b) tensors: the chunk bounds and factors by fp8_gemm's own rules
-   (`_Blocks.chunk_bounds` / `plan`) and each block's row of fp8_gemm's shift table.
+2. Torch ops on those (R, K/b) tensors: the chunk bounds and factors by the reference fold's
+   own rules (`BlockExponents.chunk_bounds` / `plan`) and each block's row of its shift table.
 3. `_fold_kernel` writes the E4M3 bytes as pass 2 above, with each block's shift from its row.
 
 Traffic per element (bf16 x): pass 1 reads 2 bytes, pass 2 reads 2 and writes 1 (2 with the
-transpose). Measured GPU times are in docs/results/kernels.md (`benchmarks/bench_fp8_fold.py`).
-The previous design (H200, 2026-11-29) rounded every element in pass 1 too, to find each
-row's largest live block, and gathered the E4M3 bytes from fp8_gemm's 256-entry table: at
-8192x5504 bf16 pass 1 took 0.089 ms and pass 2 with the transpose 0.266 ms, against 0.044 ms
-for a copy.
+transpose). Measured GPU times: docs/results/kernels.md (`lowbit bench fp8`).
 """
 
 from __future__ import annotations
@@ -56,24 +52,25 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.formats import fold
+from lowbit.formats.fold import BlockExponents, FoldedOperand
+from lowbit.formats.quantize import check_input
 from lowbit.formats.spec import QuantSpec, ScaleKind, ScaleRule
-from lowbit.kernels import _seed_tensor, supports
-from lowbit.kernels import fp8_gemm
 from lowbit.kernels import quantize as kq
-from lowbit.kernels.fp8_gemm import FoldedOperand
+from lowbit.kernels import seed_tensor, supports
 from lowbit.kernels.quantize import (
-    SIGN_MASK, _block_max, _e8m0_exponent, _expand, _load_float32, _pow2, _pow2_wide,
-    _round_value, _uniforms,
+    SIGN_MASK, block_max, e8m0_exponent, expand_blocks, load_float32, philox_uniforms, pow2,
+    pow2_wide, round_value,
 )
 
-__all__ = ["quantize_fold_mxfp4", "quantize_fold_mxfp4_with_transpose"]
+__all__ = ["quantize_fold_mxfp4", "quantize_fold_mxfp4_with_transpose", "fold_configs"]
 
-# fp8_gemm's numbers as Triton constants
-NONE_C = tl.constexpr(fp8_gemm._NONE_HI)
-SHIFT_MIN_C = tl.constexpr(fp8_gemm.SHIFT_MIN)
-SHIFT_MAX_C = tl.constexpr(fp8_gemm.SHIFT_MAX)
-NAN_ROW_C = tl.constexpr(fp8_gemm._NAN_ROW)
-FACTOR_EXP_MIN_C = tl.constexpr(fp8_gemm._FACTOR_EXP_MIN)
+# the reference fold's numbers as Triton constants
+NONE_C = tl.constexpr(fold.NONE_HI)
+SHIFT_MIN_C = tl.constexpr(fold.SHIFT_MIN)
+SHIFT_MAX_C = tl.constexpr(fold.SHIFT_MAX)
+NAN_ROW_C = tl.constexpr(fold.NAN_ROW)
+FACTOR_EXP_MIN_C = tl.constexpr(fold.FACTOR_EXP_MIN)
 
 
 @triton.jit
@@ -86,9 +83,9 @@ def _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R: tl.constex
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
     in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
     if EVEN:
-        x = _load_float32(ptrs, None, NATIVE_CAST)
+        x = load_float32(ptrs, None, NATIVE_CAST)
     else:
-        x = _load_float32(ptrs, in_bounds, NATIVE_CAST)
+        x = load_float32(ptrs, in_bounds, NATIVE_CAST)
     return x, rows, cols, in_bounds
 
 
@@ -97,8 +94,8 @@ def _block_exponents(x, RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                      TILE_R: tl.constexpr, TILE_C: tl.constexpr):
     """(TR, TC) float32 -> per block (TR/BR, TC/BC): the E8M0 scale exponent (unbiased) and
     whether the block holds a NaN or Inf (scale code 255): the quantize kernel's MX scales."""
-    amax_bits = _block_max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)
-    return _e8m0_exponent(amax_bits, 2, 6.0, RCEIL), amax_bits >= 0x7F800000
+    amax_bits = block_max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)
+    return e8m0_exponent(amax_bits, 2, 6.0, RCEIL), amax_bits >= 0x7F800000
 
 
 @triton.jit
@@ -107,14 +104,14 @@ def _e2m1_values(x, e, u, STOCHASTIC: tl.constexpr, BR: tl.constexpr, BC: tl.con
     """The tile's FP4 values without their block scales, E2M1(code) as float32 (TR, TC) with
     x's sign (meaningless in NaN/Inf blocks; +-0 iff the code's magnitude is 0): the quantize
     kernel's MX path for E2M1, step for step."""
-    mag = tl.minimum(tl.abs(x * _expand(_pow2_wide(-e), TILE_R, TILE_C, BR, BC)), 6.0)
-    value = _round_value(mag, u, 0, 1, 6.0, STOCHASTIC)
+    mag = tl.minimum(tl.abs(x * expand_blocks(pow2_wide(-e), TILE_R, TILE_C, BR, BC)), 6.0)
+    value = round_value(mag, u, 0, 1, 6.0, STOCHASTIC)
     sign = x.to(tl.int32, bitcast=True) & SIGN_MASK           # copysign, -0.0 too
     return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _encode(values, shift, bad, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
+def encode_shifted(values, shift, bad, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
             TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr):
     """E4M3 bits, uint8 (TR, TC), of values * 2^shift with one shift per block (TR/BR, TC/BC),
     and E4M3 NaN (0x7F) in NaN/Inf blocks. A shift below the window is taken as SHIFT_MIN (the
@@ -125,7 +122,7 @@ def _encode(values, shift, bad, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.c
     the interpreter's does not, so there it is set."""
     t = tl.minimum(tl.maximum(shift, SHIFT_MIN_C), SHIFT_MAX_C)
     scale = tl.where(bad, 0x7FC00000, (t + 127) << 23).to(tl.float32, bitcast=True)  # NaN / 2^t
-    scaled = values * _expand(scale, TILE_R, TILE_C, BR, BC)
+    scaled = values * expand_blocks(scale, TILE_R, TILE_C, BR, BC)
     bits = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     if not NATIVE_CAST:
         bits = tl.where(scaled != scaled, 0x7F, bits).to(tl.uint8)
@@ -181,7 +178,7 @@ def _band_max_kernel(
 def _store_factors(stats_ptr, n_bands, factors_ptr, nan_ptr, idx, n, B: tl.constexpr):
     """Each row's factor 2^f and NaN flag (uint8) from its band's stats (row idx, band idx // B)."""
     hi = tl.load(stats_ptr + idx // B, mask=idx < n, other=NONE_C)
-    tl.store(factors_ptr + idx, _pow2(_factor_exponent(hi)), mask=idx < n)
+    tl.store(factors_ptr + idx, pow2(_factor_exponent(hi)), mask=idx < n)
     has_nan = tl.load(stats_ptr + n_bands + idx // B, mask=idx < n, other=0) > 0
     tl.store(nan_ptr + idx, has_nan.to(tl.uint8), mask=idx < n)
 
@@ -205,7 +202,7 @@ def _fold_one_chunk_kernel(
                                           TILE_R, TILE_C, NATIVE_CAST, EVEN)
     u = 0.0
     if STOCHASTIC:  # the seed contract: x is 2-D, so element (r, c) has index r * C + c
-        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+        u = philox_uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
     bands = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
     bands_t = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
     code = tl.load(scales_ptr + bands.to(tl.int64)[:, None] * n_bands_t + bands_t[None, :],
@@ -217,7 +214,7 @@ def _fold_one_chunk_kernel(
     if ROWS:
         f = _factor_exponent(tl.load(stats_ptr + bands, mask=bands < n_bands, other=NONE_C))
         shift = e - f[:, None]
-        bits = _encode(values, shift, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+        bits = encode_shifted(values, shift, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
         if EVEN:
             tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits)
         else:
@@ -230,7 +227,7 @@ def _fold_one_chunk_kernel(
         f_t = _factor_exponent(tl.load(stats_t_ptr + bands_t, mask=bands_t < n_bands_t,
                                        other=NONE_C))
         shift_t = e - f_t[None, :]
-        bits_t = _encode(values, shift_t, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
+        bits_t = encode_shifted(values, shift_t, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
         if EVEN:
             tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t))
         else:
@@ -243,7 +240,7 @@ def _fold_one_chunk_kernel(
     below = tl.where(bad | ~real, 0, below)
     if tl.max(tl.max(below, axis=1), axis=0) > 0:   # count what the window loses
         # per element: how many of its operands (x's, x^T's) leave it inexact
-        lost = (values != 0).to(tl.int32) * _expand(below, TILE_R, TILE_C, BR, BC)
+        lost = (values != 0).to(tl.int32) * expand_blocks(below, TILE_R, TILE_C, BR, BC)
         tl.atomic_add(over_ptr, tl.sum(tl.sum(lost, axis=1), axis=0).to(tl.int64))
 
 
@@ -264,15 +261,15 @@ def _live_blocks_kernel(
                                   TILE_C, NATIVE_CAST, False)
     u = 0.0
     if STOCHASTIC:
-        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+        u = philox_uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
     e, bad = _block_exponents(x, RCEIL, BR, BC, TILE_R, TILE_C)
     nonzero = (_e2m1_values(x, e, u, STOCHASTIC, BR, BC, TILE_R, TILE_C) != 0).to(tl.int32)
     bad_i = bad.to(tl.int32)
     scale_cols = pid_c * (TILE_C // BC) + tl.arange(0, TILE_C // BC)
     scale_rows = pid_r * (TILE_R // BR) + tl.arange(0, TILE_R // BR)
-    live = _block_max(nonzero, TILE_R, TILE_C, 1, BC) > 0                      # (TR, TC/BC)
+    live = block_max(nonzero, TILE_R, TILE_C, 1, BC) > 0                      # (TR, TC/BC)
     if BR > 1:
-        bad_i = _expand(bad_i, TILE_R, TILE_C // BC, BR, 1)
+        bad_i = expand_blocks(bad_i, TILE_R, TILE_C // BC, BR, 1)
     row_mask = (rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols)
     tl.store(live_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
              (live & (bad_i == 0)).to(tl.uint8), mask=row_mask)
@@ -285,8 +282,8 @@ def _live_blocks_kernel(
                  scale_code,
                  mask=(scale_rows[:, None] < n_scale_rows) & (scale_cols[None, :] < n_scale_cols))
     if TRANSPOSE:
-        live_t = _block_max(nonzero, TILE_R, TILE_C, BR, 1) > 0                 # (TR/BR, TC)
-        live_t = live_t & (_expand(bad.to(tl.int32), TILE_R // BR, TILE_C, 1, BC) == 0)
+        live_t = block_max(nonzero, TILE_R, TILE_C, BR, 1) > 0                 # (TR/BR, TC)
+        live_t = live_t & (expand_blocks(bad.to(tl.int32), TILE_R // BR, TILE_C, 1, BC) == 0)
         tl.store(live_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
                  tl.trans(live_t).to(tl.uint8),
                  mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows))
@@ -300,7 +297,7 @@ def _fold_kernel(
     BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
 ):
-    # Pass 2 of the planned fold. shift_row: (R, nC) uint8, fp8_gemm's shift-table row
+    # Pass 2 of the planned fold. shift_row: (R, nC) uint8, the reference fold's shift-table row
     # (shift - SHIFT_MIN, or the NaN row) per row-block of x; shift_row_t: (C, nR) of x^T's.
     # fp8: (R, C) E4M3 bits of x's operand; fp8_t: (C, R) of x^T's.
     pid_c = tl.program_id(0)
@@ -309,7 +306,7 @@ def _fold_kernel(
                                           TILE_R, TILE_C, NATIVE_CAST, False)
     u = 0.0
     if STOCHASTIC:
-        u = _uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
+        u = philox_uniforms(tl.load(seed_ptr), 0, C, rows, pid_c * TILE_C, TILE_R, TILE_C, GROUP4)
     e, _ = _block_exponents(x, RCEIL, BR, BC, TILE_R, TILE_C)
     values = _e2m1_values(x, e, u, STOCHASTIC, BR, BC, TILE_R, TILE_C)
     if ROWS:
@@ -317,7 +314,7 @@ def _fold_kernel(
         row = tl.load(
             shift_row_ptr + rows.to(tl.int64)[:, None] * n_scale_cols + scale_cols[None, :],
             mask=(rows[:, None] < R) & (scale_cols[None, :] < n_scale_cols), other=0).to(tl.int32)
-        bits = _encode(values, row + SHIFT_MIN_C, row == NAN_ROW_C, 1, BC, TILE_R, TILE_C,
+        bits = encode_shifted(values, row + SHIFT_MIN_C, row == NAN_ROW_C, 1, BC, TILE_R, TILE_C,
                        NATIVE_CAST)
         tl.store(fp8_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], bits, mask=in_bounds)
     if TRANSPOSE:
@@ -326,7 +323,7 @@ def _fold_kernel(
             shift_row_t_ptr + cols.to(tl.int64)[:, None] * n_scale_rows + scale_rows[None, :],
             mask=(cols[:, None] < C) & (scale_rows[None, :] < n_scale_rows), other=0)
         row_t = tl.trans(row_t.to(tl.int32))                                   # (TR/BR, TC)
-        bits_t = _encode(values, row_t + SHIFT_MIN_C, row_t == NAN_ROW_C, BR, 1, TILE_R, TILE_C,
+        bits_t = encode_shifted(values, row_t + SHIFT_MIN_C, row_t == NAN_ROW_C, BR, 1, TILE_R, TILE_C,
                          NATIVE_CAST)
         tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t),
                  mask=tl.trans(in_bounds))
@@ -334,9 +331,9 @@ def _fold_kernel(
 
 # ---- host side -----------------------------------------------------------------------------
 
-class _BlockExponents(fp8_gemm._Blocks):
-    """fp8_gemm's chunking, factor and table-row rules (chunk_bounds, plan), on the block
-    exponents and live flags pass 1 wrote instead of a QTensor's codes."""
+class _PassOneExponents(BlockExponents):
+    """The reference fold's chunking, factor and table-row rules (chunk_bounds, plan), on the
+    block exponents and live flags pass 1 wrote instead of a QTensor's codes."""
 
     def __init__(self, scale_codes: torch.Tensor, live: torch.Tensor, k: int, b: int):
         # scale_codes, live: (rows, n_blocks), one entry per row-block of b along K
@@ -348,13 +345,11 @@ class _BlockExponents(fp8_gemm._Blocks):
 
 
 def _check(x: torch.Tensor, spec: QuantSpec, transpose: bool) -> None:
-    from lowbit.formats.quantize import _check_input
-
-    _check_input(x, spec)
+    check_input(x, spec)
     info = spec.info
     if info.scale_kind is not ScaleKind.E8M0 or info.element.name != "e2m1":
         raise ValueError(f"only MXFP4 (E2M1 elements, E8M0 scales) folds into FP8 exactly; got "
-                         f"{spec} (NVFP4 stays on the emulated path: see fp8_gemm)")
+                         f"{spec} (NVFP4 stays on the emulated path: see lowbit.formats.fold)")
     if not supports(spec):
         raise NotImplementedError(f"the Triton kernels do not cover block {spec.block}")
     if x.dim() != 2:
@@ -391,7 +386,7 @@ def fold_configs(rows: int, k: int, block: tuple[int, int]) -> tuple[kq.TileConf
     of 11 tiles and warp counts there; at 8192x5504 no tile beat the default, and this one was
     1% slower, 121.0 against 119.8 us)."""
     cfg = kq.default_config(rows, k, block)
-    wide = kq.TileConfig(cfg[0], max(cfg[1], min(256, kq._pow2_at_least(k))), cfg[2])
+    wide = kq.TileConfig(cfg[0], max(cfg[1], min(256, kq.pow2_at_least(k))), cfg[2])
     return wide, cfg
 
 
@@ -410,10 +405,10 @@ class _Launch:
         self.n_scale_cols = -(-self.k // bc)
         self.n_scale_rows = -(-self.rows // br)
         stochastic = spec.rounding.value == "stochastic"
-        self.empty = kq._empty(x.device, torch.uint8)
+        self.empty = kq.empty_arg(x.device, torch.uint8)
         # drawn once: a fold that is redone (the planned path after the one-chunk one) must
         # see the same uniforms
-        self.seed = _seed_tensor(seed, generator, x.device) if stochastic else self.empty
+        self.seed = seed_tensor(seed, generator, x.device) if stochastic else self.empty
         pass1, pass2 = configs or fold_configs(self.rows, self.k, spec.block)
         self.pass1 = _Tiles(self.rows, self.k, pass1, spec.block)
         self.pass2 = _Tiles(self.rows, self.k, pass2, spec.block)
@@ -435,7 +430,7 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     x, dev, u8 = L.x, L.x.device, torch.uint8
     n_rows, k = L.rows, L.k
     n_bands, n_bands_t = L.n_scale_rows, L.n_scale_cols   # bands of BR rows (1D: rows), of BC cols
-    stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fp8_gemm._NONE_HI,
+    stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fold.NONE_HI,
                        dtype=torch.int32, device=dev)
     stats_rows, stats_t = stats[:2 * n_bands], stats[2 * n_bands:]
     f32 = torch.float32
@@ -466,7 +461,7 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
 
 
 def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
-    """Both passes with fp8_gemm's K-chunk plan in between (exact for any span; one host sync
+    """Both passes with the reference fold's K-chunk plan in between (exact for any span; one host sync
     per chunk)."""
     x, dev, u8, empty = L.x, L.x.device, torch.uint8, L.empty
     n_rows, k = L.rows, L.k
@@ -484,12 +479,12 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
         table_row = table_row_t = empty
         if rows_out:
             per_row = scales if br == 1 else scales.repeat_interleave(br, dim=0)[:n_rows]
-            blocks = _BlockExponents(per_row, live, k, bc)
+            blocks = _PassOneExponents(per_row, live, k, bc)
             table_row, factors, bounds = blocks.plan(blocks.chunk_bounds())
             row_plan = (factors, bounds, blocks.nan.any(dim=1))
         if transpose:   # x^T's row-blocks: x's tile columns, one row of scales per column of x
             per_col = scales.t().repeat_interleave(bc, dim=0)[:k]
-            blocks_t = _BlockExponents(per_col, live_t, n_rows, br)
+            blocks_t = _PassOneExponents(per_col, live_t, n_rows, br)
             table_row_t, factors_t, bounds_t = blocks_t.plan(blocks_t.chunk_bounds())
             t_plan = (factors_t, bounds_t, blocks_t.nan.any(dim=1))
         fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else empty
@@ -505,27 +500,29 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     return out
 
 
-def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, check,
+def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, counter,
                    configs=None):
-    """The one-chunk fold first. Inside fp8_gemm.deferred_fold_check() it is the answer, and the
-    check's device counter says afterwards whether any block fell outside its window (then
-    the work is to be redone outside the check). Outside one, its count is read back (one
-    host sync) and, if nonzero, the planned fold (K-chunks) is the answer."""
+    """The one-chunk fold first. With a `counter` (a deferred fold check's) it is the answer,
+    and the counter says afterwards whether any block fell outside its window (then the work
+    is to be redone without one). Without, its count is read back (one host sync) and, if
+    nonzero, the planned fold (K-chunks) is the answer."""
     L = _Launch(x, spec, seed, generator, transpose, configs)
     if x.numel() == 0:
         return _fold_planned(L, rows_out, transpose)
-    check = fp8_gemm.resolve_check(check, x.device)
-    over = (check.counter if check is not None
-            else torch.zeros(1, dtype=torch.int64, device=x.device))
+    if counter is not None and (counter.dtype != torch.int64 or counter.numel() != 1
+                                or counter.device != x.device):
+        raise ValueError(f"counter must be one int64 on {x.device}, got {counter.dtype} "
+                         f"{tuple(counter.shape)} on {counter.device}")
+    over = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=x.device)
     out = _fold_one_chunk(L, rows_out, transpose, over)
-    if check is not None or int(over.item()) == 0:
+    if counter is not None or int(over.item()) == 0:
         return out
     return _fold_planned(L, rows_out, transpose)
 
 
 def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = False, seed=None, *,
                         generator: torch.Generator | None = None,
-                        check=fp8_gemm.ACTIVE) -> FoldedOperand:
+                        counter: torch.Tensor | None = None) -> FoldedOperand:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it into FP8: equal bit for bit
     to `fold_operand(quantize_with_spec(x, spec), transpose)` (RNE), or, for stochastic
     rounding, to `fold_operand(quantize_triton(x, spec, seed), transpose)` (the seed contract of
@@ -535,19 +532,19 @@ def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = Fals
     spec: MXFP4, floor or rceil, 1D (1, b) blocks or square (b, b) tiles (`supports(spec)`).
     transpose=True returns x^T's operand (K becomes the rows' dim; square 2D tiles only).
     One host sync (whether one factor per row kept every block exact; if not, one more per
-    K-chunk of the planned fold); none under a deferred fold check (`check`: fp8_gemm.ACTIVE =
-    the calling thread's deferred_fold_check(), if any; a FoldCheck; or None), which counts
-    what one factor per row leaves inexact instead of falling back."""
+    K-chunk of the planned fold); none with a `counter` (one int64 on x's device: a deferred
+    fold check's, lowbit.dispatch.fold_check), to which the count of values one factor per row
+    leaves inexact is added instead of falling back."""
     return _quantize_fold(x, spec, seed, generator, rows_out=not transpose,
-                          transpose=transpose, check=check)[0]
+                          transpose=transpose, counter=counter)[0]
 
 
 def quantize_fold_mxfp4_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                                        generator: torch.Generator | None = None,
-                                       check=fp8_gemm.ACTIVE,
+                                       counter: torch.Tensor | None = None,
                                        ) -> tuple[FoldedOperand, FoldedOperand]:
     """(x's operand, x^T's operand) from the same two passes (square 2D tiles only): the
     fprop and wgrad operands of an activation, or the fprop and dgrad operands of a weight."""
     a, a_t = _quantize_fold(x, spec, seed, generator, rows_out=True, transpose=True,
-                            check=check)
+                            counter=counter)
     return a, a_t

@@ -18,7 +18,7 @@ separate (G, TILE_F) tensors, one per position j in the group: the butterflies a
 elementwise adds between them, a block's amax is the elementwise max of the 16, and every
 load and store runs along F. The arithmetic is quantize.py's, step for step (the same helpers:
 signs, float32 butterflies at strides 1, 2, 4, 8, times 1/4, rounded to t's dtype; then
-`_nvfp4_scales` and `_dequantized`), and stochastic rounding draws each element's uniform by
+`nvfp4_scales` and `dequantized`), and stochastic rounding draws each element's uniform by
 its index in t.mT, (f * N + n): the seed contract's, so both kernels give the same bits. The
 two-level tensor amax takes a first pass over the rotated values (AMAX_ONLY).
 """
@@ -29,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.formats.quantize import check_input
 from lowbit.kernels import quantize as kq
+from lowbit.kernels import seed_tensor
 from lowbit.kernels.quantize import (
-    TWO_POW_M24, _dequantized, _load_float32, _nvfp4_scales, _to_output, _widen,
+    TWO_POW_M24, dequantized, load_float32, nvfp4_scales, to_output, widen,
 )
 
 __all__ = ["fake_quantize_rht_rows", "rht_rows_supported"]
@@ -50,7 +52,7 @@ def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
             + cols.to(tl.int64)[None, :] * stride_f)
     xs = ()
     for j in tl.static_range(16):
-        xs = xs + (_load_float32(base + j * stride_n, mask, NATIVE_CAST) * tl.load(signs_ptr + j),)
+        xs = xs + (load_float32(base + j * stride_n, mask, NATIVE_CAST) * tl.load(signs_ptr + j),)
     for d in tl.static_range(4):   # butterflies a + b, a - b at stride 2^d
         rotated = ()
         for j in tl.static_range(16):
@@ -63,7 +65,7 @@ def _rotated_groups(t_ptr, signs_ptr, N, F, stride_n, stride_f, pid_g, pid_f,
     for j in tl.static_range(16):
         x = xs[j] * 0.25
         if t_ptr.dtype.element_ty != tl.float32:
-            x = _widen(_to_output(x, t_ptr, NATIVE_CAST), NATIVE_CAST)
+            x = widen(to_output(x, t_ptr, NATIVE_CAST), NATIVE_CAST)
         out = out + (x,)
     return out, groups, cols, mask
 
@@ -94,7 +96,7 @@ def _rht_rows_kernel(
         tl.atomic_max(amax_ptr, tl.max(tl.max(amax_bits, axis=1), axis=0))
     else:
         bad = amax_bits >= 0x7F800000                            # NaN or Inf in the block
-        _, recip, elem_scale, _ = _nvfp4_scales(amax_bits.to(tl.float32, bitcast=True), bad,
+        _, recip, elem_scale, _ = nvfp4_scales(amax_bits.to(tl.float32, bitcast=True), bad,
                                                 amax_ptr, TWO_LEVEL)
         elem_scale = tl.where(bad, 0x7FC00000,
                               elem_scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
@@ -116,10 +118,10 @@ def _rht_rows_kernel(
                 u = (r[j % 4] >> 8).to(tl.int32).to(tl.float32) * TWO_POW_M24
             mag = tl.minimum(tl.abs(x * recip), 6.0)
             # E2M1: emin 0, 1 mantissa bit, largest value 6
-            value = _dequantized(mag, u, x.to(tl.int32, bitcast=True), elem_scale, 0, 1, 6.0,
+            value = dequantized(mag, u, x.to(tl.int32, bitcast=True), elem_scale, 0, 1, 6.0,
                                  STOCHASTIC, False, OUT_LIMIT)
             tl.store(out_ptr + (rows0 + j) * F + cols[None, :],
-                     _to_output(value, out_ptr, NATIVE_CAST), mask=mask)
+                     to_output(value, out_ptr, NATIVE_CAST), mask=mask)
 
 
 def rht_rows_supported(t: torch.Tensor, spec) -> bool:
@@ -135,7 +137,7 @@ def _config(n: int, f: int) -> tuple[int, int, int]:
     0.3% of it at 8192x5504 (benchmarks/sweep_nvfp4.py --rotated, H200, 2026-11-30; 42.9 and
     104.9 us for both passes against 58.4 and 157.6 us for quantize.py's kernel on the
     transposed view)."""
-    return min(2, kq._pow2_at_least(n // 16)), min(128, kq._pow2_at_least(f)), 4
+    return min(2, kq.pow2_at_least(n // 16)), min(128, kq.pow2_at_least(f)), 4
 
 
 def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None, *,
@@ -146,10 +148,7 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     equal bit for bit to `fake_quantize_triton(t.mT, spec, hadamard=signs).mT` (and so to
     `quantize_dequantize(random_hadamard(t.mT, signs), spec).mT`, the reference). seed as in
     fake_quantize_triton (stochastic specs); config: (G, TILE_F, warps), for benchmarks."""
-    from lowbit.formats.quantize import _check_input
-    from lowbit.kernels import _seed_tensor
-
-    _check_input(t, spec)
+    check_input(t, spec)
     if not rht_rows_supported(t, spec):
         raise ValueError(f"fake_quantize_rht_rows takes a 2-D t with rows in groups of 16 and "
                          f"NVFP4 1x16 blocks; got shape {tuple(t.shape)}, {spec}")
@@ -158,8 +157,8 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
         raise ValueError(f"signs must hold 16 values (+-1), got shape {tuple(signs.shape)}")
     n, f = t.shape
     stochastic = spec.rounding.value == "stochastic"
-    seed_t = (_seed_tensor(seed, generator, t.device) if stochastic
-              else kq._empty(t.device, torch.int64))
+    seed_t = (seed_tensor(seed, generator, t.device) if stochastic
+              else kq.empty_arg(t.device, torch.int64))
     signs = signs.to(t.device, torch.float32)
     g, tile_f, warps = config or _config(n, f)
     if not all(v > 0 and v & (v - 1) == 0 for v in (g, tile_f, warps)):
@@ -170,8 +169,8 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
         raise ValueError(f"shape {(n, f)} needs {grid[0]} programs, past CUDA's 2^31 - 1; use "
                          "larger tiles (config)")
     two_level = bool(spec.tensor_scale)
-    amax = kq._empty(t.device, torch.int32)
-    args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq._OUT_LIMIT[t.dtype],
+    amax = kq.empty_arg(t.device, torch.int32)
+    args = dict(STOCHASTIC=stochastic, G=g, TILE_F=tile_f, OUT_LIMIT=kq.OUT_LIMIT[t.dtype],
                 NATIVE_CAST=not kq.INTERPRET, TWO_LEVEL=two_level, num_warps=warps)
     with kq.on_device(t):
         if two_level:

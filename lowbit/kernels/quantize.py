@@ -69,7 +69,7 @@ __all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms"]
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 _F32_MAX = 3.4028234663852886e38
-_OUT_LIMIT = {torch.float32: _F32_MAX, torch.bfloat16: 3.3895313892515355e38,
+OUT_LIMIT = {torch.float32: _F32_MAX, torch.bfloat16: 3.3895313892515355e38,
               torch.float16: 65504.0}
 
 # element formats: (emin, mbits, emax, max value, largest finite code, sign bit)
@@ -91,13 +91,13 @@ SIGN_MASK = tl.constexpr(-2147483648)        # 0x80000000 as an int32
 
 
 @triton.jit
-def _pow2(e):
+def pow2(e):
     """2^e as float32 for int32 e in [-126, 127], built on the bits (exact)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pow2_wide(e):
+def pow2_wide(e):
     """2^e for e in [-127, 127]: 2^-127 is the float32 subnormal 0x00400000."""
     return tl.where(e == -127, 0x00400000, (e + 127) << 23).to(tl.float32, bitcast=True)
 
@@ -117,7 +117,7 @@ def _round_to_grid(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, STOCHASTIC: 
 
 
 @triton.jit
-def _e8m0_exponent(amax_bits, EMAX: tl.constexpr, MAXV: tl.constexpr, RCEIL: tl.constexpr):
+def e8m0_exponent(amax_bits, EMAX: tl.constexpr, MAXV: tl.constexpr, RCEIL: tl.constexpr):
     """A block's E8M0 scale exponent, unbiased, in [-127, 127], from its amax's bits (int32,
     the sign cleared): floor, 2^(floor(log2 amax) - emax_elem); or rceil, amax / max_elem
     rounded up to a power of two on its bits. (Meaningless for NaN/Inf amaxes: callers flag
@@ -136,7 +136,7 @@ def _e8m0_exponent(amax_bits, EMAX: tl.constexpr, MAXV: tl.constexpr, RCEIL: tl.
 
 
 @triton.jit
-def _round_value(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr,
+def round_value(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.constexpr,
                  STOCHASTIC: tl.constexpr):
     """_round_to_grid's result as a float32 value (exact: a point of the grid). RNE takes
     fewer integer operations: mag + K - K with K = 2^(b + 23 - MBITS), b mag's binade (>=
@@ -145,7 +145,7 @@ def _round_value(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.const
     a carry into the next binade lands on its first point; subtracting K is exact."""
     if STOCHASTIC:
         steps, bexp = _round_to_grid(mag, u, EMIN, MBITS, True)
-        return tl.minimum(steps.to(tl.float32) * _pow2(bexp - 127 - MBITS), MAXV)
+        return tl.minimum(steps.to(tl.float32) * pow2(bexp - 127 - MBITS), MAXV)
     else:
         k = (tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, (EMIN + 127) << 23)
              + ((23 - MBITS) << 23)).to(tl.float32, bitcast=True)
@@ -153,7 +153,7 @@ def _round_value(mag, u, EMIN: tl.constexpr, MBITS: tl.constexpr, MAXV: tl.const
 
 
 @triton.jit
-def _block_max(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def block_max(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """(TR, TC) -> (TR/BR, TC/BC): max over each block."""
     if BR == 1:
         return tl.max(tl.reshape(t, (TR, TC // BC, BC)), axis=2)
@@ -162,7 +162,7 @@ def _block_max(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.c
 
 
 @triton.jit
-def _expand(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def expand_blocks(t, TR: tl.constexpr, TC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """(TR/BR, TC/BC) -> (TR, TC): each block's value on each of its elements."""
     if BR == 1:
         return tl.reshape(tl.broadcast_to(t[:, :, None], (TR, TC // BC, BC)), (TR, TC))
@@ -179,7 +179,7 @@ def _pack_fp4(codes, TR: tl.constexpr, TC: tl.constexpr):
 
 
 @triton.jit
-def _uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
+def philox_uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
               GROUP4: tl.constexpr):
     """The seed contract's u_i for the tile's elements, i = first + rows * C + col0 + j."""
     if GROUP4:  # C % 4 == 0 and col0 % 4 == 0: four neighbours in a row share one counter
@@ -199,18 +199,18 @@ def _uniforms(seed, first, C, rows, col0, TR: tl.constexpr, TC: tl.constexpr,
 
 
 @triton.jit
-def _load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
+def load_float32(ptrs, mask, NATIVE_CAST: tl.constexpr):
     """Load as float32, masked elements 0 (mask None: every element is loaded), widened by
-    _widen (exactly, also bfloat16 subnormals in the interpreter)."""
+    widen (exactly, also bfloat16 subnormals in the interpreter)."""
     if mask is None:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
-    return _widen(x, NATIVE_CAST)
+    return widen(x, NATIVE_CAST)
 
 
 @triton.jit
-def _widen(v, NATIVE_CAST: tl.constexpr):
+def widen(v, NATIVE_CAST: tl.constexpr):
     """A bfloat16 / float16 / float32 tensor as float32, exactly. The interpreter flushes
     bfloat16 subnormals, so there bfloat16 widens on the bits (the top half of a float32)."""
     if NATIVE_CAST or v.dtype != tl.bfloat16:
@@ -220,7 +220,7 @@ def _widen(v, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
+def to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
     """Cast float32 to the output dtype, rounding to nearest even."""
     if NATIVE_CAST or out_ptr.dtype.element_ty != tl.bfloat16:
         return v.to(out_ptr.dtype.element_ty)
@@ -232,7 +232,7 @@ def _to_output(v, out_ptr, NATIVE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
+def nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
     """NVFP4 block scales from the blocks' amaxes (float32) and NaN/Inf flags: (E4M3 scale
     code, the factor elements are multiplied by, the dequantize scale, the tensor scale (0.0
     for one level)). s = (amax / 6) [/ s_t] clamped to [2^-6, 448] and rounded to E4M3; the
@@ -249,7 +249,7 @@ def _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
     block_scale = tl.where(block_scale > 448.0, 448.0, block_scale)
     steps, bexp = _round_to_grid(block_scale, 0.0, -6, 3, False)       # E4M3, RNE
     scale_code = steps + ((bexp - 121) << 3)
-    decoded = steps.to(tl.float32) * _pow2(bexp - 130)
+    decoded = steps.to(tl.float32) * pow2(bexp - 130)
     if TWO_LEVEL:
         recip = tl.math.div_rn(tl.math.div_rn(1.0, t_scale), decoded)
         elem_scale = t_scale * decoded                                 # dequantize's order
@@ -260,13 +260,13 @@ def _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _dequantized(mag, u, bits, elem_scale, EMIN: tl.constexpr, MBITS: tl.constexpr,
+def dequantized(mag, u, bits, elem_scale, EMIN: tl.constexpr, MBITS: tl.constexpr,
                  MAXV: tl.constexpr, STOCHASTIC: tl.constexpr, INT_CODES: tl.constexpr,
                  OUT_LIMIT: tl.constexpr):
     """Fake quantization's float32 values: mag (|x| times its block's factor, saturated)
     rounded onto the grid, times elem_scale (per element; NaN in NaN/Inf blocks), saturated
     at the output dtype's max, with the sign of x's bits."""
-    value = _round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
+    value = round_value(mag, u, EMIN, MBITS, MAXV, STOCHASTIC)
     # a NaN here (NaN or Inf input, so a NaN block) would lend its own sign bit to the
     # output (a host CPU's default NaN is negative): the block's NaN scale makes it NaN
     value = tl.where(value != value, 0.0, value)
@@ -280,7 +280,7 @@ def _dequantized(mag, u, bits, elem_scale, EMIN: tl.constexpr, MBITS: tl.constex
 
 
 @triton.jit
-def _rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+def rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
               NATIVE_CAST: tl.constexpr):
     """The random Hadamard transform of each group of 16 columns (lowbit.ops.linear.
     random_hadamard, step for step): x times the group's signs, a fast Walsh-Hadamard
@@ -293,12 +293,12 @@ def _rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.conste
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (TILE_R, TILE_C))
     x = x * 0.25
     if x_ptr.dtype.element_ty != tl.float32:
-        x = _widen(_to_output(x, x_ptr, NATIVE_CAST), NATIVE_CAST)
+        x = widen(to_output(x, x_ptr, NATIVE_CAST), NATIVE_CAST)
     return x
 
 
 @triton.jit
-def _tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, stride_c,
+def tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, stride_c,
                         n_tiles_c, n_tiles_r, n_tiles, ITERS: tl.constexpr, TILE_R: tl.constexpr,
                         TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr, HADAMARD: tl.constexpr):
     """Max of the finite |x| (as int32 bits) into amax_ptr (int32). Each program folds ITERS
@@ -316,9 +316,9 @@ def _tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, st
         mask = (rows[:, None] < row_end) & (cols[None, :] < C)
         ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
                 + cols.to(tl.int64)[None, :] * stride_c)
-        x = _load_float32(ptrs, mask, NATIVE_CAST)
+        x = load_float32(ptrs, mask, NATIVE_CAST)
         if HADAMARD:
-            x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
+            x = rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
         abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         acc = tl.maximum(acc, tl.where(abits < 0x7F800000, abits, 0))
     tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0))
@@ -347,17 +347,17 @@ def _quantize_kernel(
     in_bounds = (rows[:, None] < R) & (cols[None, :] < C)
     ptrs = (x_ptr + batch * stride_b + rows.to(tl.int64)[:, None] * stride_r
             + cols.to(tl.int64)[None, :] * stride_c)
-    x = _load_float32(ptrs, in_bounds, NATIVE_CAST)                   # (TR, TC), padding = 0
+    x = load_float32(ptrs, in_bounds, NATIVE_CAST)                   # (TR, TC), padding = 0
     if HADAMARD:  # quantize the rotated operand (C is a multiple of 16: no group is padded)
-        x = _rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
+        x = rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
     bits = x.to(tl.int32, bitcast=True)
 
     # ---- one scale per block, from the amax on the bits ------------------------------------
-    amax_bits = _block_max(bits & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)  # (TR/BR, TC/BC)
+    amax_bits = block_max(bits & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)  # (TR/BR, TC/BC)
     bad = amax_bits >= 0x7F800000                                      # NaN or Inf in the block
     amax = amax_bits.to(tl.float32, bitcast=True)
     if SCALE_KIND == 0:  # NVFP4: E4M3 block scale, optionally under the FP32 tensor scale
-        scale_code, recip, elem_scale, t_scale = _nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL)
+        scale_code, recip, elem_scale, t_scale = nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL)
         if TWO_LEVEL and (pid_c == 0) & (pid_r == 0) & (batch == 0):
             tl.store(tensor_scale_ptr, t_scale)
     elif SCALE_KIND == 3:  # intK: float32 amax / qmax, applied as x * (1 / scale)
@@ -366,24 +366,24 @@ def _quantize_kernel(
         elem_scale = scale
         scale_code = scale                                 # (unused: no int codes)
     else:  # MX: E8M0 power-of-two scale
-        unbiased = _e8m0_exponent(amax_bits, EMAX, MAXV, SCALE_KIND == 2)
+        unbiased = e8m0_exponent(amax_bits, EMAX, MAXV, SCALE_KIND == 2)
         scale_code = tl.where(bad, 255, unbiased + 127)
-        recip = _pow2_wide(-unbiased)
-        elem_scale = _pow2_wide(unbiased)
+        recip = pow2_wide(-unbiased)
+        elem_scale = pow2_wide(unbiased)
     elem_scale = tl.where(bad, 0x7FC00000,                             # NaN: the block dequantizes
                           elem_scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
     # ---- elements: scale, round, encode --------------------------------------------------------
     u = 0.0
     if STOCHASTIC:
-        u = _uniforms(tl.load(seed_ptr), batch * R * C, C, rows, pid_c * TILE_C,
+        u = philox_uniforms(tl.load(seed_ptr), batch * R * C, C, rows, pid_c * TILE_C,
                       TILE_R, TILE_C, GROUP4)
     # |x| / scale, saturated (NaN lanes, only in NaN blocks, are overwritten below)
-    scaled = x * _expand(recip, TILE_R, TILE_C, BR, BC)
+    scaled = x * expand_blocks(recip, TILE_R, TILE_C, BR, BC)
     if SCALE_KIND == 3:   # a scale below ~2^-128 has no finite reciprocal: divide, as the reference
-        no_recip = _expand((recip == float("inf")).to(tl.int32), TILE_R, TILE_C, BR, BC)
+        no_recip = expand_blocks((recip == float("inf")).to(tl.int32), TILE_R, TILE_C, BR, BC)
         scaled = tl.where(no_recip != 0,
-                          tl.math.div_rn(x, _expand(scale, TILE_R, TILE_C, BR, BC)), scaled)
+                          tl.math.div_rn(x, expand_blocks(scale, TILE_R, TILE_C, BR, BC)), scaled)
     mag = tl.minimum(tl.abs(scaled), MAXV)
 
     if WRITE_CODES:
@@ -392,7 +392,7 @@ def _quantize_kernel(
         if STOCHASTIC:  # floor(ratio + u) can step past the largest value: saturate
             codes = tl.minimum(codes, MAX_CODE)
         sign = (bits >> (31 - SIGN_BIT)) & (1 << SIGN_BIT)   # copysign: -0.0 too
-        keep = _expand(tl.where(bad, 0, 0xFF), TILE_R, TILE_C, BR, BC)
+        keep = expand_blocks(tl.where(bad, 0, 0xFF), TILE_R, TILE_C, BR, BC)
         codes = (codes | sign) & keep                       # a NaN/Inf block has codes 0
         row_off = (batch * R + rows.to(tl.int64))[:, None] * codes_cols
         if MBITS == 1:  # FP4: two codes per byte
@@ -429,9 +429,9 @@ def _quantize_kernel(
                      mask=tl.trans(s_mask))
 
     if WRITE_VALUES:  # fake quantize: the dequantized values, in the output dtype
-        value = _dequantized(mag, u, bits, _expand(elem_scale, TILE_R, TILE_C, BR, BC), EMIN,
+        value = dequantized(mag, u, bits, expand_blocks(elem_scale, TILE_R, TILE_C, BR, BC), EMIN,
                              MBITS, MAXV, STOCHASTIC, SCALE_KIND == 3, OUT_LIMIT)
-        out = _to_output(value, out_ptr, NATIVE_CAST)
+        out = to_output(value, out_ptr, NATIVE_CAST)
         out_off = (batch * R + rows.to(tl.int64))[:, None] * C + cols[None, :]
         tl.store(out_ptr + out_off, out, mask=in_bounds)
         if TRANSPOSE:
@@ -445,7 +445,7 @@ def _uniforms_kernel(out_ptr, seed_ptr, R, C, GROUP4: tl.constexpr,
     """The seed contract's u_i of a (R, C) tensor, as the quantize kernel draws them."""
     rows = tl.program_id(1) * TILE_R + tl.arange(0, TILE_R)
     cols = tl.program_id(0) * TILE_C + tl.arange(0, TILE_C)
-    u = _uniforms(tl.load(seed_ptr), 0, C, rows, tl.program_id(0) * TILE_C, TILE_R, TILE_C, GROUP4)
+    u = philox_uniforms(tl.load(seed_ptr), 0, C, rows, tl.program_id(0) * TILE_C, TILE_R, TILE_C, GROUP4)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], u,
              mask=(rows[:, None] < R) & (cols[None, :] < C))
 
@@ -459,7 +459,7 @@ class TileConfig(tuple):
         return super().__new__(cls, (tile_rows, tile_cols, num_warps))
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -468,13 +468,13 @@ def default_config(rows: int, cols: int, block: tuple[int, int]) -> TileConfig:
     """Tiles of about 4096 elements (8 KiB of bf16): whole blocks, 128 columns, clipped to a
     small tensor so the interpreter and tiny shapes do not compute on padding."""
     br, bc = block
-    tile_cols = max(bc, min(128, _pow2_at_least(cols)))
-    tile_rows = max(br, min(4096 // tile_cols, _pow2_at_least(rows)))
+    tile_cols = max(bc, min(128, pow2_at_least(cols)))
+    tile_rows = max(br, min(4096 // tile_cols, pow2_at_least(rows)))
     tile_rows = max(tile_rows, 2)  # FP4 transposed packing needs pairs of rows
     return TileConfig(tile_rows, tile_cols, 4 if tile_rows * tile_cols <= 4096 else 8)
 
 
-def _amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: bool,
+def amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: bool,
                  sm_count: int) -> tuple[int, int, int, int]:
     """(tile_rows, tile_cols, num_warps, tiles per program) of the two-level tensor-amax pass.
     Without the Hadamard transform: one 64x256 tile (32 KiB of bf16) per program and 8 warps,
@@ -484,13 +484,13 @@ def _amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: bo
     per program (the best of the few configs swept; the rotation's registers bound the tile)."""
     if hadamard:
         n_tiles = triton.cdiv(cols, cfg[1]) * triton.cdiv(rows, cfg[0]) * batch
-        return cfg[0], cfg[1], cfg[2], _pow2_at_least(triton.cdiv(n_tiles, 4 * sm_count))
-    tile_cols = min(256, _pow2_at_least(cols))
-    return min(16384 // tile_cols, _pow2_at_least(rows)), tile_cols, 8, 1
+        return cfg[0], cfg[1], cfg[2], pow2_at_least(triton.cdiv(n_tiles, 4 * sm_count))
+    tile_cols = min(256, pow2_at_least(cols))
+    return min(16384 // tile_cols, pow2_at_least(rows)), tile_cols, 8, 1
 
 
 @functools.lru_cache(maxsize=64)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 64   # the interpreter: a small grid
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -513,7 +513,7 @@ def on_device(x: torch.Tensor):
 _EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def empty_arg(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A zero-size tensor for the pointer arguments a launch does not use (never written)."""
     key = (device, dtype)
     t = _EMPTY.get(key)
@@ -569,10 +569,10 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     n_scale_cols = padded_cols // bc
     u8 = torch.uint8
     out = {}
-    empty = _empty(dev, u8)
+    empty = empty_arg(dev, u8)
     code_buf = scale_buf = code_t_buf = scale_t_buf = empty
     out_dtype = out_dtype or x3.dtype
-    val_buf = val_t_buf = _empty(dev, out_dtype)
+    val_buf = val_t_buf = empty_arg(dev, out_dtype)
     if codes:
         code_buf = torch.empty(batch, rows, padded_cols // per_byte, device=dev, dtype=u8)
         scale_buf = torch.empty(batch, rows if br == 1 else n_scale_rows, n_scale_cols,
@@ -598,11 +598,11 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     if two_level:
         amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)
         tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
-        a_rows, a_cols, a_warps, iters = _amax_config(rows, cols, batch, cfg, hadamard is not None,
-                                                      _sm_count(dev))
+        a_rows, a_cols, a_warps, iters = amax_config(rows, cols, batch, cfg, hadamard is not None,
+                                                      sm_count(dev))
         n_tiles_c, n_tiles_r = triton.cdiv(cols, a_cols), triton.cdiv(rows, a_rows)
         n_tiles = n_tiles_c * n_tiles_r * batch
-        _tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
+        tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
             x3, amax_buf, signs, rows, cols, *x3.stride(), n_tiles_c, n_tiles_r, n_tiles,
             ITERS=iters, TILE_R=a_rows, TILE_C=a_cols, NATIVE_CAST=not INTERPRET,
             HADAMARD=hadamard is not None, num_warps=a_warps)
@@ -619,7 +619,7 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         TWO_LEVEL=two_level, STOCHASTIC=stochastic,
         GROUP4=(cols % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc, TILE_R=tile_r, TILE_C=tile_c,
         WRITE_CODES=codes, WRITE_VALUES=values, TRANSPOSE=transpose,
-        OUT_LIMIT=_OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
+        OUT_LIMIT=OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
         HADAMARD=hadamard is not None, num_warps=num_warps,
     )
     return out

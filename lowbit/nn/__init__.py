@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lowbit.models.moe import Experts
-from lowbit.ops.compiled import compilable
+from lowbit.ops.gemms import compilable
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
@@ -33,7 +33,7 @@ __all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quanti
 class QuantLinear(nn.Linear):
     """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear.
 
-    layer_name: the name lowbit.kernels.fp8_gemm.watch_chunked_folds() reports for this layer;
+    layer_name: the name lowbit.dispatch.fold_check.watch_chunked_folds() reports for this layer;
     "" (the default) is not reported. lowbit.train sets the module names under --fold-inexact
     adapt only: torch.compile reads the name as a constant, so blocks compiled one by one (the
     same code, other names) would each compile again."""

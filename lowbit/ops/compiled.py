@@ -28,50 +28,52 @@ threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-Measured on an H200 (docs/results/kernels.md, sixth and seventh sessions): compiled alone, a
-quantized 1B step is host-bound on these ops' Python (stable-fp4-fp8 2.54x bf16's compiled
-step, its GPU busy a third of the time); captured with `--cuda-graph` as well, none of that
-host work is left. Keeping the FP8 forward's transposes took that step from 0.94x to 0.92x
-bf16's (folds 15.3 -> 13.1 ms, quantize 4.9 -> 3.2: the backward no longer quantizes X and W
-again).
+The ops take the recipe as a string (`op_key(recipe)`, a name drawn from its fields; a custom
+op takes no Python objects) and look it up in this module's registry (`recipe_for_op_key`).
+Under torch.compile `op_key` runs at trace time and its result is a constant of the graph.
+
+Compiled alone, a quantized step is host-bound on these ops' Python; captured with
+`lowbit train --cuda-graph` as well, none of that host work is left (docs/results/kernels.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from lowbit.formats.spec import Rounding
-from lowbit.recipes import Gemm, LinearRecipe, recipe_for_op_key
+from lowbit.dispatch.fold_check import (active_fold_check, active_watch, canonical_device,
+                                        folding_for)
+from lowbit.formats.fold import FoldedOperand
+from lowbit.ops.gemms import (autocast_operands, emulated_backward, emulated_forward,
+                              fp8_backward, fp8_forward, kept_operands, saved_operands)
+from lowbit.recipes import Gemm, LinearRecipe
 
-__all__ = ["autocast_operands", "compilable", "quant_linear_compiled"]
+__all__ = ["quant_linear_compiled", "op_key", "recipe_for_op_key"]
 
 _FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
 _FORWARD_WATCHES: dict = {}                # device -> the chunk watch of the last forward
+_BY_OP_KEY: dict[str, LinearRecipe] = {}   # op_key -> the recipe it names
 
 
-def compilable(r: LinearRecipe) -> bool:
-    """The recipe's forward operands round to nearest. A forward that rounds stochastically
-    stays in the eager Function (a graph break), so that it draws its random numbers in eager's
-    order, not in whatever order the compiled graph runs the ops."""
-    return all(s is None or s.rounding is Rounding.RNE for s in (r.fprop_x, r.fprop_w))
+@torch.compiler.assume_constant_result
+def op_key(r: LinearRecipe) -> str:
+    """The name the custom ops know `r` by: drawn from its fields, so equal recipes share it in
+    every process (it may sit in torch.compile's on-disk caches), whichever thread or order
+    makes them. Registers r under it."""
+    key = "recipe-" + hashlib.sha1(repr(r).encode()).hexdigest()[:16]
+    _BY_OP_KEY.setdefault(key, r)
+    return key
 
 
-def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """(x, weight, bias) cast to the autocast dtype when autocast is on, as it would cast a
-    linear's inputs; the quantized GEMMs then run with it off and see exactly these values."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    return x, weight, bias
+def recipe_for_op_key(key: str) -> LinearRecipe:
+    """The LinearRecipe whose op_key is `key` (the custom ops take the key)."""
+    return _BY_OP_KEY[key]
 
 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           recipe: LinearRecipe, layer: str = "") -> torch.Tensor:
     """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
-    from lowbit.ops.linear import kept_operands   # (lowbit.ops.linear imports this module)
-
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -81,10 +83,10 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     grad_w = torch.is_grad_enabled() and weight.requires_grad  # dW will be
     keep_x, keep_w = kept_operands(recipe, grad_x, grad_w)
     if recipe.gemm is Gemm.FP8:
-        y = torch.ops.lowbit.quant_linear_fp8(x2, weight, recipe.op_key, layer, keep_x, keep_w,
+        y = torch.ops.lowbit.quant_linear_fp8(x2, weight, op_key(recipe), layer, keep_x, keep_w,
                                               grad_x or grad_w)[0]
     else:
-        y = torch.ops.lowbit.quant_linear(x2, weight, recipe.op_key, keep_x, keep_w)[0]
+        y = torch.ops.lowbit.quant_linear(x2, weight, op_key(recipe), keep_x, keep_w)[0]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
@@ -95,8 +97,6 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, keep_x: bool,
              keep_w: bool) -> list[torch.Tensor]:
     """[y, the quantized X (empty unless keep_x), the quantized W (empty unless keep_w)], for
     an emulated recipe (FP8 ones: quant_linear_fp8)."""
-    from lowbit.ops.linear import emulated_forward
-
     with torch.autocast(x.device.type, enabled=False):
         y, x_f, w_f = emulated_forward(x, weight, recipe_for_op_key(recipe))
     # (kept ones are the quantizer's new tensors, never x or weight: r's specs are not None)
@@ -132,12 +132,10 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor 
                  need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dX, dW (empty where not asked for) of an emulated recipe. x / weight: the forward's
     quantized copies where x_kept / w_kept, else the inputs (quantized here where square tiles
-    share them, lowbit.ops.linear._saved_operands' rule), or None where no GEMM needs them."""
-    from lowbit.ops.linear import _saved_operands, emulated_backward
-
+    share them, lowbit.ops.gemms.saved_operands' rule), or None where no GEMM needs them."""
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
-        x_saved, w_saved = _saved_operands(x, weight, r, x if x_kept else None,
+        x_saved, w_saved = saved_operands(x, weight, r, x if x_kept else None,
                                            weight if w_kept else None)
         dx, dw = emulated_backward(dy, x_saved, w_saved, r, need_dx, need_dw)
     # an op returns tensors: an empty one where no gradient was asked for; contiguous ones
@@ -207,8 +205,6 @@ def _kept_empty(device: torch.device) -> list[torch.Tensor]:
 
 def _unkept(fp8, factors, nan_rows, bounds):
     """The FoldedOperand _kept packed, or None."""
-    from lowbit.kernels.fp8_gemm import FoldedOperand
-
     if bounds.numel() == 0:
         return None
     edges = [b for b in bounds.tolist() if b >= 0]   # a CPU tensor: no device sync
@@ -222,12 +218,9 @@ def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
     backward will follow, which uses this forward's fold check and chunk watch; a forward
     without one (an evaluation, on this thread or another) leaves those of the last one that
     has one in place."""
-    from lowbit.kernels.fp8_gemm import _canonical, active_fold_check, active_watch, folding_for
-    from lowbit.ops.linear import fp8_forward
-
     r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
-        device = _canonical(x.device)
+        device = canonical_device(x.device)
         check, watch = active_fold_check(x.device), active_watch()
         if grad:
             _FORWARD_CHECKS[device], _FORWARD_WATCHES[device] = check, watch
@@ -265,12 +258,9 @@ def _fp8_backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Ten
                      need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dX, dW (empty where not asked for). x / weight: None where the forward kept their
     transposed operands (kept: X^T's four tensors, then W^T's)."""
-    from lowbit.kernels.fp8_gemm import _canonical, folding_for
-    from lowbit.ops.linear import fp8_backward
-
     r = recipe_for_op_key(recipe)
     with torch.autocast(dy.device.type, enabled=False):
-        device = _canonical(dy.device)
+        device = canonical_device(dy.device)
         check = _FORWARD_CHECKS.get(device)
         check = check if check is not None and check.open else None
         _refuse_capture(check)

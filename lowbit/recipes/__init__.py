@@ -13,7 +13,6 @@ is, its paper, and the evidence for it in this project. `get_recipe(name)` looks
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -24,7 +23,6 @@ from lowbit.formats import QuantSpec
 from lowbit.formats.spec import ScaleKind, parse_enum
 
 __all__ = ["Gemm", "LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
-           "recipe_for_op_key",
            "bf16", "mxfp4", "nvfp4", "stable_fp4"]
 
 
@@ -95,14 +93,6 @@ class LinearRecipe:
                 if spec is not None and spec.is_2d:
                     raise ValueError(f"wgrad_hadamard mixes values along tokens, so {name} must "
                                      f"use 1D blocks, not {spec.block}")
-        # the name torch.library ops know it by (they take no Python objects): a plain
-        # attribute, which torch.compile reads as a constant of the graph
-        object.__setattr__(self, "op_key", _op_key(self))
-
-    def __setstate__(self, state: dict) -> None:
-        # unpickled or deep-copied: the key is this process's, not the one it was saved with
-        self.__dict__.update(state)
-        object.__setattr__(self, "op_key", _op_key(self))
 
     def with_gemm(self, gemm: Gemm | str) -> "LinearRecipe":
         """The same operands on other GEMMs (fast_accum kept on FP8 GEMMs, dropped elsewhere)."""
@@ -127,22 +117,6 @@ class LinearRecipe:
                 + (" on FP8 tensor cores" if self.gemm is Gemm.FP8 else "")
                 + (f" (fast accumulation: {', '.join(self.fast_accum)})" if self.fast_accum
                    else ""))
-
-
-_BY_OP_KEY: dict[str, LinearRecipe] = {}
-
-
-def _op_key(r: LinearRecipe) -> str:
-    """A name drawn from the recipe's fields: equal recipes share it, in every process (it may
-    sit in torch.compile's on-disk caches), whichever thread or order makes them."""
-    key = "recipe-" + hashlib.sha1(repr(r).encode()).hexdigest()[:16]
-    _BY_OP_KEY.setdefault(key, r)
-    return key
-
-
-def recipe_for_op_key(key: str) -> LinearRecipe:
-    """The LinearRecipe whose `op_key` is key (lowbit.ops.compiled's ops take the key)."""
-    return _BY_OP_KEY[key]
 
 
 @dataclass(frozen=True)

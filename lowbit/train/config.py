@@ -90,7 +90,7 @@ class TrainConfig:
     warmup_steps: int = 40
     """Steps of linear warmup from lr/warmup_steps to lr."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay; applied to matrices only (see train.loop._param_groups)."""
+    """AdamW decoupled weight decay; applied to matrices only (lowbit.train.build.param_groups)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (beta1, beta2)."""
     grad_clip: float = 1.0

@@ -44,7 +44,7 @@ import math
 import torch
 import torch.nn as nn
 
-from lowbit.kernels.fp8_gemm import deferred_fold_check
+from lowbit.dispatch.fold_check import deferred_fold_check
 
 __all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal"]
 

@@ -1,0 +1,186 @@
+"""The GEMM rules of a quantized linear layer, shared by the eager autograd.Functions
+(lowbit.ops.linear) and the torch.compile custom ops (lowbit.ops.compiled).
+
+    fprop  Y  = X W^T      X (N, in)  W (out, in)   reduce over in
+    dgrad  dX = dY W       dY (N, out) W (out, in)  reduce over out
+    wgrad  dW = dY^T X     dY (N, out) X (N, in)    reduce over N (tokens)
+
+Each operand is quantized along its GEMM's reduction dim as the LinearRecipe says. Emulated
+recipes then multiply the dequantized values in the compute dtype (the same values an FP4
+tensor-core GEMM multiplies, up to accumulation order); FP8 recipes fold MXFP4 operands into
+E4M3 and multiply them exactly on FP8 tensor cores (lowbit.kernels.fp8_gemm). With 2D tiles
+an operand used by two GEMMs is quantized once and the second GEMM takes the transpose of that
+copy, so the weight the forward pass used is bit for bit the weight the data gradient uses;
+with 1D blocks the two copies differ (that is the gradient bias arXiv 2607.24953 removes).
+Which copies a forward keeps for its backward is decided here too (`saved_operands`,
+`kept_operands`), so both paths keep the same ones.
+
+Stochastic rounding draws from torch's default generator on the operand's device (Philox
+seeds drawn from it on CUDA), so a training run's RNG state, saved in its checkpoints, fixes
+every draw.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit import dispatch
+from lowbit.formats import QuantSpec
+from lowbit.formats.spec import Rounding
+from lowbit.kernels.fp8_gemm import fp4_gemm_fp8
+from lowbit.recipes import LinearRecipe
+
+__all__ = ["fake_quantize", "operand", "shared", "saved_operands", "dgrad_weight",
+           "wgrad_operands", "gemm_operands", "kept_operands", "emulated_forward",
+           "emulated_backward", "fp8_forward", "fp8_backward", "compilable", "autocast_operands"]
+
+
+def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """Quantize-dequantize: the values `spec` represents, in t's dtype and shape."""
+    if spec is None:
+        return t
+    return dispatch.quantize_dequantize(t, spec)
+
+
+def operand(t: torch.Tensor, spec: QuantSpec | None, reduce_dim: int) -> torch.Tensor:
+    """t quantized with blocks along `reduce_dim` (0 or 1 of a 2-D tensor), in t's layout.
+
+    Square 2D tiles are the same along either dim, so they need no transpose.
+    """
+    if spec is None:
+        return t
+    if spec.is_2d or reduce_dim == t.dim() - 1:
+        return fake_quantize(t, spec)
+    return fake_quantize(t.mT, spec).mT
+
+
+def shared(first: QuantSpec | None, second: QuantSpec | None) -> bool:
+    """One quantized copy can serve both uses: the same square-tile spec."""
+    return first is not None and first == second and first.is_2d
+
+
+def saved_operands(x, weight, r: LinearRecipe, x_f=None, w_f=None):
+    """What forward keeps for backward: the quantized copy where the backward GEMM reuses it
+    (2D tiles), the high-precision tensor where it must be quantized along the other dim.
+    x_f / w_f: the forward's quantized copies; None: quantized here where needed (the same
+    bits under round-to-nearest). x / weight None (no GEMM needs it) stays None."""
+    x_saved, w_saved = x, weight
+    if shared(r.fprop_x, r.wgrad_x) and x is not None:
+        x_saved = x_f if x_f is not None else operand(x, r.fprop_x, reduce_dim=1)
+    if shared(r.fprop_w, r.dgrad_w) and weight is not None:
+        w_saved = w_f if w_f is not None else operand(weight, r.fprop_w, reduce_dim=1)
+    return x_saved, w_saved
+
+
+def dgrad_weight(w_saved, r: LinearRecipe):
+    """W for dX = dY W, blocks along out."""
+    return w_saved if shared(r.fprop_w, r.dgrad_w) else operand(w_saved, r.dgrad_w, reduce_dim=0)
+
+
+def wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe):
+    """(dY, X) for dW = dY^T X, each (N, features), blocks along N; with the random Hadamard
+    transform, both rotated by the same random orthonormal R along N (N padded to 16k)."""
+    if r.wgrad_hadamard:
+        signs = torch.randint(0, 2, (16,), device=dy.device) * 2 - 1
+        return (dispatch.rotated_fake_quantize(dy, r.wgrad_dy, signs),
+                dispatch.rotated_fake_quantize(x_saved, r.wgrad_x, signs))
+    dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
+    x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
+    return dy_w, x_w
+
+
+def gemm_operands(x, weight, dy, r: LinearRecipe) -> dict[str, torch.Tensor]:
+    """The six operands the three emulated GEMMs multiply, computed as the layer computes them
+    (for diagnostics). x (N, in), weight (out, in), dy (N, out)."""
+    x_f = operand(x, r.fprop_x, reduce_dim=1)
+    w_f = operand(weight, r.fprop_w, reduce_dim=1)
+    x_saved, w_saved = saved_operands(x, weight, r, x_f, w_f)
+    dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)
+    dy_w, x_w = wgrad_operands(dy, dy_d, x_saved, r)
+    return {"fprop_x": x_f, "fprop_w": w_f, "dgrad_dy": dy_d, "dgrad_w": dgrad_weight(w_saved, r),
+            "wgrad_dy": dy_w, "wgrad_x": x_w}
+
+
+def kept_operands(r: LinearRecipe, grad_x: bool, grad_w: bool) -> tuple[bool, bool]:
+    """Which quantized operands a forward keeps for its backward: X's where dW will be asked
+    for (grad_w) and square tiles share X between fprop and wgrad; W's where dX will be
+    (grad_x) and they share W between fprop and dgrad."""
+    return grad_w and shared(r.fprop_x, r.wgrad_x), grad_x and shared(r.fprop_w, r.dgrad_w)
+
+
+def emulated_forward(x, weight, r: LinearRecipe, bias=None):
+    """(Y, the quantized X, the quantized W) of the emulated fprop GEMM. x (N, in)."""
+    x_f = operand(x, r.fprop_x, reduce_dim=1)                   # (N, in), blocks along in
+    w_f = operand(weight, r.fprop_w, reduce_dim=1)              # (out, in), blocks along in
+    return F.linear(x_f, w_f, bias), x_f, w_f                   # (N, out)
+
+
+def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need_dw: bool):
+    """(dX or None, dW or None) of the emulated GEMMs, from what the forward saved
+    (saved_operands). dy: (N, out)."""
+    dx = dw = None
+    dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)                # (N, out), blocks along out
+    if need_dx:
+        dx = dy_d @ dgrad_weight(w_saved, r)                    # (N, out) @ (out, in) -> (N, in)
+    if need_dw:
+        dy_w, x_w = wgrad_operands(dy, dy_d, x_saved, r)        # (N, out), (N, in)
+        dw = dy_w.mT @ x_w                                      # (out, N) @ (N, in) -> (out, in)
+    return dx, dw
+
+
+def fp8_forward(x, weight, r: LinearRecipe, keep_x_t: bool, keep_w_t: bool, check):
+    """(Y (N, out), X^T's folded operand or None, W^T's or None) on FP8 tensor cores: one
+    quantization of each operand gives its fprop operand and, where kept (kept_operands), the
+    transposed one for the backward. check: the deferred fold check, or None (exact folds)."""
+    fx, fx_t = dispatch.quantize_fold(x, r.fprop_x, keep_x_t, check)
+    fw, fw_t = dispatch.quantize_fold(weight, r.fprop_w, keep_w_t, check)
+    y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype, use_fast_accum="fprop" in r.fast_accum)
+    return y, fx_t, fw_t
+
+
+def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool, need_dw: bool):
+    """(dX or None, dW or None) on FP8 tensor cores. dy: (N, out). x_w / w_d: X^T's and W^T's
+    folded operands where the forward made them (shared 2D tiles), else None and they are
+    made here from x / weight (shared tiles: x^T's operand of the forward's quantization, the
+    same bits under round-to-nearest; 1D blocks: quantized along the other dim). check: the
+    forward's deferred fold check."""
+    def transposed(t, forward_spec, spec):
+        if shared(forward_spec, spec):
+            return dispatch.quantize_fold(t, spec, True, check, rows=False)[1]
+        return dispatch.quantize_fold(t.mT, spec, check=check)[0]
+
+    dx = dw = None
+    shared_dy = shared(r.dgrad_dy, r.wgrad_dy) and need_dw
+    fdy, fdy_t = dispatch.quantize_fold(dy, r.dgrad_dy, shared_dy, check)  # (N, out), along out
+    if need_dx:
+        # dX = dY W: B = W^T (in, out), blocks along out
+        w_d = w_d if w_d is not None else transposed(weight, r.fprop_w, r.dgrad_w)
+        dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype,                              # (N, in)
+                          use_fast_accum="dgrad" in r.fast_accum)
+    if need_dw:
+        # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
+        dy_w = (fdy_t if fdy_t is not None
+                else dispatch.quantize_fold(dy.mT, r.wgrad_dy, check=check)[0])
+        x_w = x_w if x_w is not None else transposed(x, r.fprop_x, r.wgrad_x)
+        dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype,                            # (out, in)
+                          use_fast_accum="wgrad" in r.fast_accum)
+    return dx, dw
+
+
+def compilable(r: LinearRecipe) -> bool:
+    """The recipe's forward operands round to nearest. A forward that rounds stochastically
+    stays in the eager Function (a graph break), so that it draws its random numbers in eager's
+    order, not in whatever order the compiled graph runs the ops."""
+    return all(s is None or s.rounding is Rounding.RNE for s in (r.fprop_x, r.fprop_w))
+
+
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(x, weight, bias) cast to the autocast dtype when autocast is on, as it would cast a
+    linear's inputs; the quantized GEMMs then run with it off and see exactly these values."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return x, weight, bias

@@ -1,0 +1,157 @@
+"""What a run is built from: data, model, recipe and optimizer, each from a TrainConfig.
+
+    data = build_data(config)                     # lowbit.data's corpus as TrainingData
+    seed_everything(config.seed)
+    model = build_model(config, data.vocab_size)  # a lowbit.models preset, seeded init
+    say(apply_recipe(model, resolve_recipe(config.recipe)))   # in place; the report's first line
+    optimizer = build_optimizer(model, config, device)
+
+`lowbit train`, `lowbit bench train` and the tools under benchmarks/ build with these, so a
+benchmark times the model, recipe and optimizer a training run uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from lowbit.train.config import TrainConfig
+
+__all__ = ["Batch", "TrainingData", "CorpusData", "build_data", "model_config", "build_model",
+           "resolve_recipe",
+           "apply_recipe", "param_groups", "build_optimizer", "seed_everything", "epochs"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: LongTensor (B, T) each
+
+
+class TrainingData(Protocol):
+    """What the loop needs from a dataset (lowbit.data's, or a stand-in in tests)."""
+
+    vocab_size: int
+
+    def train_batch(self, step: int) -> Batch:
+        """All batch_size * grad_accum_steps sequences of optimizer step `step`, (rows, seq_len);
+        a pure function of (seed, step), which is what makes resume exact."""
+
+    def eval_batches(self) -> Iterable[Batch]:
+        """The validation micro-batches, the same ones on every call."""
+
+
+class CorpusData:
+    """lowbit.data's TokenDataset as the loop's TrainingData: the train split's batches by
+    step, the first eval_batches micro-batches of the val split for evaluation."""
+
+    def __init__(self, dataset, config: TrainConfig) -> None:
+        self.dataset, self.config = dataset, config
+        self.vocab_size = dataset.vocab_size
+        self.tokens_per_epoch = dataset.tokens_per_epoch
+        # Draw one window from each split now, so a seq_len longer than a split is refused
+        # before the run folder exists, not at the first evaluation.
+        dataset.get_batch(0, 1, config.seq_len, config.seed)
+        next(iter(dataset.eval_batches("val", 1, config.seq_len, max_batches=1)))
+
+    def train_batch(self, step: int) -> Batch:
+        c = self.config
+        return self.dataset.get_batch(step, c.batch_size * c.grad_accum_steps, c.seq_len, c.seed)
+
+    def eval_batches(self) -> Iterable[Batch]:
+        c = self.config
+        return self.dataset.eval_batches("val", c.batch_size, c.seq_len, max_batches=c.eval_batches)
+
+
+def build_data(config: TrainConfig) -> CorpusData:
+    """config.corpus, tokenized with config.tokenizer (cached), as TrainingData."""
+    from lowbit.data import load_dataset
+
+    dataset = load_dataset(config.corpus, tokenizer=config.tokenizer,
+                           vocab_size=config.bpe_vocab_size, data_dir=config.data_dir,
+                           max_bytes=config.corpus_max_bytes)
+    return CorpusData(dataset, config)
+
+
+def epochs(config: TrainConfig, data) -> float | None:
+    """How many times the run reads its training split (None if the data cannot say)."""
+    per_epoch = getattr(data, "tokens_per_epoch", None)
+    return config.total_steps * config.tokens_per_step / per_epoch if per_epoch else None
+
+
+def model_config(config: TrainConfig, vocab_size: int | None = None):
+    """The lowbit.models.ModelConfig of config.model with the config's overrides (depth, width,
+    experts, dropout) and a context of at least seq_len; vocab_size None keeps the preset's."""
+    from lowbit.models import ModelConfig
+
+    overrides = {name: getattr(config, name) for name in ("n_layers", "n_experts", "dropout")
+                 if getattr(config, name) is not None}
+    if config.dim is not None:
+        overrides.update(dim=config.dim, n_heads=max(1, config.dim // 64), ffn_dim=None)
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    built = ModelConfig.preset(config.model, **overrides)
+    if built.max_seq_len < config.seq_len:
+        built = dataclasses.replace(built, max_seq_len=config.seq_len)
+    return built
+
+
+def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """model_config(config, vocab_size) built, initialized from torch's generator as it stands
+    (seed it first)."""
+    from lowbit.models import build_model as build
+
+    return build(model_config(config, vocab_size))
+
+
+def resolve_recipe(name: str):
+    """The recipe object for `name`, or None for "bf16" (train the model as built). Refuses an
+    unknown name before anything is built."""
+    if name == "bf16":
+        return None
+    from lowbit.recipes import get_recipe
+
+    return get_recipe(name)
+
+
+def apply_recipe(model: nn.Module, recipe) -> str:
+    """The one seam between training and quantization: swap the model's layers for the
+    recipe's quantized ones, in place (lowbit.convert), and return the first line of its report
+    ("" for no recipe). The loop itself never knows which formats are in play. Stochastic
+    rounding draws from torch's default generators, which checkpoints save, so resume stays
+    exact under quantized recipes too."""
+    if recipe is None:
+        return ""
+    from lowbit.nn import convert
+
+    return str(convert(model, recipe)).splitlines()[0]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only. Norm gains and biases are 1-D: pulling them toward 0
+    fights the scale and offset they exist to learn. Embedding rows get gradient only when
+    their token occurs, so decay would shrink rare tokens' rows between occurrences (a tied
+    output head shares the embedding's Parameter and is treated the same)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device,
+                    sharded: bool = False) -> torch.optim.AdamW:
+    """AdamW over param_groups, at config.lr and config.betas: fused on CUDA, except over
+    FSDP's DTensor parameters (`sharded`), which take the foreach implementation."""
+    return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
+                             betas=config.betas, fused=device.type == "cuda" and not sharded)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators (the CUDA ones too) from `seed`."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,214 @@
+"""One optimizer step, as every lowbit job runs it: `lowbit train`, `lowbit bench train`, and the
+QAT and RL trainers built on lowbit.train.
+
+    step = TrainStep(model, optimizer, config, process)
+    result = step(i, inputs, targets)     # the global batch of optimizer step i (0-based)
+
+What one call does:
+  lr = learning_rate_at(i)                     linear warmup, then cosine down to min_lr
+  rows = this process's share of the batch     (lowbit.train.distributed)
+  for each of grad_accum_steps micro-batches:  forward (bf16 autocast on CUDA),
+                                               backward of loss / grad_accum_steps
+  grad_norm = clip_grad_norm_(grad_clip)
+  (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly, or as
+   fold_inexact says: lowbit.train.fold_policy)
+  if loss and grad_norm are finite: AdamW step; else skip it (a nonfinite_skip record)
+With config.cuda_graph the forwards, backwards and clip are one CUDA graph replay
+(lowbit.train.graphs), captured at the first call; with config.compile the model runs through
+torch.compile. The loss, gradient norm and inexact-fold count come back in one readback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from lowbit.dispatch.fold_check import deferred_fold_check, watch_chunked_folds
+from lowbit.train.build import Batch
+from lowbit.train.config import TrainConfig
+from lowbit.train.distributed import Distributed
+from lowbit.train.fold_policy import FoldPolicy
+from lowbit.train import graphs
+from lowbit.train.graphs import GraphedGradients, accumulate_gradients
+
+__all__ = ["TrainStep", "StepResult", "learning_rate_at", "refuse_cuda_graph"]
+
+
+def learning_rate_at(step: int, config: TrainConfig) -> float:
+    """LR of optimizer step `step` (0-based): linear warmup to config.lr over warmup_steps
+    steps, then a cosine from config.lr to lr * min_lr_ratio, reached on the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    decay_steps = config.total_steps - 1 - config.warmup_steps
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - config.warmup_steps) / decay_steps)
+    min_lr = config.lr * config.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
+
+
+def refuse_cuda_graph(process: Distributed, moe: bool) -> None:
+    """Raise the one-line reason (ValueError) why --cuda-graph cannot run here, if there is one."""
+    refusal = graphs.cuda_graph_refusal(process.device, moe=moe, world_size=process.world_size)
+    if refusal:
+        raise ValueError(refusal)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """The step's mean loss over its micro-batches (averaged over the processes)."""
+    grad_norm: float
+    """The gradient norm before clipping."""
+    lr: float
+    skipped: bool
+    """The loss or gradient norm was NaN/Inf, so the update was not applied."""
+    capture_s: float = 0.0
+    """Seconds spent warming up and capturing the CUDA graph in this call (not step time)."""
+    records: list[dict] = field(default_factory=list)
+    """Events for the metrics log: cuda_graph_captured, fold_rounded, fold_redo, fold_adapted,
+    nonfinite_skip (each with "event" and "step")."""
+    messages: list[str] = field(default_factory=list)
+    """What to tell the user about them."""
+    first_micro_batch: Batch | None = None
+    """This process's first micro-batch of the step, on the device (for diagnostics)."""
+
+
+class TrainStep:
+    """The optimizer step of a run. It owns how the model is run (wrapped for DDP, compiled,
+    under autocast, captured), the step's fold policy and its count of non-finite steps in a
+    row; the caller owns the data, the schedule's position and everything around the step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                 process: Distributed, fold_policy: FoldPolicy | None = None) -> None:
+        self.model, self.optimizer, self.config, self.process = model, optimizer, config, process
+        self.device = process.device
+        self.fold = fold_policy if fold_policy is not None else FoldPolicy(config.fold_inexact, model)
+        # `model` stays the plain module: its state dict is what checkpoints hold.
+        wrapped = process.wrap(model)
+        self.forward = torch.compile(wrapped) if config.compile else wrapped
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if self.device.type == "cuda" and config.bf16_autocast
+                         else contextlib.nullcontext())
+        self.max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        self.graphed: GraphedGradients | None = None   # --cuda-graph: captured at the first call
+        self.nonfinite_run = 0
+        """Optimizer steps in a row whose loss or gradient norm was not finite."""
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss, as the step computes it."""
+        with self.autocast:
+            return self.forward(x, y).loss
+
+    def __call__(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """Optimizer step `step` (0-based) on its global batch (batch_size * grad_accum_steps
+        rows of seq_len tokens)."""
+        config, process, device = self.config, self.process, self.device
+        accum = config.grad_accum_steps
+        if inputs.shape[0] != config.batch_size * accum:
+            raise ValueError(f"the data gave {inputs.shape[0]} sequences for step {step}; "
+                             f"batch_size * grad_accum_steps = {config.batch_size * accum}")
+        lr = learning_rate_at(step, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = process.shard(inputs).to(device), process.shard(targets).to(device)
+        result = StepResult(0.0, 0.0, lr, False,
+                            first_micro_batch=(inputs.chunk(accum)[0], targets.chunk(accum)[0]))
+
+        # FP8-path recipes fold their operands without host syncs (one K-chunk each) and count
+        # on the device what that left inexact; the count is read with the step's loss (one
+        # all-reduce, one readback). A nonzero one (on any rank) is handled by the fold policy.
+        rng_before = self._rng_state()
+        if config.cuda_graph:
+            if self.graphed is None:
+                t = time.perf_counter()
+                self.graphed = self._capture(inputs, targets)
+                result.capture_s = time.perf_counter() - t
+                result.records.append({"event": "cuda_graph_captured", "step": step + 1,
+                                       "seconds": result.capture_s})
+                result.messages.append(f"step {step + 1}: captured the step in a CUDA graph "
+                                       f"({result.capture_s:.1f} s)")
+            step_loss, grad_norm, count = self.graphed(inputs, targets)
+            loss, grad_norm, inexact = torch.stack(
+                [step_loss.double(), grad_norm.double(), count[0].double()]).tolist()
+        else:
+            with deferred_fold_check(device) as check:
+                step_loss, grad_norm = self._gradients(inputs, targets)
+            loss, inexact = process.average(
+                torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
+        inexact = round(inexact * process.world_size)
+        if inexact and not self.fold.redoes:
+            result.records.append({"event": "fold_rounded", "step": step + 1,
+                                   "inexact_values": inexact})
+        elif inexact:
+            self._set_rng_state(rng_before)
+            with watch_chunked_folds() as chunked:
+                step_loss, grad_norm = self._gradients(inputs, targets)
+            result.records.append({"event": "fold_redo", "step": step + 1,
+                                   "inexact_values": inexact})
+            loss = process.average(step_loss).item()
+            if self.fold.watches:
+                moved = self.fold.adapt(process.union(list(chunked)))
+                if moved:
+                    self.graphed = None   # the next step is captured with the new recipes
+                    result.records.append({"event": "fold_adapted", "step": step + 1,
+                                           "layers": moved})
+                    result.messages.append(
+                        f"step {step + 1}: {len(moved)} layer(s) need K-chunked FP8 folds; they "
+                        f"now multiply on the emulated path: {', '.join(moved)}")
+        result.loss, result.grad_norm = loss, grad_norm
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.nonfinite_run = 0
+        else:
+            self.nonfinite_run += 1
+            result.skipped = True
+            result.records.append({"event": "nonfinite_skip", "step": step + 1, "loss": loss,
+                                   "grad_norm": grad_norm, "lr": lr,
+                                   "in_a_row": self.nonfinite_run})
+            result.messages.append(f"step {step + 1}: non-finite loss {loss} / grad norm "
+                                   f"{grad_norm}, update skipped ({self.nonfinite_run} in a row)")
+        return result
+
+    def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Forward and backward of every micro-batch, then clip: (loss, grad norm)."""
+        accum, process = self.config.grad_accum_steps, self.process
+        if self.graphed is not None:   # the graph's gradient buffers stay in place
+            self.graphed.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        step_loss = accumulate_gradients(  # DDP/FSDP sync the last backward only
+            self.loss, inputs, targets, accum,
+            sync=lambda i: process.sync_gradients(i == accum - 1, self.model))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
+            grad_norm = grad_norm.full_tensor()
+        return step_loss, grad_norm.item()
+
+    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> GraphedGradients:
+        """The step's gradients as one CUDA graph (lowbit.train.graphs), built on its first batch."""
+        # a captured step must not use autocast's cast cache: it is cleared outside the graph
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False,
+                                  enabled=self.config.bf16_autocast and inputs.is_cuda)
+
+        def loss_fn(x, y):
+            with autocast:
+                return self.forward(x, y).loss
+
+        return GraphedGradients(self.model, loss_fn, inputs, targets,
+                                accum=self.config.grad_accum_steps, max_norm=self.max_norm)
+
+    def _rng_state(self) -> tuple:
+        """What a training step draws from: torch's CPU generator and the device's. (Not
+        checkpoint.rng_state(): that takes every GPU's state, touching every GPU from every
+        rank, and Python's and NumPy's generators, which a step does not draw from.)"""
+        return (torch.get_rng_state(),
+                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+
+    def _set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
