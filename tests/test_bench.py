@@ -72,7 +72,7 @@ def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("on a GPU this would time the real shapes; the CPU path is what this checks")
-    from lowbit.bench import timed_kernels
+    from lowbit.bench.kernels import timed_kernels
 
     out = tmp_path / "kernels.json"
     assert main(["bench", "kernels", "--shapes", "32x64", "--no-torchao", "--json", str(out)]) == 0
@@ -86,7 +86,7 @@ def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
 
 
 def test_moved_bytes_counts_reads_and_writes():
-    from lowbit.bench import kernel_spec, moved_bytes
+    from lowbit.bench.kernels import kernel_spec, moved_bytes
 
     stable = kernel_spec("mxfp4", "rceil", (32, 32))
     nvfp4 = kernel_spec("nvfp4", None, (1, 16), True)
@@ -131,7 +131,7 @@ def test_bench_train_on_a_corpus_takes_a_new_text_batch_each_step(corpus_env, mo
 
 
 def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
-    from lowbit.bench import idle_gaps
+    from lowbit.bench.timing import idle_gaps
 
     # two streams overlap on [10, 40); idle [40, 100) after "b", [110, 115) and [120, 122)
     spans = [(0.0, 30.0, "a"), (10.0, 40.0, "b"), (100.0, 110.0, "c"), (115.0, 120.0, "b"),

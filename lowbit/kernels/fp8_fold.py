@@ -63,7 +63,8 @@ from lowbit.kernels.quantize import (
     pow2_wide, round_value,
 )
 
-__all__ = ["quantize_fold_mxfp4", "quantize_fold_mxfp4_with_transpose", "fold_configs"]
+__all__ = ["quantize_fold_mxfp4", "quantize_fold_mxfp4_with_transpose", "fold_configs",
+           "fold_pass_one", "encode_shifted"]
 
 # the reference fold's numbers as Triton constants
 NONE_C = tl.constexpr(fold.NONE_HI)
@@ -500,14 +501,20 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
     return out
 
 
+_PATHS = ("auto", "one_chunk", "planned")
+
+
 def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, counter,
-                   configs=None):
+                   path: str = "auto", configs=None):
     """The one-chunk fold first. With a `counter` (a deferred fold check's) it is the answer,
     and the counter says afterwards whether any block fell outside its window (then the work
     is to be redone without one). Without, its count is read back (one host sync) and, if
-    nonzero, the planned fold (K-chunks) is the answer."""
+    nonzero, the planned fold (K-chunks) is the answer. path "one_chunk" / "planned" takes
+    that fold alone (tests, tuning and the sm_90 compile check reach each path this way)."""
+    if path not in _PATHS:
+        raise ValueError(f"path must be one of {', '.join(_PATHS)}, got {path!r}")
     L = _Launch(x, spec, seed, generator, transpose, configs)
-    if x.numel() == 0:
+    if x.numel() == 0 or path == "planned":
         return _fold_planned(L, rows_out, transpose)
     if counter is not None and (counter.dtype != torch.int64 or counter.numel() != 1
                                 or counter.device != x.device):
@@ -515,14 +522,15 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
                          f"{tuple(counter.shape)} on {counter.device}")
     over = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=x.device)
     out = _fold_one_chunk(L, rows_out, transpose, over)
-    if counter is not None or int(over.item()) == 0:
+    if counter is not None or path == "one_chunk" or int(over.item()) == 0:
         return out
     return _fold_planned(L, rows_out, transpose)
 
 
 def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = False, seed=None, *,
                         generator: torch.Generator | None = None,
-                        counter: torch.Tensor | None = None) -> FoldedOperand:
+                        counter: torch.Tensor | None = None, path: str = "auto",
+                        configs=None) -> FoldedOperand:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it into FP8: equal bit for bit
     to `fold_operand(quantize_with_spec(x, spec), transpose)` (RNE), or, for stochastic
     rounding, to `fold_operand(quantize_triton(x, spec, seed), transpose)` (the seed contract of
@@ -534,17 +542,40 @@ def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = Fals
     One host sync (whether one factor per row kept every block exact; if not, one more per
     K-chunk of the planned fold); none with a `counter` (one int64 on x's device: a deferred
     fold check's, lowbit.dispatch.fold_check), to which the count of values one factor per row
-    leaves inexact is added instead of falling back."""
+    leaves inexact is added instead of falling back.
+    path: "auto" (the above), "one_chunk" (that fold alone, never falling back: rows past the
+    window are inexact and counted in `counter` if given) or "planned" (the K-chunked fold,
+    exact, one host sync per chunk). configs: (pass 1, pass 2) TileConfigs of the one-chunk
+    fold (default `fold_configs`)."""
     return _quantize_fold(x, spec, seed, generator, rows_out=not transpose,
-                          transpose=transpose, counter=counter)[0]
+                          transpose=transpose, counter=counter, path=path, configs=configs)[0]
 
 
 def quantize_fold_mxfp4_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                                        generator: torch.Generator | None = None,
-                                       counter: torch.Tensor | None = None,
-                                       ) -> tuple[FoldedOperand, FoldedOperand]:
+                                       counter: torch.Tensor | None = None, path: str = "auto",
+                                       configs=None) -> tuple[FoldedOperand, FoldedOperand]:
     """(x's operand, x^T's operand) from the same two passes (square 2D tiles only): the
-    fprop and wgrad operands of an activation, or the fprop and dgrad operands of a weight."""
+    fprop and wgrad operands of an activation, or the fprop and dgrad operands of a weight.
+    Arguments as quantize_fold_mxfp4's."""
     a, a_t = _quantize_fold(x, spec, seed, generator, rows_out=True, transpose=True,
-                            counter=counter)
+                            counter=counter, path=path, configs=configs)
     return a, a_t
+
+
+def fold_pass_one(x: torch.Tensor, spec: QuantSpec, transpose: bool = True,
+                  configs=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 of the one-chunk fold alone (to time it): each tile band's largest finite block
+    exponent and NaN flag, for x's rows and, with `transpose`, its columns. Returns the E8M0
+    scale codes (bands x bands_t, uint8) and the band stats (int32)."""
+    L = _Launch(x, spec, None, None, transpose, configs)
+    n_bands, n_bands_t = L.n_scale_rows, L.n_scale_cols
+    stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fold.NONE_HI,
+                       dtype=torch.int32, device=x.device)
+    scales = torch.empty(n_bands, n_bands_t, dtype=torch.uint8, device=x.device)
+    p1 = L.pass1
+    with kq.on_device(x):
+        _band_max_kernel[p1.grid](x, scales, stats[:2 * n_bands], stats[2 * n_bands:],
+                                  L.rows, L.k, *x.stride(), n_bands, n_bands_t, ROWS=True,
+                                  TRANSPOSE=transpose, EVEN=p1.even, **p1.kw, **L.common)
+    return scales, stats

@@ -1,0 +1,156 @@
+"""Timers and the step profile every benchmark shares: medians of CUDA events (triton's
+do_bench, L2 flushed), CUDA-graph replays (the GPU's time alone), and where a profiled step's
+GPU time goes.
+
+On the CPU the timers take one wall-clock call after a warm-up: smoke runs test the code, not
+the speed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "idle_gaps", "format_profiles"]
+
+
+def time_ms(fn, device: str) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench, L2 flushed) on CUDA; elsewhere
+    (smoke runs, which test the code, not the speed) one wall-clock call after a warm-up."""
+    if device != "cuda":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_time_ms(fn, device: str) -> float | None:
+    """Median milliseconds of fn() replayed from a CUDA graph: the GPU's time alone, without the
+    Python and launch overhead that time_ms includes when the GPU outruns the host. None on the
+    CPU or when fn cannot be captured (it syncs with the host, say)."""
+    if device != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"   (no CUDA-graph timing: {type(e).__name__}: {str(e)[:100]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+_CATEGORIES = (
+    ("quantize (lowbit Triton)", ("_quantize_kernel", "_tensor_amax_kernel", "_rht_rows_kernel")),
+    ("fp8 fold (lowbit Triton)", ("_live_blocks_kernel", "_fold_kernel", "_band_max_kernel",
+                                  "_fold_one_chunk_kernel")),
+    # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
+    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),
+)
+
+
+def profile_step(step, dev: torch.device, top: int = 12) -> dict:
+    """Profile one step: GPU time by category (lowbit's quantize / fold kernels, FP8 and other
+    GEMMs, attention, everything else), the busy fraction of the step's wall time (the rest is
+    the GPU waiting on the host), and the `top` kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    spans = []   # (start_us, end_us, name) of every GPU event, for the idle gaps between them
+    for event in prof.events():
+        # user annotations ("Optimizer.step#AdamW.step") also appear on the GPU timeline,
+        # spanning kernels that are counted on their own
+        annotation = getattr(event, "is_user_annotation", False) or "#" in event.name
+        if event.device_type == torch.autograd.DeviceType.CUDA and not annotation:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+            spans.append((event.time_range.start, event.time_range.end, event.name))
+    by_category: dict[str, float] = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        category = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+        by_category[category] = by_category.get(category, 0.0) + ms
+    busy = sum(kernels.values())
+    # the host side: CPU self time per op / runtime call (a device sync shows up as time in
+    # cudaStreamSynchronize / cudaDeviceSynchronize / a device-to-host cudaMemcpyAsync)
+    host = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0}
+    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, **idle_gaps(spans, top),
+            "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
+            "host_total_ms": sum(ms for ms, _ in host.values()),
+            "top_host_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:top])}
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """Where the GPU sat idle between its first and last event: spans are (start_us, end_us,
+    name); overlapping spans (several streams) are merged. Returns the span of the timeline,
+    the idle total, a histogram of the gaps by length, and the idle time summed per pair of
+    events either side ("before -> after", names cut to 50 characters), the `top` pairs."""
+    bins = (("< 5 us", 0.005), ("5-20 us", 0.02), ("20-100 us", 0.1), ("0.1-1 ms", 1.0),
+            (">= 1 ms", math.inf))
+    histogram = {label: [0, 0.0] for label, _ in bins}
+    by_pair: dict[str, float] = {}
+    end, last = None, ""
+    for start, stop, name in sorted(spans):
+        if end is not None and start > end:
+            ms = (start - end) / 1e3
+            label = next(label for label, upper in bins if ms < upper)
+            histogram[label][0] += 1
+            histogram[label][1] += ms
+            pair = f"{last[:50]} -> {name[:50]}"
+            by_pair[pair] = by_pair.get(pair, 0.0) + ms
+        if end is None or stop >= end:
+            end, last = stop, name
+    idle = sum(ms for _, ms in histogram.values())
+    return {"timeline_ms": (end - min(s for s, _, _ in spans)) / 1e3 if spans else 0.0,
+            "idle_ms": idle, "idle_gap_count": sum(n for n, _ in histogram.values()),
+            "idle_histogram": {label: {"gaps": n, "ms": ms} for label, (n, ms) in histogram.items()},
+            "top_gaps_ms": dict(sorted(by_pair.items(), key=lambda kv: -kv[1])[:top])}
+
+
+def format_profiles(rows: list[dict]) -> str:
+    """Where each recipe's profiled step spent its GPU time (rows from bench_train(profile=True))."""
+    out = []
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        out.append(f"\n{r['recipe']}: profiled step {p['wall_ms']:.1f} ms wall, GPU busy "
+                   f"{p['gpu_busy_ms']:.1f} ms ({p['gpu_busy_ms'] / p['wall_ms']:.0%})")
+        for category, ms in p["by_category_ms"].items():
+            out.append(f"  {category:28s} {ms:9.2f} ms  {ms / p['gpu_busy_ms']:6.1%}")
+        if "idle_ms" in p:
+            lengths = ", ".join(f"{label}: {h['gaps']} ({h['ms']:.1f} ms)"
+                                for label, h in p["idle_histogram"].items())
+            out.append(f"  GPU timeline {p['timeline_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms in "
+                       f"{p['idle_gap_count']} gaps; by length {lengths}")
+            out.append("  idle time by the events either side:")
+            for label, ms in p["top_gaps_ms"].items():
+                out.append(f"    {ms:9.2f} ms  {label}")
+        out.append("  top kernels:")
+        for name, ms in p["top_kernels_ms"].items():
+            out.append(f"    {ms:9.2f} ms  {name[:110]}")
+        if "top_host_ms" in p:
+            out.append(f"  host (CPU self time, {p['host_total_ms']:.1f} ms under the profiler): "
+                       "top ops and runtime calls")
+            for name, (ms, count) in p["top_host_ms"].items():
+                out.append(f"    {ms:9.2f} ms  {count:6d}x  {name[:100]}")
+    return "\n".join(out)
+
+

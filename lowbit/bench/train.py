@@ -1,0 +1,153 @@
+"""`lowbit bench train`: the step time and peak memory of recipes on one model, as a table with
+ratios to the first recipe (the baseline, normally bf16), measured in the same run.
+
+    lowbit bench train --model 1b --seq-len 2048 --batch-size 4 --recipes bf16,nvfp4,stable-fp4-fp8
+    lowbit bench train --model tiny --seq-len 64 --batch-size 2 --steps 2 --warmup 1   # CPU smoke
+
+Each recipe gets a fresh model (same seed), built and converted as `lowbit train` builds a run,
+and lowbit.train's own step (TrainStep) runs on its batches: the optimizer's groups, the
+schedule, clipping, autocast, the FP8 fold policy (a redone step is timed and counted), and
+with --compile / --cuda-graph the compiled model and the CUDA graph. The median step time over
+--steps timed steps after --warmup untimed ones, and the peak allocated memory, are reported.
+Speed targets are checked here, in a benchmark, never in unit tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from lowbit.bench.timing import profile_step, sync
+
+__all__ = ["bench_train", "format_rows"]
+
+
+def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
+                batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
+                compile: bool = False, n_experts: int | None = None, profile: bool = False,
+                cuda_graph: bool = False, corpus: str | None = None,
+                progress=print) -> list[dict]:
+    """Each recipe's median step time and peak memory on the same model (seeded init) and the
+    same batches, timing lowbit.train's own step (TrainStep: its optimizer groups, schedule,
+    clipping, autocast, fold policy and CUDA graph), built as `lowbit train` builds a run.
+    corpus None: one batch of random tokens, every step (the preset's vocabulary); a corpus
+    name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes` reads it; the model's
+    vocabulary is then 256): step i trains on that corpus's batch i, so the gradients are those
+    of text (the FP8 folds' redo count depends on them)."""
+    from lowbit.recipes import get_recipe
+    from lowbit.train import TrainConfig
+    from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
+                                    model_config, resolve_recipe)
+    from lowbit.train.config import resolve_device
+    from lowbit.train.distributed import Distributed
+    from lowbit.train.step import TrainStep, refuse_cuda_graph
+
+    if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
+        raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
+    for name in recipes:
+        get_recipe(name)  # refuse an unknown recipe before building anything
+    dev = resolve_device(device)
+    process = Distributed(device=dev)   # one process: the benchmark is not run under torchrun
+    total = warmup + steps
+    base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
+                       max_steps=total + (1 if profile else 0), warmup_steps=min(warmup, 1),
+                       compile=compile, cuda_graph=cuda_graph, device=str(dev),
+                       corpus=corpus or "tinyshakespeare", tokenizer="bytes", progress=False,
+                       diagnostics=False)
+    data = build_data(base) if corpus is not None else None
+    vocab_size = data.vocab_size if data is not None else None
+    if cuda_graph:
+        refuse_cuda_graph(process, moe=model_config(base).is_moe)
+    rows = []
+    for name in recipes:
+        config = dataclasses.replace(base, recipe=name)
+        torch.manual_seed(0)
+        net = build_model(config, vocab_size)
+        apply_recipe(net, resolve_recipe(name))
+        net.to(dev).train()
+        optimizer = build_optimizer(net, config, dev)
+        step_fn = TrainStep(net, optimizer, config, process)
+        tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
+
+        def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if data is not None:
+                return data.train_batch(i)
+            return tokens[:, :-1], tokens[:, 1:]
+
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        results = []
+
+        def step():
+            i = len(results)
+            results.append(step_fn(i, *batch(i)))
+            return results[-1]
+
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            result = step()
+            sync(dev)
+            times.append(time.perf_counter() - t0 - result.capture_s)
+        step_s = statistics.median(times)
+        redone = [i + 1 for i, r in enumerate(results)
+                  if any(rec["event"] == "fold_redo" for rec in r.records)]
+        row = {"recipe": name, "step_ms": step_s * 1e3,
+               "tokens_per_s": batch_size * seq_len / step_s,
+               "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
+                                if dev.type == "cuda" else None),
+               "loss": result.loss, "device": str(dev), "model": model,
+               "params": sum(p.numel() for p in net.parameters()), "compile": compile,
+               "cuda_graph": cuda_graph, "corpus": corpus,
+               "fold_redo_steps": len(redone), "steps_run": len(results),
+               "fold_redo_at": redone}
+        if profile and dev.type == "cuda":
+            row["profile"] = profile_step(step, dev)
+        rows.append(row)
+        progress(f"{name}: {row['step_ms']:.1f} ms/step")
+        net = optimizer = step_fn = None   # free this recipe's GPU memory
+    base_row = rows[0]
+    for row in rows:
+        row["time_vs_base"] = row["step_ms"] / base_row["step_ms"]
+        row["mem_vs_base"] = (row["peak_mem_gib"] / base_row["peak_mem_gib"]
+                              if row["peak_mem_gib"] and base_row["peak_mem_gib"] else None)
+    return rows
+
+
+# kernel-name fragments -> where a training step's GPU time goes
+def format_rows(rows: list[dict]) -> str:
+    base = rows[0]["recipe"]
+    head = ["recipe", "ms/step", "tokens/s", f"time vs {base}", "peak GiB", f"mem vs {base}"]
+    lines = [head]
+    for r in rows:
+        lines.append([r["recipe"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                      f"{r['time_vs_base']:.2f}x",
+                      "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}",
+                      "-" if r["mem_vs_base"] is None else f"{r['mem_vs_base']:.2f}x"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(line, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.get("fold_redo_steps"):
+            at = ", ".join(map(str, r.get("fold_redo_at", [])))
+            out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps (number "
+                       f"{at}, warm-up included) had inexact one-chunk FP8 folds and were redone "
+                       "with exact ones, as lowbit train does (in the times above)")
+    r0 = rows[0]
+    data = f"{r0['corpus']} bytes" if r0.get("corpus") else "random tokens"
+    return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "
+            f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}, {data}\n"
+            + "\n".join(out))
+
+
