@@ -20,8 +20,10 @@ from lowbit.data import (
 from lowbit.data.corpora import GUTENBERG_VAL_BOOKS, read_text
 from lowbit.data.tokenizer import encode_chunks
 
+from conftest import missing_data
+
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"needs the corpora in {DATA}")
+pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=missing_data(f"needs the corpora in {DATA}"))
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,8 @@ and 2D tiles, block exponents spread over +-6 and +-30 binades) and on QTensors 
 code (all-zero blocks, spans at and one past the window, the smallest and largest exponents,
 NaN blocks, -0); what fold_report counts; the emulated GEMM for the three GEMMs of a linear
 layer within the float32-accumulation bound gamma_K * (|A| |B|^T).
-GPU tests (skipped without CUDA): the CUDA fold equals the CPU fold; torch._scaled_mm against
-fp64 with the bounds below.
+GPU tests (marked gpu, skipped without CUDA): the CUDA fold equals the CPU fold;
+torch._scaled_mm against fp64 with the bounds below.
 """
 
 import pytest
@@ -21,13 +21,6 @@ from lowbit.formats.fold import (
     shift_table, weight_operands,
 )
 from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, gemm_pieces
-
-ON_GPU = torch.cuda.is_available()
-
-
-def needs_gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")(test))
-
 
 RULES = ["floor", "rceil"]
 BLOCKS = [(1, 32), (32, 32), (16, 16)]
@@ -435,7 +428,7 @@ def test_rejects_what_does_not_fold():
 
 # ---- GPU: folding on CUDA, torch._scaled_mm ---------------------------------------------------
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("binades", [6, 30])
 def test_cuda_fold_equals_cpu_fold(block, binades):
@@ -447,7 +440,7 @@ def test_cuda_fold_equals_cpu_fold(block, binades):
     assert_bits_equal(gpu.unfold().cpu(), q.dequantize(torch.float32))
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("use_fast_accum", [False, True])
 @pytest.mark.parametrize("binades", [6, 30])
 @pytest.mark.parametrize("block", [(1, 32), (32, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
@@ -465,7 +458,7 @@ def test_scaled_mm_against_fp64(block, binades, use_fast_accum):
         assert rel16 <= rounding + GPU_REL_BOUND[use_fast_accum], (name, rel16, rounding)
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_scaled_mm_nan_rows_and_columns():
     codes = every_code_row(2).repeat(16, 1)
     exps = torch.zeros(16, 2, dtype=torch.long)

@@ -537,17 +537,13 @@ def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
     assert not config_from_args(parser.parse_args([])).cuda_graph
 
 
-_ONE_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-
-
 @pytest.mark.parametrize("device,compile", [
     ("cpu", False),
-    pytest.param("cuda", False, marks=_ONE_GPU),
+    pytest.param("cuda", False, marks=pytest.mark.gpu),
     # a GPU other than the current one: the capture and the replays must follow the inputs
-    pytest.param("cuda:1", False, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                           reason="needs two CUDA GPUs")),
+    pytest.param("cuda:1", False, marks=pytest.mark.gpu(count=2)),
     # the compiled model captured (inductor on the CPU would be too slow for CI)
-    pytest.param("cuda", True, marks=_ONE_GPU)])
+    pytest.param("cuda", True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe", ["bf16", "stable-fp4-fp8"])
 def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_path, recipe,
                                                                            compile, device,
