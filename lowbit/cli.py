@@ -70,7 +70,7 @@ def _add_train(sub) -> None:
     p = sub.add_parser(
         "train", help="pretrain a language model with a quantized-training recipe",
         description="Train a built-in LLaMA-style model. With no arguments: the tiny preset on "
-                    "Tiny Shakespeare with the stable-fp4 recipe, on the CPU in a few minutes.")
+                    "Tiny Shakespeare with the stable-fp4 recipe, on the CPU in about two minutes.")
     add_train_arguments(p)
     p.set_defaults(func=run_train)
     p = sub.add_parser("plot", help="redraw the loss curves of run folders in one figure")

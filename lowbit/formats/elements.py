@@ -95,12 +95,20 @@ def int_format(bits: int) -> ElementFormat:
                          max_value=float(2 ** (bits - 1) - 1), code_bits=container)
 
 
-def _grid_spacing(mag: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """Spacing of fmt's grid around each magnitude: 2^(max(floor(log2 mag), emin) - mbits)."""
-    # frexp: mag = m * 2^e with m in [0.5, 1), so floor(log2 mag) = e - 1 exactly (no log2 rounding).
-    _, exponent = torch.frexp(mag)
-    binade = torch.clamp(exponent - 1, min=fmt.emin)
-    return torch.ldexp(torch.ones_like(mag), binade - fmt.mbits)
+def _grid_steps(mag: torch.Tensor, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(spacing, 1 / spacing) of fmt's grid around each float32 magnitude in [0, max_value]:
+    spacing = 2^(max(floor(log2 mag), emin) - mbits), both exact powers of two.
+
+    On the bits: a normal float32's exponent field minus 127 is floor(log2 mag) exactly (no
+    log2 rounding); zeros and subnormals give -127, below every format's emin, so the clamp
+    takes them to emin as it should; NaN's field (255) gives a finite power of two, and NaN
+    stays NaN through the ratio. The powers of two are built on their bits too: every
+    exponent here is a normal float32 one."""
+    floor_log2 = (mag.view(torch.int32) >> 23) - 127
+    exponent = torch.clamp(floor_log2, min=fmt.emin) - fmt.mbits
+    spacing = ((exponent + 127) << 23).view(torch.float32)
+    inverse = ((127 - exponent) << 23).view(torch.float32)
+    return spacing, inverse
 
 
 def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
@@ -117,8 +125,11 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     if not fmt.has_zero:  # binary: the sign, with 0 going to +1 (NaN stays NaN)
         return torch.where(x < 0, -1.0, torch.where(torch.isnan(x), x, 1.0))
     mag = torch.clamp(x.abs(), max=fmt.max_value)  # clamp keeps NaN
-    spacing = _grid_spacing(mag, fmt) if fmt.is_float else torch.ones_like(mag)
-    ratio = mag / spacing  # exact: spacing is a power of two
+    if fmt.is_float:
+        spacing, inverse = _grid_steps(mag, fmt)
+        ratio = mag * inverse  # exact: a power of two, and ratio <= 2^(mbits + 1)
+    else:
+        spacing, ratio = 1.0, mag
     if rounding == "rne":
         steps = torch.round(ratio)
     elif rounding == "stochastic":

@@ -75,10 +75,12 @@ class TrainConfig:
     """Micro-batches per optimizer step; tokens per step = batch_size * this * seq_len."""
 
     # --- run length ------------------------------------------------------------------------
-    max_steps: int = 600
+    max_steps: int = 300
     """Optimizer steps to train for (ignored when max_tokens is set). The defaults train the
-    tiny preset on Tiny Shakespeare bytes (1.2M tokens) with stable-fp4 in about two minutes
-    on 2 CPU cores (the quantizers run as the plain-PyTorch reference there)."""
+    tiny preset on half of Tiny Shakespeare's bytes (300 steps of 2,048 tokens) with
+    stable-fp4, on the CPU, where the quantizers run as the plain-PyTorch reference: a falling
+    loss, a validation perplexity and the plot in about two minutes on 2 cores
+    (docs/results/README.md has the measured time)."""
     max_tokens: int | None = None
     """If set, train for this many tokens instead, rounded up to whole optimizer steps."""
 
@@ -87,7 +89,7 @@ class TrainConfig:
     """Peak learning rate of AdamW, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
     """The cosine decay ends at lr * min_lr_ratio on the last step."""
-    warmup_steps: int = 40
+    warmup_steps: int = 30
     """Steps of linear warmup from lr/warmup_steps to lr."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay; applied to matrices only (lowbit.train.build.param_groups)."""
@@ -108,7 +110,7 @@ class TrainConfig:
     diagnostics: bool = True
     """Log lowbit.diagnostics.training's operand consistency, gradient bias against BF16 and
     clipping for quantized recipes (train()'s diagnostics_fn, if given, replaces them)."""
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and always at the end); 0: only at the end."""
     max_consecutive_nonfinite: int = 5
     """Stop the run after this many optimizer steps in a row had a NaN/Inf loss or gradient."""

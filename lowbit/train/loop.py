@@ -183,19 +183,23 @@ class _Run:
                    dynamic_ncols=True)
         t_session = time.perf_counter()
         window = [0.0, 0]  # training time and steps since the last train record
+        clock = _Clock(config, start)
         self.model.train()
         step = start  # optimizer steps completed
         try:
             while True:
                 if (step > start or not self.resumed) and _due(step, total, config.eval_every):
-                    last_eval = self._evaluate(step, log)
+                    with clock.timing("eval"):
+                        last_eval = self._evaluate(step, log)
                 if step > start and _due(step, total, config.checkpoint_every):
-                    self._checkpoint(step, log, t_session)
+                    with clock.timing("checkpoint"):
+                        self._checkpoint(step, log, t_session)
                 if step == total:
                     break
                 t0 = time.perf_counter()
                 result = step_fn(step, *self.data.train_batch(step))
                 step += 1
+                clock.stepped(step, time.perf_counter() - t0 - result.capture_s, say)
                 for record in result.records:
                     log.write(record)
                 for message in result.messages:
@@ -211,7 +215,8 @@ class _Run:
                 if step % config.log_every == 0 or step == total:
                     self._log_train(step, result, window, log, bar_on_terminal)
                 if self.diagnostics_fn is not None and step % config.diag_every == 0:
-                    self._diagnose(step, result, log)
+                    with clock.timing("diagnostics"):
+                        self._diagnose(step, result, log)
         finally:
             bar.close()
             log.close()
@@ -285,6 +290,62 @@ class _Run:
                  f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> "
                  f"{self.run_dir.path}")
         return result
+
+
+class _Clock:
+    """The run's expected duration, said once after its first few steps: their time a step
+    (the first, which warms up caches and kernels, left out) and that of the evaluations,
+    checkpoints and diagnostics timed so far, times how many of each are left."""
+
+    PROBE = 5   # steps timed before the estimate
+
+    def __init__(self, config: TrainConfig, start: int) -> None:
+        self.config, self.start = config, start
+        self.step_times: list[float] = []
+        self.spent: dict[str, list[float]] = {"eval": [], "checkpoint": [], "diagnostics": []}
+
+    @contextlib.contextmanager
+    def timing(self, what: str):
+        t = time.perf_counter()
+        yield
+        self.spent[what].append(time.perf_counter() - t)
+
+    def stepped(self, step: int, seconds: float, say) -> None:
+        self.step_times.append(seconds)
+        left = self.config.total_steps - step
+        if len(self.step_times) != self.PROBE or left <= 0:
+            return
+        per_step = sum(self.step_times[1:]) / (self.PROBE - 1)
+        c = self.config
+        counts = {"eval": _count(step, c.total_steps, c.eval_every),
+                  "checkpoint": _count(step, c.total_steps, c.checkpoint_every),
+                  "diagnostics": (left // c.diag_every if self.config.diagnostics
+                                  and c.recipe != "bf16" else 0)}
+        # an event not timed yet (the first checkpoint, the first diagnostics) is guessed as
+        # a few steps' time
+        guess = {"eval": per_step * c.eval_batches / 3, "checkpoint": 1.0,
+                 "diagnostics": 3 * per_step}
+        extra = sum(n * (sum(self.spent[k]) / len(self.spent[k]) if self.spent[k] else guess[k])
+                    for k, n in counts.items())
+        eta = left * per_step + extra
+        say(f"about {_duration(eta)} to go ({per_step:.2f} s a step for {left} steps"
+            f"{f', {_duration(extra)} of evaluations, checkpoints and diagnostics' if extra >= 1 else ''})")
+
+
+def _count(step: int, total: int, every: int) -> int:
+    """How many of the steps after `step`, up to total, are due (see _due)."""
+    return sum(_due(s, total, every) for s in range(step + 1, total + 1))
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 def _due(step: int, total: int, every: int) -> bool:
