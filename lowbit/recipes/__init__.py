@@ -6,8 +6,9 @@ of a linear layer's three GEMMs uses.
 | dgrad | dX = dY W    | dY (out_features), W (out_features)  |
 | wgrad | dW = dY^T X  | dY (tokens),       X (tokens)        |
 
-A recipe is a named function returning a validated `Recipe`; beside each, a note of what it
-is, its paper, and the evidence for it in this project. `get_recipe(name)` looks one up.
+A recipe is a named function returning a validated `Recipe`: a catalogue, each entry saying
+what it is, the paper it comes from, and the results file with this project's evidence for it
+(docs/results/). `get_recipe(name)` looks one up; `register_recipe(name)` adds one.
 """
 
 from __future__ import annotations
@@ -183,6 +184,16 @@ def _spec(fmt, block, rule=None, sr=False, tensor_scale=None) -> QuantSpec:
 
 
 # ---- the recipes --------------------------------------------------------------------------
+#
+# Each recipe says what it is and where it comes from; its evidence (what this project
+# measured with it) lives in the results file its docstring names, not here.
+
+def _operands(x: QuantSpec | None, w: QuantSpec | None, dy: QuantSpec | None,
+              **kwargs) -> LinearRecipe:
+    """A LinearRecipe that quantizes X, W and dY the same way in every GEMM they enter."""
+    return LinearRecipe(fprop_x=x, fprop_w=w, dgrad_dy=dy, dgrad_w=w, wgrad_dy=dy, wgrad_x=x,
+                        **kwargs)
+
 
 @register_recipe("bf16")
 def bf16() -> Recipe:
@@ -192,39 +203,26 @@ def bf16() -> Recipe:
 
 @register_recipe("mxfp4")
 def mxfp4() -> Recipe:
-    """Naive MXFP4: 1x32 blocks, OCP floor scales, RNE, for every operand of every GEMM.
-
-    The unstable baseline of arXiv 2607.24953 (floor scales clip block maxima; 1D blocks give
-    the forward and backward passes different weights). Evidence here (docs/results/stable-fp4.md, H200,
-    2026-11-29, 10M-parameter model, 7.4M tokens of English): +0.34% validation loss vs BF16,
-    fwd/bwd weights differ by 6.8%, 2.3% of X clipped; it did not diverge at this scale. At
-    97.5M parameters on pycode (11.5M tokens): -0.25%, dW cosine vs BF16 0.95.
-    """
+    """Naive MXFP4: 1x32 blocks, OCP floor scales, round-to-nearest, every operand of every
+    GEMM: the unstable baseline of arXiv 2607.24953 (floor scales clip block maxima; 1D blocks
+    give the forward and backward passes different weights).
+    Evidence: docs/results/stable-fp4.md."""
     s = _spec("mxfp4", (1, 32), "floor")
-    return Recipe("mxfp4", LinearRecipe(s, s, s, s, s, s),
-                  note="1D MXFP4 floor/RNE everywhere (naive baseline).")
+    return Recipe("mxfp4", _operands(s, s, s), note="1D MXFP4 floor/RNE everywhere (naive baseline).")
 
 
 @register_recipe("nvfp4")
 def nvfp4() -> Recipe:
-    """NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149).
-
-    1x16 NVFP4 (E4M3 block scales under an FP32 tensor scale) for all three GEMMs; weights
-    in 16x16 2D tiles (so fprop and dgrad share them); stochastic rounding on gradients (dY);
-    a 16x16 random Hadamard transform on both wgrad operands (on CUDA fused into the quantize
-    kernel); the first and last transformer blocks in BF16. NVFP4's E4M3 scales do not fold
-    into FP8 exactly, so on Hopper this recipe is emulated (dequantize + BF16 GEMM). Evidence
-    here (docs/results/stable-fp4.md, H200, 2026-11-29, 10M-parameter model, 7.4M tokens):
-    -0.18% validation loss vs BF16 (within the 0.26% run-to-run noise), dW cosine vs BF16 0.98;
-    at 97.5M parameters on pycode (11.5M tokens): -0.82%, dW cosine 0.98 throughout. (Those
-    runs computed the transform as a float32 matrix product; it is now float32 butterflies: the
-    same values unless a group of 16 spans more than about 12 binades, where float32 sums round.)
-    """
+    """NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149): 1x16 NVFP4 (E4M3 block scales
+    under an FP32 tensor scale) for all three GEMMs; weights in 16x16 2D tiles (fprop and dgrad
+    share them); stochastic rounding on the output gradient dY; a 16x16 random Hadamard
+    transform on both wgrad operands; the first and last transformer blocks in BF16. NVFP4's
+    E4M3 scales do not fold into FP8 exactly, so on Hopper it is emulated (dequantize + BF16
+    GEMM). Evidence: docs/results/stable-fp4.md."""
     x = _spec("nvfp4", (1, 16))
     w = _spec("nvfp4", (16, 16))
-    g = _spec("nvfp4", (1, 16), sr=True)
-    return Recipe("nvfp4", LinearRecipe(x, w, g, w, g, x, wgrad_hadamard=True),
-                  keep_first_last_blocks=1,
+    dy = _spec("nvfp4", (1, 16), sr=True)
+    return Recipe("nvfp4", _operands(x, w, dy, wgrad_hadamard=True), keep_first_last_blocks=1,
                   note="NVFP4 1x16, 16x16 weights, SR on dY, RHT on wgrad, first/last block BF16.")
 
 
@@ -233,13 +231,11 @@ def _stable(name: str, block: int = 32, two_d: bool = True, rule: str = "rceil",
     b = (block, block) if two_d else (1, block)
     gb = (1, block) if dy_1d else b
     x = w = _spec("mxfp4", b, rule)
-    g = _spec("mxfp4", gb, rule, sr=sr)
-    linear = LinearRecipe(x, w, g, w, g, x)
+    linear = _operands(x, w, _spec("mxfp4", gb, rule, sr=sr))
     overrides = ()
     if qk_fp8:
         e = _spec("mxfp8_e4m3", b, rule)
-        ge = _spec("mxfp8_e4m3", gb, rule, sr=sr)
-        qk = LinearRecipe(e, e, ge, e, ge, e)
+        qk = _operands(e, e, _spec("mxfp8_e4m3", gb, rule, sr=sr))
         overrides = (("*q_proj", qk), ("*k_proj", qk))
     return Recipe(name, linear, overrides, note=(
         f"MXFP4 {b[0]}x{b[1]} {rule} scales for W and X, {gb[0]}x{gb[1]} for dY; SR on dY: {sr}; "
@@ -248,89 +244,64 @@ def _stable(name: str, block: int = 32, two_d: bool = True, rule: str = "rceil",
 
 @register_recipe("stable-fp4")
 def stable_fp4() -> Recipe:
-    """Stable FP4 training (arXiv 2607.24953): transposition-invariant block quantization.
-
-    2D 32x32 tiles for W, X and dY (an operand and its transpose share scales, so forward and
+    """Stable FP4 training (arXiv 2607.24953): transposition-invariant block quantization. 2D
+    32x32 tiles for W, X and dY (an operand and its transpose share scales, so forward and
     backward see bit-identical operands), truncation-free `rceil` power-of-two scales (nothing
-    clips), stochastic rounding on gradients, query/key projections in MXFP8. Its power-of-two
-    scales fold exactly into FP8 E4M3, which is what makes it fast on Hopper (issue 4).
-    Paper: within 1.3% of BF16 perplexity. Evidence here (docs/results/stable-fp4.md, H200, 2026-11-29,
-    10M-parameter model of width 320, 7.4M tokens): +2.20% validation loss vs BF16, behind
-    nvfp4 and mxfp4; W/X/dY are bit-identical across GEMMs and nothing clips, but 32x32 dY
-    tiles spanning 32 tokens cut the dW cosine vs BF16 to 0.74 (see stable-fp4-dy1d, -b16).
-    At 97.5M parameters on pycode (width 768, 11.5M tokens): -1.81% vs BF16, ahead of nvfp4
-    (-0.82%) and mxfp4 (-0.25%), one seed, within a run-to-run spread of up to 1.8%; its dW
-    cosine fell from 0.92 to 0.49 over the run. Not yet checked at the paper's scale
-    (>= 1B, width >= 2048) or near convergence.
-    """
+    clips), stochastic rounding on dY, query/key projections in MXFP8. Its power-of-two scales
+    fold exactly into FP8 E4M3 (stable-fp4-fp8). Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4")
 
 
 @register_recipe("stable-fp4-1d")
 def stable_fp4_1d() -> Recipe:
     """Ablation: stable-fp4 with 1x32 blocks (forward and backward operands differ).
-    Evidence: +0.77% vs BF16 (docs/results/stable-fp4.md)."""
+    Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-1d", two_d=False)
 
 
 @register_recipe("stable-fp4-floor")
 def stable_fp4_floor() -> Recipe:
     """Ablation: stable-fp4 with OCP floor scales instead of rceil (block maxima can clip).
-    Evidence: +0.83% vs BF16 (docs/results/stable-fp4.md)."""
+    Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-floor", rule="floor")
 
 
 @register_recipe("stable-fp4-nosr")
 def stable_fp4_nosr() -> Recipe:
-    """Ablation: stable-fp4 with RNE on gradients too (no stochastic rounding).
-    Evidence: +5.3% vs BF16 at step 300 of 900, dW cosine 0.32: 2D dY tiles flush small
-    gradients without SR (docs/results/stable-fp4.md)."""
+    """Ablation: stable-fp4 with round-to-nearest on dY too (no stochastic rounding).
+    Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-nosr", sr=False)
 
 
 @register_recipe("stable-fp4-b16")
 def stable_fp4_b16() -> Recipe:
     """Ablation: stable-fp4 with 16x16 tiles instead of 32x32.
-    Evidence: +0.18% vs BF16 at 10M parameters (within noise), -0.68% at 97.5M
-    (docs/results/stable-fp4.md)."""
+    Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-b16", block=16)
 
 
 @register_recipe("stable-fp4-qk-fp4")
 def stable_fp4_qk_fp4() -> Recipe:
     """Ablation: stable-fp4 with the query/key projections in MXFP4 too.
-    Evidence: +1.50% vs BF16 at step 300 of 900 (stable-fp4: +1.56%; docs/results/stable-fp4.md)."""
+    Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-qk-fp4", qk_fp8=False)
 
 
 @register_recipe("stable-fp4-fp8")
 def stable_fp4_fp8() -> Recipe:
-    """stable-fp4 with its MXFP4 GEMMs run exactly on FP8 tensor cores (issue 4): the same FP4
-    operands as stable-fp4, multiplied by torch._scaled_mm after folding each block's
-    power-of-two scale into E4M3 elements (CPU: an FP32-accumulating emulation). The q/k
-    projections (MXFP8) and v_proj (below) stay emulated. Same operand values as stable-fp4;
-    the products are summed in another order and precision: the forward GEMM accumulates in
-    the FP8 tensor cores' reduced precision (fast_accum, as Transformer Engine's FP8 recipes
-    do), dgrad and wgrad promote partial sums to float32. On CUDA the operands come from the
-    fused quantize-and-fold Triton kernels, without host syncs inside a lowbit train step; a
-    step whose one-chunk folds had to round values is redone with exact ones (or, with
-    fold_inexact="round", kept and counted).
-    Error of FP8 GEMMs at a 1B model's shapes with bf16 output against fp64 of the same
-    operands, on random E4M3 codes (H200, 2026-11-30, benchmarks/sweep_fp8_gemm.py): 1.67e-3
-    promoting, 1.86e-3 (K=2048) and 2.12e-3 (K=5504) fast-accumulating, against 1.66e-3 for a
-    bf16 GEMM of the same values (folded FP4 operands, with two significant bits, may lose
-    less: not measured).
-    Step time on that model (`lowbit bench train --compile --cuda-graph`, same session,
-    docs/results/kernels.md): 0.89x bf16's (94.9 against 106.3 ms); with every GEMM
-    promoting 0.90x (96.5 against 107.1 ms), every GEMM fast 0.87x."""
+    """stable-fp4 with its MXFP4 GEMMs run exactly on FP8 tensor cores: the same FP4 operands,
+    each block's power-of-two scale folded into E4M3 elements and a factor per row
+    (lowbit.formats.fold), multiplied by torch._scaled_mm (on the CPU an FP32-accumulating
+    emulation). The forward GEMM accumulates in the FP8 tensor cores' reduced precision
+    (fast_accum, as Transformer Engine's FP8 recipes do); dgrad and wgrad promote partial sums
+    to float32. On CUDA the operands come from the fused quantize-and-fold kernels without host
+    syncs inside a step; a step whose one-chunk folds rounded values is redone exactly (see
+    lowbit.train.fold_policy). The MXFP8 q/k projections and v_proj stay emulated: v_proj's
+    output gradient weighs each token by the attention it receives, so along tokens (dW's K)
+    its 32x32 tiles span more binades than one FP8 factor per row holds, and every step would
+    be redone (`lowbit bench folds` shows which operands need it).
+    Evidence: docs/results/kernels.md (step time, GEMM accumulation error)."""
     base = stable_fp4()
-    # v_proj stays emulated: its output gradient dV weighs each token by the attention it
-    # receives, so along tokens (dW's K) its 32x32 tiles span more than the 14 binades one
-    # FP8 factor per row holds. On a 1B model on text (H200, 2026-11-30): 0.1M values rounded
-    # at step 2, 15M at step 6, in v_proj's dY and no other operand (benchmarks/
-    # fold_inexact.py, run while v_proj was on FP8, as --v-proj-fp8 now puts it), and 24-28M
-    # a step in steps 11-15 (lowbit train --fold-inexact round), so every step from the
-    # second was redone.
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8, fast_accum=("fprop",)),
                   (("*v_proj", base.linear), *base.overrides),
                   note=base.note + " GEMMs on FP8 tensor cores (fprop fast-accumulating), "
@@ -339,14 +310,10 @@ def stable_fp4_fp8() -> Recipe:
 
 @register_recipe("stable-fp4-dy1d")
 def stable_fp4_dy1d() -> Recipe:
-    """Variant: stable-fp4 with 2D tiles for W and X but 1x32 blocks for dY (per token along
-    out in dgrad, along tokens in wgrad). A 32x32 dY tile spans 32 tokens whose gradient
-    magnitudes differ by orders of magnitude, so the tile scale follows the largest and the
-    rest are flushed or left to stochastic rounding's variance; 1D dY blocks keep a scale per
-    token in dgrad; in wgrad dY^T's 1x32 blocks still span 32 tokens. W and X keep their
-    forward/backward consistency. Evidence: +0.61% vs BF16 at 10M parameters, where
-    stable-fp4 is +2.20%; -0.39% at 97.5M, where stable-fp4 is -1.81%, with a dW cosine that
-    falls like stable-fp4's (docs/results/stable-fp4.md)."""
+    """Variant: stable-fp4 with 2D tiles for W and X but 1x32 blocks for dY (along out
+    features in dgrad, along tokens in wgrad): a 32x32 dY tile spans 32 tokens whose gradient
+    magnitudes can differ by orders of magnitude, and its scale follows the largest; W and X
+    keep their forward/backward consistency. Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-dy1d", dy_1d=True)
 
 
