@@ -2,11 +2,11 @@
 `lowbit bench train --cuda-graph`).
 
 Eager, a quantized step launches several kernels per linear layer from Python, and on a ~1B
-model the GPU then waits on the host (docs/results/kernels.md, H200: stable-fp4-fp8
-0.94-0.96x bf16's step time with this, 1.25x eager; compiled and captured, 0.89x).
-GraphedGradients captures the forward and backward of every micro-batch of a step and the
-gradient clip once, and replays them: one launch per step. The optimizer step stays eager (fused AdamW is a few launches), so the
-learning rate stays a plain float and a step whose loss is not finite is skipped as before.
+model the GPU then waits on the host (the step times with and without this are in
+docs/results/README.md). GraphedGradients captures the forward and backward of every
+micro-batch of a step and the gradient clip once, and replays them: one launch per step. The
+optimizer step stays eager (fused AdamW is a few launches), so the learning rate stays a plain
+float and a step whose loss is not finite is skipped as before.
 
 What the capture needs, and how it is kept:
 - static tensors: the step's token rows are copied into one input buffer; the gradients are
@@ -175,8 +175,7 @@ class GraphedGradients:
 
     def _body(self):
         # The backward assigns each gradient afresh, as eager after zero_grad(set_to_none=True):
-        # no zeroing pass and no adding into a zeroed buffer (4-5 ms a step on a 1B model on an
-        # H200: docs/results/kernels.md, sixth session).
+        # no zeroing pass and no adding into a zeroed buffer (docs/results/kernels.md).
         # Inside the capture these tensors come from the graph's pool, and every replay
         # writes them again: they are the step's gradient buffers from then on.
         self._drop_grads()
