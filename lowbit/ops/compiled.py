@@ -20,8 +20,9 @@ Stochastic rounding (of dY) draws in the same order as eagerly.
 FP8 folds under a deferred fold check: the forward op runs on the thread that holds the check
 and remembers it per device; the backward op (on autograd's thread) uses the last forward's
 while its block is still open, and folds exactly otherwise, as the autograd.Function does.
-A watch_chunked_folds() block is carried to the backward the same way, and both FP8 ops name
-their layer (`layer`, a string argument) to it, so --fold-inexact adapt finds chunked layers
+A watch_chunked_folds() block and an observe_folds() observer are carried to the backward the
+same way, and both FP8 ops name their layer (`layer`, a string argument) to them, so
+--fold-inexact adapt finds chunked layers, and `lowbit bench folds` counts each layer's folds,
 in a compiled model too. Only a forward that a backward will follow updates what is carried
 (an evaluation on another thread does not), but it is one per device, not per thread: two
 threads training on one GPU at once would share it.
@@ -33,7 +34,7 @@ op takes no Python objects) and look it up in this module's registry (`recipe_fo
 Under torch.compile `op_key` runs at trace time and its result is a constant of the graph.
 
 Compiled alone, a quantized step is host-bound on these ops' Python; captured with
-`lowbit train --cuda-graph` as well, none of that host work is left (docs/results/kernels.md).
+`lowbit train --cuda-graph` as well, none of that host work is left (docs/results/training-speed.md).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import hashlib
 
 import torch
 
-from lowbit.dispatch.fold_check import (active_fold_check, active_watch, canonical_device,
-                                        folding_for)
+from lowbit.dispatch.fold_check import (active_fold_check, active_observer, active_watch,
+                                        canonical_device, folding_for)
 from lowbit.formats.fold import FoldedOperand
 from lowbit.ops.gemms import (autocast_operands, emulated_backward, emulated_forward,
                               fp8_backward, fp8_forward, kept_operands, saved_operands)
@@ -53,6 +54,7 @@ __all__ = ["quant_linear_compiled", "op_key", "recipe_for_op_key"]
 
 _FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
 _FORWARD_WATCHES: dict = {}                # device -> the chunk watch of the last forward
+_FORWARD_OBSERVERS: dict = {}              # device -> the fold observer of the last forward
 _BY_OP_KEY: dict[str, LinearRecipe] = {}   # op_key -> the recipe it names
 
 
@@ -221,11 +223,12 @@ def _fp8_forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, layer: str,
     r = recipe_for_op_key(recipe)
     with torch.autocast(x.device.type, enabled=False):
         device = canonical_device(x.device)
-        check, watch = active_fold_check(x.device), active_watch()
+        check, watch, observer = active_fold_check(x.device), active_watch(), active_observer()
         if grad:
             _FORWARD_CHECKS[device], _FORWARD_WATCHES[device] = check, watch
+            _FORWARD_OBSERVERS[device] = observer
         _refuse_capture(check)
-        with folding_for(layer, watch):
+        with folding_for(layer, watch, observer):
             y, fx_t, fw_t = fp8_forward(x, weight, r, keep_x_t, keep_w_t, check)
         # contiguous, as the fake says (on CUDA, N padded to 16 comes back as a slice)
         y = y.contiguous()
@@ -264,7 +267,7 @@ def _fp8_backward_op(dy: torch.Tensor, x: torch.Tensor | None, weight: torch.Ten
         check = _FORWARD_CHECKS.get(device)
         check = check if check is not None and check.open else None
         _refuse_capture(check)
-        with folding_for(layer, _FORWARD_WATCHES.get(device)):
+        with folding_for(layer, _FORWARD_WATCHES.get(device), _FORWARD_OBSERVERS.get(device)):
             # where not kept: 1D blocks, quantized along the other dim here, as eagerly
             dx, dw = fp8_backward(dy, x, weight, _unkept(*kept[:4]), _unkept(*kept[4:]), r,
                                   check, need_dx, need_dw)

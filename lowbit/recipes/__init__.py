@@ -300,7 +300,8 @@ def stable_fp4_fp8() -> Recipe:
     output gradient weighs each token by the attention it receives, so along tokens (dW's K)
     its 32x32 tiles span more binades than one FP8 factor per row holds, and every step would
     be redone (`lowbit bench folds` shows which operands need it).
-    Evidence: docs/results/kernels.md (step time, GEMM accumulation error)."""
+    Evidence: docs/results/training-speed.md (step time), docs/results/kernels.md (GEMM
+    accumulation error)."""
     base = stable_fp4()
     return Recipe("stable-fp4-fp8", replace(base.linear, gemm=Gemm.FP8, fast_accum=("fprop",)),
                   (("*v_proj", base.linear), *base.overrides),

@@ -175,7 +175,7 @@ class GraphedGradients:
 
     def _body(self):
         # The backward assigns each gradient afresh, as eager after zero_grad(set_to_none=True):
-        # no zeroing pass and no adding into a zeroed buffer (docs/results/kernels.md).
+        # no zeroing pass and no adding into a zeroed buffer (docs/results/history.md).
         # Inside the capture these tensors come from the graph's pool, and every replay
         # writes them again: they are the step's gradient buffers from then on.
         self._drop_grads()
