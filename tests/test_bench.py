@@ -2,6 +2,10 @@
 not in unit tests: this checks the table, not the numbers)."""
 
 import json
+import threading
+
+import pytest
+import torch
 
 from lowbit.bench import bench_train, format_rows
 from lowbit.cli import main
@@ -64,25 +68,65 @@ def test_bench_train_counts_the_steps_it_redoes(monkeypatch):
 
 
 def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
-    """`lowbit bench kernels` end to end on the CPU (conftest sets TRITON_INTERPRET=1 there):
-    every timed kernel runs, the table and JSON come out; the numbers mean nothing here."""
+    """`lowbit bench kernels --check` end to end on the CPU (conftest sets TRITON_INTERPRET=1
+    there): every check passes bit for bit against the reference, every timed kernel runs, the
+    tables and JSON come out; the timings mean nothing here."""
     import pytest
     import torch
 
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("on a GPU this would time the real shapes; the CPU path is what this checks")
-    from lowbit.bench.kernels import timed_kernels
+    from lowbit.bench.kernels import check_specs, timed_kernels
 
     out = tmp_path / "kernels.json"
-    assert main(["bench", "kernels", "--shapes", "32x64", "--no-torchao", "--json", str(out)]) == 0
+    assert main(["bench", "kernels", "--check", "--shapes", "32x64", "--no-torchao", "--json",
+                 str(out)]) == 0
     text = capsys.readouterr().out
     assert "timings mean nothing" in text and "fq+t mxfp4 rceil 32x32 rne" in text
-    rows = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    rows = report["timings"]
     assert [r["kernel"] for r in rows] == [label for label, _, _ in timed_kernels()]
     assert not [r for r in rows if "error" in r]
+    checks = report["checks"]
+    assert [r for r in checks if not r["passed"]] == []
+    # per spec: 3 dtypes, 2 adversarial, 3-D, non-contiguous, stochastic, and 1-D or 2 transposed
+    specs = check_specs("cpu")
+    assert len(checks) == sum(10 if s.is_2d else 9 for s in specs) + 1 + 1 + 4
+    assert f"checks: {len(checks)} passed, 0 failed" in text
+    assert report["meta"]["device"] == "cpu" and report["meta"]["torch"] == torch.__version__
     assert main(["bench", "kernels", "--shapes", "32by64"]) == 2
     assert "bad shape '32by64'" in capsys.readouterr().err
+
+
+def test_bench_kernels_check_finds_a_wrong_bit(monkeypatch, tmp_path, capsys):
+    """--check reports a kernel whose fake quantization differs from the reference in one
+    value (the sign of -0.0 here), names the checks that saw it, and exits 1."""
+    import pytest
+
+    pytest.importorskip("triton")
+    import lowbit.bench.kernels as bench_kernels
+    import lowbit.kernels as kernels
+
+    real = kernels.fake_quantize_triton
+
+    def off_by_a_sign(x, spec, *args, **kwargs):
+        out = real(x, spec, *args, **kwargs)
+        out.view(-1)[0] = -out.view(-1)[0]          # 0.0 becomes -0.0: other bits too
+        return out
+
+    monkeypatch.setattr(kernels, "fake_quantize_triton", off_by_a_sign)
+    monkeypatch.setattr(bench_kernels, "check_specs", lambda device: [
+        bench_kernels.kernel_spec("mxfp4", "floor", (1, 32))])
+    monkeypatch.setitem(bench_kernels.CHECK_SIZES["cpu"], "hadamard", [])
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "kernels", "--check", "--shapes", "32x64", "--no-torchao", "--json",
+              str(tmp_path / "k.json")])
+    assert exit_.value.code == 1
+    failed = [r["check"] for r in json.loads((tmp_path / "k.json").read_text())["checks"]
+              if not r["passed"]]
+    assert "q mxfp4 floor 1x32 rne random bf16" in failed and len(failed) >= 8
+    assert "FAIL q mxfp4 floor 1x32 rne random bf16" in capsys.readouterr().out
 
 
 def test_moved_bytes_counts_reads_and_writes():
@@ -145,3 +189,241 @@ def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
     assert got["idle_histogram"]["20-100 us"] == {"gaps": 1, "ms": 0.06}
     assert got["top_gaps_ms"] == {"b -> c": 0.062}     # both b -> c gaps, summed
     assert idle_gaps([])["idle_ms"] == 0
+
+
+# ---- lowbit bench fp8 ----------------------------------------------------------------------------
+
+def test_bench_fp8_smoke_checks_and_errors_against_fp64(tmp_path, capsys):
+    """`lowbit bench fp8 --smoke`: every section runs on the CPU in Triton's interpreter; the
+    fold checks pass bit for bit; the FP8 GEMM (through torch._scaled_mm and its emulation)
+    is within float32 accumulation of an fp64 GEMM of the same FP4 operands, and its bf16
+    output within bf16's own rounding of it; every timed call ran."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from lowbit.bench.fp8 import FOLD_COLUMNS, SECTIONS
+
+    out = tmp_path / "fp8.json"
+    assert main(["bench", "fp8", "--smoke", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"meta", *SECTIONS}
+    checks = report["checks"]
+    assert len(checks) == 14 and all(r["passed"] for r in checks)
+    assert sum("one-chunk" in r["check"] or "quantize_fold" in r["check"] for r in checks) == 8
+    errors = report["errors"]
+    assert len(errors) == 12 and {r["gemm"] for r in errors} == {"fprop", "dgrad", "wgrad"}
+    assert any(r["pieces"] > 1 for r in errors)          # K-chunked GEMMs are measured too
+    for r in errors:
+        for key in ("fp8_acc_f32", "fp8_fast_f32", "emulated_f32"):
+            assert r[key]["rel_fro"] < 1e-6, (r["spec"], r["scales"], r["gemm"], key)
+        for key in ("fp8_acc_bf16", "fp8_fast_bf16"):
+            assert r[key]["rel_fro"] <= 1.01 * r["ref_in_bf16"]["rel_fro"] + 1e-12
+    for section in ("gemm", "fold"):
+        assert not [k for r in report[section] for k in r if k.endswith("_error")]
+    assert all(f"{c}_ms" in report["fold"][0] for c in FOLD_COLUMNS)
+    assert "checks: 14 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_bench_fp8_fold_checks_find_a_wrong_fold(monkeypatch):
+    """The fold checks fail where the fused fold's bytes differ from the reference fold's."""
+    import pytest
+
+    pytest.importorskip("triton")
+    import lowbit.kernels.fp8_fold as fp8_fold
+    from lowbit.bench.fp8 import fold_checks
+
+    real = fp8_fold.quantize_fold_mxfp4
+
+    def wrong(x, spec, *args, **kwargs):
+        folded = real(x, spec, *args, **kwargs)
+        folded.fp8.view(torch.uint8)[0, 0] ^= 1
+        return folded
+
+    monkeypatch.setattr(fp8_fold, "quantize_fold_mxfp4", wrong)
+    rows = fold_checks("cpu", progress=lambda message: None)
+    failed = [r["check"] for r in rows if not r["passed"]]
+    assert failed and all(label.startswith("quantize_fold_mxfp4") for label in failed)
+    assert len(failed) == sum(label.startswith("quantize_fold_mxfp4") for label in
+                              (r["check"] for r in rows))
+
+
+def test_bench_fp8_refuses_in_one_line(capsys):
+    import torch
+
+    assert main(["bench", "fp8", "--sections", "checks,speed"]) == 2
+    assert "--sections takes checks, errors, gemm, fold, passes; got 'checks,speed'" in (
+        capsys.readouterr().err)
+    if torch.cuda.is_available():
+        return
+    assert main(["bench", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "measures on a CUDA GPU and this machine has none" in err
+
+
+# ---- lowbit bench folds --------------------------------------------------------------------------
+
+def _spread_tokens(rows, cols, seed):
+    """(rows, cols) gaussians, tokens 0-31 times 2^-20 and 32-63 times 2^20: along tokens (a
+    row of the transpose) 40 binades, past one FP8 fold window; along features, one tile scale."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.tensor([-20.0, 20.0])).repeat_interleave(32)[:rows, None]
+    return torch.randn(rows, cols, generator=g) * scale
+
+
+def _values_outside_window(t: torch.Tensor, spec) -> int:
+    """What the one-K-chunk fold of t^T must count: the nonzero values that one factor per row
+    leaves below the window, by the reference fold's rules (lowbit.formats.fold)."""
+    from lowbit.formats import quantize_with_spec
+    from lowbit.formats.fold import SHIFT_MIN, BlockExponents
+
+    blocks = BlockExponents(quantize_with_spec(t, spec), transpose=True)
+    f = blocks.factor_exponents([0, blocks.n_blocks])
+    over = blocks.live & (blocks.exps - f < SHIFT_MIN)
+    return int((((blocks.codes & 0x7) != 0).sum(dim=-1) * over).sum())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compiled,
+                                                             compiled_quant_linear):
+    """Two FP8 layers, "a" then "b" (b's forward runs last, its backward first); a's dY spans
+    40 binades along tokens, so the one-chunk fold of dY^T (wgrad) rounds values. The fold
+    observer is told exactly that count for (a, dY), the reference fold's count, and nothing
+    for any other layer or operand -- not for b, the last forward -- eagerly and under
+    torch.compile, with the backward on another thread as autograd runs CUDA's; the counts add
+    up to the deferred fold check's. (The fold kernels run on the CPU under the interpreter.)"""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    import lowbit.dispatch as dispatch
+    from lowbit.bench.folds import FoldCounts
+    from lowbit.dispatch.fold_check import deferred_fold_check, observe_folds
+    from lowbit.formats.spec import Rounding
+    from lowbit.kernels import supports
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe
+
+    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    lin = get_recipe("stable-fp4-fp8").linear
+    dy_spec = replace(lin.dgrad_dy, rounding=Rounding.RNE)   # the reference's bits: countable
+    lin = replace(lin, dgrad_dy=dy_spec, wgrad_dy=dy_spec)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 96, generator=g)
+    w_a, w_b = torch.randn(40, 96, generator=g), torch.randn(40, 96, generator=g)
+    dy_a, dy_b = _spread_tokens(64, 40, 1), torch.randn(64, 40, generator=g)
+    linear = compiled_quant_linear if compiled else quant_linear
+    counts = FoldCounts()
+    a, b = w_a.clone().requires_grad_(), w_b.clone().requires_grad_()
+    with deferred_fold_check(x.device) as check, observe_folds(counts):
+        y_a = linear(x, a, None, lin, "a")
+        y_b = linear(x, b, None, lin, "b")
+        worker = threading.Thread(target=torch.autograd.backward, args=([y_a, y_b], [dy_a, dy_b]))
+        worker.start()
+        worker.join()
+    seen = counts.read()
+    expected = _values_outside_window(dy_a, dy_spec)
+    assert expected > 0
+    assert seen == {(layer, operand): expected if (layer, operand) == ("a", "dY") else 0
+                    for layer in "ab" for operand in ("X", "W", "dY")}
+    assert check.inexact_values() == expected
+    assert a.grad is not None and b.grad is not None
+
+
+def test_bench_folds_counts_per_layer_and_operand(tmp_path, corpus_env, capsys):
+    """`lowbit bench folds` on the CPU: every FP8 layer of the tiny model, by module name, and
+    operand is counted (zero: the CPU's reference folds are exact); the JSON has the steps."""
+    out = tmp_path / "folds.json"
+    assert main(["bench", "folds", "--model", "tiny", "--seq-len", "32", "--batch-size", "2",
+                 "--steps", "2", "--device", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    steps = report["steps"]
+    assert [(s["step"], s["rounded"], s["redone"]) for s in steps] == [(1, 0, False), (2, 0, False)]
+    fp8 = ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # q/k/v emulated
+    assert list(steps[0]["by_operand"]) == [f"model.layers.{i}.{m} {o}" for i in range(3)
+                                            for m in fp8 for o in ("X", "W", "dY")]
+    assert set(steps[0]["by_operand"].values()) == {0}
+    assert report["args"]["model"] == "tiny" and report["meta"]["device"] == "cpu"
+    assert "0 values rounded over 2 steps in the folds of 12 FP8 layers" in capsys.readouterr().out
+
+
+def test_bench_folds_credits_a_layers_wide_gradient_to_it(monkeypatch, corpus_env):
+    """A one-block tiny model whose o_proj receives a dY spanning 40 binades along tokens (its
+    output's gradient scaled by 2^-40 on the first sequence): the step's inexact values are all
+    o_proj's dY, none the last forward's (down_proj), the step is redone, and the counts sum
+    to the step's own. (The fold kernels run on the CPU under the interpreter.)"""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    import lowbit.dispatch as dispatch
+    import lowbit.train.build as build
+    from lowbit.bench.folds import count_inexact_folds
+    from lowbit.kernels import supports
+
+    # the folds (codes=True) on the kernels; fake quantization stays on the reference
+    monkeypatch.setattr(dispatch, "use_kernels",
+                        lambda x, spec, codes=True: codes and supports(spec, codes))
+    build_model, apply_recipe = build.build_model, build.apply_recipe
+    monkeypatch.setattr(build, "build_model", lambda config, vocab_size=None: build_model(
+        dataclasses.replace(config, n_layers=1), vocab_size))
+    scale = torch.tensor([2.0**-40, 1.0])[:, None, None]
+
+    def scale_dy(module, inputs, y):
+        y.register_hook(lambda grad: grad * scale)
+
+    def applying(net, recipe):
+        report = apply_recipe(net, recipe)
+        net.get_submodule("model.layers.0.self_attn.o_proj").register_forward_hook(scale_dy)
+        return report
+
+    monkeypatch.setattr(build, "apply_recipe", applying)
+    [step] = count_inexact_folds("tiny", 32, 2, 1, "cpu", progress=lambda message: None)
+    wide = "model.layers.0.self_attn.o_proj dY"
+    assert step["rounded"] > 0 and step["redone"]
+    assert step["by_operand"][wide] == step["rounded"]
+    assert {k for k, n in step["by_operand"].items() if n} == {wide}
+    assert step["by_operand"]["model.layers.0.mlp.down_proj dY"] == 0
+
+
+# ---- lowbit bench recipes ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_recipes_fits_steps_and_summarizes(tmp_path, corpus_env, capsys, monkeypatch):
+    """Two recipes in parallel on the CPU: the probe fits --steps, both runs finish them, the
+    table, summary, plots and archive come out."""
+    import tarfile
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "runs"
+    assert main(["bench", "recipes", "--name", "t", "--recipes", "bf16,stable-fp4", "--out",
+                 str(out), "--fit-min", "0.3", "--probe-s", "16", "--probe-window-s", "5",
+                 "--deadline-min", "3", "--", "--model", "tiny", "--seq-len", "32",
+                 "--batch-size", "2", "--eval-every", "5", "--eval-batches", "1",
+                 "--diag-every", "5", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "fitted --steps" in text
+    steps = int(text.split("fitted --steps ")[1].split()[0])
+    assert steps >= 5 and steps % 5 == 0
+    summary = json.loads((out / "t" / "summary.json").read_text())
+    assert [r["recipe"] for r in summary["rows"]] == ["bf16", "stable-fp4"]
+    assert all(r["finished"] and r["steps_done"] == steps for r in summary["rows"])
+    assert summary["step"] == steps and summary["rows"][0]["gap_pct"] == 0
+    assert summary["rows"][1]["dw_cos"] is not None          # the quantized run's diagnostics
+    for f in ("summary.md", "loss.png", "gradbias.png", "gap.png"):
+        assert (out / "t" / f).stat().st_size > 0
+    with tarfile.open(out / "t" / "runs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"t-bf16/metrics.jsonl", "t-stable-fp4/final.json", "t-bf16/train.log",
+            "probe/t-stable-fp4-probe.metrics.jsonl"} <= names
+
+
+def test_bench_recipes_refuses_before_starting_anything(tmp_path, capsys):
+    out = tmp_path / "runs"
+    base = ["bench", "recipes", "--name", "t", "--out", str(out)]
+    assert main([*base, "--recipes", "bf16,fp3", "--", "--model", "tiny"]) == 2
+    assert "unknown recipe(s) fp3; choose from" in capsys.readouterr().err
+    assert main([*base, "--recipes", "bf16,mxfp4", "--", "--model", "tiny", "--stpes", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --stpes 3" in err
+    assert main([*base, "--recipes", "bf16,mxfp4", "--", "--recipe", "nvfp4"]) == 2
+    assert "sets --recipe, --run-name, --out-dir, --compare, --resume itself" in (
+        capsys.readouterr().err)
+    assert not out.exists()

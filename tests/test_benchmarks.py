@@ -1,130 +1,119 @@
-"""The GPU benchmark scripts still run (their CPU smoke modes), so a device call is never spent
-on a script that breaks before it measures anything; and train_recipes.py's step fitting and
-summary work end to end on a tiny CPU run."""
+"""benchmarks/tune.py's sweeps still run (their CPU smoke modes: tiny shapes, the kernels in
+Triton's interpreter) and every config they try gives the default's bits, so a GPU is never
+spent on a sweep that breaks before it measures anything; and every Triton kernel variant
+compiles for Hopper on this CPU (tune.py compile-sm90)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TUNE = ROOT / "benchmarks" / "tune.py"
 
 
-def script(name: str, *args: str, env: dict | None = None, timeout: int = 600):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
-                          env={**os.environ, "TRITON_INTERPRET": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.slow
-def test_bench_kernels_smoke():
+@pytest.fixture(scope="module")
+def tune():
+    """benchmarks/tune.py as a module: its smoke modes run in this process, whose Triton
+    already runs in the interpreter on the CPU (tests/conftest.py)."""
     pytest.importorskip("triton")
-    run = script("bench_kernels.py", "--smoke", "--no-torchao")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "0 failed" in run.stdout
+    spec = importlib.util.spec_from_file_location("tune", TUNE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.mark.slow
-def test_every_kernel_variant_compiles_for_hopper():
-    """Triton's compiler and ptxas run on the CPU: each kernel variant the library launches
-    compiles for sm_90 (the interpreter-run tests cannot see a construct only the compiler
-    rejects)."""
-    pytest.importorskip("triton")
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton build has no ptxas")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_sm90.py")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " 0 failed" in run.stdout
-    for kernel in ("_quantize_kernel", "_tensor_amax_kernel", "_uniforms_kernel",
-                   "_band_max_kernel", "_fold_one_chunk_kernel", "_live_blocks_kernel",
-                   "_fold_kernel", "_rht_rows_kernel"):
-        assert kernel in run.stdout, kernel
+def smoke(tune, tmp_path, *args) -> dict:
+    out = tmp_path / "results.json"
+    assert tune.main([*args, "--smoke", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["device"] == "cpu"
+    return report["results"]
 
 
-def test_bench_fp8_fold_smoke():
-    pytest.importorskip("triton")
-    run = script("bench_fp8_fold.py", "--smoke")
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+def test_amax_sweep_smoke(tune, tmp_path):
+    results = smoke(tune, tmp_path, "amax")
+    [configs] = [row["configs"] for row in results.values()]
+    assert len(configs) == 6 and sum("hadamard" in k for k in configs) == 3
+    assert sum(k.endswith(" default") for k in configs) == 2       # what lowbit launches
+    assert all(isinstance(v, dict) and v["same"] for v in configs.values()), configs
 
 
-@pytest.mark.parametrize("name, args, expect", [
-    ("sweep_fold.py", (), "equal=True"),
-    ("sweep_nvfp4.py", ("--amax",), "2/2 configs equal the transposed-view kernel"),
-])
-def test_config_sweeps_smoke(name, args, expect, tmp_path):
-    """The tile sweeps run end to end on tiny shapes, every swept config giving the default's
-    bits (so a device call spends its time timing, not failing)."""
-    pytest.importorskip("triton")
-    run = script(name, "--smoke", *args, env={"OUT": str(tmp_path)})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert expect in run.stdout and "equal=False" not in run.stdout
-    assert list(tmp_path.glob("*.json"))
+def test_fold_sweep_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "fold", "--operands", "X,dY")
+    assert set(results) == {"X 96x96", "dY 64x128"}
+    for row in results.values():
+        swept = {k: v for k, v in row.items() if k.startswith("pass") or k == "best"}
+        assert len(swept) == 5 and all(isinstance(v, dict) and v["same"] for v in swept.values())
+    assert capsys.readouterr().out.count("every config equal to the default: True") == 2
+    assert tune.main(["fold", "--smoke", "--operands", "X,Q"]) == 2
+    assert "--operands takes X, W and dY; got 'X,Q'" in capsys.readouterr().err
 
 
-def test_sweeps_without_a_gpu_say_so():
+def test_nvfp4_sweep_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "nvfp4", "--amax")
+    rotated = results["dY^T rht 32x64"]
+    for table in (results["dY 32x64"]["configs"], rotated["configs"], rotated["rht_rows"],
+                  rotated["amax"]):
+        assert table and all(isinstance(v, dict) and v["same"] for v in table.values()), table
+    assert "2/2 configs equal the transposed-view kernel" in capsys.readouterr().out
+
+
+def test_fp8_gemm_sweep_smoke_errors_against_fp64(tune, tmp_path):
+    """The row-wise torch._scaled_mm (on the CPU here) with bf16 output is within bf16's
+    rounding of an fp64 GEMM of the same E4M3 values."""
+    [row] = smoke(tune, tmp_path, "fp8-gemm").values()
+    assert 0 < row["err_rowwise"] < 4e-3 and 0 < row["err_bf16_mm"] < 4e-3
+
+
+def test_host_overhead_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "host-overhead", "--profile", "stable-fp4-fp8")
+    assert set(results) == {"bf16", "stable-fp4", "stable-fp4-fp8", "nvfp4", "mxfp4"}
+    assert all(us > 0 for us in results.values())
+    assert "tottime" in capsys.readouterr().out        # the cProfile of --profile's recipe
+    assert tune.main(["host-overhead", "--smoke", "--profile", "fp3"]) == 2
+    assert "--profile: unknown recipe 'fp3'" in capsys.readouterr().err
+
+
+def test_sweeps_without_a_gpu_refuse_in_one_line(tune, capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the sweep would run")
-    run = script("sweep_fp8_gemm.py")
-    assert run.returncode == 1 and "this machine has none" in run.stderr
-
-
-def test_fold_inexact_smoke(tmp_path, corpus_env):
-    """The fold diagnosis trains the tiny model on the CPU (exact folds there: counts 0)."""
-    run = script("fold_inexact.py", "--model", "tiny", "--seq-len", "64", "--steps", "2",
-                 "--device", "cpu", env={**corpus_env, "OUT": str(tmp_path)})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    steps = json.loads((tmp_path / "fold_inexact.json").read_text())["steps"]
-    assert [(s["step"], s["rounded"]) for s in steps] == [(1, 0), (2, 0)]
-
-
-def test_host_overhead_runs():
-    pytest.importorskip("triton")
-    run = script("host_overhead.py")
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if "us per linear" in line)
-    assert set(lines) == {"bf16", "stable-fp4", "stable-fp4-fp8", "nvfp4", "mxfp4"}
+    assert tune.main(["fp8-gemm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lowbit: error: tune.py fp8-gemm measures on "
+                                                   "a CUDA GPU and this machine has none")
+    with pytest.raises(SystemExit) as exit_:
+        tune.main(["sweep-everything"])
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_train_recipes_fits_steps_and_summarizes(tmp_path, corpus_env):
-    out = tmp_path / "runs"
-    run = script("train_recipes.py", "--name", "t", "--recipes", "bf16,stable-fp4",
-                 "--out-dir", str(out), "--fit-min", "0.25", "--probe-s", "12",
-                 "--probe-window-s", "5", "--deadline-min", "3", "--",
-                 "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "5",
-                 "--eval-batches", "1", "--diag-every", "5", "--device", "cpu",
-                 env={"OMP_NUM_THREADS": "1"})   # LOWBIT_CACHE: corpus_env's
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "fitted --steps" in run.stdout
-    steps = int(run.stdout.split("fitted --steps ")[1].split()[0])
-    assert steps >= 5 and steps % 5 == 0
-    summary = json.loads((out / "t" / "summary.json").read_text())
-    assert [r["recipe"] for r in summary["rows"]] == ["bf16", "stable-fp4"]
-    assert all(r["finished"] and r["steps_done"] == steps for r in summary["rows"])
-    assert summary["step"] == steps and summary["rows"][0]["gap_pct"] == 0
-    for f in ("summary.md", "loss.png", "gradbias.png", "gap.png"):
-        assert (out / "t" / f).stat().st_size > 0
-    with tarfile.open(out / "t" / "runs.tar.gz") as tar:
-        names = set(tar.getnames())
-    assert {"t-bf16/metrics.jsonl", "t-stable-fp4/final.json",
-            "probe/t-stable-fp4-probe.metrics.jsonl"} <= names
+def test_every_kernel_variant_compiles_for_hopper(tmp_path):
+    """Triton's compiler and ptxas run on the CPU: each kernel variant the library launches
+    compiles for sm_90 (the interpreter-run tests cannot see a construct only the compiler
+    rejects). In a fresh process: the kernels must be compiled, not interpreted."""
+    triton = pytest.importorskip("triton")
 
-
-def test_train_recipes_refuses_an_unknown_recipe_before_starting(tmp_path):
-    run = script("train_recipes.py", "--name", "t", "--recipes", "bf16,fp3", "--out-dir",
-                 str(tmp_path / "runs"), "--", "--model", "tiny", timeout=120)
-    assert run.returncode == 2 and "unknown recipe(s) fp3" in run.stderr
-    assert not (tmp_path / "runs").exists()
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton build has no ptxas")
+    out = tmp_path / "compile.json"
+    run = subprocess.run([sys.executable, str(TUNE), "compile-sm90", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " 0 failed" in run.stdout
+    results = json.loads(out.read_text())["results"]
+    assert results["failed"] == [] and results["variants"] > 200
+    assert set(results["kernels"]) == {"_quantize_kernel", "tensor_amax_kernel",
+                                       "_uniforms_kernel", "_band_max_kernel",
+                                       "_fold_one_chunk_kernel", "_live_blocks_kernel",
+                                       "_fold_kernel", "_rht_rows_kernel"}

@@ -2,16 +2,29 @@
 against a baseline measured in the same run (never in unit tests).
 
     lowbit bench train      step time and peak memory of recipes on one model (lowbit.bench.train)
-    lowbit bench kernels    the quantize kernels' GB/s against a copy and torchao (lowbit.bench.kernels)
+    lowbit bench kernels    the quantize kernels' GB/s against a copy and torchao; --check: bit
+                            for bit against the reference first (lowbit.bench.kernels)
+    lowbit bench fp8        the exact MXFP4 GEMM on FP8 tensor cores: fold checks, error against
+                            fp64, GEMM and fold timings (lowbit.bench.fp8)
+    lowbit bench folds      which layers' operands the sync-free FP8 folds round, per training
+                            step (lowbit.bench.folds)
+    lowbit bench recipes    several `lowbit train` runs side by side on one GPU, one table and
+                            plots (lowbit.bench.recipes)
 
 Every subcommand runs on the CPU too, as a smoke test of itself (small shapes; the Triton
-kernels under TRITON_INTERPRET=1), which CI runs; its numbers mean something on a GPU only.
-Each takes --json PATH to write its rows.
+kernels under TRITON_INTERPRET=1, or `--smoke`), which CI runs; its numbers mean something on
+a GPU only. Each takes --json PATH to write its rows (recipes: --out DIR for its folder).
+Measured results go in docs/results/, with the command that produced them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from lowbit.bench.kernels import KERNEL_SHAPES, bench_kernels, format_kernel_rows
@@ -19,7 +32,8 @@ from lowbit.bench.timing import format_profiles
 from lowbit.bench.train import bench_train, format_rows
 
 __all__ = ["bench_train", "bench_kernels", "format_rows", "format_kernel_rows",
-           "format_profiles", "add_arguments", "run", "write_json"]
+           "format_profiles", "add_arguments", "run", "write_json", "parse_shapes",
+           "kernel_device", "smoke_or_gpu", "run_meta"]
 
 
 def add_arguments(parser) -> None:
@@ -46,12 +60,65 @@ def add_arguments(parser) -> None:
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(bench_func=run_train)
+
     k = sub.add_parser("kernels", help="the quantize kernels' GB/s against copy and torchao (CUDA)")
     k.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in KERNEL_SHAPES),
                    help="comma-separated ROWSxCOLS bf16 inputs (default: %(default)s)")
     k.add_argument("--no-torchao", action="store_true", help="skip torchao's quantizers")
-    k.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    k.add_argument("--check", action="store_true",
+                   help="first check every kernel against the reference quantizer, bit for bit "
+                        "(exit status 1 if one differs)")
+    k.add_argument("--json", metavar="PATH",
+                   help="also write {meta, checks, timings} as JSON")
     k.set_defaults(bench_func=run_kernels)
+
+    from lowbit.bench.fp8 import SECTIONS
+    f = sub.add_parser("fp8", help="the exact MXFP4 GEMM on FP8 tensor cores: checks, error, "
+                                   "timings (CUDA)")
+    f.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated, of " + ", ".join(SECTIONS) + " (default: all)")
+    f.add_argument("--smoke", action="store_true",
+                   help="small shapes on the CPU under Triton's interpreter: checks this "
+                        "benchmark, measures nothing")
+    f.add_argument("--json", metavar="PATH", help="also write {meta, section: rows} as JSON")
+    f.set_defaults(bench_func=run_fp8)
+
+    d = sub.add_parser("folds", help="per step, layer and operand, the values the sync-free "
+                                     "FP8 folds round while training stable-fp4-fp8")
+    d.add_argument("--model", default="1b", help="model preset (default: %(default)s)")
+    d.add_argument("--corpus", default="tinyshakespeare",
+                   help="byte tokens of this corpus (default: %(default)s)")
+    d.add_argument("--seq-len", type=int, default=2048)
+    d.add_argument("--batch-size", type=int, default=4)
+    d.add_argument("--steps", type=int, default=8)
+    d.add_argument("--device", default="auto")
+    d.add_argument("--v-proj-fp8", action="store_true",
+                   help="multiply the v projections on FP8 tensor cores too (the recipe "
+                        "keeps them emulated)")
+    d.add_argument("--json", metavar="PATH", help="also write the steps as JSON")
+    d.set_defaults(bench_func=run_folds)
+
+    r = sub.add_parser("recipes", help="`lowbit train` runs of several recipes side by side "
+                                       "(parallel processes, same tokens and seed), one table",
+                       description="Everything after `--` is passed to every `lowbit train` "
+                                   "run, e.g. -- --model small --corpus english --steps 900")
+    r.add_argument("--name", required=True, help="the comparison's name: runs NAME-<recipe>, "
+                                                 "the table and plots in OUT/NAME/")
+    r.add_argument("--recipes", required=True, help="comma-separated, the first is the baseline")
+    r.add_argument("--out", default="runs", metavar="DIR",
+                   help="folder of the runs and the comparison (default: %(default)s)")
+    r.add_argument("--deadline-min", type=float, default=8.0,
+                   help="stop the runs still going after this many minutes (default: %(default)s)")
+    r.add_argument("--fit-min", type=float, default=None,
+                   help="choose --steps so that the slowest recipe ends in about this many "
+                        "minutes, from a timed probe of every recipe")
+    r.add_argument("--probe-s", type=float, default=75.0,
+                   help="--fit-min: seconds the probe trains (default: %(default)s)")
+    r.add_argument("--probe-window-s", type=float, default=30.0,
+                   help="--fit-min: the probe's last seconds whose steps are timed "
+                        "(default: %(default)s)")
+    r.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    r.set_defaults(bench_func=run_recipes)
 
 
 def run(args) -> None:
@@ -62,7 +129,24 @@ def write_json(path: str | None, rows) -> None:
     """--json PATH: the rows as JSON (the folder is made if need be)."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+        Path(path).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+
+
+def run_meta(device: str) -> dict:
+    """What a results file records beside its numbers: date, machine, versions, command."""
+    import torch
+
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -99,11 +183,79 @@ def kernel_device() -> str:
                      "e.g. --shapes 64x256, to try it on the CPU)")
 
 
+def smoke_or_gpu(smoke: bool, what: str) -> str:
+    """The device of a benchmark with a --smoke mode: "cuda" to measure; "cpu" for --smoke
+    (small shapes, the kernels in Triton's interpreter: TRITON_INTERPRET=1 is set here if
+    triton has not been imported yet). Without --smoke and without a GPU, or with --smoke after
+    triton was imported without the interpreter, one line says why not (ValueError)."""
+    from lowbit.kernels import interpret_mode, triton_importable
+
+    if smoke and not interpret_mode():
+        if "triton" in sys.modules:
+            raise ValueError(f"{what} --smoke runs the kernels in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before triton is first imported")
+        os.environ["TRITON_INTERPRET"] = "1"     # before triton_importable imports it
+    if not triton_importable():
+        raise ValueError(f"{what} needs triton (pip install triton)")
+    if smoke:
+        print(f"{what} --smoke: small shapes on the CPU in Triton's interpreter, to check the "
+              "benchmark itself; the timings mean nothing", flush=True)
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} measures on a CUDA GPU and this machine has none (--smoke: "
+                         "small shapes on the CPU, to check it runs)")
+    return "cuda"
+
+
 def run_kernels(args) -> None:
+    from lowbit.bench.kernels import format_check_rows, kernel_checks
+
     shapes = parse_shapes(args.shapes)
-    rows = bench_kernels(shapes, kernel_device(), torchao=not args.no_torchao)
-    print(format_kernel_rows(rows))
-    write_json(args.json, rows)
+    device = kernel_device()
+    report = {"meta": run_meta(device)}
+    if args.check:
+        print("== checks: every kernel against the reference quantizer, bit for bit", flush=True)
+        report["checks"] = kernel_checks(device)
+        print(format_check_rows(report["checks"]), flush=True)
+        write_json(args.json, report)
+    report["timings"] = bench_kernels(shapes, device, torchao=not args.no_torchao)
+    print(format_kernel_rows(report["timings"]))
+    write_json(args.json, report)
+    if any(not r["passed"] for r in report.get("checks", [])):
+        raise SystemExit(1)
+
+
+def run_fp8(args) -> None:
+    from lowbit.bench.fp8 import bench_fp8, parse_sections
+
+    sections = parse_sections(args.sections)
+    device = smoke_or_gpu(args.smoke, "lowbit bench fp8")
+    report = bench_fp8(sections, device,
+                       save=lambda report: write_json(args.json, {"meta": run_meta(device),
+                                                                  **report}))
+    if any(not r["passed"] for r in report.get("checks", [])):
+        raise SystemExit(1)
+
+
+def run_folds(args) -> None:
+    from lowbit.bench.folds import count_inexact_folds, format_fold_counts
+
+    steps = count_inexact_folds(args.model, args.seq_len, args.batch_size, args.steps,
+                                args.device, args.v_proj_fp8, args.corpus)
+    print(format_fold_counts(steps))
+    args_used = {k: getattr(args, k) for k in ("model", "corpus", "seq_len", "batch_size",
+                                               "steps", "device", "v_proj_fp8")}
+    write_json(args.json, {"meta": run_meta(steps[0]["device"]), "args": args_used,
+                           "steps": steps})
+
+
+def run_recipes(args) -> None:
+    from lowbit.bench.recipes import compare_recipes
+
+    compare_recipes(args.name, args.recipes, args.train_args, args.out, args.deadline_min,
+                    args.fit_min, args.probe_s, args.probe_window_s)
 
 
 def run_train(args) -> None:

@@ -1,13 +1,29 @@
 """`lowbit bench kernels`: each Triton quantizer's GB/s, timed eagerly and replayed from a CUDA
 graph, against a device-to-device copy of the same tensor in the same run, and against
-torchao's quantizers for the same formats where torchao imports.
+torchao's quantizers for the same formats where torchao imports; with --check, first every
+kernel against the reference quantizer, bit for bit.
 
-    lowbit bench kernels                                      # CUDA
-    TRITON_INTERPRET=1 lowbit bench kernels --shapes 64x256 --no-torchao   # CPU smoke
+    lowbit bench kernels --check                                       # CUDA
+    TRITON_INTERPRET=1 lowbit bench kernels --check --shapes 64x256 --no-torchao   # CPU smoke
+
+The checks (`kernel_checks`) are those of tests/test_kernels.py, on a GPU's large shapes:
+every spec the kernels cover in MXFP4 / MXFP8 (floor and rceil, 1x32, 16x16 and 32x32) and
+NVFP4 (1x16 and 16x16, one- and two-level) -- codes, scales, tensor scale and dequantized
+values against the CPU reference (and against the reference run on the GPU, at 4096x4096,
+after checking that the two references agree) on values spread over many binades in float32,
+bfloat16 and float16, on lowbit.kernels.checks' adversarial inputs, a 3-D odd shape, a
+non-contiguous view, 1-D tensors; the transposed outputs of 2D tiles; stochastic rounding
+against the reference fed the seed contract's uniforms (an independent NumPy Philox); the
+NVFP4 operation-order cases; and nvfp4's fused random Hadamard transform (quantize.py's kernel
+on the transposed view, and lowbit.kernels.hadamard's row-group kernel) against the rotation
+followed by the quantizer. On the CPU (Triton's interpreter) the same checks run on tiny
+shapes for one spec of each kind, which is what CI runs (tests/test_kernels.py covers every
+spec there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -15,7 +31,8 @@ import torch
 from lowbit.bench.timing import graph_time_ms, time_ms
 
 __all__ = ["KERNEL_SHAPES", "bench_kernels", "format_kernel_rows", "kernel_call", "kernel_name",
-           "kernel_spec", "moved_bytes", "timed_kernels", "torchao_baselines"]
+           "kernel_spec", "moved_bytes", "timed_kernels", "torchao_baselines", "kernel_checks",
+           "format_check_rows"]
 
 KERNEL_SHAPES = [(4096, 4096), (8192, 8192), (16384, 8192),
                  (2048, 2048), (5632, 2048), (2048, 5632), (16384, 2048)]   # + a 1B model's GEMMs
@@ -182,3 +199,195 @@ def format_kernel_rows(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+
+
+# ---- bit-exact checks against the reference ------------------------------------------------
+
+CHECK_SIZES = {"cuda": {"random": (1024, 1024), "big": (4096, 4096), "adversarial": (512, 1024),
+                        "odd": (3, 77, 45), "stochastic": (256, 1000),
+                        "hadamard": [(8192, 2048), (8192, 5504)]},
+               "cpu": {"random": (64, 128), "adversarial": (64, 128), "odd": (2, 20, 45),
+                       "stochastic": (32, 100), "hadamard": [(64, 96)]}}
+
+
+def check_specs(device: str) -> list:
+    """The specs --check covers: all of the kernels' MX and NVFP4 specs on CUDA; on the CPU
+    one of each kind (1D MX, 2D MX, two-level NVFP4 1x16, one-level NVFP4 16x16)."""
+    mx = [kernel_spec(fmt, rule, block) for fmt in ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
+          for rule in ("floor", "rceil") for block in ((1, 32), (16, 16), (32, 32))]
+    nv = [kernel_spec("nvfp4", None, block, two) for two in (True, False)
+          for block in ((1, 16), (16, 16))]
+    if device == "cuda":
+        return mx + nv
+    return [mx[0], mx[5], nv[0], nv[3]]
+
+
+def _stochastic(spec):
+    from lowbit.formats import QuantSpec
+    return QuantSpec.make(spec.format, spec.block, spec.scale_rule, "stochastic",
+                          spec.tensor_scale)
+
+
+def spread(shape, seed: int, device: str) -> torch.Tensor:
+    """float32 values over many binades, one exponent per 16 along the last dim, with rare
+    outliers (like real activations)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device)
+    exps = torch.randint(-30, 30, (*shape[:-1], -(-shape[-1] // 16), 1), generator=g,
+                         device=device)
+    mag = torch.exp2(exps.float()).expand(*shape[:-1], -1, 16).reshape(*shape[:-1], -1)
+    outliers = (torch.rand(shape, generator=g, device=device) < 1e-3) * 50
+    return x * mag[..., : shape[-1]] * (1 + outliers)
+
+
+@contextlib.contextmanager
+def _reference_drawing(u: torch.Tensor, spec):
+    """The reference quantizer's stochastic rounding draws `u` (the seed contract's uniforms of
+    its input's shape) instead of torch.rand's: the reference draws them in one torch.rand
+    call, in its blocked layout, which is replaced for the duration of this block (as
+    tests/test_kernels.py does)."""
+    from lowbit.formats.quantize import blocked
+
+    noise = blocked(u, spec.block)[0]
+    real = torch.rand
+
+    def rand(size, *args, **kwargs):
+        if tuple(size) != tuple(noise.shape):
+            raise AssertionError(f"the reference drew {tuple(size)}, not {tuple(noise.shape)}")
+        return noise.to(kwargs.get("device") or "cpu")
+
+    torch.rand = rand
+    try:
+        yield
+    finally:
+        torch.rand = real
+
+
+def _check_bodies(device: str):
+    """The check functions, each raising AssertionError on a difference."""
+    from lowbit.formats import quantize_with_spec as reference
+    from lowbit.kernels import (fake_quantize_triton, fake_quantize_triton_with_transpose,
+                                quantize_triton, quantize_triton_with_transpose,
+                                stochastic_uniforms)
+    from lowbit.kernels.checks import assert_bits_equal, assert_same_qtensor, contract_uniforms
+
+    def against_cpu(x, spec, seed=None):
+        r = reference(x.cpu(), spec)
+        assert_same_qtensor(quantize_triton(x, spec, seed), r)
+        assert_bits_equal(fake_quantize_triton(x, spec, seed), r.dequantize())
+
+    def against_device_reference(x, spec):
+        r = reference(x, spec)
+        assert_same_qtensor(quantize_triton(x, spec), r)
+        assert_bits_equal(fake_quantize_triton(x, spec), r.dequantize())
+
+    def references_agree(x, spec):
+        assert_same_qtensor(reference(x, spec), reference(x.cpu(), spec))
+
+    def transposed(x, spec, seed):
+        q, q_t = quantize_triton_with_transpose(x, spec, seed)
+        ref_t = q.t()
+        assert torch.equal(q_t.codes, ref_t.codes), "transposed codes"
+        assert torch.equal(q_t.scales.view(torch.uint8), ref_t.scales.view(torch.uint8)), \
+            "transposed scales"
+        v, v_t = fake_quantize_triton_with_transpose(x, spec, seed)
+        assert_bits_equal(v, q.dequantize())
+        assert_bits_equal(v_t, v.mT.contiguous())
+
+    def stochastic(x, spec, seed):
+        with _reference_drawing(contract_uniforms(tuple(x.shape), seed), spec):
+            r = reference(x.cpu(), spec)
+        assert_same_qtensor(quantize_triton(x, spec, seed), r)
+        assert_bits_equal(fake_quantize_triton(x, spec, seed), r.dequantize())
+
+    def uniforms(shape, seed):
+        assert torch.equal(stochastic_uniforms(shape, seed, device).cpu(),
+                           contract_uniforms(shape, seed)), "uniforms differ"
+
+    return against_cpu, against_device_reference, references_agree, transposed, stochastic, uniforms
+
+
+def kernel_checks(device: str = "cuda", progress=print) -> list[dict]:
+    """Run the checks of the module doc on `device` ("cuda", or "cpu" under Triton's
+    interpreter: tiny shapes, one spec of each kind). Returns one row per check: {"check":
+    label, "passed": bool, "error": what differed (failures only)}; a failure does not stop
+    the others."""
+    from lowbit.formats.hadamard import random_hadamard
+    from lowbit.kernels import fake_quantize_triton
+    from lowbit.kernels.checks import adversarial, assert_bits_equal, nvfp4_order_cases
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
+
+    against_cpu, against_device_reference, references_agree, transposed, stochastic, uniforms = (
+        _check_bodies(device))
+    sizes = CHECK_SIZES["cuda" if device == "cuda" else "cpu"]
+    rows: list[dict] = []
+
+    def run(label, fn, *args):
+        try:
+            fn(*args)
+            rows.append({"check": label, "passed": True})
+        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
+            rows.append({"check": label, "passed": False,
+                         "error": f"{type(e).__name__}: {e}"[:300]})
+            progress(f"   FAIL {label}: {rows[-1]['error'][:200]}")
+
+    for spec in check_specs(device):
+        name = kernel_name(spec)
+        x = spread(sizes["random"], 1, device)
+        run(f"{name} random bf16", against_cpu, x.bfloat16(), spec)
+        run(f"{name} random fp32", against_cpu, x[:256], spec)
+        run(f"{name} random fp16", against_cpu, (x[:256] / x.abs().max() * 6e4).half(), spec)
+        if device == "cuda":
+            run(f"{name} cuda reference == cpu reference", references_agree, x.bfloat16(), spec)
+            big = spread(sizes["big"], 2, device).bfloat16()
+            run(f"{name} random bf16 {tuple(big.shape)} (cuda reference)",
+                against_device_reference, big, spec)
+        adv = adversarial(*sizes["adversarial"], spec, seed=3).to(device)
+        run(f"{name} adversarial fp32", against_cpu, adv, spec)
+        run(f"{name} adversarial bf16", against_cpu, adv.bfloat16(), spec)
+        odd = spread(sizes["odd"], 4, device)
+        run(f"{name} 3-D odd shape", against_cpu, odd, spec)
+        run(f"{name} non-contiguous", against_cpu, x[:200, :300].t(), spec)
+        if spec.is_2d:
+            run(f"{name} transposed outputs", transposed, odd.bfloat16(), spec, 7)
+            run(f"{name} transposed outputs SR", transposed, odd.bfloat16(), _stochastic(spec), 7)
+        else:
+            run(f"{name} 1-D", against_cpu, x[0, :1000], spec)
+        run(f"{kernel_name(_stochastic(spec))} == reference with the contract's uniforms",
+            stochastic, spread(sizes["stochastic"], 5, device).bfloat16(), _stochastic(spec),
+            2**40 + 7)
+    order, _ = nvfp4_order_cases(seed=0)
+    nvfp4 = kernel_spec("nvfp4", None, (1, 16), True)
+    run("nvfp4 operation-order cases", against_cpu, order.to(device), nvfp4)
+    for shape in [(1000, 1000), (7, 333)] if device == "cuda" else [(7, 333)]:
+        run(f"uniforms {shape} == NumPy Philox", uniforms, shape, 2**62 + 3)
+
+    # nvfp4's wgrad operands: the fused random Hadamard transform, on t = x.mT as the layers
+    # hand it (quantize.py's kernel) and on x itself (the row-group kernel the layers use)
+    signs = torch.tensor([1, -1, -1, 1, 1, 1, -1, 1, -1, 1, 1, -1, 1, -1, -1, -1],
+                         device=device, dtype=torch.float32)
+    seed = torch.tensor([3], device=device, dtype=torch.int64)
+    nvfp4_sr = _stochastic(nvfp4)
+    for shape in sizes["hadamard"]:
+        t = spread(shape, 5, device).bfloat16().mT                       # (features, tokens)
+        rotated = random_hadamard(t, signs)
+        fused = fake_quantize_triton(t, nvfp4, hadamard=signs)
+        fused_sr = fake_quantize_triton(t, nvfp4_sr, seed, hadamard=signs)
+        run(f"hadamard {shape} rne == rotation, then quantize", assert_bits_equal, fused,
+            fake_quantize_triton(rotated, nvfp4))
+        run(f"hadamard {shape} sr == rotation, then quantize", assert_bits_equal, fused_sr,
+            fake_quantize_triton(rotated, nvfp4_sr, seed))
+        run(f"hadamard rows {shape} rne == the transposed view's", assert_bits_equal,
+            fake_quantize_rht_rows(t.mT, nvfp4, signs), fused.mT)
+        run(f"hadamard rows {shape} sr == the transposed view's", assert_bits_equal,
+            fake_quantize_rht_rows(t.mT, nvfp4_sr, signs, seed), fused_sr.mT)
+    return rows
+
+
+def format_check_rows(rows: list[dict]) -> str:
+    """One line of totals, then one per failed check."""
+    failed = [r for r in rows if not r["passed"]]
+    lines = [f"checks: {len(rows) - len(failed)} passed, {len(failed)} failed (bit for bit "
+             "against the reference)"]
+    lines += [f"  FAIL {r['check']}: {r['error']}" for r in failed]
+    return "\n".join(lines)

@@ -124,25 +124,37 @@ def quantize_fold(x: torch.Tensor, spec: QuantSpec, transpose_too: bool = False,
     Triton interpreter and on the GPU by the GPU tests), except under a deferred fold check
     (`check`: fold_check.ACTIVE = this thread's, or a FoldCheck, or None), where the kernels
     fold in one K-chunk and a row that needs more is counted in the check instead. A fold
-    that needed K-chunks is noted for the watch in force (fold_check.folding_for)."""
+    that needed K-chunks is noted for the watch in force (fold_check.folding_for), and the
+    fold observer in force (fold_check.observe_folds) is told the fold's layer, operand and
+    inexact count."""
     if not (rows or transpose_too):
         raise ValueError("quantize_fold with rows=False makes x^T's operand alone: pass "
                          "transpose_too=True too")
+    observation = fold_check.fold_observation()
+    own = None   # this fold's inexact count, for an observer
     if use_kernels(x, spec):
         from lowbit.kernels.fp8_fold import quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose
 
         resolved = fold_check.resolve_check(check, x.device)
         counter = resolved.counter if resolved is not None else None
+        if observation is not None and counter is not None:
+            counter = own = torch.zeros_like(counter)   # added to the check's below
         if transpose_too and not rows:
             out = None, quantize_fold_mxfp4(x, spec, transpose=True, counter=counter)
         elif transpose_too:
             out = quantize_fold_mxfp4_with_transpose(x, spec, counter=counter)
         else:
             out = quantize_fold_mxfp4(x, spec, counter=counter), None
+        if own is not None:
+            resolved.counter += own
     else:
         fold_check.resolve_check(check, x.device)        # refuses a check of the wrong type
         q = reference_quantize(x, spec)
         out = (fold_operand(q) if rows else None,
                fold_operand(q, transpose=True) if transpose_too else None)
     fold_check.note_chunks(out)
+    if observation is not None:   # an exact fold (no check, or the reference) leaves none
+        observer, layer, operand = observation
+        observer(layer, operand,
+                 own if own is not None else torch.zeros(1, dtype=torch.int64, device=x.device))
     return out

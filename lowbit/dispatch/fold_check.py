@@ -1,4 +1,5 @@
-"""Per-thread state of the FP8 folds: deferred fold checks and chunked-fold watches.
+"""Per-thread state of the FP8 folds: deferred fold checks, chunked-fold watches and fold
+observers.
 
 A deferred fold check (`deferred_fold_check(device)`) lets the fused Triton folds of a
 training step run without host syncs: each operand is folded with one power-of-two factor
@@ -7,24 +8,29 @@ counter, instead of being read back and re-folded in K-chunks. Whoever opened th
 the count once (with the step's loss) and redoes the step outside it if it is nonzero.
 A watch (`watch_chunked_folds()`) collects the names of the layers whose exact folds needed
 K-chunks (lowbit.train moves them off the FP8 path under --fold-inexact adapt).
+An observer (`observe_folds(observer)`) is told, for every fold, its layer, its operand ("X",
+"W" or "dY") and how many values it left inexact (`lowbit bench folds` counts them per layer
+and operand). The layer is the one `folding_for` names and the operand the one
+`folding_operand` names: the caller says both, nothing is inferred from who called.
 
-Both are per thread: a fold on another thread (an evaluation, a rollout) stays exact and
-unwatched. Autograd runs CUDA backward passes on its own threads, so the quantized linear's
-forward takes the check and watch in force and hands them to its backward explicitly.
-lowbit.dispatch.quantize_fold is the one place that reads them.
+All three are per thread: a fold on another thread (an evaluation, a rollout) stays exact,
+unwatched and unobserved. Autograd runs CUDA backward passes on its own threads, so the
+quantized linear's forward takes the check, watch and observer in force and hands them to its
+backward explicitly. lowbit.dispatch.quantize_fold is the one place that reads them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 __all__ = ["ACTIVE", "FoldCheck", "deferred_fold_check", "active_fold_check", "resolve_check",
            "watch_chunked_folds", "active_watch", "folding_for", "note_chunks",
-           "canonical_device"]
+           "canonical_device", "FoldObserver", "observe_folds", "active_observer",
+           "folding_operand", "fold_observation"]
 
 
 class FoldCheck:
@@ -47,9 +53,17 @@ class FoldCheck:
         return int(self.counter.item())
 
 
-# The check and watch in force, per thread (see the module doc); a backward that runs after
-# its forward's check has closed folds exactly.
-_LOCAL = threading.local()
+class _PerThread(threading.local):
+    """The check, watch, observer, folding_for() and folding_operand() in force, per thread (see
+    the module doc); a backward that runs after its forward's check has closed folds exactly.
+    The class attributes are every thread's defaults: reading a missing attribute of a
+    threading.local raises internally, which every fold would pay for."""
+
+    check = watch = folding = observer = None
+    operand = ""
+
+
+_LOCAL = _PerThread()
 ACTIVE = "active"   # quantize_fold(check=ACTIVE): the calling thread's check, if any
 
 
@@ -128,12 +142,13 @@ def active_watch() -> set | None:
 
 
 @contextlib.contextmanager
-def folding_for(layer, watch: set | None) -> Iterator[None]:
-    """The folds inside this block belong to `layer`, and a chunked one is noted in `watch`
-    (the set of a watch_chunked_folds() block, carried to another thread if need be). An
-    unnamed layer ("" or None) is not noted."""
+def folding_for(layer, watch: set | None, observer: FoldObserver | None = None) -> Iterator[None]:
+    """The folds inside this block belong to `layer`: a chunked one is noted in `watch` (the set
+    of a watch_chunked_folds() block, carried to another thread if need be), and each one is
+    reported to `observer` (an observe_folds() observer, carried likewise). An unnamed layer
+    ("" or None) is not noted in the watch; the observer sees it as ""."""
     before = getattr(_LOCAL, "folding", None)
-    _LOCAL.folding = (layer, watch) if watch is not None and layer else None
+    _LOCAL.folding = (layer or "", watch if layer else None, observer)
     try:
         yield
     finally:
@@ -144,5 +159,69 @@ def note_chunks(folded) -> None:
     """Note, for the watch in force, the layer of these FoldedOperands (None skipped) if one of
     them needed more than one K-chunk."""
     folding = getattr(_LOCAL, "folding", None)
-    if folding is not None and any(f is not None and len(f.bounds) > 2 for f in folded):
+    if (folding is not None and folding[1] is not None
+            and any(f is not None and len(f.bounds) > 2 for f in folded)):
         folding[1].add(folding[0])
+
+
+# ---- fold observers --------------------------------------------------------------------------
+
+FoldObserver = Callable[[str, str, torch.Tensor], None]
+"""observer(layer, operand, inexact_values), called once per fold (see observe_folds)."""
+
+
+@contextlib.contextmanager
+def observe_folds(observer: FoldObserver) -> Iterator[FoldObserver]:
+    """Inside this block (on this thread, and in the backward passes of the forwards it ran),
+    every FP8 fold calls `observer(layer, operand, inexact_values)` once:
+    - layer: the name `folding_for` gives the fold (lowbit's FP8 linear passes its `layer`,
+      in its forward and its backward alike); "" for an unnamed layer;
+    - operand: the role `folding_operand` gives it, "X", "W" or "dY" (lowbit.ops.gemms names
+      each operand it folds); "" if none was given;
+    - inexact_values: a one-element int64 tensor on the operand's device, the values this fold
+      left inexact. Only a one-K-chunk fold under a deferred fold check leaves any (a row past
+      the window); exact folds report 0. Nothing is read back: the observer may add the
+      tensors up and read them once (a host sync on CUDA) when it likes.
+    The fold's count still goes to the deferred fold check in force, as without an observer.
+    An observer opened inside another replaces it until it closes."""
+    outer = getattr(_LOCAL, "observer", None)
+    _LOCAL.observer = observer
+    try:
+        yield observer
+    finally:
+        _LOCAL.observer = outer
+
+
+def active_observer() -> FoldObserver | None:
+    """The observe_folds() observer in force on this thread, if any (what a forward hands its
+    backward, as it hands the check and the watch)."""
+    return getattr(_LOCAL, "observer", None)
+
+
+class folding_operand:  # noqa: N801 -- used as a context manager, like the functions above
+    """`with folding_operand("X"):` the folds inside this block are of that operand, its role
+    in its layer's GEMMs ("X", "W" or "dY"), as observe_folds' observer is told. (A class, not
+    a generator: every FP8 fold enters one, and a training step is host-bound on such Python.)"""
+
+    __slots__ = ("operand", "before")
+
+    def __init__(self, operand: str) -> None:
+        self.operand = operand
+
+    def __enter__(self) -> None:
+        self.before = getattr(_LOCAL, "operand", "")
+        _LOCAL.operand = self.operand
+
+    def __exit__(self, *exc) -> None:
+        _LOCAL.operand = self.before
+
+
+def fold_observation() -> tuple[FoldObserver, str, str] | None:
+    """(observer, layer, operand) for the next fold, or None when none observes it: inside a
+    folding_for() block its observer (the forward's, carried to the backward) and layer,
+    elsewhere this thread's observe_folds() observer and layer ""."""
+    folding = getattr(_LOCAL, "folding", None)
+    observer, layer = (folding[2], folding[0]) if folding is not None else (active_observer(), "")
+    if observer is None:
+        return None
+    return observer, layer, getattr(_LOCAL, "operand", "")

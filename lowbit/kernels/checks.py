@@ -2,7 +2,7 @@
 reference, and an independent NumPy implementation of the stochastic-rounding seed contract.
 
 Shared by tests/test_kernels.py (CPU, Triton's interpreter, small shapes) and
-benchmarks/bench_kernels.py (the same checks on a GPU, large shapes), so both check the
+`lowbit bench kernels --check` (the same checks on a GPU, large shapes), so both check the
 same things. Plain PyTorch and NumPy: nothing here imports triton.
 """
 

@@ -382,7 +382,7 @@ class _Tiles:
 def fold_configs(rows: int, k: int, block: tuple[int, int]) -> tuple[kq.TileConfig, kq.TileConfig]:
     """(pass 1, pass 2) tiles of the one-chunk fold. Pass 2 takes the quantize kernel's
     default tile (32x128 elements for 32x32 blocks, 4 warps); pass 1, which only reads, twice
-    its columns (benchmarks/sweep_fold.py on an H200, 2026-11-30, 32x32 tiles, both passes:
+    its columns (benchmarks/tune.py fold on an H200, 2026-11-30, 32x32 tiles, both passes:
     40.8 -> 38.2 us at 8192x2048, 27.6 -> 25.3 at 5504x2048, 27.4 -> 25.7 at 2048x5504, the best
     of 11 tiles and warp counts there; at 8192x5504 no tile beat the default, and this one was
     1% slower, 121.0 against 119.8 us)."""

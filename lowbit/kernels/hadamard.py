@@ -8,7 +8,7 @@ The wgrad GEMM dW = dY^T X wants dY and X with 1x16 blocks along N (tokens), eac
 tokens rotated by a 16-point random Hadamard transform first. quantize.py's kernel does that
 on t.mT, a (F, N) view whose groups run along its strided dim: its tile is read with the
 features contiguous while the rotation and the blocks run across them, and the butterflies'
-reshapes move the tile through shared memory (H200, 2026-11-30, benchmarks/sweep_nvfp4.py,
+reshapes move the tile through shared memory (H200, 2026-11-30, benchmarks/tune.py nvfp4,
 both passes against the time of their bytes at copy speed: 2.3-2.4x on X^T, 2.9-3.1x on the
 stochastically rounded dY^T, against 1.2-1.9x for X and dY without the rotation; this kernel
 1.6-1.7x on X^T).
@@ -134,7 +134,7 @@ def rht_rows_supported(t: torch.Tensor, spec) -> bool:
 def _config(n: int, f: int) -> tuple[int, int, int]:
     """(G groups of 16 rows, TILE_F columns, warps) of one program: 2 x 128 and 4 warps, the
     fastest of the 18 swept (G 1/2/4, TILE_F 128/256/512, 4/8 warps) at 8192x2048 and within
-    0.3% of it at 8192x5504 (benchmarks/sweep_nvfp4.py --rotated, H200, 2026-11-30; 42.9 and
+    0.3% of it at 8192x5504 (benchmarks/tune.py nvfp4 --rotated, H200, 2026-11-30; 42.9 and
     104.9 us for both passes against 58.4 and 157.6 us for quantize.py's kernel on the
     transposed view)."""
     return min(2, kq.pow2_at_least(n // 16)), min(128, kq.pow2_at_least(f)), 4

@@ -64,7 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms"]
+__all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms", "pow2_at_least",
+           "amax_config", "sm_count", "tensor_amax_kernel"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -301,9 +302,15 @@ def rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constex
 def tensor_amax_kernel(x_ptr, amax_ptr, signs_ptr, R, C, stride_b, stride_r, stride_c,
                         n_tiles_c, n_tiles_r, n_tiles, ITERS: tl.constexpr, TILE_R: tl.constexpr,
                         TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr, HADAMARD: tl.constexpr):
-    """Max of the finite |x| (as int32 bits) into amax_ptr (int32). Each program folds ITERS
-    consecutive tiles, then does one atomic_max, so the atomics do not queue up. (ITERS is a
-    constexpr: Triton's interpreter cannot loop over a runtime bound.)"""
+    """Max of the finite |x| (as int32 bits) into amax_ptr (int32, zeroed by the caller): two-level
+    NVFP4's first pass. x (B, R, C) with strides (stride_b, stride_r, stride_c), cut into tiles
+    of TILE_R x TILE_C (n_tiles_c along C, n_tiles_r along R, n_tiles in all, batch included);
+    with HADAMARD, of the random Hadamard transform of each group of 16 along C with the 16
+    signs at signs_ptr (rotate16). Each program folds ITERS consecutive tiles, then does one
+    atomic_max, so the atomics do not queue up; the grid is cdiv(n_tiles, ITERS) programs.
+    (ITERS is a constexpr: Triton's interpreter cannot loop over a runtime bound.) NATIVE_CAST:
+    False under the interpreter (`not INTERPRET`). launch() sizes it by amax_config; it is
+    public for the tuning sweeps (benchmarks/tune.py amax, nvfp4 --amax)."""
     acc = tl.zeros((TILE_R, TILE_C), dtype=tl.int32)
     for i in range(ITERS):
         tile = tl.program_id(0) * ITERS + i
@@ -460,6 +467,7 @@ class TileConfig(tuple):
 
 
 def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): tile sides are powers of two."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -478,7 +486,7 @@ def amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: boo
                  sm_count: int) -> tuple[int, int, int, int]:
     """(tile_rows, tile_cols, num_warps, tiles per program) of the two-level tensor-amax pass.
     Without the Hadamard transform: one 64x256 tile (32 KiB of bf16) per program and 8 warps,
-    so enough bytes are in flight to read at copy speed (benchmarks/sweep_amax.py on an H200,
+    so enough bytes are in flight to read at copy speed (benchmarks/tune.py amax on an H200,
     2026-11-30: 84-109% of a copy's bandwidth on the 1B shapes and 16384x8192, against 32-70%
     for the quantize tile with up to 64 tiles a program). With it: the quantize tile, several
     per program (the best of the few configs swept; the rotation's registers bound the tile)."""
@@ -491,6 +499,8 @@ def amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: boo
 
 @functools.lru_cache(maxsize=64)
 def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (a grid's size is set from it); 64 for the
+    CPU, where the interpreter runs a small grid."""
     if device.type != "cuda":
         return 64   # the interpreter: a small grid
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit import dispatch
+from lowbit.dispatch.fold_check import folding_operand
 from lowbit.formats import QuantSpec
 from lowbit.formats.spec import Rounding
 from lowbit.kernels.fp8_gemm import fp4_gemm_fp8
@@ -129,12 +130,21 @@ def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need
     return dx, dw
 
 
+def _fold(operand: str, t, spec, transpose_too: bool = False, check=None, rows: bool = True):
+    """dispatch.quantize_fold of one of the layer's operands, named by its role ("X", "W" or
+    "dY") for the fold observer in force (lowbit.dispatch.fold_check.observe_folds)."""
+    with folding_operand(operand):
+        if rows:
+            return dispatch.quantize_fold(t, spec, transpose_too, check)
+        return dispatch.quantize_fold(t, spec, transpose_too, check, rows=False)
+
+
 def fp8_forward(x, weight, r: LinearRecipe, keep_x_t: bool, keep_w_t: bool, check):
     """(Y (N, out), X^T's folded operand or None, W^T's or None) on FP8 tensor cores: one
     quantization of each operand gives its fprop operand and, where kept (kept_operands), the
     transposed one for the backward. check: the deferred fold check, or None (exact folds)."""
-    fx, fx_t = dispatch.quantize_fold(x, r.fprop_x, keep_x_t, check)
-    fw, fw_t = dispatch.quantize_fold(weight, r.fprop_w, keep_w_t, check)
+    fx, fx_t = _fold("X", x, r.fprop_x, keep_x_t, check)
+    fw, fw_t = _fold("W", weight, r.fprop_w, keep_w_t, check)
     y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype, use_fast_accum="fprop" in r.fast_accum)
     return y, fx_t, fw_t
 
@@ -145,24 +155,23 @@ def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool,
     made here from x / weight (shared tiles: x^T's operand of the forward's quantization, the
     same bits under round-to-nearest; 1D blocks: quantized along the other dim). check: the
     forward's deferred fold check."""
-    def transposed(t, forward_spec, spec):
+    def transposed(operand, t, forward_spec, spec):
         if shared(forward_spec, spec):
-            return dispatch.quantize_fold(t, spec, True, check, rows=False)[1]
-        return dispatch.quantize_fold(t.mT, spec, check=check)[0]
+            return _fold(operand, t, spec, True, check, rows=False)[1]
+        return _fold(operand, t.mT, spec, check=check)[0]
 
     dx = dw = None
     shared_dy = shared(r.dgrad_dy, r.wgrad_dy) and need_dw
-    fdy, fdy_t = dispatch.quantize_fold(dy, r.dgrad_dy, shared_dy, check)  # (N, out), along out
+    fdy, fdy_t = _fold("dY", dy, r.dgrad_dy, shared_dy, check)             # (N, out), along out
     if need_dx:
         # dX = dY W: B = W^T (in, out), blocks along out
-        w_d = w_d if w_d is not None else transposed(weight, r.fprop_w, r.dgrad_w)
+        w_d = w_d if w_d is not None else transposed("W", weight, r.fprop_w, r.dgrad_w)
         dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype,                              # (N, in)
                           use_fast_accum="dgrad" in r.fast_accum)
     if need_dw:
         # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
-        dy_w = (fdy_t if fdy_t is not None
-                else dispatch.quantize_fold(dy.mT, r.wgrad_dy, check=check)[0])
-        x_w = x_w if x_w is not None else transposed(x, r.fprop_x, r.wgrad_x)
+        dy_w = fdy_t if fdy_t is not None else _fold("dY", dy.mT, r.wgrad_dy, check=check)[0]
+        x_w = x_w if x_w is not None else transposed("X", x, r.fprop_x, r.wgrad_x)
         dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype,                            # (out, in)
                           use_fast_accum="wgrad" in r.fast_accum)
     return dx, dw

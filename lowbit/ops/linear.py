@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit.dispatch.fold_check import active_fold_check, active_watch, folding_for
+from lowbit.dispatch.fold_check import (active_fold_check, active_observer, active_watch,
+                                        folding_for)
 from lowbit.ops.compiled import quant_linear_compiled
 from lowbit.ops.gemms import (autocast_operands, compilable, emulated_backward,
                               emulated_forward, fp8_backward, fp8_forward, kept_operands,
@@ -59,11 +60,11 @@ class QuantLinearFP8Function(torch.autograd.Function):
         # x: (N, in); weight: (out, in). X^T serves dW, W^T serves dX.
         need_x_t, need_w_t = kept_operands(recipe, grad and ctx.needs_input_grad[0],
                                            grad and ctx.needs_input_grad[1])
-        # the caller's deferred fold check and chunk watch, if any; the backward (on autograd's
-        # thread) uses them too
+        # the caller's deferred fold check, chunk watch and fold observer, if any; the backward
+        # (on autograd's thread) uses them too
         check = ctx.fold_check = active_fold_check(x.device)
-        ctx.layer, ctx.watch = layer, active_watch()
-        with folding_for(layer, ctx.watch):
+        ctx.layer, ctx.watch, ctx.observer = layer, active_watch(), active_observer()
+        with folding_for(layer, ctx.watch, ctx.observer):
             y, fx_t, fw_t = fp8_forward(x, weight, recipe, need_x_t, need_w_t, check)
         if bias is not None:
             y = y + bias
@@ -77,10 +78,10 @@ class QuantLinearFP8Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        with folding_for(ctx.layer, ctx.watch):
+        with folding_for(ctx.layer, ctx.watch, ctx.observer):
             dx, dw = fp8_backward(dy, x, weight, ctx.x_w, ctx.w_d, ctx.recipe, ctx.fold_check,
                                   *ctx.needs_input_grad[:2])
-        ctx.x_w = ctx.w_d = ctx.fold_check = ctx.watch = None
+        ctx.x_w = ctx.w_d = ctx.fold_check = ctx.watch = ctx.observer = None
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
@@ -91,7 +92,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     layer: the name watch_chunked_folds() reports when an exact FP8 fold of this layer needs
     K-chunks (under --fold-inexact adapt lowbit.train names each QuantLinear by its module
-    name); "" is never reported.
+    name); "" is never reported. A fold observer (observe_folds) is told it with every fold
+    of this layer, its forward's and its backward's.
 
     recipe None is exactly F.linear. Under autocast the operands are cast to the autocast
     dtype first (the Function itself runs with autocast off, so its GEMMs see exactly the

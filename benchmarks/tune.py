@@ -1,0 +1,707 @@
+"""The maintainers' tuning sweeps: the launch configs and GEMM modes lowbit's defaults were chosen
+from, to re-run when a kernel, Triton or the GPU changes.
+
+    python benchmarks/tune.py amax [--json PATH]            # two-level NVFP4's tensor-amax pass
+    python benchmarks/tune.py fold [--operands X,dY]        # the one-chunk FP8 fold's two passes
+    python benchmarks/tune.py nvfp4 [--rotated] [--amax]    # nvfp4's quantize and RHT kernels
+    python benchmarks/tune.py fp8-gemm                      # torch._scaled_mm's scaling modes
+    python benchmarks/tune.py host-overhead [--profile R]   # lowbit's host time per linear
+    python benchmarks/tune.py compile-sm90                  # every kernel variant, for sm_90
+    python benchmarks/tune.py SWEEP --smoke                 # tiny shapes on the CPU
+
+Run from a checkout where lowbit is installed (`pip install -e .`). The first four time on a
+CUDA GPU (CUDA-graph replay: the GPU's time alone) and check that every config they try gives
+the default's bits; --smoke runs them on tiny shapes on the CPU under Triton's interpreter (set
+here before triton is imported), which checks the sweep and the bits, and times nothing;
+without a GPU and without --smoke they refuse in one line. The last two need no GPU:
+host-overhead measures lowbit's own host-side Python per layer on any machine, the kernels
+stubbed (--smoke: a few iterations, to check it); compile-sm90 compiles every Triton kernel
+variant lowbit launches for Hopper on the CPU (Triton's front end and ptxas), so a construct
+that only the GPU compiler rejects is caught before a GPU is spent.
+--json PATH writes the results with the run's date, machine and command. Measured results and
+the defaults they chose: docs/results/ (the kernels' and the FP8 GEMM's files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "host-overhead", "compile-sm90")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as lowbit's CLI
+        print(f"lowbit: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tune.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="sweep", metavar="SWEEP", required=True, parser_class=_Parser)
+    helps = {"amax": "tile, tiles per program and warps of two-level NVFP4's tensor-amax pass",
+             "fold": "tiles and warps of the one-chunk FP8 fold's two passes (stable-fp4-fp8)",
+             "nvfp4": "tiles of the quantize kernel on nvfp4's operands, of the row-group RHT "
+                      "kernel, and (--amax) of the rotated tensor-amax pass",
+             "fp8-gemm": "torch._scaled_mm row-wise against tensor-wise, fast accumulation on "
+                         "and off, against bf16 mm: GPU time and error against fp64",
+             "host-overhead": "host time of one quantized linear's forward + backward per recipe",
+             "compile-sm90": "compile every Triton kernel variant for sm_90 on this CPU"}
+    for name in SWEEPS:
+        p = sub.add_parser(name, help=helps[name], description=helps[name])
+        if name != "compile-sm90":
+            p.add_argument("--smoke", action="store_true",
+                           help="a few iterations, to check the harness" if name == "host-overhead"
+                           else "tiny shapes on the CPU under Triton's interpreter, untimed")
+        p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        if name == "fold":
+            p.add_argument("--operands", default="X,W,dY",
+                           help="comma-separated, of X, W, dY (default: %(default)s)")
+        if name == "nvfp4":
+            p.add_argument("--rotated", action="store_true", help="only the wgrad operands "
+                                                                  "(rotated, transposed views)")
+            p.add_argument("--amax", action="store_true",
+                           help="also sweep the tensor-amax pass on the rotated operands")
+        if name == "host-overhead":
+            p.add_argument("--profile", metavar="RECIPE", default=None,
+                           help="also print a cProfile of this recipe's layer")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.sweep == "compile-sm90":
+            results = compile_sm90()
+            device = "cpu"
+        elif args.sweep == "host-overhead":
+            device = interpreter(args.sweep)
+            results = host_overhead(args, device)
+        else:
+            from lowbit.bench import smoke_or_gpu   # sets TRITON_INTERPRET for --smoke
+
+            device = smoke_or_gpu(args.smoke, f"tune.py {args.sweep}")
+            run = {"amax": sweep_amax, "fold": sweep_fold, "nvfp4": sweep_nvfp4,
+                   "fp8-gemm": sweep_fp8_gemm}[args.sweep]
+            results = run(args, device)
+    except ValueError as e:
+        print(f"lowbit: error: {e}", file=sys.stderr)
+        return 2
+    from lowbit.bench import run_meta, write_json
+
+    write_json(args.json, {"meta": run_meta(device), "results": results})
+    if args.sweep == "compile-sm90":
+        return 1 if results["failed"] or not results["variants"] else 0
+    return 0
+
+
+# ---- shared --------------------------------------------------------------------------------
+
+def interpreter(sweep: str) -> str:
+    """"cpu", with Triton's interpreter on (set here if triton is not imported yet): what
+    host-overhead runs under, on any machine."""
+    from lowbit.kernels import interpret_mode
+
+    if not interpret_mode():
+        if "triton" in sys.modules:
+            raise ValueError(f"tune.py {sweep} stubs the kernels in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before triton is first imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def gpu_ms(fn, device: str) -> float | None:
+    """fn() once (on the CPU that is the smoke check), then on CUDA its GPU time alone
+    (CUDA-graph replay, median ms); None on the CPU."""
+    from lowbit.bench.timing import graph_time_ms
+
+    fn()
+    return graph_time_ms(fn, device)
+
+
+def us(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f} us"
+
+
+def fastest(timings: dict, key=lambda v: v.get("same", True)) -> list[tuple[float, str]]:
+    """(ms, label) of the timed entries that pass `key`, fastest first."""
+    return sorted((v["ms"], k) for k, v in timings.items()
+                  if isinstance(v, dict) and v.get("ms") is not None and key(v))
+
+
+def top_text(entries: list[tuple[float, str]], n: int = 4) -> str:
+    """The n fastest (ms, label) as text; "untimed" where nothing was timed (the CPU)."""
+    return ", ".join(f"{label} {us(ms)}" for ms, label in entries[:n]) or "untimed"
+
+
+def attempt(fn):
+    """fn()'s result, or the error in one line (a config past the registers, say)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 -- every config is tried and reported
+        return f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def copy_bandwidth(x, device: str) -> tuple[float | None, float | None]:
+    """(ms, GB/s read + write) of a device-to-device copy of x."""
+    import torch
+
+    y = torch.empty_like(x)
+    ms = gpu_ms(lambda: y.copy_(x), device)
+    return ms, (2 * x.numel() * x.element_size() / ms / 1e6 if ms else None)
+
+
+# ---- amax ------------------------------------------------------------------------------------
+
+def sweep_amax(args, device: str) -> dict:
+    """Two-level NVFP4's tensor-amax pass on bf16 x: per (tile, warps, tiles per program) GPU
+    time, read GB/s against a copy's and whether the amax is torch's (of x, or of
+    random_hadamard(x) with the fused transform); chose lowbit.kernels.quantize.amax_config."""
+    import torch
+    import triton
+
+    from lowbit.formats.hadamard import random_hadamard
+    from lowbit.kernels.quantize import (INTERPRET, amax_config, default_config, sm_count,
+                                         tensor_amax_kernel)
+
+    dev = torch.device(device)
+    shapes = [(8192, 2048), (8192, 5632), (5632, 2048), (16384, 8192)]
+    grid_configs = [(tr, tc, w, it) for tr, tc in [(32, 128), (64, 128), (32, 256), (64, 256),
+                                                   (16, 512)]
+                    for w in (4, 8) for it in (1, 4, 16)]
+    if args.smoke:
+        shapes, grid_configs = [(64, 96)], [(32, 64, 4, 1), (16, 32, 4, 2)]
+    signs = torch.tensor([1.0, -1.0] * 8, device=dev)
+    out = {}
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+        copy_ms, copy_bw = copy_bandwidth(x, device)
+        want = {False: x.float().abs().max().view(torch.int32).item(),
+                True: random_hadamard(x, signs).float().abs().max().view(torch.int32).item()}
+        amax = torch.zeros(1, device=dev, dtype=torch.int32)
+        tile = default_config(rows, cols, (1, 16))
+        launches = [(*amax_config(rows, cols, 1, tile, had, sm_count(dev)), had, " default")
+                    for had in (False, True)]        # what lowbit launches, without and with
+        launches += [(*c, False, "") for c in grid_configs]
+        launches += [(*c, True, "") for c in grid_configs if args.smoke or c[2:] == (8, 4)]
+        row = {"copy_ms": copy_ms, "copy_GBs": copy_bw, "torch_abs_amax_ms":
+               gpu_ms(lambda: x.abs().amax(), device), "configs": {}}
+        for tr, tc, w, iters, had, note in launches:
+            n_tc, n_tr = triton.cdiv(cols, tc), triton.cdiv(rows, tr)
+
+            def launch(tr=tr, tc=tc, w=w, iters=iters, had=had, n_tc=n_tc, n_tr=n_tr):
+                tensor_amax_kernel[(triton.cdiv(n_tc * n_tr, iters),)](
+                    x, amax, signs, rows, cols, 0, *x.stride(), n_tc, n_tr, n_tc * n_tr,
+                    ITERS=iters, TILE_R=tr, TILE_C=tc, NATIVE_CAST=not INTERPRET, HADAMARD=had,
+                    num_warps=w)
+
+            def timed(launch=launch, had=had):
+                amax.zero_()
+                launch()
+                same = amax.item() == want[had]
+                ms = gpu_ms(launch, device)
+                return {"ms": ms, "same": same,
+                        "vs_copy": x.numel() * 2 / ms / 1e6 / copy_bw if ms else None}
+            key = f"{tr}x{tc} w{w} it{iters}{' hadamard' if had else ''}{note}"
+            row["configs"][key] = attempt(timed)
+        top = fastest({k: v for k, v in row["configs"].items() if "hadamard" not in k})
+        print(f"{rows}x{cols}: copy {us(copy_ms)}; "
+              + ", ".join(f"{k} {us(v['ms'])}" for k, v in row["configs"].items()
+                          if isinstance(v, dict) and "default" in k)
+              + "; fastest " + top_text(top))
+        bad = [k for k, v in row["configs"].items() if not (isinstance(v, dict) and v["same"])]
+        print(f"    {len(row['configs']) - len(bad)}/{len(row['configs'])} configs give torch's "
+              "amax" + (f"; not: {', '.join(bad)}" if bad else ""))
+        out[f"{rows}x{cols}"] = row
+    return out
+
+
+# ---- fold ------------------------------------------------------------------------------------
+
+def sweep_fold(args, device: str) -> dict:
+    """The one-chunk fold's passes (x and x^T from the same two passes, 32x32 rceil tiles; dY
+    stochastically rounded) on stable-fp4-fp8's 1B operands: GPU time per pass-1 and pass-2
+    tile, each with the other pass at the default (fold_configs), whether every output equals
+    the default's bit for bit, and the two best together; chose fold_configs."""
+    import torch
+
+    from lowbit.formats.spec import QuantSpec
+    from lowbit.kernels.fp8_fold import fold_configs, quantize_fold_mxfp4_with_transpose
+    from lowbit.kernels.quantize import TileConfig
+
+    dev = torch.device(device)
+    pass1 = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32, 256, 4), (32, 256, 8),
+             (64, 256, 8), (128, 128, 8), (128, 256, 8), (128, 256, 16), (64, 512, 8)]
+    pass2 = [(32, 128, 4), (32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4),
+             (64, 128, 8), (32, 256, 8), (64, 256, 8), (128, 64, 4), (128, 64, 8),
+             (128, 128, 8), (128, 128, 16)]
+    operands = [("X", 8192, 2048, False), ("X", 8192, 5504, False), ("W", 5504, 2048, False),
+                ("W", 2048, 5504, False), ("dY", 8192, 2048, True), ("dY", 8192, 5504, True)]
+    if args.smoke:
+        pass1, pass2 = [(32, 128, 4), (32, 64, 4)], [(32, 64, 4), (64, 64, 4)]
+        operands = [("X", 96, 96, False), ("dY", 64, 128, True)]
+    wanted = [t.strip() for t in args.operands.split(",") if t.strip()]
+    if not wanted or set(wanted) - {"X", "W", "dY"}:
+        raise ValueError(f"--operands takes X, W and dY; got {args.operands!r}")
+    seed = torch.tensor([1234], dtype=torch.int64, device=dev)   # made before any graph capture
+    out = {}
+    for name, rows, k, sr in operands:
+        if name not in wanted:
+            continue
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        spec = QuantSpec.make("mxfp4", (32, 32), "rceil", "stochastic" if sr else "rne")
+        copy_ms, copy_bw = copy_bandwidth(x, device)
+        over = torch.zeros(1, dtype=torch.int64, device=dev)
+
+        def fold(configs):
+            return quantize_fold_mxfp4_with_transpose(x, spec, seed, counter=over,
+                                                      path="one_chunk", configs=configs)
+
+        def bits(configs):
+            return [t for op in fold(configs) for t in (op.fp8.view(torch.uint8), op.factors,
+                                                        op.nan_rows)]
+
+        default = fold_configs(rows, k, spec.block)
+        ref = bits(default)
+
+        def timed(configs):
+            same = all(torch.equal(a, b) for a, b in zip(bits(configs), ref))
+            return {"ms": gpu_ms(lambda: fold(configs), device), "same": same}
+
+        row = {"copy_ms": copy_ms, "copy_GBs": copy_bw,
+               "default": {"configs": [list(c) for c in default], **timed(default)}}
+        best = {}
+        for which, grid in ((1, pass1), (2, pass2)):
+            for cfg in (TileConfig(*c) for c in grid):
+                configs = (cfg, default[1]) if which == 1 else (default[0], cfg)
+                key = f"pass{which} {cfg[0]}x{cfg[1]} w{cfg[2]}"
+                row[key] = attempt(lambda: timed(configs))
+                ms = row[key]["ms"] if isinstance(row[key], dict) and row[key]["same"] else None
+                if which not in best or (ms is not None and (best[which][0] is None
+                                                              or ms < best[which][0])):
+                    best[which] = (ms, key, cfg)
+        both = (best[1][2], best[2][2])
+        row["best"] = {"configs": [list(c) for c in both], **timed(both)}
+        moved = 2 * x.numel() + 4 * x.numel()   # pass 1 reads x; pass 2 reads x, writes 2 bytes
+        same = all(isinstance(v, dict) and v["same"] for key, v in row.items()
+                   if key.startswith("pass") or key == "best")
+        print(f"{name} {rows}x{k} {'SR' if sr else 'RNE'}: copy {us(copy_ms)}; default "
+              f"{[tuple(c) for c in default]} {us(row['default']['ms'])}; best pass 1 "
+              f"{best[1][1]}, pass 2 {best[2][1]}: both {us(row['best']['ms'])}; every config "
+              f"equal to the default: {same}"
+              + (f"; both passes at copy speed {moved / copy_bw / 1e3:.1f} us" if copy_bw else ""))
+        out[f"{name} {rows}x{k}"] = row
+    return out
+
+
+# ---- nvfp4 -----------------------------------------------------------------------------------
+
+def sweep_nvfp4(args, device: str) -> dict:
+    """nvfp4's fake quantization (1x16 two-level) of a 1B step's operands: X and dY along
+    features (dY stochastic), and the wgrad operands X^T and dY^T, transposed views rotated by
+    the fused random Hadamard transform: GPU time per quantize-kernel tile against a copy, and
+    whether the values equal the default tile's; for the rotated ones also the row-group
+    kernel's configs (lowbit.kernels.hadamard, the same values) and, with --amax, the tensor-amax
+    pass's. Chose quantize.py's and hadamard.py's nvfp4 configs."""
+    import torch
+    import triton
+
+    from lowbit.formats.hadamard import random_hadamard
+    from lowbit.formats.spec import QuantSpec
+    from lowbit.kernels import run_quantize_kernel, seed_tensor
+    from lowbit.kernels import quantize as kq
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows
+
+    dev = torch.device(device)
+    configs = [(32, 128, 4), (16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4),
+               (16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 64, 8), (8, 512, 4), (16, 512, 8)]
+    rht_rows = [(g, f, w) for g in (1, 2, 4) for f in (128, 256, 512) for w in (4, 8)]
+    amax_grid = [(tr, tc, w, it) for tr, tc in [(16, 128), (32, 128), (64, 128), (32, 256),
+                                                (64, 64), (128, 64), (16, 256)]
+                 for w in (4, 8) for it in (1, 2, 4)]
+    operands = [("X", 8192, 2048, False, False), ("X", 8192, 5504, False, False),
+                ("dY", 8192, 2048, True, False), ("dY", 8192, 5504, True, False),
+                ("X^T rht", 8192, 2048, False, True), ("X^T rht", 8192, 5504, False, True),
+                ("dY^T rht", 8192, 2048, True, True), ("dY^T rht", 8192, 5504, True, True)]
+    if args.smoke:
+        configs, rht_rows, amax_grid = configs[:2], [(1, 32, 4), (2, 64, 4)], amax_grid[:2]
+        operands = [("dY", 32, 64, True, False), ("dY^T rht", 32, 64, True, True)]
+    signs = (torch.randint(0, 2, (16,), device=dev) * 2 - 1).float()
+    seed = seed_tensor(1234, None, dev)
+    out = {}
+    for name, rows, feats, sr, rotated in operands:
+        if args.rotated and not rotated:
+            continue
+        spec = QuantSpec.make("nvfp4", (1, 16), None, "stochastic" if sr else "rne")
+        base = torch.randn(rows, feats, device=dev, dtype=torch.bfloat16)
+        x = base.mT if rotated else base                 # the wgrad operand: (features, tokens)
+        had = signs if rotated else None
+        copy_ms, _ = copy_bandwidth(base, device)
+
+        def run(cfg):
+            return run_quantize_kernel(x, spec, seed if sr else None, None, codes=False,
+                                       values=True, transpose=False, config=cfg, hadamard=had)[0]
+
+        default = kq.default_config(x.shape[0], x.shape[1], spec.block)
+        ref = run(default).view(torch.int16)
+        row = {"copy_ms": copy_ms, "configs": {}}
+        for cfg in [tuple(default)] + [c for c in configs if c != tuple(default)]:
+            cfg = kq.TileConfig(*cfg)
+            row["configs"][str(tuple(cfg))] = attempt(lambda: {
+                "same": torch.equal(run(cfg).view(torch.int16), ref),
+                "ms": gpu_ms(lambda: run(cfg), device), "default": cfg == default})
+        summary = [f"{name} {rows}x{feats}{' SR' if sr else ''}: copy {us(copy_ms)}; default "
+                   f"{tuple(default)} {us(row['configs'][str(tuple(default))]['ms'])}; fastest "
+                   + top_text(fastest(row["configs"]))]
+        equal = sum(1 for v in row["configs"].values() if isinstance(v, dict) and v["same"])
+        summary.append(f"    {equal}/{len(row['configs'])} tiles give the default tile's values")
+        if rotated:   # the row-group kernel on the untransposed tensor: the same values
+            want = ref.mT.contiguous()
+            row["rht_rows"] = {str(cfg): attempt(lambda cfg=cfg: {
+                "same": torch.equal(fake_quantize_rht_rows(
+                    base, spec, signs, seed if sr else None, config=cfg).view(torch.int16), want),
+                "ms": gpu_ms(lambda: fake_quantize_rht_rows(base, spec, signs, seed if sr else None,
+                                                            config=cfg), device)})
+                for cfg in rht_rows}
+            equal = sum(1 for v in row["rht_rows"].values() if isinstance(v, dict) and v["same"])
+            summary.append("    row-group kernel (G, TILE_F, warps): fastest "
+                           + top_text(fastest(row["rht_rows"]))
+                           + f"; {equal}/{len(row['rht_rows'])} configs equal the transposed-view "
+                           "kernel")
+        if rotated and args.amax:   # the tensor-amax pass alone, over the rotated groups
+            x3 = x.reshape(1, -1, x.shape[-1])
+            r_, c_ = x3.shape[1], x3.shape[2]
+            want_amax = random_hadamard(x, signs).float().abs().max().view(torch.int32).item()
+            amax = torch.zeros(1, device=dev, dtype=torch.int32)
+            timings = {}
+            for tr, tc, w, it in amax_grid:
+                n_tc, n_tr = triton.cdiv(c_, tc), triton.cdiv(r_, tr)
+
+                def launch(tr=tr, tc=tc, w=w, it=it, n_tc=n_tc, n_tr=n_tr):
+                    kq.tensor_amax_kernel[(triton.cdiv(n_tc * n_tr, it),)](
+                        x3, amax, signs, r_, c_, *x3.stride(), n_tc, n_tr, n_tc * n_tr, ITERS=it,
+                        TILE_R=tr, TILE_C=tc, NATIVE_CAST=not kq.INTERPRET, HADAMARD=True,
+                        num_warps=w)
+
+                def timed(launch=launch):
+                    amax.zero_()
+                    launch()
+                    return {"same": amax.item() == want_amax, "ms": gpu_ms(launch, device)}
+                timings[f"{tr}x{tc} w{w} it{it}"] = attempt(timed)
+            row["amax"] = timings
+            cfg_r, cfg_c, cfg_w, cfg_it = kq.amax_config(r_, c_, 1, default, True, kq.sm_count(dev))
+            equal = sum(1 for v in timings.values() if isinstance(v, dict) and v["same"])
+            summary.append(f"    rotated amax: default {cfg_r}x{cfg_c} w{cfg_w} it{cfg_it}; "
+                           "fastest " + top_text(fastest(timings))
+                           + f"; {equal}/{len(timings)} configs give the rotation's amax")
+        print("\n".join(summary))
+        out[f"{name} {rows}x{feats}"] = row
+    return out
+
+
+# ---- fp8-gemm --------------------------------------------------------------------------------
+
+def sweep_fp8_gemm(args, device: str) -> dict:
+    """stable-fp4-fp8's 1B GEMMs (o, gate/up, down; fprop, dgrad, wgrad) through
+    torch._scaled_mm on random E4M3 operands with power-of-two row factors over 2^+-4: row-wise
+    factors (what lowbit runs) against one scale per tensor, each with and without
+    use_fast_accum, and bf16 torch.mm, in GPU time; and the error of the row-wise GEMM with
+    bf16 output (with and without fast accumulation) and of bf16 mm against an fp64 GEMM of
+    the same values."""
+    import torch
+
+    dev = torch.device(device)
+    d, f, t = 2048, 5504, 8192          # model dim, MLP hidden, tokens (batch 4 x 2048)
+    gemms = [("o fprop", t, d, d), ("o dgrad", t, d, d), ("o wgrad", d, d, t),
+             ("gate/up fprop", t, f, d), ("gate/up dgrad", t, d, f), ("gate/up wgrad", f, d, t),
+             ("down fprop", t, d, f), ("down dgrad", t, f, d), ("down wgrad", d, f, t)]
+    if args.smoke:
+        gemms = [("smoke", 64, 96, 128)]
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def operand(rows, k):
+        codes = torch.randint(0, 256, (rows, k), device=dev, dtype=torch.uint8, generator=g)
+        codes[(codes & 0x7F) == 0x7F] = 0x38          # no NaN codes
+        factors = torch.exp2(torch.randint(-4, 5, (rows,), device=dev, generator=g).float())
+        return codes.view(torch.float8_e4m3fn), factors
+
+    def rel_err(c, ref):
+        return ((c.double() - ref).norm() / ref.norm()).item()
+
+    results = {}
+    one = torch.ones((), device=dev)
+    for name, m, n, k in gemms:
+        a8, sa = operand(m, k)
+        b8, sb = operand(n, k)
+        a16 = (a8.float() * sa[:, None]).bfloat16()
+        b16 = (b8.float() * sb[:, None]).bfloat16()
+        sa2, sb2 = sa[:, None].contiguous(), sb[None, :].contiguous()
+
+        def scaled(scale_a, scale_b, fast):
+            return lambda: torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b,
+                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+        fns = {"bf16_mm": lambda: torch.mm(a16, b16.t()),
+               "rowwise": scaled(sa2, sb2, False), "rowwise_fast": scaled(sa2, sb2, True),
+               "tensorwise": scaled(one, one, False), "tensorwise_fast": scaled(one, one, True)}
+        row = {"M": m, "N": n, "K": k}
+        for key, fn in fns.items():
+            row[f"{key}_ms"] = gpu_ms(fn, device)
+        ref = (a8.double() * sa[:, None].double()) @ (b8.double() * sb[:, None].double()).t()
+        for key in ("rowwise", "rowwise_fast", "bf16_mm"):
+            row[f"err_{key}"] = rel_err(fns[key](), ref)
+        base = row["bf16_mm_ms"]
+        print(f"{name:14} {m:5} {n:5} {k:5}: bf16 mm {us(base)}; row-wise {us(row['rowwise_ms'])}, "
+              f"fast {us(row['rowwise_fast_ms'])}; tensor-wise {us(row['tensorwise_ms'])}, fast "
+              f"{us(row['tensorwise_fast_ms'])}; rel. error (bf16 out): row-wise "
+              f"{row['err_rowwise']:.2e}, fast {row['err_rowwise_fast']:.2e}, bf16 mm "
+              f"{row['err_bf16_mm']:.2e}")
+        results[name] = row
+    if device == "cuda":
+        total = {key: sum(r[f"{key}_ms"] or 0 for r in results.values()) * 1e3 for key in
+                 ("bf16_mm", "rowwise", "rowwise_fast", "tensorwise", "tensorwise_fast")}
+        print("sum over the GEMMs (us): " + ", ".join(f"{k} {v:.0f}" for k, v in total.items()))
+    return results
+
+
+# ---- host-overhead ---------------------------------------------------------------------------
+
+def host_overhead(args, device: str) -> dict:
+    """Microseconds per forward + backward of one quantized linear (32 x 64 x 64), per recipe:
+    the host-side cost that lowbit's own Python adds (dispatch, argument handling, allocation,
+    autograd), on any machine. CPU tensors take the kernels' path (lowbit.dispatch.use_kernels
+    answers as for a CUDA tensor) with every Triton launch a no-op (the launch arguments are
+    still built; Triton's own launcher cost is not counted), and the FP8 GEMM takes its CUDA
+    path with torch._scaled_mm a no-op too (an empty output); FP8 folds run inside a deferred
+    fold check, as in lowbit.train's step. One intra-op thread: the tensors are tiny, and a
+    thread pool's wake-ups would be timed instead. The stubs hold for the measurement only.
+    The best of 5 repeats (2 with --smoke, which checks the harness); --profile RECIPE prints
+    that recipe's cProfile. The outputs are not computed, so they mean nothing: only the time
+    does."""
+    import cProfile
+    import contextlib
+    import functools
+    import pstats
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import lowbit.dispatch as dispatch
+    import lowbit.ops.gemms as gemms
+    from lowbit import kernels
+    from lowbit.dispatch.fold_check import deferred_fold_check
+    from lowbit.ops import quant_linear
+    from lowbit.recipes import get_recipe, recipe_names
+
+    recipes = ["bf16", "stable-fp4", "stable-fp4-fp8", "nvfp4", "mxfp4"]
+    if args.profile is not None and args.profile not in recipe_names():
+        raise ValueError(f"--profile: unknown recipe {args.profile!r}; choose from "
+                         f"{', '.join(recipe_names())}")
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    warmup, repeats, calls = (3, 2, 5) if args.smoke else (100, 5, 300)
+
+    @contextlib.contextmanager
+    def stubbed():
+        saved = (InterpretedFunction.__getitem__, dispatch.use_kernels, gemms.fp4_gemm_fp8,
+                 torch._scaled_mm, torch.get_num_threads())
+        InterpretedFunction.__getitem__ = lambda fn, grid: (lambda *a, **k: None)
+        dispatch.use_kernels = lambda t, spec, codes=True: kernels.supports(spec, codes)
+        gemms.fp4_gemm_fp8 = functools.partial(saved[2], backend="scaled_mm")
+        torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1],
+                                                          dtype=kw["out_dtype"])
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            (InterpretedFunction.__getitem__, dispatch.use_kernels, gemms.fp4_gemm_fp8,
+             torch._scaled_mm) = saved[:4]
+            torch.set_num_threads(saved[4])
+
+    def step(r):
+        with deferred_fold_check(x.device):   # as lowbit.train's step: FP8 folds without syncs
+            quant_linear(x, w, None, r).sum().backward()
+
+    results = {}
+    with stubbed():
+        for name in recipes:
+            r = get_recipe(name).linear
+            for _ in range(warmup):
+                step(r)
+            best = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    step(r)
+                best.append((time.perf_counter() - t) / calls * 1e6)
+            results[name] = min(best)
+            print(f"{name} {min(best):.0f} us per linear fwd+bwd")
+        if args.profile is not None:
+            r = get_recipe(args.profile).linear
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [step(r) for _ in range(calls)])
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    return results
+
+
+# ---- compile-sm90 ----------------------------------------------------------------------------
+
+def compile_sm90() -> dict:
+    """Compile, for sm_90, every Triton kernel variant lowbit's entry points launch (the
+    recipes' MXFP4 1D/2D floor/rceil RNE/SR with transposes, whole-tile and ragged shapes,
+    float32 / bfloat16 / float16 inputs; MXFP8; NVFP4 1D/2D one- and two-level with the fused
+    Hadamard transform and the row-group kernel; intK; both paths of the fold and its pass 1):
+    the entry points run on small CPU tensors with every `kernel[grid](...)` launch intercepted
+    and recorded (NATIVE_CAST=True: the GPU's casts) instead of run, then each distinct variant
+    is compiled, in parallel over the CPU's cores (Triton caches what it compiled, so a second
+    run is quick). Outputs stay uninitialised, so what a caller does after a launch (a
+    readback, a fallback) may fail in any way; only compile errors count."""
+    import concurrent.futures
+    import multiprocessing
+
+    os.environ.pop("TRITON_INTERPRET", None)   # the kernels must be JITFunctions, not interpreted
+    if "lowbit.kernels.quantize" in sys.modules:
+        from lowbit.kernels.quantize import INTERPRET
+        if INTERPRET:
+            raise ValueError("tune.py compile-sm90 needs the kernels compiled, not interpreted: "
+                             "run it in a process without TRITON_INTERPRET=1")
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
+             torch.int64: "i64", torch.bool: "i1"}
+    variants: dict[tuple, tuple] = {}   # key -> (module, kernel, signature, constants, options)
+
+    def record(fn: JITFunction, args: tuple, kwargs: dict) -> None:
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip(fn.arg_names, args), **kwargs)
+        signature, constants = {}, {}
+        for p in fn.params:
+            value = bound[p.name] if p.name in bound else p.default
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+                constants[p.name] = True if p.name == "NATIVE_CAST" else value
+            elif isinstance(value, torch.Tensor):
+                signature[p.name] = "*" + types[value.dtype]
+            elif isinstance(value, bool):
+                signature[p.name] = "i1"
+            elif isinstance(value, int) and value == 1 and not p.do_not_specialize:
+                signature[p.name] = "constexpr"    # as Triton specializes it (a unit stride)
+                constants[p.name] = 1
+            elif isinstance(value, int):
+                signature[p.name] = "i64" if abs(value) >= 2**31 else "i32"
+            elif isinstance(value, float):
+                signature[p.name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: cannot type argument {p.name}={value!r}")
+        key = (fn.__name__, tuple(sorted(signature.items())),
+               tuple(sorted((k, repr(v)) for k, v in constants.items())),
+               tuple(sorted(options.items())))
+        variants.setdefault(key, (fn.fn.__module__, fn.__name__, signature, constants, options))
+
+    original = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda fn, grid: (lambda *a, **k: record(fn, a, k))
+    t0 = time.time()
+    try:
+        _exercise_kernels()
+    finally:
+        JITFunction.__getitem__ = original
+    failed = []
+    spawn = multiprocessing.get_context("spawn")   # the workers import the kernels afresh
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1, mp_context=spawn) as pool:
+        for variant, error in zip(variants.values(), pool.map(_compile_variant, variants.values())):
+            if error is not None:
+                module, name, _, constants, _ = variant
+                label = f"{name} " + " ".join(f"{k}={v}" for k, v in sorted(constants.items()))
+                failed.append({"variant": label, "error": error})
+                print(f"FAIL {label}\n{error}", flush=True)
+    names = sorted({key[0] for key in variants})
+    print(f"{len(variants)} kernel variants for sm_90 ({', '.join(names)}), {len(failed)} failed, "
+          f"{time.time() - t0:.0f}s")
+    return {"variants": len(variants), "kernels": names, "failed": failed}
+
+
+def _compile_variant(variant: tuple) -> str | None:
+    """Compile one recorded launch for sm_90 (in a worker process); its error, or None."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name, signature, constants, options = variant
+    fn = getattr(importlib.import_module(module), name)
+    try:
+        triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    except Exception as e:  # noqa: BLE001 -- every variant is tried and reported
+        return "".join(traceback.format_exception_only(e))[-1500:]
+    return None
+
+
+def _exercise_kernels() -> None:
+    """Call the library's kernel entry points on CPU tensors (each launch compiled, not run)."""
+    import torch
+
+    from lowbit.formats import QuantSpec
+    from lowbit.kernels import (fake_quantize_triton, fake_quantize_triton_with_transpose,
+                                quantize_triton, quantize_triton_with_transpose,
+                                stochastic_uniforms, supports)
+    from lowbit.kernels import quantize as kq
+    from lowbit.kernels.fp8_fold import (fold_pass_one, quantize_fold_mxfp4,
+                                         quantize_fold_mxfp4_with_transpose)
+    from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
+
+    kq.INTERPRET = True   # lets the entry points take CPU tensors; the casts are set above
+
+    def attempt_launch(fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 -- after a compiled launch, anything may fail
+            pass
+
+    shapes = [(64, 256), (67, 200)]       # whole tiles (unmasked path) and ragged
+    specs = [("mxfp4", (1, 32), "floor", "rne"), ("mxfp4", (32, 32), "rceil", "rne"),
+             ("mxfp4", (32, 32), "rceil", "stochastic"), ("mxfp4", (1, 32), "rceil", "stochastic"),
+             ("mxfp8_e4m3", (32, 32), "rceil", "rne"),
+             ("mxfp8_e4m3", (1, 32), "floor", "stochastic"),
+             ("nvfp4", (1, 16), None, "rne"), ("nvfp4", (16, 16), None, "rne"),
+             ("nvfp4", (1, 16), None, "stochastic"), ("int4", (1, 32), None, "rne"),
+             ("int8", (16, 16), None, "stochastic")]
+    for fmt, block, rule, rounding in specs:
+        spec = QuantSpec.make(fmt, block, rule, rounding)
+        seed = 7 if rounding == "stochastic" else None
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            for shape in shapes:
+                x = torch.randn(*shape, dtype=dtype)
+                if supports(spec, codes=True):
+                    attempt_launch(quantize_triton, x, spec, seed=seed)
+                    if spec.is_2d:
+                        attempt_launch(quantize_triton_with_transpose, x, spec, seed=seed)
+                attempt_launch(fake_quantize_triton, x, spec, seed=seed)
+                if not spec.is_2d and shape[1] % 16 == 0:          # nvfp4's wgrad operands
+                    attempt_launch(fake_quantize_triton, x.t().contiguous().t(), spec, seed=seed,
+                                   hadamard=torch.ones(16))
+                if rht_rows_supported(x, spec):                     # ... along rows
+                    attempt_launch(fake_quantize_rht_rows, x, spec, torch.ones(16), seed=seed)
+                if spec.is_2d:
+                    attempt_launch(fake_quantize_triton_with_transpose, x, spec, seed=seed)
+                if fmt == "mxfp4":
+                    counter = torch.zeros(1, dtype=torch.int64)
+                    for path in ("one_chunk", "planned"):
+                        attempt_launch(quantize_fold_mxfp4, x, spec, seed=seed, counter=counter,
+                                       path=path)
+                        if spec.is_2d:
+                            attempt_launch(quantize_fold_mxfp4, x, spec, transpose=True,
+                                           seed=seed, counter=counter, path=path)
+                            attempt_launch(quantize_fold_mxfp4_with_transpose, x, spec, seed=seed,
+                                           counter=counter, path=path)
+                    attempt_launch(fold_pass_one, x, spec, transpose=spec.is_2d)
+    attempt_launch(stochastic_uniforms, (64, 256), 3, device="cpu")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
