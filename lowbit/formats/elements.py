@@ -99,16 +99,14 @@ def _grid_steps(mag: torch.Tensor, fmt: ElementFormat) -> tuple[torch.Tensor, to
     """(spacing, 1 / spacing) of fmt's grid around each float32 magnitude in [0, max_value]:
     spacing = 2^(max(floor(log2 mag), emin) - mbits), both exact powers of two.
 
-    On the bits: a normal float32's exponent field minus 127 is floor(log2 mag) exactly (no
-    log2 rounding); zeros and subnormals give -127, below every format's emin, so the clamp
+    On the bits: a normal float32's exponent field is floor(log2 mag) + 127 exactly (no log2
+    rounding); zeros and subnormals give 0, below every format's emin + 127, so the clamp
     takes them to emin as it should; NaN's field (255) gives a finite power of two, and NaN
-    stays NaN through the ratio. The powers of two are built on their bits too: every
-    exponent here is a normal float32 one."""
-    floor_log2 = (mag.view(torch.int32) >> 23) - 127
-    exponent = torch.clamp(floor_log2, min=fmt.emin) - fmt.mbits
-    spacing = ((exponent + 127) << 23).view(torch.float32)
-    inverse = ((127 - exponent) << 23).view(torch.float32)
-    return spacing, inverse
+    stays NaN through the ratio. Every exponent here is a normal float32 one, so the powers of
+    two are built on their bits too, and 1 / 2^e is 2^-e: bits (254 << 23) - bits(2^e)."""
+    biased = torch.clamp(mag.view(torch.int32) >> 23, min=fmt.emin + 127) - fmt.mbits
+    spacing_bits = biased << 23
+    return spacing_bits.view(torch.float32), ((254 << 23) - spacing_bits).view(torch.float32)
 
 
 def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
@@ -119,29 +117,33 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     rounding="stochastic": up with probability (|x| - lower) / (upper - lower); `noise` holds
     the uniform draws u in [0, 1), one per element. NaN stays NaN. Inf saturates here; the
     block-scaling layer is what keeps Inf from becoming finite silently.
+
+    Signs: -0.0 inputs and negative values that round to 0 keep their sign (FP4 code 0b1000),
+    as torchao and the hardware converts do. Round-to-nearest works on the signed value (its
+    ties to even are symmetric, and x * 2^k keeps the sign of zero); stochastic rounding on
+    the magnitude, the sign copied back. The grid's largest value is on the grid, so a
+    magnitude clamped to it never rounds past it.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"round_to_grid takes float32, got {x.dtype}")
     if not fmt.has_zero:  # binary: the sign, with 0 going to +1 (NaN stays NaN)
         return torch.where(x < 0, -1.0, torch.where(torch.isnan(x), x, 1.0))
-    mag = torch.clamp(x.abs(), max=fmt.max_value)  # clamp keeps NaN
+    saturated = torch.clamp(x, -fmt.max_value, fmt.max_value)  # clamp keeps NaN
     if fmt.is_float:
-        spacing, inverse = _grid_steps(mag, fmt)
-        ratio = mag * inverse  # exact: a power of two, and ratio <= 2^(mbits + 1)
+        spacing, inverse = _grid_steps(saturated.abs(), fmt)
     else:
-        spacing, ratio = 1.0, mag
+        spacing = inverse = None                                # spacing 1 everywhere
     if rounding == "rne":
+        ratio = saturated if inverse is None else saturated * inverse  # exact: a power of two
         steps = torch.round(ratio)
-    elif rounding == "stochastic":
-        if noise is None:
-            raise ValueError("stochastic rounding needs `noise` (uniform draws in [0, 1))")
-        steps = torch.floor(ratio + noise)
-    else:
+        return steps if spacing is None else steps * spacing
+    if rounding != "stochastic":
         raise ValueError(f"unknown rounding {rounding!r}: use 'rne' or 'stochastic'")
-    out = torch.clamp(steps * spacing, max=fmt.max_value)
-    # copysign keeps the sign of -0.0 inputs and of negative values that round to 0
-    # (FP4 code 0b1000), as torchao and the hardware converts do.
-    return torch.copysign(out, x)
+    if noise is None:
+        raise ValueError("stochastic rounding needs `noise` (uniform draws in [0, 1))")
+    mag = saturated.abs()
+    steps = torch.floor((mag if inverse is None else mag * inverse) + noise)
+    return torch.copysign(steps if spacing is None else steps * spacing, x)
 
 
 _E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)

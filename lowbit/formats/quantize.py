@@ -144,7 +144,7 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
         huge = torch.isinf(recip)[..., :, None, :, None]
         if huge.any():
             data = torch.where(huge, blocks / scales[..., :, None, :, None], data)
-    data = torch.clamp(data, -element.max_value, element.max_value)  # clamp keeps NaN
+    # (round_to_grid saturates at the element's largest value; NaN stays NaN)
     noise = None
     if spec.rounding is Rounding.STOCHASTIC:
         noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
