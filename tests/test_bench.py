@@ -10,6 +10,8 @@ import torch
 from lowbit.bench import bench_train, format_rows
 from lowbit.cli import main
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_bench_train_rows_and_table():
     rows = bench_train("tiny", ["bf16", "stable-fp4"], seq_len=32, batch_size=2, steps=2, warmup=1,
@@ -310,6 +312,9 @@ def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compil
     x = torch.randn(64, 96, generator=g)
     w_a, w_b = torch.randn(40, 96, generator=g), torch.randn(40, 96, generator=g)
     dy_a, dy_b = _spread_tokens(64, 40, 1), torch.randn(64, 40, generator=g)
+    expected = _values_outside_window(dy_a, dy_spec)
+    # on a GPU the kernels run there; on the CPU under the interpreter
+    x, w_a, w_b, dy_a, dy_b = (t.to(DEVICE) for t in (x, w_a, w_b, dy_a, dy_b))
     linear = compiled_quant_linear if compiled else quant_linear
     counts = FoldCounts()
     a, b = w_a.clone().requires_grad_(), w_b.clone().requires_grad_()
@@ -320,7 +325,6 @@ def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compil
         worker.start()
         worker.join()
     seen = counts.read()
-    expected = _values_outside_window(dy_a, dy_spec)
     assert expected > 0
     assert seen == {(layer, operand): expected if (layer, operand) == ("a", "dY") else 0
                     for layer in "ab" for operand in ("X", "W", "dY")}
@@ -364,7 +368,7 @@ def test_bench_folds_credits_a_layers_wide_gradient_to_it(monkeypatch, corpus_en
     build_model, apply_recipe = build.build_model, build.apply_recipe
     monkeypatch.setattr(build, "build_model", lambda config, vocab_size=None: build_model(
         dataclasses.replace(config, n_layers=1), vocab_size))
-    scale = torch.tensor([2.0**-40, 1.0])[:, None, None]
+    scale = torch.tensor([2.0**-40, 1.0], device=DEVICE)[:, None, None]
 
     def scale_dy(module, inputs, y):
         y.register_hook(lambda grad: grad * scale)
@@ -375,7 +379,7 @@ def test_bench_folds_credits_a_layers_wide_gradient_to_it(monkeypatch, corpus_en
         return report
 
     monkeypatch.setattr(build, "apply_recipe", applying)
-    [step] = count_inexact_folds("tiny", 32, 2, 1, "cpu", progress=lambda message: None)
+    [step] = count_inexact_folds("tiny", 32, 2, 1, DEVICE, progress=lambda message: None)
     wide = "model.layers.0.self_attn.o_proj dY"
     assert step["rounded"] > 0 and step["redone"]
     assert step["by_operand"][wide] == step["rounded"]

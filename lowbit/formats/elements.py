@@ -122,7 +122,7 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     as torchao and the hardware converts do. Round-to-nearest works on the signed value (its
     ties to even are symmetric, and x * 2^k keeps the sign of zero); stochastic rounding on
     the magnitude, the sign copied back. The grid's largest value is on the grid, so a
-    magnitude clamped to it never rounds past it.
+    magnitude clamped to it never rounds to nearest past it.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"round_to_grid takes float32, got {x.dtype}")
@@ -142,8 +142,11 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     if noise is None:
         raise ValueError("stochastic rounding needs `noise` (uniform draws in [0, 1))")
     mag = saturated.abs()
+    # the float32 sum ratio + u can round up to the next integer (u = 1 - 2^-24 at an on-grid
+    # value): one step past the largest value, which saturates
     steps = torch.floor((mag if inverse is None else mag * inverse) + noise)
-    return torch.copysign(steps if spacing is None else steps * spacing, x)
+    out = torch.clamp(steps if spacing is None else steps * spacing, max=fmt.max_value)
+    return torch.copysign(out, x)
 
 
 _E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)

@@ -29,9 +29,9 @@ threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-The ops take the recipe as a string (`op_key(recipe)`, a name drawn from its fields; a custom
-op takes no Python objects) and look it up in this module's registry (`recipe_for_op_key`).
-Under torch.compile `op_key` runs at trace time and its result is a constant of the graph.
+The ops take the recipe as a string (`op_key(recipe)`: the recipe serialized; a custom op takes
+no Python objects) and rebuild it from that (`recipe_for_op_key`, cached). Under torch.compile
+the string is an attribute of the recipe, which the graph holds as a constant.
 
 Compiled alone, a quantized step is host-bound on these ops' Python; captured with
 `lowbit train --cuda-graph` as well, none of that host work is left (docs/results/training-speed.md).
@@ -39,7 +39,7 @@ Compiled alone, a quantized step is host-bound on these ops' Python; captured wi
 
 from __future__ import annotations
 
-import hashlib
+import functools
 
 import torch
 
@@ -55,22 +55,19 @@ __all__ = ["quant_linear_compiled", "op_key", "recipe_for_op_key"]
 _FORWARD_CHECKS: dict = {}                 # device -> the deferred fold check of the last forward
 _FORWARD_WATCHES: dict = {}                # device -> the chunk watch of the last forward
 _FORWARD_OBSERVERS: dict = {}              # device -> the fold observer of the last forward
-_BY_OP_KEY: dict[str, LinearRecipe] = {}   # op_key -> the recipe it names
 
 
-@torch.compiler.assume_constant_result
 def op_key(r: LinearRecipe) -> str:
-    """The name the custom ops know `r` by: drawn from its fields, so equal recipes share it in
-    every process (it may sit in torch.compile's on-disk caches), whichever thread or order
-    makes them. Registers r under it."""
-    key = "recipe-" + hashlib.sha1(repr(r).encode()).hexdigest()[:16]
-    _BY_OP_KEY.setdefault(key, r)
-    return key
+    """The string the custom ops know `r` by: the recipe itself, serialized (LinearRecipe.key),
+    so equal recipes share it in every process (it may sit in torch.compile's on-disk caches)
+    and no registry is needed to read it back."""
+    return r.key
 
 
+@functools.lru_cache(maxsize=None)
 def recipe_for_op_key(key: str) -> LinearRecipe:
     """The LinearRecipe whose op_key is `key` (the custom ops take the key)."""
-    return _BY_OP_KEY[key]
+    return LinearRecipe.from_key(key)
 
 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -14,6 +14,7 @@ what it is, the paper it comes from, and the results file with this project's ev
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -36,6 +37,7 @@ class Gemm(str, Enum):
 
 
 GEMMS = ("fprop", "dgrad", "wgrad")
+OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 
 
 def _foldable(spec: QuantSpec | None) -> bool:
@@ -67,6 +69,10 @@ class LinearRecipe:
     # promoting partial sums to float32; faster, with more accumulation error (measured in
     # docs/results/kernels.md). Transformer Engine's FP8 recipes do this in fprop only.
     fast_accum: tuple[str, ...] = ()
+    # The recipe as one string, from which from_key() rebuilds it: what torch.library custom
+    # ops (lowbit.ops.compiled), which take no Python objects, are given. A plain attribute,
+    # so torch.compile reads it as a constant of the graph.
+    key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gemm", parse_enum(Gemm, self.gemm, "gemm"))
@@ -81,8 +87,7 @@ class LinearRecipe:
                              "gemm='fp8'; the emulated GEMMs accumulate in float32")
         object.__setattr__(self, "fast_accum", tuple(g for g in GEMMS if g in fast))
         if self.gemm is Gemm.FP8:
-            names = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
-            bad = [n for n in names if not _foldable(getattr(self, n))]
+            bad = [n for n in OPERANDS if not _foldable(getattr(self, n))]
             if bad or self.wgrad_hadamard:
                 raise ValueError(
                     "gemm='fp8' multiplies MXFP4 operands exactly on FP8 tensor cores, so every "
@@ -94,6 +99,29 @@ class LinearRecipe:
                 if spec is not None and spec.is_2d:
                     raise ValueError(f"wgrad_hadamard mixes values along tokens, so {name} must "
                                      f"use 1D blocks, not {spec.block}")
+        object.__setattr__(self, "key", json.dumps(self.to_dict(), sort_keys=True,
+                                                   separators=(",", ":")))
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields (specs as QuantSpec.to_dict, None for a high-precision operand)."""
+        out = {name: (None if getattr(self, name) is None else getattr(self, name).to_dict())
+               for name in OPERANDS}
+        out.update(wgrad_hadamard=self.wgrad_hadamard, gemm=self.gemm.value,
+                   fast_accum=list(self.fast_accum))
+        return out
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "LinearRecipe":
+        specs = {name: None if fields.get(name) is None else QuantSpec.from_dict(fields[name])
+                 for name in OPERANDS}
+        return cls(**specs, wgrad_hadamard=fields.get("wgrad_hadamard", False),
+                   gemm=fields.get("gemm", "emulated"),
+                   fast_accum=tuple(fields.get("fast_accum", ())))
+
+    @classmethod
+    def from_key(cls, key: str) -> "LinearRecipe":
+        """The recipe whose `key` this is."""
+        return cls.from_dict(json.loads(key))
 
     def with_gemm(self, gemm: Gemm | str) -> "LinearRecipe":
         """The same operands on other GEMMs (fast_accum kept on FP8 GEMMs, dropped elsewhere)."""
@@ -102,8 +130,7 @@ class LinearRecipe:
 
     @property
     def is_quantized(self) -> bool:
-        return any(getattr(self, n) is not None for n in
-                   ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"))
+        return any(getattr(self, n) is not None for n in OPERANDS)
 
     def describe(self) -> str:
         def one(spec):
