@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(rotated, transposed views)")
             p.add_argument("--amax", action="store_true",
                            help="also sweep the tensor-amax pass on the rotated operands")
+        if name == "compile-sm90":
+            p.add_argument("--limit", type=int, default=None, metavar="N",
+                           help="compile N of the variants, spread over every kernel (a quick "
+                                "check; default: all of them)")
         if name == "host-overhead":
             p.add_argument("--profile", metavar="RECIPE", default=None,
                            help="also print a cProfile of this recipe's layer")
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.sweep == "compile-sm90":
-            results = compile_sm90()
+            results = compile_sm90(args.limit)
             device = "cpu"
         elif args.sweep == "host-overhead":
             device = interpreter(args.sweep)
@@ -548,7 +552,7 @@ def host_overhead(args, device: str) -> dict:
 
 # ---- compile-sm90 ----------------------------------------------------------------------------
 
-def compile_sm90() -> dict:
+def compile_sm90(limit: int | None = None) -> dict:
     """Compile, for sm_90, every Triton kernel variant lowbit's entry points launch (the
     recipes' MXFP4 1D/2D floor/rceil RNE/SR with transposes, whole-tile and ragged shapes,
     float32 / bfloat16 / float16 inputs; MXFP8; NVFP4 1D/2D one- and two-level with the fused
@@ -557,7 +561,11 @@ def compile_sm90() -> dict:
     and recorded (NATIVE_CAST=True: the GPU's casts) instead of run, then each distinct variant
     is compiled, in parallel over the CPU's cores (Triton caches what it compiled, so a second
     run is quick). Outputs stay uninitialised, so what a caller does after a launch (a
-    readback, a fallback) may fail in any way; only compile errors count."""
+    readback, a fallback) may fail in any way; only compile errors count. limit: compile that
+    many of the recorded variants, taken in turn from every kernel and spread over each one's
+    variants (`spread_variants`), instead of all."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be a positive number of variants, got {limit}")
     import concurrent.futures
     import multiprocessing
 
@@ -610,18 +618,44 @@ def compile_sm90() -> dict:
     finally:
         JITFunction.__getitem__ = original
     failed = []
+    chosen = spread_variants(variants, limit)
     spawn = multiprocessing.get_context("spawn")   # the workers import the kernels afresh
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1, mp_context=spawn) as pool:
-        for variant, error in zip(variants.values(), pool.map(_compile_variant, variants.values())):
+        for variant, error in zip(chosen, pool.map(_compile_variant, chosen)):
             if error is not None:
                 module, name, _, constants, _ = variant
                 label = f"{name} " + " ".join(f"{k}={v}" for k, v in sorted(constants.items()))
                 failed.append({"variant": label, "error": error})
                 print(f"FAIL {label}\n{error}", flush=True)
     names = sorted({key[0] for key in variants})
-    print(f"{len(variants)} kernel variants for sm_90 ({', '.join(names)}), {len(failed)} failed, "
-          f"{time.time() - t0:.0f}s")
-    return {"variants": len(variants), "kernels": names, "failed": failed}
+    print(f"{len(chosen)} of {len(variants)} kernel variants compiled for sm_90 "
+          f"({', '.join(names)}), {len(failed)} failed, {time.time() - t0:.0f}s")
+    return {"variants": len(variants), "compiled": len(chosen), "kernels": names,
+            "failed": failed}
+
+
+def spread_variants(variants: dict, limit: int | None) -> list:
+    """All the recorded variants, or `limit` of them: one of each kernel in turn, each kernel's
+    taken evenly spaced over its own (so every kernel and a spread of its constants compile)."""
+    chosen = list(variants.values())
+    if limit is None or limit >= len(chosen):
+        return chosen
+    by_kernel: dict[str, list] = {}
+    for key, variant in variants.items():
+        by_kernel.setdefault(key[0], []).append(variant)
+    queues = []
+    for own in by_kernel.values():       # an evenly spaced order: 0, n/2, n/4, 3n/4, ...
+        order, step = [], len(own)
+        while len(order) < len(own) and step >= 1:
+            order += [i for i in range(0, len(own), step) if i not in order]
+            step //= 2
+        queues.append([own[i] for i in order])
+    picked = []
+    while len(picked) < limit:
+        for queue in queues:
+            if queue and len(picked) < limit:
+                picked.append(queue.pop(0))
+    return picked
 
 
 def _compile_variant(variant: tuple) -> str | None:
