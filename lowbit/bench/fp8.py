@@ -263,6 +263,24 @@ def _errors(out, ref) -> dict:
             "rel_max": (diff.abs().max() / ref.abs().max()).item()}
 
 
+def _scaled_mm_or_emulated(fa, fb, dtype, fast: bool, device: str, row: dict):
+    """fp4_gemm_fp8 through torch._scaled_mm; on the CPU, where a torch build has no row-wise
+    scales there (a smoke run), the emulation instead, and the row says so ("backend")."""
+    from lowbit.kernels.fp8_gemm import fp4_gemm_fp8
+
+    if device == "cpu" and row.get("backend") == "emulated":
+        return fp4_gemm_fp8(fa, fb, dtype, fast, backend="emulated")
+    try:
+        out = fp4_gemm_fp8(fa, fb, dtype, fast, backend="scaled_mm")
+    except (RuntimeError, NotImplementedError):
+        if device != "cpu":
+            raise
+        row["backend"] = "emulated"   # this torch's CPU _scaled_mm takes no row-wise scales
+        return fp4_gemm_fp8(fa, fb, dtype, fast, backend="emulated")
+    row.setdefault("backend", "scaled_mm")
+    return out
+
+
 def gemm_errors(device: str, progress=print) -> list[dict]:
     """One row per (spec, scales, GEMM): the errors of the module doc."""
     from lowbit.formats.fold import fold_operand, fold_report
@@ -287,7 +305,7 @@ def gemm_errors(device: str, progress=print) -> list[dict]:
                     for fast in (False, True):
                         tag = "fast" if fast else "acc"
                         for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-                            out = fp4_gemm_fp8(fa, fb, dtype, fast, backend="scaled_mm")
+                            out = _scaled_mm_or_emulated(fa, fb, dtype, fast, device, row)
                             row[f"fp8_{tag}_{name}"] = _errors(out, ref)
                     row["emulated_f32"] = _errors(
                         fp4_gemm_fp8(fa, fb, torch.float32, backend="emulated"), ref)
@@ -354,10 +372,18 @@ def gemm_timings(device: str, progress=print) -> list[dict]:
             "emulated": lambda: torch.mm(dispatch.quantize_dequantize(x, stable),
                                          dispatch.quantize_dequantize(w, stable).t()),
         }
-        if one_chunk:   # the bare GEMM: one row-scaled torch._scaled_mm
-            calls["scaled_mm"] = lambda: torch._scaled_mm(
-                fx.fp8, fw.fp8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
         row = {"shape": label, "M": m, "N": n, "K": k, "one_chunk": one_chunk}
+        if one_chunk:   # the bare GEMM: one row-scaled torch._scaled_mm
+            def bare():
+                return torch._scaled_mm(fx.fp8, fw.fp8.t(), scale_a=sx, scale_b=sw,
+                                        out_dtype=torch.bfloat16)
+            try:
+                bare()
+                calls["scaled_mm"] = bare
+            except (RuntimeError, NotImplementedError):
+                if device != "cpu":
+                    raise
+                row["scaled_mm"] = "this torch's CPU _scaled_mm takes no row-wise scales"
         _time_calls(calls, device, row, progress)
         for name in calls:
             if f"{name}_ms" in row and name != "fold":
