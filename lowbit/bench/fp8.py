@@ -46,7 +46,7 @@ import traceback
 
 import torch
 
-from lowbit.bench.timing import graph_time_ms, time_ms
+from lowbit.bench.timing import graph_time_ms, record_check, time_ms
 
 __all__ = ["SECTIONS", "parse_sections", "bench_fp8", "fold_checks", "gemm_errors",
            "gemm_timings", "fold_timings", "pass_timings"]
@@ -157,13 +157,7 @@ def fold_checks(device: str, progress=print) -> list[dict]:
     rows: list[dict] = []
 
     def run(label, fn, *args):
-        try:
-            fn(*args)
-            rows.append({"check": label, "passed": True})
-        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-            rows.append({"check": label, "passed": False,
-                         "error": f"{type(e).__name__}: {e}"[:300]})
-            progress(f"   FAIL {label}: {rows[-1]['error'][:200]}")
+        record_check(rows, label, fn, *args, progress=progress)
 
     def fold_on_device(q, transpose=False):
         got, cpu = fold_operand(q, transpose), fold_operand(q.to("cpu"), transpose)

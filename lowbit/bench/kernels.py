@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from lowbit.bench.timing import graph_time_ms, time_ms
+from lowbit.bench.timing import graph_time_ms, record_check, time_ms
 
 __all__ = ["KERNEL_SHAPES", "bench_kernels", "format_kernel_rows", "kernel_call", "kernel_name",
            "kernel_spec", "moved_bytes", "timed_kernels", "torchao_baselines", "kernel_checks",
@@ -323,13 +323,7 @@ def kernel_checks(device: str = "cuda", progress=print) -> list[dict]:
     rows: list[dict] = []
 
     def run(label, fn, *args):
-        try:
-            fn(*args)
-            rows.append({"check": label, "passed": True})
-        except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-            rows.append({"check": label, "passed": False,
-                         "error": f"{type(e).__name__}: {e}"[:300]})
-            progress(f"   FAIL {label}: {rows[-1]['error'][:200]}")
+        record_check(rows, label, fn, *args, progress=progress)
 
     for spec in check_specs(device):
         name = kernel_name(spec)

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "idle_gaps", "format_profiles"]
+__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "idle_gaps", "format_profiles",
+           "record_check"]
 
 
 def time_ms(fn, device: str) -> float:
@@ -154,3 +155,13 @@ def format_profiles(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def record_check(rows: list[dict], label: str, fn, *args, progress=print) -> None:
+    """Run one bit-exact check, fn(*args) (it raises on a mismatch), and append its row to
+    `rows`: {"check", "passed"} and, for a failure, its "error". Every failure is reported and
+    none stops the run."""
+    try:
+        fn(*args)
+        rows.append({"check": label, "passed": True})
+    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
+        rows.append({"check": label, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        progress(f"   FAIL {label}: {rows[-1]['error'][:200]}")
