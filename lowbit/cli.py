@@ -1,4 +1,4 @@
-"""The `lowbit` command: train, plot, inspect, bench.
+"""The `lowbit` command: train, plot, qat, inspect, bench.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -78,6 +78,20 @@ def _add_train(sub) -> None:
     p.set_defaults(func=run_plot)
 
 
+def _add_qat(sub) -> None:
+    from lowbit.qat.cli_args import add_qat_arguments, run_qat_command
+
+    p = sub.add_parser(
+        "qat", help="quantization-aware training to 1-4-bit weights (ste, lsq, jacquant)",
+        description="Fine-tune a trained model with its weights fake-quantized (intK, ternary, "
+                    "binary, seq2, nvfp4, mxfp4), with a choice of gradient estimator, against "
+                    "BF16, round-to-nearest and GPTQ. With no arguments: a tiny BF16 model on "
+                    "Tiny Shakespeare (trained first, cached), QAT to int2:g32 with jacquant, "
+                    "on the CPU in about two minutes.")
+    add_qat_arguments(p)
+    p.set_defaults(func=run_qat_command)
+
+
 def _add_bench(sub) -> None:
     from lowbit import bench
 
@@ -94,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_inspect(sub)
     _add_train(sub)
+    _add_qat(sub)
     _add_bench(sub)
     return parser
 

@@ -48,7 +48,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
         raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
     for name in recipes:
-        get_recipe(name)  # refuse an unknown recipe before building anything
+        if qat_setting(name) is None:
+            get_recipe(name)  # refuse an unknown recipe before building anything
     dev = resolve_device(device)
     process = Distributed(device=dev)   # one process: the benchmark is not run under torchrun
     total = warmup + steps
@@ -63,10 +64,18 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         refuse_cuda_graph(process, moe=model_config(base).is_moe)
     rows = []
     for name in recipes:
-        config = dataclasses.replace(base, recipe=name)
+        qat = qat_setting(name)
+        config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
         net = build_model(config, vocab_size)
-        apply_recipe(net, resolve_recipe(name))
+        hook = None
+        if qat is not None:
+            from lowbit.qat import prepare, refresh_hook
+
+            prepare(net, qat)
+            hook = refresh_hook(net, qat, seed=0)
+        else:
+            apply_recipe(net, resolve_recipe(name))
         net.to(dev).train()
         optimizer = build_optimizer(net, config, dev)
         step_fn = TrainStep(net, optimizer, config, process)
@@ -85,6 +94,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         def step():
             i = len(results)
             results.append(step_fn(i, *batch(i)))
+            if hook is not None:
+                hook(i + 1)   # JacQuant's refit of B, on the steps the training loop runs it
             return results[-1]
 
         for _ in range(warmup):
@@ -99,7 +110,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         step_s = statistics.median(times)
         redone = [i + 1 for i, r in enumerate(results)
                   if any(rec["event"] == "fold_redo" for rec in r.records)]
-        row = {"recipe": name, "step_ms": step_s * 1e3,
+        row = {"recipe": name, "step_ms": step_s * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
                "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
                                 if dev.type == "cuda" else None),
@@ -116,19 +127,35 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     base_row = rows[0]
     for row in rows:
         row["time_vs_base"] = row["step_ms"] / base_row["step_ms"]
+        row["mean_vs_base"] = row["mean_ms"] / base_row["mean_ms"]
         row["mem_vs_base"] = (row["peak_mem_gib"] / base_row["peak_mem_gib"]
                               if row["peak_mem_gib"] and base_row["peak_mem_gib"] else None)
     return rows
 
 
-# kernel-name fragments -> where a training step's GPU time goes
+def qat_setting(name: str):
+    """'qat/<weights>/<estimator>' (e.g. qat/int2:g64/jacquant, optionally /K for JacQuant's
+    refresh interval) -> its QATConfig; any other name is a recipe (None)."""
+    if not name.startswith("qat/"):
+        return None
+    from lowbit.qat import JacQuantConfig, QATConfig
+
+    parts = name.split("/")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"{name!r}: write QAT settings as qat/WEIGHTS/ESTIMATOR[/K], e.g. "
+                         "qat/int2:g64/jacquant/100")
+    jq = JacQuantConfig(refresh_every=int(parts[3])) if len(parts) == 4 else JacQuantConfig()
+    return QATConfig(weights=parts[1], estimator=parts[2], jacquant=jq)
+
+
 def format_rows(rows: list[dict]) -> str:
     base = rows[0]["recipe"]
-    head = ["recipe", "ms/step", "tokens/s", f"time vs {base}", "peak GiB", f"mem vs {base}"]
+    head = ["recipe", "ms/step", "tokens/s", f"time vs {base}", "mean ms", f"mean vs {base}",
+            "peak GiB", f"mem vs {base}"]
     lines = [head]
     for r in rows:
         lines.append([r["recipe"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['time_vs_base']:.2f}x",
+                      f"{r['time_vs_base']:.2f}x", f"{r['mean_ms']:.1f}", f"{r['mean_vs_base']:.3f}x",
                       "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}",
                       "-" if r["mem_vs_base"] is None else f"{r['mem_vs_base']:.2f}x"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -15,7 +15,10 @@ same with spacing 1.
 Codes (what is stored):
 - e2m1: sign << 3 | index into {0, 0.5, 1, 1.5, 2, 3, 4, 6} (the NVIDIA/OCP FP4 encoding);
 - e4m3 / e5m2: the float8 bit pattern (torch.float8_e4m3fn / float8_e5m2 viewed as uint8);
-- intK: two's complement in K bits; ternary: two's complement in 2 bits; binary: 1 = +1, 0 = -1.
+- intK: two's complement in K bits; ternary: two's complement in 2 bits; binary: 1 = +1, 0 = -1;
+- uintK (asymmetric intK, whose blocks carry a zero point z): the unsigned code q, standing for
+  the value q - z (the grid values here are the signed q - z; lowbit.formats.quantize adds z);
+- seq2 (ParetoQ's 2-bit grid without zero, {-1.5, -0.5, 0.5, 1.5}): code = value + 1.5.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ __all__ = [
     "int_format",
     "TERNARY",
     "BINARY",
+    "SEQ2",
+    "uint_format",
     "round_to_grid",
     "encode",
     "decode",
@@ -81,6 +86,9 @@ E4M3 = ElementFormat("e4m3", ebits=4, mbits=3, max_value=448.0, code_bits=8)
 E5M2 = ElementFormat("e5m2", ebits=5, mbits=2, max_value=57344.0, code_bits=8)
 TERNARY = ElementFormat("ternary", ebits=0, mbits=1, max_value=1.0, code_bits=2)
 BINARY = ElementFormat("binary", ebits=0, mbits=1, max_value=1.0, code_bits=1, has_zero=False)
+# The half-integer grid {-1.5, -0.5, 0.5, 1.5}: four levels, none wasted on a zero or on an
+# unpaired -2 (ParetoQ's "SEQ"; with a scale s the values are {+-0.5, +-1.5} * s).
+SEQ2 = ElementFormat("seq2", ebits=0, mbits=1, max_value=1.5, code_bits=2, has_zero=False)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -93,6 +101,16 @@ def int_format(bits: int) -> ElementFormat:
     container = 8 if bits > 4 else (4 if bits > 2 else 2)  # int3 is stored in a nibble
     return ElementFormat(f"int{bits}", ebits=0, mbits=bits - 1,
                          max_value=float(2 ** (bits - 1) - 1), code_bits=container)
+
+
+def uint_format(bits: int) -> ElementFormat:
+    """Unsigned K-bit codes 0..2^K-1 of an asymmetric grid (a zero point per block shifts
+    them); max_value is the largest code."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"int formats take 2..8 bits, got {bits}")
+    container = 8 if bits > 4 else (4 if bits > 2 else 2)
+    return ElementFormat(f"uint{bits}", ebits=0, mbits=bits, max_value=float(2 ** bits - 1),
+                         code_bits=container)
 
 
 def _grid_steps(mag: torch.Tensor, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +144,13 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     """
     if x.dtype != torch.float32:
         raise TypeError(f"round_to_grid takes float32, got {x.dtype}")
-    if not fmt.has_zero:  # binary: the sign, with 0 going to +1 (NaN stays NaN)
+    if fmt is BINARY:  # the sign, with 0 going to +1 (NaN stays NaN)
         return torch.where(x < 0, -1.0, torch.where(torch.isnan(x), x, 1.0))
+    if fmt is SEQ2:
+        # the nearest half-integer of |x|, ties (|x| an integer) away from zero, the sign
+        # copied back (0 and -0 go to +0.5 and -0.5): a sign flip of x flips the result exactly
+        mag = torch.clamp(torch.floor(x.abs()) + 0.5, max=fmt.max_value)
+        return torch.copysign(mag, x)
     saturated = torch.clamp(x, -fmt.max_value, fmt.max_value)  # clamp keeps NaN
     if fmt.is_float:
         spacing, inverse = _grid_steps(saturated.abs(), fmt)
@@ -166,6 +189,8 @@ def encode(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
         return values.to(torch.float8_e5m2).view(torch.uint8)
     if fmt is BINARY:
         return (values > 0).to(torch.uint8)
+    if fmt is SEQ2:
+        return torch.nan_to_num(values + 1.5).to(torch.uint8)
     # integers (ternary too): two's complement in code_bits (int3 uses a 4-bit container)
     ints = torch.nan_to_num(values).to(torch.int16)
     return (ints & ((1 << fmt.code_bits) - 1)).to(torch.uint8)
@@ -182,6 +207,10 @@ def decode(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
         return codes.view(torch.float8_e5m2).to(torch.float32)
     if fmt is BINARY:
         return codes.to(torch.float32) * 2 - 1
+    if fmt is SEQ2:
+        return codes.to(torch.float32) - 1.5
+    if fmt.name.startswith("uint"):
+        return codes.to(torch.float32)
     ints = codes.to(torch.int16)
     top = 1 << (fmt.code_bits - 1)
     ints = torch.where(ints >= top, ints - (1 << fmt.code_bits), ints)

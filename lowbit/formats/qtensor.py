@@ -31,11 +31,16 @@ _FORMAT_VERSION = "1"
 
 class QTensor:
     """A quantized tensor: `codes` (packed uint8), `scales`, optional `tensor_scale`, its
-    `spec`, and the `shape` / `dtype` of the tensor it came from."""
+    `spec`, the `shape` / `dtype` of the tensor it came from, and for the asymmetric intK
+    formats `zeros`, a uint8 zero point per block (shaped as the scales): value = (code - z) * s."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
                  tensor_scale: torch.Tensor | None, spec: QuantSpec,
-                 shape: tuple[int, ...], dtype: torch.dtype):
+                 shape: tuple[int, ...], dtype: torch.dtype, zeros: torch.Tensor | None = None):
+        if (zeros is not None) != (spec.info.scale_kind is ScaleKind.MINMAX):
+            raise ValueError(f"{spec.format}: zero points go with the asymmetric formats only "
+                             f"(got zeros={'a tensor' if zeros is not None else None})")
+        self.zeros = zeros
         self.codes = codes
         self.scales = scales
         self.tensor_scale = tensor_scale
@@ -58,6 +63,8 @@ class QTensor:
         size += self.scales.numel() * self.scales.element_size()
         if self.tensor_scale is not None:
             size += self.tensor_scale.numel() * self.tensor_scale.element_size()
+        if self.zeros is not None:
+            size += self.zeros.numel() * self.zeros.element_size()
         return size
 
     def unpacked_codes(self) -> torch.Tensor:
@@ -77,10 +84,13 @@ class QTensor:
             scale = e8m0_to_float(self.scales)
         else:
             scale = self.scales
+        return self._per_element(scale)
+
+    def _per_element(self, per_block: torch.Tensor) -> torch.Tensor:
         br, bc = self.spec.block
         if br > 1:
-            scale = scale.repeat_interleave(br, dim=-2)[..., : self.shape[-2], :]
-        return scale.repeat_interleave(bc, dim=-1)[..., : self.shape[-1]]
+            per_block = per_block.repeat_interleave(br, dim=-2)[..., : self.shape[-2], :]
+        return per_block.repeat_interleave(bc, dim=-1)[..., : self.shape[-1]]
 
     def block_max(self) -> torch.Tensor:
         """Largest magnitude each element's block can represent, shape of the tensor (float32)."""
@@ -94,7 +104,10 @@ class QTensor:
         as Inf. NaN blocks stay NaN.
         """
         dtype = self.dtype if dtype is None else dtype
-        values = decode(self.unpacked_codes(), self.spec.info.element) * self.element_scales()
+        values = decode(self.unpacked_codes(), self.spec.info.element)
+        if self.zeros is not None:
+            values = values - self._per_element(self.zeros.to(torch.float32))
+        values = values * self.element_scales()
         limit = torch.finfo(dtype).max
         return torch.clamp(values, -limit, limit).to(dtype).reshape(self.shape)
 
@@ -119,8 +132,9 @@ class QTensor:
             codes_t = torch.nn.functional.pad(codes_t, (0, pad))
         packed = pack_codes(codes_t.contiguous(), element.code_bits)
         shape = (*self.shape[:-2], cols, rows)
+        zeros = None if self.zeros is None else self.zeros.transpose(-1, -2).contiguous()
         return QTensor(packed, self.scales.transpose(-1, -2).contiguous(), self.tensor_scale,
-                       self.spec, shape, self.dtype)
+                       self.spec, shape, self.dtype, zeros=zeros)
 
     @property
     def mT(self) -> "QTensor":
@@ -129,7 +143,8 @@ class QTensor:
     def to(self, device) -> "QTensor":
         return QTensor(self.codes.to(device), self.scales.to(device),
                        None if self.tensor_scale is None else self.tensor_scale.to(device),
-                       self.spec, tuple(self.shape), self.dtype)
+                       self.spec, tuple(self.shape), self.dtype,
+                       zeros=None if self.zeros is None else self.zeros.to(device))
 
     def __repr__(self) -> str:
         return (f"QTensor({self.spec.format}, shape={tuple(self.shape)}, block={self.spec.block}, "
@@ -143,7 +158,7 @@ class QTensor:
 
 def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
     """Save QTensors to one safetensors file (`<name>.codes`, `<name>.scales`,
-    `<name>.tensor_scale`, and each tensor's spec in the header's metadata). Written to a
+    `<name>.tensor_scale`, `<name>.zeros`, and each tensor's spec in the header's metadata). Written to a
     temporary file and renamed, so a crash never leaves a half-written file."""
     from safetensors.torch import save_file
 
@@ -156,6 +171,8 @@ def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
         flat[f"{name}.scales"] = q.scales.contiguous().cpu()
         if q.tensor_scale is not None:
             flat[f"{name}.tensor_scale"] = q.tensor_scale.reshape(1).cpu()
+        if q.zeros is not None:
+            flat[f"{name}.zeros"] = q.zeros.contiguous().cpu()
         meta[f"lowbit.{name}"] = json.dumps(q._metadata())
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -182,7 +199,8 @@ def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -
             info = json.loads(value)
             tensor_scale = (f.get_tensor(f"{name}.tensor_scale").reshape(())
                             if f"{name}.tensor_scale" in f.keys() else None)
+            zeros = f.get_tensor(f"{name}.zeros") if f"{name}.zeros" in f.keys() else None
             out[name] = QTensor(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
                                 tensor_scale, QuantSpec.from_dict(info["spec"]),
-                                tuple(info["shape"]), _DTYPES[info["dtype"]])
+                                tuple(info["shape"]), _DTYPES[info["dtype"]], zeros=zeros)
     return out

@@ -41,7 +41,7 @@ from lowbit.formats.elements import (
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "blocked", "unblocked",
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "blocked", "unblocked",
            "tensor_scale_of", "check_input", "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
@@ -54,7 +54,7 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
              tensor_scale: bool | None = None,
              generator: torch.Generator | None = None) -> QTensor:
     """Quantize `x` to `format` ("nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "int2".."int8",
-    "ternary", "binary") and return a packed `QTensor`.
+    "int2_asym".."int8_asym", "ternary", "binary", "seq2") and return a packed `QTensor`.
 
     block: (1, b) blocks along the last dim or (b, b) tiles over the last two dims; defaults
         nvfp4 (1, 16), MX (1, 32), int/ternary/binary (1, 128). Leading dims are batch.
@@ -70,7 +70,8 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> QTensor:
     """quantize() with a prebuilt QuantSpec."""
     g = _on_grid(x, spec, generator)
-    codes = encode(g.values, spec.info.element)
+    codes = encode(g.values if g.zeros is None else g.values + g.zeros[..., :, None, :, None],
+                   spec.info.element)
     codes = torch.where(g.nonfinite[..., :, None, :, None], torch.zeros_like(codes), codes)
     packed = pack_codes(unblocked(codes, g.pad_rows), spec.info.element.code_bits)  # (..., R, Cp/k)
 
@@ -82,9 +83,13 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
         scales = torch.where(g.nonfinite, torch.full_like(scales, 255), scales)
     else:
         scales = torch.where(g.nonfinite, float("nan"), scales)
+    zeros = g.zeros
+    if zeros is not None:
+        zeros = torch.where(g.nonfinite, 0.0, zeros).to(torch.uint8)
     if x.dim() == 1:                                    # blocked() made it one row
         packed, scales = packed.squeeze(0), scales.squeeze(0)
-    return QTensor(packed, scales, g.tensor_scale, spec, tuple(x.shape), x.dtype)
+        zeros = None if zeros is None else zeros.squeeze(0)
+    return QTensor(packed, scales, g.tensor_scale, spec, tuple(x.shape), x.dtype, zeros=zeros)
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
@@ -115,6 +120,7 @@ class _OnGrid(NamedTuple):
     tensor_scale: torch.Tensor | None
     nonfinite: torch.Tensor     # (..., nR, nC) blocks holding NaN/Inf
     pad_rows: int
+    zeros: torch.Tensor | None = None  # (..., nR, nC) float32 zero points (asymmetric intK)
 
 
 def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
@@ -129,6 +135,8 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
 
     t_scale = None
     kind = spec.info.scale_kind
+    if kind is ScaleKind.MINMAX:
+        return _on_asymmetric_grid(blocks, nonfinite, element, spec, generator, pad_rows)
     if kind is ScaleKind.E4M3:
         t_scale = tensor_scale_of(xf) if spec.tensor_scale else None
         scales, recip = _nvfp4_scales(amax, t_scale)
@@ -150,6 +158,33 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
         noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
     values = round_to_grid(data, element, spec.rounding.value, noise)
     return _OnGrid(values, scales, t_scale, nonfinite, pad_rows)
+
+
+def _on_asymmetric_grid(blocks, nonfinite, element, spec, generator, pad_rows) -> _OnGrid:
+    """Asymmetric intK: q = clamp(round(x / s) + z, 0, 2^K - 1), value (q - z) * s, with the
+    block's range [min(x, 0), max(x, 0)] mapped onto the codes: s = max/qmax - min/qmax (two
+    finite terms, so the scale is finite for every finite block) and z = round(-min / s)."""
+    qmax = element.max_value
+    hi = torch.clamp(blocks.amax(dim=(-3, -1)), min=0.0)
+    lo = torch.clamp(blocks.amin(dim=(-3, -1)), max=0.0)
+    scales = hi / qmax - lo / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    zeros = torch.clamp(torch.round(-lo / safe), 0.0, qmax)
+    data = blocks / safe[..., :, None, :, None]
+    noise = None
+    if spec.rounding is Rounding.STOCHASTIC:
+        noise = torch.rand(data.shape, generator=generator, device=data.device, dtype=torch.float32)
+    values = round_asymmetric(data, zeros[..., :, None, :, None], qmax, noise)
+    return _OnGrid(values, scales, None, nonfinite, pad_rows, zeros)
+
+
+def round_asymmetric(data: torch.Tensor, zeros: torch.Tensor, qmax: float,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
+    """x / s rounded onto the asymmetric grid -z..qmax-z (the values q - z of the codes
+    q = clamp(round(x / s) + z, 0, qmax)): nearest, ties to even, or with `noise` stochastic.
+    NaN stays NaN; no -0."""
+    steps = torch.round(data) if noise is None else torch.floor(data + noise)
+    return torch.minimum(torch.maximum(steps, -zeros), qmax - zeros) + 0.0
 
 
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:

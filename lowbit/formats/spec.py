@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from lowbit.formats.elements import BINARY, E2M1, E4M3, E5M2, TERNARY, ElementFormat, int_format
+from lowbit.formats.elements import (
+    BINARY, E2M1, E4M3, E5M2, SEQ2, TERNARY, ElementFormat, int_format, uint_format,
+)
 
 __all__ = ["ScaleRule", "Rounding", "ScaleKind", "FormatInfo", "FORMATS", "register_format",
            "get_format", "QuantSpec"]
@@ -35,6 +37,7 @@ class ScaleKind(str, Enum):
     E8M0 = "e8m0"        # MX: a power of two, stored as its biased exponent (uint8, 255 = NaN)
     ABSMAX = "absmax"    # intK: float32 amax / qmax
     ABSMEAN = "absmean"  # ternary (BitNet b1.58) and binary (XNOR-Net): float32 mean(|x|)
+    MINMAX = "minmax"    # asymmetric intK: float32 (max - min) / (2^K - 1) and a uint8 zero point
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ register_format(FormatInfo("mxfp8_e5m2", E5M2, ScaleKind.E8M0, (1, 32),
 for _bits in (2, 3, 4, 8):
     register_format(FormatInfo(f"int{_bits}", int_format(_bits), ScaleKind.ABSMAX, (1, 128),
                                f"symmetric int{_bits}, float32 absmax scale per group"))
+for _bits in (2, 3, 4, 8):
+    register_format(FormatInfo(f"int{_bits}_asym", uint_format(_bits), ScaleKind.MINMAX, (1, 128),
+                               f"asymmetric int{_bits}: codes 0..{2 ** _bits - 1} with a zero point "
+                               "and a float32 (max - min) scale per group"))
+register_format(FormatInfo("seq2", SEQ2, ScaleKind.ABSMAX, (1, 128),
+                           "2-bit grid without zero, {+-0.5, +-1.5} x amax/1.5 per group (ParetoQ SEQ)"))
 register_format(FormatInfo("ternary", TERNARY, ScaleKind.ABSMEAN, (1, 128),
                            "{-1, 0, 1} x mean|x| per group (BitNet b1.58)"))
 register_format(FormatInfo("binary", BINARY, ScaleKind.ABSMEAN, (1, 128),
@@ -113,6 +122,9 @@ class QuantSpec:
         elif self.scale_rule is not None:
             raise ValueError(f"scale_rule applies to MX formats only; {self.format} has "
                              f"{info.scale_kind.value} scales (leave scale_rule unset)")
+        if self.rounding is Rounding.STOCHASTIC and info.element in (BINARY, SEQ2):
+            raise ValueError(f"stochastic rounding is not defined for {self.format} (a grid "
+                             "without zero); use rounding='rne'")
         if self.tensor_scale and info.scale_kind is not ScaleKind.E4M3:
             raise ValueError(f"tensor_scale applies to nvfp4 only, not {self.format}")
 

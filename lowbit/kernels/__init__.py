@@ -64,7 +64,7 @@ def supports(spec: QuantSpec, codes: bool = True) -> bool:
     reference's."""
     kind = spec.info.scale_kind
     if kind is ScaleKind.ABSMAX:
-        if codes:
+        if codes or not spec.info.element.name.startswith("int"):  # seq2 is the reference's
             return False
     elif kind not in (ScaleKind.E4M3, ScaleKind.E8M0):
         return False

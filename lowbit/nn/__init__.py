@@ -27,7 +27,7 @@ from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
 __all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quantization_disabled",
-           "default_module_filter"]
+           "default_module_filter", "is_experts"]
 
 
 class QuantLinear(nn.Linear):
@@ -116,7 +116,7 @@ def _expert_dims(module: nn.Module) -> tuple[int, int, int]:
     return e, c, two_f // 2
 
 
-def _is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module) -> bool:
     """Fused 3D expert weights in Hugging Face's Qwen3-MoE layout (or lowbit's, the same)."""
     weight = getattr(module, "gate_up_proj", None)
     return (isinstance(weight, nn.Parameter) and weight.dim() == 3
@@ -167,7 +167,7 @@ def convert(model: nn.Module, recipe: str | Recipe,
             raise ValueError(f"{name} is already converted; convert a fresh model (or reload it)")
         if isinstance(module, nn.Linear):
             kind = "linear"
-        elif _is_experts(module):
+        elif is_experts(module):
             kind = "experts"
         else:
             if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():

@@ -1,4 +1,22 @@
-"""Quantization-aware training gradient estimators (ste, clipped-ste, lsq, jacquant).
+"""Quantization-aware training to 1-4-bit weights: `prepare`, `convert`, four gradient
+estimators (ste, clipped-ste, lsq, jacquant), RTN and GPTQ baselines, and `lowbit qat`.
 
-Not built yet; see DESIGN.md section 3.
+    from lowbit.qat import QATConfig, prepare, convert
+    report = prepare(model, QATConfig(weights="int2:g64", estimator="jacquant"))
+    ...train model as usual (call refresh_hook(model, config, seed)(step) after each step)...
+    convert(model)   # packed low-bit weights; lowbit.save_qtensors(path, packed_weights(model))
+
+DESIGN.md section 3 has the method; docs/qat.md the user's guide.
 """
+
+from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, WeightFormat, parse_weight_format
+from lowbit.qat.gptq import gptq
+from lowbit.qat.layers import (FakeQuantWeight, PackedWeight, QATReport, convert, fake_quantizers,
+                               jacquant_metrics, load_packed, packed_weights, prepare, refresh,
+                               refresh_hook)
+from lowbit.qat.quantizer import GroupQuantizer, fake_quantize
+
+__all__ = ["QATConfig", "JacQuantConfig", "WeightFormat", "parse_weight_format", "ESTIMATORS",
+           "prepare", "convert", "packed_weights", "load_packed", "refresh", "refresh_hook",
+           "jacquant_metrics", "fake_quantizers", "gptq", "FakeQuantWeight", "PackedWeight",
+           "QATReport", "GroupQuantizer", "fake_quantize"]

@@ -132,12 +132,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only. Norm gains and biases are 1-D: pulling them toward 0
     fights the scale and offset they exist to learn. Embedding rows get gradient only when
     their token occurs, so decay would shrink rare tokens' rows between occurrences (a tied
-    output head shares the embedding's Parameter and is treated the same)."""
+    output head shares the embedding's Parameter and is treated the same). A parameter with
+    `no_weight_decay = True` (QAT's learned scales) is never decayed."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+            matrix = p.dim() >= 2 and not getattr(p, "no_weight_decay", False)
+            (decay if matrix and id(p) not in embeddings else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

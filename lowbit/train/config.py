@@ -34,6 +34,7 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "cuda_graph",
         "out_dir",
         "run_name",
+        "init_from",
     }
 )
 
@@ -149,6 +150,12 @@ class TrainConfig:
     or on one process. Ignored without torchrun."""
     recipe: str = "stable-fp4"
     """Quantized-training recipe from lowbit.recipes; "bf16" trains the model as built."""
+    qat: dict | None = None
+    """A QAT run's settings (lowbit.qat.QATConfig.to_dict(): weight format, estimator, ...);
+    None for pretraining. Part of the run: resume refuses a change."""
+    init_from: str | None = None
+    """The run folder whose final weights this run started from (QAT); None: a random init.
+    Only recorded (the weights come from the checkpoint once the run has one)."""
     out_dir: str = "runs"
     """Parent folder of run folders."""
     run_name: str = ""

@@ -45,6 +45,7 @@ __all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate
            "learning_rate_at"]
 
 DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
+StepHook = Callable[[int], "dict | None"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -81,6 +82,7 @@ def train(
     model: nn.Module | None = None,
     data: TrainingData | None = None,
     diagnostics_fn: DiagnosticsFn | None = None,
+    on_step: StepHook | None = None,
 ) -> RunResult:
     """Train as `config` says, in `<out_dir>/<name>/`, and return the final numbers.
 
@@ -92,6 +94,9 @@ def train(
         converted in place when config.recipe is not "bf16".
     diagnostics_fn: called as fn(model, first micro-batch, step) every diag_every steps,
         after the update; its dict of numbers is logged as a "diagnostics" record.
+    on_step: called as fn(step) after every optimizer step (step = steps completed), on every
+        rank; a dict it returns is logged as a record (its "event" key names it). QAT refits
+        JacQuant's B here. It must draw randomness only from its own seeded generators.
 
     Launched by torchrun, every process calls this: see lowbit.train.distributed.
     """
@@ -101,6 +106,7 @@ def train(
             raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the "
                              f"{process.world_size} processes, which split each micro-batch")
         run = _Run(config, process, resume, overwrite, model, data, diagnostics_fn)
+        run.on_step = on_step
         return run.loop()
     finally:
         process.close()
@@ -168,6 +174,7 @@ class _Run:
         self.step_fn = TrainStep(model, self.optimizer, config, process, fold)
         self.step_fn.nonfinite_run = nonfinite_run
         self.last_checkpoint = self.run_dir.checkpoint if self.resumed else None
+        self.on_step: StepHook | None = None
 
     def loop(self) -> RunResult:
         config, process, step_fn, main, say = (self.config, self.process, self.step_fn,
@@ -205,6 +212,10 @@ class _Run:
                 for message in result.messages:
                     say(message)
                 self.losses.append(result.loss)
+                if self.on_step is not None:
+                    record = self.on_step(step)
+                    if record:
+                        log.write({"event": "hook", "step": step, **record})
                 if step_fn.nonfinite_run >= config.max_consecutive_nonfinite:
                     raise NonFiniteLossError(_nonfinite_message(config, step, self.last_checkpoint),
                                              step, self.last_checkpoint)

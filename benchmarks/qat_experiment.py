@@ -1,0 +1,226 @@
+"""The JacQuant experiment: pretrain a BF16 model, then QAT it with every estimator in parallel.
+
+    python benchmarks/qat_experiment.py --out DIR [--pretrain-minutes 4] [--qat-minutes 4.5] \
+        [--settings int2:g64/ste/0,int2:g64/jacquant/0,...] [--smoke]
+
+1. `lowbit bench train` times ste against jacquant (K = 100) on the pretraining model, alone
+   on the device (the overhead the issue asks for);
+2. `lowbit train --recipe bf16` pretrains the model (pycode by default) for as many steps as
+   fit --pretrain-minutes (measured on the first steps of the run itself: the schedule is set
+   from a 30-step probe);
+3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS],
+   all at once on the same device, plus one `--baselines-only` process per weight format,
+   each with the same steps, data order per seed and tokens; a process still running at the
+   deadline is stopped and its last evaluation used;
+4. a table of every setting's validation loss and gap to BF16, the gap ratios jacquant/ste per
+   format and seed, and B's statistics, into DIR/summary.json and DIR/table.md.
+--smoke runs the same on the CPU at a toy size (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SETTINGS = ",".join([
+    "bf16/ste/0", "bf16/ste/1", "int2:g64/ste/0", "int2:g64/jacquant/0", "int2:g64/ste/1", "int2:g64/jacquant/1",
+    "int2:g64/lsq/0", "int2:g64/clipped-ste/0", "int2:g64/jacquant/0/eps0.25",
+    "int2:g64/jacquant/0/dither", "ternary:g64/ste/0", "ternary:g64/jacquant/0",
+    "seq2:g64/ste/0", "seq2:g64/jacquant/0", "int3:g64/ste/0", "int3:g64/jacquant/0",
+])
+
+
+def lowbit(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lowbit", *args]
+
+
+def parse_setting(text: str) -> tuple[str, str, int, list[str], str]:
+    parts = text.split("/")
+    weights, estimator, seed = parts[0], parts[1], int(parts[2])
+    extra, tags = [], []
+    for option in parts[3:]:
+        if option.startswith("eps"):
+            extra += ["--b-eps", option[3:]]
+        elif option in ("dither", "both", "probe"):
+            extra += ["--b-estimate", option]
+        elif option.startswith("k"):
+            extra += ["--refresh-every", option[1:]]
+        elif option == "learned":
+            extra += ["--learn-scales"]
+        elif option == "elem":
+            extra += ["--b-per-element"]
+        else:
+            raise SystemExit(f"unknown option {option!r} in setting {text!r}")
+        tags.append(option)
+    name = "-".join([weights.replace(":", ""), estimator, *tags, f"s{seed}"])
+    return weights, estimator, seed, extra, name
+
+
+def last_eval(run: Path, at_most: int | None = None) -> dict | None:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    evals = [r for r in records if r["event"] == "eval" and (at_most is None or r["step"] <= at_most)]
+    b = [r for r in records if r["event"] == "jacquant"]
+    out = dict(evals[-1]) if evals else None
+    if out is not None and b:
+        out["b_first"] = {k: v for k, v in b[0].items() if k.startswith("b/") and k.count("/") == 1}
+        out["b_last"] = {k: v for k, v in b[-1].items() if k.startswith("b/") and k.count("/") == 1}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for runs, logs and the summary")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS)
+    ap.add_argument("--pretrain-minutes", type=float, default=4.0)
+    ap.add_argument("--qat-minutes", type=float, default=4.5)
+    ap.add_argument("--qat-steps", type=int, default=300)
+    ap.add_argument("--qat-lr", type=float, default=5e-4)
+    ap.add_argument("--model-args", default="--model 100m --dim 576 --corpus pycode --tokenizer bpe "
+                    "--bpe-vocab-size 8192 --corpus-max-bytes 60000000 --seq-len 512 --batch-size 32 "
+                    "--lr 1e-3 --eval-batches 16")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    model_args = args.model_args.split()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        model_args = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8"]
+        args.qat_steps = 6
+    t0 = time.time()
+    meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
+
+    # 1. overhead, alone on the device
+    bench_json = out / "bench-overhead.json"
+    overhead = ("bf16,qat/int2:g32/ste,qat/int2:g32/jacquant/2" if args.smoke
+                else "bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/100")
+    bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else "200",
+             "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
+             "--batch-size", "2" if args.smoke else "16", "--device", device, "--json", str(bench_json)]
+    r = subprocess.run(lowbit(*bench), env=env, capture_output=True, text=True)
+    print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
+
+    # 2. pretrain, the schedule fitted to the time from a probe of 30 steps
+    runs = out / "runs"
+    base = ["train", "--recipe", "bf16", *model_args, "--device", device, "--out-dir", str(runs),
+            "--no-diagnostics", "--no-progress"]
+    if args.smoke:
+        steps = 20
+    else:
+        probe = time.time()
+        subprocess.run(lowbit(*base, "--steps", "30", "--warmup-steps", "5", "--eval-every", "0",
+                              "--checkpoint-every", "0", "--run-name", "probe"), env=env, check=True)
+        rates = [r["step_time_s"] for r in map(json.loads, (runs / "probe" / "metrics.jsonl").read_text().splitlines())
+                 if r.get("event") == "train"][1:]   # the first record holds the warm-up steps
+        per_step = sum(rates) / max(len(rates), 1)
+        steps = max(200, int(args.pretrain_minutes * 60 / (1.08 * per_step)))  # +8%: the evaluations
+    print(f"pretraining {steps} steps ({time.time() - t0:.0f} s so far)", flush=True)
+    subprocess.run(lowbit(*base, "--steps", str(steps), "--warmup-steps", str(min(100, steps // 10)),
+                          "--eval-every", str(max(steps // 4, 1)), "--checkpoint-every", "0",
+                          "--run-name", "base"), env=env, check=True)
+    source = runs / "base"
+    meta["pretrain_steps"] = steps
+    meta["pretrain_final"] = json.loads((source / "final.json").read_text())
+
+    # 3. QAT, every setting at once, plus the baselines
+    settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
+    procs = []
+    qat_dir = out / "qat"
+    common = ["qat", "--from", str(source), "--steps", str(args.qat_steps), "--lr", str(args.qat_lr),
+              "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
+              str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
+              "--out-dir", str(qat_dir), "--no-progress"]
+    for weights in sorted({s[0] for s in settings}):
+        log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
+        procs.append(("baselines " + weights, subprocess.Popen(
+            lowbit(*common, "--weights", weights, "--baselines-only", "--run-name",
+                   f"baselines-{weights.replace(':', '')}"), env=env, stdout=log, stderr=subprocess.STDOUT)))
+    for weights, estimator, seed, extra, name in settings:
+        log = open(out / f"{name}.log", "w")
+        procs.append((name, subprocess.Popen(
+            lowbit(*common, "--weights", weights, "--estimator", estimator, "--seeds", str(seed),
+                   "--no-baselines", "--run-name", name, *extra),
+            env=env, stdout=log, stderr=subprocess.STDOUT)))
+    deadline = time.time() + args.qat_minutes * 60
+    while time.time() < deadline and any(p.poll() is None for _, p in procs):
+        time.sleep(2)
+    for name, p in procs:
+        if p.poll() is None:
+            print(f"stopping {name} at the deadline", flush=True)
+            p.kill()
+
+    # 4. the summary
+    baselines = {}
+    for path in qat_dir.glob("baselines-*/summary.json"):
+        baselines.update(json.loads(path.read_text())["baselines"])
+    rows = []
+    bf16 = baselines.get("bf16")
+    reached = {}
+    for weights, estimator, seed, extra, name in settings:
+        runs_of = sorted(qat_dir.glob(f"{name}-*"))
+        ev = last_eval(runs_of[0]) if runs_of else None
+        if ev and ev["step"] > 0:
+            reached[name] = ev["step"]
+    common = min(reached.values()) if reached else None   # every run that trained got this far
+    meta["compared_at_step"] = common
+    failed = {}
+    for weights, estimator, seed, extra, name in settings:
+        if name not in reached:
+            log = out / f"{name}.log"
+            failed[name] = log.read_text()[-1500:] if log.is_file() else "no log"
+    meta["failed"] = failed
+    for weights, estimator, seed, extra, name in settings:
+        runs_of = sorted(qat_dir.glob(f"{name}-*"))
+        ev = last_eval(runs_of[0], common) if runs_of and name in reached else None
+        rows.append({"setting": name, "weights": weights, "estimator": estimator, "seed": seed,
+                     "options": extra, "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
+                     "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
+                     "b_first": ev and ev.get("b_first"), "b_last": ev and ev.get("b_last")})
+    lines = ["| setting | step | val loss | gap to bf16 |", "| --- | ---: | ---: | ---: |"]
+    for name, loss in sorted(baselines.items()):
+        lines.append(f"| {name} | | {loss:.4f} | {'' if bf16 is None else f'{loss - bf16:+.4f}'} |")
+    for r in rows:
+        loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.4f}"
+        lines.append(f"| {r['setting']} | {r['step']} | {loss} | {gap} |")
+    # gaps to the control (bf16 fine-tuned the same steps, same seed) where there is one
+    ratios = []
+    for r in rows:
+        control = next((x for x in rows if x["weights"] == "bf16" and x["seed"] == r["seed"]
+                        and x["val_loss"] is not None), None)
+        r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
+    for r in rows:
+        if r["estimator"] == "jacquant" and r["gap_control"] is not None:
+            ste = next((x for x in rows if x["estimator"] == "ste" and x["weights"] == r["weights"]
+                        and x["seed"] == r["seed"] and x["gap_control"] is not None), None)
+            if ste and ste["gap_control"] > 0:
+                ratios.append({"jacquant": r["setting"], "ste": ste["setting"],
+                               "gap_ratio": r["gap_control"] / ste["gap_control"]})
+    lines += ["", f"compared at step {common}; gap to control = val loss - the bf16 control's (same seed)",
+              "", "| setting | gap to control |", "| --- | ---: |"]
+    lines += [f"| {r['setting']} | {r['gap_control']:+.4f} |" for r in rows if r["gap_control"] is not None]
+    lines += ["", "| jacquant run | ste run | gap_jacquant / gap_ste (to control) |", "| --- | --- | ---: |"]
+    lines += [f"| {x['jacquant']} | {x['ste']} | {x['gap_ratio']:.3f} |" for x in ratios]
+    lines += ["", "failed: " + (", ".join(failed) or "none")]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    bench_rows = json.loads(bench_json.read_text()) if bench_json.is_file() else None
+    (out / "table.md").write_text(table)
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, "rows": rows,
+                                                  "gap_ratios": ratios, "bench": bench_rows,
+                                                  "wall_s": time.time() - t0}, indent=2))
+    print(f"done in {time.time() - t0:.0f} s -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Command-line glue for `lowbit qat` (lowbit/cli.py owns the parser).
+
+Bad values raise ValueError with a one-line message; cli.py prints it as
+`lowbit: error: <message>` and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig
+from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
+
+_JQ = JacQuantConfig()
+
+
+def add_qat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="source", metavar="RUN_DIR",
+                   help="a `lowbit train` run folder to quantize (default: train a BF16 tiny "
+                        f"model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)")
+    p.add_argument("--weights", default=QATConfig.weights,
+                   help="weight format: int2|int3|int4|int8 with :gG, :row, :asym; ternary, "
+                        "binary, seq2 (with :gG or :row); nvfp4, mxfp4 (default: %(default)s)")
+    p.add_argument("--estimator", default=QATConfig.estimator, choices=ESTIMATORS,
+                   help="gradient estimator (default: %(default)s)")
+    p.add_argument("--compare", metavar="ESTIMATORS",
+                   help="one run per comma-separated estimator on the same data, steps and seed, "
+                        "e.g. ste,lsq,jacquant; a table and one plot with BF16, RTN and GPTQ")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds, one run each (default: 0)")
+    p.add_argument("--learn-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="learn the scales with LSQ's gradient (default: only for lsq)")
+    p.add_argument("--scale-init", default="absmax", choices=("absmax", "mse"),
+                   help="initial scales from the weights (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=QATJob.steps, help="QAT steps (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=QATJob.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=QATJob.warmup_steps, help="default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the source run's")
+    p.add_argument("--eval-every", type=int, default=QATJob.eval_every, help="default: %(default)s")
+    p.add_argument("--checkpoint-every", type=int, default=QATJob.checkpoint_every, help="default: %(default)s")
+    p.add_argument("--refresh-every", type=int, default=_JQ.refresh_every,
+                   help="jacquant: refit B every N steps (default: %(default)s)")
+    p.add_argument("--b-max", type=float, default=_JQ.b_max, help="jacquant: B's upper clamp (default: %(default)s)")
+    p.add_argument("--b-estimate", default=_JQ.estimate, choices=("probe", "dither", "both"),
+                   help="jacquant: how B is fit (default: %(default)s)")
+    p.add_argument("--b-eps", type=float, default=_JQ.eps,
+                   help="jacquant: perturbation half-width in quantization steps (default: %(default)s)")
+    p.add_argument("--b-samples", type=int, default=_JQ.samples, help="jacquant: probes per refresh (default: %(default)s)")
+    p.add_argument("--b-ema", type=float, default=_JQ.ema, help="jacquant: EMA across refreshes (default: %(default)s)")
+    p.add_argument("--b-per-element", action="store_true", help="jacquant: one B per weight, not per group")
+    p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting")
+    p.add_argument("--base-steps", type=int, default=BASE_STEPS,
+                   help="without --from: steps of the BF16 model trained first (default: %(default)s)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the BF16, RTN and GPTQ evaluations")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="evaluate BF16, RTN and GPTQ only (no QAT run)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out-dir", default="runs", metavar="DIR", help="parent folder of run folders (default: runs)")
+    p.add_argument("--run-name", default="", help="prefix of the run folders (default: qat-<source>)")
+    p.add_argument("--resume", action="store_true", help="continue the runs' checkpoints")
+    p.add_argument("--overwrite", action="store_true", help="start over in existing run folders")
+    p.add_argument("--no-progress", action="store_true", help="print only the final table")
+
+
+def job_from_args(args: argparse.Namespace) -> QATJob:
+    estimators = [args.estimator] if args.compare is None else [e.strip() for e in args.compare.split(",")]
+    for e in estimators:
+        if e not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {e!r} in --compare; use {', '.join(ESTIMATORS)}")
+    if args.compare is not None and len(estimators) < 2:
+        raise ValueError("--compare needs two or more comma-separated estimators, e.g. ste,jacquant")
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
+    jq = JacQuantConfig(refresh_every=args.refresh_every, b_max=args.b_max, estimate=args.b_estimate,
+                        eps=args.b_eps, samples=args.b_samples, ema=args.b_ema,
+                        per_element=args.b_per_element, weighted=not args.b_unweighted)
+    configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
+                         scale_init=args.scale_init, jacquant=jq) for e in estimators]
+    return QATJob(configs=configs, source=args.source, seeds=seeds, steps=args.steps, lr=args.lr,
+                  warmup_steps=args.warmup_steps, batch_size=args.batch_size,
+                  eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                  device=args.device, out_dir=args.out_dir, name=args.run_name,
+                  base_steps=args.base_steps, baselines=not args.no_baselines,
+                  baselines_only=args.baselines_only,
+                  progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+
+
+def run_qat_command(args: argparse.Namespace) -> None:
+    summary = run_qat(job_from_args(args))
+    print(summary["table"], end="")
+    print(f"figure: {summary['figure']}\ntable: {summary['dir']}/table.md")

@@ -1,0 +1,197 @@
+"""What a QAT run quantizes and how its gradients pass the quantizer: `WeightFormat`, `QATConfig`.
+
+A weight format is written as the CLI takes it: a grid, then options separated by colons,
+    int2:g64   int3:g128   int4:row   int2:g64:asym   ternary   binary   seq2:g64   nvfp4   mxfp4
+(and `bf16`, for `lowbit qat` only: the control run, the same fine-tuning with no quantization);
+- intK (K = 2, 3, 4, 8): symmetric -(2^(K-1)-1)..2^(K-1)-1 (lowbit.formats' intK), or with
+  `asym` codes 0..2^K-1 and a zero point per group;
+- ternary ({-1, 0, 1} x absmean, BitNet b1.58), binary ({-1, 1} x absmean), seq2 ({+-0.5, +-1.5}
+  x s, ParetoQ's 2-bit grid without zero);
+- nvfp4 / mxfp4: the formats' own blocks and scales (1x16 E4M3 under an FP32 tensor scale,
+  1x32 E8M0), recomputed from the weight at every forward;
+- gG: one scale per G consecutive inputs of a row (G must divide the layer's in_features);
+  `row`: one per output row. Default g128 (intK, ternary, binary, seq2).
+Every refusal is a ValueError with one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["WeightFormat", "QATConfig", "JacQuantConfig", "ESTIMATORS", "parse_weight_format"]
+
+ESTIMATORS = ("ste", "clipped-ste", "lsq", "jacquant")
+_GRIDS = ("int", "ternary", "binary", "seq2", "nvfp4", "mxfp4")
+_INT_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    grid: str                 # "int", "ternary", "binary", "seq2", "nvfp4", "mxfp4"
+    bits: int | None = None   # intK only
+    group: int | None = 128   # inputs per scale; None: one scale per output row
+    asym: bool = False        # intK only: codes 0..2^K-1 and a zero point per group
+
+    @property
+    def data_scaled(self) -> bool:
+        """nvfp4 / mxfp4: block scales come from the weight each forward (nothing to learn)."""
+        return self.grid in ("nvfp4", "mxfp4")
+
+    @property
+    def format_name(self) -> str:
+        """The lowbit.formats format of the packed weights."""
+        if self.grid == "int":
+            return f"int{self.bits}" + ("_asym" if self.asym else "")
+        return self.grid
+
+    def block(self, in_features: int) -> tuple[int, int]:
+        if self.data_scaled:
+            return (1, 16) if self.grid == "nvfp4" else (1, 32)
+        return (1, in_features if self.group is None else self.group)
+
+    def check_layer(self, name: str, in_features: int) -> None:
+        group = self.block(in_features)[1]
+        if in_features % group:
+            if self.data_scaled:
+                raise ValueError(f"{self.grid}'s blocks of {group} do not divide {name}'s "
+                                 f"{in_features} inputs; leave it out of QAT (module_filter_fn)")
+            raise ValueError(f"group size {group} does not divide {name}'s {in_features} "
+                             f"inputs; pick a divisor (e.g. g{math.gcd(in_features, group)}) "
+                             "or `row`")
+
+    def __str__(self) -> str:
+        if self.data_scaled:
+            return self.grid
+        name = f"int{self.bits}" if self.grid == "int" else self.grid
+        return name + (":row" if self.group is None else f":g{self.group}") + (":asym" if self.asym else "")
+
+
+def parse_weight_format(text: str) -> WeightFormat:
+    """'int2:g64' -> WeightFormat('int', 2, 64); see the module docstring."""
+    parts = [p.strip() for p in text.strip().lower().split(":")]
+    head, options = parts[0], parts[1:]
+    if head == "bf16" and not options:
+        return WeightFormat("bf16", None, None)   # the control run: the same fine-tuning, unquantized
+    if head.startswith("int") and head[3:].isdigit():
+        grid, bits = "int", int(head[3:])
+        if bits not in _INT_BITS:
+            raise ValueError(f"int{bits}: QAT takes int2, int3, int4 or int8 weights")
+    elif head in _GRIDS and head != "int":
+        grid, bits = head, None
+    else:
+        raise ValueError(f"unknown weight format {text!r}; use int2|int3|int4|int8 (with :gG, "
+                         ":row, :asym), ternary, binary, seq2, nvfp4 or mxfp4, e.g. int2:g64")
+    group, asym = 128, False
+    for option in options:
+        if option == "row":
+            group = None
+        elif option.startswith("g") and option[1:].isdigit():
+            group = int(option[1:])
+            if not 8 <= group <= 4096 or group % 8:
+                raise ValueError(f"group size {group} in {text!r}: use a multiple of 8 from 8 "
+                                 "to 4096 (32-256 is usual), or `row`")
+        elif option == "asym":
+            if grid != "int":
+                raise ValueError(f"{text!r}: `asym` applies to intK only")
+            asym = True
+        else:
+            raise ValueError(f"unknown option {option!r} in {text!r}; use gG (e.g. g64), row or asym")
+    if grid in ("nvfp4", "mxfp4") and options:
+        raise ValueError(f"{grid} has its own blocks; write plain {grid!r}")
+    return WeightFormat(grid, bits, group, asym)
+
+
+@dataclass(frozen=True)
+class JacQuantConfig:
+    """JacQuant's surrogate B of the quantizer's Jacobian (DESIGN.md section 3)."""
+
+    refresh_every: int = 100
+    """Refit B every this many optimizer steps (the first fit after step 1); never in between."""
+    b_max: float = 2.0
+    """B is clamped to [0, b_max]."""
+    estimate: str = "probe"
+    """"probe": random-sign perturbations of size eps * step; "dither": the slope of the
+    uniformly dithered quantizer over a window of eps * step either side; "both": their mean."""
+    eps: float = 0.5
+    """Perturbation half-width in units of the quantization step (0.5: one full step wide)."""
+    samples: int = 2
+    """Random-sign probes per refresh (probe only; dither is deterministic)."""
+    ema: float = 0.5
+    """B <- ema * B + (1 - ema) * fit at each refresh after the first."""
+    per_element: bool = False
+    """One B per weight instead of one per quantization group."""
+    weighted: bool = True
+    """Weight the fit by the layer's input second moments diag(E[x x^T]) (an EMA the layer keeps)."""
+    moment_decay: float = 0.5
+    """EMA decay of the input second moments across refits (each refit's moments come from the
+    training step just before it: the steps in between record nothing)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
+                 f"refresh_every must be a positive integer (got {self.refresh_every!r})")
+        _require(math.isfinite(self.b_max) and self.b_max > 0,
+                 f"b_max must be a positive number (got {self.b_max})")
+        _require(self.estimate in ("probe", "dither", "both"),
+                 f"jacquant estimate must be probe, dither or both (got {self.estimate!r})")
+        _require(math.isfinite(self.eps) and 0 < self.eps <= 4,
+                 f"eps must be in (0, 4] quantization steps (got {self.eps})")
+        _require(isinstance(self.samples, int) and self.samples >= 1,
+                 f"samples must be a positive integer (got {self.samples!r})")
+        _require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
+        _require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    weights: str = "int2:g32"
+    """The weight format (see the module docstring)."""
+    estimator: str = "jacquant"
+    """How gradients pass the quantizer: ste, clipped-ste, lsq or jacquant."""
+    learn_scales: bool | None = None
+    """Learn the scales (LSQ's gradient); None: only for lsq. nvfp4/mxfp4 scales are never learned."""
+    scale_init: str = "absmax"
+    """Initial scales from the trained weights: "absmax" (the format's own rule: absmax/qmax,
+    absmean for ternary/binary, min-max for asym) or "mse" (the per-group clipping ratio that
+    minimizes the squared rounding error)."""
+    jacquant: JacQuantConfig = field(default_factory=JacQuantConfig)
+
+    def __post_init__(self) -> None:
+        fmt = self.format  # validates the text
+        _require(self.estimator in ESTIMATORS,
+                 f"unknown estimator {self.estimator!r}; use one of {', '.join(ESTIMATORS)}")
+        _require(self.scale_init in ("absmax", "mse"),
+                 f"scale_init must be absmax or mse (got {self.scale_init!r})")
+        if fmt.data_scaled:
+            _require(self.estimator != "lsq" and not self.learn_scales,
+                     f"{fmt.grid} scales come from the weights at every forward, so there is no "
+                     "step size to learn: use --estimator ste, clipped-ste or jacquant")
+            _require(self.scale_init == "absmax",
+                     f"{fmt.grid} has its own scale rule; leave --scale-init at absmax")
+        if isinstance(self.jacquant, dict):
+            object.__setattr__(self, "jacquant", JacQuantConfig(**self.jacquant))
+
+    @property
+    def format(self) -> WeightFormat:
+        return parse_weight_format(self.weights)
+
+    @property
+    def scales_learned(self) -> bool:
+        if self.format.data_scaled:
+            return False
+        return self.estimator == "lsq" if self.learn_scales is None else bool(self.learn_scales)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QATConfig":
+        d = dict(d)
+        d["jacquant"] = JacQuantConfig(**d.get("jacquant", {}))
+        return cls(**d)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,342 @@
+"""prepare / convert: QAT's model transforms, in torchao's shape.
+
+`prepare(model, config)` puts a fake quantizer on the weight of every linear layer and every
+3D experts weight (as `torch.nn.utils.parametrize` parametrizations: `module.weight` is
+computed as Q(original), so any forward -- lowbit's models, Hugging Face's, inside any
+trainer -- trains through it) and returns a report like `lowbit.convert`'s. Output head,
+routers, embeddings and norms stay in high precision. Each fake quantizer holds its scales
+(a Parameter when learned), zero points, JacQuant's B and the input second moments as
+module state, so checkpoints carry them and a resumed run is the same run.
+
+`convert(model)` then replaces every fake-quantized weight by its packed low-bit `QTensor`
+(the `PackedWeight` parametrization, which dequantizes on the fly, so the model still runs
+and evaluates to exactly what the QAT run evaluated); `packed_weights(model)` returns them by
+name for `lowbit.save_qtensors` or an export, and `load_packed(model, path)` puts saved ones
+back into a freshly built model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrize
+
+from lowbit.formats import QTensor, load_qtensors
+from lowbit.nn import default_module_filter, is_experts
+from lowbit.qat.config import QATConfig
+from lowbit.qat.jacquant import b_statistics, fit_b
+from lowbit.qat.quantizer import GroupQuantizer, fake_quantize
+
+__all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "convert", "packed_weights",
+           "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics"]
+
+
+class FakeQuantWeight(nn.Module):
+    """Parametrization weight -> Q(weight), with the config's estimator in backward."""
+
+    def __init__(self, weight: torch.Tensor, config: QATConfig, name: str) -> None:
+        super().__init__()
+        self.config, self.name = config, name
+        self.observer = None  # the input-moment hook's handle (prepare sets it)
+        fmt = config.format
+        fmt.check_layer(name, weight.shape[-1])
+        self.quantizer = GroupQuantizer(fmt, weight.shape)
+        self.learn = config.scales_learned
+        if fmt.data_scaled:
+            scales, zeros = None, None
+        else:
+            scales, zeros = self.quantizer.init_scales(weight, config.scale_init)
+        if scales is not None and self.learn:
+            self.scales = nn.Parameter(scales)
+            self.scales.no_weight_decay = True  # lowbit.train.build.param_groups reads it
+        else:
+            self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        if config.estimator == "jacquant":
+            jq = config.jacquant
+            b_shape = weight.shape if jq.per_element else self.quantizer.scale_shape
+            self.register_buffer("b", torch.ones(b_shape, device=weight.device))
+            self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
+            self.register_buffer("moments", torch.ones(weight.shape[-1], device=weight.device)
+                                 if weight.dim() == 2 else None)
+            # whether the next training forward records its input moments: only the step
+            # before each refit does (refresh_hook sets it), so the steps in between pay nothing
+            self.register_buffer("observing", torch.ones((), dtype=torch.bool, device=weight.device))
+        else:
+            self.b = self.moments = self.observing = None
+        self.observing_now = True  # a host-side copy of `observing` (no device sync per forward)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.observing is not None:
+            self.observing_now = bool(self.observing)
+
+    def set_observing(self, on: bool) -> None:
+        if self.observing is not None:
+            self.observing.fill_(on)
+            self.observing_now = on
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        scales = None if self.scales is None else torch.clamp(self.scales, min=2.0 ** -120)
+        return fake_quantize(weight, scales, self.zeros, self.b, self.quantizer,
+                             self.config.estimator, self.learn)
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        """EMA of the input second moments diag(E[x xᵀ]) (per input channel)."""
+        if self.moments is None or not self.observing_now:
+            return
+        m = x.detach().float().reshape(-1, x.shape[-1]).square().mean(0)
+        if int(self.refreshes) == 0:
+            self.moments.copy_(m)
+        else:
+            decay = self.config.jacquant.moment_decay
+            self.moments.mul_(decay).add_(m, alpha=1 - decay)
+
+    @torch.no_grad()
+    def refresh(self, weight: torch.Tensor, generator: torch.Generator) -> None:
+        jq = self.config.jacquant
+        scales = None if self.scales is None else torch.clamp(self.scales.detach(), min=2.0 ** -120)
+        fit = torch.clamp(fit_b(weight.detach(), self.quantizer, scales, self.zeros, jq,
+                                self.moments, generator), 0.0, jq.b_max)
+        if int(self.refreshes) == 0:
+            self.b.copy_(fit)
+        else:
+            self.b.mul_(jq.ema).add_(fit, alpha=1 - jq.ema)
+        self.refreshes += 1
+
+    def pack(self, weight: torch.Tensor) -> QTensor:
+        scales = None if self.scales is None else torch.clamp(self.scales.detach(), min=2.0 ** -120)
+        return self.quantizer.pack(weight.detach(), scales, self.zeros)
+
+    def extra_repr(self) -> str:
+        return f"{self.quantizer.fmt}, estimator={self.config.estimator}, learn_scales={self.learn}"
+
+
+class PackedWeight(nn.Module):
+    """Parametrization that ignores its (empty) original and returns a packed weight's values."""
+
+    def __init__(self, q: QTensor) -> None:
+        super().__init__()
+        self.register_buffer("codes", q.codes)
+        self.register_buffer("scales", q.scales)
+        self.register_buffer("tensor_scale", q.tensor_scale)
+        self.register_buffer("zeros", q.zeros)
+        self.spec, self.shape, self.dtype = q.spec, tuple(q.shape), q.dtype
+
+    @property
+    def qtensor(self) -> QTensor:
+        return QTensor(self.codes, self.scales, self.tensor_scale, self.spec, self.shape,
+                       self.dtype, zeros=self.zeros)
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return self.qtensor.dequantize(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.format}, block={self.spec.block}, shape={self.shape}"
+
+
+@dataclass
+class QATReport:
+    weights: str
+    estimator: str
+    prepared: list[tuple[str, str, tuple]] = field(default_factory=list)  # (name, kind, shape)
+    kept: list[tuple[str, str, str]] = field(default_factory=list)        # (name, kind, why)
+
+    def __str__(self) -> str:
+        lines = [f"lowbit.qat.prepare: {self.weights}, estimator {self.estimator}: "
+                 f"{len(self.prepared)} weights fake-quantized, {len(self.kept)} modules kept in "
+                 "high precision"]
+        width = max([len(n) for n, _, _ in self.prepared + self.kept] + [10])
+        for name, kind, shape in self.prepared:
+            lines.append(f"  quantized  {name.ljust(width)}  {kind:<10} {'x'.join(map(str, shape))}")
+        for name, kind, why in self.kept:
+            lines.append(f"  kept       {name.ljust(width)}  {kind:<10} {why}")
+        return "\n".join(lines)
+
+
+def _targets(model: nn.Module, keep: Callable[[nn.Module, str], bool], report: QATReport):
+    """(module, parameter name, qualified name, kind) of every weight QAT quantizes."""
+    out = []
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            raise ValueError(f"{name} already has a parametrized weight (prepared or converted "
+                             "before); prepare a fresh model")
+        if isinstance(module, nn.Linear):
+            params, kind = ["weight"], "linear"
+        elif is_experts(module):
+            params, kind = ["gate_up_proj", "down_proj"], "experts"
+        else:
+            if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
+                report.kept.append((name, type(module).__name__, "not a GEMM"))
+            elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
+                report.kept.append((name, "router", "routing stays in high precision"))
+            continue
+        if type(module).__name__ in ("QuantLinear", "QuantExperts"):
+            raise ValueError(f"{name} is a lowbit.convert layer; QAT prepares a model in high "
+                             "precision (build it without a recipe)")
+        if not keep(module, name):
+            report.kept.append((name, kind, "output head and routers stay high precision"))
+            continue
+        out.extend((module, p, f"{name}.{p}" if name else p, kind) for p in params)
+    return out
+
+
+def prepare(model: nn.Module, config: QATConfig,
+            module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> QATReport:
+    """Fake-quantize model's linear and experts weights in place (see the module docstring).
+
+    Everything is checked (formats, group sizes, that nothing is prepared already) before the
+    first weight changes, so a refused prepare leaves the model as it was."""
+    if config.format.grid == "bf16":
+        raise ValueError("weights 'bf16' quantize nothing (it names lowbit qat's control run); "
+                         "pick a format, e.g. int2:g64")
+    report = QATReport(config.weights, config.estimator)
+    targets = _targets(model, module_filter_fn or default_module_filter, report)
+    if not targets:
+        raise ValueError("lowbit.qat.prepare found no linear or experts weight to quantize")
+    for module, pname, qname, _ in targets:
+        config.format.check_layer(qname, getattr(module, pname).shape[-1])
+    for module, pname, qname, kind in targets:
+        weight = getattr(module, pname)
+        fq = FakeQuantWeight(weight.detach(), config, qname)
+        parametrize.register_parametrization(module, pname, fq)
+        if kind == "linear" and fq.moments is not None:
+            fq.observer = module.register_forward_pre_hook(_observer(fq))
+        report.prepared.append((qname, kind, tuple(weight.shape)))
+    return report
+
+
+def _observer(fq: FakeQuantWeight):
+    def hook(module, args):
+        if module.training and torch.is_grad_enabled():
+            fq.observe(args[0])
+    return hook
+
+
+def fake_quantizers(model: nn.Module) -> list[tuple[str, nn.Module, str, FakeQuantWeight]]:
+    """(qualified name, module, parameter name, fake quantizer) of every prepared weight."""
+    out = []
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for pname, plist in module.parametrizations.items():
+            for p in plist:
+                if isinstance(p, FakeQuantWeight):
+                    out.append((f"{name}.{pname}" if name else pname, module, pname, p))
+    return out
+
+
+@torch.no_grad()
+def refresh(model: nn.Module, seed: int, step: int) -> None:
+    """Refit every jacquant B (draws from a generator seeded by (seed, step): resume-exact)."""
+    for index, (_, module, pname, fq) in enumerate(fake_quantizers(model)):
+        if fq.b is None:
+            continue
+        original = module.parametrizations[pname].original
+        generator = torch.Generator(device=original.device)
+        generator.manual_seed((seed * 1_000_003 + step * 7919 + index) % (2 ** 63))
+        fq.refresh(original, generator)
+
+
+def refresh_hook(model: nn.Module, config: QATConfig, seed: int):
+    """The training loop's on_step hook of a QAT run: refit B after steps 1, 1 + K, 1 + 2K, ...
+    (jacquant only; None for the other estimators) and return B's statistics as a record."""
+    if config.estimator != "jacquant":
+        return None
+    every = config.jacquant.refresh_every
+
+    def hook(step: int):
+        # refit after steps 1, 1 + K, ...; record input moments only during the step before
+        if step % every == 0 or every == 1:
+            _set_observing(model, True)
+        if (step - 1) % every:
+            return None
+        refresh(model, seed, step)
+        if every > 1:
+            _set_observing(model, False)
+        return {"event": "jacquant", **jacquant_metrics(model)}
+    return hook
+
+
+def _set_observing(model: nn.Module, on: bool) -> None:
+    for _, _, _, fq in fake_quantizers(model):
+        fq.set_observing(on)
+
+
+def jacquant_metrics(model: nn.Module) -> dict[str, float]:
+    """B's statistics, per layer and over all layers ("b/mean", "b/<layer>/near_zero", ...)."""
+    out: dict[str, float] = {}
+    all_b = []
+    b_max = None
+    for name, _, _, fq in fake_quantizers(model):
+        if fq.b is None:
+            continue
+        b_max = fq.config.jacquant.b_max
+        all_b.append(fq.b.flatten())
+        for key, value in b_statistics(fq.b, b_max).items():
+            out[f"b/{name}/{key}"] = value
+    if all_b:
+        for key, value in b_statistics(torch.cat(all_b), b_max).items():
+            out[f"b/{key}"] = value
+    return out
+
+
+@torch.no_grad()
+def convert(model: nn.Module) -> int:
+    """Replace every fake-quantized weight by its packed QTensor, in place; returns how many.
+    The model's outputs stay exactly those of the prepared model (eval mode)."""
+    targets = fake_quantizers(model)
+    if not targets:
+        raise ValueError("lowbit.qat.convert: the model has no fake-quantized weight; "
+                         "run lowbit.qat.prepare (and train) first")
+    packed = [(module, pname, fq.pack(module.parametrizations[pname].original))
+              for _, module, pname, fq in targets]
+    for _, _, _, fq in targets:
+        if fq.observer is not None:
+            fq.observer.remove()
+    for module, pname, q in packed:
+        _set_packed(module, pname, q)
+    return len(packed)
+
+
+def _set_packed(module: nn.Module, pname: str, q: QTensor) -> None:
+    if parametrize.is_parametrized(module, pname):
+        parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+    placeholder = nn.Parameter(torch.empty(0, device=q.device, dtype=q.dtype), requires_grad=False)
+    delattr(module, pname)
+    module.register_parameter(pname, placeholder)
+    parametrize.register_parametrization(module, pname, PackedWeight(q), unsafe=True)
+
+
+def packed_weights(model: nn.Module) -> dict[str, QTensor]:
+    """The packed weights of a converted model, by parameter name (e.g. 'layers.0.attn.q_proj.weight')."""
+    out = {}
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for pname, plist in module.parametrizations.items():
+            for p in plist:
+                if isinstance(p, PackedWeight):
+                    out[f"{name}.{pname}" if name else pname] = p.qtensor
+    return out
+
+
+def load_packed(model: nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu") -> int:
+    """Put the packed weights save_qtensors wrote (from packed_weights) into a freshly built
+    model of the same architecture; returns how many."""
+    tensors = load_qtensors(path, device)
+    for name, q in tensors.items():
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        current = getattr(module, pname, None)
+        if current is None or tuple(current.shape) != tuple(q.shape):
+            raise ValueError(f"{path}: {name} has shape {tuple(q.shape)}, the model's is "
+                             f"{None if current is None else tuple(current.shape)}")
+        _set_packed(module, pname, q)
+    return len(tensors)
+

@@ -1,0 +1,271 @@
+"""`lowbit qat`: quantization-aware training from a trained model, with its baselines.
+
+A QAT run is a `lowbit.train` run (the same loop, run folder, checkpoints, exact resume,
+JSONL/TensorBoard logs and plots) whose model starts from a trained run's weights with
+`lowbit.qat.prepare` applied, and whose config records the QAT settings (`TrainConfig.qat`)
+so that resume refuses a change. JacQuant's B is refit in the loop's `on_step` hook.
+
+`run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
+tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
+writes a table (`table.md`), `summary.json` and one figure of validation loss over steps with
+the baselines as horizontal lines into `<out_dir>/<name>/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowbit.qat.config import QATConfig
+from lowbit.qat.gptq import gptq
+from lowbit.qat.layers import prepare, refresh_hook
+from lowbit.train.build import build_data, build_model, seed_everything
+from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
+from lowbit.train.config import TrainConfig, resolve_device
+from lowbit.train.loop import evaluate, train
+from lowbit.train.metrics import read_metrics
+from lowbit.train.run_dir import RunDir
+
+__all__ = ["QATJob", "run_qat", "source_run", "load_source", "BASE_STEPS"]
+
+BASE_STEPS = 300   # the BF16 model `lowbit qat` trains first when given no --from
+
+
+@dataclass
+class QATJob:
+    configs: list[QATConfig]
+    """One QAT run per entry (and seed); `--compare ste,jacquant` gives two."""
+    source: str | None = None
+    """A `lowbit train` run folder; None: train (once, cached) a BF16 model on the defaults."""
+    seeds: tuple[int, ...] = (0,)
+    steps: int = 200
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    batch_size: int | None = None
+    eval_every: int = 50
+    checkpoint_every: int = 100
+    device: str = "auto"
+    out_dir: str = "runs"
+    name: str = ""
+    base_steps: int = BASE_STEPS
+    baselines: bool = True
+    baselines_only: bool = False
+    """Evaluate BF16, RTN and GPTQ and train nothing."""
+    gptq_batches: int = 8
+    progress: bool = True
+    resume: bool = False
+    overwrite: bool = False
+    rows: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.configs:
+            raise ValueError("name at least one estimator, e.g. --estimator jacquant")
+        keys = [(c.weights, c.estimator, c.learn_scales, c.scale_init) for c in self.configs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("--compare names the same estimator twice; list each once")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"--seeds must be distinct non-negative integers, e.g. 0,1,2 (got {self.seeds})")
+        for name in ("steps", "eval_every", "base_steps", "gptq_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive number (got {self.lr})")
+        if self.baselines_only and not self.baselines:
+            raise ValueError("--baselines-only and --no-baselines exclude each other")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other; pick one")
+
+
+def source_run(job: QATJob) -> Path:
+    """The trained run QAT starts from: job.source, checked, or the cached default BF16 run."""
+    if job.source is not None:
+        path = Path(job.source)
+        if not (path / "config.json").is_file() or not RunDir(path).checkpoint.is_file():
+            raise ValueError(f"{path} is not a finished lowbit train run folder (it needs "
+                             "config.json and checkpoints/latest.pt); train one with `lowbit "
+                             "train --recipe bf16`, or leave out --from")
+        return path
+    config = TrainConfig(recipe="bf16", max_steps=job.base_steps, device=job.device,
+                         out_dir=job.out_dir, run_name=f"qat-base-tiny-{job.base_steps}",
+                         progress=job.progress, diagnostics=False)
+    run = RunDir(Path(config.out_dir) / config.name)
+    if not (run.path / "final.json").is_file():
+        if job.progress:
+            print(f"lowbit qat: no --from given: training the BF16 model to quantize first "
+                  f"({run.path}, {job.base_steps} steps; cached for later runs)")
+        train(config, resume=run.checkpoint.is_file(), overwrite=False)
+    return run.path
+
+
+def load_source(path: Path) -> tuple[TrainConfig, dict]:
+    """The source run's config and its last checkpoint's model weights."""
+    config = TrainConfig.from_dict(json.loads((path / "config.json").read_text()))
+    if config.qat is not None:
+        raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
+                         f"from ({config.init_from})")
+    if config.recipe != "bf16":
+        print(f"lowbit qat: note: {path} was trained with recipe {config.recipe}; QAT starts "
+              "from its high-precision master weights")
+    checkpoint = load_checkpoint(RunDir(path).checkpoint)
+    return config, checkpoint["model"]
+
+
+def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int, job: QATJob,
+               name: str) -> TrainConfig:
+    """The TrainConfig of one QAT run: the source's model and data, QAT's schedule."""
+    fields = dict(
+        recipe="bf16", qat=qat.to_dict(), init_from=str(source_path), seed=seed,
+        max_steps=job.steps, max_tokens=None, lr=job.lr, warmup_steps=min(job.warmup_steps, job.steps),
+        min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
+        eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
+        device=job.device, out_dir=job.out_dir, run_name=name, progress=job.progress,
+        compile=False, cuda_graph=False, dropout=0.0)
+    if job.batch_size is not None:
+        fields["batch_size"] = job.batch_size
+    return dataclasses.replace(source, **fields)
+
+
+def _label(qat: QATConfig) -> str:
+    if qat.format.grid == "bf16":
+        return "control"
+    label = qat.estimator
+    if qat.learn_scales is not None and qat.learn_scales != (qat.estimator == "lsq"):
+        label += "+learned" if qat.learn_scales else "+fixed"
+    if qat.scale_init != "absmax":
+        label += f"+{qat.scale_init}"
+    return label
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._+-" else "-" for c in text)
+
+
+def run_qat(job: QATJob) -> dict:
+    """Run the job (see the module docstring); returns the summary it writes."""
+    source_path = source_run(job)
+    source, state = load_source(source_path)
+    base_name = job.name or _slug(f"qat-{source_path.name}")
+    # Every run's config is built (and so validated) before the first one trains.
+    plans = []
+    for qat in job.configs:
+        for seed in job.seeds:
+            name = _slug(f"{base_name}-{qat.weights}-{_label(qat)}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
+            plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name)))
+    device = resolve_device(job.device)
+    data = build_data(source)
+
+    def fresh_model():
+        seed_everything(source.seed)
+        model = build_model(source, data.vocab_size)
+        model.load_state_dict(state)
+        return model.to(device)
+
+    summary = {"source": str(source_path), "baselines": {}, "runs": []}
+    if job.baselines:
+        summary["baselines"] = _baselines(job, fresh_model, data, device)
+    for qat, seed, config in plans if not job.baselines_only else []:
+        model = fresh_model()
+        hook = None
+        if qat.format.grid != "bf16":   # bf16: the control, fine-tuned the same way unquantized
+            report = prepare(model, qat)
+            if job.progress:
+                print(report if len(report.prepared) <= 12 else str(report).splitlines()[0])
+            hook = refresh_hook(model, qat, seed)
+        result = train(config, resume=job.resume, overwrite=job.overwrite, model=model,
+                       data=build_data(config), on_step=hook)
+        summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,
+                                "estimator": _label(qat), "seed": seed,
+                                "val_loss": result.val_loss, "val_ppl": result.val_ppl,
+                                "steps": result.steps, "tokens": result.tokens_seen,
+                                "wall_time_s": result.wall_time_s})
+    out = Path(job.out_dir) / base_name
+    out.mkdir(parents=True, exist_ok=True)
+    summary["table"] = format_table(summary)
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "table.md", summary["table"])
+    summary["figure"] = str(plot_qat(summary, out / "qat.png"))
+    summary["dir"] = str(out)
+    return summary
+
+
+def _baselines(job: QATJob, fresh_model, data, device) -> dict:
+    """Validation loss of the source model (bf16), RTN and GPTQ, per weight format."""
+    out = {}
+    model = fresh_model()
+    out["bf16"] = evaluate(model, data.eval_batches(), device)
+    for weights in sorted({c.weights for c in job.configs} - {"bf16"}):
+        first = next(c for c in job.configs if c.weights == weights)
+        plain = QATConfig(weights=weights, estimator="ste", scale_init=first.scale_init)
+        model = fresh_model()
+        prepare(model, plain)
+        out[f"rtn {weights}"] = evaluate(model, data.eval_batches(), device)
+        calibration = [data.train_batch(i) for i in range(job.gptq_batches)]
+        if gptq(model, calibration, device):
+            out[f"gptq {weights}"] = evaluate(model, data.eval_batches(), device)
+    return out
+
+
+def format_table(summary: dict) -> str:
+    """Markdown: each method's validation loss, perplexity, and gap to BF16; with several
+    seeds, mean ± standard deviation over them."""
+    base = summary["baselines"].get("bf16")
+    lines = ["| method | weights | val loss | ppl | gap to bf16 (loss) | seeds |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for name, loss in summary["baselines"].items():
+        method, _, weights = name.partition(" ")
+        gap = "" if base is None or method == "bf16" else f"{loss - base:+.4f}"
+        lines.append(f"| {method} | {weights or '-'} | {loss:.4f} | {_ppl(loss):.2f} | {gap} | |")
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in summary["runs"]:
+        groups.setdefault((r["estimator"], r["weights"]), []).append(r["val_loss"])
+    for (estimator, weights), losses in groups.items():
+        mean = statistics.fmean(losses)
+        sd = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
+        gap = "" if base is None else f"{mean - base:+.4f}{sd}"
+        lines.append(f"| {estimator} | {weights} | {mean:.4f}{sd} | {_ppl(mean):.2f} | {gap} | {len(losses)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_qat(summary: dict, path: Path) -> Path:
+    """Validation loss over steps of every QAT run, the baselines as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10
+    labels = sorted({(r["estimator"], r["weights"]) for r in summary["runs"]})
+    for r in summary["runs"]:
+        color = colors[labels.index((r["estimator"], r["weights"]))]
+        evals = [(m["step"], m["val_loss"]) for m in read_metrics(r["run"]) if m["event"] == "eval"]
+        if evals:
+            first = r is next(x for x in summary["runs"] if (x["estimator"], x["weights"]) == (r["estimator"], r["weights"]))
+            ax.plot(*zip(*evals), color=color, marker="o", markersize=3, alpha=0.9,
+                    label=f"{r['estimator']} {r['weights']}" if first else None)
+    styles = {"bf16": ("black", "-"), "rtn": ("tab:red", ":"), "gptq": ("tab:purple", "-.")}
+    for name, loss in summary["baselines"].items():
+        color, style = styles.get(name.split(" ")[0], ("gray", "--"))
+        ax.axhline(loss, color=color, linestyle=style, linewidth=1, label=name)
+    ax.set_xlabel("QAT step")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(f"QAT from {Path(summary['source']).name}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
