@@ -65,7 +65,8 @@ __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "com
 
 # What may differ between the training runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe (the seed pairs the runs).
-_MAY_DIFFER = frozenset({"recipe", "seed", "run_name", "progress"})
+# Diagnostics only observe (FIELDS_FREE_ON_RESUME), so one seed may take them and others not.
+_MAY_DIFFER = frozenset({"recipe", "seed", "run_name", "progress", "diagnostics", "diag_every"})
 
 
 # ---- the generic part ---------------------------------------------------------------------
@@ -402,13 +403,20 @@ def _to_json(c: Comparison) -> dict:
 
 @dataclass(frozen=True)
 class TrainRunner:
-    """Runs a TrainConfig with lowbit.train.train; the curve is its validation loss."""
+    """Runs a TrainConfig with lowbit.train.train; the curve is its validation loss.
+
+    diagnostics_fn: train()'s, for the configs whose `diagnostics` is on and that quantize
+    (e.g. lowbit.diagnostics.training.per_layer_training_diagnostics); a module-level function,
+    so that it pickles for parallel runs. None: train()'s own diagnostics."""
 
     overwrite: bool = False
+    diagnostics_fn: Callable | None = None
 
     def __call__(self, config: TrainConfig) -> RunOutcome:
+        diagnostics_fn = (self.diagnostics_fn if config.diagnostics and config.recipe != "bf16"
+                          else None)
         try:
-            result = train(config, overwrite=self.overwrite)
+            result = train(config, overwrite=self.overwrite, diagnostics_fn=diagnostics_fn)
         except NonFiniteLossError as e:
             outcome = self.partial(config)
             outcome.status = f"diverged at step {e.step} (non-finite loss)"
@@ -432,10 +440,12 @@ def _val_curve(run_dir) -> list[tuple[int, float]]:
 
 def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
             overwrite: bool = False, parallel_runs: int = 1,
-            deadline_s: float | None = None, progress: bool = True) -> Comparison:
+            deadline_s: float | None = None, progress: bool = True,
+            diagnostics_fn: Callable | None = None) -> Comparison:
     """Train every config (a recipe x seed grid that differs in nothing else) and write the
     comparison under `<out_dir>/<name>/` (default name "compare-<model>-<corpus>"), plus
-    loss.png of all runs. The first config's recipe is the baseline."""
+    loss.png of all runs. The first config's recipe is the baseline. diagnostics_fn: see
+    TrainRunner."""
     _check_comparable(configs)
     base = configs[0]
     summary_dir = Path(base.out_dir) / (name or f"compare-{base.model}-{base.corpus}")
@@ -444,7 +454,7 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
         # tokenize (and train the BPE) once, here, so the parallel runs read the cache
         from lowbit.train.build import build_data
         build_data(base)
-    comparison = compare_runs(specs, TrainRunner(overwrite), summary_dir,
+    comparison = compare_runs(specs, TrainRunner(overwrite, diagnostics_fn), summary_dir,
                               parallel_runs=parallel_runs, deadline_s=deadline_s,
                               progress=progress,
                               title=f"{base.model} on {base.corpus}, {base.total_steps} steps")
