@@ -120,3 +120,24 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
                                        "_uniforms_kernel", "_band_max_kernel",
                                        "_fold_one_chunk_kernel", "_live_blocks_kernel",
                                        "_fold_kernel", "_rht_rows_kernel"}
+
+
+def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env, capsys):
+    """benchmarks/stable_fp4_seeds.py --smoke: the GPU comparison's code path on the tiny model
+    (two recipes, one seed, in this process), its per-layer diagnostics and its summary."""
+    spec = importlib.util.spec_from_file_location("stable_fp4_seeds",
+                                                  ROOT / "benchmarks" / "stable_fp4_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path), "--smoke", "--recipes", "bf16,stable-fp4-dy8",
+                        "--seeds", "0"]) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert text in capsys.readouterr().out                  # printed, ready to paste
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["comparison"]["step"] == 2
+    ops = results["diagnostics"]["operands"]["stable-fp4-dy8"]
+    assert 0 < ops["dw_cos"] <= 1 and 0 < ops["flush_dy"] < 1 and ops["clip_x"] == 0
+    assert "| stable-fp4-dy8 | " in text and "dW cosine per layer kind" in text
+    assert not list(tmp_path.glob("*/checkpoints"))          # deleted after the runs
+    assert module.main(["--out", str(tmp_path), "--smoke", "--seeds", "0",
+                        "--diag-seed", "1"]) == 2

@@ -52,3 +52,31 @@ def test_bf16_model_has_no_diagnostics_and_helpers():
     a = torch.tensor([1.0, 0.0])
     assert cosine(a, a) == 1.0 and cosine(a, torch.tensor([0.0, 1.0])) == 0.0
     assert relative_difference(a, torch.tensor([1.0, 1.0])) == 1.0
+
+
+def test_flushed_counts_nonzero_values_below_half_a_grid_step():
+    from lowbit.diagnostics.training import flushed
+    from lowbit.formats import QuantSpec, quantize_dequantize
+
+    # one 1x32 MXFP4 block with max 6: rceil scale 1, grid step 0.5 near zero, so |x| < 0.25
+    # flushes (0.25 is a tie to even: 0), 0.26 rounds to 0.5; zeros do not count
+    x = torch.tensor([[6.0, 0.2, -0.24, 0.25, 0.26, 1.0, 0.0, 0.0] + [3.0] * 24])
+    q = quantize_dequantize(x, QuantSpec.make("mxfp4", (1, 32), "rceil"))
+    assert flushed(x, q) == 3 / 30
+
+
+def test_per_layer_diagnostics_name_every_quantized_layer_and_average_to_the_means():
+    from lowbit.diagnostics.training import per_layer_training_diagnostics
+    from lowbit.nn import QuantLinear
+
+    model = converted("stable-fp4-nosr")
+    idx = torch.randint(0, 128, (2, 32))
+    d = per_layer_training_diagnostics(model, (idx, idx), step=0)
+    layers = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for key in ("dw_cos", "dx_cos", "flush_dy", "flush_x", "clip_x"):
+        per = [d[f"diag/layer/{n}/{key}"] for n in layers]
+        assert d[f"diag/{key}"] == sum(per) / len(per), key
+    assert 0 < d["diag/flush_dy"] < 1   # 32x32 dY tiles flush small tokens' gradients
+    assert d["diag/flush_dy_wgrad"] == d["diag/flush_dy"]  # one copy of dY for both GEMMs
+    plain = training_diagnostics(model, idx, idx)
+    assert not any("/layer/" in k for k in plain) and plain["diag/dw_cos"] == d["diag/dw_cos"]

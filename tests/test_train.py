@@ -422,14 +422,22 @@ def stand_in_builders(monkeypatch):
 
 
 def test_compare_tabulates_runs_on_the_same_data(tmp_path, stand_in_builders):
-    base = make_config(tmp_path)
-    configs = [base, TrainConfig(**{**base.to_dict(), "run_name": "twin"})]
-    comparison = compare(configs, name="cmp")
+    base = make_config(tmp_path, run_name="a")
+    configs = [base, TrainConfig(**{**base.to_dict(), "run_name": "b", "recipe": "mxfp4"})]
+    comparison = compare(configs, name="cmp", progress=False)
     assert [row.status for row in comparison.rows] == ["ok", "ok"]
-    assert comparison.rows[1].gap_pct == 0.0  # same recipe, seed and data: the same run
+    assert comparison.rows[0].gap_pct == 0.0  # the baseline against itself
+    # the gap is the final validation losses' (the two runs' own final.json)
+    a, b = (json.loads((tmp_path / n / "final.json").read_text())["val_loss"] for n in "ab")
+    assert comparison.rows[1].gap_pct == pytest.approx((b - a) / a * 100, rel=1e-12)
+    assert comparison.arms[0].verdict == "one seed"
     assert comparison.figure.is_file() and "gap vs bf16" in comparison.table.read_text()
-    with pytest.raises(ValueError, match="differ only in recipe"):
-        compare([base, TrainConfig(**{**base.to_dict(), "run_name": "other", "seed": 1})])
+    assert (tmp_path / "cmp" / "loss.png").is_file()
+    with pytest.raises(ValueError, match="differ only in recipe and seed"):
+        compare([base, TrainConfig(**{**base.to_dict(), "run_name": "o", "recipe": "mxfp4",
+                                      "lr": 1e-3})])
+    with pytest.raises(ValueError, match="missing: mxfp4 at seed 1"):
+        compare([base, configs[1], TrainConfig(**{**base.to_dict(), "run_name": "c", "seed": 1})])
 
 
 def test_cli_train_runs_and_turns_nonfinite_stop_into_exit_1(tmp_path, stand_in_builders,
@@ -440,7 +448,7 @@ def test_cli_train_runs_and_turns_nonfinite_stop_into_exit_1(tmp_path, stand_in_
     assert (tmp_path / "tiny-tinyshakespeare-stable-fp4" / "final.json").is_file()
     run_train(parse_train(*common, "--compare", "bf16,mxfp4", "--run-name", "cmp"))
     table = capsys.readouterr().out
-    assert "| cmp-mxfp4 | mxfp4 |" in table and (tmp_path / "cmp" / "loss.png").is_file()
+    assert "| cmp-mxfp4 | mxfp4 | 0 |" in table and (tmp_path / "cmp" / "loss.png").is_file()
     monkeypatch.setattr(loop, "build_model",
                         lambda config, vocab_size: PoisonedLM(set(range(1, 100))))
     stop_early = ("--run-name", "nan", "--max-consecutive-nonfinite", "2", "--recipe", "bf16")

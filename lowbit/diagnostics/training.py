@@ -4,7 +4,13 @@
     the same for X (fprop vs wgrad) and dY (dgrad vs wgrad);
 (b) gradient bias: cosine similarity and relative error of the recipe's dX (each quantized
     layer's input gradient) and dW against the same model with quantization off, same batch;
-(c) the fraction of W, X and dY values clipped by their quantizer.
+(c) the fraction of W, X and dY values clipped by their quantizer, and the fraction of their
+    nonzero values that the GEMM operand holds as zero (flushed: below half a grid step of
+    their block under round-to-nearest; rounded down to 0 in this draw under stochastic
+    rounding), for X and W in fprop, dY in dgrad and in wgrad.
+
+Means over the quantized layers (keys `diag/<stat>`); with per_layer=True also every layer's
+own value (`diag/layer/<module name>/<stat>`), to tell which layers and operands lose what.
 
 Run with its own RNG stream (torch.random.fork_rng): calling it never changes the training
 run's random draws, so a run with diagnostics resumes exactly like one without.
@@ -21,7 +27,8 @@ from lowbit.dispatch import quantize_with_spec
 from lowbit.nn import QuantExperts, QuantLinear, quantization_disabled
 from lowbit.ops.gemms import gemm_operands
 
-__all__ = ["training_diagnostics", "relative_difference", "cosine"]
+__all__ = ["training_diagnostics", "per_layer_training_diagnostics", "relative_difference",
+           "cosine", "flushed"]
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,6 +48,13 @@ def _clipped(t: torch.Tensor, spec) -> float:
         return 0.0
     q = quantize_with_spec(t, spec)
     return (t.abs().float() > q.block_max() * (1 + 2**-20)).float().mean().item()
+
+
+def flushed(original: torch.Tensor, quantized: torch.Tensor) -> float:
+    """The fraction of original's nonzero values that quantized holds as 0 (same shape)."""
+    nonzero = original != 0
+    n = int(nonzero.sum())
+    return ((quantized == 0) & nonzero).sum().item() / n if n else 0.0
 
 
 def _forward_backward(model: nn.Module, idx, targets, layers: dict[str, QuantLinear],
@@ -79,25 +93,41 @@ def _forward_backward(model: nn.Module, idx, targets, layers: dict[str, QuantLin
 
 
 def _operand_stats(stats: dict[str, list[float]], layer: QuantLinear, x: torch.Tensor,
-                   dy: torch.Tensor) -> None:
-    """Append one layer's operand consistency and clipping to `stats`."""
+                   dy: torch.Tensor, name: str, per_layer: dict | None) -> None:
+    """Append one layer's operand consistency, clipping and flushing to `stats` (and, if
+    per_layer is a dict, put them in per_layer[name])."""
     r = layer.linear_recipe
     if r is None:
         return
     x, dy = x.to(layer.weight.dtype), dy.to(layer.weight.dtype)
     ops = gemm_operands(x, layer.weight, dy, r)
-    stats["w_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_w"], ops["dgrad_w"]))
+    own = {"w_fwd_bwd_rel_diff": relative_difference(ops["fprop_w"], ops["dgrad_w"])}
     if not r.wgrad_hadamard:  # with RHT the wgrad operands live in a rotated basis
-        stats["x_fwd_bwd_rel_diff"].append(relative_difference(ops["fprop_x"], ops["wgrad_x"]))
-        stats["dy_dgrad_wgrad_rel_diff"].append(relative_difference(ops["dgrad_dy"], ops["wgrad_dy"]))
-    stats["clip_w"].append(_clipped(layer.weight, r.fprop_w))
-    stats["clip_x"].append(_clipped(x, r.fprop_x))
-    stats["clip_dy"].append(_clipped(dy, r.dgrad_dy))
+        own["x_fwd_bwd_rel_diff"] = relative_difference(ops["fprop_x"], ops["wgrad_x"])
+        own["dy_dgrad_wgrad_rel_diff"] = relative_difference(ops["dgrad_dy"], ops["wgrad_dy"])
+    own["clip_w"] = _clipped(layer.weight, r.fprop_w)
+    own["clip_x"] = _clipped(x, r.fprop_x)
+    own["clip_dy"] = _clipped(dy, r.dgrad_dy)
+    own["flush_x"] = flushed(x, ops["fprop_x"]) if r.fprop_x is not None else 0.0
+    own["flush_w"] = flushed(layer.weight, ops["fprop_w"]) if r.fprop_w is not None else 0.0
+    own["flush_dy"] = flushed(dy, ops["dgrad_dy"]) if r.dgrad_dy is not None else 0.0
+    if not r.wgrad_hadamard:
+        own["flush_dy_wgrad"] = flushed(dy, ops["wgrad_dy"]) if r.wgrad_dy is not None else 0.0
+    for key, value in own.items():
+        stats.setdefault(key, []).append(value)
+    if per_layer is not None:
+        per_layer.setdefault(name, {}).update(own)
 
 
-def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """All three diagnostics on one batch; keys `diag/...`. Leaves the parameters' .grad as
-    they were. Quantized experts contribute to the dW comparison only."""
+def per_layer_training_diagnostics(model: nn.Module, batch, step: int) -> dict[str, float]:
+    """training_diagnostics with per_layer=True, as a diagnostics_fn of lowbit.train.train."""
+    return training_diagnostics(model, *batch, per_layer=True)
+
+
+def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                         per_layer: bool = False) -> dict[str, float]:
+    """All three diagnostics on one batch; keys `diag/...` (see the module doc). Leaves the
+    parameters' .grad as they were. Quantized experts contribute to the dW comparison only."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     quantized_params = {f"{n}.{p}": t for n, m in model.named_modules()
                         if isinstance(m, (QuantLinear, QuantExperts))
@@ -107,12 +137,11 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     saved_grads = {n: p.grad for n, p in model.named_parameters()}
     devices = [idx.device.index or 0] if idx.device.type == "cuda" else []
     try:
-        stats: dict[str, list[float]] = {k: [] for k in (
-            "w_fwd_bwd_rel_diff", "x_fwd_bwd_rel_diff", "dy_dgrad_wgrad_rel_diff", "clip_w",
-            "clip_x", "clip_dy")}
+        stats: dict[str, list[float]] = {}
+        layer_stats: dict[str, dict[str, float]] | None = {} if per_layer else None
         with torch.random.fork_rng(devices=devices):
             quant = _forward_backward(model, idx, targets, layers, on_operands=lambda name, x, dy:
-                                      _operand_stats(stats, layers[name], x, dy))
+                                      _operand_stats(stats, layers[name], x, dy, name, layer_stats))
             quant_dw = {n: p.grad.detach().clone() for n, p in quantized_params.items() if p.grad is not None}
             with quantization_disabled(model):
                 ref = _forward_backward(model, idx, targets, layers)
@@ -121,14 +150,20 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
         for n, p in model.named_parameters():
             p.grad = saved_grads[n]
 
+    def add(layer: str, key: str, value: float) -> None:
+        stats.setdefault(key, []).append(value)
+        if layer_stats is not None:
+            layer_stats.setdefault(layer, {})[key] = value
+
     for name in layers:
         if name in quant and name in ref:
-            stats.setdefault("dx_cos", []).append(cosine(ref[name], quant[name]))
-            stats.setdefault("dx_rel_err", []).append(relative_difference(ref[name], quant[name]))
+            add(name, "dx_cos", cosine(ref[name], quant[name]))
+            add(name, "dx_rel_err", relative_difference(ref[name], quant[name]))
     for name in quant_dw:
         if name in ref_dw:
-            stats.setdefault("dw_cos", []).append(cosine(ref_dw[name], quant_dw[name]))
-            stats.setdefault("dw_rel_err", []).append(relative_difference(ref_dw[name], quant_dw[name]))
+            layer = name.rsplit(".", 1)[0]   # "<module>.weight" -> the module's name
+            add(layer, "dw_cos", cosine(ref_dw[name], quant_dw[name]))
+            add(layer, "dw_rel_err", relative_difference(ref_dw[name], quant_dw[name]))
 
     out = {}
     for key, values in stats.items():
@@ -139,4 +174,6 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
             out[f"diag/{key}_min"] = min(values)
         elif key.endswith("_rel_err") or key.endswith("_diff"):
             out[f"diag/{key}_max"] = max(values)
+    for layer, values in (layer_stats or {}).items():
+        out.update({f"diag/layer/{layer}/{key}": value for key, value in values.items()})
     return {k: v for k, v in out.items() if not math.isnan(v)}

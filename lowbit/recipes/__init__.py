@@ -254,19 +254,26 @@ def nvfp4() -> Recipe:
 
 
 def _stable(name: str, block: int = 32, two_d: bool = True, rule: str = "rceil",
-            sr: bool = True, qk_fp8: bool = True, dy_1d: bool = False) -> Recipe:
+            sr: bool = True, qk_fp8: bool = True, dy_1d: bool = False,
+            fmt: str = "mxfp4", dy_block: int | None = None) -> Recipe:
+    """The stable-fp4 family. fmt "mxfp4" (E8M0 scales under `rule`) or "nvfp4" (E4M3 scales
+    under an FP32 tensor scale; no rule); dy_block: dY's block size where it differs from W's
+    and X's (square tiles if two_d, 1 x dy_block with dy_1d)."""
     b = (block, block) if two_d else (1, block)
-    gb = (1, block) if dy_1d else b
-    x = w = _spec("mxfp4", b, rule)
-    linear = _operands(x, w, _spec("mxfp4", gb, rule, sr=sr))
+    g = dy_block or block
+    gb = (1, g) if dy_1d else (g, g) if two_d else (1, g)
+    scale_rule = rule if fmt != "nvfp4" else None
+    x = w = _spec(fmt, b, scale_rule)
+    linear = _operands(x, w, _spec(fmt, gb, scale_rule, sr=sr))
     overrides = ()
     if qk_fp8:
         e = _spec("mxfp8_e4m3", b, rule)
         qk = _operands(e, e, _spec("mxfp8_e4m3", gb, rule, sr=sr))
         overrides = (("*q_proj", qk), ("*k_proj", qk))
+    scales = f"{rule} scales" if fmt != "nvfp4" else "E4M3 scales under an FP32 tensor scale"
     return Recipe(name, linear, overrides, note=(
-        f"MXFP4 {b[0]}x{b[1]} {rule} scales for W and X, {gb[0]}x{gb[1]} for dY; SR on dY: {sr}; "
-        f"q/k in MXFP8: {qk_fp8}."))
+        f"{fmt.upper()} {b[0]}x{b[1]} {scales} for W and X, {gb[0]}x{gb[1]} for dY; SR on dY: "
+        f"{sr}; q/k in MXFP8: {qk_fp8}."))
 
 
 @register_recipe("stable-fp4")
@@ -343,6 +350,47 @@ def stable_fp4_dy1d() -> Recipe:
     magnitudes can differ by orders of magnitude, and its scale follows the largest; W and X
     keep their forward/backward consistency. Evidence: docs/results/stable-fp4.md."""
     return _stable("stable-fp4-dy1d", dy_1d=True)
+
+
+# ---- 2D-tile variants that keep one quantized copy per operand ----------------------------
+#
+# A 32x32 dY tile spans 32 tokens and its power-of-two scale follows the largest of them
+# (docs/results/stable-fp4.md, "Why stable-fp4 (32x32) trails here"). These keep the paper's
+# idea, one quantized copy of an operand serving it and its transpose, and change what the
+# tile costs dY: NVFP4's E4M3 scales (a block's max maps to 6, not into [3, 6]), a smaller
+# tile, or 1D dY blocks.
+
+@register_recipe("stable-nvfp4-16x16")
+def stable_nvfp4_16x16() -> Recipe:
+    """Variant: stable-fp4 with NVFP4 16x16 tiles for W, X and dY: E4M3 tile scales under an
+    FP32 tensor scale (as NVIDIA's recipe scales), each operand still one quantized copy for
+    both of its GEMMs; stochastic rounding on dY; q/k in MXFP8 16x16. Emulated GEMMs (E4M3
+    scales do not fold into FP8 exactly). Evidence: docs/results/stable-fp4.md."""
+    return _stable("stable-nvfp4-16x16", block=16, fmt="nvfp4")
+
+
+@register_recipe("stable-nvfp4-dy1d")
+def stable_nvfp4_dy1d() -> Recipe:
+    """Variant: NVFP4 16x16 tiles for W and X (one copy each, forward and backward), 1x16 NVFP4
+    blocks with stochastic rounding for dY: in dgrad one scale per token and 16 output
+    features, in wgrad per output feature and 16 tokens, so dY's two copies differ (as in
+    nvfp4, here without its Hadamard transform and BF16 first/last blocks); q/k in MXFP8.
+    Evidence: docs/results/stable-fp4.md."""
+    return _stable("stable-nvfp4-dy1d", block=16, fmt="nvfp4", dy_1d=True)
+
+
+@register_recipe("stable-fp4-dy16")
+def stable_fp4_dy16() -> Recipe:
+    """Variant: stable-fp4 (MXFP4 32x32 rceil tiles for W and X) with 16x16 tiles for dY only,
+    still one copy of dY for dgrad and wgrad. Evidence: docs/results/stable-fp4.md."""
+    return _stable("stable-fp4-dy16", dy_block=16)
+
+
+@register_recipe("stable-fp4-dy8")
+def stable_fp4_dy8() -> Recipe:
+    """Variant: stable-fp4 with 8x8 tiles for dY only (a tile spans 8 tokens). Evidence:
+    docs/results/stable-fp4.md."""
+    return _stable("stable-fp4-dy8", dy_block=8)
 
 
 def with_linear(recipe: Recipe, **changes) -> Recipe:

@@ -8,7 +8,8 @@ A run folder holds config.json, metrics.jsonl, TensorBoard events, checkpoints/l
 loss.png and final.json. `train(config, resume=True)` continues it bit for bit.
 """
 
-from lowbit.train.compare import CompareRow, Comparison, compare
+from lowbit.train.compare import (ArmStats, CompareRow, Comparison, RunOutcome, RunSpec,
+                                  compare, compare_runs)
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import (NonFiniteLossError, RunResult, TrainingData, evaluate,
                                learning_rate_at, train)
@@ -17,4 +18,5 @@ from lowbit.train.plot import plot_runs
 __all__ = [
     "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
     "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
+    "compare_runs", "RunSpec", "RunOutcome", "ArmStats",
 ]

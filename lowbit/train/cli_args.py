@@ -93,6 +93,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", metavar="RECIPES", default=None,
                         help="train each of these comma-separated recipes on the same data "
                              "and seed, e.g. bf16,mxfp4, then plot and tabulate them")
+    parser.add_argument("--seeds", metavar="SEEDS", default=None,
+                        help="with --compare: run every recipe at each of these comma-separated "
+                             "seeds (e.g. 0,1,2; same data order per seed) and tabulate the "
+                             "gaps to the first recipe as mean ± sd over the paired seeds")
+    parser.add_argument("--parallel-runs", metavar="N", type=int, default=1,
+                        help="with --compare: train N runs at once, each in a process of its "
+                             "own (on one GPU, they share it; default: 1, one after another)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -105,6 +112,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "recipe" in fields:
             raise ValueError("--compare names the recipes; drop --recipe")
         fields["recipe"] = _parse_recipes(args.compare)[0]
+        if args.seeds is not None:
+            if "seed" in fields:
+                raise ValueError("--seeds names the seeds of the comparison; drop --seed")
+            fields["seed"] = _parse_seeds(args.seeds)[0]
+    elif args.seeds is not None or args.parallel_runs != 1:
+        raise ValueError("--seeds and --parallel-runs go with --compare R1,R2,...")
     fields["bf16_autocast"] = not args.no_bf16_autocast
     fields["compile"] = args.compile
     fields["cuda_graph"] = args.cuda_graph
@@ -119,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    """`lowbit train`: one run, or with --compare one run per recipe plus a summary.
+    """`lowbit train`: one run, or with --compare one run per recipe (and seed) plus a summary.
 
     A run stopped by non-finite losses ends the process with one line on stderr and exit
     code 1 (not 2: the flags were fine, the training diverged).
@@ -135,17 +148,29 @@ def run_train(args: argparse.Namespace) -> None:
     if args.resume:
         raise ValueError("--resume continues one run; it does not combine with --compare")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("--compare runs its recipes one after another in one process; under "
-                         "torchrun, launch one `lowbit train --recipe R` per recipe instead")
+        raise ValueError("--compare runs its recipes itself, one process or --parallel-runs; "
+                         "under torchrun, launch one `lowbit train --recipe R` per recipe instead")
     recipes = _parse_recipes(args.compare)
+    if args.parallel_runs < 1:
+        raise ValueError(f"--parallel-runs must be at least 1 (got {args.parallel_runs})")
     # With --run-name NAME the runs are NAME-<recipe> and the summary goes to NAME/;
     # without it, each run gets its default name and the summary compare-<model>-<corpus>/.
-    configs = [dataclasses.replace(config, recipe=recipe, run_name=(
-                   f"{config.run_name}-{recipe}" if config.run_name else ""))
-               for recipe in recipes]
-    comparison = compare(configs, name=config.run_name or None, overwrite=args.overwrite)
-    print(format_table(comparison.rows), end="")
-    print(f"figure: {comparison.figure}\ntable: {comparison.table}")
+    # With --seeds, each run name ends in -s<seed>.
+    seeds = _parse_seeds(args.seeds) if args.seeds is not None else [config.seed]
+    configs = []
+    for seed in seeds:
+        for recipe in recipes:
+            run = f"{config.run_name or f'{config.model}-{config.corpus}'}-{recipe}"
+            if args.seeds is not None:
+                run += f"-s{seed}"
+            elif not config.run_name:
+                run = ""
+            configs.append(dataclasses.replace(config, recipe=recipe, seed=seed, run_name=run))
+    comparison = compare(configs, name=config.run_name or None, overwrite=args.overwrite,
+                         parallel_runs=args.parallel_runs, progress=config.progress)
+    print(format_table(comparison), end="")
+    print(f"figures: {comparison.figure}, {', '.join(map(str, comparison.extra_figures))}\n"
+          f"table: {comparison.table}")
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +191,17 @@ def _parse_betas(text: str) -> tuple[float, float]:
         raise ValueError(f"--betas must be two comma-separated numbers, e.g. 0.9,0.95 "
                          f"(got {text!r})") from None
     return beta1, beta2
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds needs distinct non-negative integers separated by commas, "
+                         f"e.g. 0,1,2 (got {text!r})")
+    return seeds
 
 
 def _parse_recipes(text: str) -> list[str]:

@@ -3,11 +3,13 @@
 The x axis is tokens seen, so runs with different batch sizes line up; when all runs take
 the same number of tokens per step, a second axis on top shows the step. Training loss is
 a thin solid line, validation loss a dashed line with markers, one colour per run.
+`plot_gap_bands` draws runs repeated over seeds: means and a band of one standard deviation.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -69,3 +71,65 @@ def _load_run(run_dir: Path) -> dict:
     if {"batch_size", "grad_accum_steps", "seq_len"} <= config.keys():
         tokens_per_step = config["batch_size"] * config["grad_accum_steps"] * config["seq_len"]
     return {"metrics": metrics, "label": label, "tokens_per_step": tokens_per_step}
+
+
+def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
+                   out_path: str | Path, metric: str = "val loss",
+                   title: str | None = None) -> Path:
+    """Runs over seeds: curves[arm][seed] = [(step, value), ...], the first arm the baseline.
+
+    Left, each arm's value per step, the mean over seeds and a band of +- one standard
+    deviation; right, each other arm's gap to the same seed's baseline in %, the mean over the
+    paired seeds and its band. A step enters where at least one seed has both values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(curves)
+    base = {seed: dict(curve) for seed, curve in curves[arms[0]].items()}
+    fig, (ax_value, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10
+    for arm, color in zip(arms, colors):
+        per_step: dict[int, list[float]] = {}
+        gap_per_step: dict[int, list[float]] = {}
+        for seed, curve in curves[arm].items():
+            for step, value in curve:
+                if not math.isfinite(value):
+                    continue
+                per_step.setdefault(step, []).append(value)
+                b = base.get(seed, {}).get(step)
+                if arm != arms[0] and b is not None and math.isfinite(b) and b != 0:
+                    gap_per_step.setdefault(step, []).append((value - b) / b * 100)
+        for ax, data in ((ax_value, per_step), (ax_gap, gap_per_step)):
+            if not data:
+                continue
+            steps = sorted(data)
+            means = [sum(data[s]) / len(data[s]) for s in steps]
+            stds = [_std(data[s]) for s in steps]
+            ax.plot(steps, means, color=color, marker="o", markersize=3,
+                    label=f"{arm} (n={max(len(v) for v in data.values())})")
+            ax.fill_between(steps, [m - d for m, d in zip(means, stds)],
+                            [m + d for m, d in zip(means, stds)], color=color, alpha=0.2)
+    ax_gap.axhline(0, color="black", linewidth=0.8)
+    ax_value.set(xlabel="step", ylabel=f"{metric} (mean ± sd over seeds)")
+    ax_gap.set(xlabel="step", ylabel=f"gap to {arms[0]} (%, mean ± sd over paired seeds)")
+    for ax in (ax_value, ax_gap):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.suptitle(title or ", ".join(arms), fontsize="medium")
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
+def _std(values: Sequence[float]) -> float:
+    """Sample standard deviation; 0 for one value (no band)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
