@@ -1,4 +1,4 @@
-"""The `lowbit` command: train, plot, inspect, bench.
+"""The `lowbit` command: train, plot, inspect, bench, export.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -88,6 +88,18 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=bench.run)
 
 
+def _add_export(sub) -> None:
+    from lowbit.export.cli_args import add_export_arguments, run_export
+
+    p = sub.add_parser(
+        "export", help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4)",
+        description="Pack a model's linear and expert weights as NVFP4 (ModelOpt or "
+                    "compressed-tensors layout) or MXFP4 (compressed-tensors), everything else "
+                    "BF16, for vLLM, SGLang or TensorRT-LLM; see docs/models.md.")
+    add_export_arguments(p)
+    p.set_defaults(func=run_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowbit", description="Train LLMs in 4-bit and lower precision.")
     parser.add_argument("--version", action="version", version=_version())
@@ -95,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_train(sub)
     _add_bench(sub)
+    _add_export(sub)
     return parser
 
 

@@ -37,7 +37,8 @@ from lowbit.models.config import PRESETS, ModelConfig
 from lowbit.models.transformer import Transformer
 
 __all__ = ["ARCHITECTURES", "ModelLoadError", "load_model", "is_model_folder", "read_config",
-           "load_tokenizer", "save_hf", "hf_config_dict", "iter_checkpoint", "checkpoint_files"]
+           "load_tokenizer", "save_hf", "hf_config_dict", "hf_state_items", "iter_checkpoint",
+           "checkpoint_files", "load_weights_into", "write_shards"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,7 +78,7 @@ def load_model(path_or_preset: str | os.PathLike, device: str | torch.device = "
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(config)
-    _load_weights(model, config, files, device, dtype)
+    load_weights_into(model, iter_checkpoint(files), device, dtype)
     return model.eval(), load_tokenizer(path), config
 
 
@@ -188,8 +189,12 @@ def _expert_key(name: str):
 
 
 @torch.no_grad()
-def _load_weights(model: Transformer, config: ModelConfig, files: list[Path],
-                  device: torch.device, dtype: torch.dtype) -> None:
+def load_weights_into(model: Transformer, items, device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a model built on the meta device from (Hugging Face name, tensor) items, each cast
+    to dtype on device as it comes; per-expert tensors are stacked into the fused experts.
+    Refuses a missing, unexpected or misshapen tensor."""
+    config = model.config
+    device = torch.device(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params)
     if config.tie_embeddings:
@@ -198,7 +203,7 @@ def _load_weights(model: Transformer, config: ModelConfig, files: list[Path],
     filled: dict[str, set] = {}
     seen = set()
     F = config.moe_ffn_dim
-    for name, tensor in iter_checkpoint(files):
+    for name, tensor in items:
         if name.startswith("lm_head.") and config.tie_embeddings:
             continue
         if name in params:
