@@ -187,8 +187,12 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
     tokenizer: a `tokenizers.Tokenizer` to save as tokenizer.json; tokenizer_dir: a folder
         whose tokenizer files (TOKENIZER_FILES) are copied.
     """
-    from lowbit import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        __version__ = version("lowbit")
+    except PackageNotFoundError:
+        __version__ = "unknown"
     if format not in FORMAT_LAYOUTS:
         raise ValueError(f"--format {format} has no serving layout lowbit writes; use "
                          f"{' or '.join(FORMAT_LAYOUTS)}")
