@@ -25,6 +25,9 @@ def _add_inspect(sub) -> None:
         description="Print, per tensor and format, SQNR (dB), relative error, the fraction of "
                     "values clipped and flushed to zero, and packed bytes against bf16.")
     p.add_argument("path", nargs="?", help="a .safetensors file or a folder of them (sharded checkpoint)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a Hugging Face model folder: its decoder's linear and expert weights "
+                        "(what lowbit export packs; --filter overrides)")
     p.add_argument("--random", metavar="SHAPE", help="inspect a random normal tensor of this shape, e.g. 4096x4096")
     p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3,int4",
                    help="comma-separated formats, each with optional :options "
@@ -46,6 +49,13 @@ def _run_inspect(args) -> None:
         rows_to_json,
     )
 
+    if args.model is not None:
+        from lowbit.models.hf import read_config
+        if args.path is not None:
+            raise InspectError("give the safetensors path or --model PATH, not both")
+        read_config(args.model)   # refuses a folder lowbit cannot load, in one line
+        args.path = args.model
+        args.filter = args.filter or r"layers\.\d+\..*(proj)"
     formats = [parse_format(f) for f in args.formats.split(",") if f.strip()]
     if not formats:
         raise InspectError("--formats is empty; name at least one format, e.g. --formats nvfp4")
