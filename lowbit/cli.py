@@ -1,4 +1,4 @@
-"""The `lowbit` command: train, plot, qat, inspect, bench.
+"""The `lowbit` command: train, plot, qat, inspect, bench, export.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -25,6 +25,9 @@ def _add_inspect(sub) -> None:
         description="Print, per tensor and format, SQNR (dB), relative error, the fraction of "
                     "values clipped and flushed to zero, and packed bytes against bf16.")
     p.add_argument("path", nargs="?", help="a .safetensors file or a folder of them (sharded checkpoint)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a Hugging Face model folder: its decoder's linear and expert weights "
+                        "(what lowbit export packs; --filter overrides)")
     p.add_argument("--random", metavar="SHAPE", help="inspect a random normal tensor of this shape, e.g. 4096x4096")
     p.add_argument("--formats", default="nvfp4,mxfp4,mxfp8_e4m3,int4",
                    help="comma-separated formats, each with optional :options "
@@ -46,6 +49,13 @@ def _run_inspect(args) -> None:
         rows_to_json,
     )
 
+    if args.model is not None:
+        from lowbit.models.hf import read_config
+        if args.path is not None:
+            raise InspectError("give the safetensors path or --model PATH, not both")
+        read_config(args.model)   # refuses a folder lowbit cannot load, in one line
+        args.path = args.model
+        args.filter = args.filter or r"layers\.\d+\..*(proj)"
     formats = [parse_format(f) for f in args.formats.split(",") if f.strip()]
     if not formats:
         raise InspectError("--formats is empty; name at least one format, e.g. --formats nvfp4")
@@ -102,6 +112,18 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=bench.run)
 
 
+def _add_export(sub) -> None:
+    from lowbit.export.cli_args import add_export_arguments, run_export
+
+    p = sub.add_parser(
+        "export", help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4)",
+        description="Pack a model's linear and expert weights as NVFP4 (ModelOpt or "
+                    "compressed-tensors layout) or MXFP4 (compressed-tensors), everything else "
+                    "BF16, for vLLM, SGLang or TensorRT-LLM; see docs/models.md.")
+    add_export_arguments(p)
+    p.set_defaults(func=run_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowbit", description="Train LLMs in 4-bit and lower precision.")
     parser.add_argument("--version", action="version", version=_version())
@@ -110,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_qat(sub)
     _add_bench(sub)
+    _add_export(sub)
     return parser
 
 

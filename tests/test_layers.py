@@ -22,14 +22,16 @@ ALLOWED = {
     "diagnostics": {"formats", "dispatch", "ops", "recipes", "nn"},
     "train": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
               "diagnostics"},
+    "export": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
+               "diagnostics", "train"},
     "qat": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-            "diagnostics", "train"},
+            "diagnostics", "train", "export"},
     "rl": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-           "diagnostics", "train", "qat"},
+           "diagnostics", "train", "qat", "export"},
     "bench": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-              "diagnostics", "train"},
+              "diagnostics", "train", "export"},
     "cli": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-            "diagnostics", "train", "qat", "rl", "bench"},
+            "diagnostics", "train", "qat", "rl", "bench", "export"},
 }
 
 

@@ -39,7 +39,8 @@ __all__ = ["bench_train", "bench_kernels", "format_rows", "format_kernel_rows",
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
     p = sub.add_parser("train", help="step time and peak memory of recipes, ratios to the first")
-    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--model", default="tiny",
+                   help="model preset, or PATH of a Hugging Face model folder (default: tiny)")
     p.add_argument("--n-experts", type=int, default=None, help="MoE experts (default: the preset's)")
     p.add_argument("--recipes", default="bf16,nvfp4,stable-fp4",
                    help="comma-separated, the first is the baseline (default: %(default)s)")

@@ -37,6 +37,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes` reads it; the model's
     vocabulary is then 256): step i trains on that corpus's batch i, so the gradients are those
     of text (the FP8 folds' redo count depends on them)."""
+    from lowbit.models import is_model_folder
     from lowbit.recipes import get_recipe
     from lowbit.train import TrainConfig
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
@@ -56,7 +57,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
                        max_steps=total + (1 if profile else 0), warmup_steps=min(warmup, 1),
                        compile=compile, cuda_graph=cuda_graph, device=str(dev),
-                       corpus=corpus or "tinyshakespeare", tokenizer="bytes", progress=False,
+                       corpus=corpus or "tinyshakespeare",
+                       tokenizer="model" if is_model_folder(model) else "bytes", progress=False,
                        diagnostics=False)
     data = build_data(base) if corpus is not None else None
     vocab_size = data.vocab_size if data is not None else None

@@ -96,11 +96,12 @@ def _step_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def load_dataset(corpus: str = "tinyshakespeare", tokenizer: str = "bpe", vocab_size: int = 4096,
+def load_dataset(corpus: str = "tinyshakespeare", tokenizer: str | Tokenizer = "bpe", vocab_size: int = 4096,
                  data_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
                  max_bytes: int | None = None) -> TokenDataset:
     """Load corpus `corpus` (see lowbit.data.CORPORA), tokenize it with `tokenizer` ("bpe" with
-    vocab_size entries, trained on the train split; or "bytes"), caching both on disk.
+    vocab_size entries, trained on the train split; or "bytes"; or a Tokenizer, e.g. a model's
+    BPETokenizer), caching both on disk.
 
     max_bytes caps every split (see load_corpus), for tests and smoke runs.
     """

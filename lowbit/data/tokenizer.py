@@ -128,7 +128,10 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
 
 def get_tokenizer(kind: str, corpus: Corpus | None = None, vocab_size: int = 4096,
                   cache_dir: str | os.PathLike | None = None) -> Tokenizer:
-    """"bytes", or "bpe" trained on corpus's train split (loaded from the cache when there)."""
+    """"bytes", or "bpe" trained on corpus's train split (loaded from the cache when there);
+    a Tokenizer given instead of a name is returned as it is."""
+    if not isinstance(kind, str):
+        return kind
     if kind == "bytes":
         return ByteTokenizer()
     if kind != "bpe":

@@ -7,10 +7,10 @@ Sizes come from one of three places:
 - `ModelConfig.preset(name, **overrides)`: the named sizes in PRESETS ("tiny" for CI,
   "small", "100m", "1b"). Add `n_experts=8` (say) to any of them for an MoE model.
 
-Defaults that depend on other fields (n_kv_heads, ffn_dim, moe_ffn_dim) are resolved in
+Defaults that depend on other fields (head_dim, n_kv_heads, ffn_dim, moe_ffn_dim) are resolved in
 `__post_init__`, so a built config holds concrete numbers and round-trips through
-`dataclasses.asdict`. When you `dataclasses.replace` `dim`, pass `ffn_dim=None` (and
-`moe_ffn_dim=None`) too, or the old hidden sizes are kept.
+`dataclasses.asdict`. When you `dataclasses.replace` `dim`, pass `ffn_dim=None`,
+`head_dim=None` (and `moe_ffn_dim=None`) too, or the old sizes are kept.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ class ModelConfig:
     n_layers: int = 4
     """Number of decoder layers (Hugging Face: num_hidden_layers)."""
     n_heads: int = 4
-    """Attention (query) heads; head_dim = dim / n_heads must be an even integer (RoPE)."""
+    """Attention (query) heads."""
+    head_dim: int | None = None
+    """Channels per attention head, an even number (RoPE rotates pairs). None: dim / n_heads
+    (which must then divide); Qwen3 sets it on its own (e.g. 128 heads of 16 on a 1024 width)."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; must divide n_heads. None: n_heads (MHA)."""
     ffn_dim: int | None = None
@@ -46,6 +49,16 @@ class ModelConfig:
     """Epsilon inside RMSNorm's square root."""
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3's q_norm / k_norm); False: LLaMA."""
+    qkv_bias: bool = False
+    """Biases on q_proj, k_proj, v_proj (Qwen2; LLaMA's and Qwen3's attention_bias)."""
+    o_bias: bool = False
+    """A bias on o_proj (LLaMA's and Qwen3's attention_bias; not Qwen2)."""
+    mlp_bias: bool = False
+    """Biases on the dense MLP's gate_proj, up_proj, down_proj (LLaMA's mlp_bias)."""
+    rope_scaling: dict | None = None
+    """None: plain RoPE. {"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}: LLaMA 3.1's frequency rescaling
+    (Hugging Face's rope_parameters of that type)."""
     dropout: float = 0.0
     """Dropout on attention probabilities and on each residual branch's output, in training only."""
     n_experts: int = 0
@@ -56,6 +69,9 @@ class ModelConfig:
     """Hidden size of each expert's SwiGLU (Hugging Face: moe_intermediate_size). None:
     ffn_dim / experts_per_token rounded up to a multiple of 32, so a token's active MLP
     compute roughly matches the dense model's."""
+    moe_norm_topk: bool = True
+    """Renormalize the k routing weights of a token to sum to 1 (Qwen3-MoE's norm_topk_prob,
+    Mixtral); False keeps the softmax probabilities as they are."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch Transformer load-balancing loss (averaged over MoE layers) in the
     training loss; 0 turns balancing off (aux_loss is still reported)."""
@@ -71,12 +87,20 @@ class ModelConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0,
                      f"{name} must be a positive integer (got {value!r})")
-        _require(self.dim % self.n_heads == 0,
-                 f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
-                 f"choose n_heads among the divisors of dim, e.g. dim // 64 for 64-dim heads")
-        _require(self.head_dim % 2 == 0,
-                 f"head_dim = dim / n_heads = {self.head_dim} must be even, since RoPE rotates "
-                 f"pairs of channels; change dim or n_heads")
+        if self.head_dim is None:
+            _require(self.dim % self.n_heads == 0,
+                     f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
+                     f"choose n_heads among the divisors of dim, e.g. dim // 64 for 64-dim heads")
+            _require((self.dim // self.n_heads) % 2 == 0,
+                     f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even, since "
+                     f"RoPE rotates pairs of channels; change dim or n_heads")
+            self.head_dim = self.dim // self.n_heads
+        _require(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+                 f"head_dim must be a positive even integer (got {self.head_dim!r}), since RoPE "
+                 f"rotates pairs of channels")
+        _require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
+                 f"rope_scaling {self.rope_scaling!r} is not supported; lowbit implements plain "
+                 f"RoPE (None) and rope_type 'llama3'")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0
@@ -107,10 +131,6 @@ class ModelConfig:
                      f"None picks ffn_dim / experts_per_token")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
@@ -124,11 +144,12 @@ class ModelConfig:
         attention = C * self.n_heads * hd + 2 * C * self.n_kv_heads * hd + self.n_heads * hd * C
         if self.qk_norm:
             attention += 2 * hd
+        attention += (self.n_heads + 2 * self.n_kv_heads) * hd * self.qkv_bias + C * self.o_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.n_experts
             mlp = self.n_experts * C + experts * 3 * C * self.moe_ffn_dim  # router + experts
         else:
-            mlp = 3 * C * self.ffn_dim
+            mlp = 3 * C * self.ffn_dim + (2 * self.ffn_dim + C) * self.mlp_bias
         layer = attention + mlp + 2 * C  # + input_layernorm, post_attention_layernorm
         embeddings = self.vocab_size * C * (1 if self.tie_embeddings else 2)
         return embeddings + self.n_layers * layer + C  # + final norm

@@ -23,13 +23,15 @@ from torch import nn
 
 
 class TopKRouter(nn.Module):
-    """Linear router: logits = x W^T, probabilities = softmax in fp32, top-k, renormalized."""
+    """Linear router: logits = x W^T, probabilities = softmax in fp32, top-k, renormalized
+    (unless norm_topk=False)."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, top_k: int):
+    def __init__(self, num_experts: int, hidden_dim: int, top_k: int, norm_topk: bool = True):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
         self.top_k = top_k
+        self.norm_topk = norm_topk
         # A Parameter rather than an nn.Linear, as in Hugging Face: module swaps that quantize
         # every nn.Linear leave the router alone, and routing decisions stay in high precision.
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_dim))
@@ -41,7 +43,8 @@ class TopKRouter(nn.Module):
         # values and top-k picks among them arbitrarily.
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # (N, E)
         top_k_weights, top_k_index = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk:
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
         return router_logits, top_k_weights.to(router_logits.dtype), top_k_index
 
 
@@ -122,9 +125,10 @@ def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor) 
 class SparseMoeBlock(nn.Module):
     """Route each token to its top-k experts; returns the output and the load-balancing loss."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, top_k: int):
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, top_k: int,
+                 norm_topk: bool = True):
         super().__init__()
-        self.gate = TopKRouter(num_experts, hidden_dim, top_k)
+        self.gate = TopKRouter(num_experts, hidden_dim, top_k, norm_topk)
         self.experts = Experts(num_experts, hidden_dim, intermediate_dim)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

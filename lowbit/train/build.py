@@ -66,9 +66,18 @@ class CorpusData:
 
 def build_data(config: TrainConfig) -> CorpusData:
     """config.corpus, tokenized with config.tokenizer (cached), as TrainingData."""
-    from lowbit.data import load_dataset
+    from lowbit.data import BPETokenizer, load_dataset
 
-    dataset = load_dataset(config.corpus, tokenizer=config.tokenizer,
+    tokenizer = config.tokenizer
+    if tokenizer == "model":   # a Hugging Face folder's own tokenizer.json
+        from lowbit.models.hf import ModelLoadError, load_tokenizer, read_config
+        read_config(config.model)   # a missing or unsupported folder is refused first
+        found = load_tokenizer(config.model)
+        if found is None:
+            raise ModelLoadError(f"{config.model} has no tokenizer.json, which training on a "
+                                 f"corpus needs")
+        tokenizer = BPETokenizer(found)
+    dataset = load_dataset(config.corpus, tokenizer=tokenizer,
                            vocab_size=config.bpe_vocab_size, data_dir=config.data_dir,
                            max_bytes=config.corpus_max_bytes)
     return CorpusData(dataset, config)
@@ -82,9 +91,20 @@ def epochs(config: TrainConfig, data) -> float | None:
 
 def model_config(config: TrainConfig, vocab_size: int | None = None):
     """The lowbit.models.ModelConfig of config.model with the config's overrides (depth, width,
-    experts, dropout) and a context of at least seq_len; vocab_size None keeps the preset's."""
-    from lowbit.models import ModelConfig
+    experts, dropout) and a context of at least seq_len; vocab_size None keeps the preset's.
+    A Hugging Face folder's config is its config.json's (vocab_size is only checked)."""
+    from lowbit.models import ModelConfig, is_model_folder
 
+    if is_model_folder(config.model):
+        from lowbit.models.hf import read_config
+        built = read_config(config.model)[0]
+        if built.max_seq_len < config.seq_len:
+            raise ValueError(f"--seq-len {config.seq_len} exceeds the model's "
+                             f"max_position_embeddings ({built.max_seq_len})")
+        if vocab_size is not None and vocab_size > built.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab_size} tokens, more than the model's "
+                             f"vocab_size ({built.vocab_size})")
+        return built
     overrides = {name: getattr(config, name) for name in ("n_layers", "n_experts", "dropout")
                  if getattr(config, name) is not None}
     if config.dim is not None:
@@ -99,10 +119,14 @@ def model_config(config: TrainConfig, vocab_size: int | None = None):
 
 def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module:
     """model_config(config, vocab_size) built, initialized from torch's generator as it stands
-    (seed it first)."""
+    (seed it first); for a Hugging Face folder, its weights loaded in float32."""
     from lowbit.models import build_model as build
+    from lowbit.models import is_model_folder, load_model
 
-    return build(model_config(config, vocab_size))
+    built = model_config(config, vocab_size)
+    if is_model_folder(config.model):   # its weights, as float32 master weights, in train mode
+        return load_model(config.model, dtype=torch.float32)[0].train()
+    return build(built)
 
 
 def resolve_recipe(name: str):

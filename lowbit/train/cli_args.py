@@ -23,7 +23,8 @@ _DEFAULT = TrainConfig()
 
 # (flag, TrainConfig field, type, help), in the order `lowbit train --help` lists them.
 _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model", str, "model preset: tiny, small, 100m, 1b"),
+    ("--model", "model", str, "model preset (tiny, small, 100m, 1b) or PATH of a Hugging Face "
+     "model folder (Llama, Qwen2, Qwen3, Qwen3-MoE), trained with its own tokenizer"),
     ("--n-layers", "n_layers", int, "override the preset's depth"),
     ("--dim", "dim", int, "override the preset's width (64-dim heads)"),
     ("--n-experts", "n_experts", int, "override the preset's MoE experts (0: dense)"),
@@ -108,6 +109,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
               if getattr(args, field) is not None}
     if "betas" in fields:
         fields["betas"] = _parse_betas(fields["betas"])
+    if "model" in fields and "tokenizer" not in fields:
+        from lowbit.models import is_model_folder
+        if is_model_folder(fields["model"]):
+            fields["tokenizer"] = "model"
     if args.compare is not None:
         if "recipe" in fields:
             raise ValueError("--compare names the recipes; drop --recipe")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -46,7 +47,9 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 class TrainConfig:
     # --- model -----------------------------------------------------------------------------
     model: str = "tiny"
-    """Preset of lowbit.models.ModelConfig ("tiny", "small", "100m", "1b", ...)."""
+    """Preset of lowbit.models.ModelConfig ("tiny", "small", "100m", "1b", ...), or the path of
+    a Hugging Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE; lowbit.models.load_model),
+    trained from its weights (in float32) with its own tokenizer."""
     n_layers: int | None = None
     """Override the preset's depth; None keeps the preset's."""
     dim: int | None = None
@@ -61,7 +64,9 @@ class TrainConfig:
     corpus: str = "tinyshakespeare"
     """Corpus in lowbit.data.CORPORA: tinyshakespeare, wikitext2, gutenberg, english, pycode."""
     tokenizer: str = "bytes"
-    """Tokenizer understood by lowbit.data: "bytes" (256 symbols, nothing to train) or "bpe"."""
+    """Tokenizer understood by lowbit.data: "bytes" (256 symbols, nothing to train) or "bpe";
+    "model": the model folder's tokenizer.json (the only choice, and the default, with a
+    Hugging Face --model PATH)."""
     bpe_vocab_size: int = 4096
     """Vocabulary of the BPE tokenizer, trained on the corpus (the bytes tokenizer has 256)."""
     corpus_max_bytes: int | None = None
@@ -177,8 +182,19 @@ class TrainConfig:
 
         _require(self.corpus in CORPORA,
                  f"unknown corpus {self.corpus!r}; choose one of {', '.join(CORPORA)}")
-        _require(self.tokenizer in TOKENIZERS,
-                 f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        from lowbit.models import is_model_folder
+
+        if is_model_folder(self.model):
+            _require(self.tokenizer == "model",
+                     f"a Hugging Face model ({self.model}) trains with its own tokenizer; drop "
+                     f"--tokenizer (or pass --tokenizer model)")
+            _require(self.n_layers is None and self.dim is None and self.n_experts is None,
+                     "--n-layers, --dim and --n-experts change a preset; a Hugging Face model's "
+                     "shape is its config.json's")
+        else:
+            _require(self.tokenizer in TOKENIZERS,
+                     f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}"
+                     + (" ('model' needs --model PATH)" if self.tokenizer == "model" else ""))
         _require(isinstance(self.bpe_vocab_size, int) and self.bpe_vocab_size >= 256,
                  f"bpe_vocab_size must be an integer >= 256 (got {self.bpe_vocab_size!r})")
         for name in ("seq_len", "batch_size", "grad_accum_steps", "max_steps",
@@ -232,7 +248,10 @@ class TrainConfig:
     @property
     def name(self) -> str:
         """The run folder's name."""
-        return self.run_name or f"{self.model}-{self.corpus}-{self.recipe}"
+        from lowbit.models import is_model_folder
+
+        model = os.path.basename(os.path.normpath(self.model)) if is_model_folder(self.model) else self.model
+        return self.run_name or f"{model}-{self.corpus}-{self.recipe}"
 
     def to_dict(self) -> dict:
         """JSON-ready fields (what config.json and the checkpoint hold)."""

@@ -1,0 +1,132 @@
+"""`lowbit export RUN_OR_MODEL --format nvfp4 [--layout modelopt|compressed-tensors] --out DIR`.
+
+RUN_OR_MODEL is a Hugging Face model folder, or a `lowbit train` run folder (its last
+checkpoint). A run folder holding `quantized.safetensors` (lowbit.save_qtensors, keys the
+Hugging Face weight names, e.g. what a QAT run's convert() writes) exports those packed weights
+as they are; the rest of the model is quantized round to nearest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_export_arguments", "run_export", "load_source"]
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="RUN_OR_MODEL",
+                   help="a Hugging Face model folder or a lowbit train run folder")
+    p.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"),
+                   help="weight format (default: nvfp4)")
+    p.add_argument("--layout", default=None, choices=("modelopt", "compressed-tensors"),
+                   help="checkpoint layout (default: modelopt for nvfp4, compressed-tensors "
+                        "for mxfp4, which ModelOpt has no layout for)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    p.add_argument("--scale-rule", default="floor", choices=("floor", "rceil"),
+                   help="mxfp4 block scales for weights lowbit quantizes (default: floor)")
+    p.add_argument("--activations", default="bf16", choices=("bf16", "nvfp4"),
+                   help="bf16: weight-only (W4A16); nvfp4: W4A4 with static activation scales "
+                        "calibrated on --calib-corpus (default: bf16)")
+    p.add_argument("--calib-corpus", default="tinyshakespeare", metavar="NAME",
+                   help="corpus for --activations nvfp4 (default: tinyshakespeare)")
+    p.add_argument("--calib-batches", type=int, default=8, metavar="N",
+                   help="calibration batches of 4 x 256 tokens (default: 8)")
+    p.add_argument("--allow-unshared-scales", action="store_true",
+                   help="write given QTensors of a fused group (q/k/v, gate/up) that carry "
+                        "different tensor scales as they are (vLLM takes their max)")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that has files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def load_source(source: str | Path):
+    """(model in float32, weights mapping or None, tokenizer or None, tokenizer folder or None)
+    of a Hugging Face folder or a run folder."""
+    from lowbit.models import load_model
+
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"no such run or model folder: {path}")
+    if (path / "checkpoints" / "latest.pt").is_file():
+        return _load_run(path)
+    model, tokenizer, _ = load_model(path, dtype=torch.float32)
+    return model, None, tokenizer, path
+
+
+def _load_run(path: Path):
+    from lowbit.formats import load_qtensors
+    from lowbit.models import build_model, is_model_folder
+    from lowbit.train.build import model_config
+    from lowbit.train.checkpoint import load_checkpoint
+    from lowbit.train.config import TrainConfig
+
+    checkpoint = load_checkpoint(path / "checkpoints" / "latest.pt")
+    config = TrainConfig.from_dict(checkpoint["config"])
+    state = checkpoint["model"]
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    model = build_model(model_config(config, vocab))
+    model.load_state_dict(state)
+    weights = None
+    if (path / "quantized.safetensors").is_file():
+        weights = load_qtensors(path / "quantized.safetensors")
+    tokenizer, tokenizer_dir = None, None
+    if is_model_folder(config.model):
+        tokenizer_dir = Path(config.model)
+    elif config.tokenizer == "bpe":
+        from lowbit.data import get_tokenizer, load_corpus
+        corpus = load_corpus(config.corpus, data_dir=config.data_dir,
+                             max_bytes=config.corpus_max_bytes)
+        tokenizer = get_tokenizer("bpe", corpus, config.bpe_vocab_size)
+    return model.eval(), weights, tokenizer, tokenizer_dir
+
+
+def _calibration_batches(model, tokenizer, corpus: str, n: int):
+    from lowbit.data import BPETokenizer, load_corpus
+
+    if tokenizer is None:
+        raise ValueError("--activations nvfp4 calibrates on text, which needs the model's "
+                         "tokenizer (tokenizer.json); this source has none")
+    tok = tokenizer if hasattr(tokenizer, "encode_array") else BPETokenizer(tokenizer)
+    text = load_corpus(corpus).splits["train"][: 4 * 256 * n * 8]
+    ids = torch.from_numpy(tok.encode_array(text).astype("int64"))
+    seq = min(256, model.config.max_seq_len)
+    usable = (len(ids) // seq) * seq
+    if usable < seq:
+        raise ValueError(f"corpus {corpus} is too short to calibrate")
+    windows = ids[:usable].view(-1, seq)
+    return [windows[i:i + 4] for i in range(0, min(len(windows), 4 * n), 4)]
+
+
+def run_export(args: argparse.Namespace) -> None:
+    from lowbit.export import calibrate_input_amax, export_model
+    from lowbit.models.hf import load_tokenizer
+
+    layout = args.layout or ("modelopt" if args.format == "nvfp4" else "compressed-tensors")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"{out} is not empty; pass --overwrite or choose another --out")
+    if args.calib_batches < 1:
+        raise ValueError("--calib-batches must be >= 1")
+    model, weights, tokenizer, tokenizer_dir = load_source(args.source)
+    input_amax = None
+    if args.activations == "nvfp4":
+        tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
+        input_amax = calibrate_input_amax(
+            model, _calibration_batches(model, tok, args.calib_corpus, args.calib_batches))
+    report = export_model(model, out, format=args.format, layout=layout, weights=weights,
+                          scale_rule=args.scale_rule, input_amax=input_amax,
+                          tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                          allow_unshared_scales=args.allow_unshared_scales,
+                          progress=not args.no_progress)
+    print(report)
+    (out / "lowbit_export.json").write_text(json.dumps({
+        "source": str(args.source), "format": args.format, "layout": layout,
+        "activations": args.activations, "packed_weights": len(report.quantized),
+        "excluded": report.excluded, "quantized_bytes": report.quantized_bytes,
+        "quantized_bf16_bytes": report.quantized_bf16_bytes, "weight_ratio": report.weight_ratio,
+        "total_bytes": report.total_bytes, "bf16_total_bytes": report.bf16_total_bytes,
+        "total_ratio": report.total_ratio,
+        "qat_weights_given": 0 if weights is None else len(weights)}, indent=2) + "\n")

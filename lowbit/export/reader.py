@@ -1,0 +1,106 @@
+"""Read an exported low-bit folder back: its packed weights as QTensors, bit for bit, and a
+lowbit model that runs on their dequantized values (what a weight-only server computes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.export.layouts import tensor_names
+from lowbit.formats import QTensor, QuantSpec
+from lowbit.models.hf import (ModelLoadError, checkpoint_files, load_tokenizer, load_weights_into,
+                              read_config)
+from lowbit.models.transformer import Transformer
+
+__all__ = ["Exported", "load_exported", "read_layout"]
+
+
+@dataclass
+class Exported:
+    model: Transformer
+    """A lowbit Transformer whose quantized weights are the packed weights dequantized."""
+    weights: dict[str, QTensor]
+    """Hugging Face weight name (`....q_proj.weight`) -> the packed weight, as written."""
+    tokenizer: object
+    """The folder's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
+    format: str
+    layout: str
+    input_scales: dict[str, torch.Tensor]
+    """Module name -> static activation tensor scale (amax / 2688) for W4A4 exports."""
+
+
+def read_layout(path: str | Path) -> tuple[str, str]:
+    """(format, layout) of an exported folder, from its quantization config."""
+    path = Path(path)
+    if (path / "hf_quant_config.json").is_file():
+        algo = json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        if "NVFP4" not in algo.upper():
+            raise ModelLoadError(f"{path}: ModelOpt quant_algo {algo} is not one lowbit reads (NVFP4)")
+        return "nvfp4", "modelopt"
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") == "compressed-tensors":
+        fmt = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}.get(q.get("format"))
+        if fmt is None:
+            raise ModelLoadError(f"{path}: compressed-tensors format {q.get('format')} is not one "
+                                 f"lowbit reads (nvfp4-pack-quantized, mxfp4-pack-quantized)")
+        return fmt, "compressed-tensors"
+    raise ModelLoadError(f"{path} is not a low-bit export (no hf_quant_config.json, no "
+                         f"compressed-tensors quantization_config)")
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> Exported:
+    """An exported folder (either layout) as an `Exported`: QTensors bit for bit, and a model
+    in `dtype` on `device` whose packed weights are dequantized (float32 products, then
+    cast), everything else as stored (BF16)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    format, layout = read_layout(path)
+    config, _ = read_config(path)
+    names = tensor_names(layout)
+    codes_suffix = "." + names["codes"]
+    spec = (QuantSpec.make("nvfp4") if format == "nvfp4"
+            else QuantSpec.make("mxfp4", scale_rule="floor"))
+    raw: dict[str, torch.Tensor] = {}
+    exact: dict[str, str] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            exact.update(json.loads(meta.get("lowbit.tensor_scales", "{}")))
+            for key in f.keys():
+                raw[key] = f.get_tensor(key)
+    packed = sorted(k.removesuffix(".weight_scale") for k in raw if k.endswith(".weight_scale"))
+    weights, inputs = {}, {}
+    for module in packed:
+        codes = raw.pop(module + codes_suffix)
+        scales = raw.pop(f"{module}.weight_scale")
+        tensor_scale = None
+        if format == "nvfp4":
+            stored = raw.pop(f"{module}.{names['tensor_scale']}").float().reshape(())
+            if layout == "modelopt":
+                tensor_scale = stored
+            elif module in exact:    # lowbit's own bits; a reader without them takes 1 / stored
+                tensor_scale = torch.tensor(float.fromhex(exact[module]), dtype=torch.float32)
+            else:
+                tensor_scale = 1.0 / stored
+        act = raw.pop(f"{module}.{names['input_scale']}", None)
+        if act is not None:
+            act = act.float().reshape(())
+            inputs[module] = act if layout == "modelopt" else 1.0 / act
+        shape = (codes.shape[0], codes.shape[1] * 2)
+        weights[f"{module}.weight"] = QTensor(codes, scales, tensor_scale, spec, shape, torch.bfloat16)
+
+    def items():
+        for name, q in weights.items():
+            yield name, q.dequantize(torch.float32)
+        yield from raw.items()
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    load_weights_into(model, items(), device, dtype)
+    return Exported(model.eval(), weights, load_tokenizer(path), format, layout, inputs)

@@ -1,0 +1,304 @@
+"""Write a lowbit model as a servable low-bit Hugging Face folder.
+
+    report = export_model(model, "out/", format="nvfp4", layout="modelopt")
+    report = export_model(model, "out/", weights=qat_weights)     # packed weights as they are
+
+What is quantized: every linear of the decoder layers (q/k/v/o, gate/up/down) and every
+MoE expert's three projections, each written as its own 2D tensor under the Hub's per-expert
+names (`mlp.experts.{e}.gate_proj`...). What stays BF16 and is listed as excluded: lm_head,
+the MoE routers (`mlp.gate`), embeddings, norms, biases, and any linear whose input width is
+not a multiple of the block (servers need whole blocks along the reduction dimension).
+
+Fused groups share one tensor scale, as TensorRT-LLM requires (vLLM takes the group's max
+and warns otherwise): q/k/v of a layer, gate/up of a dense MLP, gate/up of each expert. When
+lowbit quantizes (round to nearest), it quantizes the group's weights stacked along the
+output rows, one tensor, and splits the rows: 1D blocks run along the input dimension, so
+every block is the block it would be alone, under the group's tensor scale.
+
+Already-quantized weights (`weights`: a mapping from Hugging Face weight name to QTensor,
+e.g. a QAT run's converted weights) are written as they are, bit for bit: no requantization.
+Keys are the names the export writes (`model.layers.0.self_attn.q_proj.weight`,
+`model.layers.0.mlp.experts.3.up_proj.weight`), or, for an expert, its fused gate/up as one
+(2F, C) QTensor under `model.layers.0.mlp.experts.3.gate_up_proj`. 2D tiles (16x16 NVFP4,
+32x32 MX) become the serving layout's 1D row blocks exactly (each row of a tile has the
+tile's scale). A group whose QTensors carry different tensor scales is refused unless
+allow_unshared_scales (vLLM then uses their max, TensorRT-LLM cannot load it faithfully).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from tqdm import tqdm
+
+from lowbit.dispatch import quantize_with_spec
+from lowbit.export.layouts import (FORMAT_LAYOUTS, compressed_tensors_config, modelopt_config,
+                                   tensor_names)
+from lowbit.formats import QTensor, QuantSpec
+from lowbit.models.hf import hf_config_dict, write_shards
+
+__all__ = ["ExportReport", "export_model", "quantize_group", "split_rows", "row_blocks",
+           "weight_groups", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                   "tokenizer.model")
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    format: str
+    layout: str
+    quantized: list[str] = field(default_factory=list)
+    """Hugging Face module names written packed."""
+    excluded: list[str] = field(default_factory=list)
+    """Linear-like modules left in BF16 (listed in the config's exclude/ignore)."""
+    quantized_bytes: int = 0
+    """Bytes of the packed weights: codes, block scales and tensor scales."""
+    quantized_bf16_bytes: int = 0
+    """The same weights in BF16."""
+    total_bytes: int = 0
+    """Every tensor written."""
+    bf16_total_bytes: int = 0
+    """The whole model in BF16 (what save_hf in bfloat16 writes)."""
+
+    @property
+    def weight_ratio(self) -> float:
+        return self.quantized_bytes / max(self.quantized_bf16_bytes, 1)
+
+    @property
+    def total_ratio(self) -> float:
+        return self.total_bytes / max(self.bf16_total_bytes, 1)
+
+    def __str__(self) -> str:
+        return (f"lowbit export: {self.format} ({self.layout}) -> {self.out}: "
+                f"{len(self.quantized)} weights packed, {len(self.excluded)} modules kept in BF16; "
+                f"quantized weights {self.quantized_bytes / 2**20:.2f} MiB = "
+                f"{self.weight_ratio:.3f}x their BF16 size; whole folder "
+                f"{self.total_bytes / 2**20:.2f} MiB = {self.total_ratio:.3f}x the BF16 folder")
+
+
+def quantize_group(weights: list[torch.Tensor], spec: QuantSpec) -> list[QTensor]:
+    """Quantize weights that share their input dimension under one tensor scale: stacked
+    along the rows, quantized once, split back. Each block is the one it would be alone."""
+    stacked = torch.cat([w.detach() for w in weights], dim=0)
+    return split_rows(quantize_with_spec(stacked, spec), [w.shape[0] for w in weights])
+
+
+def split_rows(q: QTensor, sizes: list[int]) -> list[QTensor]:
+    """A 1D-block QTensor (R, C) cut into row ranges (same tensor scale), bits unchanged."""
+    if q.spec.is_2d:
+        q = row_blocks(q)
+    out, start = [], 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        out.append(QTensor(q.codes[rows], q.scales[rows], q.tensor_scale, q.spec,
+                           (n, q.shape[1]), q.dtype))
+        start += n
+    return out
+
+
+def row_blocks(q: QTensor) -> QTensor:
+    """(b, b) tiles as (1, b) row blocks: each row takes its tile's scale, codes unchanged
+    (both pack the last dim padded to whole blocks of b)."""
+    if not q.spec.is_2d:
+        return q
+    b = q.spec.block[1]
+    spec = QuantSpec(q.spec.format, (1, b), q.spec.scale_rule, q.spec.rounding, q.spec.tensor_scale)
+    scales = q.scales.repeat_interleave(b, dim=-2)[..., : q.shape[-2], :].contiguous()
+    return QTensor(q.codes, scales, q.tensor_scale, spec, tuple(q.shape), q.dtype)
+
+
+def weight_groups(model) -> list[list[tuple[str, torch.Tensor]]]:
+    """The model's quantizable weights as fused groups of (Hugging Face module name, weight)."""
+    groups = []
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        attn = layer.self_attn
+        groups.append([(f"{p}.self_attn.{n}", getattr(attn, n).weight)
+                       for n in ("q_proj", "k_proj", "v_proj")])
+        groups.append([(f"{p}.self_attn.o_proj", attn.o_proj.weight)])
+        if layer.is_moe:
+            experts = layer.mlp.experts
+            F = experts.intermediate_dim
+            for e in range(experts.num_experts):
+                gu = experts.gate_up_proj[e]
+                groups.append([(f"{p}.mlp.experts.{e}.gate_proj", gu[:F]),
+                               (f"{p}.mlp.experts.{e}.up_proj", gu[F:])])
+                groups.append([(f"{p}.mlp.experts.{e}.down_proj", experts.down_proj[e])])
+        else:
+            groups.append([(f"{p}.mlp.{n}", getattr(layer.mlp, n).weight)
+                           for n in ("gate_proj", "up_proj")])
+            groups.append([(f"{p}.mlp.down_proj", layer.mlp.down_proj.weight)])
+    return groups
+
+
+def _given(weights: Mapping[str, QTensor], group, format: str) -> list[QTensor] | None:
+    names = [name for name, _ in group]
+    found = [weights.get(f"{n}.weight") for n in names]
+    if all(q is None for q in found) and names[0].endswith(".gate_proj") and ".experts." in names[0]:
+        fused = weights.get(names[0].removesuffix(".gate_proj") + ".gate_up_proj")
+        if fused is not None:
+            found = split_rows(row_blocks(fused), [group[0][1].shape[0], group[1][1].shape[0]])
+    if all(q is None for q in found):
+        return None
+    if any(q is None for q in found):
+        missing = [n for n, q in zip(names, found) if q is None]
+        raise ValueError(f"weights has QTensors for part of the fused group {', '.join(names)} "
+                         f"(not {', '.join(missing)}); give the whole group or none of it")
+    out = []
+    for (name, w), q in zip(group, found):
+        if q.format != format:
+            raise ValueError(f"weights[{name}.weight] is {q.format}, not {format}; export it with "
+                             f"--format {q.format}")
+        if tuple(q.shape) != tuple(w.shape):
+            raise ValueError(f"weights[{name}.weight] has shape {tuple(q.shape)}, the model's "
+                             f"weight {tuple(w.shape)}")
+        out.append(row_blocks(q))
+    return out
+
+
+def _tensor_scale(q: QTensor) -> torch.Tensor:
+    # single-level NVFP4 (no tensor scale) is two-level with tensor scale 1: the same values
+    return (q.tensor_scale if q.tensor_scale is not None
+            else torch.ones((), dtype=torch.float32, device=q.device)).float().reshape(())
+
+
+def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "modelopt",
+                 weights: Mapping[str, QTensor] | None = None, scale_rule: str = "floor",
+                 input_amax: Mapping[str, float] | None = None, tokenizer=None,
+                 tokenizer_dir: str | Path | None = None, allow_unshared_scales: bool = False,
+                 max_shard_bytes: int = 4 * 2**30, progress: bool = True) -> ExportReport:
+    """Write `model` (a lowbit.models.Transformer, converted or not) to `out` in `layout`.
+
+    format: "nvfp4" (layouts modelopt, compressed-tensors) or "mxfp4" (compressed-tensors).
+    weights: already-quantized weights by Hugging Face name (see the module docstring);
+        groups not in it are quantized here, round to nearest.
+    scale_rule: for mxfp4 weights lowbit quantizes ("floor" or "rceil").
+    input_amax: module name -> activation amax from calibration (lowbit.export.calibrate);
+        given, the checkpoint is W4A4 (NVFP4 activations with these static global scales),
+        else weight-only (W4A16).
+    tokenizer: a `tokenizers.Tokenizer` to save as tokenizer.json; tokenizer_dir: a folder
+        whose tokenizer files (TOKENIZER_FILES) are copied.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("lowbit")
+    except PackageNotFoundError:
+        __version__ = "unknown"
+    if format not in FORMAT_LAYOUTS:
+        raise ValueError(f"--format {format} has no serving layout lowbit writes; use "
+                         f"{' or '.join(FORMAT_LAYOUTS)}")
+    if layout not in FORMAT_LAYOUTS[format]:
+        raise ValueError(f"{format} has no {layout} layout; use --layout "
+                         f"{' or '.join(FORMAT_LAYOUTS[format])}")
+    if input_amax is not None and format != "nvfp4":
+        raise ValueError("calibrated activations (W4A4) are written for nvfp4 only")
+    spec = (QuantSpec.make("nvfp4") if format == "nvfp4"
+            else QuantSpec.make("mxfp4", scale_rule=scale_rule))
+    block = spec.block[1]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = tensor_names(layout)
+    report = ExportReport(out, format, layout)
+    weights = weights or {}
+    tensors: dict[str, torch.Tensor] = {}
+    exact_scales: dict[str, str] = {}
+    done: set[str] = set()   # parameter names written packed (or their expert stacks)
+
+    groups = weight_groups(model)
+    for group in tqdm(groups, desc="lowbit export", unit="group", disable=not progress):
+        in_features = group[0][1].shape[1]
+        if in_features % block:
+            report.excluded.extend(name for name, _ in group)
+            continue
+        qs = _given(weights, group, format)
+        if qs is None:
+            qs = quantize_group([w for _, w in group], spec)
+        scales = [_tensor_scale(q) for q in qs] if format == "nvfp4" else []
+        if len(scales) > 1 and not all(torch.equal(s, scales[0]) for s in scales) \
+                and not allow_unshared_scales:
+            raise ValueError(f"the fused group {', '.join(n for n, _ in group)} has different "
+                             f"tensor scales; TensorRT-LLM needs one per group (quantize the group "
+                             f"with lowbit.export.quantize_group), or pass --allow-unshared-scales")
+        for (name, w), q in zip(group, qs):
+            tensors[f"{name}.{names['codes']}"] = q.codes.contiguous().cpu()
+            scale_tensor = q.scales.contiguous().cpu()
+            tensors[f"{name}.{names['scales']}"] = scale_tensor
+            if format == "nvfp4":
+                s = _tensor_scale(q).cpu()
+                if layout == "modelopt":
+                    tensors[f"{name}.{names['tensor_scale']}"] = s.clone()
+                else:
+                    tensors[f"{name}.{names['tensor_scale']}"] = (1.0 / s).reshape(1)
+                    exact_scales[name] = float(s).hex()   # float32 -> double: exact
+                if input_amax is not None:
+                    amax = torch.tensor(float(input_amax[name]), dtype=torch.float32)
+                    act = torch.clamp(amax / (448.0 * 6.0), min=2.0 ** -120)
+                    tensors[f"{name}.{names['input_scale']}"] = (
+                        act if layout == "modelopt" else (1.0 / act).reshape(1))
+            report.quantized.append(name)
+            report.quantized_bytes += q.nbytes
+            report.quantized_bf16_bytes += w.numel() * 2
+            done.add(name)
+
+    # everything else in BF16, under its Hugging Face name (experts never: they are all packed
+    # or, for a width not divisible by the block, written per expert in BF16 below)
+    from lowbit.models.hf import hf_state_items
+    for name, tensor in hf_state_items(model):
+        module = name.rsplit(".", 1)[0]
+        if module in done and name.endswith(".weight"):
+            continue
+        tensors[name] = tensor.detach().to("cpu", torch.bfloat16).contiguous()
+    for i, layer in enumerate(model.model.layers):
+        if layer.is_moe:
+            report.excluded.append(f"model.layers.{i}.mlp.gate")
+    report.excluded.insert(0, "lm_head")
+    config = model.config
+    report.bf16_total_bytes = sum(2 * t.numel() for _, t in hf_state_items(model))
+    report.total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    shards, size = [{}], 0
+    for name in sorted(tensors, key=_natural):
+        t = tensors[name]
+        if size and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    metadata = {"lowbit.export": json.dumps({"format": format, "layout": layout,
+                                             "version": __version__})}
+    if exact_scales:
+        metadata["lowbit.tensor_scales"] = json.dumps(exact_scales)
+    write_shards(out, shards, metadata)
+
+    hf_config = hf_config_dict(config, torch.bfloat16)
+    activations = input_amax is not None
+    if layout == "modelopt":
+        quant = modelopt_config(report.excluded, activations, __version__)
+        (out / "hf_quant_config.json").write_text(json.dumps(quant, indent=2) + "\n")
+        q = quant["quantization"]
+        hf_config["quantization_config"] = {"quant_method": "modelopt", **q,
+                                            "ignore": q["exclude_modules"]}
+    else:
+        hf_config["quantization_config"] = compressed_tensors_config(
+            format, report.excluded, activations, __version__)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for file in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / file).is_file():
+                shutil.copy2(Path(tokenizer_dir) / file, out / file)
+    elif tokenizer is not None:
+        getattr(tokenizer, "tokenizer", tokenizer).save(str(out / "tokenizer.json"))
+    return report
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]

@@ -1,0 +1,218 @@
+"""lowbit export: servable NVFP4 / MXFP4 folders, read back bit for bit by load_exported,
+checked against the ModelOpt conventions tensor by tensor and decompressed independently by
+compressed-tensors (through transformers' loader)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from hf_models import TEXT, VOCAB, save_hf_model, tokenizer
+from lowbit.export import calibrate_input_amax, export_model, load_exported, quantize_group, weight_groups
+from lowbit.formats import QuantSpec, quantize, quantize_dequantize
+from lowbit.models import load_model
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for kind in ("llama", "qwen3-moe"):
+        path = save_hf_model(kind, tmp_path_factory.mktemp(kind), dtype=torch.bfloat16)
+        out[kind] = (path, load_model(path, dtype=torch.float32)[0])
+    return out
+
+
+def _tensors(folder):
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _tokens():
+    ids = torch.tensor(tokenizer().encode(TEXT[:3000]).ids)
+    return ids[: (len(ids) // 64) * 64].view(-1, 64)[:6]
+
+
+def _perplexity(model, ids):
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    return math.exp(F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).item())
+
+
+def _fake_quantized(model, spec, dtype=torch.float32):
+    """The model with every exported group's weights quantize-dequantized by the reference
+    (formats), stacked along rows so each group shares its tensor scale."""
+    fake, _, _ = load_model(model._source, dtype=dtype)
+    params = dict(fake.named_parameters())
+    for group in weight_groups(model):
+        stacked = torch.cat([w.detach() for _, w in group])
+        deq = quantize_dequantize(stacked, spec).split([w.shape[0] for _, w in group])
+        for (name, _), d in zip(group, deq):
+            *mod, e, proj = name.split(".")
+            if "experts" in name:
+                base = ".".join(mod)
+                F_ = fake.config.moe_ffn_dim
+                with torch.no_grad():
+                    if proj == "down_proj":
+                        params[f"{base}.down_proj"][int(e)] = d
+                    else:
+                        rows = slice(0, F_) if proj == "gate_proj" else slice(F_, 2 * F_)
+                        params[f"{base}.gate_up_proj"][int(e), rows] = d
+            else:
+                with torch.no_grad():
+                    params[f"{name}.weight"].copy_(d)
+    return fake
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_round_trip_is_bit_exact_and_perplexity_is_the_fake_quantized_one(models, kind, layout, tmp_path):
+    path, model = models[kind]
+    model._source = path
+    report = export_model(model, tmp_path, layout=layout, tokenizer_dir=path, progress=False)
+    assert report.weight_ratio <= 0.29
+    assert (tmp_path / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    exported = load_exported(tmp_path)
+    spec = QuantSpec.make("nvfp4")
+    for group in weight_groups(model):
+        expected = quantize_group([w for _, w in group], spec)
+        for (name, _), q in zip(group, expected):
+            got = exported.weights[f"{name}.weight"]
+            assert torch.equal(got.codes, q.codes), name
+            assert torch.equal(got.scales.view(torch.uint8), q.scales.view(torch.uint8)), name
+            assert torch.equal(got.tensor_scale, q.tensor_scale), name
+        # fused groups (q/k/v, gate/up, each expert's gate/up) share their tensor scale
+        assert len({float(q.tensor_scale) for q in expected}) == 1
+    ids = _tokens()
+    assert _perplexity(exported.model, ids) == _perplexity(_fake_quantized(model, spec), ids)
+    assert _perplexity(exported.model, ids) != _perplexity(model, ids)
+
+
+def test_modelopt_tensors_follow_the_documented_conventions(models, tmp_path):
+    path, model = models["qwen3-moe"]
+    export_model(model, tmp_path, layout="modelopt", progress=False)
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "W4A16_NVFP4" and quant["group_size"] == 16
+    assert quant["kv_cache_quant_algo"] is None
+    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(quant["exclude_modules"])
+    t = _tensors(tmp_path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in t      # per-expert 2D tensors
+    assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    assert t["model.embed_tokens.weight"].dtype == torch.bfloat16
+    w = model.model.layers[1].mlp.experts.gate_up_proj[2]       # (2F, C) gate rows, then up
+    F_ = model.config.moe_ffn_dim
+    for proj, rows in (("gate_proj", w[:F_]), ("up_proj", w[F_:])):
+        name = f"model.layers.1.mlp.experts.2.{proj}"
+        packed, scale, scale_2 = t[f"{name}.weight"], t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"]
+        R, C = rows.shape
+        assert (packed.dtype, tuple(packed.shape)) == (torch.uint8, (R, C // 2))
+        assert (scale.dtype, tuple(scale.shape)) == (torch.float8_e4m3fn, (R, C // 16))
+        assert (scale_2.dtype, tuple(scale_2.shape)) == (torch.float32, ())
+        # decode by hand: low nibble = even element, bit 3 = sign, the rest indexes E2M1
+        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+        values = torch.tensor(E2M1)[nibbles & 7] * (1 - 2 * (nibbles >> 3)).float()
+        block = (scale_2 * scale.float()).repeat_interleave(16, dim=-1)
+        reference = quantize_dequantize(w, QuantSpec.make("nvfp4"))   # gate and up: one tensor scale
+        assert torch.equal(values * block, reference[:F_] if proj == "gate_proj" else reference[F_:])
+        # the weight_scale_2 convention: amax of the expert's gate and up together / (448 * 6)
+        assert scale_2.item() == pytest.approx(w.abs().max().item() / 2688, rel=1e-6)
+
+
+def test_compressed_tensors_decompresses_to_lowbits_dequantized_weights(models, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    path, model = models["llama"]
+    export_model(model, tmp_path, layout="compressed-tensors", tokenizer_dir=path, progress=False)
+    exported = load_exported(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    state = hf.state_dict()
+    for name, q in exported.weights.items():
+        assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name
+    ids = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, exported.model.to(torch.bfloat16)(ids).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_compressed_tensors_compressor_reads_experts_and_mxfp4(models, format, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    path, model = models["qwen3-moe"]
+    export_model(model, tmp_path, format=format, layout="compressed-tensors", progress=False)
+    config = QuantizationConfig.model_validate(
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"])
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.load_from_registry(config.format)
+    t = _tensors(tmp_path)
+    exported = load_exported(tmp_path)
+    for name, q in exported.weights.items():
+        module = name.removesuffix(".weight")
+        state = {k.removeprefix(module + "."): v for k, v in t.items() if k.startswith(module + ".")}
+        dense = compressor.decompress(state, scheme)["weight"]
+        assert torch.equal(dense, q.dequantize(torch.bfloat16)), name
+    assert len(exported.weights) == 2 * (4 + 4 * 3)
+
+
+def test_qat_weights_are_written_as_they_are(models, tmp_path):
+    path, model = models["llama"]
+    # packed weights as a QAT run would hand them over: NVFP4 16x16 tiles, q/k/v of layer 0 with
+    # one tensor scale
+    weights = {}
+    attn = model.model.layers[0].self_attn
+    stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach() * 0.9
+    q_all = quantize(stacked, "nvfp4", block=(16, 16))
+    deq = q_all.dequantize()
+    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    from lowbit.export import split_rows
+    for n, q in zip(("q_proj", "k_proj", "v_proj"), split_rows(q_all, sizes)):
+        weights[f"model.layers.0.self_attn.{n}.weight"] = q
+    export_model(model, tmp_path, weights=weights, progress=False)
+    got = load_exported(tmp_path).weights
+    back = torch.cat([got[f"model.layers.0.self_attn.{n}.weight"].dequantize(torch.float32)
+                      for n in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(back, deq)                          # no requantization
+    # different tensor scales in one fused group: refused, unless allowed
+    weights["model.layers.0.self_attn.k_proj.weight"] = quantize(attn.k_proj.weight.detach(), "nvfp4")
+    with pytest.raises(ValueError, match="different tensor scales"):
+        export_model(model, tmp_path / "b", weights=weights, progress=False)
+    export_model(model, tmp_path / "c", weights=weights, allow_unshared_scales=True, progress=False)
+
+
+def test_w4a4_calibration_writes_static_input_scales(models, tmp_path):
+    path, model = models["qwen3-moe"]
+    amax = calibrate_input_amax(model, [_tokens()[:2]])
+    assert "model.layers.0.self_attn.q_proj" in amax and "model.layers.1.mlp.experts.3.down_proj" in amax
+    export_model(model, tmp_path, input_amax=amax, progress=False)
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    t = _tensors(tmp_path)
+    s = t["model.layers.0.self_attn.q_proj.input_scale"]
+    assert s.dtype == torch.float32 and s.item() == pytest.approx(amax["model.layers.0.self_attn.q_proj"] / 2688)
+
+
+def test_cli_export_and_its_errors(models, tmp_path):
+    path, _ = models["llama"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "lowbit.cli", "export", *a], env=env,
+                                    capture_output=True, text=True)
+    ok = run(str(path), "--format", "nvfp4", "--layout", "compressed-tensors", "--out",
+             str(tmp_path / "ct"), "--no-progress")
+    assert ok.returncode == 0, ok.stderr
+    assert "0.282x their BF16 size" in ok.stdout
+    summary = json.loads((tmp_path / "ct" / "lowbit_export.json").read_text())
+    assert summary["weight_ratio"] <= 0.29
+    bad = run(str(path), "--format", "mxfp4", "--layout", "modelopt", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "mxfp4 has no modelopt layout" in bad.stderr
+    missing = run(str(tmp_path / "nothing"), "--out", str(tmp_path / "y"))
+    assert missing.returncode == 2 and "no such run or model folder" in missing.stderr
