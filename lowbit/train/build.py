@@ -50,6 +50,7 @@ class CorpusData:
         self.dataset, self.config = dataset, config
         self.vocab_size = dataset.vocab_size
         self.tokens_per_epoch = dataset.tokens_per_epoch
+        self.fingerprint = dataset.fingerprint   # what a resume checks (lowbit.train.checkpoint)
         # Draw one window from each split now, so a seq_len longer than a split is refused
         # before the run folder exists, not at the first evaluation.
         dataset.get_batch(0, 1, config.seq_len, config.seed)
