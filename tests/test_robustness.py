@@ -283,3 +283,20 @@ def test_out_dir_that_is_a_file_is_one_line(tmp_path, capsys, stand_ins):
     code, err = cli(capsys, *TRAIN, "--out-dir", str(tmp_path / "file"))
     one_line_error(code, err, "is a file, not a folder")
     assert (tmp_path / "file").read_text() == "x"
+
+
+# --- a comparison is validated whole before its first step ----------------------------------------
+
+def test_compare_refuses_an_unknown_recipe_or_a_taken_folder_before_training_anything(tmp_path, capsys,
+                                                                                      stand_ins):
+    common = [a for a in TRAIN if a not in ("--recipe", "bf16", "--run-name", "run")]
+    code, err = cli(capsys, *common, "--out-dir", str(tmp_path), "--compare", "bf16,nosuch")
+    one_line_error(code, err, "nosuch")
+    assert not tmp_path.joinpath("tiny-tinyshakespeare-bf16").exists()
+    taken = tmp_path / "cmp-mxfp4"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    code, err = cli(capsys, *common, "--out-dir", str(tmp_path), "--compare", "bf16,mxfp4",
+                    "--run-name", "cmp")
+    one_line_error(code, err, "cmp-mxfp4", "--overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp-mxfp4"]   # bf16 never started

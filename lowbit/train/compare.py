@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from lowbit.train.build import resolve_recipe
 from lowbit.train.checkpoint import write_text_atomic
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.plot import plot_runs
+from lowbit.train.run_dir import RunDir
 
 # What may differ between the runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe.
@@ -49,6 +51,7 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
     """Run each config in turn and write the combined figure and summary under
     `<out_dir>/<name>/` (default name "compare-<model>-<corpus>")."""
     _check_comparable(configs)
+    check_runs(configs, overwrite)
     base = configs[0]
     summary_dir = Path(base.out_dir) / (name or f"compare-{base.model}-{base.corpus}")
     rows: list[CompareRow] = []
@@ -86,6 +89,15 @@ def format_table(rows: Sequence[CompareRow]) -> str:
         gap = "—" if row.gap_pct is None else f"{row.gap_pct:+.2f}%"
         lines.append(f"| {row.run} | {row.recipe} | {loss} | {ppl} | {gap} | {row.status} |")
     return "\n".join(lines) + "\n"
+
+
+def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False) -> None:
+    """Refuse, before the first run's first step, what would stop a later run: an unknown
+    recipe, or a run folder that cannot be started (one holding a run, without overwrite)."""
+    for config in configs:
+        resolve_recipe(config.recipe)
+    for config in configs:
+        RunDir(Path(config.out_dir) / config.name).check(config, resume=False, overwrite=overwrite)
 
 
 def _check_comparable(configs: Sequence[TrainConfig]) -> None:
