@@ -300,3 +300,31 @@ def test_compare_refuses_an_unknown_recipe_or_a_taken_folder_before_training_any
                     "--run-name", "cmp")
     one_line_error(code, err, "cmp-mxfp4", "--overwrite")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp-mxfp4"]   # bf16 never started
+
+
+# --- lowbit plot ------------------------------------------------------------------------------
+
+def test_plot_out_must_be_a_png_in_an_existing_folder(tmp_path, capsys):
+    fit(config(tmp_path, max_steps=2, checkpoint_every=0))
+    run = str(tmp_path / "runs" / "run")
+    (tmp_path / "figs").mkdir()
+    for out, message in ((tmp_path / "figs", "is a folder"),
+                         (tmp_path / "missing" / "deeper" / "p.png", "does not exist"),
+                         (tmp_path / "curves", "must name a .png file")):
+        code, err = cli(capsys, "plot", run, "--out", str(out))
+        one_line_error(code, err, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "runs"]   # nothing created
+    assert not list((tmp_path / "figs").iterdir())
+
+
+def test_plot_leaves_out_a_torn_last_metrics_line_and_names_a_damaged_one(tmp_path, capsys):
+    fit(config(tmp_path, max_steps=2, checkpoint_every=0))
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"event": "train", "st')      # killed mid-write
+    code, err = cli(capsys, "plot", str(metrics.parent), "--out", str(tmp_path / "p.png"))
+    assert code == 0 and (tmp_path / "p.png").is_file()
+    assert "torn last line" in err and str(metrics) in err
+    metrics.write_text('{"event": "train", "st\n' + whole)   # damaged in the middle
+    code, err = cli(capsys, "plot", str(metrics.parent), "--out", str(tmp_path / "p.png"))
+    one_line_error(code, err, f"{metrics}, line 1")
