@@ -328,3 +328,43 @@ def test_plot_leaves_out_a_torn_last_metrics_line_and_names_a_damaged_one(tmp_pa
     metrics.write_text('{"event": "train", "st\n' + whole)   # damaged in the middle
     code, err = cli(capsys, "plot", str(metrics.parent), "--out", str(tmp_path / "p.png"))
     one_line_error(code, err, f"{metrics}, line 1")
+
+
+# --- lowbit inspect: non-finite values are counted and named; bad input is one line -------------
+
+def _safetensors(tmp_path, **tensors):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    return str(path)
+
+
+def test_inspect_counts_and_names_nonfinite_values_instead_of_scoring_them(tmp_path, capsys):
+    part = torch.randn(4, 64)
+    part[0, 3], part[2, 40] = float("nan"), float("inf")
+    path = _safetensors(tmp_path, all_nan=torch.full((2, 32), float("nan")), part=part,
+                        clean=torch.randn(2, 32))
+    assert main(["inspect", path, "--formats", "nvfp4,mxfp4", "--json", "--no-progress"]) == 0
+    rows = {(r["tensor"], r["format"]): r for r in json.loads(capsys.readouterr().out)}
+    for fmt, block in (("nvfp4", 16), ("mxfp4", 32)):
+        dead = rows[("all_nan", fmt)]
+        assert dead["nonfinite"] == 64 and dead["nan"] == 64
+        assert dead["sqnr_db"] == "nan" and "nothing finite to measure" in dead["note"]
+        partial = rows[("part", fmt)]
+        assert partial["nonfinite"] == 2 and partial["made_nonfinite"] == 2 * (block - 1)
+        assert torch.isfinite(torch.tensor(partial["sqnr_db"])) and "1 NaN and 1 Inf" in partial["note"]
+        assert rows[("clean", fmt)]["note"] == ""
+    main(["inspect", path, "--formats", "nvfp4", "--no-progress"])
+    table = capsys.readouterr().out
+    line = next(l for l in table.splitlines() if l.startswith("all_nan"))
+    assert " inf " not in f" {line} " and "nothing finite to measure" in line and " 64 " in line
+
+
+def test_inspect_refuses_a_bad_regex_in_one_line_and_reads_fp8_tensors(tmp_path, capsys):
+    path = _safetensors(tmp_path, w=torch.randn(4, 32).to(torch.float8_e4m3fn),
+                        ids=torch.arange(8, dtype=torch.int32))
+    one_line_error(*cli(capsys, "inspect", path, "--filter", "(unclosed"), "not a valid regular expression")
+    one_line_error(*cli(capsys, "inspect", path), "'ids'", "I32", "--skip-non-float")
+    assert main(["inspect", path, "--skip-non-float", "--formats", "mxfp4", "--no-progress"]) == 0
+    assert "w" in capsys.readouterr().out
