@@ -368,3 +368,41 @@ def test_inspect_refuses_a_bad_regex_in_one_line_and_reads_fp8_tensors(tmp_path,
     one_line_error(*cli(capsys, "inspect", path), "'ids'", "I32", "--skip-non-float")
     assert main(["inspect", path, "--skip-non-float", "--formats", "mxfp4", "--no-progress"]) == 0
     assert "w" in capsys.readouterr().out
+
+
+# --- lowbit.convert: all or nothing, and never silently nothing ------------------------------------
+
+def _blocks(n_layers: int) -> nn.Module:
+    from lowbit.models import ModelConfig, build_model
+
+    return build_model(ModelConfig.preset("tiny", n_layers=n_layers, vocab_size=64))
+
+
+def test_convert_refuses_a_partly_converted_model_without_changing_it():
+    import lowbit
+    from lowbit.nn import QuantLinear
+
+    model = _blocks(4)
+    late = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and "layers.3" in n][0]
+    lowbit.convert(model.get_submodule(late.rsplit(".", 1)[0]), "stable-fp4")  # one block done
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="already converted.*nothing was changed"):
+        lowbit.convert(model, "stable-fp4")
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == \
+        sum(isinstance(m, QuantLinear) for m in model.get_submodule(late.rsplit(".", 1)[0]).modules())
+
+
+def test_convert_reports_modules_it_does_not_understand_and_warns_when_it_quantizes_nothing():
+    import lowbit
+
+    transformers_utils = pytest.importorskip("transformers.pytorch_utils")
+    gpt2_like = nn.ModuleDict({"c_attn": transformers_utils.Conv1D(96, 32),
+                               "lm_head": nn.Linear(32, 64)})
+    with pytest.warns(UserWarning, match="quantized no module.*Conv1D"):
+        report = lowbit.convert(gpt2_like, "stable-fp4")
+    assert [(n, t) for n, t, _ in report.not_understood] == [("c_attn", "Conv1D")]
+    assert "unknown    c_attn" in str(report) and "(32, 96)" in str(report)
+    with pytest.warns(UserWarning, match="'nvfp4' quantized no module"):
+        report = lowbit.convert(_blocks(2), "nvfp4")     # its first/last-block rule keeps both
+    assert not report.swapped and "first/last 1 blocks" in str(report)
