@@ -406,3 +406,27 @@ def test_convert_reports_modules_it_does_not_understand_and_warns_when_it_quanti
     with pytest.warns(UserWarning, match="'nvfp4' quantized no module"):
         report = lowbit.convert(_blocks(2), "nvfp4")     # its first/last-block rule keeps both
     assert not report.swapped and "first/last 1 blocks" in str(report)
+
+
+# --- every format's scales stay finite for every finite input -----------------------------------
+
+@pytest.mark.parametrize("fmt, options", [
+    ("nvfp4", {}), ("nvfp4", {"tensor_scale": False}), ("mxfp4", {}), ("mxfp4", {"scale_rule": "rceil"}),
+    ("mxfp8_e4m3", {"scale_rule": "rceil"}), ("mxfp8_e5m2", {}), ("int2", {}), ("int4", {}),
+    ("int8", {"block": (32, 32)}), ("ternary", {}), ("ternary", {"block": (32, 32)}), ("binary", {}),
+])
+def test_a_finite_input_never_comes_back_nonfinite_even_at_float32s_edges(fmt, options):
+    from lowbit.formats import QuantSpec, quantize, quantize_dequantize
+
+    g = torch.Generator().manual_seed(0)
+    for amax in (3.4028e38, 1e38, 1e37, 1e36, 1.0, 1e-30, 1e-38, 1e-44):
+        x = (torch.rand(32, 128, generator=g) * 2 - 1) * amax
+        x[0, :] = amax                      # whole blocks at the magnitude
+        q = quantize(x, fmt, **options)
+        assert torch.isfinite(q.dequantize()).all(), (fmt, options, amax)
+        if q.scales.dtype != torch.uint8:          # E8M0 codes are exponents, 255 only for NaN
+            assert torch.isfinite(q.scales.float()).all(), (fmt, options, amax)
+        else:
+            assert (q.scales != 255).all()
+        spec = QuantSpec.make(fmt, **options)
+        assert torch.isfinite(quantize_dequantize(x, spec)).all(), (fmt, options, amax)

@@ -24,6 +24,9 @@ Where lowbit differs from torchao (the test suite pins these down):
   down when amax/max is within a few ulps above a power of two, and then the block max clips.
   lowbit rounds the float32 amax/max up to a power of two on its bits (what cuBLAS's RCEIL,
   Transformer Engine and torchao's own Blackwell path do), so `rceil` never clips.
+- ternary/binary mean-|x| scales: a block whose magnitudes sum past float32's max (a block
+  amax near 1e36 and above) is summed scaled by 2^-64, so its scale stays finite (torchao has
+  no such formats; the plain float32 sum overflowed to Inf and the block came back NaN).
 - NVFP4 two-level with a tensor amax below 2688 * 2^-120 (~3.5e-33; all-zero tensors
   included): torchao divides by a zero or subnormal tensor scale and gets NaN; lowbit clamps
   the tensor scale at 2^-120.
@@ -204,8 +207,16 @@ def _float_scales(xf, blocks, amax, element, kind, block):
         counts = blocked(torch.ones_like(xf), block)[0].sum(dim=(-3, -1))
         # Sum the sorted magnitudes: float addition is not associative, and a fixed order
         # keeps the scale of a tile (and so its bits) the same for x and x.T.
-        mags = blocks.abs().transpose(-3, -2).flatten(-2)        # (..., nR, nC, br * bc)
-        scales = mags.sort(dim=-1).values.sum(dim=-1) / counts
+        mags = blocks.abs().transpose(-3, -2).flatten(-2).sort(dim=-1).values  # (..., nR, nC, br * bc)
+        scales = mags.sum(dim=-1) / counts
+        # The sum of a block of finite values past ~3.4e38 / count overflows float32, though
+        # their mean cannot: sum those blocks scaled by 2^-64 (exact for such magnitudes) and
+        # scale the mean back. Every other block keeps its bits.
+        overflow = torch.isinf(scales) & torch.isfinite(amax)
+        if overflow.any():
+            rescued = torch.ldexp(torch.ldexp(mags, torch.tensor(-64)).sum(dim=-1) / counts,
+                                  torch.tensor(64))
+            scales = torch.where(overflow, rescued, scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return scales, 1.0 / safe
 
