@@ -430,3 +430,77 @@ def test_a_finite_input_never_comes_back_nonfinite_even_at_float32s_edges(fmt, o
             assert (q.scales != 255).all()
         spec = QuantSpec.make(fmt, **options)
         assert torch.isfinite(quantize_dequantize(x, spec)).all(), (fmt, options, amax)
+
+
+# --- the library's input errors: one clear exception, not an AttributeError deep inside ---------
+
+def test_quantize_refuses_what_is_not_a_tensor_and_options_that_mean_nothing():
+    import numpy as np
+
+    import lowbit
+
+    for x, hint in ((None, "NoneType"), ([1.0, 2.0], "torch.tensor(x)"),
+                    (np.ones(32, np.float32), "torch.from_numpy(x)")):
+        with pytest.raises(TypeError, match=re_escape(hint)):
+            lowbit.quantize(x, "nvfp4")
+    x = torch.randn(4, 32)
+    for kwargs, message in ((dict(tensor_scale=False), "tensor_scale applies to nvfp4 only"),
+                            (dict(block=(1, 32.0)), "pair of integers"),
+                            (dict(generator=torch.Generator()), "stochastic rounding only")):
+        with pytest.raises(ValueError, match=message):
+            lowbit.quantize(x, "mxfp4", **kwargs)
+    lowbit.quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator())  # meaningful
+
+
+def test_dequantize_to_float64_is_the_float32_values_widened():
+    import lowbit
+
+    x = torch.randn(8, 64)
+    for fmt in ("nvfp4", "mxfp4", "int4"):
+        q = lowbit.quantize(x, fmt)
+        assert torch.equal(q.dequantize(torch.float64), q.dequantize(torch.float32).double())
+
+
+def test_load_qtensors_names_a_damaged_file(tmp_path):
+    import lowbit
+
+    path = tmp_path / "q.safetensors"
+    lowbit.save_qtensors(path, {"w": lowbit.quantize(torch.randn(16, 64), "nvfp4")})
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"", b"not safetensors at all"):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError, match=re_escape(str(path))):
+            lowbit.load_qtensors(path)
+
+
+def test_inspect_refuses_an_option_that_means_nothing(capsys):
+    one_line_error(*cli(capsys, "inspect", "--random", "8x32", "--formats", "mxfp4:single"),
+                   "tensor_scale applies to nvfp4 only")
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# --- lowbit bench: refused before it measures --------------------------------------------------
+
+def test_bench_json_pointing_at_a_folder_is_refused_before_the_benchmark_runs(tmp_path, capsys,
+                                                                              monkeypatch):
+    import lowbit.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "bench_train", lambda *a, **k: ran.append(1) or [])
+    one_line_error(*cli(capsys, "bench", "train", "--json", str(tmp_path)), "is a folder")
+    (tmp_path / "file").write_text("x")
+    one_line_error(*cli(capsys, "bench", "train", "--json", str(tmp_path / "file" / "b.json")),
+                   "is a file, not a folder")
+    assert not ran
+
+
+def test_bench_kernels_without_triton_is_one_line(capsys, monkeypatch):
+    import lowbit.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_importable", lambda: False)
+    one_line_error(*cli(capsys, "bench", "kernels"), "needs triton")

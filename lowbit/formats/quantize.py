@@ -41,11 +41,11 @@ import torch
 from lowbit.formats.elements import (
     ElementFormat, e8m0_to_float, encode, pack_codes, round_to_grid,
 )
-from lowbit.formats.qtensor import QTensor
+from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "blocked", "unblocked",
-           "tensor_scale_of", "check_input", "NVFP4_TENSOR_SCALE_MIN"]
+           "tensor_scale_of", "check_input", "check_generator", "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -66,6 +66,7 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
     tensor_scale: nvfp4 only; True (default) adds the FP32 per-tensor scale amax / (448 * 6).
     """
     spec = QuantSpec.make(format, block, scale_rule, rounding, tensor_scale)
+    check_generator(spec, generator)
     return quantize_with_spec(x, spec, generator=generator)
 
 
@@ -108,8 +109,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
         grid = grid + 0.0
     values = unblocked(grid * scale[..., :, None, :, None], g.pad_rows)[..., : x.shape[-1]]
     dtype = x.dtype if dtype is None else dtype
-    limit = torch.finfo(dtype).max
-    return torch.clamp(values, -limit, limit).to(dtype).reshape(x.shape)
+    return saturate_to(values, dtype).reshape(x.shape)
 
 
 class _OnGrid(NamedTuple):
@@ -246,11 +246,22 @@ def unblocked(blocks: torch.Tensor, pad_rows: int) -> torch.Tensor:
     return flat[..., : nr * br - pad_rows, :] if pad_rows else flat
 
 
+def check_generator(spec: QuantSpec, generator) -> None:
+    """Refuse a generator where nothing draws from it: round-to-nearest is deterministic, so a
+    generator passed with it means the caller expected stochastic rounding."""
+    if generator is not None and spec.rounding is not Rounding.STOCHASTIC:
+        raise ValueError("a generator is drawn from by stochastic rounding only; pass "
+                         "rounding='stochastic', or no generator for round-to-nearest")
+
+
 def check_input(x, spec: QuantSpec) -> None:
     """Refuse what no quantizer takes: not a float32/bfloat16/float16 tensor, an empty or 0-dim
     one, or a 1-D one with 2D tiles (one line that says what to do)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}")
+        hint = {"ndarray": "; convert it with torch.from_numpy(x)",
+                "list": "; convert it with torch.tensor(x)", "tuple": "; convert it with torch.tensor(x)"}
+        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}"
+                        f"{hint.get(type(x).__name__, '')}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype}; "
                         "cast it first (x.float())")
