@@ -504,3 +504,11 @@ def test_bench_kernels_without_triton_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(kernels, "triton_importable", lambda: False)
     one_line_error(*cli(capsys, "bench", "kernels"), "needs triton")
+
+
+def test_a_seq_len_past_the_presets_context_is_said(tmp_path, capsys, stand_ins):
+    code, err = cli(capsys, *TRAIN, "--out-dir", str(tmp_path), "--seq-len", "1100", "--steps", "1")
+    assert code == 0
+    assert "--seq-len 1100 exceeds the tiny preset's context of 1024 tokens" in err
+    code, err = cli(capsys, *TRAIN, "--out-dir", str(tmp_path), "--run-name", "short")
+    assert "exceeds" not in err

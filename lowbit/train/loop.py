@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
-                                build_optimizer, epochs, resolve_recipe, seed_everything)
+                                build_optimizer, context_warning, epochs, resolve_recipe,
+                                seed_everything)
 from lowbit.train.checkpoint import CHECKPOINT_VERSION, check_same_data, rng_state, set_rng_state
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
@@ -141,6 +142,8 @@ class _Run:
             print(f"lowbit: warning: this run reads its training split {self.epochs:.1f} times "
                   f"(more than ~3 repeats overfits); use a larger corpus or fewer --steps",
                   file=sys.stderr)
+        if main and model is None and context_warning(config):
+            print(context_warning(config), file=sys.stderr)
         seed_everything(config.seed)  # so the init does not depend on what building data drew
         self.model = model = model if model is not None else build_model(config, data.vocab_size)
         if recipe is not None:
