@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `lowbit inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("lowbit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # lowbit.train's says the step, checkpoint and --resume
+        print(f"lowbit: interrupted {e}".rstrip(), file=sys.stderr)
         return 130
     return 0
 

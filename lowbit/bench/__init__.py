@@ -123,7 +123,22 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
+    check_json_path(getattr(args, "json", None))   # before the benchmark, not after it ran
     args.bench_func(args)
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse a --json PATH that cannot be written: a folder, or below a file."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file name, e.g. {target / 'bench.json'}")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--json {path}: {parent} is a file, not a folder")
+            break
 
 
 def write_json(path: str | None, rows) -> None:

@@ -225,7 +225,7 @@ def check_specs(device: str) -> list:
 def _stochastic(spec):
     from lowbit.formats import QuantSpec
     return QuantSpec.make(spec.format, spec.block, spec.scale_rule, "stochastic",
-                          spec.tensor_scale)
+                          spec.tensor_scale if spec.format == "nvfp4" else None)
 
 
 def spread(shape, seed: int, device: str) -> torch.Tensor:

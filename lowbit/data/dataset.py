@@ -16,6 +16,7 @@ tokenizer and the corpus's content hash, so a second run only reads them back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -42,6 +43,17 @@ class TokenDataset:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash (BLAKE2b) of every split's token ids: two datasets with the same fingerprint
+        hold the same tokens. Checkpoints store it, so a resume on other data is refused."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.splits):
+            tokens = self.splits[name].contiguous()
+            digest.update(f"{name}:{tokens.dtype}:{tokens.numel()};".encode())
+            digest.update(tokens.view(torch.uint8).numpy())
+        return digest.hexdigest()
 
     @property
     def tokens_per_epoch(self) -> int:

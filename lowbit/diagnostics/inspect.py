@@ -8,6 +8,7 @@ Format arguments are a format name with optional `:`-separated options, e.g.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-_SAFETENSORS_FLOAT = ("F32", "BF16", "F16", "F64")
+_SAFETENSORS_FLOAT = ("F32", "BF16", "F16", "F64", "F8_E4M3", "F8_E5M2")
+_WIDENED = (torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)  # inspected as float32
 
 
 def iter_safetensors(path: str | Path, skip_non_float: bool = False,
@@ -100,7 +102,11 @@ def iter_safetensors(path: str | Path, skip_non_float: bool = False,
         files = [path]
     else:
         raise InspectError(f"no such file or folder: {path}")
-    pattern = re.compile(name_filter) if name_filter else None
+    try:
+        pattern = re.compile(name_filter) if name_filter else None
+    except re.error as e:
+        raise InspectError(f"--filter {name_filter!r} is not a valid regular expression ({e}); "
+                           f"e.g. --filter 'layers\\.0\\.'") from None
     index = []
     for file in files:
         try:
@@ -114,8 +120,8 @@ def iter_safetensors(path: str | Path, skip_non_float: bool = False,
             if dtype not in _SAFETENSORS_FLOAT:
                 if skip_non_float:
                     continue
-                raise InspectError(f"tensor {name!r} in {file} is {dtype}, not a float tensor; "
-                                   "pass --skip-non-float to leave such tensors out")
+                raise InspectError(f"tensor {name!r} in {file} is {dtype}, not a floating-point "
+                                   "tensor; pass --skip-non-float to leave such tensors out")
             index.append((file, name))
 
     def load():
@@ -135,32 +141,38 @@ def inspect_tensors(tensors: list[tuple[str, torch.Tensor]] | Iterator,
     bar = tqdm(tensors, total=total, desc="inspect", unit="tensor",
                disable=not progress or (total is not None and total < 8), leave=False)
     for name, tensor in bar:
-        x = tensor.float() if tensor.dtype == torch.float64 else tensor
+        x = tensor.float() if tensor.dtype in _WIDENED else tensor
         for label, spec in formats:
             if spec.is_2d and x.dim() < 2:
                 rows.append(Row(name, tuple(x.shape), label, None, "1-D tensor: no 2D tiles"))
                 continue
-            generator = torch.Generator(device=x.device).manual_seed(seed)
+            generator = (torch.Generator(device=x.device).manual_seed(seed)
+                         if spec.rounding.value == "stochastic" else None)
             q = quantize_with_spec(x, spec, generator=generator)
-            rows.append(Row(name, tuple(x.shape), label, quantization_error(x, q)))
+            error = quantization_error(x, q)
+            rows.append(Row(name, tuple(x.shape), label, error, error.note()))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     header = ["tensor", "shape", "format", "SQNR dB", "rel err", "clipped", "flushed",
-              "bytes", "vs bf16"]
+              "non-finite", "bytes", "vs bf16", "note"]
     lines = [header]
     for r in rows:
         shape = "x".join(map(str, r.shape))
         if r.error is None:
-            lines.append([r.tensor, shape, r.format, "-", "-", "-", "-", "-", r.note])
+            lines.append([r.tensor, shape, r.format, "-", "-", "-", "-", "-", "-", "-", r.note])
             continue
         e = r.error
-        lines.append([r.tensor, shape, r.format, f"{e.sqnr_db:.2f}", f"{e.rel_error:.4f}",
-                      f"{100 * e.clipped:.3f}%", f"{100 * e.flushed:.3f}%", _human(e.nbytes),
-                      f"{e.nbytes / e.bf16_nbytes:.3f}x"])
+        measured = e.measured > 0
+        lines.append([r.tensor, shape, r.format, f"{e.sqnr_db:.2f}" if measured else "-",
+                      f"{e.rel_error:.4f}" if measured else "-",
+                      f"{100 * e.clipped:.3f}%" if measured else "-",
+                      f"{100 * e.flushed:.3f}%" if measured else "-",
+                      f"{e.nonfinite + e.made_nonfinite:,}", _human(e.nbytes),
+                      f"{e.nbytes / e.bf16_nbytes:.3f}x", r.note])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    numeric = set(range(3, len(header)))
+    numeric = set(range(3, len(header) - 1))
     out = []
     for k, line in enumerate(lines):
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
@@ -171,9 +183,14 @@ def format_table(rows: list[Row]) -> str:
 
 
 def rows_to_json(rows: list[Row]) -> str:
+    """Strict JSON: NaN and Inf are written as the strings "nan", "inf", "-inf" (as in a run's
+    metrics.jsonl)."""
+    def plain(value):
+        return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
     return json.dumps([{"tensor": r.tensor, "shape": list(r.shape), "format": r.format,
-                        **(r.error.as_dict() if r.error else {"note": r.note})} for r in rows],
-                      indent=2)
+                        **{k: plain(v) for k, v in (r.error.as_dict() if r.error else {}).items()},
+                        "note": r.note} for r in rows], indent=2)
 
 
 def _human(n: int) -> str:

@@ -32,6 +32,7 @@ from lowbit.formats import quantize_with_spec as reference_quantize
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
+from lowbit.formats.quantize import check_generator, check_input
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "rotated_fake_quantize",
@@ -69,6 +70,7 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
              generator: torch.Generator | None = None) -> QTensor:
     """lowbit.formats.quantize (its arguments and defaults), on the kernels where they apply."""
     spec = QuantSpec.make(format, block, scale_rule, rounding, tensor_scale)
+    check_generator(spec, generator)
     return quantize_with_spec(x, spec, generator=generator)
 
 
@@ -76,6 +78,7 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> QTensor:
     """A packed QTensor of x: the fused kernel on CUDA where it covers the spec, else the
     reference."""
+    check_input(x, spec)   # before use_kernels reads x.is_cuda: quantize(None) is one line too
     if use_kernels(x, spec):
         return kernels.quantize_triton(x, spec, generator=generator)
     return reference_quantize(x, spec, generator)
@@ -85,6 +88,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """The values `spec` represents, in x's shape and `dtype` (default x's): the fused
     fake-quantize kernel on CUDA where it covers the spec, else the reference."""
+    check_input(x, spec)
     if use_kernels(x, spec, codes=False):
         return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
     return reference_quantize_dequantize(x, spec, generator, dtype)

@@ -23,7 +23,17 @@ import torch
 from lowbit.formats.elements import decode, e8m0_to_float, pack_codes, unpack_codes
 from lowbit.formats.spec import QuantSpec, ScaleKind
 
-__all__ = ["QTensor", "save_qtensors", "load_qtensors"]
+__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to"]
+
+
+def saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `values` in `dtype`, saturating at the largest finite value of the narrower of
+    the two (NaN stays NaN): a product that overflowed float32 comes back as float32's max,
+    also in float64 (whose max a float32 clamp bound cannot hold)."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"dequantize gives floating-point values; got dtype {dtype}")
+    limit = min(torch.finfo(dtype).max, torch.finfo(values.dtype).max)
+    return torch.clamp(values, -limit, limit).to(dtype)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FORMAT_VERSION = "1"
@@ -108,8 +118,7 @@ class QTensor:
         if self.zeros is not None:
             values = values - self._per_element(self.zeros.to(torch.float32))
         values = values * self.element_scales()
-        limit = torch.finfo(dtype).max
-        return torch.clamp(values, -limit, limit).to(dtype).reshape(self.shape)
+        return saturate_to(values, dtype).reshape(self.shape)
 
     def t(self) -> "QTensor":
         """The transpose of the last two dims, with the same bits (2D tiles only).
@@ -181,12 +190,25 @@ def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
 
 
 def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, QTensor]:
-    """Load what save_qtensors wrote, bit for bit."""
-    from safetensors import safe_open
-
+    """Load what save_qtensors wrote, bit for bit. A damaged or foreign file is a ValueError
+    that names it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}")
+    try:
+        return _load_qtensors(path, device)
+    except (ValueError, FileNotFoundError) as e:
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"{path} is not a readable QTensor file ({e})") from None
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+        raise ValueError(f"{path} is damaged or not a QTensor file ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
+
+
+def _load_qtensors(path: Path, device) -> dict[str, QTensor]:
+    from safetensors import safe_open
+
     out: dict[str, QTensor] = {}
     with safe_open(str(path), framework="pt", device=str(device)) as f:
         meta = f.metadata() or {}

@@ -24,6 +24,9 @@ Where lowbit differs from torchao (the test suite pins these down):
   down when amax/max is within a few ulps above a power of two, and then the block max clips.
   lowbit rounds the float32 amax/max up to a power of two on its bits (what cuBLAS's RCEIL,
   Transformer Engine and torchao's own Blackwell path do), so `rceil` never clips.
+- ternary/binary mean-|x| scales: a block whose magnitudes sum past float32's max (a block
+  amax near 1e36 and above) is summed scaled by 2^-64, so its scale stays finite (torchao has
+  no such formats; the plain float32 sum overflowed to Inf and the block came back NaN).
 - NVFP4 two-level with a tensor amax below 2688 * 2^-120 (~3.5e-33; all-zero tensors
   included): torchao divides by a zero or subnormal tensor scale and gets NaN; lowbit clamps
   the tensor scale at 2^-120.
@@ -38,11 +41,11 @@ import torch
 from lowbit.formats.elements import (
     ElementFormat, e8m0_to_float, encode, pack_codes, round_to_grid,
 )
-from lowbit.formats.qtensor import QTensor
+from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "blocked", "unblocked",
-           "tensor_scale_of", "check_input", "NVFP4_TENSOR_SCALE_MIN"]
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "blocked",
+           "unblocked", "tensor_scale_of", "check_input", "check_generator", "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -63,6 +66,7 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
     tensor_scale: nvfp4 only; True (default) adds the FP32 per-tensor scale amax / (448 * 6).
     """
     spec = QuantSpec.make(format, block, scale_rule, rounding, tensor_scale)
+    check_generator(spec, generator)
     return quantize_with_spec(x, spec, generator=generator)
 
 
@@ -110,8 +114,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
         grid = grid + 0.0
     values = unblocked(grid * scale[..., :, None, :, None], g.pad_rows)[..., : x.shape[-1]]
     dtype = x.dtype if dtype is None else dtype
-    limit = torch.finfo(dtype).max
-    return torch.clamp(values, -limit, limit).to(dtype).reshape(x.shape)
+    return saturate_to(values, dtype).reshape(x.shape)
 
 
 class _OnGrid(NamedTuple):
@@ -239,8 +242,16 @@ def _float_scales(xf, blocks, amax, element, kind, block):
         counts = blocked(torch.ones_like(xf), block)[0].sum(dim=(-3, -1))
         # Sum the sorted magnitudes: float addition is not associative, and a fixed order
         # keeps the scale of a tile (and so its bits) the same for x and x.T.
-        mags = blocks.abs().transpose(-3, -2).flatten(-2)        # (..., nR, nC, br * bc)
-        scales = mags.sort(dim=-1).values.sum(dim=-1) / counts
+        mags = blocks.abs().transpose(-3, -2).flatten(-2).sort(dim=-1).values  # (..., nR, nC, br * bc)
+        scales = mags.sum(dim=-1) / counts
+        # The sum of a block of finite values past ~3.4e38 / count overflows float32, though
+        # their mean cannot: sum those blocks scaled by 2^-64 (exact for such magnitudes) and
+        # scale the mean back. Every other block keeps its bits.
+        overflow = torch.isinf(scales) & torch.isfinite(amax)
+        if overflow.any():
+            rescued = torch.ldexp(torch.ldexp(mags, torch.tensor(-64)).sum(dim=-1) / counts,
+                                  torch.tensor(64))
+            scales = torch.where(overflow, rescued, scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     return scales, 1.0 / safe
 
@@ -270,11 +281,22 @@ def unblocked(blocks: torch.Tensor, pad_rows: int) -> torch.Tensor:
     return flat[..., : nr * br - pad_rows, :] if pad_rows else flat
 
 
+def check_generator(spec: QuantSpec, generator) -> None:
+    """Refuse a generator where nothing draws from it: round-to-nearest is deterministic, so a
+    generator passed with it means the caller expected stochastic rounding."""
+    if generator is not None and spec.rounding is not Rounding.STOCHASTIC:
+        raise ValueError("a generator is drawn from by stochastic rounding only; pass "
+                         "rounding='stochastic', or no generator for round-to-nearest")
+
+
 def check_input(x, spec: QuantSpec) -> None:
     """Refuse what no quantizer takes: not a float32/bfloat16/float16 tensor, an empty or 0-dim
     one, or a 1-D one with 2D tiles (one line that says what to do)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}")
+        hint = {"ndarray": "; convert it with torch.from_numpy(x)",
+                "list": "; convert it with torch.tensor(x)", "tuple": "; convert it with torch.tensor(x)"}
+        raise TypeError(f"quantize takes a torch.Tensor, got {type(x).__name__}"
+                        f"{hint.get(type(x).__name__, '')}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype}; "
                         "cast it first (x.float())")

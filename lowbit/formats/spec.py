@@ -7,6 +7,7 @@ an Enum.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -136,8 +137,13 @@ class QuantSpec:
         info = get_format(format)
         if block is None:
             block = info.default_block
-        elif isinstance(block, int) or len(block) != 2:
-            raise ValueError(f"block must be a pair (1, b) or (b, b), got {block!r}")
+        elif (not isinstance(block, (tuple, list)) or len(block) != 2
+              or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block)):
+            raise ValueError(f"block must be a pair of integers (1, b) or (b, b), got {block!r}")
+        if tensor_scale is not None and info.scale_kind is not ScaleKind.E4M3:
+            raise ValueError(f"tensor_scale applies to nvfp4 only; {format} has "
+                             f"{info.scale_kind.value} block scales and no tensor scale (leave "
+                             f"tensor_scale unset)")
         if scale_rule is None and info.scale_kind is ScaleKind.E8M0:
             scale_rule = ScaleRule.FLOOR
         if tensor_scale is None:
@@ -157,8 +163,9 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
+        two_level = d.get("tensor_scale") if get_format(d["format"]).scale_kind is ScaleKind.E4M3 else None
         return cls.make(d["format"], tuple(d["block"]), d.get("scale_rule"),
-                        d.get("rounding", "rne"), d.get("tensor_scale"))
+                        d.get("rounding", "rne"), two_level)
 
 
 def parse_enum(kind, value, what: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -134,15 +135,36 @@ class ConversionReport:
     recipe: str
     swapped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, kind, recipe)
     kept: list[tuple[str, str, str]] = field(default_factory=list)     # (name, kind, why)
+    not_understood: list[tuple[str, str, str]] = field(default_factory=list)
+    """(name, type, what it holds): modules with weights convert knows nothing about (e.g.
+    GPT-2's Conv1D), left as they are; a model full of them is not being quantized."""
+
+    @property
+    def warning(self) -> str:
+        """A line when the recipe quantized nothing, saying why ("" otherwise)."""
+        if self.swapped or self.recipe == "bf16":
+            return ""
+        why = ("; its weights are in modules lowbit does not convert: "
+               + ", ".join(sorted({t for _, t, _ in self.not_understood}))
+               if self.not_understood else "")
+        return (f"recipe {self.recipe!r} quantized no module of this model ({len(self.kept)} "
+                f"kept in high precision{why}); training it is training bf16")
 
     def __str__(self) -> str:
         lines = [f"lowbit.convert: recipe {self.recipe!r}: {len(self.swapped)} modules quantized, "
-                 f"{len(self.kept)} kept in high precision"]
-        width = max([len(n) for n, _, _ in self.swapped + self.kept] + [10])
+                 f"{len(self.kept)} kept in high precision"
+                 + (f", {len(self.not_understood)} not understood" if self.not_understood else "")]
+        if self.warning:
+            lines.append(f"  warning: {self.warning}")
+        rows = self.swapped + self.kept + self.not_understood
+        width = max([len(n) for n, _, _ in rows] + [10])
         for name, kind, what in self.swapped:
             lines.append(f"  quantized  {name.ljust(width)}  {kind:<10} {what}")
         for name, kind, why in self.kept:
             lines.append(f"  kept       {name.ljust(width)}  {kind:<10} {why}")
+        for name, kind, what in self.not_understood:
+            lines.append(f"  unknown    {name.ljust(width)}  {kind:<10} {what}; not converted "
+                         f"(lowbit converts nn.Linear and 3D experts)")
         return "\n".join(lines)
 
 
@@ -153,7 +175,12 @@ def convert(model: nn.Module, recipe: str | Recipe,
     module_filter_fn(module, fully_qualified_name) -> bool picks the modules to convert
     (torchao's signature); the default, `default_module_filter`, skips lm_head and routers.
     The recipe then decides per module (e.g. first/last blocks or q/k projections). Embeddings,
-    norms and routers hold no GEMM a recipe quantizes and are reported as kept.
+    norms and routers hold no GEMM a recipe quantizes and are reported as kept; other modules
+    holding weights (e.g. GPT-2's Conv1D) as not understood. A recipe that quantizes nothing
+    warns (UserWarning) and says so in the report.
+
+    All or nothing: every module is checked (and every swap planned) before the first swap, so
+    a model that cannot be converted (e.g. already converted) is left as it was.
     """
     recipe = get_recipe(recipe)
     keep = module_filter_fn or default_module_filter
@@ -161,10 +188,15 @@ def convert(model: nn.Module, recipe: str | Recipe,
     block_ids = [int(m.group(1)) for n in names for m in [re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", n)] if m]
     n_blocks = max(block_ids) + 1 if block_ids else None
     report = ConversionReport(recipe.name)
+    plan: list[tuple[str, nn.Module, str, LinearRecipe]] = []
+    inside_converted: list[str] = []   # submodules of a module being swapped are not visited
 
-    for name, module in list(model.named_modules()):
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside_converted):
+            continue
         if isinstance(module, (QuantLinear, QuantExperts)):
-            raise ValueError(f"{name} is already converted; convert a fresh model (or reload it)")
+            raise ValueError(f"{name} is already converted; convert a fresh model (or reload it); "
+                             f"nothing was changed")
         if isinstance(module, nn.Linear):
             kind = "linear"
         elif is_experts(module):
@@ -174,6 +206,10 @@ def convert(model: nn.Module, recipe: str | Recipe,
                 report.kept.append((name, type(module).__name__, "not a GEMM"))
             elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
                 report.kept.append((name, "router", "routing stays in high precision"))
+            elif any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+                held = ", ".join(f"{n} {tuple(p.shape)}" for n, p in
+                                 module.named_parameters(recurse=False))
+                report.not_understood.append((name, type(module).__name__, f"holds {held}"))
             continue
         if not keep(module, name):
             report.kept.append((name, kind, "module_filter_fn" if module_filter_fn
@@ -181,13 +217,24 @@ def convert(model: nn.Module, recipe: str | Recipe,
             continue
         linear_recipe = recipe.linear_for(name, n_blocks)
         if linear_recipe is None:
-            why = "recipe: bf16" if recipe.linear is None else "recipe keeps it in high precision"
+            why = ("recipe: bf16" if recipe.linear is None else
+                   f"recipe keeps the first/last {recipe.keep_first_last_blocks} blocks in high "
+                   f"precision" if recipe.keep_first_last_blocks and recipe.linear_for(name) else
+                   "recipe keeps it in high precision")
             report.kept.append((name, kind, why))
             continue
+        if kind == "experts":
+            _expert_dims(module)   # refuse an unsupported experts module before any swap
+        plan.append((name, module, kind, linear_recipe))
+        inside_converted.append(name)
+
+    for name, module, kind, linear_recipe in plan:
         new = (QuantLinear.from_linear(module, linear_recipe) if kind == "linear"
                else QuantExperts(module, linear_recipe))
         _set_submodule(model, name, new)
         report.swapped.append((name, kind, linear_recipe.describe()))
+    if report.warning:
+        warnings.warn(f"lowbit.convert: {report.warning}", UserWarning, stacklevel=2)
     return report
 
 

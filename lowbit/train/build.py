@@ -24,7 +24,8 @@ from lowbit.train.config import TrainConfig
 
 __all__ = ["Batch", "TrainingData", "CorpusData", "build_data", "model_config", "build_model",
            "resolve_recipe",
-           "apply_recipe", "param_groups", "build_optimizer", "seed_everything", "epochs"]
+           "apply_recipe", "param_groups", "build_optimizer", "seed_everything", "epochs",
+           "context_warning"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: LongTensor (B, T) each
 
@@ -50,6 +51,7 @@ class CorpusData:
         self.dataset, self.config = dataset, config
         self.vocab_size = dataset.vocab_size
         self.tokens_per_epoch = dataset.tokens_per_epoch
+        self.fingerprint = dataset.fingerprint   # what a resume checks (lowbit.train.checkpoint)
         # Draw one window from each split now, so a seq_len longer than a split is refused
         # before the run folder exists, not at the first evaluation.
         dataset.get_batch(0, 1, config.seq_len, config.seed)
@@ -115,6 +117,19 @@ def model_config(config: TrainConfig, vocab_size: int | None = None):
     if built.max_seq_len < config.seq_len:
         built = dataclasses.replace(built, max_seq_len=config.seq_len)
     return built
+
+
+def context_warning(config: TrainConfig) -> str:
+    """A line when seq_len exceeds the preset's context, which model_config then enlarges
+    (the model is then not the preset: its rotary table is longer), else ""."""
+    from lowbit.models import ModelConfig
+
+    preset = ModelConfig.preset(config.model).max_seq_len
+    if config.seq_len <= preset:
+        return ""
+    return (f"lowbit: warning: --seq-len {config.seq_len} exceeds the {config.model} preset's "
+            f"context of {preset} tokens; the model is built with a {config.seq_len}-token "
+            f"context instead")
 
 
 def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module:

@@ -52,6 +52,8 @@ _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--diag-every", "diag_every", int, "steps between diagnostics"),
     ("--checkpoint-every", "checkpoint_every", int,
      "steps between checkpoints (0: only at the end)"),
+    ("--keep-checkpoints", "keep_checkpoints", int,
+     "checkpoints kept, the newest and those before it (a damaged one falls back to the previous)"),
     ("--max-consecutive-nonfinite", "max_consecutive_nonfinite", int,
      "stop after this many NaN/Inf steps in a row"),
     ("--seed", "seed", int, "seed of the init, dropout and data order"),

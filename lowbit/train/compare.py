@@ -54,11 +54,13 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
+from lowbit.train.build import resolve_recipe
 from lowbit.train.checkpoint import write_text_atomic
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.metrics import read_metrics
 from lowbit.train.plot import plot_gap_bands, plot_runs
+from lowbit.train.run_dir import RunDir
 
 __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "compare_runs",
            "run_all", "seed_statistics", "format_table", "TrainRunner", "compare", "t_critical"]
@@ -447,6 +449,7 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
     loss.png of all runs. The first config's recipe is the baseline. diagnostics_fn: see
     TrainRunner."""
     _check_comparable(configs)
+    check_runs(configs, overwrite)
     base = configs[0]
     summary_dir = Path(base.out_dir) / (name or f"compare-{base.model}-{base.corpus}")
     specs = [RunSpec(c.recipe, c.seed, c.name, c) for c in configs]
@@ -465,6 +468,15 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
             run_dirs, summary_dir / "loss.png",
             title=f"{base.model} on {base.corpus}, {base.total_steps} steps"))
     return comparison
+
+
+def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False) -> None:
+    """Refuse, before the first run's first step, what would stop a later run: an unknown
+    recipe, or a run folder that cannot be started (one holding a run, without overwrite)."""
+    for config in configs:
+        resolve_recipe(config.recipe)
+    for config in configs:
+        RunDir(Path(config.out_dir) / config.name).check(config, resume=False, overwrite=overwrite)
 
 
 def _check_comparable(configs: Sequence[TrainConfig]) -> None:

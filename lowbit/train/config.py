@@ -29,6 +29,7 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "diag_every",
         "diagnostics",
         "checkpoint_every",
+        "keep_checkpoints",
         "max_consecutive_nonfinite",
         "progress",
         "parallel",
@@ -118,6 +119,9 @@ class TrainConfig:
     clipping for quantized recipes (train()'s diagnostics_fn, if given, replaces them)."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and always at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept: the newest (checkpoints/latest.pt) and the keep_checkpoints - 1 before
+    it (step-<N>.pt), so a resume falls back to the previous one if the newest is damaged."""
     max_consecutive_nonfinite: int = 5
     """Stop the run after this many optimizer steps in a row had a NaN/Inf loss or gradient."""
     progress: bool = True
@@ -198,7 +202,8 @@ class TrainConfig:
         _require(isinstance(self.bpe_vocab_size, int) and self.bpe_vocab_size >= 256,
                  f"bpe_vocab_size must be an integer >= 256 (got {self.bpe_vocab_size!r})")
         for name in ("seq_len", "batch_size", "grad_accum_steps", "max_steps",
-                     "eval_batches", "log_every", "diag_every", "max_consecutive_nonfinite"):
+                     "eval_batches", "log_every", "diag_every", "max_consecutive_nonfinite",
+                     "keep_checkpoints"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1,
                      f"{name} must be a positive integer (got {value!r})")

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
-                                build_optimizer, epochs, resolve_recipe, seed_everything)
-from lowbit.train.checkpoint import CHECKPOINT_VERSION, rng_state, save_checkpoint, set_rng_state
+                                build_optimizer, context_warning, epochs, resolve_recipe,
+                                seed_everything)
+from lowbit.train.checkpoint import CHECKPOINT_VERSION, check_same_data, rng_state, set_rng_state
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.fold_policy import FoldPolicy
@@ -41,8 +42,8 @@ from lowbit.train.metrics import MetricsLog
 from lowbit.train.run_dir import RunDir
 from lowbit.train.step import TrainStep, learning_rate_at, refuse_cuda_graph
 
-__all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
-           "learning_rate_at"]
+__all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingInterrupted", "TrainingData",
+           "evaluate", "learning_rate_at", "data_fingerprint"]
 
 DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
 StepHook = Callable[[int], "dict | None"]
@@ -56,6 +57,10 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.checkpoint = checkpoint
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says the step, the last checkpoint and how to resume."""
 
 
 @dataclass
@@ -122,8 +127,9 @@ class _Run:
         self.config, self.process = config, process
         device, main = process.device, process.is_main
         recipe = resolve_recipe(config.recipe)
-        self.run_dir = RunDir(Path(config.out_dir) / config.name)
-        checkpoint = self.run_dir.check(config, resume, overwrite)
+        self.run_dir = RunDir(Path(config.out_dir) / config.name, config.keep_checkpoints)
+        warn = (lambda message: print(message, file=sys.stderr)) if main else (lambda message: None)
+        checkpoint = self.run_dir.check(config, resume, overwrite, warn=warn)
         if config.cuda_graph:
             refuse_cuda_graph(process, moe=bool(config.n_experts))
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
@@ -133,11 +139,17 @@ class _Run:
         seed_everything(config.seed)
         with process.main_first():  # rank 0 tokenizes and caches the corpus, the others read it
             self.data = data = data if data is not None else build_data(config)
+        self.data_fingerprint = data_fingerprint(data)
+        if checkpoint is not None:
+            check_same_data(checkpoint.get("data_fingerprint"), self.data_fingerprint,
+                            self.run_dir.path)
         self.epochs = epochs(config, data)
         if main and self.epochs is not None and self.epochs > 3:  # printed even without progress
             print(f"lowbit: warning: this run reads its training split {self.epochs:.1f} times "
                   f"(more than ~3 repeats overfits); use a larger corpus or fewer --steps",
                   file=sys.stderr)
+        if main and model is None and context_warning(config):
+            print(context_warning(config), file=sys.stderr)
         seed_everything(config.seed)  # so the init does not depend on what building data drew
         self.model = model = model if model is not None else build_model(config, data.vocab_size)
         if recipe is not None:
@@ -156,7 +168,10 @@ class _Run:
         self.n_params = sum(p.numel() for p in model.parameters())
         process.barrier()  # every rank has checked the run folder before rank 0 changes it
         if main:
-            self.run_dir.start(config, fresh=checkpoint is None)
+            removed = self.run_dir.start(config, fresh=checkpoint is None)
+            if removed:
+                say(f"removed {len(removed)} temporary file(s) ({sum(n for _, n in removed):,} "
+                    f"bytes) left by an interrupted write in {self.run_dir.path}")
 
         self.start_step, self.records, self.losses, self.wall_before = 0, [], [], 0.0
         self.resumed = checkpoint is not None
@@ -175,6 +190,7 @@ class _Run:
         self.step_fn.nonfinite_run = nonfinite_run
         self.last_checkpoint = self.run_dir.checkpoint if self.resumed else None
         self.on_step: StepHook | None = None
+        self.last_checkpoint_step = self.start_step if self.resumed else None
 
     def loop(self) -> RunResult:
         config, process, step_fn, main, say = (self.config, self.process, self.step_fn,
@@ -228,6 +244,8 @@ class _Run:
                 if self.diagnostics_fn is not None and step % config.diag_every == 0:
                     with clock.timing("diagnostics"):
                         self._diagnose(step, result, log)
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(self._interrupted_message(step)) from None
         finally:
             bar.close()
             log.close()
@@ -246,16 +264,24 @@ class _Run:
         model_state, optimizer_state = self.process.state_dicts(self.model, self.optimizer)
         if not self.process.is_main:   # every rank takes part in gathering; rank 0 writes
             return
-        save_checkpoint({
+        self.run_dir.save_checkpoint({
             "version": CHECKPOINT_VERSION, "step": step, "config": self.config.to_dict(),
             "model": model_state, "optimizer": optimizer_state, "rng": rng_state(),
             "metrics": log.records, "train_losses": self.losses,
             "wall_time_s": self.wall_before + time.perf_counter() - t_session,
             "consecutive_nonfinite": self.step_fn.nonfinite_run,
             "fold_emulated_layers": self.step_fn.fold.emulated_layers,
-        }, self.run_dir.checkpoint)
-        self.last_checkpoint = self.run_dir.checkpoint
+            "data_fingerprint": self.data_fingerprint,
+        })
+        self.last_checkpoint, self.last_checkpoint_step = self.run_dir.checkpoint, step
         self.run_dir.plot()
+
+    def _interrupted_message(self, step: int) -> str:
+        if self.last_checkpoint_step is None:
+            return (f"at step {step}, before the first checkpoint; nothing to resume: start "
+                    f"again with --overwrite (or a smaller --checkpoint-every)")
+        return (f"at step {step}; the last checkpoint is step {self.last_checkpoint_step} "
+                f"({self.last_checkpoint}): run the same command with --resume to continue")
 
     def _log_train(self, step: int, result, window: list, log, bar_on_terminal: bool) -> None:
         config = self.config
@@ -395,6 +421,13 @@ class _NoLog:
 
     def close(self) -> None:
         pass
+
+
+def data_fingerprint(data) -> str | None:
+    """The data's `fingerprint` (a hash of its tokens, which checkpoints store so that a resume
+    on other data is refused), or None for data that has none."""
+    fingerprint = getattr(data, "fingerprint", None)
+    return fingerprint if isinstance(fingerprint, str) else None
 
 
 def _recipe_diagnostics(model: nn.Module, batch: Batch, step: int) -> dict:

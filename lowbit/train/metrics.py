@@ -58,12 +58,34 @@ class MetricsLog:
             self._tb.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+def read_metrics(run_dir: str | Path, warn=None) -> list[dict]:
+    """The records of `<run_dir>/metrics.jsonl`. A torn last line (a run killed mid-write) is
+    left out, and warn(message) (default: a line on stderr) says so; a bad line elsewhere is a
+    ValueError naming the file and the line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl; is it a lowbit run folder?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if all(not rest.strip() for rest in lines[number:]):
+                (warn or _warn)(f"lowbit: warning: {path}: left out its torn last line "
+                                f"{number} (a run killed while writing it)")
+                break
+            raise ValueError(f"{path}, line {number}, is not a JSON record; the file is "
+                             f"damaged (remove or repair that line)") from None
+    return records
+
+
+def _warn(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr)
 
 
 def _json_line(record: dict) -> str:

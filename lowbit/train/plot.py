@@ -27,6 +27,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
 
     if not run_dirs:
         raise ValueError("plot needs at least one run folder")
+    out_path = _check_out_path(Path(out_path))
     runs = [_load_run(Path(d)) for d in run_dirs]
     fig, ax = plt.subplots(figsize=(8, 5))
     for run, color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
@@ -52,10 +53,21 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
         top.set_xlabel("step")
     ax.set_title(title or ", ".join(run["label"] for run in runs), fontsize="medium")
     fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
+    return out_path
+
+
+def _check_out_path(out_path: Path) -> Path:
+    """The figure's file: a .png whose folder exists (nothing is created but the file)."""
+    if out_path.is_dir():
+        raise ValueError(f"--out {out_path} is a folder; give a file name, e.g. "
+                         f"{out_path / 'loss.png'}")
+    if out_path.suffix.lower() != ".png":
+        raise ValueError(f"--out {out_path} must name a .png file, e.g. {out_path.with_suffix('.png')}")
+    if not out_path.parent.is_dir():
+        raise ValueError(f"--out {out_path}: the folder {out_path.parent} does not exist; "
+                         f"create it first (mkdir -p {out_path.parent})")
     return out_path
 
 
