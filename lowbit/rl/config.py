@@ -16,7 +16,7 @@ __all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME"]
 ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
 # observation and placement only: a resumed run may change them
-FREE_ON_RESUME = frozenset({"eval_every", "eval_problems", "log_every", "checkpoint_every",
+FREE_ON_RESUME = frozenset({"eval_every", "log_every", "checkpoint_every",
                             "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session"})
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
 
