@@ -192,6 +192,9 @@ def test_cli_rl_runs_and_refuses_bad_arguments(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"reward", "sampling/sampling_logp_difference/max", "rollout/tokens_per_s"} <= set(
         next(r for r in records if r["event"] == "train"))
+    out = _lowbit("--quick", "--no-progress", "--rollout", "bf16", "--align", "none",
+                  "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0 and "| bf16 |" in out.stdout, out.stderr[-2000:]
     for bad, message in ((["--rollout", "fp9"], "unknown --rollout"),
                          (["--align", "quads", "--rollout", "fp8"], "use --rollout nvfp4"),
                          (["--steps", "x"], "invalid int value")):

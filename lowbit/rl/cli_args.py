@@ -58,7 +58,9 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     defaults = RLConfig()
     for flag, (field, kind, text) in _FLAGS.items():
-        p.add_argument(flag, dest=field, type=kind, default=getattr(defaults, field), help=text)
+        # rac_ratio's default depends on --align, so it is resolved by RLConfig, not here
+        default = None if field == "rac_ratio" else getattr(defaults, field)
+        p.add_argument(flag, dest=field, type=kind, default=default, help=text)
     p.add_argument("--mask-truncated-completions", action="store_true",
                    help="leave completions that hit --max-completion-length out of the loss")
     p.add_argument("--routing-replay", action="store_true",

@@ -77,7 +77,7 @@ class RLConfig:
     """MoE: the trainer replays the engine's expert choices (verl's R3)."""
 
     # --- optimizer -------------------------------------------------------------------------
-    lr: float = 1e-3
+    lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 

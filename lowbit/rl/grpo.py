@@ -135,7 +135,7 @@ def mismatch_metrics(logp_rollout: torch.Tensor, logp_train: torch.Tensor,
         return {}
     diff = (logp_rollout - logp_train).detach()
     d = -diff
-    k3 = torch.exp(d.clamp(max=80.0)) - d - 1
+    k3 = torch.expm1(d.clamp(max=80.0)) - d   # expm1: no cancellation for small d
     return {"sampling/sampling_logp_difference/mean": float(diff[m].abs().mean()),
             "sampling/sampling_logp_difference/max": float(diff[m].abs().max()),
             "sampling/kl_k3": float(k3[m].mean())}
@@ -156,7 +156,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference policy's log-probs (ref_logp)")
         d = ref_logp.detach() - logp
-        kl = torch.exp(d) - d - 1
+        kl = torch.expm1(d) - d
         per_token = per_token + config.beta * kl
         metrics["kl"] = float(_masked_mean(kl.detach(), maskf))
     if is_weights is not None:
