@@ -1,4 +1,4 @@
-"""The `lowbit` command: train, plot, qat, inspect, bench, export.
+"""The `lowbit` command: train, plot, qat, rl, inspect, bench, export.
 
 Every command refuses bad input with one line, `lowbit: error: <what was wrong and what to
 do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
@@ -122,6 +122,17 @@ def _add_export(sub) -> None:
                     "BF16, for vLLM, SGLang or TensorRT-LLM; see docs/models.md.")
     add_export_arguments(p)
     p.set_defaults(func=run_export)
+def _add_rl(sub) -> None:
+    from lowbit.rl.cli_args import add_rl_arguments, run_rl_command
+
+    p = sub.add_parser(
+        "rl", help="GRPO with low-precision rollouts (bf16, fp8, NVFP4, QUADS)",
+        description="Reinforcement learning on a verifiable task with a separate rollout engine "
+                    "in low precision. With no arguments: a tiny policy warm-started on one-digit "
+                    "addition, then GRPO with NVFP4 rollouts and QUADS alignment, on the CPU in "
+                    "a few minutes.")
+    add_rl_arguments(p)
+    p.set_defaults(func=run_rl_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_qat(sub)
     _add_bench(sub)
     _add_export(sub)
+    _add_rl(sub)
     return parser
 
 

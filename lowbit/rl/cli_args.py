@@ -1,0 +1,102 @@
+"""`lowbit rl`: its flags (RLConfig's fields) and what it runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from lowbit.rl.config import ALIGNMENTS, RLConfig
+from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
+from lowbit.rl.precision import Precision
+
+__all__ = ["add_rl_arguments", "run_rl_command", "config_from_args", "QUICK"]
+
+# --quick: the same pipeline at a size CI runs in seconds
+QUICK = dict(warmstart_steps=20, steps=3, prompts_per_step=2, num_generations=4,
+             eval_problems=8, eval_every=2, checkpoint_every=2, max_completion_length=4)
+
+_FLAGS = {  # flag -> (RLConfig field, type, help)
+    "--model": ("model", str, "policy preset of lowbit.models (default: %(default)s)"),
+    "--n-layers": ("n_layers", int, "override the preset's depth"),
+    "--dim": ("dim", int, "override the preset's width"),
+    "--n-experts": ("n_experts", int, "MoE policy with this many experts (top-2); 0: dense"),
+    "--warmstart-steps": ("warmstart_steps", int, "supervised steps before RL, cached (default: %(default)s)"),
+    "--task": ("task", str, "add, mul, countdown or gsm8k (default: %(default)s)"),
+    "--task-size": ("task_size", int, "digits (add, mul) or numbers (countdown) (default: %(default)s)"),
+    "--data-dir": ("data_dir", str, "folder holding gsm8k/"),
+    "--rollout": ("rollout", str, f"engine precision: {', '.join(p.value for p in Precision)} (default: %(default)s)"),
+    "--align": ("align", str, f"trainer/engine alignment: {', '.join(ALIGNMENTS)} (default: %(default)s)"),
+    "--rac-ratio": ("rac_ratio", float, "fraction of input channels RAC compensates (default: 0.25 under quads, else 0)"),
+    "--num-generations": ("num_generations", int, "completions per prompt (default: %(default)s)"),
+    "--prompts-per-step": ("prompts_per_step", int, "prompts per step (default: %(default)s)"),
+    "--max-completion-length": ("max_completion_length", int, "new tokens per completion at most (default: %(default)s)"),
+    "--temperature": ("temperature", float, "sampling temperature (default: %(default)s)"),
+    "--top-p": ("top_p", float, "nucleus sampling (default: %(default)s)"),
+    "--top-k": ("top_k", int, "top-k sampling, 0: off (default: %(default)s)"),
+    "--loss-type": ("loss_type", str, f"{', '.join(LOSS_TYPES)} (default: %(default)s)"),
+    "--epsilon": ("epsilon", float, "lower PPO clip (default: %(default)s)"),
+    "--epsilon-high": ("epsilon_high", float, "upper PPO clip (default: %(default)s)"),
+    "--beta": ("beta", float, "weight of the k3 KL to the warm-start policy (default: %(default)s)"),
+    "--scale-rewards": ("scale_rewards", str, f"{', '.join(SCALE_REWARDS)} (default: %(default)s)"),
+    "--num-iterations": ("num_iterations", int, "optimizer steps per batch of rollouts (default: %(default)s)"),
+    "--is": ("importance_sampling", str, f"mismatch correction: {', '.join(IS_LEVELS)} (default: %(default)s)"),
+    "--is-mode": ("is_mode", str, f"{', '.join(IS_MODES)} (default: %(default)s)"),
+    "--is-cap": ("is_cap", float, "importance-weight cap C (default: %(default)s)"),
+    "--lr": ("lr", float, "AdamW learning rate, constant (default: %(default)s)"),
+    "--steps": ("steps", int, "RL steps (default: %(default)s)"),
+    "--eval-every": ("eval_every", int, "held-out accuracy every N steps (default: %(default)s)"),
+    "--eval-problems": ("eval_problems", int, "size of the held-out set (default: %(default)s)"),
+    "--checkpoint-every": ("checkpoint_every", int, "checkpoint every N steps (default: %(default)s)"),
+    "--seed": ("seed", int, "seed of prompts, sampling and the warm start (default: %(default)s)"),
+    "--device": ("device", str, "trainer device: auto, cpu, cuda, cuda:N (default: %(default)s)"),
+    "--engine-device": ("engine_device", str, "rollout engine's device (default: the trainer's)"),
+    "--out-dir": ("out_dir", str, "parent folder of run folders (default: %(default)s)"),
+    "--run-name": ("run_name", str, "run folder name (default: from the settings)"),
+}
+
+
+def add_rl_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = RLConfig()
+    for flag, (field, kind, text) in _FLAGS.items():
+        # rac_ratio's default depends on --align, so it is resolved by RLConfig, not here
+        default = None if field == "rac_ratio" else getattr(defaults, field)
+        p.add_argument(flag, dest=field, type=kind, default=default, help=text)
+    p.add_argument("--mask-truncated-completions", action="store_true",
+                   help="leave completions that hit --max-completion-length out of the loss")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="MoE: the trainer replays the engine's expert choices")
+    p.add_argument("--compare", metavar="SETTINGS",
+                   help="run these settings on the same seeds and plot them together, e.g. "
+                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is])")
+    p.add_argument("--quick", action="store_true",
+                   help="a few seconds' version of the same run (for CI): " +
+                        ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    p.add_argument("--resume", action="store_true", help="continue the run folder's checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start over in a folder that holds a run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or per-step lines")
+
+
+def config_from_args(args: argparse.Namespace) -> RLConfig:
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(RLConfig) if hasattr(args, f.name)}
+    fields["progress"] = not args.no_progress
+    if args.quick:
+        fields.update(QUICK)
+    return RLConfig(**fields)
+
+
+def run_rl_command(args: argparse.Namespace) -> None:
+    from lowbit.rl.compare import compare_settings, format_summary, summary_rows
+    from lowbit.rl.trainer import run_rl
+
+    config = config_from_args(args)
+    if args.compare:
+        if args.resume:
+            raise ValueError("--compare starts its runs afresh; resume each run on its own")
+        settings = [s for s in args.compare.split(",") if s.strip()]
+        results, folder = compare_settings(config, settings, overwrite=args.overwrite)
+        print(format_summary(summary_rows([r.run_dir for r in results])), end="")
+        print(f"figure and table: {folder}")
+        return
+    result = run_rl(config, resume=args.resume, overwrite=args.overwrite)
+    print(format_summary(summary_rows([result.run_dir])), end="")
+    print(f"run folder: {result.run_dir} (metrics.jsonl, rl.png, checkpoints/)")

@@ -1,0 +1,100 @@
+"""Several rollout settings on the same seeds, prompts and warm start; one figure, one table.
+
+A setting is `rollout[+align][@rac_ratio][+is]`: `bf16`, `fp8`, `nvfp4-w4a16`, `nvfp4` (naive
+W4A4), `nvfp4+qat` (asymmetric QAT), `nvfp4+quads` (QAT + RAC at 25%), `nvfp4+quads@0.5`,
+`nvfp4@1` (RAC alone), `nvfp4+is` (token-level truncated importance sampling). Each runs in
+its own folder; `<out_dir>/compare-<task>/` gets rl.png (reward, held-out accuracy, mean and max
+log-prob gap per step) and summary.md / summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from lowbit.rl.config import RLConfig
+from lowbit.rl.plot import plot_rl_runs
+from lowbit.rl.trainer import RLResult, run_rl
+from lowbit.train.checkpoint import write_text_atomic
+from lowbit.train.metrics import read_metrics
+
+__all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary"]
+
+
+def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
+    """`base` with the rollout, alignment, RAC ratio and IS correction `setting` names."""
+    text = setting.strip()
+    importance = "none"
+    if text.endswith("+is"):
+        text, importance = text[:-3], "token"
+    ratio = None
+    if "@" in text:
+        text, value = text.split("@", 1)
+        try:
+            ratio = float(value)
+        except ValueError:
+            raise ValueError(f"setting {setting!r}: the RAC ratio after @ must be a number") from None
+    rollout, _, align = text.partition("+")
+    return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
+                               importance_sampling=importance, run_name="")
+
+
+def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
+                     name: str | None = None) -> tuple[list[RLResult], Path]:
+    """Run each setting in turn; returns the results and the summary folder."""
+    configs = [config_for_setting(base, s) for s in settings]    # all refused before any runs
+    names = [c.name for c in configs]
+    if len(configs) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"--compare needs two or more distinct settings, got {', '.join(settings)}")
+    results = [run_rl(c, overwrite=overwrite) for c in configs]
+    folder = Path(base.out_dir) / (name or f"compare-{base.task}")
+    write_summary([r.run_dir for r in results], folder)
+    return results, folder
+
+
+def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
+    """Per run: its setting, final reward (mean of the last `last` steps), last held-out
+    accuracy, and the mean / max log-prob gap and k3 KL over all its steps."""
+    rows = []
+    for run_dir in run_dirs:
+        records = read_metrics(run_dir)
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+        train = [r for r in records if r["event"] == "train"]
+        evals = [r for r in records if r["event"] == "eval"]
+
+        def mean(key, rs):
+            values = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+            return sum(values) / len(values) if values else math.nan
+
+        rows.append({
+            "run": Path(run_dir).name, "setting": RLConfig(**config).setting, "steps": len(train),
+            "reward_first": mean("reward", train[:last]), "reward_last": mean("reward", train[-last:]),
+            "eval_accuracy": evals[-1]["eval/accuracy"] if evals else math.nan,
+            "logp_gap_mean": mean("sampling/sampling_logp_difference/mean", train),
+            "logp_gap_max": max((r.get("sampling/sampling_logp_difference/max", math.nan) for r in train),
+                                default=math.nan),
+            "kl_k3": mean("sampling/kl_k3", train),
+            "rollout_tokens_per_s": mean("rollout/tokens_per_s", train)})
+    return rows
+
+
+def format_summary(rows: list[dict]) -> str:
+    lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc | mean gap | "
+             "max gap | k3 KL | rollout tok/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['steps']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
+                     f"{r['eval_accuracy']:.3f} | {r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
+                     f"{r['kl_k3']:.2e} | {r['rollout_tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dirs: Sequence[Path], folder: Path, title: str | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(run_dirs)
+    plot_rl_runs(run_dirs, folder / "rl.png", title=title)
+    write_text_atomic(folder / "summary.md", format_summary(rows))
+    write_text_atomic(folder / "summary.json", json.dumps(rows, indent=2) + "\n")

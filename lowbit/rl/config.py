@@ -1,0 +1,177 @@
+"""RLConfig: everything that defines a GRPO run, validated where it is built (TRL's names
+where TRL has one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
+from lowbit.rl.precision import Precision
+
+__all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME"]
+
+ALIGNMENTS = ("none", "qat", "quads")
+DEFAULT_RAC_RATIO = 0.25
+# observation and placement only: a resumed run may change them
+FREE_ON_RESUME = frozenset({"eval_every", "log_every", "checkpoint_every",
+                            "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session"})
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
+
+
+@dataclass
+class RLConfig:
+    # --- policy ----------------------------------------------------------------------------
+    model: str = "tiny"
+    """lowbit.models preset of the policy (byte tokenizer: vocab 256)."""
+    n_layers: int | None = None
+    """Override the preset's depth."""
+    dim: int | None = None
+    """Override the preset's width (64-dim heads)."""
+    n_experts: int = 0
+    """Experts per MoE layer (top-2); 0: dense."""
+    warmstart_steps: int = 150
+    """Supervised steps on the task's reference solutions (lowbit.train) before RL, cached in
+    <out_dir>/warmstart/; 0 starts RL from random weights."""
+    warmstart_lr: float = 3e-3
+
+    # --- task ------------------------------------------------------------------------------
+    task: str = "add"
+    """lowbit.data.tasks: add, mul, countdown, gsm8k."""
+    task_size: int | None = 1
+    """Digits (add, mul) or numbers (countdown); None: the task's default (2 digits, 3 numbers)."""
+    data_dir: str | None = None
+    """Folder holding gsm8k/ (default: lowbit.data's)."""
+
+    # --- rollouts --------------------------------------------------------------------------
+    rollout: str = "nvfp4"
+    """Engine precision: bf16, fp8, nvfp4-w4a16, nvfp4."""
+    align: str = "quads"
+    """none; qat: asymmetric QAT in the trainer (NVFP4 weights, BF16 activations); quads: qat
+    plus RAC in the engine."""
+    rac_ratio: float | None = None
+    """Fraction of input channels RAC compensates; None: 0.25 under quads, else 0."""
+    num_generations: int = 8
+    prompts_per_step: int = 8
+    max_completion_length: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    # --- loss ------------------------------------------------------------------------------
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    scale_rewards: str = "group"
+    mask_truncated_completions: bool = False
+    num_iterations: int = 1
+    """Optimizer steps on each batch of rollouts (PPO epochs; the ratio departs from 1 after the first)."""
+    importance_sampling: str = "none"
+    """Correction for the engine/trainer mismatch: none, token, sequence."""
+    is_mode: str = "truncate"
+    is_cap: float = 3.0
+    routing_replay: bool = False
+    """MoE: the trainer replays the engine's expert choices (verl's R3)."""
+
+    # --- optimizer -------------------------------------------------------------------------
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    # --- run -------------------------------------------------------------------------------
+    steps: int = 40
+    eval_every: int = 10
+    eval_problems: int = 30
+    log_every: int = 1
+    checkpoint_every: int = 20
+    max_steps_per_session: int | None = None
+    """Stop after this many steps in this session (the run resumes later); None: run to the end."""
+    seed: int = 0
+    device: str = "auto"
+    engine_device: str | None = None
+    """Where the rollout engine runs; None: the trainer's device."""
+    progress: bool = True
+    out_dir: str = "runs"
+    run_name: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.rollout in {p.value for p in Precision},
+                 f"unknown --rollout {self.rollout!r}; use one of {', '.join(p.value for p in Precision)}")
+        _require(self.align in ALIGNMENTS, f"unknown --align {self.align!r}; use one of {', '.join(ALIGNMENTS)}")
+        _require(self.align == "none" or self.rollout == "nvfp4",
+                 f"--align {self.align} aligns the trainer with NVFP4 rollouts: use --rollout nvfp4")
+        if self.rac_ratio is None:
+            self.rac_ratio = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
+        _require(0.0 <= self.rac_ratio <= 1.0, f"--rac-ratio must be in [0, 1] (got {self.rac_ratio})")
+        _require(self.rac_ratio == 0 or self.rollout == "nvfp4",
+                 "--rac-ratio compensates NVFP4 activations: use --rollout nvfp4")
+        _require(self.loss_type in LOSS_TYPES, f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        _require(self.scale_rewards in SCALE_REWARDS,
+                 f"unknown --scale-rewards {self.scale_rewards!r}; use one of {', '.join(SCALE_REWARDS)}")
+        _require(self.importance_sampling in IS_LEVELS,
+                 f"unknown --is {self.importance_sampling!r}; use one of {', '.join(IS_LEVELS)}")
+        _require(self.is_mode in IS_MODES, f"unknown --is-mode {self.is_mode!r}; use one of {', '.join(IS_MODES)}")
+        _require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
+        _require(not self.routing_replay or self.n_experts > 0,
+                 "--routing-replay needs an MoE policy: add --n-experts 8")
+        for name in ("num_generations", "prompts_per_step", "max_completion_length", "steps",
+                     "log_every", "eval_problems", "num_iterations"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer (got {value!r})")
+        _require(self.num_generations >= 2, "num_generations must be >= 2: GRPO compares each "
+                                            "completion with the others of its prompt")
+        for name in ("warmstart_steps", "eval_every", "checkpoint_every", "seed", "n_experts", "top_k"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer (got {value!r})")
+        _require(self.n_experts == 0 or self.n_experts >= 2, "n_experts must be 0 (dense) or >= 2 (top-2 MoE)")
+        _require(math.isfinite(self.temperature) and self.temperature > 0,
+                 f"temperature must be > 0 (got {self.temperature})")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})")
+        for name in ("lr", "warmstart_lr"):
+            _require(math.isfinite(getattr(self, name)) and getattr(self, name) > 0,
+                     f"{name} must be a positive number (got {getattr(self, name)})")
+        _require(self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0")
+        _require(self.beta >= 0, f"beta must be >= 0 (got {self.beta})")
+        _require(self.grad_clip >= 0 and self.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
+        _require(self.max_steps_per_session is None or self.max_steps_per_session >= 1,
+                 "max_steps_per_session must be a positive integer")
+        _require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
+                 f"run_name {self.run_name!r} must be a plain folder name")
+        _require(self.out_dir != "", "out_dir must be a folder")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def setting(self) -> str:
+        """rollout[+align][@rac_ratio], the label --compare uses."""
+        out = self.rollout + ("" if self.align == "none" else f"+{self.align}")
+        default = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
+        if self.rac_ratio != default:
+            out += f"@{self.rac_ratio:g}"
+        if self.importance_sampling != "none":
+            out += f"+is-{self.importance_sampling}"
+        return out
+
+    @property
+    def name(self) -> str:
+        experts = f"-moe{self.n_experts}" if self.n_experts else ""
+        return self.run_name or f"rl-{self.model}{experts}-{self.task}-{self.setting}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def changed_fields(self, saved: dict) -> list[str]:
+        now = self.to_dict()
+        return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}"
+                for k in sorted(set(saved) | set(now))
+                if k not in FREE_ON_RESUME and saved.get(k, "<absent>") != now.get(k, "<absent>")]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

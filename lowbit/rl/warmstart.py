@@ -1,0 +1,110 @@
+"""The supervised warm start: a policy trained with lowbit.train on a task's reference
+solutions, so that RL starts from partial accuracy and has room to improve.
+
+    model = warm_start(config, say)     # trained once, then read from its run folder
+
+It is an ordinary `lowbit train` run (the same loop, step, checkpoints) on `SolutionData`,
+prompt + solution rows whose loss covers the solution tokens only, under
+`<out_dir>/warmstart/<task>-<model>-<key>/`; a later RL run with the same policy, task and
+warm-start settings loads that folder's checkpoint instead of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from lowbit.data import ByteTokenizer
+from lowbit.data.tasks import Task
+from lowbit.models import ModelConfig, build_model
+from lowbit.train import TrainConfig, train
+from lowbit.train.checkpoint import load_checkpoint
+
+__all__ = ["SolutionData", "policy_config", "warm_start", "encode_problem"]
+
+TOKENIZER = ByteTokenizer()
+STOP_ID = 10   # "\n" in the byte tokenizer: every task's completions end with it
+
+
+def encode_problem(task_prompt: str) -> list[int]:
+    return TOKENIZER.encode(task_prompt)
+
+
+class SolutionData:
+    """lowbit.train's TrainingData: rows of prompt + reference solution, padded to seq_len;
+    targets are -100 on the prompt and the padding."""
+
+    def __init__(self, task: Task, seq_len: int, batch_size: int, seed: int,
+                 exclude: set[str]) -> None:
+        self.task, self.seq_len, self.batch_size, self.seed = task, seq_len, batch_size, seed
+        self.exclude = exclude
+        self.vocab_size = TOKENIZER.vocab_size
+        self._eval = self._rows(task.eval_problems(batch_size))
+
+    def _rows(self, problems) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.zeros(len(problems), self.seq_len, dtype=torch.int64)
+        targets = torch.full_like(inputs, -100)
+        for i, p in enumerate(problems):
+            prompt, solution = TOKENIZER.encode(p.prompt), TOKENIZER.encode(p.solution)
+            row = (prompt + solution)[: self.seq_len + 1]
+            inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
+            start = len(prompt) - 1
+            targets[i, start: len(row) - 1] = torch.tensor(row[start + 1:])
+        return inputs, targets
+
+    def train_batch(self, step: int):
+        # warm-start draws use their own index space (negative), never the RL run's
+        return self._rows(self.task.problems(self.seed, -1 - step, self.batch_size, self.exclude))
+
+    def eval_batches(self):
+        return [self._eval]
+
+
+def policy_config(config, task: Task) -> ModelConfig:
+    """The policy's ModelConfig: the preset with the config's overrides, byte vocabulary, and
+    a context that fits the task's prompts and completions."""
+    overrides = dict(vocab_size=TOKENIZER.vocab_size)
+    if config.n_layers is not None:
+        overrides["n_layers"] = config.n_layers
+    if config.dim is not None:
+        overrides.update(dim=config.dim, n_heads=max(1, config.dim // 64), ffn_dim=None)
+    if config.n_experts:
+        overrides.update(n_experts=config.n_experts, experts_per_token=2)
+    longest = max(len(TOKENIZER.encode(p.prompt)) for p in task.eval_problems(64))
+    overrides["max_seq_len"] = max(64, 2 * longest + config.max_completion_length)
+    return ModelConfig.preset(config.model, **overrides)
+
+
+def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) -> dict:
+    """The warm-started policy's state dict (trained now, or read from its cached run)."""
+    if config.warmstart_steps == 0:
+        torch.manual_seed(config.seed)
+        return build_model(model_config).state_dict()
+    key_fields = {"model": model_config.__dict__, "task": task.name, "steps": config.warmstart_steps,
+                  "lr": config.warmstart_lr, "seed": config.seed}
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
+    run = Path(config.out_dir) / "warmstart" / name
+    checkpoint = run / "checkpoints" / "latest.pt"
+    if (run / "final.json").is_file() and checkpoint.is_file():
+        say(f"warm start: reading {run}")
+        return load_checkpoint(checkpoint)["model"]
+    exclude = {p.prompt for p in task.eval_problems(config.eval_problems)}
+    longest = max(len(TOKENIZER.encode(p.prompt + p.solution)) for p in task.eval_problems(256))
+    seq_len = min(model_config.max_seq_len, longest + 4)
+    train_config = TrainConfig(
+        model=config.model, recipe="bf16", seq_len=seq_len, batch_size=32,
+        max_steps=config.warmstart_steps, lr=config.warmstart_lr,
+        warmup_steps=min(20, config.warmstart_steps), weight_decay=0.0, eval_every=0,
+        log_every=max(1, config.warmstart_steps // 4), checkpoint_every=0, diagnostics=False,
+        progress=config.progress, seed=config.seed, device=device,
+        out_dir=str(run.parent), run_name=name)
+    say(f"warm start: {config.warmstart_steps} supervised steps on {task.name} solutions -> {run}")
+    torch.manual_seed(config.seed)
+    model = build_model(model_config)
+    data = SolutionData(task, seq_len, train_config.batch_size, config.seed, exclude)
+    train(train_config, model=model, data=data, overwrite=True)
+    return load_checkpoint(checkpoint)["model"]

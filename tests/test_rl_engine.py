@@ -1,0 +1,190 @@
+"""The rollout engine against the trainer's model: log-probs, KV cache, precision modes, RAC,
+sampling, weight sync and asymmetric QAT's weights."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowbit import dispatch
+from lowbit.models import ModelConfig, build_model
+from lowbit.ops import operand
+from lowbit.rl.engine import RolloutEngine
+from lowbit.rl.precision import (Precision, quantize_activation, rac_channels, rac_linear,
+                                 weight_spec)
+from lowbit.rl.sampling import SamplingParams
+from lowbit.rl.trainer_side import apply_asymmetric_qat
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
+
+
+def _model(moe: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
+                      qk_norm=True, n_experts=4 if moe else 0)
+    return cfg, build_model(cfg).eval()
+
+
+def _engine(cfg, model, **kw):
+    engine = RolloutEngine(cfg, max_batch_size=8, **kw)
+    engine.load_state_dict(model.state_dict())
+    return engine
+
+
+def _teacher_forced(model, prompt, completion, temperature=1.0):
+    seq = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(seq).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_bf16_engine_logprobs_equal_the_trainers_in_float32(moe):
+    cfg, model = _model(moe)
+    engine = _engine(cfg, model)
+    rollout = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=9, seed=3))
+    assert rollout.completion_mask.all()        # no stop ids: every row runs to the end
+    for b, (prompt, completion) in enumerate(zip(PROMPTS, rollout.completion_lists())):
+        expected = _teacher_forced(model, prompt, completion, temperature=0.8)
+        torch.testing.assert_close(rollout.logprobs[b], expected, atol=2e-5, rtol=0)
+    if moe:  # the recorded experts are the model's own routing of the same sequence
+        seq = PROMPTS[1] + rollout.completion_lists()[1]
+        x = model.model.embed_tokens(torch.tensor([seq]))
+        layer = model.model.layers[0]
+        from lowbit.models.transformer import DecoderLayer  # noqa: F401  (shape of the model)
+        h = x + layer.self_attn(layer.input_layernorm(x), model.model.rotary_emb.cos[:len(seq)],
+                                model.model.rotary_emb.sin[:len(seq)])
+        _, _, index = layer.mlp.gate(layer.post_attention_layernorm(h)[0])
+        routed = rollout.routed_experts[1, :len(seq) - 1, 0]
+        assert torch.equal(routed.sort(-1).values, index[:-1].sort(-1).values)
+        assert (rollout.routed_experts[1, len(seq) - 1:] == -1).all()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_kv_cache_decode_equals_full_recompute(precision):
+    cfg, model = _model(False)
+    engine = _engine(cfg, model, precision=precision)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=1))
+    sequences = [p + c for p, c in zip(PROMPTS, rollout.completion_lists())]
+    scored = engine.score(sequences)
+    for b, prompt in enumerate(PROMPTS):
+        # nvfp4 quantizes each token on its own, so prefill and decode agree there too
+        torch.testing.assert_close(scored[b][len(prompt) - 1:], rollout.logprobs[b], atol=2e-5, rtol=0)
+
+
+def test_precision_modes_order_the_logprob_gap():
+    cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=2, max_seq_len=48)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    seqs = [[int(t) for t in torch.randint(0, 64, (24,))] for _ in range(8)]
+    reference = torch.cat(_engine(cfg, model).score(seqs))
+    gaps = {}
+    for name, kw in {"fp8": {}, "nvfp4-w4a16": {}, "nvfp4": {},
+                     "rac": dict(precision="nvfp4", rac_ratio=1.0)}.items():
+        engine = _engine(cfg, model, precision=kw.pop("precision", name), **kw)
+        gaps[name] = (torch.cat(engine.score(seqs)) - reference).abs().mean().item()
+    assert 0 < gaps["fp8"] < gaps["nvfp4-w4a16"] < gaps["nvfp4"]
+    assert gaps["rac"] < gaps["nvfp4"]
+
+
+def test_rac_math_and_monotone_activation_error():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 80, generator=g) * torch.rand(80, generator=g) * 4   # K not a multiple of 16
+    x[3, 7] = 40.0                                                         # an outlier channel
+    w = dispatch.quantize_dequantize(torch.randn(32, 80, generator=g), weight_spec())
+    xq = quantize_activation(x, Precision.NVFP4)
+    assert torch.equal(rac_linear(x, w, 0.0), F.linear(xq, w))            # ratio 0 is naive W4A4
+    # a direct reference: the residual channels appended along K, one GEMM
+    ratio = 0.3
+    residual = x - xq
+    score = [(float(residual[:, c].abs().sum()), -c) for c in range(80)]
+    chosen = sorted(-c for _, c in sorted(score, reverse=True)[:math.ceil(ratio * 80)])
+    assert rac_channels(residual, ratio).tolist() == chosen
+    x_aug = torch.cat([xq, quantize_activation(residual[:, chosen], Precision.NVFP4)], dim=1)
+    w_aug = torch.cat([w, w[:, chosen]], dim=1)
+    torch.testing.assert_close(rac_linear(x, w, ratio), x_aug @ w_aug.T, atol=1e-5, rtol=1e-5)
+    # more channels, less activation error, on this fixed input
+    exact = F.linear(x, w)
+    errors = [(rac_linear(x, w, r) - exact).norm().item() for r in (0, 0.125, 0.25, 0.5, 1.0)]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+
+
+def test_per_token_nvfp4_activations():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 40, generator=g)
+    q = quantize_activation(x, Precision.NVFP4)
+    # each token alone, and scaled by a power of two, quantizes the same
+    assert torch.equal(quantize_activation(x[2:3], Precision.NVFP4), q[2:3])
+    assert torch.equal(quantize_activation(x * 2.0 ** -20, Precision.NVFP4), q * 2.0 ** -20)
+    # as accurate as two-level NVFP4 with the token's own tensor scale (within a few %)
+    for row in x:
+        two_level = dispatch.quantize_dequantize(row[None], weight_spec())[0]
+        mine = quantize_activation(row[None], Precision.NVFP4)[0]
+        assert (mine - row).norm() < 1.15 * (two_level - row).norm()
+    special = torch.zeros(3, 32)
+    special[1, 3] = float("nan")
+    special[2, 20] = float("inf")
+    out = quantize_activation(special, Precision.NVFP4)
+    assert torch.equal(out[0], special[0])                                 # zeros stay zeros
+    assert out[1, :16].isnan().all() and torch.isfinite(out[1, 16:]).all()  # NaN: its block
+    assert out[2, 16:].isnan().all() and (out[2, :16] == 0).all()
+    assert quantize_activation(x.bfloat16(), Precision.NVFP4).dtype == torch.bfloat16
+
+
+def test_sampling_is_seeded_and_truncates():
+    cfg, model = _model(False)
+    engine = _engine(cfg, model)
+    params = SamplingParams(max_new_tokens=10, seed=5)
+    a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert torch.equal(a.completions, b.completions) and torch.equal(a.logprobs, b.logprobs)
+    c = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=6))
+    assert not torch.equal(a.completions[:, :4], c.completions)
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))
+    for p in (SamplingParams(top_k=1, max_new_tokens=10, seed=9),
+              SamplingParams(top_p=1e-6, max_new_tokens=10, seed=9)):
+        assert torch.equal(engine.generate(PROMPTS, p).completions, greedy.completions)
+    # a stop token ends a row (and is part of it); the rest of the row is masked
+    stop = int(a.completions[0, 3])
+    s = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=5, stop_token_ids=(stop,)))
+    first = (a.completions[0] == stop).nonzero()[0].item()
+    assert s.lengths[0] == first + 1 and s.stopped[0]
+    assert torch.equal(s.completions[0, :first + 1], a.completions[0, :first + 1])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=100))
+
+
+def test_weight_sync_copies_and_changes_outputs():
+    cfg, model = _model(True)
+    engine = _engine(cfg, model, precision="nvfp4")
+    before = engine.score([[1, 2, 3, 4, 5, 6]])[0]
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    held = [engine.embed, engine.lm_head, engine.layers[0].q_proj.values,
+            engine.layers[0].experts_down[1].values, engine.layers[0].router]
+    assert not ptrs & {t.data_ptr() for t in held}
+    with torch.no_grad():                                 # the trainer's step, after the sync
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
+    engine.load_state_dict(model.state_dict())            # the next sync
+    assert not torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
+    with pytest.raises(ValueError, match="no 'model.norm.weight'"):
+        engine.load_state_dict({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
+    cfg, model = _model(True)
+    engine = _engine(cfg, model, precision="nvfp4", dtype=dtype)
+    apply_asymmetric_qat(model)
+    layer = model.model.layers[1]
+    recipe = layer.self_attn.q_proj.linear_recipe
+    # what the trainer's forward GEMM multiplies (weights in the compute dtype, as autocast casts)
+    trainer_q = operand(layer.self_attn.q_proj.weight.to(dtype), recipe.fprop_w, reduce_dim=1)
+    assert torch.equal(trainer_q, engine.layers[1].q_proj.values)
+    expert = layer.mlp.experts
+    trainer_e = operand(expert.down_proj[2].to(dtype), expert.linear_recipe.fprop_w, reduce_dim=1)
+    assert torch.equal(trainer_e, engine.layers[1].experts_down[2].values)
+    assert recipe.fprop_x is None and recipe.dgrad_dy is None      # activations stay high precision
+    assert not hasattr(model.lm_head, "linear_recipe")            # the head is kept, as in the engine

@@ -1,0 +1,203 @@
+"""GRPO's math against hand-computed cases, routing replay, a Hugging Face Qwen3-MoE through the
+engine and the trainer, exact resume, and `lowbit rl` in CI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowbit.data.tasks import get_task
+from lowbit.models import ModelConfig, build_model
+from lowbit.rl import grpo
+from lowbit.rl.config import RLConfig
+from lowbit.rl.engine import RolloutEngine
+from lowbit.rl.sampling import SamplingParams
+from lowbit.rl.trainer import run_rl
+from lowbit.rl.trainer_side import enable_routing_replay, replay_routing, routing_agreement
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    # groups [1, 0, 0] and [0, 1, 1]: means 1/3, 2/3; unbiased std sqrt(1/3)
+    s = math.sqrt(1 / 3)
+    expected = torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3])
+    torch.testing.assert_close(grpo.group_advantages(rewards, 3, "none"), expected)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 3, "group"), expected / (s + 1e-4))
+    batch_std = rewards.std().item()
+    torch.testing.assert_close(grpo.group_advantages(rewards, 3, "batch"), expected / (batch_std + 1e-4))
+    assert torch.equal(grpo.group_advantages(torch.ones(4), 2), torch.zeros(4))   # no signal, no NaN
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        grpo.group_advantages(rewards, 4)
+
+
+def test_policy_loss_clipping_and_reductions_by_hand():
+    # two sequences: 2 tokens and 1 token; ratios exp(logp - old)
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(1.1), 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    cfg = grpo.LossConfig("grpo", epsilon=0.2, epsilon_high=0.28, max_completion_length=4)
+    # row 0 (A=1): min(1.5, 1.28) = 1.28, min(0.5, 0.8)=0.5 -> -1.28, -0.5
+    # row 1 (A=-2): min(-2.2, -2 * 1.1) = -2.2 -> +2.2
+    tok = torch.tensor([[-1.28, -0.5], [2.2, 0.0]])
+    loss, m = grpo.policy_loss(logp, old, adv, mask, cfg)
+    torch.testing.assert_close(loss, ((tok[0].sum() / 2) + tok[1, 0]) / 2)
+    assert m["clip_ratio/high_mean"] == pytest.approx(1 / 3) and m["clip_ratio/low_mean"] == 0
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossConfig("dapo", max_completion_length=4))
+    torch.testing.assert_close(loss, (tok * mask).sum() / 3)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossConfig("dr_grpo", max_completion_length=4))
+    torch.testing.assert_close(loss, (tok * mask).sum() / (2 * 4))
+    loss.backward()                        # the clipped token (ratio 1.5, A > 0) has no gradient
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+    # k3 KL to a reference, and importance weights multiply the per-token loss
+    ref = torch.zeros(2, 2)
+    d = -logp.detach()
+    kl = torch.exp(d) - d - 1
+    loss, m = grpo.policy_loss(logp, old, adv, mask, grpo.LossConfig("dapo", beta=0.1), ref_logp=ref,
+                               is_weights=torch.tensor([[0.5, 1.0], [2.0, 0.0]]))
+    expected = ((tok + 0.1 * kl) * torch.tensor([[0.5, 1.0], [2.0, 0.0]]) * mask).sum() / 3
+    torch.testing.assert_close(loss, expected)
+    assert m["kl"] == pytest.approx(float((kl * mask).sum() / 3))
+
+
+def test_importance_weights_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))        # ratios 2, 1, 0.25
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    w, m = grpo.importance_weights(old, rollout, mask, "token", "truncate", cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, 0.25]]))
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(2.0)
+    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(0.25)
+    assert m["sampling/importance_sampling_ratio/capped_frac"] == pytest.approx(1 / 3)
+    w, _ = grpo.importance_weights(old, rollout, mask, "token", "mask", cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.25]]))
+    w, _ = grpo.importance_weights(old, rollout, mask, "sequence", "truncate", cap=3.0)
+    torch.testing.assert_close(w, torch.full((1, 3), 0.5))       # 2 * 1 * 0.25
+    m = grpo.mismatch_metrics(rollout, old, mask)
+    diffs = torch.tensor([math.log(2), 0, math.log(4)])
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(float(diffs.mean()))
+    assert m["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(4))
+    d = old - rollout
+    assert m["sampling/kl_k3"] == pytest.approx(float((torch.exp(d) - d - 1).mean()))
+
+
+def test_routing_replay_makes_the_trainers_experts_the_engines():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=2, n_experts=4, max_seq_len=32)
+    model = build_model(cfg).eval()
+    assert enable_routing_replay(model) == 2
+    x = torch.randint(0, 64, (2, 6))
+    routed = torch.stack([torch.stack([torch.randperm(4)[:2] for _ in range(6)]) for _ in range(2)])
+    routed = routed[:, :, None].expand(2, 6, 2, 2).clone()      # (B, T, layers, k)
+    routed[1, 5] = -1                                           # not recorded: the trainer chooses
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
+             for layer in model.model.layers]
+    with torch.no_grad(), replay_routing(model, routed):
+        replayed = model(x).logits
+    for i, index in enumerate(chosen):
+        index = index.view(2, 6, 2)
+        assert torch.equal(index[0], routed[0, :, i]) and torch.equal(index[1, :5], routed[1, :5, i])
+        own = model.model.layers[i].mlp.gate.own_index.view(2, 6, 2)
+        assert torch.equal(index[1, 5], own[1, 5])
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        plain = model(x).logits                                 # outside: the model's own routing
+    assert not torch.allclose(plain, replayed)
+    own = torch.stack([layer.mlp.gate.own_index.view(2, 6, 2) for layer in model.model.layers], 2)
+    assert routing_agreement(model, own) == 1.0
+
+
+def test_hugging_face_qwen3_moe_through_engine_and_trainer():
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, norm_topk_prob=True,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(hf_cfg).eval()
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True,
+                      n_experts=4, experts_per_token=2, moe_ffn_dim=32, norm_eps=hf_cfg.rms_norm_eps,
+                      max_seq_len=32)
+    engine = RolloutEngine(cfg, max_batch_size=4)
+    engine.load_state_dict(hf.state_dict())
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=0))
+    trainer = build_model(cfg)
+    trainer.load_state_dict(hf.state_dict())                  # the trainer takes the same names
+    for b, p in enumerate(prompts):
+        seq = torch.tensor([p + rollout.completion_lists()[b]])
+        with torch.no_grad():
+            for model in (hf, trainer):
+                logits = model(seq).logits[0].float()
+                lp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(-1, seq[0, len(p):, None])[:, 0]
+                torch.testing.assert_close(lp, rollout.logprobs[b], atol=5e-5, rtol=0)
+
+
+def _config(tmp_path, **kw):
+    base = dict(warmstart_steps=60, steps=4, prompts_per_step=2, num_generations=4, eval_every=0,
+                eval_problems=8, max_completion_length=4, checkpoint_every=2, progress=False,
+                out_dir=str(tmp_path), rollout="nvfp4", align="quads", lr=3e-3)
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def test_resume_is_exact(tmp_path):
+    straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
+    first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))
+    assert first.steps == 2
+    resumed = run_rl(_config(tmp_path, run_name="b"), resume=True)
+    keys = ("reward", "loss", "grad_norm", "sampling/sampling_logp_difference/mean")
+    pick = lambda result: [[r[k] for k in keys] for r in result.records if r["event"] == "train"]
+    assert pick(straight) == pick(resumed) and len(pick(resumed)) == 4
+    assert any(r["grad_norm"] > 0 for r in straight.records if r["event"] == "train")
+    with pytest.raises(ValueError, match="config differs"):
+        run_rl(_config(tmp_path, run_name="b", lr=1e-4), resume=True)
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_rl(_config(tmp_path, run_name="b"))
+
+
+def test_tasks_are_seeded_and_held_out():
+    task = get_task("countdown")
+    held = {p.prompt for p in task.eval_problems(50)}
+    a = task.problems(0, 3, 20, exclude=held)
+    assert a == task.problems(0, 3, 20, exclude=held) and not held & {p.prompt for p in a}
+    assert all(task.reward(p, p.solution) == 1.0 for p in a)
+    p = a[0]
+    nums = p.prompt.split(" -> ")[0].split()[1:]
+    assert task.reward(p, "+".join(nums) + "\n") == float(sum(map(int, nums)) == int(p.answer))
+    assert task.reward(p, "99\n") == 0.0                          # must use the numbers
+    with pytest.raises(ValueError, match="held-out set covers"):
+        get_task("add", digits=1).problems(0, 0, 4, exclude={f"{a}+{b}=" for a in range(10) for b in range(10)})
+
+
+def _lowbit(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "lowbit", "rl", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_rl_runs_and_refuses_bad_arguments(tmp_path):
+    out = _lowbit("--quick", "--no-progress", "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| nvfp4+quads |" in out.stdout
+    run = tmp_path / "rl-tiny-add-nvfp4+quads"
+    assert (run / "rl.png").is_file() and (run / "checkpoints" / "latest.pt").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward", "sampling/sampling_logp_difference/max", "rollout/tokens_per_s"} <= set(
+        next(r for r in records if r["event"] == "train"))
+    out = _lowbit("--quick", "--no-progress", "--rollout", "bf16", "--align", "none",
+                  "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0 and "| bf16 |" in out.stdout, out.stderr[-2000:]
+    for bad, message in ((["--rollout", "fp9"], "unknown --rollout"),
+                         (["--align", "quads", "--rollout", "fp8"], "use --rollout nvfp4"),
+                         (["--steps", "x"], "invalid int value")):
+        out = _lowbit(*bad, "--out-dir", str(tmp_path), cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.startswith("lowbit: error:") and message in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
