@@ -95,7 +95,8 @@ def source_run(job: QATJob) -> Path:
                              "train --recipe bf16`, or leave out --from")
         return path
     config = TrainConfig(recipe="bf16", max_steps=job.base_steps, device=job.device,
-                         out_dir=job.out_dir, run_name=f"qat-base-tiny-{job.base_steps}",
+                         warmup_steps=min(TrainConfig.warmup_steps, job.base_steps // 10),
+                         out_dir=job.out_dir, run_name=f"base-bf16-tiny-{job.base_steps}",
                          progress=job.progress, diagnostics=False)
     run = RunDir(Path(config.out_dir) / config.name)
     if not (run.path / "final.json").is_file():

@@ -1,0 +1,204 @@
+"""lowbit.qat: the forward quantizers, the estimators' gradients, JacQuant's fit, prepare ->
+convert -> save/load bit for bit, GPTQ against RTN, and `lowbit qat`."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lowbit.formats import load_qtensors, quantize, save_qtensors
+from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq,
+                        load_packed, packed_weights, parse_weight_format, prepare, refresh)
+from lowbit.qat.jacquant import fit_b
+
+FORMATS = ["int2:g32", "int3:g32", "int4:g16:asym", "int8:row", "ternary:g32", "binary:g32",
+           "seq2:g32", "nvfp4", "mxfp4"]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 32)
+        self.b = nn.Linear(32, 64)
+        self.lm_head = nn.Linear(64, 8)
+
+    def forward(self, x, targets=None):
+        return self.lm_head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+@pytest.mark.parametrize("estimator", ["ste", "jacquant", "lsq"])
+def test_prepare_train_convert_save_load_is_bit_exact(weights, estimator, tmp_path):
+    if estimator == "lsq" and weights in ("nvfp4", "mxfp4"):
+        with pytest.raises(ValueError, match="no step size to learn"):
+            QATConfig(weights=weights, estimator=estimator)
+        return
+    torch.manual_seed(0)
+    net = Net()
+    config = QATConfig(weights=weights, estimator=estimator)
+    report = prepare(net, config)
+    assert [n for n, _, _ in report.prepared] == ["a.weight", "b.weight"]   # lm_head kept
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+    for step in range(1, 4):
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        refresh(net, 0, step)
+    net.eval()
+    expected = net(x)
+    assert convert(net) == 2
+    assert torch.equal(net(x), expected)
+    path = tmp_path / "w.safetensors"
+    save_qtensors(path, packed_weights(net))
+    fresh = Net()
+    fresh.load_state_dict({k: v for k, v in net.state_dict().items() if "parametrizations" not in k},
+                          strict=False)
+    assert load_packed(fresh, path) == 2
+    assert torch.equal(fresh(x), expected)
+
+
+def test_grid_values_match_the_formats_reference():
+    w = torch.randn(16, 64)
+    for name in ["int2:g32", "int4:g32:asym", "seq2:g32", "ternary:g32", "binary:g32"]:
+        fmt = parse_weight_format(name)
+        q = GroupQuantizer(fmt, w.shape)
+        scales, zeros = q.init_scales(w)
+        # absmax init: the QAT forward is exactly lowbit.formats' quantizer
+        ref = quantize(w, fmt.format_name, block=(1, 32)).dequantize()
+        assert torch.equal(q.dequantize(w, scales, zeros), ref), name
+
+
+def test_seq2_and_asymmetric_grids():
+    x = torch.tensor([[0.0, -0.0, 1.0, -1.0, 1.5, 3.0, -3.0, 0.1]])
+    assert quantize(x, "seq2", block=(1, 8)).dequantize().tolist() == [[1, -1, 1, -1, 1, 3, -3, 1]]
+    y = torch.tensor([[-1.0, 0.0, 2.0, 0.5] + [0.0] * 4, [float("nan")] + [1.0] * 7])
+    q = quantize(y, "int2_asym", block=(1, 8))
+    d = q.dequantize()
+    assert torch.isnan(d[1]).all()                              # a NaN block stays NaN
+    assert d[0, 1] == 0 and d[0, 0] == -1 and d[0, 2] == 2   # 0 is on the grid
+    big = torch.tensor([[3e38, -3e38] + [0.0] * 6])
+    assert torch.isfinite(quantize(big, "int4_asym", block=(1, 8)).dequantize()).all()
+
+
+def test_ste_clipped_ste_and_lsq_gradients():
+    w = torch.tensor([[0.2, 0.9, 2.5, -3.0] * 8])
+    q = GroupQuantizer(parse_weight_format("int3:g32"), w.shape)
+    s = torch.full((1, 1), 0.5)
+    g = torch.randn_like(w)
+    for estimator, expect in [("ste", g), ("clipped-ste", torch.where((w / 0.5).abs() <= 3, g, 0.0))]:
+        wv = w.clone().requires_grad_()
+        fake_quantize(wv, s, None, None, q, estimator).backward(g)
+        assert torch.equal(wv.grad, expect)
+    wv, sv = w.clone().requires_grad_(), s.clone().requires_grad_()
+    fake_quantize(wv, sv, None, None, q, "lsq", learn=True).backward(g)
+    data = w / 0.5
+    v = torch.clamp(torch.round(data), -3, 3)
+    dq_ds = torch.where(data.abs() <= 3, v - data, v)
+    expected = (g * dq_ds).sum() / math.sqrt(32 * 3)           # LSQ: g = 1 / sqrt(N * Qp)
+    assert torch.allclose(sv.grad, expected.reshape(1, 1), rtol=1e-5)
+
+
+def test_dither_full_width_is_clipped_ste_and_b_stays_in_range():
+    torch.manual_seed(0)
+    w = torch.randn(4, 64)
+    q = GroupQuantizer(parse_weight_format("int2:g32"), w.shape)
+    s = torch.full((4, 2), 0.4)
+    per_elem = JacQuantConfig(estimate="dither", eps=0.5, per_element=True, weighted=False)
+    b = fit_b(w, q, s, None, per_elem, None, torch.Generator().manual_seed(0))
+    inside = (w / 0.4).abs() < 1 - 1e-6       # the grid -1, 0, 1: range [-s, s]
+    outside = (w / 0.4).abs() > 1 + 1e-6
+    assert torch.allclose(b[inside], torch.ones(()), atol=1e-5)   # one step between the ends
+    assert torch.equal(b[outside], torch.zeros_like(b[outside]))
+    net = Net()
+    prepare(net, QATConfig(weights="int2:g32", estimator="jacquant",
+                           jacquant=JacQuantConfig(eps=0.1, b_max=1.5)))
+    refresh(net, 0, 1)
+    for m in (net.a, net.b):
+        fq = m.parametrizations.weight[0]
+        assert fq.b.shape == fq.scales.shape                     # one value per group
+        assert fq.b.min() >= 0 and fq.b.max() <= 1.5
+
+
+def test_probe_recovers_an_identity_and_a_saturated_jacobian():
+    # a very fine grid acts as the identity (B = 1); far past saturation B = 0
+    w = torch.randn(4, 64) * 0.01
+    q = GroupQuantizer(parse_weight_format("int8:g32"), w.shape)
+    s = torch.full((4, 2), 1e-3)
+    cfg = JacQuantConfig(estimate="probe", eps=2.0, samples=4, weighted=False)
+    b = fit_b(w, q, s, None, cfg, None, torch.Generator().manual_seed(0))
+    assert torch.allclose(b, torch.ones_like(b), atol=0.05)
+    far = torch.full((4, 64), 10.0)
+    b = fit_b(far, q, torch.full((4, 2), 1e-3), None, cfg, None, torch.Generator().manual_seed(0))
+    assert torch.equal(b, torch.zeros_like(b))
+
+
+def test_estimators_converge_on_a_toy_regression():
+    torch.manual_seed(0)
+    target = torch.randn(16, 64)
+    x = torch.randn(256, 64)
+    y = x @ target.T
+    for estimator in ["ste", "clipped-ste", "lsq", "jacquant"]:
+        layer = nn.Linear(64, 16, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(target + 0.3 * torch.randn_like(target))
+        prepare(layer, QATConfig(weights="int4:g32", estimator=estimator,
+                                 jacquant=JacQuantConfig(refresh_every=1)))
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+        first = None
+        for step in range(1, 61):
+            loss = (layer(x) - y).square().mean()
+            first = first if first is not None else loss.item()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            refresh(layer, 0, step)
+        assert loss.item() < 0.5 * first, estimator
+
+
+def test_gptq_lowers_the_layer_output_error_against_rtn():
+    import copy
+    torch.manual_seed(0)
+    base = Net()
+    x = torch.randn(512, 64) @ torch.randn(64, 64)
+    rtn = copy.deepcopy(base)
+    prepare(rtn, QATConfig(weights="int2:g32", estimator="ste"))
+    g = copy.deepcopy(rtn)
+    assert gptq(g, [(x, torch.zeros(1))], torch.device("cpu")) == 2
+    ref = base.a(x)
+    err_rtn = (rtn.a(x) - ref).square().mean()
+    err_gptq = (g.a(x) - ref).square().mean()
+    assert err_gptq < 0.8 * err_rtn
+
+
+def test_prepare_refuses_before_changing_anything():
+    net = Net()
+    with pytest.raises(ValueError, match="does not divide"):
+        prepare(net, QATConfig(weights="int2:g48", estimator="ste"))
+    assert not hasattr(net.a, "parametrizations")
+    for bad in ["int5", "int2:g7", "ternary:asym", "nvfp4:g32", "foo"]:
+        with pytest.raises(ValueError):
+            parse_weight_format(bad)
+
+
+def _lowbit(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, **kw)
+
+
+def test_lowbit_qat_runs_compares_and_refuses(tmp_path):
+    out = str(tmp_path)
+    r = _lowbit("qat", "--compare", "ste,jacquant", "--steps", "4", "--base-steps", "6",
+                "--eval-every", "2", "--refresh-every", "2", "--out-dir", out, "--no-progress",
+                "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
+        assert f"| {method} |" in r.stdout
+    assert list(tmp_path.glob("qat-*/qat.png"))
+    for args, words in [(["--weights", "int5"], "int2, int3"), (["--estimator", "foo"], "invalid choice"),
+                        (["--from", out], "not a finished"), (["--seeds", "a"], "--seeds"),
+                        (["--weights", "int2:g64", "--base-steps", "6"], "does not divide")]:
+        r = _lowbit("qat", *args, "--out-dir", out, "--no-progress", "--device", "cpu")
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
