@@ -443,7 +443,7 @@ def test_quantize_refuses_what_is_not_a_tensor_and_options_that_mean_nothing():
         with pytest.raises(TypeError, match=re_escape(hint)):
             lowbit.quantize(x, "nvfp4")
     x = torch.randn(4, 32)
-    for kwargs, message in ((dict(tensor_scale=False), "tensor_scale applies to nvfp4 only"),
+    for kwargs, message in ((dict(tensor_scale=True), "tensor_scale applies to nvfp4 only"),
                             (dict(block=(1, 32.0)), "pair of integers"),
                             (dict(generator=torch.Generator()), "stochastic rounding only")):
         with pytest.raises(ValueError, match=message):

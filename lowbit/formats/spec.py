@@ -140,7 +140,7 @@ class QuantSpec:
         elif (not isinstance(block, (tuple, list)) or len(block) != 2
               or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block)):
             raise ValueError(f"block must be a pair of integers (1, b) or (b, b), got {block!r}")
-        if tensor_scale is not None and info.scale_kind is not ScaleKind.E4M3:
+        if tensor_scale and info.scale_kind is not ScaleKind.E4M3:
             raise ValueError(f"tensor_scale applies to nvfp4 only; {format} has "
                              f"{info.scale_kind.value} block scales and no tensor scale (leave "
                              f"tensor_scale unset)")
