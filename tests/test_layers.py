@@ -29,9 +29,10 @@ ALLOWED = {
     "rl": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
            "diagnostics", "train", "qat", "export"},
     "bench": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-              "diagnostics", "train", "export"},
+              "diagnostics", "train", "export", "qat"},
     "cli": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
             "diagnostics", "train", "qat", "rl", "bench", "export"},
+    "__main__": {"cli"},   # `python -m lowbit`
 }
 
 

@@ -52,6 +52,9 @@ def parse_format(text: str) -> tuple[str, QuantSpec]:
         if opt in ("floor", "rceil"):
             kw["scale_rule"] = opt
         elif opt == "single":
+            if name != "nvfp4":
+                raise InspectError(f"{text!r}: tensor_scale applies to nvfp4 only (`single` drops "
+                                   "NVFP4's tensor scale); leave it out")
             kw["tensor_scale"] = False
         elif opt == "sr":
             kw["rounding"] = "stochastic"

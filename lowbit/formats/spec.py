@@ -123,7 +123,7 @@ class QuantSpec:
         elif self.scale_rule is not None:
             raise ValueError(f"scale_rule applies to MX formats only; {self.format} has "
                              f"{info.scale_kind.value} scales (leave scale_rule unset)")
-        if self.rounding is Rounding.STOCHASTIC and info.element in (BINARY, SEQ2):
+        if self.rounding is Rounding.STOCHASTIC and info.element is SEQ2:
             raise ValueError(f"stochastic rounding is not defined for {self.format} (a grid "
                              "without zero); use rounding='rne'")
         if self.tensor_scale and info.scale_kind is not ScaleKind.E4M3:
