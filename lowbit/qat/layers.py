@@ -218,17 +218,20 @@ def _observer(fq: FakeQuantWeight):
     return hook
 
 
-def fake_quantizers(model: nn.Module) -> list[tuple[str, nn.Module, str, FakeQuantWeight]]:
-    """(qualified name, module, parameter name, fake quantizer) of every prepared weight."""
-    out = []
+def _parametrized(model: nn.Module, kind: type):
+    """(qualified name, module, parameter name, parametrization) of every `kind` parametrization."""
     for name, module in model.named_modules():
         if not parametrize.is_parametrized(module):
             continue
         for pname, plist in module.parametrizations.items():
             for p in plist:
-                if isinstance(p, FakeQuantWeight):
-                    out.append((f"{name}.{pname}" if name else pname, module, pname, p))
-    return out
+                if isinstance(p, kind):
+                    yield (f"{name}.{pname}" if name else pname, module, pname, p)
+
+
+def fake_quantizers(model: nn.Module) -> list[tuple[str, nn.Module, str, FakeQuantWeight]]:
+    """(qualified name, module, parameter name, fake quantizer) of every prepared weight."""
+    return list(_parametrized(model, FakeQuantWeight))
 
 
 @torch.no_grad()
@@ -315,15 +318,7 @@ def _set_packed(module: nn.Module, pname: str, q: QTensor) -> None:
 
 def packed_weights(model: nn.Module) -> dict[str, QTensor]:
     """The packed weights of a converted model, by parameter name (e.g. 'layers.0.attn.q_proj.weight')."""
-    out = {}
-    for name, module in model.named_modules():
-        if not parametrize.is_parametrized(module):
-            continue
-        for pname, plist in module.parametrizations.items():
-            for p in plist:
-                if isinstance(p, PackedWeight):
-                    out[f"{name}.{pname}" if name else pname] = p.qtensor
-    return out
+    return {name: p.qtensor for name, _, _, p in _parametrized(model, PackedWeight)}
 
 
 def load_packed(model: nn.Module, path: str | os.PathLike, device: str | torch.device = "cpu") -> int:

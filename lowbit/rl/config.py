@@ -88,7 +88,7 @@ class RLConfig:
     log_every: int = 1
     checkpoint_every: int = 20
     max_steps_per_session: int | None = None
-    """Stop after this many steps in this session (the run resumes later); None: run to the end."""
+    """Stop after this many steps of this invocation (a later --resume continues the run); None: run to the end."""
     seed: int = 0
     device: str = "auto"
     engine_device: str | None = None
