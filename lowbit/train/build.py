@@ -121,9 +121,12 @@ def model_config(config: TrainConfig, vocab_size: int | None = None):
 
 def context_warning(config: TrainConfig) -> str:
     """A line when seq_len exceeds the preset's context, which model_config then enlarges
-    (the model is then not the preset: its rotary table is longer), else ""."""
-    from lowbit.models import ModelConfig
+    (the model is then not the preset: its rotary table is longer), else "". A Hugging Face
+    folder's context is never enlarged (model_config refuses), so it gets no warning here."""
+    from lowbit.models import ModelConfig, is_model_folder
 
+    if is_model_folder(config.model):
+        return ""
     preset = ModelConfig.preset(config.model).max_seq_len
     if config.seq_len <= preset:
         return ""
