@@ -18,6 +18,15 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", metavar="RUN_DIR",
                    help="a `lowbit train` run folder to quantize (default: train a BF16 tiny "
                         f"model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a Hugging Face model folder to quantize (Llama, Qwen2, Qwen3, Qwen3-MoE): "
+                        "QAT starts from its weights, with its own tokenizer (instead of --from)")
+    p.add_argument("--corpus", default=None,
+                   help="with --model: the corpus to fine-tune on (default: tinyshakespeare)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="with --model: tokens per sequence (default: 128)")
+    p.add_argument("--corpus-max-bytes", type=int, default=None,
+                   help="with --model: cut each split of the corpus to this many bytes")
     p.add_argument("--weights", default=QATConfig.weights,
                    help="weight format: int2|int3|int4|int8 with :gG, :row, :asym; ternary, "
                         "binary, seq2 (with :gG or :row); nvfp4, mxfp4 (default: %(default)s)")
@@ -77,7 +86,9 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                         per_element=args.b_per_element, weighted=not args.b_unweighted)
     configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
                          scale_init=args.scale_init, jacquant=jq) for e in estimators]
-    return QATJob(configs=configs, source=args.source, seeds=seeds, steps=args.steps, lr=args.lr,
+    return QATJob(configs=configs, source=args.source, model=args.model, corpus=args.corpus,
+                  seq_len=args.seq_len, corpus_max_bytes=args.corpus_max_bytes, seeds=seeds,
+                  steps=args.steps, lr=args.lr,
                   warmup_steps=args.warmup_steps, batch_size=args.batch_size,
                   eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                   device=args.device, out_dir=args.out_dir, name=args.run_name,

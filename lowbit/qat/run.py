@@ -5,10 +5,16 @@ JSONL/TensorBoard logs and plots) whose model starts from a trained run's weight
 `lowbit.qat.prepare` applied, and whose config records the QAT settings (`TrainConfig.qat`)
 so that resume refuses a change. JacQuant's B is refit in the loop's `on_step` hook.
 
+The source is a `lowbit train` run folder (`--from`), a Hugging Face model folder (`--model
+PATH`: its weights are the trained model, its tokenizer.json the tokenizer; no base training),
+or neither (a tiny BF16 model trained first, cached).
+
 `run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
 tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
 writes a table (`table.md`), `summary.json` and one figure of validation loss over steps with
-the baselines as horizontal lines into `<out_dir>/<name>/`.
+the baselines as horizontal lines into `<out_dir>/<name>/`. Each QAT run folder also gets
+`quantized.safetensors`: its trained weights packed (`convert` + `packed_weights`, keyed by
+Hugging Face weight names), which `lowbit export RUN` writes as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 
 from lowbit.qat.config import QATConfig
 from lowbit.qat.gptq import gptq
-from lowbit.qat.layers import prepare, refresh_hook
+from lowbit.formats import save_qtensors
+from lowbit.qat.layers import convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
 from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
 from lowbit.train.config import TrainConfig, resolve_device
@@ -32,9 +39,11 @@ from lowbit.train.loop import evaluate, train
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
-__all__ = ["QATJob", "run_qat", "source_run", "load_source", "BASE_STEPS"]
+__all__ = ["QATJob", "run_qat", "source_run", "load_source", "save_packed", "BASE_STEPS",
+           "PACKED_FILE"]
 
 BASE_STEPS = 300   # the BF16 model `lowbit qat` trains first when given no --from
+PACKED_FILE = "quantized.safetensors"   # a QAT run's packed weights (what lowbit export reads)
 
 
 @dataclass
@@ -42,7 +51,16 @@ class QATJob:
     configs: list[QATConfig]
     """One QAT run per entry (and seed); `--compare ste,jacquant` gives two."""
     source: str | None = None
-    """A `lowbit train` run folder; None: train (once, cached) a BF16 model on the defaults."""
+    """A `lowbit train` run folder; None (and no model): train (once, cached) a BF16 model on
+    the defaults."""
+    model: str | None = None
+    """A Hugging Face model folder to quantize (its weights and tokenizer); excludes source."""
+    corpus: str | None = None
+    """With model: the corpus to fine-tune on (default: TrainConfig's)."""
+    seq_len: int | None = None
+    """With model: tokens per sequence (default: TrainConfig's, at most the model's context)."""
+    corpus_max_bytes: int | None = None
+    """With model: cut each split of the corpus to this many bytes."""
     seeds: tuple[int, ...] = (0,)
     steps: int = 200
     lr: float = 1e-3
@@ -83,10 +101,21 @@ class QATJob:
             raise ValueError("--baselines-only and --no-baselines exclude each other")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite exclude each other; pick one")
+        if self.model is not None and self.source is not None:
+            raise ValueError("--model PATH and --from RUN_DIR both name the model to quantize; "
+                             "give one")
+        if self.model is None and (self.corpus, self.seq_len, self.corpus_max_bytes) != (None,) * 3:
+            raise ValueError("--corpus, --seq-len and --corpus-max-bytes go with --model PATH "
+                             "(a --from run brings its own data)")
 
 
 def source_run(job: QATJob) -> Path:
-    """The trained run QAT starts from: job.source, checked, or the cached default BF16 run."""
+    """The trained model QAT starts from: job.model (a Hugging Face folder, checked), job.source
+    (a run folder, checked), or the cached default BF16 run."""
+    if job.model is not None:
+        from lowbit.models.hf import read_config
+        read_config(job.model)   # a missing or unsupported folder: one line
+        return Path(job.model)
     if job.source is not None:
         path = Path(job.source)
         if not (path / "config.json").is_file() or not RunDir(path).checkpoint.is_file():
@@ -107,8 +136,17 @@ def source_run(job: QATJob) -> Path:
     return run.path
 
 
-def load_source(path: Path) -> tuple[TrainConfig, dict]:
-    """The source run's config and its last checkpoint's model weights."""
+def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dict | None]:
+    """The source's TrainConfig and its model weights: a run's config and last checkpoint, or
+    for a Hugging Face folder (job.model) a config of that model on job's data and None
+    (lowbit.train.build.build_model loads the folder's weights)."""
+    if job is not None and job.model is not None:
+        fields = {k: v for k, v in (("corpus", job.corpus), ("seq_len", job.seq_len),
+                                    ("corpus_max_bytes", job.corpus_max_bytes)) if v is not None}
+        config = TrainConfig(model=str(path), tokenizer="model", recipe="bf16", **fields)
+        from lowbit.train.build import model_config
+        model_config(config)   # refuses a seq_len past the model's context, before any work
+        return config, None
     config = TrainConfig.from_dict(json.loads((path / "config.json").read_text()))
     if config.qat is not None:
         raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
@@ -153,7 +191,7 @@ def _slug(text: str) -> str:
 def run_qat(job: QATJob) -> dict:
     """Run the job (see the module docstring); returns the summary it writes."""
     source_path = source_run(job)
-    source, state = load_source(source_path)
+    source, state = load_source(source_path, job)
     base_name = job.name or _slug(f"qat-{source_path.name}")
     # Every run's config is built (and so validated) before the first one trains.
     plans = []
@@ -167,7 +205,8 @@ def run_qat(job: QATJob) -> dict:
     def fresh_model():
         seed_everything(source.seed)
         model = build_model(source, data.vocab_size)
-        model.load_state_dict(state)
+        if state is not None:
+            model.load_state_dict(state)
         return model.to(device)
 
     summary = {"source": str(source_path), "baselines": {}, "runs": []}
@@ -183,6 +222,8 @@ def run_qat(job: QATJob) -> dict:
             hook = refresh_hook(model, qat, seed)
         result = train(config, resume=job.resume, overwrite=job.overwrite, model=model,
                        data=build_data(config), on_step=hook)
+        if qat.format.grid != "bf16":   # the control has nothing to pack
+            save_packed(model, result.run_dir)
         summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,
                                 "estimator": _label(qat), "seed": seed,
                                 "val_loss": result.val_loss, "val_ppl": result.val_ppl,
@@ -196,6 +237,17 @@ def run_qat(job: QATJob) -> dict:
     summary["figure"] = str(plot_qat(summary, out / "qat.png"))
     summary["dir"] = str(out)
     return summary
+
+
+def save_packed(model: torch.nn.Module, run_dir: Path) -> Path:
+    """The trained QAT model's weights packed (lowbit.qat.convert, in place: the model then
+    evaluates as before, bit for bit) into `<run_dir>/quantized.safetensors`, keyed by
+    parameter name, which for lowbit's models is the Hugging Face weight name."""
+    model.eval()
+    convert(model)
+    path = Path(run_dir) / PACKED_FILE
+    save_qtensors(path, packed_weights(model))
+    return path
 
 
 def _baselines(job: QATJob, fresh_model, data, device) -> dict:
