@@ -2,8 +2,10 @@
 
 RUN_OR_MODEL is a Hugging Face model folder, or a `lowbit train` run folder (its last
 checkpoint). A run folder holding `quantized.safetensors` (lowbit.save_qtensors, keys the
-Hugging Face weight names, e.g. what a QAT run's convert() writes) exports those packed weights
-as they are; the rest of the model is quantized round to nearest.
+Hugging Face weight names: what a `lowbit qat` run writes) exports those packed weights as they
+are; the rest of the model is quantized round to nearest. A QAT run exports in the format it
+trained (the default --format there); another --format is refused, since its weights would
+have to be quantized again.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_export_arguments", "run_export", "load_source"]
+from lowbit.export.layouts import FORMAT_LAYOUTS, ExportFormat, parse_export_format
+
+__all__ = ["add_export_arguments", "run_export", "load_source", "master_weights", "export_format"]
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="RUN_OR_MODEL",
                    help="a Hugging Face model folder or a lowbit train run folder")
-    p.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"),
-                   help="weight format (default: nvfp4)")
+    p.add_argument("--format", default=None,
+                   help="weight format: nvfp4, mxfp4, int4 or int8 (with :gG or :row, and :asym; "
+                        "default g128) (default: a QAT run's own format, else nvfp4)")
     p.add_argument("--layout", default=None, choices=("modelopt", "compressed-tensors"),
                    help="checkpoint layout (default: modelopt for nvfp4, compressed-tensors "
                         "for mxfp4, which ModelOpt has no layout for)")
@@ -43,8 +48,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_source(source: str | Path):
-    """(model in float32, weights mapping or None, tokenizer or None, tokenizer folder or None)
-    of a Hugging Face folder or a run folder."""
+    """(model in float32, weights mapping or None, tokenizer or None, tokenizer folder or None,
+    the QAT run's weight format or None) of a Hugging Face folder or a run folder."""
     from lowbit.models import load_model
 
     path = Path(source)
@@ -53,7 +58,7 @@ def load_source(source: str | Path):
     if (path / "checkpoints" / "latest.pt").is_file():
         return _load_run(path)
     model, tokenizer, _ = load_model(path, dtype=torch.float32)
-    return model, None, tokenizer, path
+    return model, None, tokenizer, path, None
 
 
 def _load_run(path: Path):
@@ -68,10 +73,17 @@ def _load_run(path: Path):
     state = checkpoint["model"]
     vocab = state["model.embed_tokens.weight"].shape[0]
     model = build_model(model_config(config, vocab))
-    model.load_state_dict(state)
+    model.load_state_dict(master_weights(state))
     weights = None
     if (path / "quantized.safetensors").is_file():
         weights = load_qtensors(path / "quantized.safetensors")
+    trained = None
+    if config.qat is not None:
+        trained = config.qat["weights"]
+        if weights is None:
+            raise ValueError(f"{path} is a QAT run without quantized.safetensors (its packed "
+                             f"weights, written when the run finishes); finish it with "
+                             f"`lowbit qat ... --resume`")
     tokenizer, tokenizer_dir = None, None
     if is_model_folder(config.model):
         tokenizer_dir = Path(config.model)
@@ -80,7 +92,41 @@ def _load_run(path: Path):
         corpus = load_corpus(config.corpus, data_dir=config.data_dir,
                              max_bytes=config.corpus_max_bytes)
         tokenizer = get_tokenizer("bpe", corpus, config.bpe_vocab_size)
-    return model.eval(), weights, tokenizer, tokenizer_dir
+    return model.eval(), weights, tokenizer, tokenizer_dir, trained
+
+
+def master_weights(state: dict) -> dict:
+    """A model state dict with parametrized weights (a QAT checkpoint's
+    `m.parametrizations.weight.original` and its quantizer's state) as plain `m.weight`."""
+    out = {}
+    for name, tensor in state.items():
+        if ".parametrizations." not in name:
+            out[name] = tensor
+        elif name.endswith(".original"):
+            module, _, rest = name.partition(".parametrizations.")
+            out[f"{module}.{rest.removesuffix('.original')}"] = tensor
+    return out
+
+
+def export_format(requested: str | None, trained: str | None, source) -> ExportFormat:
+    """The format to write: the requested one, or a QAT run's own; a QAT run asked for another
+    format (which would quantize its trained weights again) is refused."""
+    if trained is None:
+        return parse_export_format(requested or "nvfp4")
+    try:
+        own = parse_export_format(trained)
+    except ValueError as e:
+        raise ValueError(f"{source} trained {trained} weights (QAT): {e}") from None
+    if requested is None:
+        return own
+    asked = parse_export_format(requested)
+    options = requested.lower().split(":")[1:]
+    group_named = any(o == "row" or o.startswith("g") for o in options)
+    if (asked.name, asked.asym) != (own.name, own.asym) or (group_named and asked.group != own.group):
+        raise ValueError(f"{source} trained {trained} weights (QAT), which export as they are; "
+                         f"--format {requested} would quantize them again: use --format {own} "
+                         f"(or leave --format out)")
+    return own
 
 
 def _calibration_batches(model, tokenizer, corpus: str, n: int):
@@ -104,26 +150,29 @@ def run_export(args: argparse.Namespace) -> None:
     from lowbit.export import calibrate_input_amax, export_model
     from lowbit.models.hf import load_tokenizer
 
-    layout = args.layout or ("modelopt" if args.format == "nvfp4" else "compressed-tensors")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"{out} is not empty; pass --overwrite or choose another --out")
     if args.calib_batches < 1:
         raise ValueError("--calib-batches must be >= 1")
-    model, weights, tokenizer, tokenizer_dir = load_source(args.source)
+    if args.format is not None:
+        parse_export_format(args.format)   # a bad format: refused before anything loads
+    model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source)
+    fmt = export_format(args.format, trained, args.source)
+    layout = args.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
     input_amax = None
     if args.activations == "nvfp4":
         tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
         input_amax = calibrate_input_amax(
             model, _calibration_batches(model, tok, args.calib_corpus, args.calib_batches))
-    report = export_model(model, out, format=args.format, layout=layout, weights=weights,
+    report = export_model(model, out, format=fmt, layout=layout, weights=weights,
                           scale_rule=args.scale_rule, input_amax=input_amax,
                           tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                           allow_unshared_scales=args.allow_unshared_scales,
                           progress=not args.no_progress)
     print(report)
     (out / "lowbit_export.json").write_text(json.dumps({
-        "source": str(args.source), "format": args.format, "layout": layout,
+        "source": str(args.source), "format": str(fmt), "layout": layout,
         "activations": args.activations, "packed_weights": len(report.quantized),
         "excluded": report.excluded, "quantized_bytes": report.quantized_bytes,
         "quantized_bf16_bytes": report.quantized_bf16_bytes, "weight_ratio": report.weight_ratio,

@@ -21,6 +21,15 @@ compressed-tensors (config.json `quantization_config`, format "nvfp4-pack-quanti
     m.input_global_scale   float32 (1,)     W4A4 only, also a reciprocal
 and "mxfp4-pack-quantized": weight_packed, weight_scale (uint8 exponents), no global scale.
 
+compressed-tensors "pack-quantized" (integer weights, int4 / int8, schemes W4A16 / W8A16 /
+W4A16_ASYM, vLLM's WNA16 kernels), per linear `m` (lowbit.export.packing has the bit layout):
+    m.weight_packed      int32 (R, C * bits / 32)  codes + 2^(bits-1), element i of a row at
+                                                   bits [bits * i, bits * (i + 1)) of its words
+    m.weight_scale       float32 (R, C / group)    (R, 1) for one scale per row ("channel")
+    m.weight_shape       int64 (2,)                (R, C)
+    m.weight_zero_point  int32 (R * bits / 32, C / group), packed along the rows (asym only)
+value = (code - zero_point) * weight_scale, in float32: lowbit's own dequantize, bit for bit.
+
 The reciprocal is the one place a layout cannot hold lowbit's bits: float32 1/(1/s) is not
 always s (about 16% of scales do not round-trip through a float32 reciprocal). So a
 compressed-tensors file also carries lowbit's own tensor scales, bit for bit, in its
@@ -30,11 +39,85 @@ servers ignore and lowbit.load_exported reads.
 
 from __future__ import annotations
 
-__all__ = ["LAYOUTS", "FORMAT_LAYOUTS", "tensor_names", "modelopt_config", "compressed_tensors_config"]
+from dataclasses import dataclass
+
+from lowbit.formats import QuantSpec
+
+__all__ = ["LAYOUTS", "FORMAT_LAYOUTS", "ExportFormat", "parse_export_format", "tensor_names",
+           "modelopt_config", "compressed_tensors_config", "int_compressed_tensors_config"]
 
 LAYOUTS = ("modelopt", "compressed-tensors")
-# which layouts exist for which format: ModelOpt's HF export has no MXFP4 layout
-FORMAT_LAYOUTS = {"nvfp4": ("modelopt", "compressed-tensors"), "mxfp4": ("compressed-tensors",)}
+# which layouts exist for which format: ModelOpt's HF export has no MXFP4 or integer layout
+# lowbit writes (its INT4 is AWQ's, another packing)
+FORMAT_LAYOUTS = {"nvfp4": ("modelopt", "compressed-tensors"), "mxfp4": ("compressed-tensors",),
+                  "int4": ("compressed-tensors",), "int8": ("compressed-tensors",)}
+EXPORTS = "nvfp4, mxfp4, int4 and int8 (with :gG or :row, and :asym)"
+DEFAULT_INT_GROUP = 128
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """What `--format` names: nvfp4, mxfp4, or int4 / int8 with a group size (None: one scale
+    per row) and optionally asymmetric (a zero point per group)."""
+
+    name: str
+    group: int | None = None
+    asym: bool = False
+
+    @property
+    def is_int(self) -> bool:
+        return self.name.startswith("int")
+
+    @property
+    def bits(self) -> int:
+        return int(self.name[3:]) if self.is_int else 4
+
+    @property
+    def lowbit_format(self) -> str:
+        """The lowbit.formats format of the packed weights."""
+        return self.name + ("_asym" if self.asym else "")
+
+    def spec(self, in_features: int, scale_rule: str = "floor") -> QuantSpec:
+        if self.name == "nvfp4":
+            return QuantSpec.make("nvfp4")
+        if self.name == "mxfp4":
+            return QuantSpec.make("mxfp4", scale_rule=scale_rule)
+        return QuantSpec.make(self.lowbit_format, block=(1, self.group or in_features))
+
+    def __str__(self) -> str:
+        if not self.is_int:
+            return self.name
+        return self.name + (":row" if self.group is None else f":g{self.group}") + (":asym" if self.asym else "")
+
+
+def parse_export_format(text: str) -> ExportFormat:
+    """'nvfp4', 'mxfp4', 'int4', 'int4:g64:asym', 'int8:row' as an ExportFormat (int default
+    g128). The formats no server kernel reads are refused with a line saying which export."""
+    parts = [p.strip() for p in str(text).strip().lower().split(":")]
+    head, options = parts[0], parts[1:]
+    if head in ("nvfp4", "mxfp4"):
+        if options:
+            raise ValueError(f"{head} has its own blocks; write plain --format {head}")
+        return ExportFormat(head)
+    if head in ("int4", "int8"):
+        group, asym = DEFAULT_INT_GROUP, False
+        for option in options:
+            if option == "row":
+                group = None
+            elif option.startswith("g") and option[1:].isdigit() and int(option[1:]) > 0:
+                group = int(option[1:])
+            elif option == "asym":
+                asym = True
+            else:
+                raise ValueError(f"unknown option {option!r} in --format {text}; use gG (e.g. "
+                                 "g128), row or asym")
+        return ExportFormat(head, group, asym)
+    if head in ("int2", "int3", "ternary", "binary", "seq2") or head.startswith("int"):
+        raise ValueError(f"{head} weights have no serving layout: vLLM's and SGLang's integer "
+                         f"kernels (compressed-tensors pack-quantized, WNA16) take 4- and 8-bit "
+                         f"integers only, and no server reads 1-3-bit or ternary codes; lowbit "
+                         f"exports {EXPORTS}")
+    raise ValueError(f"unknown --format {text!r}; lowbit exports {EXPORTS}")
 
 
 def tensor_names(layout: str) -> dict[str, str]:
@@ -72,6 +155,26 @@ def compressed_tensors_config(format: str, ignore: list[str], activations: bool,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
                                           "input_activations": inputs, "output_activations": None,
                                           "format": fmt}},
+            "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}, "version": version,
+            "producer": "lowbit"}
+
+
+def int_compressed_tensors_config(fmt: ExportFormat, ignore: list[str], version: str) -> dict:
+    """config.json's quantization_config for integer weights, format "pack-quantized" (the
+    W4A16 / W8A16 / W4A16_ASYM schemes of compressed_tensors.quantization.quant_scheme), with
+    float32 scales: the scales QAT trained, unrounded."""
+    args = {"num_bits": fmt.bits, "type": "int", "symmetric": not fmt.asym, "dynamic": False,
+            "strategy": "channel" if fmt.group is None else "group", "group_size": fmt.group,
+            "scale_dtype": "torch.float32", "observer": "minmax", "actorder": None,
+            "block_structure": None}
+    if fmt.asym:
+        args["zp_dtype"] = "torch.int8"
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": args,
+                                          "input_activations": None, "output_activations": None,
+                                          "format": "pack-quantized"}},
             "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
             "sparsity_config": {}, "transform_config": {}, "version": version,
             "producer": "lowbit"}

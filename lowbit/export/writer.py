@@ -19,7 +19,9 @@ Already-quantized weights (`weights`: a mapping from Hugging Face weight name to
 e.g. a QAT run's converted weights) are written as they are, bit for bit: no requantization.
 Keys are the names the export writes (`model.layers.0.self_attn.q_proj.weight`,
 `model.layers.0.mlp.experts.3.up_proj.weight`), or, for an expert, its fused gate/up as one
-(2F, C) QTensor under `model.layers.0.mlp.experts.3.gate_up_proj`. 2D tiles (16x16 NVFP4,
+(2F, C) QTensor under `model.layers.0.mlp.experts.3.gate_up_proj`, or a layer's whole experts
+stacks as lowbit's and transformers' parameters hold them, `model.layers.0.mlp.experts.gate_up_proj`
+(E, 2F, C) and `....experts.down_proj` (E, C, F) (what lowbit.qat.packed_weights returns). 2D tiles (16x16 NVFP4,
 32x32 MX) become the serving layout's 1D row blocks exactly (each row of a tile has the
 tile's scale). A group whose QTensors carry different tensor scales is refused unless
 allow_unshared_scales (vLLM then uses their max, TensorRT-LLM cannot load it faithfully).
@@ -37,8 +39,10 @@ import torch
 from tqdm import tqdm
 
 from lowbit.dispatch import quantize_with_spec
-from lowbit.export.layouts import (FORMAT_LAYOUTS, compressed_tensors_config, modelopt_config,
-                                   tensor_names)
+from lowbit.export.layouts import (FORMAT_LAYOUTS, ExportFormat, compressed_tensors_config,
+                                   int_compressed_tensors_config, modelopt_config,
+                                   parse_export_format, tensor_names)
+from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
 from lowbit.models.hf import hf_config_dict, write_shards
 
@@ -99,7 +103,8 @@ def split_rows(q: QTensor, sizes: list[int]) -> list[QTensor]:
     for n in sizes:
         rows = slice(start, start + n)
         out.append(QTensor(q.codes[rows], q.scales[rows], q.tensor_scale, q.spec,
-                           (n, q.shape[1]), q.dtype))
+                           (n, q.shape[1]), q.dtype,
+                           zeros=None if q.zeros is None else q.zeros[rows]))
         start += n
     return out
 
@@ -139,11 +144,33 @@ def weight_groups(model) -> list[list[tuple[str, torch.Tensor]]]:
     return groups
 
 
-def _given(weights: Mapping[str, QTensor], group, format: str) -> list[QTensor] | None:
+def _expert_slice(weights: Mapping[str, QTensor], name: str) -> QTensor | None:
+    """Expert e's 2D QTensor from a 3D experts stack: `...experts.{e}.gate_up_proj` (2F, C) from
+    `...experts.gate_up_proj` (E, 2F, C), `...experts.{e}.down_proj.weight` from
+    `...experts.down_proj`; None if the mapping has no stack. One tensor scale for the stack."""
+    parts = name.removesuffix(".weight").split(".")
+    if len(parts) < 3 or parts[-3] != "experts" or not parts[-2].isdigit():
+        return None
+    stack = weights.get(".".join(parts[:-2] + [parts[-1]]))
+    if stack is None:
+        return None
+    e = int(parts[-2])
+    zeros = None if stack.zeros is None else stack.zeros[e]
+    return QTensor(stack.codes[e], stack.scales[e], stack.tensor_scale, stack.spec,
+                   tuple(stack.shape[1:]), stack.dtype, zeros=zeros)
+
+
+def _lookup(weights: Mapping[str, QTensor], name: str) -> QTensor | None:
+    found = weights.get(name)
+    return found if found is not None else _expert_slice(weights, name)
+
+
+def _given(weights: Mapping[str, QTensor], group, fmt: ExportFormat, spec: QuantSpec
+           ) -> list[QTensor] | None:
     names = [name for name, _ in group]
-    found = [weights.get(f"{n}.weight") for n in names]
+    found = [_lookup(weights, f"{n}.weight") for n in names]
     if all(q is None for q in found) and names[0].endswith(".gate_proj") and ".experts." in names[0]:
-        fused = weights.get(names[0].removesuffix(".gate_proj") + ".gate_up_proj")
+        fused = _lookup(weights, names[0].removesuffix(".gate_proj") + ".gate_up_proj")
         if fused is not None:
             found = split_rows(row_blocks(fused), [group[0][1].shape[0], group[1][1].shape[0]])
     if all(q is None for q in found):
@@ -154,9 +181,10 @@ def _given(weights: Mapping[str, QTensor], group, format: str) -> list[QTensor] 
                          f"(not {', '.join(missing)}); give the whole group or none of it")
     out = []
     for (name, w), q in zip(group, found):
-        if q.format != format:
-            raise ValueError(f"weights[{name}.weight] is {q.format}, not {format}; export it with "
-                             f"--format {q.format}")
+        if q.format != fmt.lowbit_format or (fmt.is_int and q.spec.block != spec.block):
+            raise ValueError(f"weights[{name}.weight] is {q.format} in blocks of "
+                             f"{q.spec.block[0]}x{q.spec.block[1]}, not {fmt}: the export writes "
+                             f"given weights as they are; export them with the format they have")
         if tuple(q.shape) != tuple(w.shape):
             raise ValueError(f"weights[{name}.weight] has shape {tuple(q.shape)}, the model's "
                              f"weight {tuple(w.shape)}")
@@ -170,14 +198,18 @@ def _tensor_scale(q: QTensor) -> torch.Tensor:
             else torch.ones((), dtype=torch.float32, device=q.device)).float().reshape(())
 
 
-def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "modelopt",
+def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
+                 layout: str | None = None,
                  weights: Mapping[str, QTensor] | None = None, scale_rule: str = "floor",
                  input_amax: Mapping[str, float] | None = None, tokenizer=None,
                  tokenizer_dir: str | Path | None = None, allow_unshared_scales: bool = False,
                  max_shard_bytes: int = 4 * 2**30, progress: bool = True) -> ExportReport:
     """Write `model` (a lowbit.models.Transformer, converted or not) to `out` in `layout`.
 
-    format: "nvfp4" (layouts modelopt, compressed-tensors) or "mxfp4" (compressed-tensors).
+    format: "nvfp4" (layouts modelopt, compressed-tensors), "mxfp4" (compressed-tensors), or
+        "int4" / "int8" with ":gG" / ":row" and ":asym" (compressed-tensors pack-quantized);
+        lowbit.export.layouts.parse_export_format. layout None: modelopt for nvfp4, else
+        compressed-tensors.
     weights: already-quantized weights by Hugging Face name (see the module docstring);
         groups not in it are quantized here, round to nearest.
     scale_rule: for mxfp4 weights lowbit quantizes ("floor" or "rceil").
@@ -193,21 +225,18 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
         __version__ = version("lowbit")
     except PackageNotFoundError:
         __version__ = "unknown"
-    if format not in FORMAT_LAYOUTS:
-        raise ValueError(f"--format {format} has no serving layout lowbit writes; use "
-                         f"{' or '.join(FORMAT_LAYOUTS)}")
+    fmt = format if isinstance(format, ExportFormat) else parse_export_format(format)
+    format = fmt.name
+    layout = layout or FORMAT_LAYOUTS[format][0]
     if layout not in FORMAT_LAYOUTS[format]:
         raise ValueError(f"{format} has no {layout} layout; use --layout "
                          f"{' or '.join(FORMAT_LAYOUTS[format])}")
     if input_amax is not None and format != "nvfp4":
         raise ValueError("calibrated activations (W4A4) are written for nvfp4 only")
-    spec = (QuantSpec.make("nvfp4") if format == "nvfp4"
-            else QuantSpec.make("mxfp4", scale_rule=scale_rule))
-    block = spec.block[1]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = tensor_names(layout)
-    report = ExportReport(out, format, layout)
+    report = ExportReport(out, str(fmt), layout)
     weights = weights or {}
     tensors: dict[str, torch.Tensor] = {}
     exact_scales: dict[str, str] = {}
@@ -216,10 +245,13 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
     groups = weight_groups(model)
     for group in tqdm(groups, desc="lowbit export", unit="group", disable=not progress):
         in_features = group[0][1].shape[1]
-        if in_features % block:
+        spec = fmt.spec(in_features, scale_rule)
+        # servers need whole blocks along the reduction dimension (integer kernels: whole
+        # groups of 8 as well)
+        if in_features % spec.block[1] or (fmt.is_int and in_features % 8):
             report.excluded.extend(name for name, _ in group)
             continue
-        qs = _given(weights, group, format)
+        qs = _given(weights, group, fmt, spec)
         if qs is None:
             qs = quantize_group([w for _, w in group], spec)
         scales = [_tensor_scale(q) for q in qs] if format == "nvfp4" else []
@@ -229,6 +261,15 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
                              f"tensor scales; TensorRT-LLM needs one per group (quantize the group "
                              f"with lowbit.export.quantize_group), or pass --allow-unshared-scales")
         for (name, w), q in zip(group, qs):
+            report.quantized.append(name)
+            report.quantized_bf16_bytes += w.numel() * 2
+            done.add(name)
+            if fmt.is_int:
+                packed = {f"{name}.{k}": t.cpu() for k, t in int_tensors(q).items()}
+                tensors.update(packed)
+                report.quantized_bytes += sum(t.nbytes for k, t in packed.items()
+                                              if not k.endswith("weight_shape"))
+                continue
             tensors[f"{name}.{names['codes']}"] = q.codes.contiguous().cpu()
             scale_tensor = q.scales.contiguous().cpu()
             tensors[f"{name}.{names['scales']}"] = scale_tensor
@@ -244,10 +285,7 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
                     act = torch.clamp(amax / (448.0 * 6.0), min=2.0 ** -120)
                     tensors[f"{name}.{names['input_scale']}"] = (
                         act if layout == "modelopt" else (1.0 / act).reshape(1))
-            report.quantized.append(name)
             report.quantized_bytes += q.nbytes
-            report.quantized_bf16_bytes += w.numel() * 2
-            done.add(name)
 
     # everything else in BF16, under its Hugging Face name (experts never: they are all packed
     # or, for a width not divisible by the block, written per expert in BF16 below)
@@ -273,7 +311,7 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
             size = 0
         shards[-1][name] = t
         size += t.nbytes
-    metadata = {"lowbit.export": json.dumps({"format": format, "layout": layout,
+    metadata = {"lowbit.export": json.dumps({"format": str(fmt), "layout": layout,
                                              "version": __version__})}
     if exact_scales:
         metadata["lowbit.tensor_scales"] = json.dumps(exact_scales)
@@ -287,6 +325,9 @@ def export_model(model, out: str | Path, format: str = "nvfp4", layout: str = "m
         q = quant["quantization"]
         hf_config["quantization_config"] = {"quant_method": "modelopt", **q,
                                             "ignore": q["exclude_modules"]}
+    elif fmt.is_int:
+        hf_config["quantization_config"] = int_compressed_tensors_config(
+            fmt, report.excluded, __version__)
     else:
         hf_config["quantization_config"] = compressed_tensors_config(
             format, report.excluded, activations, __version__)

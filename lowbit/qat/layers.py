@@ -4,7 +4,10 @@
 3D experts weight (as `torch.nn.utils.parametrize` parametrizations: `module.weight` is
 computed as Q(original), so any forward -- lowbit's models, Hugging Face's, inside any
 trainer -- trains through it) and returns a report like `lowbit.convert`'s. Output head,
-routers, embeddings and norms stay in high precision. Each fake quantizer holds its scales
+routers, embeddings and norms stay in high precision. Under nvfp4, a fused group (a module's
+q_proj/k_proj/v_proj, or gate_proj/up_proj, all prepared) shares one per-tensor scale, from
+the group's amax at each forward, as TensorRT-LLM and vLLM need of a served checkpoint; an
+MoE experts tensor holds all its experts' gate/up under one scale already. Each fake quantizer holds its scales
 (a Parameter when learned), zero points, JacQuant's B and the input second moments as
 module state, so checkpoints carry them and a resumed run is the same run.
 
@@ -69,6 +72,10 @@ class FakeQuantWeight(nn.Module):
         else:
             self.b = self.moments = self.observing = None
         self.observing_now = True  # a host-side copy of `observing` (no device sync per forward)
+        # nvfp4: the (module, parameter name) of each member of this weight's fused group
+        # (itself included), whose amax sets the shared tensor scale; plain references, not
+        # submodules (prepare sets it)
+        self.group: list[tuple[nn.Module, str]] = []
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -83,7 +90,18 @@ class FakeQuantWeight(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scales = None if self.scales is None else torch.clamp(self.scales, min=2.0 ** -120)
         return fake_quantize(weight, scales, self.zeros, self.b, self.quantizer,
-                             self.config.estimator, self.learn)
+                             self.config.estimator, self.learn, self.group_amax())
+
+    @torch.no_grad()
+    def group_amax(self) -> torch.Tensor | None:
+        """The largest finite |value| over the fused group's weights (None: no group)."""
+        if not self.group:
+            return None
+        amaxes = []
+        for module, pname in self.group:
+            w = module.parametrizations[pname].original.detach().float()
+            amaxes.append(torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax())
+        return torch.stack(amaxes).amax()
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
@@ -111,7 +129,7 @@ class FakeQuantWeight(nn.Module):
 
     def pack(self, weight: torch.Tensor) -> QTensor:
         scales = None if self.scales is None else torch.clamp(self.scales.detach(), min=2.0 ** -120)
-        return self.quantizer.pack(weight.detach(), scales, self.zeros)
+        return self.quantizer.pack(weight.detach(), scales, self.zeros, self.group_amax())
 
     def extra_repr(self) -> str:
         return f"{self.quantizer.fmt}, estimator={self.config.estimator}, learn_scales={self.learn}"
@@ -208,7 +226,28 @@ def prepare(model: nn.Module, config: QATConfig,
         if kind == "linear" and fq.moments is not None:
             fq.observer = module.register_forward_pre_hook(_observer(fq))
         report.prepared.append((qname, kind, tuple(weight.shape)))
+    if config.format.grid == "nvfp4":
+        _share_tensor_scales(targets)
     return report
+
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _share_tensor_scales(targets) -> None:
+    """Link each fused group whose members are all prepared linears of one parent module."""
+    prepared = {qname.removesuffix(".weight"): module for module, pname, qname, kind in targets
+                if kind == "linear" and pname == "weight"}
+    for name in prepared:
+        parent, _, leaf = name.rpartition(".")
+        for group in FUSED_GROUPS:
+            if leaf != group[0]:
+                continue
+            members = [f"{parent}.{n}" if parent else n for n in group]
+            if all(m in prepared for m in members):
+                links = [(prepared[m], "weight") for m in members]
+                for module, _ in links:
+                    module.parametrizations.weight[0].group = links
 
 
 def _observer(fq: FakeQuantWeight):

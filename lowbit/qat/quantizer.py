@@ -105,10 +105,28 @@ class GroupQuantizer:
         v, _ = self.values(w, scales, zeros)
         return (self._grouped(v) * scales[..., None]).reshape(w.shape)
 
-    def pack(self, w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None) -> QTensor:
-        """The packed weight; its dequantize(torch.float32) equals dequantize(w, scales, zeros)."""
+    def quantize_blocks(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> QTensor:
+        """nvfp4 / mxfp4: w's own block scales, packed. With `tensor_amax` (nvfp4), the
+        per-tensor scale is tensor_amax / (448 * 6) instead of w's own amax: a fused group
+        (q/k/v, gate/up) shares one tensor scale, as servers need (lowbit.export)."""
+        wf = w.detach().float()
+        if tensor_amax is None or self.fmt.grid != "nvfp4":
+            return dispatch.quantize_with_spec(wf, self.spec)
+        # One extra row holding the group's amax makes the tensor scale the group's; 1x16
+        # blocks never span rows, so each block of w is the block it is alone under that
+        # scale -- what lowbit.export.quantize_group computes on the stacked group.
+        anchor = torch.zeros((*wf.shape[:-2], 1, wf.shape[-1]), dtype=wf.dtype, device=wf.device)
+        anchor[..., 0, 0] = tensor_amax
+        q = dispatch.quantize_with_spec(torch.cat([wf, anchor], dim=-2), self.spec)
+        return QTensor(q.codes[..., :-1, :].contiguous(), q.scales[..., :-1, :].contiguous(),
+                       q.tensor_scale, q.spec, tuple(wf.shape), wf.dtype)
+
+    def pack(self, w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+             tensor_amax: torch.Tensor | None = None) -> QTensor:
+        """The packed weight; its dequantize(torch.float32) equals dequantize(w, scales, zeros)
+        (data-scaled formats: the forward's values, under `tensor_amax` if given)."""
         if self.fmt.data_scaled:
-            return dispatch.quantize_with_spec(w.detach().float(), self.spec)
+            return self.quantize_blocks(w, tensor_amax)
         v, _ = self.values(w.detach(), scales, zeros)
         codes = encode(v if zeros is None else self._grouped(v).add(zeros[..., None]).reshape(v.shape),
                        self.element)
@@ -125,9 +143,10 @@ class GroupQuantizer:
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, scales, zeros, b, quantizer: GroupQuantizer, estimator: str, learn: bool):
+    def forward(ctx, w, scales, zeros, b, quantizer: GroupQuantizer, estimator: str, learn: bool,
+                tensor_amax):
         if quantizer.fmt.data_scaled:
-            q = dispatch.quantize_with_spec(w.detach().float(), quantizer.spec)
+            q = quantizer.quantize_blocks(w, tensor_amax)
             out = q.dequantize(torch.float32)
             inside = w.detach().float().abs() <= q.block_max() if estimator == "clipped-ste" else None
             ctx.save_for_backward(inside, b)
@@ -159,7 +178,7 @@ class _FakeQuantize(torch.autograd.Function):
             vg = quantizer._grouped(v)
             dwhat_ds = torch.where(quantizer._grouped(inside), vg - data, vg)
             grad_s = (quantizer._grouped(g) * dwhat_ds).sum(-1) * quantizer.lsq_grad_scale()
-        return grad_w.to(grad.dtype), grad_s, None, None, None, None, None
+        return grad_w.to(grad.dtype), grad_s, None, None, None, None, None, None
 
 
 def _times_b(g: torch.Tensor, b: torch.Tensor, quantizer: GroupQuantizer) -> torch.Tensor:
@@ -172,6 +191,7 @@ def _times_b(g: torch.Tensor, b: torch.Tensor, quantizer: GroupQuantizer) -> tor
 
 def fake_quantize(w: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
                   b: torch.Tensor | None, quantizer: GroupQuantizer, estimator: str,
-                  learn: bool = False) -> torch.Tensor:
-    """Ŵ = Q(w) with the estimator's backward (see the module docstring)."""
-    return _FakeQuantize.apply(w, scales, zeros, b, quantizer, estimator, learn)
+                  learn: bool = False, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Ŵ = Q(w) with the estimator's backward (see the module docstring); tensor_amax: an
+    nvfp4 fused group's amax, for its shared tensor scale (GroupQuantizer.quantize_blocks)."""
+    return _FakeQuantize.apply(w, scales, zeros, b, quantizer, estimator, learn, tensor_amax)
