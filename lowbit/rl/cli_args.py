@@ -16,11 +16,13 @@ QUICK = dict(warmstart_steps=20, steps=3, prompts_per_step=2, num_generations=4,
              eval_problems=8, eval_every=2, checkpoint_every=2, max_completion_length=4)
 
 _FLAGS = {  # flag -> (RLConfig field, type, help)
-    "--model": ("model", str, "policy preset of lowbit.models (default: %(default)s)"),
+    "--model": ("model", str, "policy: a preset of lowbit.models, or PATH of a Hugging Face model "
+                              "folder (its weights and tokenizer; no warm start) (default: %(default)s)"),
     "--n-layers": ("n_layers", int, "override the preset's depth"),
     "--dim": ("dim", int, "override the preset's width"),
     "--n-experts": ("n_experts", int, "MoE policy with this many experts (top-2); 0: dense"),
-    "--warmstart-steps": ("warmstart_steps", int, "supervised steps before RL, cached (default: %(default)s)"),
+    "--warmstart-steps": ("warmstart_steps", int, "supervised steps before RL, cached (default: 150; "
+                                                  "none for a Hugging Face --model PATH)"),
     "--task": ("task", str, "add, mul, countdown or gsm8k (default: %(default)s)"),
     "--task-size": ("task_size", int, "digits (add, mul) or numbers (countdown) (default: %(default)s)"),
     "--data-dir": ("data_dir", str, "folder holding gsm8k/"),
@@ -58,8 +60,8 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     defaults = RLConfig()
     for flag, (field, kind, text) in _FLAGS.items():
-        # rac_ratio's default depends on --align, so it is resolved by RLConfig, not here
-        default = None if field == "rac_ratio" else getattr(defaults, field)
+        # rac_ratio's and warmstart_steps' defaults depend on other flags (RLConfig resolves them)
+        default = None if field in ("rac_ratio", "warmstart_steps") else getattr(defaults, field)
         p.add_argument(flag, dest=field, type=kind, default=default, help=text)
     p.add_argument("--mask-truncated-completions", action="store_true",
                    help="leave completions that hit --max-completion-length out of the loss")
@@ -80,7 +82,11 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(RLConfig) if hasattr(args, f.name)}
     fields["progress"] = not args.no_progress
     if args.quick:
-        fields.update(QUICK)
+        from lowbit.models import is_model_folder
+        quick = dict(QUICK)
+        if is_model_folder(fields.get("model") or RLConfig.model):
+            del quick["warmstart_steps"]   # a Hugging Face policy has no warm start
+        fields.update(quick)
     return RLConfig(**fields)
 
 

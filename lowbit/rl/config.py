@@ -25,16 +25,19 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
 class RLConfig:
     # --- policy ----------------------------------------------------------------------------
     model: str = "tiny"
-    """lowbit.models preset of the policy (byte tokenizer: vocab 256)."""
+    """lowbit.models preset of the policy (byte tokenizer: vocab 256), or the path of a Hugging
+    Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE): the policy is its weights, prompts
+    and completions go through its tokenizer.json, and there is no warm start."""
     n_layers: int | None = None
     """Override the preset's depth."""
     dim: int | None = None
     """Override the preset's width (64-dim heads)."""
     n_experts: int = 0
     """Experts per MoE layer (top-2); 0: dense."""
-    warmstart_steps: int = 150
+    warmstart_steps: int | None = None
     """Supervised steps on the task's reference solutions (lowbit.train) before RL, cached in
-    <out_dir>/warmstart/; 0 starts RL from random weights."""
+    <out_dir>/warmstart/; 0 starts RL from random weights. None: 150 for a preset, 0 for a
+    Hugging Face folder (the only choice there: it starts RL from its own weights)."""
     warmstart_lr: float = 3e-3
 
     # --- task ------------------------------------------------------------------------------
@@ -98,6 +101,18 @@ class RLConfig:
     run_name: str = ""
 
     def __post_init__(self) -> None:
+        from lowbit.models import is_model_folder
+
+        folder = is_model_folder(self.model)
+        if self.warmstart_steps is None:
+            self.warmstart_steps = 0 if folder else 150
+        if folder:
+            _require(self.warmstart_steps == 0,
+                     f"a Hugging Face policy ({self.model}) starts RL from its own weights; the "
+                     f"warm start trains presets only (drop --warmstart-steps)")
+            _require(self.n_layers is None and self.dim is None and self.n_experts == 0,
+                     "--n-layers, --dim and --n-experts change a preset; a Hugging Face "
+                     "policy's shape is its config.json's")
         _require(self.rollout in {p.value for p in Precision},
                  f"unknown --rollout {self.rollout!r}; use one of {', '.join(p.value for p in Precision)}")
         _require(self.align in ALIGNMENTS, f"unknown --align {self.align!r}; use one of {', '.join(ALIGNMENTS)}")
@@ -115,7 +130,7 @@ class RLConfig:
                  f"unknown --is {self.importance_sampling!r}; use one of {', '.join(IS_LEVELS)}")
         _require(self.is_mode in IS_MODES, f"unknown --is-mode {self.is_mode!r}; use one of {', '.join(IS_MODES)}")
         _require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
-        _require(not self.routing_replay or self.n_experts > 0,
+        _require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
                  "--routing-replay needs an MoE policy: add --n-experts 8")
         for name in ("num_generations", "prompts_per_step", "max_completion_length", "steps",
                      "log_every", "eval_problems", "num_iterations"):
@@ -159,8 +174,13 @@ class RLConfig:
 
     @property
     def name(self) -> str:
+        import os
+
+        from lowbit.models import is_model_folder
+
         experts = f"-moe{self.n_experts}" if self.n_experts else ""
-        return self.run_name or f"rl-{self.model}{experts}-{self.task}-{self.setting}"
+        model = os.path.basename(os.path.normpath(self.model)) if is_model_folder(self.model) else self.model
+        return self.run_name or f"rl-{model}{experts}-{self.task}-{self.setting}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,14 +34,14 @@ import torch
 from tqdm import tqdm
 
 from lowbit.data.tasks import Problem, get_task
-from lowbit.models import build_model
+from lowbit.models import build_model, is_model_folder
 from lowbit.rl import grpo
 from lowbit.rl.config import RLConfig
 from lowbit.rl.engine import Rollout, RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay, replay_routing,
                                     routing_agreement)
-from lowbit.rl.warmstart import STOP_ID, TOKENIZER, policy_config, warm_start
+from lowbit.rl.warmstart import policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
 from lowbit.train.checkpoint import (CHECKPOINT_VERSION, load_checkpoint, rng_state,
                                      save_checkpoint, set_rng_state, write_text_atomic)
@@ -119,6 +119,9 @@ class GRPOTrainer:
         self.eval_set = self.task.eval_problems(c.eval_problems)
         self.exclude = {p.prompt for p in self.eval_set}
         self.model_config = policy_config(c, self.task)
+        self.tokenizer, self.stop_ids = policy_tokenizer(c)
+        if c.routing_replay and not self.model_config.is_moe:
+            raise ValueError("--routing-replay needs an MoE policy")
 
         # the policy: warm start, then the trainer-side alignment
         state = warm_start(c, self.task, self.model_config, str(self.device), self.say)
@@ -131,12 +134,12 @@ class GRPOTrainer:
             self.say(apply_asymmetric_qat(self.policy))
         if c.routing_replay:
             enable_routing_replay(self.policy)
-        elif c.n_experts:
+        elif self.model_config.is_moe:
             enable_routing_replay(self.policy)   # records own choices for routing agreement; replays nothing
         self.policy.to(self.device)
 
         self.train_config = TrainConfig(
-            model=c.model, recipe="bf16", batch_size=c.batch_size, seq_len=1, lr=c.lr,
+            model=c.model, tokenizer="model" if is_model_folder(c.model) else "bytes", recipe="bf16", batch_size=c.batch_size, seq_len=1, lr=c.lr,
             max_steps=c.steps * c.num_iterations, warmup_steps=0, min_lr_ratio=1.0,
             weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed,
             device=str(self.device), progress=c.progress)
@@ -195,17 +198,17 @@ class GRPOTrainer:
     def sampling(self, step: int) -> SamplingParams:
         c = self.config
         return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_completion_length,
-                              (STOP_ID,), seed=c.seed * 1_000_003 + step)
+                              self.stop_ids, seed=c.seed * 1_000_003 + step)
 
     def generate(self, step: int) -> tuple[list[Problem], Rollout]:
         c = self.config
         problems = self.task.problems(c.seed, step, c.prompts_per_step, self.exclude)
         problems = [p for p in problems for _ in range(c.num_generations)]   # groups adjacent
-        prompts = [TOKENIZER.encode(p.prompt) for p in problems]
+        prompts = [self.tokenizer.encode(p.prompt) for p in problems]
         return problems, self.engine.generate(prompts, self.sampling(step))
 
     def score(self, problems: list[Problem], rollout: Rollout) -> torch.Tensor:
-        texts = [TOKENIZER.decode(ids) for ids in rollout.completion_lists()]
+        texts = [self.tokenizer.decode(ids) for ids in rollout.completion_lists()]
         return torch.tensor([self.task.reward(p, t) for p, t in zip(problems, texts)])
 
     def batch(self, rollout: Rollout) -> RLBatch:
@@ -273,10 +276,10 @@ class GRPOTrainer:
         correct = 0
         chunk = self.engine.max_batch_size
         params = SamplingParams(temperature=0, max_new_tokens=self.config.max_completion_length,
-                                stop_token_ids=(STOP_ID,))
+                                stop_token_ids=self.stop_ids)
         for i in range(0, len(self.eval_set), chunk):
             problems = self.eval_set[i:i + chunk]
-            rollout = self.engine.generate([TOKENIZER.encode(p.prompt) for p in problems], params)
+            rollout = self.engine.generate([self.tokenizer.encode(p.prompt) for p in problems], params)
             correct += float(self.score(problems, rollout).sum())
         return correct / len(self.eval_set)
 

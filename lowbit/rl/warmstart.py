@@ -23,7 +23,7 @@ from lowbit.models import ModelConfig, build_model
 from lowbit.train import TrainConfig, train
 from lowbit.train.checkpoint import load_checkpoint
 
-__all__ = ["SolutionData", "policy_config", "warm_start", "encode_problem"]
+__all__ = ["SolutionData", "policy_config", "policy_tokenizer", "warm_start", "encode_problem"]
 
 TOKENIZER = ByteTokenizer()
 STOP_ID = 10   # "\n" in the byte tokenizer: every task's completions end with it
@@ -63,9 +63,49 @@ class SolutionData:
         return [self._eval]
 
 
+def policy_tokenizer(config) -> tuple[object, tuple[int, ...]]:
+    """(tokenizer, stop token ids) of the policy: the byte tokenizer and "\n" for a preset; a
+    Hugging Face folder's tokenizer.json (lowbit.data.BPETokenizer) and every token whose text
+    holds a newline (a completion ends at its first line, which the tasks' rewards read), plus
+    the tokenizer's end-of-text tokens."""
+    from lowbit.models import is_model_folder
+
+    if not is_model_folder(config.model):
+        return TOKENIZER, (STOP_ID,)
+    from lowbit.data import BPETokenizer
+    from lowbit.models.hf import ModelLoadError, load_tokenizer, read_config
+
+    read_config(config.model)   # a missing or unsupported folder: one line
+    found = load_tokenizer(config.model)
+    if found is None:
+        raise ModelLoadError(f"{config.model} has no tokenizer.json, which RL's prompts need")
+    tokenizer = BPETokenizer(found)
+    stops = [i for i in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([i])]
+    for token in ("<|endoftext|>", "<|im_end|>", "</s>", "<|end_of_text|>", "<|eot_id|>"):
+        if found.token_to_id(token) is not None:
+            stops.append(found.token_to_id(token))
+    if not stops:
+        raise ModelLoadError(f"{config.model}'s tokenizer has no token with a newline, which "
+                             f"ends the tasks' completions")
+    return tokenizer, tuple(sorted(set(stops)))
+
+
 def policy_config(config, task: Task) -> ModelConfig:
     """The policy's ModelConfig: the preset with the config's overrides, byte vocabulary, and
-    a context that fits the task's prompts and completions."""
+    a context that fits the task's prompts and completions; a Hugging Face folder's own
+    (its context must fit them)."""
+    from lowbit.models import is_model_folder
+
+    if is_model_folder(config.model):
+        from lowbit.models.hf import read_config
+        built = read_config(config.model)[0]
+        tokenizer, _ = policy_tokenizer(config)
+        longest = max(len(tokenizer.encode(p.prompt)) for p in task.eval_problems(64))
+        if longest + config.max_completion_length > built.max_seq_len:
+            raise ValueError(f"{config.model}'s context ({built.max_seq_len} tokens) is shorter "
+                             f"than the task's prompts ({longest} tokens) plus "
+                             f"--max-completion-length {config.max_completion_length}")
+        return built
     overrides = dict(vocab_size=TOKENIZER.vocab_size)
     if config.n_layers is not None:
         overrides["n_layers"] = config.n_layers
@@ -79,7 +119,13 @@ def policy_config(config, task: Task) -> ModelConfig:
 
 
 def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) -> dict:
-    """The warm-started policy's state dict (trained now, or read from its cached run)."""
+    """The warm-started policy's state dict (trained now, or read from its cached run); a
+    Hugging Face folder's weights (float32 master weights) as they are."""
+    from lowbit.models import is_model_folder, load_model
+
+    if is_model_folder(config.model):
+        say(f"policy: {config.model} (its own weights and tokenizer; no warm start)")
+        return load_model(config.model, dtype=torch.float32)[0].state_dict()
     if config.warmstart_steps == 0:
         torch.manual_seed(config.seed)
         return build_model(model_config).state_dict()
