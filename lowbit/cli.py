@@ -116,10 +116,11 @@ def _add_export(sub) -> None:
     from lowbit.export.cli_args import add_export_arguments, run_export
 
     p = sub.add_parser(
-        "export", help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4)",
+        "export", help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4, int4/int8)",
         description="Pack a model's linear and expert weights as NVFP4 (ModelOpt or "
-                    "compressed-tensors layout) or MXFP4 (compressed-tensors), everything else "
-                    "BF16, for vLLM, SGLang or TensorRT-LLM; see docs/models.md.")
+                    "compressed-tensors layout), MXFP4 or int4/int8 (compressed-tensors), "
+                    "everything else BF16, for vLLM, SGLang or TensorRT-LLM; a QAT run's "
+                    "trained weights as they are; see docs/models.md.")
     add_export_arguments(p)
     p.set_defaults(func=run_export)
 def _add_rl(sub) -> None:

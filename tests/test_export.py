@@ -216,3 +216,26 @@ def test_cli_export_and_its_errors(models, tmp_path):
     assert "mxfp4 has no modelopt layout" in bad.stderr
     missing = run(str(tmp_path / "nothing"), "--out", str(tmp_path / "y"))
     assert missing.returncode == 2 and "no such run or model folder" in missing.stderr
+
+
+@pytest.mark.parametrize("format", ["int4:g32", "int8:row", "int8:g16:asym"])
+def test_int_exports_load_in_transformers_with_lowbits_values(models, format, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    from lowbit.export.layouts import parse_export_format
+
+    path, model = models["llama"]
+    export_model(model, tmp_path, format=format, tokenizer_dir=path, progress=False)
+    exported = load_exported(tmp_path)
+    fmt = parse_export_format(format)
+    for group in weight_groups(model):   # round to nearest, as lowbit.formats quantizes
+        expected = quantize_group([w for _, w in group], fmt.spec(group[0][1].shape[1]))
+        for (name, _), q in zip(group, expected):
+            got = exported.weights[f"{name}.weight"]
+            assert torch.equal(got.codes, q.codes) and torch.equal(got.scales, q.scales), name
+            assert (q.zeros is None) == (not fmt.asym) and (q.zeros is None or torch.equal(got.zeros, q.zeros))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    state = hf.state_dict()   # decompressed in float32 (our scales' dtype), then cast to the model's BF16
+    for name, q in exported.weights.items():
+        assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name

@@ -72,3 +72,155 @@ def test_bad_model_folders_are_one_line_errors(moe_folder, tmp_path, capsys):
     assert main(["inspect", "--model", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "MixtralForCausalLM is not supported" in err and err.count("\n") == 1
+
+
+# --- lowbit qat / lowbit rl --model PATH, and the QAT run's export ------------------------------
+
+QAT_FLAGS = ["--estimator", "ste", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+             "--corpus-max-bytes", "20000", "--eval-every", "2", "--no-baselines",
+             "--no-progress", "--device", "cpu"]
+
+
+def _qat_model(run):
+    """The QAT run's model as it trained (fake-quantized), rebuilt from its checkpoint."""
+    from lowbit.qat import QATConfig, prepare
+    from lowbit.train.build import build_model
+    from lowbit.train.checkpoint import load_checkpoint
+    from lowbit.train.config import TrainConfig
+
+    checkpoint = load_checkpoint(run / "checkpoints" / "latest.pt")
+    config = TrainConfig.from_dict(checkpoint["config"])
+    model = build_model(config)
+    prepare(model, QATConfig.from_dict(config.qat))
+    model.load_state_dict(checkpoint["model"])
+    with torch.no_grad():   # the export stores everything but the packed weights in BF16
+        for name, p in model.named_parameters():
+            if "parametrizations" not in name:
+                p.copy_(p.bfloat16().float())
+    return model.eval()
+
+
+def _perplexity(model, ids):
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).exp().item()
+
+
+def _ids():
+    from hf_models import TEXT, tokenizer
+    ids = torch.tensor(tokenizer().encode(TEXT[:2000]).ids)
+    return ids[: (len(ids) // 64) * 64].view(-1, 64)[:4]
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return save_hf_model("llama", tmp_path_factory.mktemp("llama"), dtype=torch.bfloat16)
+
+
+def test_qat_from_a_folder_exports_its_nvfp4_weights_bit_for_bit(llama_folder, tmp_path, corpus_env, capsys):
+    from lowbit.export import load_exported
+    from lowbit.qat import convert, packed_weights
+
+    runs = tmp_path / "runs"
+    assert main(["qat", "--model", str(llama_folder), "--weights", "nvfp4", *QAT_FLAGS,
+                 "--out-dir", str(runs)]) == 0, capsys.readouterr().err
+    run = runs / f"qat-{llama_folder.name}-nvfp4-ste"
+    config = json.loads((run / "config.json").read_text())
+    assert config["init_from"] == str(llama_folder) and config["tokenizer"] == "model"
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out), "--no-progress"]) == 0   # nvfp4, modelopt
+    exported = load_exported(out)
+    assert exported.format == "nvfp4"
+    qat = _qat_model(run)
+    ids = _ids()
+    fake_quantized = _perplexity(qat, ids)
+    convert(qat)
+    own = packed_weights(qat)
+    assert len(own) == len(exported.weights) == 2 * 7
+    for name, q in own.items():
+        got = exported.weights[name]
+        assert torch.equal(got.codes, q.codes), name
+        assert torch.equal(got.scales.view(torch.uint8), q.scales.view(torch.uint8)), name
+        assert torch.equal(got.tensor_scale, q.tensor_scale), name
+    # q/k/v and gate/up trained under one tensor scale each (what lets the export write them)
+    attn = "model.layers.1.self_attn"
+    assert len({float(own[f"{attn}.{n}.weight"].tensor_scale) for n in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert _perplexity(exported.model, ids) == fake_quantized
+    # another format would quantize the trained weights again: refused
+    assert main(["export", str(run), "--format", "mxfp4", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "trained nvfp4 weights (QAT)" in err and "--format nvfp4" in err and err.count("\n") == 1
+
+
+def test_qat_int4_asym_moe_exports_pack_quantized_that_compressed_tensors_decompresses(
+        moe_folder, tmp_path, corpus_env, capsys):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    from lowbit.export import load_exported
+    from lowbit.formats import load_qtensors
+
+    runs = tmp_path / "runs"
+    assert main(["qat", "--model", str(moe_folder), "--weights", "int4:g16:asym", *QAT_FLAGS,
+                 "--out-dir", str(runs)]) == 0, capsys.readouterr().err
+    run = runs / f"qat-{moe_folder.name}-int4-g16-asym-ste"
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "int4", "--out", str(out), "--no-progress"]) == 0
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["format"] == "pack-quantized"
+    config = QuantizationConfig.model_validate(quant)
+    scheme = config.config_groups["group_0"]
+    assert (scheme.weights.num_bits, scheme.weights.symmetric, scheme.weights.group_size) == (4, False, 16)
+    compressor = BaseCompressor.load_from_registry(config.format)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    exported = load_exported(out)
+    packed = load_qtensors(run / "quantized.safetensors")   # the QAT model's packed_weights
+    assert len(exported.weights) == 2 * (4 + 4 * 3)
+    F_ = exported.model.config.moe_ffn_dim
+    for name, q in exported.weights.items():
+        module = name.removesuffix(".weight")
+        state = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".")}
+        assert torch.equal(compressor.decompress(state, scheme)["weight"], q.dequantize(torch.float32)), name
+        parts = module.split(".")
+        if "experts" in parts:   # the QAT run's fused 3D stacks, expert by expert
+            e, proj = int(parts[-2]), parts[-1]
+            stack = packed[".".join(parts[:-2]) + (".down_proj" if proj == "down_proj" else ".gate_up_proj")]
+            rows = {"gate_proj": slice(0, F_), "up_proj": slice(F_, 2 * F_)}.get(proj, slice(None))
+            expected = stack.dequantize(torch.float32)[e, rows]
+        else:
+            own = packed[name]
+            assert torch.equal(q.codes, own.codes) and torch.equal(q.zeros, own.zeros)
+            assert torch.equal(q.scales, own.scales)
+            expected = own.dequantize(torch.float32)
+        assert torch.equal(q.dequantize(torch.float32), expected), name
+    ids = _ids()
+    assert _perplexity(exported.model, ids) == _perplexity(_qat_model(run), ids)
+
+
+def test_rl_takes_a_model_folder_and_bad_folders_are_one_line_errors(llama_folder, tmp_path, capsys):
+    from lowbit.export.cli_args import export_format
+
+    runs = tmp_path / "runs"
+    assert main(["rl", "--model", str(llama_folder), "--device", "cpu", "--out-dir", str(runs),
+                 "--no-progress", "--steps", "1", "--eval-every", "0", "--eval-problems", "2",
+                 "--prompts-per-step", "1", "--num-generations", "2",
+                 "--max-completion-length", "3", "--checkpoint-every", "0"]) == 0, capsys.readouterr().err
+    run = runs / f"rl-{llama_folder.name}-add-nvfp4+quads"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "train" or "loss" in r for r in records)
+    assert json.loads((run / "config.json").read_text())["warmstart_steps"] == 0
+    capsys.readouterr()
+    for argv, words in [
+            (["rl", "--model", str(tmp_path / "none")], "no such model folder"),
+            (["rl", "--model", str(llama_folder), "--warmstart-steps", "5"], "starts RL from its own weights"),
+            (["qat", "--model", str(tmp_path / "none")], "no such model folder"),
+            (["qat", "--model", str(llama_folder), "--from", str(tmp_path)], "give one"),
+            (["export", str(llama_folder), "--format", "ternary", "--out", str(tmp_path / "t")],
+             "no serving layout")]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(ValueError, match="int2 weights have no serving layout"):
+        export_format(None, "int2:g32", "runs/x")

@@ -202,3 +202,32 @@ def test_lowbit_qat_runs_compares_and_refuses(tmp_path):
                         (["--weights", "int2:g64", "--base-steps", "6"], "does not divide")]:
         r = _lowbit("qat", *args, "--out-dir", out, "--no-progress", "--device", "cpu")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():
+    from lowbit.export import quantize_group, weight_groups
+    from lowbit.formats import QuantSpec
+    from lowbit.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.preset("tiny", n_layers=1, vocab_size=64))
+    groups = weight_groups(model)            # (name, weight) of q/k/v, o, gate/up, down
+    spec = QuantSpec.make("nvfp4")
+    expected = {f"{name}.weight": q for group in groups
+                for (name, _), q in zip(group, quantize_group([w for _, w in group], spec))}
+    x = torch.randint(0, 64, (2, 16))
+    prepare(model, QATConfig(weights="nvfp4", estimator="ste"))
+    model.eval()
+    before = model(x).logits
+    convert(model)
+    assert torch.equal(model(x).logits, before)
+    packed = packed_weights(model)
+    assert set(packed) == set(expected)
+    for name, q in packed.items():            # bit for bit the group-quantized weights
+        assert torch.equal(q.codes, expected[name].codes), name
+        assert torch.equal(q.scales.view(torch.uint8), expected[name].scales.view(torch.uint8)), name
+        assert torch.equal(q.tensor_scale, expected[name].tensor_scale), name
+    scales = {n: float(q.tensor_scale) for n, q in packed.items()}
+    attn = "model.layers.0.self_attn"
+    assert scales[f"{attn}.q_proj.weight"] == scales[f"{attn}.k_proj.weight"] == scales[f"{attn}.v_proj.weight"]
+    assert len(set(scales.values())) == 4      # q/k/v, o, gate/up, down: one each

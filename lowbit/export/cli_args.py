@@ -110,7 +110,8 @@ def master_weights(state: dict) -> dict:
 
 def export_format(requested: str | None, trained: str | None, source) -> ExportFormat:
     """The format to write: the requested one, or a QAT run's own; a QAT run asked for another
-    format (which would quantize its trained weights again) is refused."""
+    format (which would quantize its trained weights again) is refused. For a QAT run, `int4`
+    names its int4 weights whatever their groups; `int4:g64` or `int4:asym` must be theirs."""
     if trained is None:
         return parse_export_format(requested or "nvfp4")
     try:
@@ -120,9 +121,11 @@ def export_format(requested: str | None, trained: str | None, source) -> ExportF
     if requested is None:
         return own
     asked = parse_export_format(requested)
-    options = requested.lower().split(":")[1:]
+    # options left out (int4 for an int4:g32:asym run) are the run's; options named must match
+    options = [o.strip() for o in requested.lower().split(":")[1:]]
     group_named = any(o == "row" or o.startswith("g") for o in options)
-    if (asked.name, asked.asym) != (own.name, own.asym) or (group_named and asked.group != own.group):
+    if (asked.name != own.name or ("asym" in options and not own.asym)
+            or (group_named and asked.group != own.group)):
         raise ValueError(f"{source} trained {trained} weights (QAT), which export as they are; "
                          f"--format {requested} would quantize them again: use --format {own} "
                          f"(or leave --format out)")
