@@ -47,9 +47,17 @@ def tiny_policy():
 
 
 def grpo(model_path: str | None = None, steps: int = 2, align: str = "qat",
-         rollout: str | None = None, rac_ratio: float = 0.0, output_dir: str | None = None,
-         learning_rate: float = 1e-2, **config_kw):
-    """Run GRPOTrainer for `steps`; returns (trainer, model, engine_rollout or None).
+         rollout: str | None = None, rac_ratio: float = 0.0, **kw):
+    """Build (below) and train for `steps`; returns (trainer, model, engine_rollout or None)."""
+    trainer, model, engine_rollout = build(model_path, steps, align, rollout, rac_ratio, **kw)
+    trainer.train()
+    return trainer, model, engine_rollout
+
+
+def build(model_path: str | None = None, steps: int = 2, align: str = "qat",
+          rollout: str | None = None, rac_ratio: float = 0.0, output_dir: str | None = None,
+          learning_rate: float = 1e-2, **config_kw):
+    """A GRPOTrainer for `steps` (not trained yet); returns (trainer, model, engine_rollout or None).
 
     align: "qat" applies lowbit.rl.trainer_side.apply_asymmetric_qat to the policy, "none"
     leaves it as loaded. rollout: None lets TRL generate (transformers' generate on the
@@ -88,20 +96,28 @@ def grpo(model_path: str | None = None, steps: int = 2, align: str = "qat",
                           processing_class=tokenizer, rollout_func=engine_rollout)
     if engine_rollout is not None:
         engine_rollout.enable_importance_sampling(trainer)
-    trainer.train()
     return trainer, model, engine_rollout
 
 
-if __name__ == "__main__":
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a Hugging Face model folder (default: tiny random)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--align", choices=("qat", "none"), default="qat")
+    p.add_argument("--align", choices=("qat", "none"), default="qat",
+                   help="qat: QUADS' asymmetric QAT on the policy; none: the policy as loaded")
     p.add_argument("--rollout", choices=("bf16", "fp8", "nvfp4-w4a16", "nvfp4"), default=None,
                    help="generate with lowbit's rollout engine in this precision (default: TRL generates)")
     p.add_argument("--rac-ratio", type=float, default=0.0, help="RAC channel ratio (with --rollout nvfp4)")
-    a = p.parse_args()
-    trainer, _, engine_rollout = grpo(a.model, a.steps, a.align, a.rollout, a.rac_ratio)
+    return p
+
+
+if __name__ == "__main__":
+    parser = build_parser()
+    a = parser.parse_args()
+    try:
+        trainer, _, engine_rollout = grpo(a.model, a.steps, a.align, a.rollout, a.rac_ratio)
+    except ValueError as e:
+        parser.error(str(e))
     keys = ("reward", "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
     for record in trainer.state.log_history:
         if "reward" in record:
