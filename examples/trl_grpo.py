@@ -56,13 +56,14 @@ def grpo(model_path: str | None = None, steps: int = 2, align: str = "qat",
 
 def build(model_path: str | None = None, steps: int = 2, align: str = "qat",
           rollout: str | None = None, rac_ratio: float = 0.0, output_dir: str | None = None,
-          learning_rate: float = 1e-2, **config_kw):
+          learning_rate: float = 1e-2, device: str | None = None, **config_kw):
     """A GRPOTrainer for `steps` (not trained yet); returns (trainer, model, engine_rollout or None).
 
     align: "qat" applies lowbit.rl.trainer_side.apply_asymmetric_qat to the policy, "none"
     leaves it as loaded. rollout: None lets TRL generate (transformers' generate on the
     policy); a precision (bf16, fp8, nvfp4-w4a16, nvfp4) generates with lowbit's RolloutEngine
-    through rollout_func, weights synced every step, TRL's IS correction on its log-probs."""
+    through rollout_func, weights synced every step, TRL's IS correction on its log-probs.
+    device: cuda when there is a GPU (bf16 autocast there), else cpu (float32)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -81,14 +82,16 @@ def build(model_path: str | None = None, steps: int = 2, align: str = "qat",
     if align == "qat":
         print(apply_asymmetric_qat(model))   # in place: q/k/v/o, gate/up/down through NVFP4 weights
     engine_rollout = None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if rollout is not None:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")   # rollout_func is experimental in TRL
         engine_rollout = EngineRollout.for_model(model, precision=rollout, rac_ratio=rac_ratio,
+                                                 device=device,
                                                  max_batch_size=16, max_seq_len=64)
     settings = dict(output_dir=output_dir or tempfile.mkdtemp(), max_steps=steps,
                     per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
                     learning_rate=learning_rate, logging_steps=1, report_to=[], save_strategy="no",
-                    use_cpu=True, bf16=False, gradient_checkpointing=False,
+                    use_cpu=device == "cpu", bf16=device != "cpu", gradient_checkpointing=False,
                     dataloader_num_workers=0, seed=0, vllm_importance_sampling_mode="token_truncate")
     settings.update(config_kw)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_letter_o, args=GRPOConfig(**settings),

@@ -46,7 +46,7 @@ def _teacher_forced(model, prompt, completion):
 def test_grpo_step_with_asymmetric_qat(tmp_path):
     example = _example()
     initial = {k: v.clone() for k, v in example.tiny_policy()[0].state_dict().items()}
-    trainer, model, _ = example.grpo(steps=1, align="qat", output_dir=str(tmp_path))
+    trainer, model, _ = example.grpo(steps=1, align="qat", output_dir=str(tmp_path), device="cpu")
     records = [r for r in trainer.state.log_history if "reward" in r]
     assert trainer.state.global_step == 1 and len(records) == 1
     assert torch.isfinite(torch.tensor(records[0]["loss"])) and records[0]["grad_norm"] > 0
@@ -81,7 +81,7 @@ def test_engine_rollouts_through_trl_match_a_bf16_policy(tmp_path):
     example = _example()
     initial_model, tokenizer = example.tiny_policy()
     trainer, model, rollout = example.grpo(steps=2, align="none", rollout="bf16",
-                                           output_dir=str(tmp_path))
+                                           output_dir=str(tmp_path), device="cpu")
     assert rollout.synced_steps == [0, 1]                   # TRL's sync hook, once per step
     records = [r for r in trainer.state.log_history if "reward" in r]
     assert len(records) == 2
@@ -94,7 +94,8 @@ def test_engine_rollouts_through_trl_match_a_bf16_policy(tmp_path):
     assert rollout.synced_steps == [0, 1, 2]                # the step moved: synced first
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs"}
     assert len(out["completion_ids"]) == len(out["logprobs"]) == 8
-    eos, stale = tokenizer.eos_token_id, engine_for_model(initial_model, "bf16", max_seq_len=64)
+    eos, stale = tokenizer.eos_token_id, engine_for_model(initial_model, "bf16", max_seq_len=64,
+                                                               device="cpu")
     for text, prompt, completion, logprobs in zip(prompts, out["prompt_ids"], out["completion_ids"],
                                                   out["logprobs"]):
         assert prompt == tokenizer(text)["input_ids"]
@@ -109,7 +110,7 @@ def test_engine_rollouts_through_trl_match_a_bf16_policy(tmp_path):
 
 def test_quads_rollouts_through_trl(tmp_path):
     trainer, model, rollout = _example().grpo(steps=1, align="qat", rollout="nvfp4", rac_ratio=0.25,
-                                              output_dir=str(tmp_path))
+                                              output_dir=str(tmp_path), device="cpu")
     engine = rollout.engine
     assert engine.precision.value == "nvfp4" and engine.rac_ratio == 0.25
     record = next(r for r in trainer.state.log_history if "reward" in r)
@@ -126,12 +127,12 @@ def test_quads_rollouts_through_trl(tmp_path):
 def test_refusals(tmp_path):
     example = _example()
     trainer, _, rollout = example.build(steps=1, align="none", rollout="bf16", min_p=0.1,
-                                        output_dir=str(tmp_path))
+                                        output_dir=str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="does not support GRPOConfig's min_p"):
         rollout(["the quick"] * 4, trainer)
     with pytest.raises(ValueError, match="the trainer runs vLLM"):   # already enabled
         rollout.enable_importance_sampling(trainer)
-    plain, _, _ = example.build(steps=1, align="none", output_dir=str(tmp_path))
+    plain, _, _ = example.build(steps=1, align="none", output_dir=str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="rollout_func=this EngineRollout"):
         EngineRollout(rollout.engine).enable_importance_sampling(plain)
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -151,9 +152,23 @@ def test_engine_for_model_scores_as_transformers(kind, norm_topk):
         model.config.norm_topk_prob = norm_topk
         for layer in model.model.layers:
             layer.mlp.gate.norm_topk_prob = norm_topk
-    engine = engine_for_model(model, "bf16", max_seq_len=32)
+    engine = engine_for_model(model, "bf16", max_seq_len=32, device="cpu")
     seq = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = _teacher_forced(model, seq[:1], seq[1:])
     torch.testing.assert_close(engine.score([seq])[0], expected, atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="linear biases"):
         engine_for_model(hf_model("qwen2"))
+
+
+def test_conversational_prompts_take_the_chat_template(tmp_path):
+    trainer, _, rollout = _example().build(steps=1, align="none", rollout="bf16",
+                                           output_dir=str(tmp_path), device="cpu")
+    tokenizer = trainer.processing_class
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    prompts = [[{"role": "user", "content": text}] for text in ("the quick", "a lazy dog")
+               for _ in range(2)]
+    out = rollout(prompts, trainer)
+    for prompt, ids in zip(prompts, out["prompt_ids"]):
+        text = f"user: {prompt[0]['content']}\nassistant:"
+        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -68,7 +68,8 @@ __all__ = ["EngineRollout", "engine_for_model"]
 
 def engine_for_model(model: nn.Module, precision: str = "nvfp4", rac_ratio: float = 0.0,
                      device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                     max_batch_size: int = 16, max_seq_len: int = 1024, **engine_kw) -> RolloutEngine:
+                     max_batch_size: int = 16, max_seq_len: int = 1024,
+                     **engine_kw) -> RolloutEngine:
     """A RolloutEngine shaped as the transformers causal LM `model` (Llama, Qwen3, Qwen3-MoE
     without linear biases; other architectures are refused with lowbit.models.ModelLoadError,
     biases with a ValueError), loaded with its weights.
@@ -148,8 +149,9 @@ class EngineRollout:
         prompt_ids = self._tokenize(prompts, trainer)
         sampling = self._sampling(trainer)
         mode = 0 if trainer.model.training else 1
-        base_seed = (int(args.seed) * 1_000_003 + step * 7_919 + trainer.accelerator.process_index * 104_729
-                     + mode * 15_485_863)
+        # a function of (seed, step, process, train/eval): a resumed run draws what it drew
+        base_seed = (int(args.seed) * 1_000_003 + step * 7_919
+                     + trainer.accelerator.process_index * 104_729 + mode * 15_485_863)
         completions, logprobs, tokens, t0 = [], [], 0, time.perf_counter()
         for start in range(0, len(prompt_ids), self.engine.max_batch_size):
             chunk = prompt_ids[start:start + self.engine.max_batch_size]
@@ -169,11 +171,12 @@ class EngineRollout:
         """As TRL 1.16's GRPOTrainer._tokenize_prompts for text-only prompts."""
         tokenizer = trainer.processing_class
         if getattr(trainer, "_is_vlm", False):
-            raise ValueError("EngineRollout generates from text; multimodal processors are not supported")
+            raise ValueError("EngineRollout generates from text; multimodal processors are not "
+                             "supported")
         if isinstance(prompts[0], list):   # conversational: a list of {"role", "content"} messages
-            out = tokenizer.apply_chat_template(conversation=prompts, chat_template=trainer.chat_template,
-                                                add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                **trainer.chat_template_kwargs)
+            out = tokenizer.apply_chat_template(
+                conversation=prompts, chat_template=trainer.chat_template, add_generation_prompt=True,
+                tokenize=True, return_dict=True, **trainer.chat_template_kwargs)
             ids = out["input_ids"]
         else:
             ids = tokenizer(text=prompts)["input_ids"]
@@ -186,8 +189,8 @@ class EngineRollout:
         if getattr(args, "repetition_penalty", 1.0) != 1.0:
             unsupported.append("repetition_penalty")
         if unsupported:
-            raise ValueError(f"the rollout engine does not support GRPOConfig's {', '.join(unsupported)}; "
-                             f"leave them at their defaults")
+            raise ValueError(f"the rollout engine does not support GRPOConfig's "
+                             f"{', '.join(unsupported)}; leave them at their defaults")
         return dict(temperature=float(args.temperature), top_p=float(args.top_p),
                     top_k=int(args.top_k or 0), max_new_tokens=int(args.max_completion_length),
                     stop_token_ids=tuple(trainer.eos_token_ids))
