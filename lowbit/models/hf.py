@@ -36,7 +36,7 @@ from torch import nn
 from lowbit.models.config import PRESETS, ModelConfig
 from lowbit.models.transformer import Transformer
 
-__all__ = ["ARCHITECTURES", "ModelLoadError", "load_model", "is_model_folder", "read_config",
+__all__ = ["ARCHITECTURES", "ModelLoadError", "load_model", "is_model_folder", "read_config", "config_from_hf",
            "load_tokenizer", "save_hf", "hf_config_dict", "hf_state_items", "iter_checkpoint",
            "checkpoint_files", "load_weights_into", "write_shards"]
 
@@ -92,6 +92,12 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
         raise ModelLoadError(f"{path} has no config.json; a Hugging Face model folder holds "
                              f"config.json and *.safetensors (what save_pretrained writes)")
     hf = json.loads(file.read_text())
+    return config_from_hf(hf, path), hf
+
+
+def config_from_hf(hf: dict, path: str | os.PathLike = "config") -> ModelConfig:
+    """A Hugging Face config dict (config.json, or a loaded model's `config.to_dict()`) as a
+    lowbit ModelConfig; `path` names it in the ModelLoadError an unsupported one raises."""
     arch = (hf.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: architecture {arch} is not supported; lowbit loads "
@@ -139,7 +145,7 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
                       # transformers' aux loss is k times lowbit's (lowbit.models.moe)
                       moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * k)
     try:
-        return ModelConfig(**fields), hf
+        return ModelConfig(**fields)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
 
