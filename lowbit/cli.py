@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `lowbit inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a path that is a file, not writable, ...: the path and the reason
+        if os.environ.get("LOWBIT_DEBUG"):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lowbit: error: {where}{(e.strerror or str(e)).lower()}; check the path, or "
+              f"choose another", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:  # lowbit.train's says the step, checkpoint and --resume
         print(f"lowbit: interrupted {e}".rstrip(), file=sys.stderr)
         return 130

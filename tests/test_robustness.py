@@ -511,3 +511,37 @@ def test_a_seq_len_past_the_presets_context_is_said(tmp_path, capsys, stand_ins)
     assert "--seq-len 1100 exceeds the tiny preset's context of 1024 tokens" in err
     code, err = cli(capsys, *TRAIN, "--out-dir", str(tmp_path), "--run-name", "short")
     assert "exceeds" not in err
+
+
+def _bad_flag_rows():
+    """(command, expected text) from docs/reliability.md's bad-flag table."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
+    table = text.split("## Bad flags, per command", 1)[1]
+    rows = re.findall(r"^\| `lowbit ([^`]*)` \| (.+?) \|$", table, flags=re.M)
+    assert len(rows) >= 60, "the bad-flag table lost its rows"
+    return rows
+
+
+@pytest.mark.parametrize("command,says", _bad_flag_rows(), ids=lambda v: v if " " in v else None)
+def test_every_bad_flag_in_the_reliability_table_is_one_line_and_creates_nothing(
+        command, says, tmp_path, monkeypatch, capsys):
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / ".cache-outside"))
+    (tmp_path / "afile").write_text("not a folder\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    try:
+        code = main(shlex.split(command))
+    except SystemExit as e:   # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("lowbit: error: "), err
+    assert says.replace("`", "") in lines[0].replace("`", ""), err
+    after = sorted(p.name for p in tmp_path.iterdir() if p.name != ".cache-outside")
+    assert after == before, f"{command} created {set(after) - set(before)}"

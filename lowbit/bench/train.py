@@ -46,8 +46,10 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     from lowbit.train.distributed import Distributed
     from lowbit.train.step import TrainStep, refuse_cuda_graph
 
-    if steps < 1 or warmup < 0 or seq_len < 1 or batch_size < 1:
-        raise ValueError("steps, seq_len and batch_size must be >= 1 and warmup >= 0")
+    for flag, value, least in (("--steps", steps, 1), ("--warmup", warmup, 0),
+                               ("--seq-len", seq_len, 1), ("--batch-size", batch_size, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least} (got {value})")
     for name in recipes:
         if qat_setting(name) is None:
             get_recipe(name)  # refuse an unknown recipe before building anything

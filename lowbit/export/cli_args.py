@@ -154,6 +154,8 @@ def run_export(args: argparse.Namespace) -> None:
     from lowbit.models.hf import load_tokenizer
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"{out} is not empty; pass --overwrite or choose another --out")
     if args.calib_batches < 1:

@@ -38,8 +38,12 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
         except ValueError:
             raise ValueError(f"setting {setting!r}: the RAC ratio after @ must be a number") from None
     rollout, _, align = text.partition("+")
-    return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
-                               importance_sampling=importance, run_name="")
+    try:
+        return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
+                                   importance_sampling=importance, run_name="")
+    except ValueError as e:
+        raise ValueError(f"--compare setting {setting!r}: {e} (settings are ROLLOUT[+ALIGN]"
+                         f"[@RATIO][+is], e.g. nvfp4+quads@0.25)") from None
 
 
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,

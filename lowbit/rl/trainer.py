@@ -43,14 +43,16 @@ from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay,
                                     routing_agreement)
 from lowbit.rl.warmstart import policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
-from lowbit.train.checkpoint import (CHECKPOINT_VERSION, load_checkpoint, rng_state,
-                                     save_checkpoint, set_rng_state, write_text_atomic)
+from lowbit.train.checkpoint import CHECKPOINT_VERSION, rng_state, set_rng_state, write_text_atomic
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed
 from lowbit.train.metrics import MetricsLog
+from lowbit.train.run_dir import RunDir
 from lowbit.train.step import TrainStep
 
-__all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch"]
+__all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES"]
+
+RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 
 
 @dataclass
@@ -107,6 +109,9 @@ class GRPOTrainer:
     def __init__(self, config: RLConfig, *, resume: bool = False, overwrite: bool = False) -> None:
         self.config = c = config
         self.run_dir = Path(c.out_dir) / c.name
+        self.folder = RunDir(self.run_dir, files=RUN_FILES,
+                             changed=lambda saved, config: config.changed_fields(saved))
+        self.warn = lambda message: print(message, file=sys.stderr)
         checkpoint = self._check_run_dir(resume, overwrite)
         self.device = resolve_device(c.device)
         engine_device = resolve_device(c.engine_device) if c.engine_device else self.device
@@ -115,7 +120,10 @@ class GRPOTrainer:
             {"numbers": c.task_size} if c.task == "countdown" else {"digits": c.task_size})
         if c.task == "gsm8k":
             options = {"data_dir": c.data_dir}
-        self.task = get_task(c.task, **options)
+        try:
+            self.task = get_task(c.task, **options)
+        except ValueError as e:   # the task's own words name its option; say the flag too
+            raise ValueError(f"--task {c.task} --task-size {c.task_size}: {e}") from None
         self.eval_set = self.task.eval_problems(c.eval_problems)
         self.exclude = {p.prompt for p in self.eval_set}
         self.model_config = policy_config(c, self.task)
@@ -164,34 +172,15 @@ class GRPOTrainer:
             self.wall_before = checkpoint["wall_time_s"]
         self.resumed = checkpoint is not None
         self.sync()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / "config.json", json.dumps(c.to_dict(), indent=2) + "\n")
+        for path, size in self.folder.start(c, fresh=checkpoint is None):
+            self.warn(f"lowbit: removed {path} ({size:,} bytes), left by a write that was killed")
 
     # ---- the run folder -------------------------------------------------------------------
 
-    def _files(self) -> list[Path]:
-        return [self.run_dir / n for n in ("config.json", "metrics.jsonl", "final.json", "rl.png")] + \
-            [self.run_dir / "checkpoints" / "latest.pt", *self.run_dir.glob("events.out.tfevents.*")]
-
     def _check_run_dir(self, resume: bool, overwrite: bool) -> dict | None:
-        if resume and overwrite:
-            raise ValueError("resume and overwrite exclude each other; pick one")
-        path = self.run_dir / "checkpoints" / "latest.pt"
-        if not resume:
-            if any(p.exists() for p in self._files()):
-                if not overwrite:
-                    raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue "
-                                     f"it, --overwrite to start over, or choose another --run-name")
-                for p in self._files():
-                    p.unlink(missing_ok=True)
-            return None
-        if not path.is_file():
-            raise ValueError(f"cannot resume: {self.run_dir} has no checkpoint; start without --resume")
-        checkpoint = load_checkpoint(path)
-        changes = self.config.changed_fields(checkpoint["config"])
-        if changes:
-            raise ValueError(f"cannot resume {self.run_dir}: the config differs in {'; '.join(changes)}")
-        return checkpoint
+        """lowbit.train's run-folder rules: refuse a taken folder or a changed config, resume
+        from the newest checkpoint that verifies (saying which it skipped)."""
+        return self.folder.check(self.config, resume, overwrite, warn=self.warn)
 
     # ---- the four pieces ------------------------------------------------------------------
 
@@ -354,7 +343,7 @@ class GRPOTrainer:
                  "wall_time_s": self.wall_before + time.perf_counter() - t_session}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
-        save_checkpoint(state, self.run_dir / "checkpoints" / "latest.pt")
+        self.folder.save_checkpoint(state)
         from lowbit.rl.plot import plot_rl_runs
 
         plot_rl_runs([self.run_dir], self.run_dir / "rl.png")

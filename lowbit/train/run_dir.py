@@ -11,13 +11,16 @@
 folder that holds one (without overwrite), a resume without a usable checkpoint, or one whose
 saved config differs in a field that changes the run. `RunDir.start` removes the temporary
 files of writes a killed run left behind. Nothing else in the folder is ever touched.
+
+Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write and how
+their config is compared with a checkpoint's, and get the same checks and checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
                                      remove_temp_files, write_text_atomic)
@@ -29,9 +32,16 @@ _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 
 
 class RunDir:
-    def __init__(self, path: str | Path, keep_checkpoints: int = 2) -> None:
+    """files: the names the job writes at the top of the folder (a fresh or overwritten run
+    removes them); changed(saved_config_dict, config) lists the fields a resume may not change
+    (default: TrainConfig's rule)."""
+
+    def __init__(self, path: str | Path, keep_checkpoints: int = 2,
+                 files: tuple[str, ...] = _FILES,
+                 changed: Callable[[dict, object], list[str]] = changed_fields) -> None:
         self.path = Path(path)
         self.checkpoints = CheckpointStore(self.path / "checkpoints", keep_checkpoints)
+        self.files, self.changed = files, changed
 
     @property
     def checkpoint(self) -> Path:
@@ -40,10 +50,10 @@ class RunDir:
 
     def produced_files(self) -> list[Path]:
         """What a run writes here (and a fresh or overwritten run removes)."""
-        return [*(self.path / n for n in _FILES), *self.checkpoints.files(),
+        return [*(self.path / n for n in self.files), *self.checkpoints.files(),
                 *self.path.glob("events.out.tfevents.*")]
 
-    def check(self, config: TrainConfig, resume: bool, overwrite: bool,
+    def check(self, config: TrainConfig | Any, resume: bool, overwrite: bool,
               warn: Callable[[str], None] | None = None) -> dict | None:
         """Refuse what cannot be done here; return the checkpoint to resume from, or None.
 
@@ -79,14 +89,14 @@ class RunDir:
             warn(f"lowbit: warning: resuming from {loaded.path} (step {loaded.state['step']}), "
                  f"the newest checkpoint that verified")
         checkpoint = loaded.state
-        changes = changed_fields(checkpoint["config"], config)
+        changes = self.changed(checkpoint["config"], config)
         if changes:
             raise ValueError(f"cannot resume {self.path}: the config differs from the checkpoint's "
                              f"in {'; '.join(changes)}; use the saved values (see "
                              f"{self.path / 'config.json'}) or start a new run with --run-name")
         return checkpoint
 
-    def start(self, config: TrainConfig, fresh: bool) -> list[tuple[Path, int]]:
+    def start(self, config: TrainConfig | Any, fresh: bool) -> list[tuple[Path, int]]:
         """Create the folder and write config.json; a fresh run first removes what an
         overwritten one left behind. Every start removes the temporary files of writes a
         killed run left (returned as (path, bytes), for the caller to report)."""
