@@ -545,3 +545,53 @@ def test_every_bad_flag_in_the_reliability_table_is_one_line_and_creates_nothing
     assert says.replace("`", "") in lines[0].replace("`", ""), err
     after = sorted(p.name for p in tmp_path.iterdir() if p.name != ".cache-outside")
     assert after == before, f"{command} created {set(after) - set(before)}"
+
+
+def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_curve(tmp_path, capsys,
+                                                                          stand_ins):
+    """The real CLI in a forked process, SIGKILLed at seeded random moments (while stepping,
+    writing metrics, or mid-checkpoint), resumed each time as the messages say (--resume; or
+    --overwrite when no checkpoint was written yet): the final curve equals one run never
+    killed, every step logged once, no temp file left behind."""
+    import multiprocessing
+    import os
+    import random
+    import signal
+    import time
+
+    argv = [*TRAIN, "--steps", "60", "--checkpoint-every", "5", "--log-every", "1"]
+    code, err = cli(capsys, *argv, "--out-dir", str(tmp_path / "whole"))
+    assert code == 0, err
+    whole = [json.loads(line) for line in (tmp_path / "whole" / "run" / "metrics.jsonl").open()]
+
+    def child(extra):
+        torch.set_num_threads(1)
+        os._exit(main([*argv, "--out-dir", str(tmp_path / "killed"), *extra]))
+
+    fork = multiprocessing.get_context("fork")
+    rng, run = random.Random(0), tmp_path / "killed" / "run"
+    kills = 0
+    for attempt in range(6):
+        has_checkpoint = (run / "checkpoints" / "latest.pt").exists() or any(
+            (run / "checkpoints").glob("step-*.pt"))
+        extra = ["--resume"] if has_checkpoint else (["--overwrite"] if run.exists() else [])
+        process = fork.Process(target=child, args=(extra,))
+        process.start()
+        process.join(rng.uniform(0.05, 0.6) if kills < 4 else None)   # four kills, then finish
+        if process.exitcode is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.join()
+            kills += 1
+            continue
+        assert process.exitcode == 0, f"attempt {attempt} ({extra}) exited {process.exitcode}"
+        if (run / "final.json").exists():
+            break
+    assert (run / "final.json").exists(), "the run never finished in 6 starts"
+    assert kills == 4, f"only {kills} kills landed; lengthen the run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    train_records = [(r["step"], r["loss"]) for r in records if r["event"] == "train"]
+    assert train_records == [(r["step"], r["loss"]) for r in whole if r["event"] == "train"]
+    assert [r["step"] for r in records if r["event"] == "train"] == list(range(1, 61))
+    assert json.loads((run / "final.json").read_text())["val_loss"] == json.loads(
+        (tmp_path / "whole" / "run" / "final.json").read_text())["val_loss"]
+    assert not list(run.rglob("*.tmp"))

@@ -344,9 +344,13 @@ class GRPOTrainer:
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         self.folder.save_checkpoint(state)
+        self.plot(force=False)
+
+    def plot(self, force: bool) -> None:
+        """rl.png, redrawn at a checkpoint at most once a minute (RunDir.plot), and at the end."""
         from lowbit.rl.plot import plot_rl_runs
 
-        plot_rl_runs([self.run_dir], self.run_dir / "rl.png")
+        self.folder.plot(force, draw=lambda: plot_rl_runs([self.run_dir], self.run_dir / "rl.png"))
 
     def finish(self, step: int, records: list[dict], t_session: float) -> RLResult:
         train = [r for r in records if r["event"] == "train"]
@@ -363,6 +367,7 @@ class GRPOTrainer:
             if values:
                 summary[key] = sum(values) / len(values)
         write_text_atomic(self.run_dir / "final.json", json.dumps(summary, indent=2) + "\n")
+        self.plot(force=True)
         self.say(f"done: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
                  f"held-out accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
         return RLResult(self.run_dir, step, final_reward, accuracy, records)

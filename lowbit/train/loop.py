@@ -274,7 +274,7 @@ class _Run:
             "data_fingerprint": self.data_fingerprint,
         })
         self.last_checkpoint, self.last_checkpoint_step = self.run_dir.checkpoint, step
-        self.run_dir.plot()
+        self.run_dir.plot()   # at most once a minute; always at the end
 
     def _interrupted_message(self, step: int) -> str:
         if self.last_checkpoint_step is None:
@@ -322,7 +322,7 @@ class _Run:
                 "tokens_seen": result.tokens_seen, "wall_time_s": result.wall_time_s,
                 "recipe": config.recipe, "device": str(self.process.device),
                 "n_params": self.n_params, "epochs": self.epochs})
-            self.run_dir.plot()
+            self.run_dir.plot(force=True)
         self.say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
                  f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> "
                  f"{self.run_dir.path}")

@@ -4,7 +4,8 @@
     metrics.jsonl        one record per line (lowbit.train.metrics), TensorBoard events beside
     checkpoints/latest.pt  the last checkpoint, and the ones before it as step-<N>.pt
                          (lowbit.train.checkpoint.CheckpointStore: checksummed, written, then renamed)
-    loss.png             the loss curves, redrawn at every checkpoint and at the end
+    loss.png             the loss curves, redrawn at a checkpoint (at most once every
+                         PLOT_EVERY_S seconds: matplotlib takes ~0.5 s) and at the end
     final.json           the final numbers (written at the end)
 
 `RunDir.check` refuses, before anything is written, what cannot be done there: a new run in a
@@ -19,6 +20,8 @@ their config is compared with a checkpoint's, and get the same checks and checkp
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +29,9 @@ from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoin
                                      remove_temp_files, write_text_atomic)
 from lowbit.train.config import TrainConfig, changed_fields
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "PLOT_EVERY_S"]
+
+PLOT_EVERY_S = 60.0
 
 _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 
@@ -42,6 +47,7 @@ class RunDir:
         self.path = Path(path)
         self.checkpoints = CheckpointStore(self.path / "checkpoints", keep_checkpoints)
         self.files, self.changed = files, changed
+        self._plotted_at = -math.inf
 
     @property
     def checkpoint(self) -> Path:
@@ -115,8 +121,15 @@ class RunDir:
     def write_final(self, final: dict) -> None:
         write_text_atomic(self.path / "final.json", json.dumps(final, indent=2) + "\n")
 
-    def plot(self) -> None:
-        """Redraw loss.png from metrics.jsonl (matplotlib is imported only here)."""
-        from lowbit.train.plot import plot_runs
+    def plot(self, force: bool = False, draw: Callable[[], None] | None = None) -> None:
+        """Redraw loss.png from metrics.jsonl (matplotlib is imported only here), or call
+        draw() for a job's own figure; unless force, at most once every PLOT_EVERY_S seconds."""
+        if not force and time.monotonic() - self._plotted_at < PLOT_EVERY_S:
+            return
+        if draw is None:
+            from lowbit.train.plot import plot_runs
 
-        plot_runs([self.path], self.path / "loss.png")
+            plot_runs([self.path], self.path / "loss.png")
+        else:
+            draw()
+        self._plotted_at = time.monotonic()
