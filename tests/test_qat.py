@@ -188,20 +188,18 @@ def _lowbit(*args, **kw):
     return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, **kw)
 
 
-def test_lowbit_qat_runs_compares_and_refuses(tmp_path):
-    out = str(tmp_path)
-    r = _lowbit("qat", "--compare", "ste,jacquant", "--steps", "4", "--base-steps", "6",
-                "--eval-every", "2", "--refresh-every", "2", "--out-dir", out, "--no-progress",
-                "--device", "cpu")
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_lowbit_qat_runs_and_compares(tmp_path, capsys):
+    """`lowbit qat --compare` in this process (docs/reliability.md's table holds its bad flags,
+    rerun by tests/test_robustness.py)."""
+    from lowbit.cli import main
+
+    assert main(["qat", "--compare", "ste,jacquant", "--steps", "4", "--base-steps", "6",
+                 "--eval-every", "2", "--refresh-every", "2", "--out-dir", str(tmp_path),
+                 "--no-progress", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
     for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
-        assert f"| {method} |" in r.stdout
+        assert f"| {method} |" in out
     assert list(tmp_path.glob("qat-*/qat.png"))
-    for args, words in [(["--weights", "int5"], "int2, int3"), (["--estimator", "foo"], "invalid choice"),
-                        (["--from", out], "not a finished"), (["--seeds", "a"], "--seeds"),
-                        (["--weights", "int2:g64", "--base-steps", "6"], "does not divide")]:
-        r = _lowbit("qat", *args, "--out-dir", out, "--no-progress", "--device", "cpu")
-        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():

@@ -34,7 +34,7 @@ from lowbit.qat.config import QATConfig
 from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize
 
-__all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "convert", "packed_weights",
+__all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "check_model", "convert", "packed_weights",
            "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics"]
 
 
@@ -204,12 +204,14 @@ def _targets(model: nn.Module, keep: Callable[[nn.Module, str], bool], report: Q
     return out
 
 
-def prepare(model: nn.Module, config: QATConfig,
-            module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> QATReport:
-    """Fake-quantize model's linear and experts weights in place (see the module docstring).
+def check_model(model: nn.Module, config: QATConfig,
+                module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> None:
+    """Raise ValueError where prepare(model, config) would: before any work is spent on a model
+    (lowbit qat checks a meta-device copy before training its base)."""
+    _checked_targets(model, config, module_filter_fn)
 
-    Everything is checked (formats, group sizes, that nothing is prepared already) before the
-    first weight changes, so a refused prepare leaves the model as it was."""
+
+def _checked_targets(model, config, module_filter_fn):
     if config.format.grid == "bf16":
         raise ValueError("weights 'bf16' quantize nothing (it names lowbit qat's control run); "
                          "pick a format, e.g. int2:g64")
@@ -219,6 +221,16 @@ def prepare(model: nn.Module, config: QATConfig,
         raise ValueError("lowbit.qat.prepare found no linear or experts weight to quantize")
     for module, pname, qname, _ in targets:
         config.format.check_layer(qname, getattr(module, pname).shape[-1])
+    return report, targets
+
+
+def prepare(model: nn.Module, config: QATConfig,
+            module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> QATReport:
+    """Fake-quantize model's linear and experts weights in place (see the module docstring).
+
+    Everything is checked (formats, group sizes, that nothing is prepared already) before the
+    first weight changes, so a refused prepare leaves the model as it was."""
+    report, targets = _checked_targets(model, config, module_filter_fn)
     for module, pname, qname, kind in targets:
         weight = getattr(module, pname)
         fq = FakeQuantWeight(weight.detach(), config, qname)

@@ -31,7 +31,7 @@ import torch
 from lowbit.qat.config import QATConfig
 from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
-from lowbit.qat.layers import convert, packed_weights, prepare, refresh_hook
+from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
 from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
 from lowbit.train.config import TrainConfig, resolve_device
@@ -129,11 +129,25 @@ def source_run(job: QATJob) -> Path:
                          progress=job.progress, diagnostics=False)
     run = RunDir(Path(config.out_dir) / config.name)
     if not (run.path / "final.json").is_file():
+        check_before_training(config, job)
         if job.progress:
             print(f"lowbit qat: no --from given: training the BF16 model to quantize first "
                   f"({run.path}, {job.base_steps} steps; cached for later runs)")
         train(config, resume=run.checkpoint.is_file(), overwrite=False)
     return run.path
+
+
+def check_before_training(base: TrainConfig, job: QATJob) -> None:
+    """Refuse a weight format the base model's layers cannot take before the base trains
+    (checked on a meta-device copy: no memory, no time)."""
+    from lowbit.models import Transformer
+    from lowbit.train.build import model_config
+
+    with torch.device("meta"):
+        model = Transformer(model_config(base))
+    for qat in job.configs:
+        if qat.format.grid != "bf16":
+            check_model(model, qat)
 
 
 def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dict | None]:
