@@ -4,9 +4,6 @@ compressed-tensors (through transformers' loader)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -200,22 +197,20 @@ def test_w4a4_calibration_writes_static_input_scales(models, tmp_path):
     assert s.dtype == torch.float32 and s.item() == pytest.approx(amax["model.layers.0.self_attn.q_proj"] / 2688)
 
 
-def test_cli_export_and_its_errors(models, tmp_path):
+def test_cli_export_and_its_errors(models, tmp_path, capsys):
+    from lowbit.cli import main
+
     path, _ = models["llama"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "lowbit.cli", "export", *a], env=env,
-                                    capture_output=True, text=True)
-    ok = run(str(path), "--format", "nvfp4", "--layout", "compressed-tensors", "--out",
-             str(tmp_path / "ct"), "--no-progress")
-    assert ok.returncode == 0, ok.stderr
-    assert "0.282x their BF16 size" in ok.stdout
+    assert main(["export", str(path), "--format", "nvfp4", "--layout", "compressed-tensors",
+                 "--out", str(tmp_path / "ct"), "--no-progress"]) == 0
+    assert "0.282x their BF16 size" in capsys.readouterr().out
     summary = json.loads((tmp_path / "ct" / "lowbit_export.json").read_text())
     assert summary["weight_ratio"] <= 0.29
-    bad = run(str(path), "--format", "mxfp4", "--layout", "modelopt", "--out", str(tmp_path / "x"))
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert "mxfp4 has no modelopt layout" in bad.stderr
-    missing = run(str(tmp_path / "nothing"), "--out", str(tmp_path / "y"))
-    assert missing.returncode == 2 and "no such run or model folder" in missing.stderr
+    assert main(["export", str(path), "--format", "mxfp4", "--layout", "modelopt",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "mxfp4 has no modelopt layout" in err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("format", ["int4:g32", "int8:row", "int8:g16:asym"])
