@@ -188,7 +188,7 @@ def _lowbit(*args, **kw):
     return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, **kw)
 
 
-def test_lowbit_qat_runs_and_compares(tmp_path, capsys):
+def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     """`lowbit qat --compare` in this process (docs/reliability.md's table holds its bad flags,
     rerun by tests/test_robustness.py)."""
     from lowbit.cli import main

@@ -527,7 +527,7 @@ def _bad_flag_rows():
 
 @pytest.mark.parametrize("command,says", _bad_flag_rows(), ids=lambda v: v if " " in v else None)
 def test_every_bad_flag_in_the_reliability_table_is_one_line_and_creates_nothing(
-        command, says, tmp_path, monkeypatch, capsys):
+        command, says, tmp_path, monkeypatch, capsys, corpus_env):
     import shlex
 
     monkeypatch.chdir(tmp_path)
