@@ -286,9 +286,9 @@ def format_summary(step, baseline: str, rows: list[dict]) -> str:
 def plot_gaps(evals: dict, recipes: list[str], path: Path, name: str) -> None:
     """Validation-loss gap of every recipe to the first (the baseline), in %, per evaluation
     step both reached: at equal tokens, the curves a loss plot draws on top of each other."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lowbit.train.plot import pyplot, save_figure
+
+    plt = pyplot()
 
     base = evals[recipes[0]]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -305,17 +305,15 @@ def plot_gaps(evals: dict, recipes: list[str], path: Path, name: str) -> None:
     ax.grid(alpha=0.3)
     if len(recipes) > 1:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_gradient_bias(runs: dict, path: Path, name: str) -> None:
     """Per recipe and diagnostics step: dW's cosine to BF16's on the same batch, and the
     relative difference between the weights the forward and the backward GEMMs used."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lowbit.train.plot import pyplot, save_figure
+
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for recipe, d in runs.items():
@@ -333,6 +331,4 @@ def plot_gradient_bias(runs: dict, path: Path, name: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

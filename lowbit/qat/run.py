@@ -304,10 +304,9 @@ def format_table(summary: dict) -> str:
 
 def plot_qat(summary: dict, path: Path) -> Path:
     """Validation loss over steps of every QAT run, the baselines as horizontal lines."""
-    import matplotlib
+    from lowbit.train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10
@@ -328,10 +327,7 @@ def plot_qat(summary: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title(f"QAT from {Path(summary['source']).name}", fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _ppl(loss: float) -> float:

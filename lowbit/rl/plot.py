@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from lowbit.train.metrics import read_metrics
+from lowbit.train.plot import pyplot, save_figure
 
 __all__ = ["plot_rl_runs"]
 
@@ -18,10 +19,7 @@ _PANELS = (("train", "reward", "reward"),
 
 
 def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: str | None = None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for run_dir in run_dirs:
@@ -44,9 +42,4 @@ def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: st
     axes.flat[0].legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path, dpi=110)

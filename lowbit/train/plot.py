@@ -16,14 +16,33 @@ from typing import Sequence
 from lowbit.train.metrics import read_metrics
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only: no display needed, none opened);
+    imported here, at first use, so that nothing else of lowbit pays for matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, out_path: str | Path, dpi: int = 120) -> Path:
+    """Lay out `fig`, write it to `out_path` (its folder created if missing), close it."""
+    out_path = Path(out_path)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=dpi)
+    pyplot().close(fig)
+    return out_path
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
               title: str | None = None) -> Path:
     """Draw the train and val loss curves of `run_dirs` into the PNG `out_path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed, none opened
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
+
+    plt = pyplot()
 
     if not run_dirs:
         raise ValueError("plot needs at least one run folder")
@@ -52,10 +71,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
         top = ax.secondary_xaxis("top", functions=(lambda t: t / per_step, lambda s: s * per_step))
         top.set_xlabel("step")
     ax.set_title(title or ", ".join(run["label"] for run in runs), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)
 
 
 def _check_out_path(out_path: Path) -> Path:
@@ -93,10 +109,7 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
     Left, each arm's value per step, the mean over seeds and a band of +- one standard
     deviation; right, each other arm's gap to the same seed's baseline in %, the mean over the
     paired seeds and its band. A step enters where at least one seed has both values."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = list(curves)
     base = {seed: dict(curve) for seed, curve in curves[arms[0]].items()}
@@ -131,12 +144,7 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     fig.suptitle(title or ", ".join(arms), fontsize="medium")
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return save_figure(fig, out_path)
 
 
 def _std(values: Sequence[float]) -> float:
