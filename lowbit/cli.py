@@ -74,66 +74,66 @@ def _run_inspect(args) -> None:
     print(rows_to_json(rows) if args.json else format_table(rows))
 
 
+def _command(sub, name: str, add_arguments, run, help: str, description: str | None = None) -> None:
+    """One subcommand: its parser, the module's add_arguments(parser) and run(args)."""
+    p = sub.add_parser(name, help=help, description=description)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def _add_train(sub) -> None:
     from lowbit.train.cli_args import add_plot_arguments, add_train_arguments, run_plot, run_train
 
-    p = sub.add_parser(
-        "train", help="pretrain a language model with a quantized-training recipe",
-        description="Train a built-in LLaMA-style model. With no arguments: the tiny preset on "
-                    "Tiny Shakespeare with the stable-fp4 recipe, on the CPU in about two minutes.")
-    add_train_arguments(p)
-    p.set_defaults(func=run_train)
-    p = sub.add_parser("plot", help="redraw the loss curves of run folders in one figure")
-    add_plot_arguments(p)
-    p.set_defaults(func=run_plot)
+    _command(sub, "train", add_train_arguments, run_train,
+             help="pretrain a language model with a quantized-training recipe",
+             description="Train a built-in LLaMA-style model. With no arguments: the tiny preset "
+                         "on Tiny Shakespeare with the stable-fp4 recipe, on the CPU in about "
+                         "two minutes.")
+    _command(sub, "plot", add_plot_arguments, run_plot,
+             help="redraw the loss curves of run folders in one figure")
 
 
 def _add_qat(sub) -> None:
     from lowbit.qat.cli_args import add_qat_arguments, run_qat_command
 
-    p = sub.add_parser(
-        "qat", help="quantization-aware training to 1-4-bit weights (ste, lsq, jacquant)",
-        description="Fine-tune a trained model with its weights fake-quantized (intK, ternary, "
-                    "binary, seq2, nvfp4, mxfp4), with a choice of gradient estimator, against "
-                    "BF16, round-to-nearest and GPTQ. With no arguments: a tiny BF16 model on "
-                    "Tiny Shakespeare (trained first, cached), QAT to int2:g32 with jacquant, "
-                    "on the CPU in about two minutes.")
-    add_qat_arguments(p)
-    p.set_defaults(func=run_qat_command)
+    _command(sub, "qat", add_qat_arguments, run_qat_command,
+             help="quantization-aware training to 1-4-bit weights (ste, lsq, jacquant)",
+             description="Fine-tune a trained model with its weights fake-quantized (intK, "
+                         "ternary, binary, seq2, nvfp4, mxfp4), with a choice of gradient "
+                         "estimator, against BF16, round-to-nearest and GPTQ. With no arguments: "
+                         "a tiny BF16 model on Tiny Shakespeare (trained first, cached), QAT to "
+                         "int2:g32 with jacquant, on the CPU in about two minutes.")
 
 
 def _add_bench(sub) -> None:
     from lowbit import bench
 
-    p = sub.add_parser("bench", help="benchmarks: step time and memory of training recipes",
-                       description="Speed and memory of recipes, printed as tables with ratios "
-                                   "to a baseline measured in the same run.")
-    bench.add_arguments(p)
-    p.set_defaults(func=bench.run)
+    _command(sub, "bench", bench.add_arguments, bench.run,
+             help="benchmarks: step time and memory of training recipes",
+             description="Speed and memory of recipes, printed as tables with ratios to a "
+                         "baseline measured in the same run.")
 
 
 def _add_export(sub) -> None:
     from lowbit.export.cli_args import add_export_arguments, run_export
 
-    p = sub.add_parser(
-        "export", help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4, int4/int8)",
-        description="Pack a model's linear and expert weights as NVFP4 (ModelOpt or "
-                    "compressed-tensors layout), MXFP4 or int4/int8 (compressed-tensors), "
-                    "everything else BF16, for vLLM, SGLang or TensorRT-LLM; a QAT run's "
-                    "trained weights as they are; see docs/models.md.")
-    add_export_arguments(p)
-    p.set_defaults(func=run_export)
+    _command(sub, "export", add_export_arguments, run_export,
+             help="write a servable low-bit Hugging Face folder (NVFP4, MXFP4, int4/int8)",
+             description="Pack a model's linear and expert weights as NVFP4 (ModelOpt or "
+                         "compressed-tensors layout), MXFP4 or int4/int8 (compressed-tensors), "
+                         "everything else BF16, for vLLM, SGLang or TensorRT-LLM; a QAT run's "
+                         "trained weights as they are; see docs/models.md.")
+
+
 def _add_rl(sub) -> None:
     from lowbit.rl.cli_args import add_rl_arguments, run_rl_command
 
-    p = sub.add_parser(
-        "rl", help="GRPO with low-precision rollouts (bf16, fp8, NVFP4, QUADS)",
-        description="Reinforcement learning on a verifiable task with a separate rollout engine "
-                    "in low precision. With no arguments: a tiny policy warm-started on one-digit "
-                    "addition, then GRPO with NVFP4 rollouts and QUADS alignment, on the CPU in "
-                    "a few minutes.")
-    add_rl_arguments(p)
-    p.set_defaults(func=run_rl_command)
+    _command(sub, "rl", add_rl_arguments, run_rl_command,
+             help="GRPO with low-precision rollouts (bf16, fp8, NVFP4, QUADS)",
+             description="Reinforcement learning on a verifiable task with a separate rollout "
+                         "engine in low precision. With no arguments: a tiny policy warm-started "
+                         "on one-digit addition, then GRPO with NVFP4 rollouts and QUADS "
+                         "alignment, on the CPU in a few minutes.")
 
 
 def build_parser() -> argparse.ArgumentParser:
