@@ -15,6 +15,7 @@ command). The warm start is trained once, before the runs start, and read by all
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -35,22 +36,28 @@ def main() -> int:
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help="comma-separated rollout[+align][@rac_ratio][+is] (default: %(default)s)")
     p.add_argument("--model", default="small")
-    p.add_argument("--n-experts", type=int, default=0)
+    p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--task", default="add")
-    p.add_argument("--task-size", type=int, default=3)
+    p.add_argument("--task-size", type=int, default=2)
     p.add_argument("--warmstart-steps", type=int, default=1500)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="RL seed of every setting; the warm start's too")
+    p.add_argument("--more-seeds", default="1",
+                   help="comma-separated further RL seeds, run for --seed-settings (default: %(default)s)")
+    p.add_argument("--seed-settings", default="bf16,nvfp4,nvfp4+quads",
+                   help="the settings the further seeds run (default: %(default)s)")
     p.add_argument("--device", default="auto")
     p.add_argument("--timeout", type=int, default=420, help="seconds each run may take")
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 settings, 3 steps (CPU)")
     args = p.parse_args()
     settings = [s for s in args.settings.split(",") if s]
+    more_seeds = [int(x) for x in args.more_seeds.split(",") if x.strip()]
+    seed_settings = [s for s in args.seed_settings.split(",") if s]
     if args.smoke:
-        settings = SMOKE_SETTINGS
+        settings, seed_settings = SMOKE_SETTINGS, SMOKE_SETTINGS[:1]
         args.model, args.task_size, args.warmstart_steps, args.steps = "tiny", 1, 20, 3
         args.prompts_per_step, args.num_generations, args.timeout = 2, 4, 300
     out = Path(args.out)
@@ -66,7 +73,7 @@ def main() -> int:
               "--task-size", str(args.task_size), "--warmstart-steps", str(args.warmstart_steps),
               "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
               "--num-generations", str(args.num_generations), "--lr", str(args.lr),
-              "--seed", str(args.seed), "--device", args.device, "--out-dir", str(out),
+              "--warmstart-seed", str(args.seed), "--device", args.device, "--out-dir", str(out),
               "--eval-every", "25" if not args.smoke else "2", "--eval-problems",
               "256" if not args.smoke else "8", "--checkpoint-every", "50"]
     if args.smoke:
@@ -76,16 +83,22 @@ def main() -> int:
                     seed=args.seed, out_dir=str(out), progress=False,
                     eval_problems=256 if not args.smoke else 8,
                     max_completion_length=4 if args.smoke else 8)
-    configs = [config_for_setting(base, s) for s in settings]   # refuses a bad setting now
+    runs = [(s, args.seed) for s in settings] + [(s, seed) for seed in more_seeds
+                                                  for s in seed_settings]
+    configs = [dataclasses.replace(config_for_setting(base, s), seed=seed)   # refuses a bad setting now
+               for s, seed in runs]
+    for config in configs:
+        config.run_name = f"{config.name}-s{config.seed}"
     task = get_task(args.task, digits=args.task_size)
     t0 = time.time()
     warm_start(base, task, policy_config(base, task), str(resolve_device(args.device)), print)
-    print(f"warm start ready ({time.time() - t0:.0f} s); launching {len(settings)} runs")
+    print(f"warm start ready ({time.time() - t0:.0f} s); launching {len(configs)} runs")
 
     procs = []
-    for setting, config in zip(settings, configs):
-        flags = ["--rollout", config.rollout, "--align", config.align,
-                 "--rac-ratio", str(config.rac_ratio), "--is", config.importance_sampling]
+    for config in configs:
+        flags = ["--rollout", config.rollout, "--align", config.align, "--seed", str(config.seed),
+                 "--rac-ratio", str(config.rac_ratio), "--is", config.importance_sampling,
+                 "--run-name", config.run_name]
         log = open(out / f"{config.name}.log", "w")
         cmd = [sys.executable, "-m", "lowbit", "rl", *common, *flags, "--overwrite", "--no-progress"]
         procs.append((config, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
@@ -99,11 +112,13 @@ def main() -> int:
         log.close()
         if rc != 0:
             failed.append(f"{config.setting}: {rc}")
-    runs = [out / c.name for c in configs if (out / c.name / "metrics.jsonl").is_file()]
-    write_summary(runs, out, title=f"{args.model} on {task.name}: rollout precision vs log-prob gap")
-    print(format_summary(summary_rows(runs)))
+    folders = [out / c.name for c in configs if (out / c.name / "metrics.jsonl").is_file()]
+    policy = f"{args.model}{f' MoE {args.n_experts}x top-2' if args.n_experts else ''}"
+    write_summary(folders, out, title=f"{policy} on {task.name}: rollout precision vs log-prob gap")
+    print(format_summary(summary_rows(folders)))
     meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "machine": _machine(),
-            "command": " ".join(["python", *sys.argv]), "settings": settings, "failed": failed,
+            "command": " ".join(["python", *sys.argv]), "runs": [c.name for c in configs],
+            "failed": failed,
             "wall_s": time.time() - t0}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     if failed:

@@ -441,3 +441,24 @@ def test_bench_recipes_refuses_before_starting_anything(tmp_path, capsys):
     assert "sets --recipe, --run-name, --out-dir, --compare, --resume itself" in (
         capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_bench_rollout_times_every_mode_beside_generate(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--modes", "bf16,nvfp4+rac0.25", "--batch-sizes", "1,2",
+                 "--new-tokens", "3", "--prompt-len", "4", "--repeats", "1", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| lowbit engine | nvfp4+rac0.25 |" in table
+    assert "| transformers generate | bf16, static cache |" in table
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(r["impl"], r["mode"], r["batch"]) for r in rows} == {
+        (impl, mode, b) for b in (1, 2) for impl, mode in
+        [("lowbit engine", "bf16"), ("lowbit engine", "nvfp4+rac0.25"),
+         ("transformers generate", "bf16, dynamic cache"),
+         ("transformers generate", "bf16, static cache")]}
+    for r in rows:   # the decode rate excludes prefill: whole call minus a one-token call
+        assert r["generate_s"] > 0 and r["decode_steps_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 3 / r["generate_s"])
+    assert report["limit_steps_per_s"] is None and report["meta"]["device"] == "cpu"

@@ -10,6 +10,8 @@ against a baseline measured in the same run (never in unit tests).
                             step (lowbit.bench.folds)
     lowbit bench recipes    several `lowbit train` runs side by side on one GPU, one table and
                             plots (lowbit.bench.recipes)
+    lowbit bench rollout    the RL rollout engine's decode speed in every precision mode against
+                            transformers' generate, and the bandwidth limit (lowbit.bench.rollout)
 
 Every subcommand runs on the CPU too, as a smoke test of itself (small shapes; the Triton
 kernels under TRITON_INTERPRET=1, or `--smoke`), which CI runs; its numbers mean something on
@@ -120,6 +122,24 @@ def add_arguments(parser) -> None:
                         "(default: %(default)s)")
     r.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     r.set_defaults(bench_func=run_recipes)
+
+    from lowbit.bench.rollout import HF_SHAPES, MODES
+    o = sub.add_parser("rollout", help="the RL rollout engine's decode steps/s and tokens/s in "
+                                       "every precision mode, beside transformers' generate")
+    o.add_argument("--model", default=None, choices=sorted(HF_SHAPES),
+                   help="random-weight Llama shape (default: llama-1.1b on CUDA, llama-tiny on "
+                        "the CPU)")
+    o.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated engine precisions (default: %(default)s)")
+    o.add_argument("--batch-sizes", default=None,
+                   help="comma-separated (default: 1,8,32,128 on CUDA, 1,2 on the CPU)")
+    o.add_argument("--prompt-len", type=int, default=None, help="(default: 64 on CUDA, 16 on the CPU)")
+    o.add_argument("--new-tokens", type=int, default=None, help="(default: 128 on CUDA, 8 on the CPU)")
+    o.add_argument("--repeats", type=int, default=3, help="timed calls per row, median (default: 3)")
+    o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
+    o.add_argument("--device", default="auto")
+    o.add_argument("--json", metavar="PATH", help="also write {meta, rows, limit} as JSON")
+    o.set_defaults(bench_func=run_rollout)
 
 
 def run(args) -> None:
@@ -272,6 +292,36 @@ def run_recipes(args) -> None:
 
     compare_recipes(args.name, args.recipes, args.train_args, args.out, args.deadline_min,
                     args.fit_min, args.probe_s, args.probe_window_s)
+
+
+def run_rollout(args) -> None:
+    from lowbit.bench.rollout import bench_rollout, format_rollout_rows, parse_modes
+    from lowbit.train.config import resolve_device
+
+    modes = parse_modes(args.modes)
+    device = str(resolve_device(args.device))
+    gpu = device.startswith("cuda")
+    batches = _positive_ints(args.batch_sizes or ("1,8,32,128" if gpu else "1,2"), "--batch-sizes")
+    prompt_len = args.prompt_len or (64 if gpu else 16)
+    new_tokens = args.new_tokens or (128 if gpu else 8)
+    for name, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
+                        ("--repeats", args.repeats)):
+        if value < 1 or (name == "--new-tokens" and value < 2):
+            raise ValueError(f"{name} must be {'>= 2' if name == '--new-tokens' else 'positive'} "
+                             f"(got {value})")
+    if not gpu:
+        print("on the CPU this checks the benchmark itself; its speeds mean nothing", flush=True)
+    result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
+                           prompt_len, new_tokens, args.repeats, not args.no_generate, device)
+    print(format_rollout_rows(result))
+    write_json(args.json, {"meta": run_meta("cuda" if gpu else "cpu"), **result})
+
+
+def _positive_ints(text: str, flag: str) -> list[int]:
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts or not all(t.isdigit() and int(t) > 0 for t in parts):
+        raise ValueError(f"{flag} takes comma-separated positive integers, e.g. 1,8,32 (got {text!r})")
+    return [int(t) for t in parts]
 
 
 def run_train(args) -> None:

@@ -23,6 +23,7 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
     "--n-experts": ("n_experts", int, "MoE policy with this many experts (top-2); 0: dense"),
     "--warmstart-steps": ("warmstart_steps", int, "supervised steps before RL, cached (default: 150; "
                                                   "none for a Hugging Face --model PATH)"),
+    "--warmstart-seed": ("warmstart_seed", int, "seed of the warm start (default: --seed)"),
     "--task": ("task", str, "add, mul, countdown or gsm8k (default: %(default)s)"),
     "--task-size": ("task_size", int, "digits (add, mul) or numbers (countdown) (default: %(default)s)"),
     "--data-dir": ("data_dir", str, "folder holding gsm8k/"),
@@ -49,7 +50,7 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
     "--eval-every": ("eval_every", int, "held-out accuracy every N steps (default: %(default)s)"),
     "--eval-problems": ("eval_problems", int, "size of the held-out set (default: %(default)s)"),
     "--checkpoint-every": ("checkpoint_every", int, "checkpoint every N steps (default: %(default)s)"),
-    "--seed": ("seed", int, "seed of prompts, sampling and the warm start (default: %(default)s)"),
+    "--seed": ("seed", int, "seed of prompts, sampling and (unless --warmstart-seed) the warm start (default: %(default)s)"),
     "--device": ("device", str, "trainer device: auto, cpu, cuda, cuda:N (default: %(default)s)"),
     "--engine-device": ("engine_device", str, "rollout engine's device (default: the trainer's)"),
     "--out-dir": ("out_dir", str, "parent folder of run folders (default: %(default)s)"),
@@ -61,7 +62,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     defaults = RLConfig()
     for flag, (field, kind, text) in _FLAGS.items():
         # rac_ratio's and warmstart_steps' defaults depend on other flags (RLConfig resolves them)
-        default = None if field in ("rac_ratio", "warmstart_steps") else getattr(defaults, field)
+        default = None if field in ("rac_ratio", "warmstart_steps", "warmstart_seed") else getattr(defaults, field)
         p.add_argument(flag, dest=field, type=kind, default=default, help=text)
     p.add_argument("--mask-truncated-completions", action="store_true",
                    help="leave completions that hit --max-completion-length out of the loss")

@@ -60,8 +60,8 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
 
 
 def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
-    """Per run: its setting, final reward (mean of the last `last` steps), last held-out
-    accuracy, and the mean / max log-prob gap and k3 KL over all its steps."""
+    """Per run: its setting, final reward (mean of the last `last` steps), held-out accuracy
+    at its first and last evaluation, and the mean / max log-prob gap and k3 KL over all its steps."""
     rows = []
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
@@ -74,8 +74,10 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
             return sum(values) / len(values) if values else math.nan
 
         rows.append({
-            "run": Path(run_dir).name, "setting": RLConfig(**config).setting, "steps": len(train),
+            "run": Path(run_dir).name, "setting": RLConfig(**config).setting,
+            "seed": config.get("seed", 0), "steps": len(train),
             "reward_first": mean("reward", train[:last]), "reward_last": mean("reward", train[-last:]),
+            "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else math.nan,
             "eval_accuracy": evals[-1]["eval/accuracy"] if evals else math.nan,
             "logp_gap_mean": mean("sampling/sampling_logp_difference/mean", train),
             "logp_gap_max": max((r.get("sampling/sampling_logp_difference/max", math.nan) for r in train),
@@ -86,12 +88,14 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
 
 
 def format_summary(rows: list[dict]) -> str:
-    lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc | mean gap | "
-             "max gap | k3 KL | rollout tok/s |",
+    lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc (first -> last) | "
+             "mean gap | max gap | k3 KL | rollout tok/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    seeds = len({r.get("seed", 0) for r in rows}) > 1
     for r in rows:
-        lines.append(f"| {r['setting']} | {r['steps']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
-                     f"{r['eval_accuracy']:.3f} | {r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
+        label = f"{r['setting']}, seed {r['seed']}" if seeds else r["setting"]
+        lines.append(f"| {label} | {r['steps']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
+                     f"{r['eval_accuracy_first']:.3f} -> {r['eval_accuracy']:.3f} | {r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
                      f"{r['kl_k3']:.2e} | {r['rollout_tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,9 @@ class RLConfig:
     <out_dir>/warmstart/; 0 starts RL from random weights. None: 150 for a preset, 0 for a
     Hugging Face folder (the only choice there: it starts RL from its own weights)."""
     warmstart_lr: float = 3e-3
+    warmstart_seed: int | None = None
+    """Seed of the warm start's initialization and data; None: the run's seed. Runs that
+    differ only in their RL seed share one warm start when this is set."""
 
     # --- task ------------------------------------------------------------------------------
     task: str = "add"
@@ -138,7 +141,10 @@ class RLConfig:
             _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer (got {value!r})")
         _require(self.num_generations >= 2, "num_generations must be >= 2: GRPO compares each "
                                             "completion with the others of its prompt")
-        for name in ("warmstart_steps", "eval_every", "checkpoint_every", "seed", "n_experts", "top_k"):
+        if self.warmstart_seed is None:
+            self.warmstart_seed = self.seed
+        for name in ("warmstart_steps", "eval_every", "checkpoint_every", "seed", "n_experts", "top_k",
+                     "warmstart_seed"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer (got {value!r})")
         _require(self.n_experts == 0 or self.n_experts >= 2, "n_experts must be 0 (dense) or >= 2 (top-2 MoE)")

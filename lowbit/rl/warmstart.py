@@ -127,10 +127,10 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         say(f"policy: {config.model} (its own weights and tokenizer; no warm start)")
         return load_model(config.model, dtype=torch.float32)[0].state_dict()
     if config.warmstart_steps == 0:
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.warmstart_seed)
         return build_model(model_config).state_dict()
     key_fields = {"model": model_config.__dict__, "task": task.name, "steps": config.warmstart_steps,
-                  "lr": config.warmstart_lr, "seed": config.seed}
+                  "lr": config.warmstart_lr, "seed": config.warmstart_seed}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
     run = Path(config.out_dir) / "warmstart" / name
@@ -146,11 +146,11 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         max_steps=config.warmstart_steps, lr=config.warmstart_lr,
         warmup_steps=min(20, config.warmstart_steps), weight_decay=0.0, eval_every=0,
         log_every=max(1, config.warmstart_steps // 4), checkpoint_every=0, diagnostics=False,
-        progress=config.progress, seed=config.seed, device=device,
+        progress=config.progress, seed=config.warmstart_seed, device=device,
         out_dir=str(run.parent), run_name=name)
     say(f"warm start: {config.warmstart_steps} supervised steps on {task.name} solutions -> {run}")
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.warmstart_seed)
     model = build_model(model_config)
-    data = SolutionData(task, seq_len, train_config.batch_size, config.seed, exclude)
+    data = SolutionData(task, seq_len, train_config.batch_size, config.warmstart_seed, exclude)
     train(train_config, model=model, data=data, overwrite=True)
     return load_checkpoint(checkpoint)["model"]

@@ -1,0 +1,211 @@
+"""`lowbit bench rollout`: the rollout engine's decode speed against transformers' `generate`,
+on the same random-weight model, in the same run.
+
+    lowbit bench rollout                                  # CPU: tiny Llama, a smoke test
+    lowbit bench rollout --model llama-1.1b --batch-sizes 1,8,32,128 --json rollout.json   # GPU
+
+For each batch size, prompts of --prompt-len random tokens get --new-tokens sampled tokens
+(temperature 1, no stop token, so every row runs to the end). Reported per batch size:
+
+- decode steps/s: (new_tokens - 1) / (time of the whole generate - time of a generate of one
+  token), i.e. the decode loop alone, prefill excluded;
+- tokens/s: batch * new_tokens / time of the whole generate (prefill included);
+- for the engine, the fraction of the bandwidth limit: the decode step must read every linear
+  weight and the output head once, so it cannot run faster than (copy bandwidth measured in
+  this run) / (those bytes) steps per second.
+
+Rows: the engine in every precision mode (bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 + RAC; on
+Hopper the FP4 modes emulate their numerics on BF16 GEMMs, so their speed is not FP4's), and
+transformers' `generate` with its dynamic and its static cache. Medians of --repeats calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from lowbit.rl.engine import RolloutEngine
+from lowbit.rl.sampling import SamplingParams
+
+__all__ = ["MODES", "HF_SHAPES", "bench_rollout", "format_rollout_rows", "parse_modes"]
+
+# mode label -> (precision, rac_ratio)
+MODES = {"bf16": ("bf16", 0.0), "fp8": ("fp8", 0.0), "nvfp4-w4a16": ("nvfp4-w4a16", 0.0),
+         "nvfp4": ("nvfp4", 0.0), "nvfp4+rac0.25": ("nvfp4", 0.25)}
+
+# Llama shapes built with random weights (transformers' LlamaConfig fields)
+HF_SHAPES = {
+    # TinyLlama-1.1B's shape: the issue's anchor model
+    "llama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                       num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False),
+    "llama-tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                       max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False),
+}
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown --modes {','.join(bad) or text!r}; use some of {', '.join(MODES)}")
+    return modes
+
+
+def _hf_model(name: str, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name not in HF_SHAPES:
+        raise ValueError(f"unknown --model {name!r}; use one of {', '.join(HF_SHAPES)}")
+    config = LlamaConfig(**HF_SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return model, config
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """Device-memory bandwidth (bytes/s) of a large copy (read + write), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    seconds = _median_s(lambda: y.copy_(x), device, 10)
+    return 2 * nbytes / seconds
+
+
+def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one: float) -> dict:
+    decode = max(t_full - t_one, 1e-9)
+    return {"impl": kind, "mode": mode, "batch": batch,
+            "decode_steps_per_s": (new_tokens - 1) / decode,
+            "tokens_per_s": batch * new_tokens / t_full, "generate_s": t_full, "prefill_s": t_one}
+
+
+def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
+                  prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
+                  generate_baseline: bool = True, device: str = "cpu", say=print) -> dict:
+    """Engine rows for every mode and batch size, then transformers' generate rows; returns
+    {"rows", "bandwidth_bytes_per_s", "weight_bytes", "limit_steps_per_s"}."""
+    from lowbit.models.hf import config_from_hf
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hf, hf_config = _hf_model(model, dev, dtype)
+    config = config_from_hf({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]}, model)
+    seq_len = prompt_len + new_tokens
+    if seq_len > config.max_seq_len:
+        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the "
+                         f"model's {config.max_seq_len} positions")
+    generator = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(0, config.vocab_size, (b, prompt_len), generator=generator)
+               for b in batch_sizes}
+    state = hf.state_dict()
+    rows, limit, weight_bytes = [], None, None
+    bandwidth = copy_bandwidth(dev)
+    full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
+    for mode in modes:
+        precision, rac = MODES[mode]
+        engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
+                               max_seq_len=seq_len)
+        engine.load_state_dict(state)
+        if mode == "bf16":
+            # a decode step reads every linear weight and the output head once
+            weight_bytes = engine.weight_bytes() + engine.lm_head.numel() * engine.lm_head.element_size()
+            limit = bandwidth / weight_bytes if bandwidth else None
+        for b in batch_sizes:
+            ids = prompts[b].tolist()
+            engine.generate(ids, full)                      # captures the decode graph
+            t_full = _median_s(lambda: engine.generate(ids, full), dev, repeats)
+            t_one = _median_s(lambda: engine.generate(ids, one), dev, repeats)
+            row = _row("lowbit engine", mode, b, new_tokens, t_full, t_one)
+            if limit and mode == "bf16":
+                row["of_limit"] = row["decode_steps_per_s"] / limit
+            rows.append(row)
+            say(_line(row))
+        if engine.graph_note:
+            say(f"   {mode}: {engine.graph_note}")
+        del engine
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if generate_baseline:
+        for cache in ("dynamic", "static"):
+            for b in batch_sizes:
+                ids = prompts[b].to(dev)
+                kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
+                if cache == "static":
+                    kwargs["cache_implementation"] = "static"
+
+                def gen(n: int) -> None:
+                    hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+
+                gen(2)   # warm-up
+                t_full = _median_s(lambda: gen(new_tokens), dev, 1 if dev.type == "cuda" else repeats)
+                t_one = _median_s(lambda: gen(1), dev, repeats)
+                row = _row("transformers generate", f"bf16, {cache} cache", b, new_tokens, t_full, t_one)
+                rows.append(row)
+                say(_line(row))
+    return {"rows": rows, "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+            "limit_steps_per_s": limit, "model": model, "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes)}
+
+
+def _line(row: dict) -> str:
+    extra = f"  ({row['of_limit']:.0%} of the bandwidth limit)" if "of_limit" in row else ""
+    return (f"   {row['impl']:<22} {row['mode']:<20} batch {row['batch']:>4}: "
+            f"{row['decode_steps_per_s']:9.1f} decode steps/s, {row['tokens_per_s']:11,.0f} tokens/s{extra}")
+
+
+def format_rollout_rows(result: dict) -> str:
+    """Markdown: one row per (impl, mode), decode steps/s and tokens/s per batch size, and the
+    engine's bf16 speed against transformers' best cache at each batch size."""
+    batches = result["batch_sizes"]
+    head = ("| implementation | mode | " + " | ".join(f"steps/s @{b}" for b in batches) + " | "
+            + " | ".join(f"tok/s @{b}" for b in batches) + " |")
+    out = [head, "|" + " --- |" * 2 + " ---: |" * (2 * len(batches))]
+    keys = list(dict.fromkeys((r["impl"], r["mode"]) for r in result["rows"]))
+    by = {(r["impl"], r["mode"], r["batch"]): r for r in result["rows"]}
+    for impl, mode in keys:
+        cells = [by.get((impl, mode, b)) for b in batches]
+        out.append(f"| {impl} | {mode} | "
+                   + " | ".join(f"{c['decode_steps_per_s']:,.1f}" if c else "-" for c in cells) + " | "
+                   + " | ".join(f"{c['tokens_per_s']:,.0f}" if c else "-" for c in cells) + " |")
+    if result.get("limit_steps_per_s"):
+        out.append("")
+        out.append(f"Bandwidth limit: {result['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (a copy, "
+                   f"measured) / {result['weight_bytes'] / 1e9:.2f} GB read per decode step = "
+                   f"{result['limit_steps_per_s']:,.0f} steps/s.")
+        for r in result["rows"]:
+            if "of_limit" in r:
+                out.append(f"- engine bf16, batch {r['batch']}: {r['of_limit']:.0%} of the limit")
+    for b in batches:
+        ours = by.get(("lowbit engine", "bf16", b))
+        theirs = [by[k] for k in by if k[0] == "transformers generate" and k[2] == b]
+        if ours and theirs:
+            best = max(theirs, key=lambda r: r["tokens_per_s"])
+            out.append(f"- batch {b}: engine bf16 {ours['tokens_per_s'] / best['tokens_per_s']:.1f}x "
+                       f"the tokens/s of generate ({best['mode']})")
+    return "\n".join(out)
