@@ -53,7 +53,7 @@ def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        raise ValueError(f"unknown --modes {','.join(bad) or text!r}; use some of {', '.join(MODES)}")
+        raise ValueError(f"unknown --modes {','.join(bad) or repr(text)}; use some of {', '.join(MODES)}")
     return modes
 
 
