@@ -8,7 +8,8 @@
 2. `lowbit train --recipe bf16` pretrains the model (pycode by default) for as many steps as
    fit --pretrain-minutes (measured on the first steps of the run itself: the schedule is set
    from a 30-step probe);
-3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS],
+3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS]
+   (options: epsE, dither|both|probe, kK, learned, elem (per-element B), mse (MSE scales)),
    all at once on the same device, plus one `--baselines-only` process per weight format,
    each with the same steps, data order per seed and tokens; a process still running at the
    deadline is stopped and its last evaluation used;
@@ -55,6 +56,8 @@ def parse_setting(text: str) -> tuple[str, str, int, list[str], str]:
             extra += ["--learn-scales"]
         elif option == "elem":
             extra += ["--b-per-element"]
+        elif option == "mse":
+            extra += ["--scale-init", "mse"]
         else:
             raise SystemExit(f"unknown option {option!r} in setting {text!r}")
         tags.append(option)
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--model-args", default="--model 100m --dim 576 --corpus pycode --tokenizer bpe "
                     "--bpe-vocab-size 8192 --corpus-max-bytes 60000000 --seq-len 512 --batch-size 32 "
                     "--lr 1e-3 --eval-batches 16")
+    ap.add_argument("--skip-overhead", action="store_true",
+                    help="skip step 1 (the ste/jacquant step-time benchmark)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     out = Path(args.out)
@@ -107,8 +112,9 @@ def main() -> None:
     bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else "200",
              "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
              "--batch-size", "2" if args.smoke else "16", "--device", device, "--json", str(bench_json)]
-    r = subprocess.run(lowbit(*bench), env=env, capture_output=True, text=True)
-    print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
+    if not args.skip_overhead:
+        r = subprocess.run(lowbit(*bench), env=env, capture_output=True, text=True)
+        print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
 
     # 2. pretrain, the schedule fitted to the time from a probe of 30 steps
     runs = out / "runs"
