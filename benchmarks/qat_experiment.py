@@ -65,6 +65,21 @@ def parse_setting(text: str) -> tuple[str, str, int, list[str], str]:
     return weights, estimator, seed, extra, name
 
 
+def quantizer_options(extra: list[str]) -> list[str]:
+    """The options that change the forward quantizer (scale init, learned scales), which a
+    jacquant run and the STE run it is compared with must share; B's options do not."""
+    out, i = [], 0
+    while i < len(extra):
+        if extra[i] == "--scale-init":
+            out += extra[i:i + 2]
+            i += 2
+            continue
+        if extra[i] == "--learn-scales":
+            out.append(extra[i])
+        i += 1
+    return out
+
+
 def last_eval(run: Path, at_most: int | None = None) -> dict | None:
     path = run / "metrics.jsonl"
     if not path.is_file():
@@ -207,8 +222,10 @@ def main() -> None:
         r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
     for r in rows:
         if r["estimator"] == "jacquant" and r["gap_control"] is not None:
+            # the STE run with the same forward quantizer: same format, seed and scale options
             ste = next((x for x in rows if x["estimator"] == "ste" and x["weights"] == r["weights"]
-                        and x["seed"] == r["seed"] and x["gap_control"] is not None), None)
+                        and x["seed"] == r["seed"] and x["gap_control"] is not None
+                        and quantizer_options(x["options"]) == quantizer_options(r["options"])), None)
             if ste and ste["gap_control"] > 0:
                 ratios.append({"jacquant": r["setting"], "ste": ste["setting"],
                                "gap_ratio": r["gap_control"] / ste["gap_control"]})

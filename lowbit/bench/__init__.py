@@ -311,10 +311,11 @@ def run_rollout(args) -> None:
                              f"(got {value})")
     if not gpu:
         print("on the CPU this checks the benchmark itself; its speeds mean nothing", flush=True)
+    meta = run_meta("cuda" if gpu else "cpu")
     result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
-                           prompt_len, new_tokens, args.repeats, not args.no_generate, device)
+                           prompt_len, new_tokens, args.repeats, not args.no_generate, device,
+                           save=lambda partial: write_json(args.json, {"meta": meta, **partial}))
     print(format_rollout_rows(result))
-    write_json(args.json, {"meta": run_meta("cuda" if gpu else "cpu"), **result})
 
 
 def _positive_ints(text: str, flag: str) -> list[int]:

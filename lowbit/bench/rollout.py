@@ -105,9 +105,11 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
 
 def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
-                  generate_baseline: bool = True, device: str = "cpu", say=print) -> dict:
+                  generate_baseline: bool = True, device: str = "cpu", say=print,
+                  save=None) -> dict:
     """Engine rows for every mode and batch size, then transformers' generate rows; returns
-    {"rows", "bandwidth_bytes_per_s", "weight_bytes", "limit_steps_per_s"}."""
+    {"rows", "bandwidth_bytes_per_s", "weight_bytes", "limit_steps_per_s", ...}. `save(result)`,
+    if given, is called after every row, so a run stopped early keeps what it measured."""
     from lowbit.models.hf import config_from_hf
 
     dev = torch.device(device)
@@ -122,8 +124,17 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
     prompts = {b: torch.randint(0, config.vocab_size, (b, prompt_len), generator=generator)
                for b in batch_sizes}
     state = hf.state_dict()
-    rows, limit, weight_bytes = [], None, None
-    bandwidth = copy_bandwidth(dev)
+    rows = []
+    result = {"rows": rows, "bandwidth_bytes_per_s": copy_bandwidth(dev), "weight_bytes": None,
+              "limit_steps_per_s": None, "model": model, "prompt_len": prompt_len,
+              "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes)}
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        say(_line(row))
+        if save is not None:
+            save(result)
+
     full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
     for mode in modes:
@@ -133,8 +144,11 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
         engine.load_state_dict(state)
         if mode == "bf16":
             # a decode step reads every linear weight and the output head once
-            weight_bytes = engine.weight_bytes() + engine.lm_head.numel() * engine.lm_head.element_size()
-            limit = bandwidth / weight_bytes if bandwidth else None
+            result["weight_bytes"] = (engine.weight_bytes()
+                                      + engine.lm_head.numel() * engine.lm_head.element_size())
+            if result["bandwidth_bytes_per_s"]:
+                result["limit_steps_per_s"] = result["bandwidth_bytes_per_s"] / result["weight_bytes"]
+        limit = result["limit_steps_per_s"]
         for b in batch_sizes:
             ids = prompts[b].tolist()
             engine.generate(ids, full)                      # captures the decode graph
@@ -143,8 +157,7 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
             row = _row("lowbit engine", mode, b, new_tokens, t_full, t_one)
             if limit and mode == "bf16":
                 row["of_limit"] = row["decode_steps_per_s"] / limit
-            rows.append(row)
-            say(_line(row))
+            add(row)
         if engine.graph_note:
             say(f"   {mode}: {engine.graph_note}")
         del engine
@@ -165,12 +178,8 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
                 gen(2)   # warm-up
                 t_full = _median_s(lambda: gen(new_tokens), dev, 1 if dev.type == "cuda" else repeats)
                 t_one = _median_s(lambda: gen(1), dev, repeats)
-                row = _row("transformers generate", f"bf16, {cache} cache", b, new_tokens, t_full, t_one)
-                rows.append(row)
-                say(_line(row))
-    return {"rows": rows, "bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
-            "limit_steps_per_s": limit, "model": model, "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes)}
+                add(_row("transformers generate", f"bf16, {cache} cache", b, new_tokens, t_full, t_one))
+    return result
 
 
 def _line(row: dict) -> str:
