@@ -29,7 +29,7 @@ ALLOWED = {
     "rl": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
            "diagnostics", "train", "qat", "export"},
     "bench": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
-              "diagnostics", "train", "export", "qat"},
+              "diagnostics", "train", "export", "qat", "rl"},
     "cli": {"formats", "kernels", "dispatch", "ops", "recipes", "nn", "models", "data",
             "diagnostics", "train", "qat", "rl", "bench", "export"},
     "__main__": {"cli"},   # `python -m lowbit`

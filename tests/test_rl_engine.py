@@ -74,7 +74,7 @@ def test_kv_cache_decode_equals_full_recompute(precision):
         torch.testing.assert_close(scored[b][len(prompt) - 1:], rollout.logprobs[b], atol=2e-5, rtol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on one)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_cuda_graph_decode_equals_eager_decode(precision):
     cfg, model = _model(False)
