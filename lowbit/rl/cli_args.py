@@ -24,6 +24,7 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
     "--warmstart-steps": ("warmstart_steps", int, "supervised steps before RL, cached (default: 150; "
                                                   "none for a Hugging Face --model PATH)"),
     "--warmstart-seed": ("warmstart_seed", int, "seed of the warm start (default: --seed)"),
+    "--warmstart-lr": ("warmstart_lr", float, "peak learning rate of the warm start (default: %(default)s)"),
     "--task": ("task", str, "add, mul, countdown or gsm8k (default: %(default)s)"),
     "--task-size": ("task_size", int, "digits (add, mul) or numbers (countdown) (default: %(default)s)"),
     "--data-dir": ("data_dir", str, "folder holding gsm8k/"),
