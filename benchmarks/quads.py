@@ -114,7 +114,7 @@ def main() -> int:
             rc = "timeout"
         log.close()
         if rc != 0:
-            failed.append(f"{config.setting}: {rc}")
+            failed.append(f"{config.name}: {rc}")
     folders = [out / c.name for c in configs if (out / c.name / "metrics.jsonl").is_file()]
     policy = f"{args.model}{f' MoE {args.n_experts}x top-2' if args.n_experts else ''}"
     write_summary(folders, out, title=f"{policy} on {task.name}: rollout precision vs log-prob gap")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics
 from lowbit.train.plot import pyplot, save_figure
 
@@ -22,9 +23,6 @@ _PANELS = (("train", "reward", "reward"),
 
 def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: str | None = None) -> Path:
     plt = pyplot()
-
-    from lowbit.rl.config import RLConfig
-
     runs = []   # (folder, setting, seed)
     for run_dir in map(Path, run_dirs):
         config_file = run_dir / "config.json"
