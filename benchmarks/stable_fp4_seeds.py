@@ -4,8 +4,11 @@ parallel processes on one GPU, with per-layer diagnostics on one seed.
 
     PYTHONPATH=. python benchmarks/stable_fp4_seeds.py --out /tmp/seeds      # one H200, < 9 min
     PYTHONPATH=. python benchmarks/stable_fp4_seeds.py --out /tmp/s --smoke  # CPU, tiny, ~1 min
+    PYTHONPATH=. python benchmarks/stable_fp4_seeds.py --out /tmp/p --setup pycode-100m \
+        --recipes bf16,nvfp4,stable-fp4,stable-nvfp4-16x16 --batch-size 8 --steps 800 --diag-seed -1
 
-Each run is `lowbit train --model small --corpus english --tokenizer bpe --seq-len 512
+--setup picks the model, corpus and schedule (SETUPS below: english-small, pycode-100m,
+pycode-1b); --steps and --batch-size override the setup's. With english-small each run is `lowbit train --model small --corpus english --tokenizer bpe --seq-len 512
 --batch-size 32 --steps 450 --warmup-steps 30 --eval-every 50 --eval-batches 16` with one
 recipe and one seed (the seed fixes the init and the data order, so the runs of one seed are
 paired), run by lowbit.train.compare (`lowbit train --compare R1,... --seeds ...
@@ -36,9 +39,22 @@ from pathlib import Path
 
 RECIPES = ("bf16,nvfp4,mxfp4,stable-fp4,stable-fp4-b16,stable-fp4-dy1d,stable-nvfp4-16x16,"
            "stable-nvfp4-dy1d,stable-fp4-dy16,stable-fp4-dy8")
-SETUP = dict(model="small", corpus="english", tokenizer="bpe", seq_len=512, batch_size=32,
-             max_steps=450, warmup_steps=30, eval_every=50, eval_batches=16, diag_every=50,
-             checkpoint_every=0, device="cuda")
+SETUPS = {
+    # Experiment 2 of docs/results/stable-fp4.md: 10.2M parameters, evaluated on WikiText-2
+    "english-small": dict(model="small", corpus="english", tokenizer="bpe", seq_len=512,
+                          batch_size=32, max_steps=450, warmup_steps=30, eval_every=50,
+                          eval_batches=16, diag_every=50, checkpoint_every=0, device="cuda"),
+    # Experiment 1's: 97.5M parameters on pycode (Python sources), 16k tokens a step
+    "pycode-100m": dict(model="100m", corpus="pycode", tokenizer="bpe", bpe_vocab_size=8192,
+                        corpus_max_bytes=100_000_000, seq_len=1024, batch_size=16, lr=1e-3,
+                        max_steps=700, warmup_steps=50, eval_every=50, eval_batches=16,
+                        diag_every=100, checkpoint_every=0, device="cuda"),
+    # the 1B preset (20 layers, width 2048) at sequence 2048: a short run, 64k tokens a step
+    "pycode-1b": dict(model="1b", corpus="pycode", tokenizer="bpe", bpe_vocab_size=8192,
+                      corpus_max_bytes=100_000_000, seq_len=2048, batch_size=32, lr=5e-4,
+                      max_steps=400, warmup_steps=40, eval_every=25, eval_batches=8,
+                      diag_every=100, checkpoint_every=0, device="cuda"),
+}
 SMOKE = dict(model="tiny", corpus="tinyshakespeare", tokenizer="bytes", seq_len=32,
              batch_size=2, max_steps=2, warmup_steps=1, eval_every=2, eval_batches=1,
              diag_every=2, checkpoint_every=0, device="cpu")
@@ -62,15 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="folder for every result")
     p.add_argument("--recipes", default=RECIPES,
                    help="comma-separated, the first is the baseline (default: %(default)s)")
+    p.add_argument("--setup", default="english-small", choices=sorted(SETUPS),
+                   help="model, corpus and schedule (default: %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated (default: %(default)s)")
     p.add_argument("--diag-seed", type=int, default=0,
-                   help="the seed whose runs log per-layer diagnostics (default: %(default)s)")
+                   help="the seed whose runs log per-layer diagnostics, -1 for none (default: "
+                        "%(default)s)")
     p.add_argument("--parallel-runs", type=int, default=None, metavar="N",
                    help="runs at once (default: all of them; --smoke: 1)")
     p.add_argument("--deadline-min", type=float, default=8.5,
                    help="stop runs still going after this many minutes (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps a run (default: 450; --smoke: 2)")
+                   help="optimizer steps a run (default: the setup's; --smoke: 2)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences a step (default: the setup's); fewer fit more runs at once")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="folder of the corpora (default: lowbit.data's, e.g. $LOWBIT_DATA)")
     p.add_argument("--cuda-graph", action="store_true",
@@ -88,11 +109,14 @@ def run_configs(args) -> list:
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
-    if args.diag_seed not in seeds:
-        raise ValueError(f"--diag-seed {args.diag_seed} is not one of --seeds {args.seeds}")
-    setup = dict(SMOKE if args.smoke else SETUP)
+    if args.diag_seed != -1 and args.diag_seed not in seeds:
+        raise ValueError(f"--diag-seed {args.diag_seed} is not one of --seeds {args.seeds} "
+                         "(-1: no diagnostics)")
+    setup = dict(SMOKE if args.smoke else SETUPS[args.setup])
     if args.steps is not None:
         setup["max_steps"] = args.steps
+    if args.batch_size is not None:
+        setup["batch_size"] = args.batch_size
     setup["cuda_graph"] = args.cuda_graph
     configs = []
     for seed in seeds:
@@ -260,7 +284,8 @@ def summary_markdown(c, configs, args, meta, tables, wall_s: float, parallel: in
             lines += _table(["recipe", *LAYER_KINDS],
                             [[r, *(_fmt(tables["by_kind"][r][stat][k]) for k in LAYER_KINDS)]
                              for r in ops])
-        blocks = list(dict.fromkeys(b for r in ops for b in tables["by_block"][r]))
+        blocks = sorted({b for r in ops for b in tables["by_block"][r]},
+                        key=lambda b: int(b) if b.isdigit() else 10**9)
         lines += ["", f"dW cosine per transformer block (mean over its layers and the steps):", ""]
         lines += _table(["recipe", *(f"block {b}" for b in blocks)],
                         [[r, *(_fmt(tables["by_block"][r].get(b)) for b in blocks)] for r in ops])
