@@ -178,7 +178,7 @@ def test_weight_sync_copies_and_changes_outputs():
     engine = _engine(cfg, model, precision="nvfp4")
     before = engine.score([[1, 2, 3, 4, 5, 6]])[0]
     ptrs = {p.data_ptr() for p in model.parameters()}
-    held = [engine.embed, engine.lm_head, engine.layers[0].q_proj.values,
+    held = [engine.embed, engine.lm_head, engine.linear_values(0, "q_proj"),
             engine.layers[0].experts_down[1].values, engine.layers[0].router]
     assert not ptrs & {t.data_ptr() for t in held}
     with torch.no_grad():                                 # the trainer's step, after the sync
@@ -200,7 +200,7 @@ def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
     recipe = layer.self_attn.q_proj.linear_recipe
     # what the trainer's forward GEMM multiplies (weights in the compute dtype, as autocast casts)
     trainer_q = operand(layer.self_attn.q_proj.weight.to(dtype), recipe.fprop_w, reduce_dim=1)
-    assert torch.equal(trainer_q, engine.layers[1].q_proj.values)
+    assert torch.equal(trainer_q, engine.linear_values(1, "q_proj"))
     expert = layer.mlp.experts
     trainer_e = operand(expert.down_proj[2].to(dtype), expert.linear_recipe.fprop_w, reduce_dim=1)
     assert torch.equal(trainer_e, engine.layers[1].experts_down[2].values)
