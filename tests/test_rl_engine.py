@@ -172,6 +172,12 @@ def test_sampling_is_seeded_and_truncates():
     first = (a.completions[0] == stop).nonzero()[0].item()
     assert s.lengths[0] == first + 1 and s.stopped[0]
     assert torch.equal(s.completions[0, :first + 1], a.completions[0, :first + 1])
+    # every row ends at once: the completions are that long, though a dense engine reads the
+    # end one step late (the step after is sampled, then trimmed)
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=5,
+                                                   stop_token_ids=tuple(range(cfg.vocab_size))))
+    assert done.completions.shape == (4, 1) and done.stopped.all() and (done.lengths == 1).all()
+    assert torch.equal(done.completions[:, 0], a.completions[:, 0])
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=100))
 

@@ -389,13 +389,35 @@ class RolloutEngine:
         alive = torch.ones(B, dtype=torch.bool, device=self.device)
         out_tokens, out_logprobs, out_alive = [], [], []
         graph = self._graphs.get(B) if self.cuda_graph else None
+        # A dense model reads "is any row alive?" one step late, so the host queues the next
+        # step before it waits on the last: the GPU never idles on a round trip. The one extra
+        # step after every row ended samples only masked tokens, trimmed below. (MoE decode
+        # reads expert counts back every step anyway, and records the routing of every fed
+        # token, so it checks at once.)
+        late = not self.config.is_moe
+        any_alive = None                             # (host flag, its copy's CUDA event or None)
         for step in range(params.max_new_tokens):
             token, logprob = sample_next(logits, params, generator)
             token = torch.where(alive, token, torch.zeros_like(token))
             out_tokens.append(token), out_logprobs.append(logprob), out_alive.append(alive)
             alive = alive & ~torch.isin(token, stop)
-            if step + 1 == params.max_new_tokens or not bool(alive.any()):
+            if step + 1 == params.max_new_tokens:
                 break
+            if not late:
+                if not bool(alive.any()):
+                    break
+            else:
+                if any_alive is not None:
+                    if any_alive[1] is not None:
+                        any_alive[1].synchronize()
+                    if not bool(any_alive[0]):
+                        break
+                flag = alive.any().to("cpu", non_blocking=True)
+                event = None
+                if self.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                any_alive = (flag, event)
             col = Tp + step
             if graph is not None:
                 logits = graph.replay(token, col - pad, col)
@@ -407,6 +429,9 @@ class RolloutEngine:
                 else:
                     logits = self._forward(token[:, None], (col - pad)[:, None], col_t, col + 1)
         mask = torch.stack(out_alive, dim=1)
+        if late:   # the columns sampled after every row had ended
+            n = int(mask.any(0).nonzero().max()) + 1
+            out_tokens, out_logprobs, mask = out_tokens[:n], out_logprobs[:n], mask[:, :n]
         completions = torch.stack(out_tokens, dim=1) * mask
         logprobs = torch.stack(out_logprobs, dim=1) * mask
         routed = None
