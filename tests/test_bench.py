@@ -462,3 +462,17 @@ def test_bench_rollout_times_every_mode_beside_generate(tmp_path, capsys):
         assert r["generate_s"] > 0 and r["decode_steps_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 3 / r["generate_s"])
     assert report["limit_steps_per_s"] is None and report["meta"]["device"] == "cpu"
+    # the work of one decode step, counted per mode (on the CPU: aten operators)
+    assert report["decode_step_ops_unit"] == "aten operators"
+    assert set(report["decode_step_ops"]) == {"bf16", "nvfp4+rac0.25"}
+    assert 0 < report["decode_step_ops"]["bf16"] < report["decode_step_ops"]["nvfp4+rac0.25"]
+
+
+def test_bench_rollout_compile_adds_compiled_rows(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--modes", "bf16", "--batch-sizes", "1", "--new-tokens", "2",
+                 "--prompt-len", "2", "--repeats", "1", "--device", "cpu", "--no-generate",
+                 "--compile", "--json", str(out)]) == 0
+    assert "| lowbit engine | bf16 compiled |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["bf16", "bf16 compiled"]

@@ -11,8 +11,8 @@ from lowbit import dispatch
 from lowbit.models import ModelConfig, build_model
 from lowbit.ops import operand
 from lowbit.rl.engine import RolloutEngine
-from lowbit.rl.precision import (Precision, quantize_activation, rac_channels, rac_linear,
-                                 weight_spec)
+from lowbit.rl.precision import (EngineLinear, Precision, quantize_activation, rac_channels,
+                                 rac_linear, weight_spec)
 from lowbit.rl.sampling import SamplingParams
 from lowbit.rl.trainer_side import apply_asymmetric_qat
 
@@ -75,16 +75,19 @@ def test_kv_cache_decode_equals_full_recompute(precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-def test_cuda_graph_decode_equals_eager_decode(precision):
+@pytest.mark.parametrize("precision,compile_decode", [("bf16", False), ("nvfp4", False),
+                                                    ("bf16", True)])
+def test_cuda_graph_decode_equals_eager_decode(precision, compile_decode):
     cfg, model = _model(False)
-    graphed = RolloutEngine(cfg, precision=precision, device="cuda", max_batch_size=8)
+    graphed = RolloutEngine(cfg, precision=precision, device="cuda", max_batch_size=8,
+                            compile_decode=compile_decode)
     eager = RolloutEngine(cfg, precision=precision, device="cuda", max_batch_size=8, cuda_graph=False)
     for engine in (graphed, eager):
         engine.load_state_dict(model.state_dict())
     params = SamplingParams(max_new_tokens=12, seed=3)
     a, b = graphed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
     assert graphed.cuda_graph and graphed.graph_note is None and 4 in graphed._graphs
+    assert graphed.compile_decode == compile_decode
     assert torch.equal(a.completions, b.completions)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-2, rtol=0)   # bf16 kernels may differ
     # a second call replays the same graph from a refilled cache
@@ -169,6 +172,12 @@ def test_sampling_is_seeded_and_truncates():
     first = (a.completions[0] == stop).nonzero()[0].item()
     assert s.lengths[0] == first + 1 and s.stopped[0]
     assert torch.equal(s.completions[0, :first + 1], a.completions[0, :first + 1])
+    # every row ends at once: the completions are that long, though a dense engine reads the
+    # end one step late (the step after is sampled, then trimmed)
+    done = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=5,
+                                                   stop_token_ids=tuple(range(cfg.vocab_size))))
+    assert done.completions.shape == (4, 1) and done.stopped.all() and (done.lengths == 1).all()
+    assert torch.equal(done.completions[:, 0], a.completions[:, 0])
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=100))
 
@@ -178,7 +187,7 @@ def test_weight_sync_copies_and_changes_outputs():
     engine = _engine(cfg, model, precision="nvfp4")
     before = engine.score([[1, 2, 3, 4, 5, 6]])[0]
     ptrs = {p.data_ptr() for p in model.parameters()}
-    held = [engine.embed, engine.lm_head, engine.layers[0].q_proj.values,
+    held = [engine.embed, engine.lm_head, engine.linear_values(0, "q_proj"),
             engine.layers[0].experts_down[1].values, engine.layers[0].router]
     assert not ptrs & {t.data_ptr() for t in held}
     with torch.no_grad():                                 # the trainer's step, after the sync
@@ -200,9 +209,63 @@ def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
     recipe = layer.self_attn.q_proj.linear_recipe
     # what the trainer's forward GEMM multiplies (weights in the compute dtype, as autocast casts)
     trainer_q = operand(layer.self_attn.q_proj.weight.to(dtype), recipe.fprop_w, reduce_dim=1)
-    assert torch.equal(trainer_q, engine.layers[1].q_proj.values)
+    assert torch.equal(trainer_q, engine.linear_values(1, "q_proj"))
     expert = layer.mlp.experts
     trainer_e = operand(expert.down_proj[2].to(dtype), expert.linear_recipe.fprop_w, reduce_dim=1)
     assert torch.equal(trainer_e, engine.layers[1].experts_down[2].values)
     assert recipe.fprop_x is None and recipe.dgrad_dy is None      # activations stay high precision
     assert not hasattr(model.lm_head, "linear_recipe")            # the head is kept, as in the engine
+
+
+def test_bf16_engine_decode_matches_the_trainer_in_bf16():
+    # the engine's fused GEMMs, F.rms_norm, rolled rotary and grouped-query decode attention
+    # round as the trainer's bf16 forward does, up to accumulation order
+    cfg, model = _model(False)
+    model = model.to(torch.bfloat16)
+    engine = _engine(cfg, model, dtype=torch.bfloat16)
+    rollout = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))
+    for b, (prompt, completion) in enumerate(zip(PROMPTS, rollout.completion_lists())):
+        seq = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(seq).logits[0].float()[len(prompt) - 1:-1]
+        assert torch.equal(logits.argmax(-1), torch.tensor(completion))      # greedy is the argmax
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(rollout.logprobs[b], expected, atol=3e-2, rtol=0)
+
+
+def test_fused_projections_are_the_separate_ones():
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(n, 48, generator=g) * s for n, s in ((32, 1.0), (16, 30.0), (16, 1e-3))]
+    x = torch.randn(5, 48, generator=g)
+    for precision, rac in (("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.5)):
+        args = (Precision(precision), rac, torch.device("cpu"), torch.float32)
+        fused = EngineLinear.fused(weights, *args)
+        parts = [EngineLinear(w, *args) for w in weights]
+        for i, part in enumerate(parts):   # each part quantized on its own (its own tensor scale)
+            assert torch.equal(fused.part(i), part.values)
+        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), atol=1e-5, rtol=1e-5)
+        assert fused.nbytes == sum(p.nbytes for p in parts)
+
+
+def test_compiled_decode_equals_eager_and_survives_weight_sync():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=24,
+                      qk_norm=True)
+    model = build_model(cfg).eval()
+    compiled, eager = _engine(cfg, model, compile_decode=True), _engine(cfg, model)
+    params = SamplingParams(max_new_tokens=6, seed=3)
+    frames = counters["frames"]["total"]
+    for sync in range(2):
+        a, b = compiled.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+        assert torch.equal(a.completions, b.completions)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=2e-5, rtol=0)
+        with torch.no_grad():                               # a trainer step, then the sync
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        compiled.load_state_dict(model.state_dict())
+        eager.load_state_dict(model.state_dict())
+    assert counters["frames"]["total"] == frames + 1        # compiled once, for batch 4
+    with pytest.raises(ValueError, match="compile_decode needs a dense model"):
+        RolloutEngine(_model(True)[0], compile_decode=True)

@@ -120,7 +120,7 @@ def test_quads_rollouts_through_trl(tmp_path):
     assert record["sampling/importance_sampling_ratio/max"] <= 3.0
     rollout.sync_weights(trainer)
     for i, name, weight in _linear_weights(model):   # the engine runs the trainer's QAT weights
-        stored = getattr(engine.layers[i], name).values
+        stored = engine.linear_values(i, name)
         assert torch.equal(stored, quantize_dequantize(weight.detach(), NVFP4)), (i, name)
 
 

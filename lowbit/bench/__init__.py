@@ -137,6 +137,8 @@ def add_arguments(parser) -> None:
     o.add_argument("--new-tokens", type=int, default=None, help="(default: 128 on CUDA, 8 on the CPU)")
     o.add_argument("--repeats", type=int, default=3, help="timed calls per row, median (default: 3)")
     o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
+    o.add_argument("--compile", action="store_true",
+                   help="also time every mode with its decode step compiled (torch.compile)")
     o.add_argument("--device", default="auto")
     o.add_argument("--json", metavar="PATH", help="also write {meta, rows, limit} as JSON")
     o.set_defaults(bench_func=run_rollout)
@@ -314,7 +316,8 @@ def run_rollout(args) -> None:
     meta = run_meta("cuda" if gpu else "cpu")
     result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
                            prompt_len, new_tokens, args.repeats, not args.no_generate, device,
-                           save=lambda partial: write_json(args.json, {"meta": meta, **partial}))
+                           save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
+                           compile_decode=args.compile)
     print(format_rollout_rows(result))
 
 

@@ -17,19 +17,30 @@ For each batch size, prompts of --prompt-len random tokens get --new-tokens samp
 Rows: the engine in every precision mode (bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 + RAC; on
 Hopper the FP4 modes emulate their numerics on BF16 GEMMs, so their speed is not FP4's), and
 transformers' `generate` with its dynamic and its static cache. Medians of --repeats calls.
+With --compile every engine mode gets a second row, its decode step compiled by torch.compile
+(`RolloutEngine(compile_decode=True)`), mode labelled `<mode> compiled`.
+
+Beside each engine mode: the work one decode step launches (sampling included), counted by
+torch.profiler on an uncaptured step at batch 1 (the same kernels its CUDA graph replays): on
+CUDA the GPU kernels, memcpys and memsets; on the CPU the aten operators that do work (views
+and no-op casts left out; a compiled step's fused kernels are no aten operators, so on the
+CPU its count is left out).
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 
-__all__ = ["MODES", "HF_SHAPES", "bench_rollout", "format_rollout_rows", "parse_modes"]
+__all__ = ["MODES", "HF_SHAPES", "bench_rollout", "decode_step_ops", "format_rollout_rows",
+           "parse_modes"]
 
 # mode label -> (precision, rac_ratio)
 MODES = {"bf16": ("bf16", 0.0), "fp8": ("fp8", 0.0), "nvfp4-w4a16": ("nvfp4-w4a16", 0.0),
@@ -96,6 +107,53 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     return 2 * nbytes / seconds
 
 
+# aten operators that launch no work: views, allocations, casts that return their input
+_NO_WORK = frozenset("aten::" + n for n in (
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "t", "transpose", "permute",
+    "expand", "expand_as", "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes",
+    "chunk", "narrow", "unbind", "unflatten", "flatten", "alias", "detach", "lift_fresh",
+    "resolve_conj", "resolve_neg", "empty", "empty_strided", "empty_like", "result_type",
+    "scalar_tensor", "to", "_to_copy", "contiguous", "resize_", "item", "_local_scalar_dense",
+    "is_nonzero"))
+
+
+def _works(event) -> bool:
+    return event.name not in _NO_WORK or any(_works(c) for c in event.cpu_children)
+
+
+def _profiled_ops(fn, device: torch.device) -> collections.Counter:
+    """What fn launches: GPU activities on CUDA, top-level working aten operators elsewhere."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    counts = collections.Counter()
+    for e in prof.events():
+        if cuda:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                counts[e.name] += 1
+        elif e.cpu_parent is None and e.name.startswith("aten::") and _works(e):
+            counts[e.name] += 1
+    return counts
+
+
+def decode_step_ops(engine: RolloutEngine, prompt: list[int]) -> int:
+    """The GPU kernels (CUDA) or working aten operators (CPU) of one decode step and its
+    sampling at batch 1: a 2-token generate's minus a 1-token one's (prefill and the first
+    sample), profiled without the CUDA graph (whose replay launches the same kernels)."""
+    graphed, engine.cuda_graph = engine.cuda_graph, False
+    try:
+        engine.generate([prompt], SamplingParams(max_new_tokens=2))          # warm-up
+        two = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=2)),
+                            engine.device)
+        one = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=1)),
+                            engine.device)
+    finally:
+        engine.cuda_graph = graphed
+    return sum(two.values()) - sum(one.values())
+
+
 def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one: float) -> dict:
     decode = max(t_full - t_one, 1e-9)
     return {"impl": kind, "mode": mode, "batch": batch,
@@ -106,10 +164,11 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
 def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
                   generate_baseline: bool = True, device: str = "cpu", say=print,
-                  save=None) -> dict:
-    """Engine rows for every mode and batch size, then transformers' generate rows; returns
-    {"rows", "bandwidth_bytes_per_s", "weight_bytes", "limit_steps_per_s", ...}. `save(result)`,
-    if given, is called after every row, so a run stopped early keeps what it measured."""
+                  save=None, compile_decode: bool = False) -> dict:
+    """Engine rows for every mode and batch size (with compile_decode, a compiled row too),
+    then transformers' generate rows; returns {"rows", "bandwidth_bytes_per_s", "weight_bytes",
+    "limit_steps_per_s", "decode_step_ops", ...}. `save(result)`, if given, is called after
+    every row, so a run stopped early keeps what it measured."""
     from lowbit.models.hf import config_from_hf
 
     dev = torch.device(device)
@@ -127,7 +186,9 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
     rows = []
     result = {"rows": rows, "bandwidth_bytes_per_s": copy_bandwidth(dev), "weight_bytes": None,
               "limit_steps_per_s": None, "model": model, "prompt_len": prompt_len,
-              "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes)}
+              "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes),
+              "decode_step_ops": {}, "decode_step_ops_unit": ("GPU kernels" if dev.type == "cuda"
+                                                               else "aten operators")}
 
     def add(row: dict) -> None:
         rows.append(row)
@@ -137,12 +198,15 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
 
     full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
-    for mode in modes:
+    runs = [(mode, compiled) for mode in modes for compiled in ((False, True) if compile_decode
+                                                                  else (False,))]
+    for mode, compiled in runs:
         precision, rac = MODES[mode]
+        label = f"{mode} compiled" if compiled else mode
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
-                               max_seq_len=seq_len)
+                               max_seq_len=seq_len, compile_decode=compiled)
         engine.load_state_dict(state)
-        if mode == "bf16":
+        if mode == "bf16" and result["weight_bytes"] is None:
             # a decode step reads every linear weight and the output head once
             result["weight_bytes"] = (engine.weight_bytes()
                                       + engine.lm_head.numel() * engine.lm_head.element_size())
@@ -154,12 +218,18 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
             engine.generate(ids, full)                      # captures the decode graph
             t_full = _median_s(lambda: engine.generate(ids, full), dev, repeats)
             t_one = _median_s(lambda: engine.generate(ids, one), dev, repeats)
-            row = _row("lowbit engine", mode, b, new_tokens, t_full, t_one)
+            row = _row("lowbit engine", label, b, new_tokens, t_full, t_one)
             if limit and mode == "bf16":
                 row["of_limit"] = row["decode_steps_per_s"] / limit
             add(row)
         if engine.graph_note:
-            say(f"   {mode}: {engine.graph_note}")
+            say(f"   {label}: {engine.graph_note}")
+        if not (compiled and dev.type != "cuda"):
+            ops = decode_step_ops(engine, prompts[batch_sizes[0]][0].tolist())
+            result["decode_step_ops"][label] = ops
+            say(f"   {label}: {ops} {result['decode_step_ops_unit']} per decode step (sampling included)")
+            if save is not None:
+                save(result)
         del engine
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -209,7 +279,7 @@ def format_rollout_rows(result: dict) -> str:
                    f"{result['limit_steps_per_s']:,.0f} steps/s.")
         for r in result["rows"]:
             if "of_limit" in r:
-                out.append(f"- engine bf16, batch {r['batch']}: {r['of_limit']:.0%} of the limit")
+                out.append(f"- engine {r['mode']}, batch {r['batch']}: {r['of_limit']:.0%} of the limit")
     for b in batches:
         ours = by.get(("lowbit engine", "bf16", b))
         theirs = [by[k] for k in by if k[0] == "transformers generate" and k[2] == b]
@@ -217,4 +287,8 @@ def format_rollout_rows(result: dict) -> str:
             best = max(theirs, key=lambda r: r["tokens_per_s"])
             out.append(f"- batch {b}: engine bf16 {ours['tokens_per_s'] / best['tokens_per_s']:.1f}x "
                        f"the tokens/s of generate ({best['mode']})")
+    if result.get("decode_step_ops"):
+        out.append("")
+        out.append(f"{result['decode_step_ops_unit'].capitalize()} per decode step (sampling included, "
+                   "batch 1): " + ", ".join(f"{k} {v}" for k, v in result["decode_step_ops"].items()))
     return "\n".join(out)

@@ -29,6 +29,7 @@ models, the experts each token was routed to in each layer (for routing replay, 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -76,13 +77,14 @@ class Rollout:
 
 
 class _Layer:
-    """One decoder layer's weights as the engine holds them."""
+    """One decoder layer's weights as the engine holds them: the projections that read the
+    same input fused into one GEMM each (q|k|v, gate|up; see EngineLinear.fused)."""
 
     def __init__(self) -> None:
         self.input_layernorm = self.post_attention_layernorm = None
-        self.q_norm = self.k_norm = None
-        self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
-        self.gate_proj = self.up_proj = self.down_proj = None          # dense
+        self.qk_norm = None                                             # (H + KV, D): q_norm, k_norm
+        self.qkv_proj = self.o_proj = None
+        self.gate_up_proj = self.down_proj = None                       # dense
         self.router = None                                              # MoE: (E, C)
         self.experts_gate_up: list[EngineLinear] = []                  # MoE: per expert
         self.experts_down: list[EngineLinear] = []
@@ -92,12 +94,15 @@ class RolloutEngine:
     def __init__(self, config: ModelConfig, precision: str | Precision = "bf16",
                  rac_ratio: float = 0.0, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, max_batch_size: int = 64,
-                 max_seq_len: int | None = None, cuda_graph: bool | None = None) -> None:
+                 max_seq_len: int | None = None, cuda_graph: bool | None = None,
+                 compile_decode: bool = False) -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); precision: bf16, fp8,
         nvfp4-w4a16 or nvfp4; rac_ratio: the fraction of input channels RAC compensates (nvfp4
         only); dtype: compute dtype (default bf16 on CUDA, float32 elsewhere); max_batch_size
         and max_seq_len (default config.max_seq_len): the KV cache's size, allocated here;
-        cuda_graph: replay decode steps from CUDA graphs (default: on CUDA, dense models)."""
+        cuda_graph: replay decode steps from CUDA graphs (default: on CUDA, dense models);
+        compile_decode: compile the decode step with torch.compile (inductor, compiled once per
+        batch size; on CUDA before its graph is captured; dense models only)."""
         self.config = config
         self.precision = parse_precision(precision)
         if not 0.0 <= rac_ratio <= 1.0:
@@ -119,13 +124,19 @@ class RolloutEngine:
         if self.cuda_graph and (self.device.type != "cuda" or config.is_moe):
             raise ValueError("cuda_graph needs a dense model on a CUDA device (MoE expert "
                              "grouping reads counts back to the host)")
-        self.cos, self.sin = _rope_tables(config, self.device)
+        if compile_decode and config.is_moe:
+            raise ValueError("compile_decode needs a dense model (MoE expert grouping reads "
+                             "counts back to the host)")
+        self.compile_decode = compile_decode
+        self._compiled_decode = None
+        self.cos, self.sin_signed = _rope_tables(config, self.device, self.dtype)
         B, L, KV, D = max_batch_size, self.max_seq_len, config.n_kv_heads, config.head_dim
         # The preallocated cache, one (B, KV, L, D) key and value tensor per layer.
         self.k_cache = [torch.zeros(B, KV, L, D, device=self.device, dtype=self.dtype)
                         for _ in range(config.n_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
-        self.key_valid = torch.zeros(B, L, dtype=torch.bool, device=self.device)
+        # padded to 16 columns (see _attention_bias); columns past max_seq_len stay False
+        self.key_valid = torch.zeros(B, -(-L // 16) * 16, dtype=torch.bool, device=self.device)
         self.routed = (torch.full((config.n_layers, B, L, config.experts_per_token), -1,
                                   dtype=torch.int64, device=self.device) if config.is_moe else None)
         self.layers: list[_Layer] = []
@@ -133,7 +144,8 @@ class RolloutEngine:
         self._graphs: dict[int, _DecodeGraph] = {}
         self.loaded = False
         self.graph_note: str | None = None
-        """Why CUDA-graph decode was turned off after a failed capture (None: it was not)."""
+        """Why CUDA-graph decode (and compile_decode) was turned off after a failed capture
+        (None: it was not)."""
 
     # ---- weights --------------------------------------------------------------------------
 
@@ -157,8 +169,9 @@ class RolloutEngine:
         def plain(name: str) -> torch.Tensor:
             return take(name).detach().to(device=self.device, dtype=self.dtype, copy=True)
 
-        def linear(name: str) -> EngineLinear:
-            return EngineLinear(take(name), self.precision, self.rac_ratio, self.device, self.dtype)
+        def linear(*names: str) -> EngineLinear:
+            return EngineLinear.fused([take(n) for n in names], self.precision, self.rac_ratio,
+                                      self.device, self.dtype)
 
         self.embed = plain("model.embed_tokens.weight")
         layers = []
@@ -166,11 +179,11 @@ class RolloutEngine:
             p, layer = f"model.layers.{i}.", _Layer()
             layer.input_layernorm = plain(p + "input_layernorm.weight")
             layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(layer, proj, linear(p + f"self_attn.{proj}.weight"))
-            if cfg.qk_norm:
-                layer.q_norm = plain(p + "self_attn.q_norm.weight")
-                layer.k_norm = plain(p + "self_attn.k_norm.weight")
+            layer.qkv_proj = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
+            layer.o_proj = linear(p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:   # one per-head weight for q's and k's heads side by side
+                layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight").expand(cfg.n_heads, -1),
+                                           plain(p + "self_attn.k_norm.weight").expand(cfg.n_kv_heads, -1)])
             if cfg.is_moe:
                 layer.router = plain(p + "mlp.gate.weight")
                 gate_up, down = take(p + "mlp.experts.gate_up_proj"), take(p + "mlp.experts.down_proj")
@@ -183,8 +196,8 @@ class RolloutEngine:
                                                    self.device, self.dtype)
                                       for e in range(cfg.n_experts)]
             else:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    setattr(layer, proj, linear(p + f"mlp.{proj}.weight"))
+                layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                layer.down_proj = linear(p + "mlp.down_proj.weight")
             layers.append(layer)
         self.layers = layers
         self.norm = plain("model.norm.weight")
@@ -205,10 +218,26 @@ class RolloutEngine:
         """Bytes of the stored linear-layer weights (packed in the quantizing modes)."""
         total = 0
         for layer in self.layers:
-            for lin in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj,
-                        layer.up_proj, layer.down_proj, *layer.experts_gate_up, *layer.experts_down):
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj,
+                        *layer.experts_gate_up, *layer.experts_down):
                 total += lin.nbytes if lin is not None else 0
         return total
+
+    def linear_values(self, layer: int, name: str) -> torch.Tensor:
+        """What the engine multiplies for a dense projection, by its Hugging Face name (q_proj,
+        k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj): (out, in), dequantized in the
+        quantizing modes; a view into the fused GEMM's weight where the engine fuses it."""
+        where = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
+                 "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+        if name not in where:
+            raise ValueError(f"unknown projection {name!r}; use one of {', '.join(where)}")
+        fused, part = where[name]
+        lin = getattr(self.layers[layer], fused)
+        if lin is None:
+            raise ValueError(f"layer {layer} has no dense {name} (an MoE layer's experts are "
+                             "in experts_gate_up / experts_down)")
+        return lin.part(part)
 
     # ---- the decoder ----------------------------------------------------------------------
 
@@ -219,38 +248,75 @@ class RolloutEngine:
         cfg = self.config
         B, T = tokens.shape
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos = self.cos[positions][:, None]                              # (B, 1, T, D)
-        sin = self.sin[positions][:, None]
-        key_cols = torch.arange(n_keys, device=self.device)
-        # a key is visible when it is a real token at or before the query's column; a padding
-        # query sees itself only (its output is never used, but must stay finite)
-        causal = key_cols[None, :] <= cols[:, None]                     # (T, n_keys)
-        mask = ((self.key_valid[:B, None, :n_keys] | (key_cols[None, :] == cols[:, None])[None])
-                & causal[None])[:, None]                                # (B, 1, T, n_keys)
+        cos = self.cos[positions][:, :, None]                           # (B, T, 1, D)
+        sin = self.sin_signed[positions][:, :, None]
+        bias = self._attention_bias(B, cols, n_keys)                    # (B, 1, T, n_keys)
         x = F.embedding(tokens, self.embed)                             # (B, T, C)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_layernorm, cfg.norm_eps)
-            q = layer.q_proj(h).view(B, T, H, D)
-            k = layer.k_proj(h).view(B, T, KV, D)
-            v = layer.v_proj(h).view(B, T, KV, D)
-            if layer.q_norm is not None:
-                q, k = _rms_norm(q, layer.q_norm, cfg.norm_eps), _rms_norm(k, layer.k_norm, cfg.norm_eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, D)
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-            self.k_cache[i][:B].index_copy_(2, cols, k)
-            self.v_cache[i][:B].index_copy_(2, cols, v)
-            y = F.scaled_dot_product_attention(
-                q, self.k_cache[i][:B, :, :n_keys], self.v_cache[i][:B, :, :n_keys],
-                attn_mask=mask, enable_gqa=KV != H)                     # (B, H, T, D)
-            x = x + layer.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+            qkv = layer.qkv_proj(h).view(B, T, H + 2 * KV, D)
+            qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]              # q's and k's heads, v's
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, cfg.norm_eps)
+            qk = _rotary(qk, cos, sin)                                  # (B, T, H + KV, D)
+            self.k_cache[i][:B].index_copy_(2, cols, qk[:, :, H:].transpose(1, 2))
+            self.v_cache[i][:B].index_copy_(2, cols, v.transpose(1, 2))
+            keys, values = self.k_cache[i][:B, :, :n_keys], self.v_cache[i][:B, :, :n_keys]
+            if T == 1:
+                # one query per head: the H / KV heads that share a KV head become that head's
+                # queries (HF's repeat_kv order: head h reads KV head h // (H / KV)), so the
+                # cache is read as it is, never repeated per head
+                q = qk[:, 0, :H].reshape(B, KV, H // KV, D)
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # (B, KV, H/KV, D)
+            else:
+                y = F.scaled_dot_product_attention(
+                    qk[:, :, :H].transpose(1, 2), keys, values, attn_mask=bias,
+                    enable_gqa=KV != H).transpose(1, 2)                 # (B, T, H, D)
+            x = x + layer.o_proj(y.reshape(B, T, H * D))
             h = _rms_norm(x, layer.post_attention_layernorm, cfg.norm_eps)
             if cfg.is_moe:
                 h = self._moe(i, layer, h, cols)
             else:
-                h = layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+                gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
+                h = layer.down_proj(F.silu(gate) * up)
             x = x + h
         x = _rms_norm(x if all_logits else x[:, -1], self.norm, cfg.norm_eps)
         return F.linear(x, self.lm_head)
+
+    def _attention_bias(self, B: int, cols: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """The additive attention mask (B, 1, T, n_keys) in the compute dtype: 0 where a key is
+        visible, -inf elsewhere. A key is visible when it is a real token at or before the
+        query's column; a padding query sees itself only (its output is never used, but must
+        stay finite). Built once per forward (SDPA would convert a boolean mask in every
+        layer), with rows 16 columns apart so SDPA's memory-efficient kernel need not pad it."""
+        T = cols.shape[0]
+        width = -(-n_keys // 16) * 16
+        if T == 1:
+            # decode: the query's column is already marked valid and no later one is (prefill
+            # cleared them), so the visible keys are the valid ones
+            visible = self.key_valid[:B, None, None, :width]
+        else:
+            key_cols = torch.arange(width, device=self.device)
+            causal = key_cols[None, :] <= cols[:, None]                 # (T, width)
+            visible = ((self.key_valid[:B, None, :width] | (key_cols[None, :] == cols[:, None])[None])
+                       & causal[None])[:, None]
+        bias = torch.full(visible.shape, -math.inf, dtype=self.dtype, device=self.device)
+        return bias.masked_fill_(visible, 0.0)[..., :n_keys]
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """One decode step (tokens, positions (B, 1) at cache column col (1,)) -> logits (B, V),
+        over the whole cache: the fixed shapes a CUDA graph or a compiled step needs."""
+        return self._forward(tokens, positions, col, self.max_seq_len)
+
+    def _decode_step(self):
+        """_decode, compiled with compile_decode. The weights and the cache are read as inputs of
+        the compiled graph (never baked in), so a weight sync does not recompile it."""
+        if not self.compile_decode:
+            return self._decode
+        if self._compiled_decode is None:
+            # inductor without its own CUDA graphs: the engine captures the step itself
+            self._compiled_decode = torch.compile(self._decode, dynamic=False)
+        return self._compiled_decode
 
     def _moe(self, i: int, layer: _Layer, h: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """lowbit.models.moe's routing and expert grouping, on the engine's expert weights;
@@ -323,21 +389,49 @@ class RolloutEngine:
         alive = torch.ones(B, dtype=torch.bool, device=self.device)
         out_tokens, out_logprobs, out_alive = [], [], []
         graph = self._graphs.get(B) if self.cuda_graph else None
+        # A dense model reads "is any row alive?" one step late, so the host queues the next
+        # step before it waits on the last: the GPU never idles on a round trip. The one extra
+        # step after every row ended samples only masked tokens, trimmed below. (MoE decode
+        # reads expert counts back every step anyway, and records the routing of every fed
+        # token, so it checks at once.)
+        late = not self.config.is_moe
+        any_alive = None                             # (host flag, its copy's CUDA event or None)
         for step in range(params.max_new_tokens):
             token, logprob = sample_next(logits, params, generator)
             token = torch.where(alive, token, torch.zeros_like(token))
             out_tokens.append(token), out_logprobs.append(logprob), out_alive.append(alive)
             alive = alive & ~torch.isin(token, stop)
-            if step + 1 == params.max_new_tokens or not bool(alive.any()):
+            if step + 1 == params.max_new_tokens:
                 break
+            if not late:
+                if not bool(alive.any()):
+                    break
+            else:
+                if any_alive is not None:
+                    if any_alive[1] is not None:
+                        any_alive[1].synchronize()
+                    if not bool(any_alive[0]):
+                        break
+                flag = alive.any().to("cpu", non_blocking=True)
+                event = None
+                if self.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                any_alive = (flag, event)
             col = Tp + step
             if graph is not None:
                 logits = graph.replay(token, col - pad, col)
             else:
                 col_t = torch.tensor([col], device=self.device)
                 self.key_valid[:B, col] = True
-                logits = self._forward(token[:, None], (col - pad)[:, None], col_t, col + 1)
+                if self.compile_decode:
+                    logits = self._decode_step()(token[:, None], (col - pad)[:, None], col_t)
+                else:
+                    logits = self._forward(token[:, None], (col - pad)[:, None], col_t, col + 1)
         mask = torch.stack(out_alive, dim=1)
+        if late:   # the columns sampled after every row had ended
+            n = int(mask.any(0).nonzero().max()) + 1
+            out_tokens, out_logprobs, mask = out_tokens[:n], out_logprobs[:n], mask[:, :n]
         completions = torch.stack(out_tokens, dim=1) * mask
         logprobs = torch.stack(out_logprobs, dim=1) * mask
         routed = None
@@ -386,8 +480,9 @@ class RolloutEngine:
             try:
                 self._graphs[batch] = _DecodeGraph(self, batch)
             except Exception as e:   # noqa: BLE001 -- any capture failure: run eagerly
-                self.cuda_graph = False
-                self.graph_note = f"CUDA-graph decode turned off: capture failed ({e})"
+                what = "CUDA-graph decode" + (" and compile_decode" if self.compile_decode else "")
+                self.cuda_graph = self.compile_decode = False
+                self.graph_note = f"{what} turned off: capture failed ({e})"
                 return None
         return self._graphs[batch]
 
@@ -418,7 +513,7 @@ class _DecodeGraph:
         e = self.engine
         B = self.tokens.shape[0]
         e.key_valid[:B].index_fill_(1, self.col, True)
-        return e._forward(self.tokens, self.positions, self.col, e.max_seq_len)
+        return e._decode_step()(self.tokens, self.positions, self.col)
 
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         self.tokens.copy_(tokens[:, None])
@@ -430,23 +525,31 @@ class _DecodeGraph:
 
 # ---- shared math (the trainer's lowbit.models definitions, restated for the engine) ---------
 
-def _rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (max_seq_len, head_dim) in float32, as lowbit.models.RotaryEmbedding builds them."""
+def _rope_tables(cfg: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin (max_seq_len, head_dim) in `dtype`: lowbit.models.RotaryEmbedding's
+    float32 tables rounded as its forward rounds them (cos.to(x.dtype)), the sin's first half
+    negated (exact) for _rotary."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32,
                                                       device=device) / cfg.head_dim))
     t = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
-    emb = torch.cat([torch.outer(t, inv_freq)] * 2, dim=-1)
-    return emb.cos(), emb.sin()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs] * 2, dim=-1)
+    sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+    return emb.cos().to(dtype), (emb.sin() * sign).to(dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """weight * (x normalized in float32, rounded to x's dtype), as lowbit.models.RMSNorm;
+    F.rms_norm upcasts, normalizes and rounds once in one kernel on CUDA (the weight is
+    applied after, in x's dtype, to keep that second rounding)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): the same products, as
+    cat(x2, x1) = roll(x, D/2) times the sin whose first half is negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def _fuse_hf_experts(sd: dict, cfg: ModelConfig) -> dict:

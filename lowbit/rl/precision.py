@@ -157,17 +157,54 @@ class EngineLinear:
 
     weight (out, in) arrives in any dtype and device; it is copied to the engine's device and
     compute dtype, then quantized there. The engine keeps only what this object holds: the
-    packed QTensor (quantizing modes) and the values its GEMM multiplies."""
+    packed QTensor (quantizing modes) and the values its GEMM multiplies.
+
+    `EngineLinear.fused([w_q, w_k, w_v], ...)` holds several weights that read the same input
+    as one GEMM (q|k|v, gate|up): each part is quantized on its own (its own NVFP4 tensor scale,
+    as the trainer fake-quantizes each projection) and their dequantized values are stacked
+    along out_features, so the fused GEMM's columns are the separate GEMMs' outputs exactly
+    (up to accumulation order). The activation side needs nothing more: the per-token FP8 and
+    NVFP4 quantizers see the same x for every part, and RAC picks its channels from x alone."""
 
     def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
                  device: torch.device, dtype: torch.dtype) -> None:
+        self._build([weight], precision, rac_ratio, device, dtype)
+
+    @classmethod
+    def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
+              device: torch.device, dtype: torch.dtype) -> "EngineLinear":
+        """One GEMM for several weights (out_i, in) of the same in_features; its output is the
+        parts' outputs side by side, in order (split it with `split_sizes`)."""
+        self = cls.__new__(cls)
+        self._build(list(weights), precision, rac_ratio, device, dtype)
+        return self
+
+    def _build(self, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
+               device: torch.device, dtype: torch.dtype) -> None:
         if rac_ratio and precision is not Precision.NVFP4:
             raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs precision nvfp4")
+        if len({w.shape[-1] for w in weights}) != 1:
+            raise ValueError(f"fused weights need the same in_features (got shapes "
+                             f"{[tuple(w.shape) for w in weights]})")
         self.precision, self.rac_ratio = precision, rac_ratio
-        w = weight.detach().to(device=device, dtype=dtype, copy=True)   # (out, in), our own copy
-        self.packed = quantize_weight(w, precision)
-        self.values = w if self.packed is None else self.packed.dequantize(dtype)
+        packed, values = [], []
+        for weight in weights:
+            w = weight.detach().to(device=device, dtype=dtype, copy=True)   # (out, in), our own copy
+            q = quantize_weight(w, precision)
+            if q is not None:
+                packed.append(q)
+            values.append(w if q is None else q.dequantize(dtype))
+        self.packed: tuple[QTensor, ...] = tuple(packed)
+        """One packed weight per part (quantizing modes; empty for bf16)."""
+        self.values = values[0] if len(values) == 1 else torch.cat(values)
+        """(out, in) what the GEMM multiplies: the parts' dequantized weights stacked."""
+        self.split_sizes = tuple(v.shape[0] for v in values)
         self.out_features, self.in_features = self.values.shape
+
+    def part(self, i: int) -> torch.Tensor:
+        """The values of part i (a view of `values`)."""
+        start = sum(self.split_sizes[:i])
+        return self.values[start:start + self.split_sizes[i]]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out)."""
@@ -182,6 +219,6 @@ class EngineLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored weight (packed for quantizing modes)."""
-        if self.packed is not None:
-            return self.packed.nbytes
+        if self.packed:
+            return sum(q.nbytes for q in self.packed)
         return self.values.numel() * self.values.element_size()
