@@ -10,9 +10,10 @@
    from a 30-step probe);
 3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS]
    (options: epsE, dither|both|probe, kK, learned, elem (per-element B), mse (MSE scales)),
-   all at once on the same device, plus one `--baselines-only` process per weight format,
-   each with the same steps, data order per seed and tokens; a process still running at the
-   deadline is stopped and its last evaluation used;
+   all at once on the same device, each with the same steps, data order per seed and tokens;
+   a process still running at the deadline is stopped and its last evaluation used; then one
+   `--baselines-only` process per weight format (RTN, GPTQ), so their memory never adds to the
+   QAT runs';
 4. a table of every setting's validation loss and gap to BF16, the gap ratios jacquant/ste per
    format and seed, and B's statistics, into DIR/summary.json and DIR/table.md.
 --smoke runs the same on the CPU at a toy size (CI).
@@ -107,6 +108,12 @@ def main() -> None:
                     "--lr 1e-3 --eval-batches 16")
     ap.add_argument("--skip-overhead", action="store_true",
                     help="skip step 1 (the ste/jacquant step-time benchmark)")
+    ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/100,"
+                    "qat/int2:g64/ste/mse,qat/int2:g64/jacquant/100/elem/mse,qat/int2:g64/ste,"
+                    "qat/int2:g64/jacquant/100",
+                    help="lowbit bench train --recipes of step 1; ste and jacquant alternate, so "
+                         "the device's drift over the benchmark shows as a difference between repeats")
+    ap.add_argument("--overhead-steps", type=int, default=100)
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     out = Path(args.out)
@@ -123,8 +130,8 @@ def main() -> None:
     # 1. overhead, alone on the device
     bench_json = out / "bench-overhead.json"
     overhead = ("bf16,qat/int2:g32/ste,qat/int2:g32/jacquant/2" if args.smoke
-                else "bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/100")
-    bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else "200",
+                else args.overhead_settings)
+    bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else str(args.overhead_steps),
              "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
              "--batch-size", "2" if args.smoke else "16", "--device", device, "--json", str(bench_json)]
     if not args.skip_overhead:
@@ -161,11 +168,6 @@ def main() -> None:
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
               "--out-dir", str(qat_dir), "--no-progress"]
-    for weights in sorted({s[0] for s in settings}):
-        log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
-        procs.append(("baselines " + weights, subprocess.Popen(
-            lowbit(*common, "--weights", weights, "--baselines-only", "--run-name",
-                   f"baselines-{weights.replace(':', '')}"), env=env, stdout=log, stderr=subprocess.STDOUT)))
     for weights, estimator, seed, extra, name in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
@@ -179,6 +181,16 @@ def main() -> None:
         if p.poll() is None:
             print(f"stopping {name} at the deadline", flush=True)
             p.kill()
+    # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
+    # to the QAT runs' on the device
+    baseline_procs = []
+    for weights in sorted({s[0] for s in settings}):
+        log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
+        baseline_procs.append(subprocess.Popen(
+            lowbit(*common, "--weights", weights, "--baselines-only", "--run-name",
+                   f"baselines-{weights.replace(':', '')}"), env=env, stdout=log, stderr=subprocess.STDOUT))
+    for p in baseline_procs:
+        p.wait()
 
     # 4. the summary
     baselines = {}
