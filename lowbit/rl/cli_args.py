@@ -69,6 +69,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave completions that hit --max-completion-length out of the loss")
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE: the trainer replays the engine's expert choices")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="compile the rollout engine's decode step (torch.compile; dense policies): "
+                        "a minute of compiling per batch size, faster decode after")
     p.add_argument("--compare", metavar="SETTINGS",
                    help="run these settings on the same seeds and plot them together, e.g. "
                         "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is])")

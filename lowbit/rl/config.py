@@ -81,6 +81,8 @@ class RLConfig:
     is_cap: float = 3.0
     routing_replay: bool = False
     """MoE: the trainer replays the engine's expert choices (verl's R3)."""
+    compile_decode: bool = False
+    """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
 
     # --- optimizer -------------------------------------------------------------------------
     lr: float = 3e-4
@@ -135,6 +137,9 @@ class RLConfig:
         _require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
         _require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
                  "--routing-replay needs an MoE policy: add --n-experts 8")
+        _require(not self.compile_decode or self.n_experts == 0 or folder,
+                 "--compile-decode needs a dense policy (MoE decode reads expert counts back "
+                 "to the host); drop --n-experts or the flag")
         for name in ("num_generations", "prompts_per_step", "max_completion_length", "steps",
                      "log_every", "eval_problems", "num_iterations"):
             value = getattr(self, name)

@@ -160,7 +160,8 @@ class GRPOTrainer:
         self.step_fn.use_ref = self.reference is not None
 
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
-                                    max_batch_size=max(c.batch_size, min(c.eval_problems, 256)))
+                                    max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
+                                    compile_decode=c.compile_decode)
         self.start_step, self.records, self.wall_before = 0, [], 0.0
         if checkpoint is not None:
             self.policy.load_state_dict(checkpoint["model"])
