@@ -365,7 +365,10 @@ def stable_nvfp4_16x16() -> Recipe:
     """Variant: stable-fp4 with NVFP4 16x16 tiles for W, X and dY: E4M3 tile scales under an
     FP32 tensor scale (as NVIDIA's recipe scales), each operand still one quantized copy for
     both of its GEMMs; stochastic rounding on dY; q/k in MXFP8 16x16. Emulated GEMMs (E4M3
-    scales do not fold into FP8 exactly). Evidence: docs/results/stable-fp4.md."""
+    scales do not fold into FP8 exactly). Evidence (docs/results/stable-fp4.md, 3 seeds, one
+    H200, 2026-12-02): gap to bf16 +0.61% +- 0.83% at 10.2M (stable-fp4: +2.12% +- 1.99%) and
+    +0.09% +- 1.44% at 97.5M, within noise at both; the best 2D recipe at 10M, not within
+    bf16's seed spread on every seed at either size."""
     return _stable("stable-nvfp4-16x16", block=16, fmt="nvfp4")
 
 
@@ -382,14 +385,15 @@ def stable_nvfp4_dy1d() -> Recipe:
 @register_recipe("stable-fp4-dy16")
 def stable_fp4_dy16() -> Recipe:
     """Variant: stable-fp4 (MXFP4 32x32 rceil tiles for W and X) with 16x16 tiles for dY only,
-    still one copy of dY for dgrad and wgrad. Evidence: docs/results/stable-fp4.md."""
+    still one copy of dY for dgrad and wgrad. Evidence (docs/results/stable-fp4.md): worse than
+    bf16 at 10.2M over 3 seeds (+1.54% +- 0.35%, paired t-test), no better than stable-fp4."""
     return _stable("stable-fp4-dy16", dy_block=16)
 
 
 @register_recipe("stable-fp4-dy8")
 def stable_fp4_dy8() -> Recipe:
-    """Variant: stable-fp4 with 8x8 tiles for dY only (a tile spans 8 tokens). Evidence:
-    docs/results/stable-fp4.md."""
+    """Variant: stable-fp4 with 8x8 tiles for dY only (a tile spans 8 tokens). Evidence
+    (docs/results/stable-fp4.md): worse than bf16 at 10.2M over 3 seeds (+1.62% +- 0.51%)."""
     return _stable("stable-fp4-dy8", dy_block=8)
 
 
