@@ -9,13 +9,14 @@
    fit --pretrain-minutes (measured on the first steps of the run itself: the schedule is set
    from a 30-step probe);
 3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS]
-   (options: epsE, dither|both|probe, kK, learned, elem (per-element B), mse (MSE scales)),
+   (lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
+   upd (B on the update), learned, mse (MSE scales)),
    all at once on the same device, each with the same steps, data order per seed and tokens;
    a process still running at the deadline is stopped and its last evaluation used; then one
    `--baselines-only` process per weight format (RTN, GPTQ), so their memory never adds to the
    QAT runs';
-4. a table of every setting's validation loss and gap to BF16, the gap ratios jacquant/ste per
-   format and seed, and B's statistics, into DIR/summary.json and DIR/table.md.
+4. a table of every setting's validation loss and gap to BF16, each non-STE run's gap over
+   the STE run's with the same forward quantizer and seed, and B's statistics, into DIR/summary.json and DIR/table.md.
 --smoke runs the same on the CPU at a toy size (CI).
 """
 
@@ -30,6 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lowbit.qat import QATConfig, parse_qat_spec  # noqa: E402
+from lowbit.qat.cli_args import config_flags  # noqa: E402
+
 DEFAULT_SETTINGS = ",".join([
     "bf16/ste/0", "bf16/ste/1", "int2:g64/ste/0", "int2:g64/jacquant/0", "int2:g64/ste/1", "int2:g64/jacquant/1",
     "int2:g64/lsq/0", "int2:g64/clipped-ste/0", "int2:g64/jacquant/0/eps0.25",
@@ -42,43 +47,25 @@ def lowbit(*args: str) -> list[str]:
     return [sys.executable, "-m", "lowbit", *args]
 
 
-def parse_setting(text: str) -> tuple[str, str, int, list[str], str]:
-    parts = text.split("/")
-    weights, estimator, seed = parts[0], parts[1], int(parts[2])
-    extra, tags = [], []
-    for option in parts[3:]:
-        if option.startswith("eps"):
-            extra += ["--b-eps", option[3:]]
-        elif option in ("dither", "both", "probe"):
-            extra += ["--b-estimate", option]
-        elif option.startswith("k"):
-            extra += ["--refresh-every", option[1:]]
-        elif option == "learned":
-            extra += ["--learn-scales"]
-        elif option == "elem":
-            extra += ["--b-per-element"]
-        elif option == "mse":
-            extra += ["--scale-init", "mse"]
-        else:
-            raise SystemExit(f"unknown option {option!r} in setting {text!r}")
-        tags.append(option)
-    name = "-".join([weights.replace(":", ""), estimator, *tags, f"s{seed}"])
-    return weights, estimator, seed, extra, name
+def parse_setting(text: str) -> tuple[QATConfig, int, str]:
+    """'WEIGHTS/ESTIMATOR/SEED[/OPTION...]' -> (its QATConfig, the seed, a run name); the options
+    are lowbit.qat.parse_qat_spec's (kK, epsE, probe|dither|both, elem, upd, learned, mse)."""
+    parts = text.strip().split("/")
+    if len(parts) < 3 or not parts[2].isdigit():
+        raise SystemExit(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "
+                         "int2:g64/jacquant/0/elem")
+    try:
+        config = parse_qat_spec("/".join(parts[:2] + parts[3:]))
+    except ValueError as e:
+        raise SystemExit(f"setting {text!r}: {e}") from None
+    name = "-".join([parts[0].replace(":", ""), parts[1], *parts[3:], f"s{parts[2]}"])
+    return config, int(parts[2]), name
 
 
-def quantizer_options(extra: list[str]) -> list[str]:
-    """The options that change the forward quantizer (scale init, learned scales), which a
-    jacquant run and the STE run it is compared with must share; B's options do not."""
-    out, i = [], 0
-    while i < len(extra):
-        if extra[i] == "--scale-init":
-            out += extra[i:i + 2]
-            i += 2
-            continue
-        if extra[i] == "--learn-scales":
-            out.append(extra[i])
-        i += 1
-    return out
+def same_quantizer(a: QATConfig, b: QATConfig) -> bool:
+    """Whether two settings share the forward quantizer (weights, scale init, learned scales),
+    as a jacquant run and the STE run it is compared with must; B's options do not count."""
+    return (a.weights, a.scale_init, a.scales_learned) == (b.weights, b.scale_init, b.scales_learned)
 
 
 def last_eval(run: Path, at_most: int | None = None) -> dict | None:
@@ -108,9 +95,9 @@ def main() -> None:
                     "--lr 1e-3 --eval-batches 16")
     ap.add_argument("--skip-overhead", action="store_true",
                     help="skip step 1 (the ste/jacquant step-time benchmark)")
-    ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/100,"
-                    "qat/int2:g64/ste/mse,qat/int2:g64/jacquant/100/elem/mse,qat/int2:g64/ste,"
-                    "qat/int2:g64/jacquant/100",
+    ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/k100,"
+                    "qat/int2:g64/ste/mse,qat/int2:g64/jacquant/k100/elem/mse,qat/int2:g64/ste,"
+                    "qat/int2:g64/jacquant/k100",
                     help="lowbit bench train --recipes of step 1; ste and jacquant alternate, so "
                          "the device's drift over the benchmark shows as a difference between repeats")
     ap.add_argument("--overhead-steps", type=int, default=100)
@@ -124,12 +111,13 @@ def main() -> None:
     if args.smoke:
         model_args = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8"]
         args.qat_steps = 6
+    settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]   # before any work
     t0 = time.time()
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
 
     # 1. overhead, alone on the device
     bench_json = out / "bench-overhead.json"
-    overhead = ("bf16,qat/int2:g32/ste,qat/int2:g32/jacquant/2" if args.smoke
+    overhead = ("bf16,qat/int2:g32/ste,qat/int2:g32/jacquant/k2" if args.smoke
                 else args.overhead_settings)
     bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else str(args.overhead_steps),
              "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
@@ -161,18 +149,17 @@ def main() -> None:
     meta["pretrain_final"] = json.loads((source / "final.json").read_text())
 
     # 3. QAT, every setting at once, plus the baselines
-    settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
     procs = []
     qat_dir = out / "qat"
     common = ["qat", "--from", str(source), "--steps", str(args.qat_steps), "--lr", str(args.qat_lr),
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
               "--out-dir", str(qat_dir), "--no-progress"]
-    for weights, estimator, seed, extra, name in settings:
+    for config, seed, name in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
-            lowbit(*common, "--weights", weights, "--estimator", estimator, "--seeds", str(seed),
-                   "--no-baselines", "--run-name", name, *extra),
+            lowbit(*common, *config_flags(config), "--seeds", str(seed),
+                   "--no-baselines", "--run-name", name),
             env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.time() + args.qat_minutes * 60
     while time.time() < deadline and any(p.poll() is None for _, p in procs):
@@ -184,7 +171,7 @@ def main() -> None:
     # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
     # to the QAT runs' on the device
     baseline_procs = []
-    for weights in sorted({s[0] for s in settings}):
+    for weights in sorted({config.weights for config, _, _ in settings}):
         log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
         baseline_procs.append(subprocess.Popen(
             lowbit(*common, "--weights", weights, "--baselines-only", "--run-name",
@@ -199,7 +186,7 @@ def main() -> None:
     rows = []
     bf16 = baselines.get("bf16")
     reached = {}
-    for weights, estimator, seed, extra, name in settings:
+    for config, seed, name in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
         ev = last_eval(runs_of[0]) if runs_of else None
         if ev and ev["step"] > 0:
@@ -207,16 +194,17 @@ def main() -> None:
     common = min(reached.values()) if reached else None   # every run that trained got this far
     meta["compared_at_step"] = common
     failed = {}
-    for weights, estimator, seed, extra, name in settings:
+    for config, seed, name in settings:
         if name not in reached:
             log = out / f"{name}.log"
             failed[name] = log.read_text()[-1500:] if log.is_file() else "no log"
     meta["failed"] = failed
-    for weights, estimator, seed, extra, name in settings:
+    for config, seed, name in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
         ev = last_eval(runs_of[0], common) if runs_of and name in reached else None
-        rows.append({"setting": name, "weights": weights, "estimator": estimator, "seed": seed,
-                     "options": extra, "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
+        rows.append({"setting": name, "weights": config.weights, "estimator": config.estimator,
+                     "seed": seed, "config": config.to_dict(), "flags": config_flags(config),
+                     "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
                      "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
                      "b_first": ev and ev.get("b_first"), "b_last": ev and ev.get("b_last")})
     lines = ["| setting | step | val loss | gap to bf16 |", "| --- | ---: | ---: | ---: |"]
@@ -233,19 +221,20 @@ def main() -> None:
                         and x["val_loss"] is not None), None)
         r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
     for r in rows:
-        if r["estimator"] == "jacquant" and r["gap_control"] is not None:
+        if r["estimator"] != "ste" and r["gap_control"] is not None and r["weights"] != "bf16":
             # the STE run with the same forward quantizer: same format, seed and scale options
-            ste = next((x for x in rows if x["estimator"] == "ste" and x["weights"] == r["weights"]
-                        and x["seed"] == r["seed"] and x["gap_control"] is not None
-                        and quantizer_options(x["options"]) == quantizer_options(r["options"])), None)
+            mine = QATConfig.from_dict(r["config"])
+            ste = next((x for x in rows if x["estimator"] == "ste" and x["seed"] == r["seed"]
+                        and x["gap_control"] is not None
+                        and same_quantizer(QATConfig.from_dict(x["config"]), mine)), None)
             if ste and ste["gap_control"] > 0:
-                ratios.append({"jacquant": r["setting"], "ste": ste["setting"],
+                ratios.append({"run": r["setting"], "ste": ste["setting"],
                                "gap_ratio": r["gap_control"] / ste["gap_control"]})
     lines += ["", f"compared at step {common}; gap to control = val loss - the bf16 control's (same seed)",
               "", "| setting | gap to control |", "| --- | ---: |"]
     lines += [f"| {r['setting']} | {r['gap_control']:+.4f} |" for r in rows if r["gap_control"] is not None]
-    lines += ["", "| jacquant run | ste run | gap_jacquant / gap_ste (to control) |", "| --- | --- | ---: |"]
-    lines += [f"| {x['jacquant']} | {x['ste']} | {x['gap_ratio']:.3f} |" for x in ratios]
+    lines += ["", "| run | ste run | gap / gap_ste (to control) |", "| --- | --- | ---: |"]
+    lines += [f"| {x['run']} | {x['ste']} | {x['gap_ratio']:.3f} |" for x in ratios]
     lines += ["", "failed: " + (", ".join(failed) or "none")]
     table = "\n".join(lines) + "\n"
     print(table)

@@ -484,10 +484,10 @@ def test_qat_settings_take_refresh_interval_per_element_b_and_mse_scales():
     assert qat_setting("nvfp4") is None                      # a recipe, not a QAT setting
     plain = qat_setting("qat/int2:g64/ste")
     assert (plain.weights, plain.estimator, plain.scale_init) == ("int2:g64", "ste", "absmax")
-    full = qat_setting("qat/int2:g64/jacquant/100/elem/mse")
+    full = qat_setting("qat/int2:g64/jacquant/k100/elem/mse")
     assert full.jacquant.refresh_every == 100 and full.jacquant.per_element
     assert full.scale_init == "mse" and full.estimator == "jacquant"
-    for bad, says in (("qat/int2", "write QAT settings"), ("qat/int2:g64/ste/fast", "unknown option 'fast'"),
+    for bad, says in (("qat/int2", "WEIGHTS/ESTIMATOR"), ("qat/int2:g64/ste/fast", "unknown option 'fast'"),
                       ("qat/int2:g64/magic", "unknown estimator")):
         with pytest.raises(ValueError, match=says):
             qat_setting(bad)

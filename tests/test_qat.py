@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from lowbit.formats import load_qtensors, quantize, save_qtensors
 from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq,
-                        load_packed, packed_weights, parse_weight_format, prepare, refresh)
+                        load_packed, packed_weights, parse_qat_spec, parse_weight_format, prepare,
+                        refresh, refresh_hook)
 from lowbit.qat.jacquant import fit_b
 
 FORMATS = ["int2:g32", "int3:g32", "int4:g16:asym", "int8:row", "ternary:g32", "binary:g32",
@@ -136,17 +137,73 @@ def test_probe_recovers_an_identity_and_a_saturated_jacobian():
     assert torch.equal(b, torch.zeros_like(b))
 
 
+def test_b_on_the_update_scales_each_step_and_keeps_the_ste_backward():
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant",
+                    jacquant=JacQuantConfig(b_on="update", per_element=True, refresh_every=1))
+    ste = QATConfig(weights="int2:g32", estimator="ste")
+    nets = []
+    for config in (cfg, ste):
+        torch.manual_seed(1)
+        net = Net()
+        prepare(net, config)
+        nets.append(net)
+    upd, plain = nets
+    hook = refresh_hook(upd, cfg, seed=0)
+    hook(1)                                        # the first refit: B from the weights
+    fq = upd.a.parametrizations.weight[0]
+    b = fq.b.clone()
+    assert 0 < (b == 0).float().mean() < 1         # some weights get no step, some do
+    grads = []
+    for net in nets:
+        net.lm_head(torch.relu(net.b(torch.relu(net.a(x))))).square().sum().backward()
+        grads.append(net.a.parametrizations.weight.original.grad.clone())
+    assert torch.equal(grads[0], grads[1])         # the backward is the STE's
+    before = upd.a.parametrizations.weight.original.detach().clone()
+    opt = torch.optim.SGD(upd.parameters(), lr=0.1)
+    opt.step()
+    taken = upd.a.parametrizations.weight.original.detach() - before
+    hook(2)                                        # not a refit step (K = 1 refits every step: B
+    after = upd.a.parametrizations.weight.original.detach()   # is refit after the scaling)
+    assert torch.allclose(after - before, b * taken, atol=1e-6)
+    assert torch.equal(fq.prev, after)
+    assert "a.parametrizations.weight.0.prev" in upd.state_dict()   # checkpoints carry it
+
+
+def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
+    from lowbit.cli import build_parser
+    from lowbit.qat.cli_args import config_flags, job_from_args
+
+    spec = parse_qat_spec("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse")
+    jq = spec.jacquant
+    assert (jq.refresh_every, jq.eps, jq.estimate, jq.per_element, jq.b_on) == (50, 0.25, "dither", True, "update")
+    assert spec.scale_init == "mse" and parse_qat_spec("int2:g64/lsq/learned").learn_scales
+    for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
+                 "seq2:g32/jacquant/both/learned"):
+        config = parse_qat_spec(text)
+        args = build_parser().parse_args(["qat", *config_flags(config)])
+        assert job_from_args(args).configs == [config], text
+    for bad, says in (("int2", "WEIGHTS/ESTIMATOR"), ("int2:g64/ste/fast", "unknown option 'fast'"),
+                      ("int2:g64/magic", "unknown estimator"), ("int2:g64/jacquant/kx", "unknown option 'kx'")):
+        with pytest.raises(ValueError, match=says):
+            parse_qat_spec(bad)
+
+
 def test_estimators_converge_on_a_toy_regression():
     torch.manual_seed(0)
     target = torch.randn(16, 64)
     x = torch.randn(256, 64)
     y = x @ target.T
-    for estimator in ["ste", "clipped-ste", "lsq", "jacquant"]:
+    for estimator, b_on in [("ste", "grad"), ("clipped-ste", "grad"), ("lsq", "grad"),
+                            ("jacquant", "grad"), ("jacquant", "update")]:
         layer = nn.Linear(64, 16, bias=False)
         with torch.no_grad():
             layer.weight.copy_(target + 0.3 * torch.randn_like(target))
-        prepare(layer, QATConfig(weights="int4:g32", estimator=estimator,
-                                 jacquant=JacQuantConfig(refresh_every=1)))
+        config = QATConfig(weights="int4:g32", estimator=estimator,
+                           jacquant=JacQuantConfig(refresh_every=1, b_on=b_on))
+        prepare(layer, config)
+        hook = refresh_hook(layer, config, seed=0)
         opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
         first = None
         for step in range(1, 61):
@@ -155,8 +212,9 @@ def test_estimators_converge_on_a_toy_regression():
             loss.backward()
             opt.step()
             opt.zero_grad()
-            refresh(layer, 0, step)
-        assert loss.item() < 0.5 * first, estimator
+            if hook is not None:
+                hook(step)
+        assert loss.item() < 0.5 * first, (estimator, b_on)
 
 
 def test_gptq_lowers_the_layer_output_error_against_rtn():

@@ -138,30 +138,13 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
 
 
 def qat_setting(name: str):
-    """'qat/<weights>/<estimator>[/<option>...]' -> its QATConfig; any other name is a recipe
-    (None). Options: a number (JacQuant's refresh interval K), `elem` (per-element B), `mse`
-    (MSE-searched scales), e.g. qat/int2:g64/jacquant/100/elem/mse."""
+    """'qat/<weights>/<estimator>[/<option>...]' -> its QATConfig (lowbit.qat.parse_qat_spec's
+    spelling, e.g. qat/int2:g64/jacquant/k100/elem/mse); any other name is a recipe (None)."""
     if not name.startswith("qat/"):
         return None
-    from lowbit.qat import JacQuantConfig, QATConfig
+    from lowbit.qat import parse_qat_spec
 
-    parts = name.split("/")
-    usage = (f"{name!r}: write QAT settings as qat/WEIGHTS/ESTIMATOR[/K][/elem][/mse], e.g. "
-             "qat/int2:g64/jacquant/100")
-    if len(parts) < 3:
-        raise ValueError(usage)
-    jq, scale_init = {}, "absmax"
-    for option in parts[3:]:
-        if option.isdigit():
-            jq["refresh_every"] = int(option)
-        elif option == "elem":
-            jq["per_element"] = True
-        elif option == "mse":
-            scale_init = "mse"
-        else:
-            raise ValueError(f"{usage} (unknown option {option!r})")
-    return QATConfig(weights=parts[1], estimator=parts[2], jacquant=JacQuantConfig(**jq),
-                     scale_init=scale_init)
+    return parse_qat_spec(name[len("qat/"):])
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -57,6 +57,9 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b-ema", type=float, default=_JQ.ema, help="jacquant: EMA across refreshes (default: %(default)s)")
     p.add_argument("--b-per-element", action="store_true", help="jacquant: one B per weight, not per group")
     p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting")
+    p.add_argument("--b-on", default=_JQ.b_on, choices=("grad", "update"),
+                   help="jacquant: B scales the gradient (grad) or, with an STE backward, each "
+                        "optimizer step's change of the weight (update) (default: %(default)s)")
     p.add_argument("--base-steps", type=int, default=BASE_STEPS,
                    help="without --from: steps of the BF16 model trained first (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true", help="skip the BF16, RTN and GPTQ evaluations")
@@ -83,7 +86,7 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
         raise ValueError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
     jq = JacQuantConfig(refresh_every=args.refresh_every, b_max=args.b_max, estimate=args.b_estimate,
                         eps=args.b_eps, samples=args.b_samples, ema=args.b_ema,
-                        per_element=args.b_per_element, weighted=not args.b_unweighted)
+                        per_element=args.b_per_element, weighted=not args.b_unweighted, b_on=args.b_on)
     configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
                          scale_init=args.scale_init, jacquant=jq) for e in estimators]
     return QATJob(configs=configs, source=args.source, model=args.model, corpus=args.corpus,
@@ -95,6 +98,30 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                   base_steps=args.base_steps, baselines=not args.no_baselines,
                   baselines_only=args.baselines_only,
                   progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+
+
+def config_flags(config: QATConfig) -> list[str]:
+    """The `lowbit qat` flags that make one run of `config` (defaults left out): how
+    benchmarks/qat_experiment.py turns a setting (lowbit.qat.parse_qat_spec) into a command."""
+    flags = ["--weights", config.weights, "--estimator", config.estimator]
+    if config.learn_scales is not None:
+        flags.append("--learn-scales" if config.learn_scales else "--no-learn-scales")
+    if config.scale_init != "absmax":
+        flags += ["--scale-init", config.scale_init]
+    jq = config.jacquant
+    for flag, field in (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
+                        ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),
+                        ("--b-ema", "ema"), ("--b-on", "b_on")):
+        if getattr(jq, field) != getattr(_JQ, field):
+            flags += [flag, str(getattr(jq, field))]
+    if jq.per_element:
+        flags.append("--b-per-element")
+    if not jq.weighted:
+        flags.append("--b-unweighted")
+    if jq.moment_decay != _JQ.moment_decay:
+        raise ValueError("lowbit qat has no flag for jacquant moment_decay; leave it at "
+                         f"{_JQ.moment_decay}")
+    return flags
 
 
 def run_qat_command(args: argparse.Namespace) -> None:

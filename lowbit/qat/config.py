@@ -20,7 +20,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["WeightFormat", "QATConfig", "JacQuantConfig", "ESTIMATORS", "parse_weight_format"]
+__all__ = ["WeightFormat", "QATConfig", "JacQuantConfig", "ESTIMATORS", "parse_weight_format",
+           "parse_qat_spec"]
 
 ESTIMATORS = ("ste", "clipped-ste", "lsq", "jacquant")
 _GRIDS = ("int", "ternary", "binary", "seq2", "nvfp4", "mxfp4")
@@ -127,6 +128,12 @@ class JacQuantConfig:
     moment_decay: float = 0.5
     """EMA decay of the input second moments across refits (each refit's moments come from the
     training step just before it: the steps in between record nothing)."""
+    b_on: str = "grad"
+    """Where B acts. "grad": in backward, dL/dW ~ B * dL/dW_hat (the method as published). Under
+    Adam a B that holds still between refits is divided out again by the second-moment
+    normalization, except where B is 0. "update": backward is the STE's, and each optimizer
+    step's change of the latent weight is scaled by B instead (W <- W_prev + B * (W - W_prev)),
+    which is what the gradient-side B does under plain SGD."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
@@ -141,6 +148,8 @@ class JacQuantConfig:
                  f"samples must be a positive integer (got {self.samples!r})")
         _require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
         _require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
+        _require(self.b_on in ("grad", "update"),
+                 f"jacquant b_on must be grad or update (got {self.b_on!r})")
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,49 @@ class QATConfig:
         d = dict(d)
         d["jacquant"] = JacQuantConfig(**d.get("jacquant", {}))
         return cls(**d)
+
+
+_SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
+                 "(per-element B), upd (B on the update), learned (learned scales), mse (MSE scales)")
+
+
+def parse_qat_spec(text: str) -> QATConfig:
+    """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
+    `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
+    int2:g64/jacquant/k100/elem/mse. Options: kK, epsE, probe|dither|both, elem, upd, learned, mse."""
+    parts = [p.strip() for p in text.strip().split("/")]
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
+                         "e.g. int2:g64/jacquant/k100/elem")
+    jq: dict = {}
+    qat: dict = {}
+    for option in parts[2:]:
+        number = option[1:] if option[:1] == "k" else option[3:] if option[:3] == "eps" else ""
+        if option[:1] == "k" and number.isdigit():
+            jq["refresh_every"] = int(number)
+        elif option[:3] == "eps" and _is_number(number):
+            jq["eps"] = float(number)
+        elif option in ("probe", "dither", "both"):
+            jq["estimate"] = option
+        elif option == "elem":
+            jq["per_element"] = True
+        elif option == "upd":
+            jq["b_on"] = "update"
+        elif option == "learned":
+            qat["learn_scales"] = True
+        elif option == "mse":
+            qat["scale_init"] = "mse"
+        else:
+            raise ValueError(f"unknown option {option!r} in QAT setting {text!r}; use {_SPEC_OPTIONS}")
+    return QATConfig(weights=parts[0], estimator=parts[1], jacquant=JacQuantConfig(**jq), **qat)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _require(condition: bool, message: str) -> None:

@@ -32,7 +32,7 @@ from lowbit.formats import QTensor, load_qtensors
 from lowbit.nn import default_module_filter, is_experts
 from lowbit.qat.config import QATConfig
 from lowbit.qat.jacquant import b_statistics, fit_b
-from lowbit.qat.quantizer import GroupQuantizer, fake_quantize
+from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
 
 __all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "check_model", "convert", "packed_weights",
            "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics"]
@@ -69,8 +69,10 @@ class FakeQuantWeight(nn.Module):
             # whether the next training forward records its input moments: only the step
             # before each refit does (refresh_hook sets it), so the steps in between pay nothing
             self.register_buffer("observing", torch.ones((), dtype=torch.bool, device=weight.device))
+            # B on the update: the latent weight after the last step, to scale the next step's change
+            self.register_buffer("prev", weight.detach().clone() if jq.b_on == "update" else None)
         else:
-            self.b = self.moments = self.observing = None
+            self.b = self.moments = self.observing = self.prev = None
         self.observing_now = True  # a host-side copy of `observing` (no device sync per forward)
         # nvfp4: the (module, parameter name) of each member of this weight's fused group
         # (itself included), whose amax sets the shared tensor scale; plain references, not
@@ -89,8 +91,18 @@ class FakeQuantWeight(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scales = None if self.scales is None else torch.clamp(self.scales, min=2.0 ** -120)
+        if self.prev is not None:   # B acts on the update (scale_update): the STE's backward
+            return fake_quantize(weight, scales, self.zeros, None, self.quantizer, "ste",
+                                 self.learn, self.group_amax())
         return fake_quantize(weight, scales, self.zeros, self.b, self.quantizer,
                              self.config.estimator, self.learn, self.group_amax())
+
+    @torch.no_grad()
+    def scale_update(self, weight: torch.Tensor) -> None:
+        """B on the update: W <- W_prev + B * (W - W_prev), after an optimizer step changed W."""
+        step = times_b(weight.float() - self.prev.float(), self.b)
+        weight.copy_(self.prev.float() + step)
+        self.prev.copy_(weight)
 
     @torch.no_grad()
     def group_amax(self) -> torch.Tensor | None:
@@ -299,12 +311,17 @@ def refresh(model: nn.Module, seed: int, step: int) -> None:
 
 def refresh_hook(model: nn.Module, config: QATConfig, seed: int):
     """The training loop's on_step hook of a QAT run: refit B after steps 1, 1 + K, 1 + 2K, ...
-    (jacquant only; None for the other estimators) and return B's statistics as a record."""
+    (jacquant only; None for the other estimators) and return B's statistics as a record. With
+    B on the update it first scales the step just taken by B (every step)."""
     if config.estimator != "jacquant":
         return None
     every = config.jacquant.refresh_every
+    on_update = config.jacquant.b_on == "update"
 
     def hook(step: int):
+        if on_update:
+            for _, module, pname, fq in fake_quantizers(model):
+                fq.scale_update(module.parametrizations[pname].original)
         # refit after steps 1, 1 + K, ...; record input moments only during the step before
         if step % every == 0 or every == 1:
             _set_observing(model, True)

@@ -11,7 +11,8 @@ tensor bit for bit, so a converted model computes exactly what its QAT run evalu
 - clipped-ste:  dL/dW = dL/dŴ where W lies in the grid's range, else 0
 - lsq:          clipped-ste for W; the step size learns with LSQ's gradient (below)
 - jacquant:     dL/dW = B ⊙ dL/dŴ, B the surrogate Jacobian (lowbit.qat.jacquant), one value
-                per group (or per element)
+                per group (or per element); with B on the update (JacQuantConfig.b_on) the
+                backward is the STE's and lowbit.qat.layers scales each step instead
 Learned scales (lsq, or any estimator with learn_scales) take LSQ's gradient
 dŴ/ds = v - W/s inside the range and v at saturation, summed over the group and multiplied by
 g = 1 / sqrt(N * Qp) (N weights per scale, Qp the grid's largest value), as Esser et al. 2020.
@@ -29,7 +30,7 @@ from lowbit.formats.elements import encode, pack_codes, round_to_grid
 from lowbit.formats.quantize import round_asymmetric
 from lowbit.qat.config import WeightFormat
 
-__all__ = ["GroupQuantizer", "fake_quantize", "MSE_RATIOS"]
+__all__ = ["GroupQuantizer", "fake_quantize", "times_b", "MSE_RATIOS"]
 
 # Clipping ratios of the MSE scale search: the scale absmax-rule * r minimizing the squared error.
 MSE_RATIOS = tuple(round(1.0 - 0.025 * i, 4) for i in range(29))  # 1.0 .. 0.3
@@ -168,7 +169,7 @@ class _FakeQuantize(torch.autograd.Function):
         if estimator in ("clipped-ste", "lsq"):
             grad_w = torch.where(inside, g, 0.0)
         elif estimator == "jacquant":
-            grad_w = _times_b(g, b, quantizer)
+            grad_w = times_b(g, b)
         else:
             grad_w = g
         grad_s = None
@@ -181,8 +182,8 @@ class _FakeQuantize(torch.autograd.Function):
         return grad_w.to(grad.dtype), grad_s, None, None, None, None, None, None
 
 
-def _times_b(g: torch.Tensor, b: torch.Tensor, quantizer: GroupQuantizer) -> torch.Tensor:
-    """B ⊙ g, B one value per element (b shaped like g) or per group of `b_group` inputs."""
+def times_b(g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B ⊙ g, B one value per element (b shaped like g) or per group (b shaped (..., n_groups))."""
     if b.shape == g.shape:
         return g * b
     groups = b.shape[-1]

@@ -195,6 +195,8 @@ def _label(qat: QATConfig) -> str:
         label += "+learned" if qat.learn_scales else "+fixed"
     if qat.scale_init != "absmax":
         label += f"+{qat.scale_init}"
+    if qat.estimator == "jacquant":
+        label += ("+elem" if qat.jacquant.per_element else "") + ("+upd" if qat.jacquant.b_on == "update" else "")
     return label
 
 
