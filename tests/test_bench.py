@@ -22,6 +22,17 @@ def test_bench_train_rows_and_table():
     assert "time vs bf16" in table and "stable-fp4" in table
 
 
+def test_bench_train_interleave_times_blocks_in_turns():
+    order = []
+    rows = bench_train("tiny", ["bf16", "qat/int2:g32/jacquant/k2/elem/upd"], seq_len=16, batch_size=1,
+                       steps=1, warmup=1, interleave=3, progress=order.append)
+    for r in rows:   # one untimed step, then three timed blocks of one step each
+        assert len(r["block_ms"]) == 3 and r["steps_run"] == 4
+        assert r["step_ms"] == pytest.approx(sorted(r["block_ms"])[1])   # the median of the three
+        assert r["peak_mem_gib"] is None   # the models shared the device
+    assert [m.split(":")[0] for m in order] == ["bf16", "qat/int2"]
+
+
 def test_bench_cli_json_and_errors(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert main(["bench", "train", "--recipes", "bf16,mxfp4", "--seq-len", "32", "--batch-size", "2",
@@ -36,6 +47,8 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     assert "--cuda-graph needs a dense model" in capsys.readouterr().err
     assert main(["bench", "train", "--device", "gpu0"]) == 2
     assert "device must be auto, cpu, cuda or cuda:N (got 'gpu0')" in capsys.readouterr().err
+    assert main(["bench", "train", "--interleave", "0"]) == 2
+    assert "--interleave must be >= 1 (got 0)" in capsys.readouterr().err
 
 
 def test_bench_train_counts_the_steps_it_redoes(monkeypatch):
@@ -476,6 +489,27 @@ def test_bench_rollout_compile_adds_compiled_rows(tmp_path, capsys):
     assert "| lowbit engine | bf16 compiled |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["bf16", "bf16 compiled"]
+
+
+def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path, capsys):
+    from lowbit.bench.timing import kernel_category
+
+    assert [kernel_category(n) for n in ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "sm90_xmma_gemm_bf16",
+                                         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+                                         "triton_poi_fused_add_mul_0", "aten::linear",
+                                         "aten::rms_norm")] == [
+        "gemm (bf16/fp32)", "gemm (bf16/fp32)", "attention", "other", "gemm (bf16/fp32)", "other"]
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--modes", "bf16", "--batch-sizes", "2", "--new-tokens", "3",
+                 "--prompt-len", "2", "--repeats", "1", "--no-generate", "--profile", "--device",
+                 "cpu", "--json", str(out)]) == 0
+    assert "| mode | batch | step us | busy us | busy |" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    prof = report["profiles"]["bf16"]["2"]
+    assert prof["busy_us"] > 0 and prof["step_us"] > 0
+    assert sum(us for us, _ in prof["classes"].values()) == pytest.approx(prof["busy_us"], rel=1e-3)
+    assert prof["classes"]["gemm (bf16/fp32)"][1] == 2 * 4 + 1   # 2 layers x (qkv, o, gate_up, down) + head
+    assert prof["kernels_per_step"] == pytest.approx(report["decode_step_ops"]["bf16"], abs=1)
 
 
 def test_qat_settings_take_refresh_interval_per_element_b_and_mse_scales():

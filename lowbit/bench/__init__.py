@@ -50,6 +50,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--interleave", type=int, default=1, metavar="R",
+                   help="keep every recipe's model on the device and time R blocks of --steps "
+                        "in turns, so drift hits every recipe alike (default: %(default)s)")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--cuda-graph", action="store_true",
@@ -139,6 +142,9 @@ def add_arguments(parser) -> None:
     o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
     o.add_argument("--compile", action="store_true",
                    help="also time every mode with its decode step compiled (torch.compile)")
+    o.add_argument("--profile", action="store_true",
+                   help="also profile each engine row: per decode step, how busy the device is "
+                        "and which kernels take the time")
     o.add_argument("--device", default="auto")
     o.add_argument("--json", metavar="PATH", help="also write {meta, rows, limit} as JSON")
     o.set_defaults(bench_func=run_rollout)
@@ -317,7 +323,7 @@ def run_rollout(args) -> None:
     result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
                            prompt_len, new_tokens, args.repeats, not args.no_generate, device,
                            save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
-                           compile_decode=args.compile)
+                           compile_decode=args.compile, profile_steps=args.profile)
     print(format_rollout_rows(result))
 
 
@@ -334,7 +340,7 @@ def run_train(args) -> None:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
     rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
                        args.device, args.compile, args.n_experts, args.profile, args.cuda_graph,
-                       args.corpus)
+                       args.corpus, interleave=args.interleave)
     print(format_rows(rows))
     if args.profile:
         print(format_profiles(rows))

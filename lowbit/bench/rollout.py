@@ -25,6 +25,11 @@ torch.profiler on an uncaptured step at batch 1 (the same kernels its CUDA graph
 CUDA the GPU kernels, memcpys and memsets; on the CPU the aten operators that do work (views
 and no-op casts left out; a compiled step's fused kernels are no aten operators, so on the
 CPU its count is left out).
+
+With --profile, each engine row is also profiled as it is timed (CUDA graph and sampling
+included): per decode step, the device time of its kernels against the step's wall time (how
+busy the GPU is), summed by lowbit.bench.timing.kernel_category (GEMM, attention, ..., other), and the top
+kernels. On the CPU the same table holds aten operators' CPU time.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from lowbit.bench.timing import kernel_category
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 
-__all__ = ["MODES", "HF_SHAPES", "bench_rollout", "decode_step_ops", "format_rollout_rows",
-           "parse_modes"]
+__all__ = ["MODES", "HF_SHAPES", "bench_rollout", "decode_step_ops", "decode_step_profile",
+           "format_rollout_rows", "parse_modes"]
 
 # mode label -> (precision, rac_ratio)
 MODES = {"bf16": ("bf16", 0.0), "fp8": ("fp8", 0.0), "nvfp4-w4a16": ("nvfp4-w4a16", 0.0),
@@ -121,21 +127,24 @@ def _works(event) -> bool:
     return event.name not in _NO_WORK or any(_works(c) for c in event.cpu_children)
 
 
-def _profiled_ops(fn, device: torch.device) -> collections.Counter:
-    """What fn launches: GPU activities on CUDA, top-level working aten operators elsewhere."""
+def _profiled_ops(fn, device: torch.device) -> tuple[collections.Counter, collections.Counter]:
+    """What fn launches, by name: (counts, microseconds). GPU activities on CUDA (kernels run
+    from a CUDA graph included), top-level working aten operators elsewhere."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         fn()
         _sync(device)
-    counts = collections.Counter()
+    counts, micros = collections.Counter(), collections.Counter()
     for e in prof.events():
         if cuda:
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 counts[e.name] += 1
+                micros[e.name] += e.time_range.elapsed_us()
         elif e.cpu_parent is None and e.name.startswith("aten::") and _works(e):
             counts[e.name] += 1
-    return counts
+            micros[e.name] += e.cpu_time_total
+    return counts, micros
 
 
 def decode_step_ops(engine: RolloutEngine, prompt: list[int]) -> int:
@@ -145,13 +154,40 @@ def decode_step_ops(engine: RolloutEngine, prompt: list[int]) -> int:
     graphed, engine.cuda_graph = engine.cuda_graph, False
     try:
         engine.generate([prompt], SamplingParams(max_new_tokens=2))          # warm-up
-        two = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=2)),
-                            engine.device)
-        one = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=1)),
-                            engine.device)
+        two, _ = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=2)),
+                               engine.device)
+        one, _ = _profiled_ops(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=1)),
+                               engine.device)
     finally:
         engine.cuda_graph = graphed
     return sum(two.values()) - sum(one.values())
+
+
+def decode_step_profile(engine: RolloutEngine, prompts: list[list[int]], new_tokens: int,
+                        top: int = 12) -> dict:
+    """Where one decode step's device time goes, as the timed rows run it (CUDA graph and
+    sampling included): a new_tokens generate's profile minus a one-token generate's, per
+    decode step. {"busy_us": kernel time per step, "kernels_per_step", "classes": {class:
+    [us, count]}, "top": [[name, us, count], ...]} (on the CPU: aten operators' CPU time)."""
+    full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
+    engine.generate(prompts, full)                                             # warm-up
+    n_full, t_full = _profiled_ops(lambda: engine.generate(prompts, full), engine.device)
+    n_one, t_one = _profiled_ops(lambda: engine.generate(prompts, one), engine.device)
+    steps = new_tokens - 1
+    per = {name: ((t_full[name] - t_one[name]) / steps, (n_full[name] - n_one[name]) / steps)
+           for name in t_full}
+    classes: dict[str, list[float]] = {}
+    for name, (us, count) in per.items():
+        c = classes.setdefault(kernel_category(name), [0.0, 0.0])
+        c[0] += us
+        c[1] += count
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"busy_us": sum(us for us, _ in per.values()),
+            "kernels_per_step": sum(c for _, c in per.values()),
+            "classes": {k: [round(v[0], 2), round(v[1], 2)] for k, v in
+                        sorted(classes.items(), key=lambda kv: -kv[1][0])},
+            "top": [[name[:90], round(us, 2), round(c, 2)] for name, (us, c) in ranked]}
 
 
 def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one: float) -> dict:
@@ -164,11 +200,12 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
 def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
                   generate_baseline: bool = True, device: str = "cpu", say=print,
-                  save=None, compile_decode: bool = False) -> dict:
+                  save=None, compile_decode: bool = False, profile_steps: bool = False) -> dict:
     """Engine rows for every mode and batch size (with compile_decode, a compiled row too),
     then transformers' generate rows; returns {"rows", "bandwidth_bytes_per_s", "weight_bytes",
-    "limit_steps_per_s", "decode_step_ops", ...}. `save(result)`, if given, is called after
-    every row, so a run stopped early keeps what it measured."""
+    "limit_steps_per_s", "decode_step_ops", ...}; with profile_steps also "profiles" (label ->
+    batch -> decode_step_profile). `save(result)`, if given, is called after every row, so a
+    run stopped early keeps what it measured."""
     from lowbit.models.hf import config_from_hf
 
     dev = torch.device(device)
@@ -188,7 +225,8 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
               "limit_steps_per_s": None, "model": model, "prompt_len": prompt_len,
               "new_tokens": new_tokens, "batch_sizes": list(batch_sizes), "modes": list(modes),
               "decode_step_ops": {}, "decode_step_ops_unit": ("GPU kernels" if dev.type == "cuda"
-                                                               else "aten operators")}
+                                                               else "aten operators"),
+              "profiles": {}}
 
     def add(row: dict) -> None:
         rows.append(row)
@@ -222,6 +260,11 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
             if limit and mode == "bf16":
                 row["of_limit"] = row["decode_steps_per_s"] / limit
             add(row)
+            if profile_steps:
+                prof = decode_step_profile(engine, ids, new_tokens)
+                prof["step_us"] = 1e6 / row["decode_steps_per_s"]
+                result["profiles"].setdefault(label, {})[b] = prof
+                say(_profile_line(label, b, prof))
         if engine.graph_note:
             say(f"   {label}: {engine.graph_note}")
         if not (compiled and dev.type != "cuda"):
@@ -250,6 +293,14 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
                 t_one = _median_s(lambda: gen(1), dev, repeats)
                 add(_row("transformers generate", f"bf16, {cache} cache", b, new_tokens, t_full, t_one))
     return result
+
+
+def _profile_line(label: str, batch: int, prof: dict) -> str:
+    classes = ", ".join(f"{k} {us:.0f} us ({n:.0f})" for k, (us, n) in prof["classes"].items())
+    top = "; ".join(f"{name[:60]} {us:.1f} us x{n:.0f}" for name, us, n in prof["top"][:5])
+    return (f"   {label} batch {batch}: {prof['busy_us']:.0f} us busy of a {prof['step_us']:.0f} us "
+            f"decode step ({prof['busy_us'] / prof['step_us']:.0%}), {prof['kernels_per_step']:.0f} "
+            f"launches: {classes}\n      top: {top}")
 
 
 def _line(row: dict) -> str:
@@ -287,6 +338,18 @@ def format_rollout_rows(result: dict) -> str:
             best = max(theirs, key=lambda r: r["tokens_per_s"])
             out.append(f"- batch {b}: engine bf16 {ours['tokens_per_s'] / best['tokens_per_s']:.1f}x "
                        f"the tokens/s of generate ({best['mode']})")
+    if result.get("profiles"):
+        classes = list(dict.fromkeys(k for per in result["profiles"].values() for p in per.values()
+                                     for k in p["classes"]))
+        out += ["", "Per decode step (profiled as timed; us, launches in brackets):", "",
+                "| mode | batch | step us | busy us | busy | " + " | ".join(classes) + " |",
+                "|" + " --- |" + " ---: |" * (4 + len(classes))]
+        for label, per in result["profiles"].items():
+            for b, p in per.items():
+                cells = [f"{p['classes'][k][0]:.0f} ({p['classes'][k][1]:.0f})" if k in p["classes"] else "-"
+                         for k in classes]
+                out.append(f"| {label} | {b} | {p['step_us']:.0f} | {p['busy_us']:.0f} | "
+                           f"{p['busy_us'] / p['step_us']:.0%} | " + " | ".join(cells) + " |")
     if result.get("decode_step_ops"):
         out.append("")
         out.append(f"{result['decode_step_ops_unit'].capitalize()} per decode step (sampling included, "

@@ -14,7 +14,7 @@ import time
 import torch
 
 __all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "idle_gaps", "format_profiles",
-           "record_check"]
+           "record_check", "kernel_category"]
 
 
 def time_ms(fn, device: str) -> float:
@@ -56,8 +56,16 @@ _CATEGORIES = (
     # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
-    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas")),
+    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas",
+                          "aten::linear", "aten::mm", "aten::addmm")),   # the last: CPU operators
 )
+
+
+def kernel_category(name: str) -> str:
+    """The category a profile sums a GPU kernel (or a CPU aten operator) under: lowbit's
+    quantize or fold kernels, attention, fp8 gemm, gemm (bf16/fp32), or other."""
+    low = name.lower()
+    return next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
 
 
 def profile_step(step, dev: torch.device, top: int = 12) -> dict:
@@ -83,8 +91,7 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
             spans.append((event.time_range.start, event.time_range.end, event.name))
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
-        low = name.lower()
-        category = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+        category = kernel_category(name)
         by_category[category] = by_category.get(category, 0.0) + ms
     busy = sum(kernels.values())
     # the host side: CPU self time per op / runtime call (a device sync shows up as time in

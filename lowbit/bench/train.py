@@ -9,12 +9,15 @@ and lowbit.train's own step (TrainStep) runs on its batches: the optimizer's gro
 schedule, clipping, autocast, the FP8 fold policy (a redone step is timed and counted), and
 with --compile / --cuda-graph the compiled model and the CUDA graph. The median step time over
 --steps timed steps after --warmup untimed ones, and the peak allocated memory, are reported.
+With --interleave R the recipes' timed blocks take turns R times (every model kept on the
+device), so a slow drift of the machine cannot favour one recipe: what a 2% comparison needs.
 Speed targets are checked here, in a benchmark, never in unit tests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -29,14 +32,17 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
                 cuda_graph: bool = False, corpus: str | None = None,
-                progress=print) -> list[dict]:
+                progress=print, interleave: int = 1) -> list[dict]:
     """Each recipe's median step time and peak memory on the same model (seeded init) and the
     same batches, timing lowbit.train's own step (TrainStep: its optimizer groups, schedule,
     clipping, autocast, fold policy and CUDA graph), built as `lowbit train` builds a run.
     corpus None: one batch of random tokens, every step (the preset's vocabulary); a corpus
     name (lowbit.data, byte tokens, as `lowbit train --tokenizer bytes` reads it; the model's
     vocabulary is then 256): step i trains on that corpus's batch i, so the gradients are those
-    of text (the FP8 folds' redo count depends on them)."""
+    of text (the FP8 folds' redo count depends on them). interleave R > 1: every model is built
+    first and kept, and R blocks of `steps` timed steps take turns across the recipes; the
+    median is over all R * steps, "block_ms" holds each block's median (the spread a repeat
+    shows), and peak memory is not reported (the models share the device)."""
     from lowbit.models import is_model_folder
     from lowbit.recipes import get_recipe
     from lowbit.train import TrainConfig
@@ -46,7 +52,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     from lowbit.train.distributed import Distributed
     from lowbit.train.step import TrainStep, refuse_cuda_graph
 
-    for flag, value, least in (("--steps", steps, 1), ("--warmup", warmup, 0),
+    for flag, value, least in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--interleave", interleave, 1),
                                ("--seq-len", seq_len, 1), ("--batch-size", batch_size, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} (got {value})")
@@ -55,9 +61,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
             get_recipe(name)  # refuse an unknown recipe before building anything
     dev = resolve_device(device)
     process = Distributed(device=dev)   # one process: the benchmark is not run under torchrun
-    total = warmup + steps
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
-                       max_steps=total + (1 if profile else 0), warmup_steps=min(warmup, 1),
+                       max_steps=warmup + steps * interleave + (1 if profile else 0),
+                       warmup_steps=min(warmup, 1),
                        compile=compile, cuda_graph=cuda_graph, device=str(dev),
                        corpus=corpus or "tinyshakespeare",
                        tokenizer="model" if is_model_folder(model) else "bytes", progress=False,
@@ -66,8 +72,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     vocab_size = data.vocab_size if data is not None else None
     if cuda_graph:
         refuse_cuda_graph(process, moe=model_config(base).is_moe)
-    rows = []
-    for name in recipes:
+    units = []
+
+    def build(name: str) -> dict:
         qat = qat_setting(name)
         config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
@@ -84,50 +91,79 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         optimizer = build_optimizer(net, config, dev)
         step_fn = TrainStep(net, optimizer, config, process)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
+        unit = {"name": name, "net": net, "results": [], "blocks": [], "times": []}
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
                 return data.train_batch(i)
             return tokens[:, :-1], tokens[:, 1:]
 
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        results = []
-
         def step():
+            results = unit["results"]
             i = len(results)
             results.append(step_fn(i, *batch(i)))
             if hook is not None:
                 hook(i + 1)   # JacQuant's refit of B, on the steps the training loop runs it
             return results[-1]
 
-        for _ in range(warmup):
-            step()
+        unit["step"] = step
+        return unit
+
+    def timed_block(unit: dict) -> None:
         times = []
         for _ in range(steps):
             sync(dev)
             t0 = time.perf_counter()
-            result = step()
+            result = unit["step"]()
             sync(dev)
             times.append(time.perf_counter() - t0 - result.capture_s)
+        unit["times"] += times
+        unit["blocks"].append(statistics.median(times) * 1e3)
+
+    def finish(unit: dict) -> dict:
+        times, results, net = unit["times"], unit["results"], unit["net"]
         step_s = statistics.median(times)
         redone = [i + 1 for i, r in enumerate(results)
                   if any(rec["event"] == "fold_redo" for rec in r.records)]
-        row = {"recipe": name, "step_ms": step_s * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
+        row = {"recipe": unit["name"], "step_ms": step_s * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
                "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
-                                if dev.type == "cuda" else None),
-               "loss": result.loss, "device": str(dev), "model": model,
+                                if dev.type == "cuda" and interleave == 1 else None),
+               "loss": results[-1].loss, "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
                "cuda_graph": cuda_graph, "corpus": corpus,
                "fold_redo_steps": len(redone), "steps_run": len(results),
-               "fold_redo_at": redone}
+               "fold_redo_at": redone, "block_ms": unit["blocks"]}
         if profile and dev.type == "cuda":
-            row["profile"] = profile_step(step, dev)
-        rows.append(row)
-        progress(f"{name}: {row['step_ms']:.1f} ms/step")
-        net = optimizer = step_fn = None   # free this recipe's GPU memory
+            row["profile"] = profile_step(unit["step"], dev)
+        progress(f"{unit['name']}: {row['step_ms']:.1f} ms/step"
+                 + (f" (blocks {', '.join(f'{b:.1f}' for b in unit['blocks'])})" if interleave > 1 else ""))
+        return row
+
+    rows = []
+    if interleave == 1:   # one model alive at a time: its peak memory is its own
+        for name in recipes:
+            unit = build(name)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            for _ in range(warmup):
+                unit["step"]()
+            timed_block(unit)
+            rows.append(finish(unit))
+            unit = None
+            gc.collect()   # free this recipe's GPU memory (its step closure and unit form a cycle)
+    else:                 # every model alive; the timed blocks take turns, so drift hits all alike
+        units = [build(name) for name in recipes]
+        for unit in units:
+            for _ in range(warmup):
+                unit["step"]()
+        for _ in range(interleave):
+            for unit in units:
+                timed_block(unit)
+        rows = [finish(unit) for unit in units]
+        units = None
+        gc.collect()
     base_row = rows[0]
     for row in rows:
         row["time_vs_base"] = row["step_ms"] / base_row["step_ms"]
