@@ -140,8 +140,9 @@ def add_arguments(parser) -> None:
     o.add_argument("--new-tokens", type=int, default=None, help="(default: 128 on CUDA, 8 on the CPU)")
     o.add_argument("--repeats", type=int, default=3, help="timed calls per row, median (default: 3)")
     o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
-    o.add_argument("--compile", action="store_true",
-                   help="also time every mode with its decode step compiled (torch.compile)")
+    o.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="also time every mode with its decode step compiled (torch.compile; "
+                        "MODE: default or max-autotune-no-cudagraphs)")
     o.add_argument("--profile", action="store_true",
                    help="also profile each engine row: per decode step, how busy the device is "
                         "and which kernels take the time")
@@ -306,7 +307,11 @@ def run_rollout(args) -> None:
     from lowbit.bench.rollout import bench_rollout, format_rollout_rows, parse_modes
     from lowbit.train.config import resolve_device
 
+    from lowbit.rl.engine import COMPILE_MODES
+
     modes = parse_modes(args.modes)
+    if args.compile is not None and args.compile not in COMPILE_MODES:
+        raise ValueError(f"--compile {args.compile!r}: use one of {', '.join(COMPILE_MODES)}")
     device = str(resolve_device(args.device))
     gpu = device.startswith("cuda")
     batches = _positive_ints(args.batch_sizes or ("1,8,32,128" if gpu else "1,2"), "--batch-sizes")
@@ -323,7 +328,7 @@ def run_rollout(args) -> None:
     result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
                            prompt_len, new_tokens, args.repeats, not args.no_generate, device,
                            save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
-                           compile_decode=args.compile, profile_steps=args.profile)
+                           compile_decode=args.compile or False, profile_steps=args.profile)
     print(format_rollout_rows(result))
 
 

@@ -18,7 +18,8 @@ Rows: the engine in every precision mode (bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 +
 Hopper the FP4 modes emulate their numerics on BF16 GEMMs, so their speed is not FP4's), and
 transformers' `generate` with its dynamic and its static cache. Medians of --repeats calls.
 With --compile every engine mode gets a second row, its decode step compiled by torch.compile
-(`RolloutEngine(compile_decode=True)`), mode labelled `<mode> compiled`.
+(`RolloutEngine(compile_decode=True)`), mode labelled `<mode> compiled`; --compile MODE picks
+torch.compile's mode (max-autotune-no-cudagraphs: `<mode> compiled max-autotune-no-cudagraphs`).
 
 Beside each engine mode: the work one decode step launches (sampling included), counted by
 torch.profiler on an uncaptured step at batch 1 (the same kernels its CUDA graph replays): on
@@ -200,7 +201,7 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
 def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
                   generate_baseline: bool = True, device: str = "cpu", say=print,
-                  save=None, compile_decode: bool = False, profile_steps: bool = False) -> dict:
+                  save=None, compile_decode: bool | str = False, profile_steps: bool = False) -> dict:
     """Engine rows for every mode and batch size (with compile_decode, a compiled row too),
     then transformers' generate rows; returns {"rows", "bandwidth_bytes_per_s", "weight_bytes",
     "limit_steps_per_s", "decode_step_ops", ...}; with profile_steps also "profiles" (label ->
@@ -236,11 +237,12 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
 
     full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
-    runs = [(mode, compiled) for mode in modes for compiled in ((False, True) if compile_decode
+    runs = [(mode, compiled) for mode in modes for compiled in ((False, compile_decode) if compile_decode
                                                                   else (False,))]
     for mode, compiled in runs:
         precision, rac = MODES[mode]
-        label = f"{mode} compiled" if compiled else mode
+        label = mode if not compiled else (f"{mode} compiled" if compiled in (True, "default")
+                                           else f"{mode} compiled {compiled}")
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
                                max_seq_len=seq_len, compile_decode=compiled)
         engine.load_state_dict(state)

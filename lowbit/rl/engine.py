@@ -40,7 +40,11 @@ from lowbit.models.config import ModelConfig
 from lowbit.rl.precision import EngineLinear, Precision, parse_precision
 from lowbit.rl.sampling import SamplingParams, sample_next
 
-__all__ = ["RolloutEngine", "Rollout"]
+__all__ = ["RolloutEngine", "Rollout", "COMPILE_MODES"]
+
+# torch.compile modes a decode step may be compiled with (compile_decode): those without
+# inductor's own CUDA graphs, since the engine captures the step itself
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -95,14 +99,17 @@ class RolloutEngine:
                  rac_ratio: float = 0.0, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, max_batch_size: int = 64,
                  max_seq_len: int | None = None, cuda_graph: bool | None = None,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool | str = False) -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); precision: bf16, fp8,
         nvfp4-w4a16 or nvfp4; rac_ratio: the fraction of input channels RAC compensates (nvfp4
         only); dtype: compute dtype (default bf16 on CUDA, float32 elsewhere); max_batch_size
         and max_seq_len (default config.max_seq_len): the KV cache's size, allocated here;
         cuda_graph: replay decode steps from CUDA graphs (default: on CUDA, dense models);
         compile_decode: compile the decode step with torch.compile (inductor, compiled once per
-        batch size; on CUDA before its graph is captured; dense models only)."""
+        batch size; on CUDA before its graph is captured; dense models only); True for
+        torch.compile's default mode, or a mode's name (e.g. "max-autotune-no-cudagraphs", which
+        autotunes the GEMMs and may fuse their epilogues; the engine captures the graph itself,
+        so modes that add inductor's own CUDA graphs are refused)."""
         self.config = config
         self.precision = parse_precision(precision)
         if not 0.0 <= rac_ratio <= 1.0:
@@ -127,6 +134,9 @@ class RolloutEngine:
         if compile_decode and config.is_moe:
             raise ValueError("compile_decode needs a dense model (MoE expert grouping reads "
                              "counts back to the host)")
+        if isinstance(compile_decode, str) and compile_decode not in COMPILE_MODES:
+            raise ValueError(f"compile_decode mode {compile_decode!r}: use one of "
+                             f"{', '.join(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
         self.compile_decode = compile_decode
         self._compiled_decode = None
         self.cos, self.sin_signed = _rope_tables(config, self.device, self.dtype)
@@ -315,7 +325,9 @@ class RolloutEngine:
             return self._decode
         if self._compiled_decode is None:
             # inductor without its own CUDA graphs: the engine captures the step itself
-            self._compiled_decode = torch.compile(self._decode, dynamic=False)
+            mode = None if self.compile_decode is True else self.compile_decode
+            self._compiled_decode = torch.compile(self._decode, dynamic=False,
+                                                  mode=None if mode == "default" else mode)
         return self._compiled_decode
 
     def _moe(self, i: int, layer: _Layer, h: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
