@@ -269,3 +269,5 @@ def test_compiled_decode_equals_eager_and_survives_weight_sync():
     assert counters["frames"]["total"] == frames + 1        # compiled once, for batch 4
     with pytest.raises(ValueError, match="compile_decode needs a dense model"):
         RolloutEngine(_model(True)[0], compile_decode=True)
+    with pytest.raises(ValueError, match="captures its own CUDA graphs"):
+        RolloutEngine(cfg, compile_decode="reduce-overhead")
