@@ -3,8 +3,8 @@
     python benchmarks/qat_experiment.py --out DIR [--pretrain-minutes 4] [--qat-minutes 4.5] \
         [--settings int2:g64/ste/0,int2:g64/jacquant/0,...] [--smoke]
 
-1. `lowbit bench train` times ste against jacquant (K = 100) on the pretraining model, alone
-   on the device (the overhead the issue asks for);
+1. `lowbit bench train --interleave` times ste against jacquant (K = 100) on the pretraining
+   model's shape, alone on the device, in blocks that take turns (the overhead the issue asks for);
 2. `lowbit train --recipe bf16` pretrains the model (pycode by default) for as many steps as
    fit --pretrain-minutes (measured on the first steps of the run itself: the schedule is set
    from a 30-step probe);
@@ -47,19 +47,30 @@ def lowbit(*args: str) -> list[str]:
     return [sys.executable, "-m", "lowbit", *args]
 
 
-def parse_setting(text: str) -> tuple[QATConfig, int, str]:
-    """'WEIGHTS/ESTIMATOR/SEED[/OPTION...]' -> (its QATConfig, the seed, a run name); the options
-    are lowbit.qat.parse_qat_spec's (kK, epsE, probe|dither|both, elem, upd, learned, mse)."""
+def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
+    """'WEIGHTS/ESTIMATOR/SEED[/OPTION...]' -> (its QATConfig, the seed, its own learning rate or
+    None for --qat-lr, a run name); the options are lowbit.qat.parse_qat_spec's (kK, epsE,
+    probe|dither|both, elem, upd, learned, mse) and lrX (this setting's peak LR, e.g. lr7e-5)."""
     parts = text.strip().split("/")
     if len(parts) < 3 or not parts[2].isdigit():
         raise SystemExit(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "
                          "int2:g64/jacquant/0/elem")
+    lr = None
+    options = []
+    for option in parts[3:]:
+        if option.startswith("lr"):
+            try:
+                lr = float(option[2:])
+            except ValueError:
+                raise SystemExit(f"setting {text!r}: {option!r} is no learning rate; write e.g. lr7e-5") from None
+        else:
+            options.append(option)
     try:
-        config = parse_qat_spec("/".join(parts[:2] + parts[3:]))
+        config = parse_qat_spec("/".join(parts[:2] + options))
     except ValueError as e:
         raise SystemExit(f"setting {text!r}: {e}") from None
     name = "-".join([parts[0].replace(":", ""), parts[1], *parts[3:], f"s{parts[2]}"])
-    return config, int(parts[2]), name
+    return config, int(parts[2]), lr, name
 
 
 def same_quantizer(a: QATConfig, b: QATConfig) -> bool:
@@ -87,6 +98,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for runs, logs and the summary")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS)
     ap.add_argument("--pretrain-minutes", type=float, default=4.0)
+    ap.add_argument("--pretrain-steps", type=int, default=None,
+                    help="pretrain exactly this many steps (default: as many as fit --pretrain-minutes)")
     ap.add_argument("--qat-minutes", type=float, default=4.5)
     ap.add_argument("--qat-steps", type=int, default=300)
     ap.add_argument("--qat-lr", type=float, default=5e-4)
@@ -95,12 +108,12 @@ def main() -> None:
                     "--lr 1e-3 --eval-batches 16")
     ap.add_argument("--skip-overhead", action="store_true",
                     help="skip step 1 (the ste/jacquant step-time benchmark)")
-    ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste,qat/int2:g64/jacquant/k100,"
-                    "qat/int2:g64/ste/mse,qat/int2:g64/jacquant/k100/elem/mse,qat/int2:g64/ste,"
-                    "qat/int2:g64/jacquant/k100",
-                    help="lowbit bench train --recipes of step 1; ste and jacquant alternate, so "
-                         "the device's drift over the benchmark shows as a difference between repeats")
-    ap.add_argument("--overhead-steps", type=int, default=100)
+    ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste/mse,"
+                    "qat/int2:g64/jacquant/k100/elem/mse,qat/int2:g64/jacquant/k100/elem/mse/upd",
+                    help="lowbit bench train --recipes of step 1, timed in interleaved blocks")
+    ap.add_argument("--overhead-steps", type=int, default=25, help="timed steps per block")
+    ap.add_argument("--overhead-blocks", type=int, default=4,
+                    help="blocks per setting, taking turns (lowbit bench train --interleave)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     out = Path(args.out)
@@ -121,6 +134,7 @@ def main() -> None:
                 else args.overhead_settings)
     bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else str(args.overhead_steps),
              "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
+             "--interleave", "2" if args.smoke else str(args.overhead_blocks),
              "--batch-size", "2" if args.smoke else "16", "--device", device, "--json", str(bench_json)]
     if not args.skip_overhead:
         r = subprocess.run(lowbit(*bench), env=env, capture_output=True, text=True)
@@ -132,6 +146,8 @@ def main() -> None:
             "--no-diagnostics", "--no-progress"]
     if args.smoke:
         steps = 20
+    elif args.pretrain_steps:
+        steps = args.pretrain_steps
     else:
         probe = time.time()
         subprocess.run(lowbit(*base, "--steps", "30", "--warmup-steps", "5", "--eval-every", "0",
@@ -151,14 +167,14 @@ def main() -> None:
     # 3. QAT, every setting at once, plus the baselines
     procs = []
     qat_dir = out / "qat"
-    common = ["qat", "--from", str(source), "--steps", str(args.qat_steps), "--lr", str(args.qat_lr),
+    common = ["qat", "--from", str(source), "--steps", str(args.qat_steps),
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
               "--out-dir", str(qat_dir), "--no-progress"]
-    for config, seed, name in settings:
+    for config, seed, lr, name in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
-            lowbit(*common, *config_flags(config), "--seeds", str(seed),
+            lowbit(*common, *config_flags(config), "--seeds", str(seed), "--lr", str(lr or args.qat_lr),
                    "--no-baselines", "--run-name", name),
             env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.time() + args.qat_minutes * 60
@@ -171,10 +187,10 @@ def main() -> None:
     # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
     # to the QAT runs' on the device
     baseline_procs = []
-    for weights in sorted({config.weights for config, _, _ in settings}):
+    for weights in sorted({config.weights for config, _, _, _ in settings}):
         log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
         baseline_procs.append(subprocess.Popen(
-            lowbit(*common, "--weights", weights, "--baselines-only", "--run-name",
+            lowbit(*common, "--lr", str(args.qat_lr), "--weights", weights, "--baselines-only", "--run-name",
                    f"baselines-{weights.replace(':', '')}"), env=env, stdout=log, stderr=subprocess.STDOUT))
     for p in baseline_procs:
         p.wait()
@@ -186,7 +202,7 @@ def main() -> None:
     rows = []
     bf16 = baselines.get("bf16")
     reached = {}
-    for config, seed, name in settings:
+    for config, seed, lr, name in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
         ev = last_eval(runs_of[0]) if runs_of else None
         if ev and ev["step"] > 0:
@@ -194,16 +210,17 @@ def main() -> None:
     common = min(reached.values()) if reached else None   # every run that trained got this far
     meta["compared_at_step"] = common
     failed = {}
-    for config, seed, name in settings:
+    for config, seed, lr, name in settings:
         if name not in reached:
             log = out / f"{name}.log"
             failed[name] = log.read_text()[-1500:] if log.is_file() else "no log"
     meta["failed"] = failed
-    for config, seed, name in settings:
+    for config, seed, lr, name in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
         ev = last_eval(runs_of[0], common) if runs_of and name in reached else None
         rows.append({"setting": name, "weights": config.weights, "estimator": config.estimator,
-                     "seed": seed, "config": config.to_dict(), "flags": config_flags(config),
+                     "seed": seed, "lr": lr or args.qat_lr, "config": config.to_dict(),
+                     "flags": config_flags(config),
                      "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
                      "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
                      "b_first": ev and ev.get("b_first"), "b_last": ev and ev.get("b_last")})
@@ -218,14 +235,15 @@ def main() -> None:
     ratios = []
     for r in rows:
         control = next((x for x in rows if x["weights"] == "bf16" and x["seed"] == r["seed"]
-                        and x["val_loss"] is not None), None)
+                        and x["lr"] == args.qat_lr and x["val_loss"] is not None), None)
         r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
     for r in rows:
-        if r["estimator"] != "ste" and r["gap_control"] is not None and r["weights"] != "bf16":
+        if ((r["estimator"] != "ste" or r["lr"] != args.qat_lr) and r["gap_control"] is not None
+                and r["weights"] != "bf16"):
             # the STE run with the same forward quantizer: same format, seed and scale options
             mine = QATConfig.from_dict(r["config"])
             ste = next((x for x in rows if x["estimator"] == "ste" and x["seed"] == r["seed"]
-                        and x["gap_control"] is not None
+                        and x["gap_control"] is not None and x["lr"] == args.qat_lr
                         and same_quantizer(QATConfig.from_dict(x["config"]), mine)), None)
             if ste and ste["gap_control"] > 0:
                 ratios.append({"run": r["setting"], "ste": ste["setting"],
