@@ -56,7 +56,8 @@ _CATEGORIES = (
     # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
-    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas",
+    # triton_tem_*: inductor's GEMM templates (max-autotune), epilogues fused in
+    ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas", "triton_tem",
                           "aten::linear", "aten::mm", "aten::addmm")),   # the last: CPU operators
 )
 
