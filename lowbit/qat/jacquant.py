@@ -1,6 +1,8 @@
 """JacQuant's surrogate B of the quantizer's Jacobian: the fit, and its statistics.
 
-B replaces the STE's identity in backward, dL/dW ≈ B ⊙ dL/dŴ (lowbit.qat.quantizer). It is
+B replaces the STE's identity in backward, dL/dW ≈ B ⊙ dL/dŴ (lowbit.qat.quantizer), or, with
+JacQuantConfig.b_on = "update", scales each optimizer step's change of W instead (AdamW
+divides a gradient-side B that holds still back out; lowbit.qat.layers.refresh_hook). It is
 fit every K steps from finite differences of the forward quantizer Q itself, at a
 perturbation of eps quantization steps:
 - probe:  Δ = eps * step * u with u uniform in [-1, 1] (a random sign and size per weight);
