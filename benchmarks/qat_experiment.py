@@ -53,7 +53,7 @@ def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
     probe|dither|both, elem, upd, learned, mse) and lrX (this setting's peak LR, e.g. lr7e-5)."""
     parts = text.strip().split("/")
     if len(parts) < 3 or not parts[2].isdigit():
-        raise SystemExit(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "
+        raise ValueError(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "
                          "int2:g64/jacquant/0/elem")
     lr = None
     options = []
@@ -62,13 +62,13 @@ def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
             try:
                 lr = float(option[2:])
             except ValueError:
-                raise SystemExit(f"setting {text!r}: {option!r} is no learning rate; write e.g. lr7e-5") from None
+                raise ValueError(f"setting {text!r}: {option!r} is no learning rate; write e.g. lr7e-5") from None
         else:
             options.append(option)
     try:
         config = parse_qat_spec("/".join(parts[:2] + options))
     except ValueError as e:
-        raise SystemExit(f"setting {text!r}: {e}") from None
+        raise ValueError(f"setting {text!r}: {e}") from None
     name = "-".join([parts[0].replace(":", ""), parts[1], *parts[3:], f"s{parts[2]}"])
     return config, int(parts[2]), lr, name
 
@@ -116,6 +116,11 @@ def main() -> None:
                     help="blocks per setting, taking turns (lowbit bench train --interleave)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
+    try:   # every setting is checked before anything is created or run
+        settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
+    except ValueError as e:
+        print(f"qat_experiment.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -124,7 +129,6 @@ def main() -> None:
     if args.smoke:
         model_args = ["--model", "tiny", "--seq-len", "64", "--batch-size", "8"]
         args.qat_steps = 6
-    settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]   # before any work
     t0 = time.time()
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
 

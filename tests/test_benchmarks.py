@@ -141,3 +141,13 @@ def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env,
     assert not list(tmp_path.glob("*/checkpoints"))          # deleted after the runs
     assert module.main(["--out", str(tmp_path), "--smoke", "--seeds", "0",
                         "--diag-seed", "1"]) == 2
+
+
+def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path):
+    out = tmp_path / "never"
+    for bad, says in (("int2:g64/ste/0/fast", "unknown option 'fast'"),
+                      ("int2:g64/ste/x", "WEIGHTS/ESTIMATOR/SEED"), ("int2:g64/ste/0/lrx", "no learning rate")):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_experiment.py"), "--out", str(out),
+                            "--settings", f"bf16/ste/0,{bad}"], capture_output=True, text=True)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists()
