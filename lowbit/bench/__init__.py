@@ -144,7 +144,7 @@ def add_arguments(parser) -> None:
                    help="also time every mode with its decode step compiled (torch.compile; "
                         "MODE: default or max-autotune-no-cudagraphs)")
     o.add_argument("--profile", action="store_true",
-                   help="also profile each engine row: per decode step, how busy the device is "
+                   help="also profile each engine row: per decode step, how busy the GPU is "
                         "and which kernels take the time")
     o.add_argument("--device", default="auto")
     o.add_argument("--json", metavar="PATH", help="also write {meta, rows, limit} as JSON")

@@ -28,7 +28,7 @@ and no-op casts left out; a compiled step's fused kernels are no aten operators,
 CPU its count is left out).
 
 With --profile, each engine row is also profiled as it is timed (CUDA graph and sampling
-included): per decode step, the device time of its kernels against the step's wall time (how
+included): per decode step, the GPU time of its kernels against the step's wall time (how
 busy the GPU is), summed by lowbit.bench.timing.kernel_category (GEMM, attention, ..., other), and the top
 kernels. On the CPU the same table holds aten operators' CPU time.
 """
@@ -166,7 +166,7 @@ def decode_step_ops(engine: RolloutEngine, prompt: list[int]) -> int:
 
 def decode_step_profile(engine: RolloutEngine, prompts: list[list[int]], new_tokens: int,
                         top: int = 12) -> dict:
-    """Where one decode step's device time goes, as the timed rows run it (CUDA graph and
+    """Where one decode step's GPU time goes, as the timed rows run it (CUDA graph and
     sampling included): a new_tokens generate's profile minus a one-token generate's, per
     decode step. {"busy_us": kernel time per step, "kernels_per_step", "classes": {class:
     [us, count]}, "top": [[name, us, count], ...]} (on the CPU: aten operators' CPU time)."""
