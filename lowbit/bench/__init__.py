@@ -305,9 +305,8 @@ def run_recipes(args) -> None:
 
 def run_rollout(args) -> None:
     from lowbit.bench.rollout import bench_rollout, format_rollout_rows, parse_modes
-    from lowbit.train.config import resolve_device
-
     from lowbit.rl.engine import COMPILE_MODES
+    from lowbit.train.config import resolve_device
 
     modes = parse_modes(args.modes)
     if args.compile is not None and args.compile not in COMPILE_MODES:

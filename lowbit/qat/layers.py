@@ -100,8 +100,8 @@ class FakeQuantWeight(nn.Module):
     @torch.no_grad()
     def scale_update(self, weight: torch.Tensor) -> None:
         """B on the update: W <- W_prev + B * (W - W_prev), after an optimizer step changed W."""
-        step = times_b(weight.float() - self.prev.float(), self.b)
-        weight.copy_(self.prev.float() + step)
+        prev = self.prev.float()
+        weight.copy_(prev + times_b(weight.float() - prev, self.b))
         self.prev.copy_(weight)
 
     @torch.no_grad()
@@ -316,12 +316,14 @@ def refresh_hook(model: nn.Module, config: QATConfig, seed: int):
     if config.estimator != "jacquant":
         return None
     every = config.jacquant.refresh_every
-    on_update = config.jacquant.b_on == "update"
+    # B on the update: each prepared weight and its fake quantizer, found once, not every step
+    scaled = ([(module.parametrizations[pname].original, fq)
+               for _, module, pname, fq in fake_quantizers(model)]
+              if config.jacquant.b_on == "update" else [])
 
     def hook(step: int):
-        if on_update:
-            for _, module, pname, fq in fake_quantizers(model):
-                fq.scale_update(module.parametrizations[pname].original)
+        for weight, fq in scaled:
+            fq.scale_update(weight)
         # refit after steps 1, 1 + K, ...; record input moments only during the step before
         if step % every == 0 or every == 1:
             _set_observing(model, True)
