@@ -10,7 +10,7 @@
    from a 30-step probe);
 3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS]
    (lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
-   upd (B on the update), learned, mse (MSE scales)),
+   upd (B on the update), learned, mse (MSE scales), kd[A] (distillation from the BF16 model)),
    all at once on the same device, each with the same steps, data order per seed and tokens;
    a process still running at the deadline is stopped and its last evaluation used; then one
    `--baselines-only` process per weight format (RTN, GPTQ), so their memory never adds to the
@@ -50,7 +50,7 @@ def lowbit(*args: str) -> list[str]:
 def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
     """'WEIGHTS/ESTIMATOR/SEED[/OPTION...]' -> (its QATConfig, the seed, its own learning rate or
     None for --qat-lr, a run name); the options are lowbit.qat.parse_qat_spec's (kK, epsE,
-    probe|dither|both, elem, upd, learned, mse) and lrX (this setting's peak LR, e.g. lr7e-5)."""
+    probe|dither|both, elem, upd, learned, mse, kd[A]) and lrX (this setting's peak LR, e.g. lr7e-5)."""
     parts = text.strip().split("/")
     if len(parts) < 3 or not parts[2].isdigit():
         raise ValueError(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "

@@ -24,13 +24,14 @@ def test_bench_train_rows_and_table():
 
 def test_bench_train_interleave_times_blocks_in_turns():
     order = []
-    rows = bench_train("tiny", ["bf16", "qat/int2:g32/jacquant/k2/elem/upd"], seq_len=16, batch_size=1,
-                       steps=1, warmup=1, interleave=3, progress=order.append)
+    rows = bench_train("tiny", ["bf16", "qat/int2:g32/jacquant/k2/elem/upd", "qat/int2:g32/ste/kd"],
+                       seq_len=16, batch_size=1, steps=1, warmup=1, interleave=3, progress=order.append)
     for r in rows:   # one untimed step, then three timed blocks of one step each
         assert len(r["block_ms"]) == 3 and r["steps_run"] == 4
         assert r["step_ms"] == pytest.approx(sorted(r["block_ms"])[1])   # the median of the three
         assert r["peak_mem_gib"] is None   # the models shared the device
-    assert [m.split(":")[0] for m in order] == ["bf16", "qat/int2"]
+    assert [m.split(":")[0] for m in order] == ["bf16", "qat/int2", "qat/int2"]
+    assert rows[2]["recipe"].endswith("/kd")   # distilled: a teacher's forward in every step
 
 
 def test_bench_cli_json_and_errors(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """lowbit.qat: the forward quantizers, the estimators' gradients, JacQuant's fit, prepare ->
 convert -> save/load bit for bit, GPTQ against RTN, and `lowbit qat`."""
 
+import json
 import math
 import subprocess
 import sys
@@ -179,13 +180,16 @@ def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     jq = spec.jacquant
     assert (jq.refresh_every, jq.eps, jq.estimate, jq.per_element, jq.b_on) == (50, 0.25, "dither", True, "update")
     assert spec.scale_init == "mse" and parse_qat_spec("int2:g64/lsq/learned").learn_scales
+    assert parse_qat_spec("int2:g64/ste/kd").distill == 1.0
+    assert parse_qat_spec("int2:g64/ste/kd0.5").distill == 0.5
     for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
-                 "seq2:g32/jacquant/both/learned"):
+                 "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd"):
         config = parse_qat_spec(text)
         args = build_parser().parse_args(["qat", *config_flags(config)])
         assert job_from_args(args).configs == [config], text
     for bad, says in (("int2", "WEIGHTS/ESTIMATOR"), ("int2:g64/ste/fast", "unknown option 'fast'"),
-                      ("int2:g64/magic", "unknown estimator"), ("int2:g64/jacquant/kx", "unknown option 'kx'")):
+                      ("int2:g64/magic", "unknown estimator"), ("int2:g64/jacquant/kx", "unknown option 'kx'"),
+                      ("int2:g64/ste/kd2", "--distill must be in"), ("int2:g64/ste/kdx", "unknown option 'kdx'")):
         with pytest.raises(ValueError, match=says):
             parse_qat_spec(bad)
 
@@ -242,6 +246,67 @@ def test_prepare_refuses_before_changing_anything():
             parse_weight_format(bad)
 
 
+def test_distillation_kl_against_its_formula():
+    from lowbit.qat import distillation_kl
+
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, generator=g) * 3, torch.randn(2, 5, 11, generator=g) * 3
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    targets[0, 1] = targets[1, 4] = -100
+    for temperature in (1.0, 2.0):
+        total, n = 0.0, 0
+        for b in range(2):
+            for t in range(5):
+                if targets[b, t] == -100:
+                    continue
+                p = torch.softmax(teacher[b, t].double() / temperature, -1)
+                q = torch.softmax(student[b, t].double() / temperature, -1)
+                total += float((p * (p.log() - q.log())).sum())
+                n += 1
+        expected = total / n * temperature ** 2
+        got = distillation_kl(student, teacher, targets, temperature)
+        assert got.dtype == torch.float32 and abs(got.item() - expected) < 1e-5 * max(1, expected)
+    assert distillation_kl(student, student.clone(), targets).abs().item() < 1e-6
+    # bf16 logits are matched in float32; a batch with no targets contributes 0 (and a graph)
+    assert abs(distillation_kl(student.bfloat16(), teacher.bfloat16(), targets).item()
+               - distillation_kl(student.bfloat16().float(), teacher.bfloat16().float(), targets).item()) < 1e-6
+    empty = distillation_kl(student.requires_grad_(), teacher, torch.full((2, 5), -100))
+    assert empty.item() == 0 and empty.requires_grad
+
+
+def test_distillation_is_the_step_objective_and_leaves_the_teacher_alone():
+    """TrainStep with a Distillation objective: a student identical to its teacher has loss 0 at
+    alpha 1 and (1 - alpha) * CE at alpha < 1; gradients reach the student only."""
+    import copy
+
+    from lowbit.models import ModelConfig, Transformer
+    from lowbit.qat import Distillation
+    from lowbit.train.build import build_optimizer
+    from lowbit.train.config import TrainConfig
+    from lowbit.train.distributed import Distributed
+    from lowbit.train.step import TrainStep
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        ce = model(x, y).loss.item()
+    config = TrainConfig(batch_size=2, seq_len=8, lr=1e-3, warmup_steps=1, max_steps=2, device="cpu")
+    for alpha, expected in ((1.0, 0.0), (0.25, 0.75 * ce)):
+        student, teacher = copy.deepcopy(model), copy.deepcopy(model)
+        objective = Distillation(teacher, alpha)
+        step = TrainStep(student, build_optimizer(student, config, torch.device("cpu")), config,
+                         Distributed(device=torch.device("cpu")), objective=objective)
+        result = step(0, x, y)
+        assert abs(result.loss - expected) < 1e-5, (alpha, result.loss, expected)
+        assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(teacher.state_dict().values(), model.state_dict().values()))
+        assert alpha == 1 or any(not torch.equal(a, b) for a, b in
+                                 zip(student.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match="0 < alpha <= 1"):
+        Distillation(model, 0.0)
+
+
 def _lowbit(*args, **kw):
     return subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=True, text=True, **kw)
 
@@ -258,6 +323,14 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
         assert f"| {method} |" in out
     assert list(tmp_path.glob("qat-*/qat.png"))
+    # --distill: the same base (cached), the run labelled and its config recording it
+    assert main(["qat", "--estimator", "ste", "--distill", "0.5", "--distill-temperature", "2",
+                 "--steps", "2", "--base-steps", "6", "--eval-every", "2", "--no-baselines",
+                 "--out-dir", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
+    assert "| ste+kd0.5 |" in capsys.readouterr().out
+    (run,) = tmp_path.glob("qat-*-ste+kd0.5")
+    qat = json.loads((run / "config.json").read_text())["qat"]
+    assert (qat["distill"], qat["distill_temperature"]) == (0.5, 2.0)
 
 
 def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():

@@ -16,6 +16,7 @@ Speed targets are checked here, in a benchmark, never in unit tests.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import statistics
@@ -79,17 +80,19 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
         net = build_model(config, vocab_size)
-        hook = None
+        hook = objective = None
         if qat is not None:
-            from lowbit.qat import prepare, refresh_hook
+            from lowbit.qat import distillation, prepare, refresh_hook
 
+            if qat.distill:   # the teacher: the model as it was before QAT, on the device
+                objective = distillation(copy.deepcopy(net).to(dev), qat)
             prepare(net, qat)
             hook = refresh_hook(net, qat, seed=0)
         else:
             apply_recipe(net, resolve_recipe(name))
         net.to(dev).train()
         optimizer = build_optimizer(net, config, dev)
-        step_fn = TrainStep(net, optimizer, config, process)
+        step_fn = TrainStep(net, optimizer, config, process, objective=objective)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": []}
 

@@ -60,6 +60,11 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b-on", default=_JQ.b_on, choices=("grad", "update"),
                    help="jacquant: B scales the gradient (grad) or, with an STE backward, each "
                         "optimizer step's change of the weight (update) (default: %(default)s)")
+    p.add_argument("--distill", type=float, nargs="?", const=1.0, default=0.0, metavar="ALPHA",
+                   help="distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
+                        "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)")
+    p.add_argument("--distill-temperature", type=float, default=QATConfig.distill_temperature,
+                   metavar="T", help="softmax temperature of the distillation KL (default: %(default)s)")
     p.add_argument("--base-steps", type=int, default=BASE_STEPS,
                    help="without --from: steps of the BF16 model trained first (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true", help="skip the BF16, RTN and GPTQ evaluations")
@@ -88,7 +93,8 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                         eps=args.b_eps, samples=args.b_samples, ema=args.b_ema,
                         per_element=args.b_per_element, weighted=not args.b_unweighted, b_on=args.b_on)
     configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
-                         scale_init=args.scale_init, jacquant=jq) for e in estimators]
+                         scale_init=args.scale_init, jacquant=jq, distill=args.distill,
+                         distill_temperature=args.distill_temperature) for e in estimators]
     return QATJob(configs=configs, source=args.source, model=args.model, corpus=args.corpus,
                   seq_len=args.seq_len, corpus_max_bytes=args.corpus_max_bytes, seeds=seeds,
                   steps=args.steps, lr=args.lr,
@@ -108,6 +114,10 @@ def config_flags(config: QATConfig) -> list[str]:
         flags.append("--learn-scales" if config.learn_scales else "--no-learn-scales")
     if config.scale_init != "absmax":
         flags += ["--scale-init", config.scale_init]
+    if config.distill:
+        flags += ["--distill", str(config.distill)]
+    if config.distill_temperature != QATConfig.distill_temperature:
+        flags += ["--distill-temperature", str(config.distill_temperature)]
     jq = config.jacquant
     for flag, field in (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
                         ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),

@@ -165,9 +165,19 @@ class QATConfig:
     absmean for ternary/binary, min-max for asym) or "mse" (the per-group clipping ratio that
     minimizes the squared rounding error)."""
     jacquant: JacQuantConfig = field(default_factory=JacQuantConfig)
+    distill: float = 0.0
+    """Weight alpha of distillation from the high-precision source model (lowbit.qat.distill):
+    loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student); 0: plain cross-entropy."""
+    distill_temperature: float = 1.0
+    """T, the softmax temperature of both sides of the KL."""
 
     def __post_init__(self) -> None:
         fmt = self.format  # validates the text
+        _require(isinstance(self.distill, (int, float)) and 0 <= self.distill <= 1,
+                 f"--distill must be in [0, 1], the KL term's weight (got {self.distill!r})")
+        _require(isinstance(self.distill_temperature, (int, float))
+                 and math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
+                 f"--distill-temperature must be a positive number (got {self.distill_temperature!r})")
         _require(self.estimator in ESTIMATORS,
                  f"unknown estimator {self.estimator!r}; use one of {', '.join(ESTIMATORS)}")
         _require(self.scale_init in ("absmax", "mse"),
@@ -202,13 +212,15 @@ class QATConfig:
 
 
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
-                 "(per-element B), upd (B on the update), learned (learned scales), mse (MSE scales)")
+                 "(per-element B), upd (B on the update), learned (learned scales), mse (MSE scales), "
+                 "kd or kdA (distill from the BF16 model with weight A, default 1)")
 
 
 def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
-    int2:g64/jacquant/k100/elem/mse. Options: kK, epsE, probe|dither|both, elem, upd, learned, mse."""
+    int2:g64/jacquant/k100/elem/mse. Options: kK, epsE, probe|dither|both, elem, upd, learned,
+    mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
@@ -231,6 +243,8 @@ def parse_qat_spec(text: str) -> QATConfig:
             qat["learn_scales"] = True
         elif option == "mse":
             qat["scale_init"] = "mse"
+        elif option[:2] == "kd" and (option == "kd" or _is_number(option[2:])):
+            qat["distill"] = 1.0 if option == "kd" else float(option[2:])
         else:
             raise ValueError(f"unknown option {option!r} in QAT setting {text!r}; use {_SPEC_OPTIONS}")
     return QATConfig(weights=parts[0], estimator=parts[1], jacquant=JacQuantConfig(**jq), **qat)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from lowbit.qat.config import QATConfig
+from lowbit.qat.distill import distillation
 from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
@@ -188,8 +189,9 @@ def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int
 
 
 def _label(qat: QATConfig) -> str:
+    kd = "" if not qat.distill else "+kd" if qat.distill == 1 else f"+kd{qat.distill:g}"
     if qat.format.grid == "bf16":
-        return "control"
+        return "control" + kd
     label = qat.estimator
     if qat.learn_scales is not None and qat.learn_scales != (qat.estimator == "lsq"):
         label += "+learned" if qat.learn_scales else "+fixed"
@@ -197,7 +199,7 @@ def _label(qat: QATConfig) -> str:
         label += f"+{qat.scale_init}"
     if qat.estimator == "jacquant":
         label += ("+elem" if qat.jacquant.per_element else "") + ("+upd" if qat.jacquant.b_on == "update" else "")
-    return label
+    return label + kd
 
 
 def _slug(text: str) -> str:
@@ -236,8 +238,12 @@ def run_qat(job: QATJob) -> dict:
             if job.progress:
                 print(report if len(report.prepared) <= 12 else str(report).splitlines()[0])
             hook = refresh_hook(model, qat, seed)
+        objective = None
+        if qat.distill:   # the teacher: the source model, as it was before QAT
+            objective = distillation(fresh_model(), qat)
         result = train(config, resume=job.resume, overwrite=job.overwrite, model=model,
-                       data=build_data(config), on_step=hook)
+                       data=build_data(config), on_step=hook, objective=objective)
+        del objective
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)
         summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,

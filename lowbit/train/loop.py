@@ -40,7 +40,7 @@ from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.fold_policy import FoldPolicy
 from lowbit.train.metrics import MetricsLog
 from lowbit.train.run_dir import RunDir
-from lowbit.train.step import TrainStep, learning_rate_at, refuse_cuda_graph
+from lowbit.train.step import Objective, TrainStep, learning_rate_at, refuse_cuda_graph
 
 __all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingInterrupted", "TrainingData",
            "evaluate", "learning_rate_at", "data_fingerprint"]
@@ -88,6 +88,7 @@ def train(
     data: TrainingData | None = None,
     diagnostics_fn: DiagnosticsFn | None = None,
     on_step: StepHook | None = None,
+    objective: Objective | None = None,
 ) -> RunResult:
     """Train as `config` says, in `<out_dir>/<name>/`, and return the final numbers.
 
@@ -102,6 +103,8 @@ def train(
     on_step: called as fn(step) after every optimizer step (step = steps completed), on every
         rank; a dict it returns is logged as a record (its "event" key names it). QAT refits
         JacQuant's B here. It must draw randomness only from its own seeded generators.
+    objective: the training loss, fn(output, inputs, targets) (lowbit.train.step.Objective),
+        instead of output.loss; QAT's --distill passes one. Evaluation stays cross-entropy.
 
     Launched by torchrun, every process calls this: see lowbit.train.distributed.
     """
@@ -110,7 +113,7 @@ def train(
         if config.batch_size % process.world_size:
             raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the "
                              f"{process.world_size} processes, which split each micro-batch")
-        run = _Run(config, process, resume, overwrite, model, data, diagnostics_fn)
+        run = _Run(config, process, resume, overwrite, model, data, diagnostics_fn, objective)
         run.on_step = on_step
         return run.loop()
     finally:
@@ -122,7 +125,7 @@ class _Run:
 
     def __init__(self, config: TrainConfig, process: Distributed, resume: bool, overwrite: bool,
                  model: nn.Module | None, data: TrainingData | None,
-                 diagnostics_fn: DiagnosticsFn | None) -> None:
+                 diagnostics_fn: DiagnosticsFn | None, objective: Objective | None = None) -> None:
         # Everything that can refuse the run does so before the run folder is touched.
         self.config, self.process = config, process
         device, main = process.device, process.is_main
@@ -186,7 +189,7 @@ class _Run:
             nonfinite_run = checkpoint["consecutive_nonfinite"]
             fold.restore(checkpoint.get("fold_emulated_layers", []))
             del checkpoint  # the weights now live in the model; don't hold a second copy
-        self.step_fn = TrainStep(model, self.optimizer, config, process, fold)
+        self.step_fn = TrainStep(model, self.optimizer, config, process, fold, objective)
         self.step_fn.nonfinite_run = nonfinite_run
         self.last_checkpoint = self.run_dir.checkpoint if self.resumed else None
         self.on_step: StepHook | None = None

@@ -2,8 +2,9 @@
 
 Every record has an "event" ("train", "eval", "diagnostics", "nonfinite_skip") and the
 "step" it belongs to (optimizer steps completed). A train record's "loss" is the objective
-the optimizer saw (for MoE models it includes the load-balancing term); an eval record's
-"val_loss" is pure next-token cross-entropy, and "val_ppl" its exponential. NaN and Inf are written as the strings
+the optimizer saw (for MoE models it includes the load-balancing term; with QAT's --distill it
+is the distillation loss); an eval record's "val_loss" is pure next-token cross-entropy, and
+"val_ppl" its exponential. NaN and Inf are written as the strings
 "nan", "inf", "-inf": strict JSON has no spelling for them, and a record that jq or a
 browser cannot parse is worse than a string. TensorBoard is optional: without the package
 the run logs to metrics.jsonl only and says so once.

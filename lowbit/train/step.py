@@ -4,6 +4,9 @@ QAT and RL trainers built on lowbit.train.
     step = TrainStep(model, optimizer, config, process)
     result = step(i, inputs, targets)     # the global batch of optimizer step i (0-based)
 
+The loss is the model output's .loss (cross-entropy), or objective(output, inputs, targets)
+when one is given (QAT's distillation from the BF16 model: lowbit.qat.distill).
+
 What one call does:
   lr = learning_rate_at(i)                     linear warmup, then cosine down to min_lr
   rows = this process's share of the batch     (lowbit.train.distributed)
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +40,11 @@ from lowbit.train.fold_policy import FoldPolicy
 from lowbit.train import graphs
 from lowbit.train.graphs import GraphedGradients, accumulate_gradients
 
-__all__ = ["TrainStep", "StepResult", "learning_rate_at", "refuse_cuda_graph"]
+__all__ = ["TrainStep", "StepResult", "Objective", "learning_rate_at", "refuse_cuda_graph"]
+
+Objective = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
+"""objective(output, inputs, targets) -> one micro-batch's scalar loss, from the model's output
+(with .logits, .loss and .aux_loss) and the micro-batch it saw."""
 
 
 def learning_rate_at(step: int, config: TrainConfig) -> float:
@@ -83,8 +91,10 @@ class TrainStep:
     row; the caller owns the data, the schedule's position and everything around the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
-                 process: Distributed, fold_policy: FoldPolicy | None = None) -> None:
+                 process: Distributed, fold_policy: FoldPolicy | None = None,
+                 objective: Objective | None = None) -> None:
         self.model, self.optimizer, self.config, self.process = model, optimizer, config, process
+        self.objective = objective
         self.device = process.device
         self.fold = fold_policy if fold_policy is not None else FoldPolicy(config.fold_inexact, model)
         # `model` stays the plain module: its state dict is what checkpoints hold.
@@ -101,7 +111,11 @@ class TrainStep:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, as the step computes it."""
         with self.autocast:
-            return self.forward(x, y).loss
+            return self._objective(x, y)
+
+    def _objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        output = self.forward(x, y)
+        return output.loss if self.objective is None else self.objective(output, x, y)
 
     def __call__(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """Optimizer step `step` (0-based) on its global batch (batch_size * grad_accum_steps
@@ -196,7 +210,7 @@ class TrainStep:
 
         def loss_fn(x, y):
             with autocast:
-                return self.forward(x, y).loss
+                return self._objective(x, y)
 
         return GraphedGradients(self.model, loss_fn, inputs, targets,
                                 accum=self.config.grad_accum_steps, max_norm=self.max_norm)
