@@ -42,7 +42,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lowbit.bench.timing import kernel_category
+from lowbit.bench.timing import gpu_events, kernel_category
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 
@@ -137,12 +137,13 @@ def _profiled_ops(fn, device: torch.device) -> tuple[collections.Counter, collec
         fn()
         _sync(device)
     counts, micros = collections.Counter(), collections.Counter()
+    if cuda:
+        for e in gpu_events(prof):
+            counts[e.name] += 1
+            micros[e.name] += e.time_range.elapsed_us()
+        return counts, micros
     for e in prof.events():
-        if cuda:
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                counts[e.name] += 1
-                micros[e.name] += e.time_range.elapsed_us()
-        elif e.cpu_parent is None and e.name.startswith("aten::") and _works(e):
+        if e.cpu_parent is None and e.name.startswith("aten::") and _works(e):
             counts[e.name] += 1
             micros[e.name] += e.cpu_time_total
     return counts, micros

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "idle_gaps", "format_profiles",
+__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "gpu_events", "idle_gaps", "format_profiles",
            "record_check", "kernel_category"]
 
 
@@ -69,6 +69,14 @@ def kernel_category(name: str) -> str:
     return next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def gpu_events(prof) -> list:
+    """A torch.profiler profile's GPU work: its kernels and copies, each once. User annotations
+    ("Optimizer.step#AdamW.step") also appear on the GPU timeline, spanning kernels that are
+    counted on their own, and are left out."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not (getattr(e, "is_user_annotation", False) or "#" in e.name)]
+
+
 def profile_step(step, dev: torch.device, top: int = 12) -> dict:
     """Profile one step: GPU time by category (lowbit's quantize / fold kernels, FP8 and other
     GEMMs, attention, everything else), the busy fraction of the step's wall time (the rest is
@@ -83,13 +91,9 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         wall = time.perf_counter() - t0
     kernels: dict[str, float] = {}
     spans = []   # (start_us, end_us, name) of every GPU event, for the idle gaps between them
-    for event in prof.events():
-        # user annotations ("Optimizer.step#AdamW.step") also appear on the GPU timeline,
-        # spanning kernels that are counted on their own
-        annotation = getattr(event, "is_user_annotation", False) or "#" in event.name
-        if event.device_type == torch.autograd.DeviceType.CUDA and not annotation:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
-            spans.append((event.time_range.start, event.time_range.end, event.name))
+    for event in gpu_events(prof):
+        kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+        spans.append((event.time_range.start, event.time_range.end, event.name))
     by_category: dict[str, float] = {}
     for name, ms in kernels.items():
         category = kernel_category(name)
