@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true",
                     help="skip step 1 (the ste/jacquant step-time benchmark)")
     ap.add_argument("--overhead-settings", default="bf16,qat/int2:g64/ste/mse,"
-                    "qat/int2:g64/jacquant/k100/elem/mse,qat/int2:g64/jacquant/k100/elem/mse/upd",
+                    "qat/int2:g64/jacquant/k100/mse/grad,qat/int2:g64/jacquant/k100/mse",
                     help="lowbit bench train --recipes of step 1, timed in interleaved blocks")
     ap.add_argument("--overhead-steps", type=int, default=25, help="timed steps per block")
     ap.add_argument("--overhead-blocks", type=int, default=4,

@@ -117,7 +117,7 @@ def test_dither_full_width_is_clipped_ste_and_b_stays_in_range():
     assert torch.equal(b[outside], torch.zeros_like(b[outside]))
     net = Net()
     prepare(net, QATConfig(weights="int2:g32", estimator="jacquant",
-                           jacquant=JacQuantConfig(eps=0.1, b_max=1.5)))
+                           jacquant=JacQuantConfig(eps=0.1, b_max=1.5, per_element=False)))
     refresh(net, 0, 1)
     for m in (net.a, net.b):
         fq = m.parametrizations.weight[0]
@@ -130,7 +130,7 @@ def test_probe_recovers_an_identity_and_a_saturated_jacobian():
     w = torch.randn(4, 64) * 0.01
     q = GroupQuantizer(parse_weight_format("int8:g32"), w.shape)
     s = torch.full((4, 2), 1e-3)
-    cfg = JacQuantConfig(estimate="probe", eps=2.0, samples=4, weighted=False)
+    cfg = JacQuantConfig(estimate="probe", eps=2.0, samples=4, weighted=False, per_element=False)
     b = fit_b(w, q, s, None, cfg, None, torch.Generator().manual_seed(0))
     assert torch.allclose(b, torch.ones_like(b), atol=0.05)
     far = torch.full((4, 64), 10.0)
@@ -182,7 +182,11 @@ def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     assert spec.scale_init == "mse" and parse_qat_spec("int2:g64/lsq/learned").learn_scales
     assert parse_qat_spec("int2:g64/ste/kd").distill == 1.0
     assert parse_qat_spec("int2:g64/ste/kd0.5").distill == 0.5
+    assert parse_qat_spec("int2:g64/jacquant").jacquant == JacQuantConfig()   # elem/upd: the defaults
+    published = parse_qat_spec("int2:g64/jacquant/group/grad").jacquant
+    assert (published.per_element, published.b_on) == (False, "grad")
     for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
+                 "int2:g64/jacquant/group/grad", "int2:g64/jacquant/group",
                  "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd"):
         config = parse_qat_spec(text)
         args = build_parser().parse_args(["qat", *config_flags(config)])

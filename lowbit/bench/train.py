@@ -178,7 +178,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
 
 def qat_setting(name: str):
     """'qat/<weights>/<estimator>[/<option>...]' -> its QATConfig (lowbit.qat.parse_qat_spec's
-    spelling, e.g. qat/int2:g64/jacquant/k100/elem/mse); any other name is a recipe (None)."""
+    spelling, e.g. qat/int2:g64/jacquant/k100/mse); any other name is a recipe (None)."""
     if not name.startswith("qat/"):
         return None
     from lowbit.qat import parse_qat_spec

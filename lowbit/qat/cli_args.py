@@ -55,11 +55,14 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                    help="jacquant: perturbation half-width in quantization steps (default: %(default)s)")
     p.add_argument("--b-samples", type=int, default=_JQ.samples, help="jacquant: probes per refresh (default: %(default)s)")
     p.add_argument("--b-ema", type=float, default=_JQ.ema, help="jacquant: EMA across refreshes (default: %(default)s)")
-    p.add_argument("--b-per-element", action="store_true", help="jacquant: one B per weight, not per group")
+    p.add_argument("--b-per-element", action=argparse.BooleanOptionalAction, default=_JQ.per_element,
+                   help="jacquant: one B per weight (the default), or with --no-b-per-element one "
+                        "per quantization group")
     p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting")
     p.add_argument("--b-on", default=_JQ.b_on, choices=("grad", "update"),
-                   help="jacquant: B scales the gradient (grad) or, with an STE backward, each "
-                        "optimizer step's change of the weight (update) (default: %(default)s)")
+                   help="jacquant: B scales each optimizer step's change of the weight, with an "
+                        "STE backward (update), or the gradient, as published (grad; under AdamW "
+                        "it measures as STE does) (default: %(default)s)")
     p.add_argument("--distill", type=float, nargs="?", const=1.0, default=0.0, metavar="ALPHA",
                    help="distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
                         "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)")
@@ -124,8 +127,8 @@ def config_flags(config: QATConfig) -> list[str]:
                         ("--b-ema", "ema"), ("--b-on", "b_on")):
         if getattr(jq, field) != getattr(_JQ, field):
             flags += [flag, str(getattr(jq, field))]
-    if jq.per_element:
-        flags.append("--b-per-element")
+    if jq.per_element != _JQ.per_element:
+        flags.append("--b-per-element" if jq.per_element else "--no-b-per-element")
     if not jq.weighted:
         flags.append("--b-unweighted")
     if jq.moment_decay != _JQ.moment_decay:

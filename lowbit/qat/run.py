@@ -198,7 +198,7 @@ def _label(qat: QATConfig) -> str:
     if qat.scale_init != "absmax":
         label += f"+{qat.scale_init}"
     if qat.estimator == "jacquant":
-        label += ("+elem" if qat.jacquant.per_element else "") + ("+upd" if qat.jacquant.b_on == "update" else "")
+        label += ("" if qat.jacquant.per_element else "+group") + ("+grad" if qat.jacquant.b_on == "grad" else "")
     return label + kd
 
 
