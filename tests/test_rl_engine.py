@@ -19,10 +19,15 @@ from lowbit.rl.trainer_side import apply_asymmetric_qat
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
 
 
-def _model(moe: bool, seed: int = 0):
+# LLaMA 3.1's RoPE rescaling, shrunk so that it changes some of a 16-wide head's frequencies
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def _model(moe: bool, seed: int = 0, rope_scaling: dict | None = None):
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-                      qk_norm=True, n_experts=4 if moe else 0)
+                      qk_norm=True, n_experts=4 if moe else 0, rope_scaling=rope_scaling)
     return cfg, build_model(cfg).eval()
 
 
@@ -40,9 +45,11 @@ def _teacher_forced(model, prompt, completion, temperature=1.0):
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_bf16_engine_logprobs_equal_the_trainers_in_float32(moe):
-    cfg, model = _model(moe)
+@pytest.mark.parametrize("moe,rope_scaling", [(False, None), (True, None), (False, LLAMA3_ROPE)])
+def test_bf16_engine_logprobs_equal_the_trainers_in_float32(moe, rope_scaling):
+    cfg, model = _model(moe, rope_scaling=rope_scaling)
+    if rope_scaling:   # the scaling changes the model's tables, and the engine's with them
+        assert not torch.equal(model.model.rotary_emb.cos, _model(moe)[1].model.rotary_emb.cos)
     engine = _engine(cfg, model)
     rollout = engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_new_tokens=9, seed=3))
     assert rollout.completion_mask.all()        # no stop ids: every row runs to the end

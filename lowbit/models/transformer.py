@@ -68,15 +68,20 @@ class RotaryEmbedding(nn.Module):
     def reset(self) -> None:
         """(Re)compute the tables in fp32; also needed after building on the meta device."""
         device = self.cos.device if self.cos.device.type != "meta" else None
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32,
-                                                       device=device) / self.head_dim))  # (D/2,)
-        if self.scaling is not None:
-            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)  # (D/2,)
         t = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # (L, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (L, D): both halves share a frequency
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's (head_dim/2,) float32 inverse frequencies theta^(-2i/head_dim), with LLaMA 3's
+    rescaling when `scaling` is given: the one definition the model and the rollout engine share."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    return inv_freq if scaling is None else llama3_inv_freq(inv_freq, scaling)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

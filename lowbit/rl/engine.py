@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.models.config import ModelConfig
+from lowbit.models.transformer import rope_inv_freq
 from lowbit.rl.precision import EngineLinear, Precision, parse_precision
 from lowbit.rl.sampling import SamplingParams, sample_next
 
@@ -542,8 +543,7 @@ def _rope_tables(cfg: ModelConfig, device: torch.device,
     """cos and sign-folded sin (max_seq_len, head_dim) in `dtype`: lowbit.models.RotaryEmbedding's
     float32 tables rounded as its forward rounds them (cos.to(x.dtype)), the sin's first half
     negated (exact) for _rotary."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32,
-                                                      device=device) / cfg.head_dim))
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
     t = torch.arange(cfg.max_seq_len, dtype=torch.float32, device=device)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs] * 2, dim=-1)
