@@ -13,7 +13,7 @@ from lowbit.ops import operand
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.precision import (EngineLinear, Precision, quantize_activation, rac_channels,
                                  rac_linear, weight_spec)
-from lowbit.rl.sampling import SamplingParams
+from lowbit.rl.sampling import SamplingParams, truncated_logprobs
 from lowbit.rl.trainer_side import apply_asymmetric_qat
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
@@ -187,6 +187,22 @@ def test_sampling_is_seeded_and_truncates():
     assert torch.equal(done.completions[:, 0], a.completions[:, 0])
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=100))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (5, 0.6), (40, 0.3), (2, 0.55)])
+def test_top_k_and_top_p_keep_what_transformers_keeps(top_k, top_p):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(top_k)) * 3
+    logits[0, :3] = torch.tensor([8.0, 7.3, 7.3 - math.log(0.5)])   # a case top-p decides after top-k
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    ours = truncated_logprobs(torch.log_softmax(logits / 0.7, -1), params)
+    theirs = logits / 0.7
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1:
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
+    assert torch.equal(ours.isfinite(), theirs.isfinite())
 
 
 def test_weight_sync_copies_and_changes_outputs():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "sample_next"]
+__all__ = ["SamplingParams", "sample_next", "truncated_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
     logprobs = torch.log_softmax(logits / params.temperature, dim=-1)   # (B, V)
+    keep = truncated_logprobs(logprobs, params)
+    noise = torch.rand(keep.shape, generator=generator, device=keep.device,
+                       dtype=torch.float32).clamp_(min=1e-20)
+    tokens = (keep - torch.log(-torch.log(noise))).argmax(dim=-1)        # Gumbel-max
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def truncated_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution draws come from: top-k, then top-p on the top-k tokens' renormalized
+    probabilities (the order and renormalization of transformers' warpers and vLLM's sampler);
+    dropped tokens at -inf. logprobs (B, V) are log softmax(logits / T)."""
     keep = logprobs
-    if params.top_k and params.top_k < logits.shape[-1]:
+    if params.top_k and params.top_k < logprobs.shape[-1]:
         kth = torch.topk(keep, params.top_k, dim=-1).values[:, -1:]       # (B, 1)
         keep = keep.masked_fill(keep < kth, -math.inf)
+        keep = keep - torch.logsumexp(keep, dim=-1, keepdim=True)        # renormalized over the k
     if params.top_p < 1.0:
         sorted_lp, order = torch.sort(keep, dim=-1, descending=True)
         cumulative = sorted_lp.exp().cumsum(dim=-1)
@@ -67,7 +79,4 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         drop_sorted = (cumulative - sorted_lp.exp()) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         keep = keep.masked_fill(drop, -math.inf)
-    noise = torch.rand(keep.shape, generator=generator, device=keep.device,
-                       dtype=torch.float32).clamp_(min=1e-20)
-    tokens = (keep - torch.log(-torch.log(noise))).argmax(dim=-1)        # Gumbel-max
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    return keep
