@@ -160,6 +160,24 @@ def test_resume_is_exact(tmp_path):
         run_rl(_config(tmp_path, run_name="b"))
 
 
+def test_moe_policy_through_rl_with_routing_replay(tmp_path):
+    """An MoE policy through warm start, engine and GRPO steps. With a bf16 engine (float32 on
+    the CPU) the trainer routes every recorded position as the engine did: an agreement of 1.0
+    says the engine's recorded experts line up with the trainer's positions, and the log-probs
+    agree to rounding. With nvfp4 rollouts, replay gives the trainer the engine's experts."""
+    kw = dict(n_experts=4, warmstart_steps=40, steps=2, prompts_per_step=4, checkpoint_every=0,
+              routing_replay=True)
+    train = lambda result: [r for r in result.records if r["event"] == "train"]
+    exact = train(run_rl(_config(tmp_path, run_name="bf16", rollout="bf16", align="none", **kw)))
+    assert len(exact) == 2
+    assert all(r["routing/agreement"] == 1.0 for r in exact)
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-5 for r in exact)
+    quantized = train(run_rl(_config(tmp_path, run_name="nvfp4", rollout="nvfp4", align="qat", **kw)))
+    assert all(0 < r["routing/agreement"] <= 1 and r["sampling/sampling_logp_difference/max"] > 1e-3
+               for r in quantized)
+    assert any(r["grad_norm"] > 0 for r in exact + quantized)
+
+
 def test_tasks_are_seeded_and_held_out():
     task = get_task("countdown")
     held = {p.prompt for p in task.eval_problems(50)}

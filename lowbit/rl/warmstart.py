@@ -130,7 +130,9 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         torch.manual_seed(config.warmstart_seed)
         return build_model(model_config).state_dict()
     key_fields = {"model": model_config.__dict__, "task": task.name, "steps": config.warmstart_steps,
-                  "lr": config.warmstart_lr, "seed": config.warmstart_seed}
+                  "lr": config.warmstart_lr, "seed": config.warmstart_seed,
+                  # the supervised data leaves out the held-out problems, so their number is part of it
+                  "eval_problems": config.eval_problems}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
     run = Path(config.out_dir) / "warmstart" / name
