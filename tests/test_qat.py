@@ -138,6 +138,52 @@ def test_probe_recovers_an_identity_and_a_saturated_jacobian():
     assert torch.equal(b, torch.zeros_like(b))
 
 
+def test_input_moments_weigh_a_groups_weights_and_cancel_per_element():
+    torch.manual_seed(0)
+    w = torch.randn(4, 64)
+    q = GroupQuantizer(parse_weight_format("int2:g32"), w.shape)
+    s = torch.full((4, 2), 0.4)
+    moments = torch.rand(64) * 10 + 0.01                  # per input channel
+    fits = {}
+    for per_element in (True, False):
+        for weighted in (True, False):
+            cfg = JacQuantConfig(estimate="both", eps=0.25, per_element=per_element, weighted=weighted)
+            fits[per_element, weighted] = fit_b(w, q, s, None, cfg, moments, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fits[True, True], fits[True, False])      # d_i / d_i
+    assert (fits[False, True] - fits[False, False]).abs().max() > 0.05    # a weighted group mean
+    # by hand, dither alone over one group: sum_i d_i J_i / sum_i d_i
+    cfg = JacQuantConfig(estimate="dither", eps=0.25, per_element=False)
+    jac = fit_b(w, q, s, None, JacQuantConfig(estimate="dither", eps=0.25, weighted=False),
+                None, torch.Generator())                               # per element, J_i
+    by_hand = (jac[0, :32] * moments[:32]).sum() / moments[:32].sum()
+    torch.testing.assert_close(fit_b(w, q, s, None, cfg, moments, torch.Generator())[0, 0], by_hand)
+    # so only a per-group B keeps (and records) the moments
+    for per_element, kept in ((True, False), (False, True)):
+        net = Net()
+        prepare(net, QATConfig(weights="int2:g32", estimator="jacquant",
+                               jacquant=JacQuantConfig(per_element=per_element)))
+        assert (net.a.parametrizations.weight[0].moments is not None) == kept
+
+
+def test_b_is_refit_after_steps_1_1_plus_k_and_only_those_steps_record_moments():
+    torch.manual_seed(0)
+    net = Net()
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant",
+                    jacquant=JacQuantConfig(per_element=False, refresh_every=4))
+    prepare(net, cfg)
+    fq = net.a.parametrizations.weight[0]
+    hook = refresh_hook(net, cfg, seed=0)
+    refits, recorded = [], []
+    for step in range(1, 11):
+        before = fq.moments.clone()
+        net(torch.randn(8, 64) * step)                  # the training step's forward
+        recorded.append(not torch.equal(before, fq.moments))
+        if hook(step) is not None:
+            refits.append(step)
+    assert refits == [1, 5, 9] and int(fq.refreshes) == 3
+    assert recorded == [s in (1, 5, 9) for s in range(1, 11)]   # only the forward of each refit's step
+
+
 def test_b_on_the_update_scales_each_step_and_keeps_the_ste_backward():
     torch.manual_seed(0)
     x = torch.randn(8, 64)

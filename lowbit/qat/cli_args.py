@@ -58,7 +58,8 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b-per-element", action=argparse.BooleanOptionalAction, default=_JQ.per_element,
                    help="jacquant: one B per weight (the default), or with --no-b-per-element one "
                         "per quantization group")
-    p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting")
+    p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting of a per-group B "
+                        "(per element the weighting cancels, so it has none)")
     p.add_argument("--b-on", default=_JQ.b_on, choices=("grad", "update"),
                    help="jacquant: B scales each optimizer step's change of the weight, with an "
                         "STE backward (update), or the gradient, as published (grad; under AdamW "

@@ -16,7 +16,9 @@ boundaries (a group whose weights sit at grid points gets a small B, one whose w
 boundaries a large one); larger eps sees saturation from farther away. For nvfp4/mxfp4, Q
 recomputes the block scales of the perturbed weight, so B also sees the scales respond.
 Both sums are weighted, per input channel, by d = diag(E[x xᵀ]) of the layer's inputs (an
-EMA the layer keeps), so B fits the layer's output, not its weights. The fit is clamped to
+EMA the layer keeps), so B fits the layer's output, not its weights; this weighs the weights
+of a group against each other, so it changes a per-group B only (per element, d cancels
+from each weight's own ratio, and no moments are kept). The fit is clamped to
 [0, b_max] and smoothed across refreshes by an EMA. The paper's exact formulas were not
 public; this realization, and what it measured, are in docs/qat.md and docs/results/jacquant/.
 """

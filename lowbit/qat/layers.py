@@ -64,8 +64,11 @@ class FakeQuantWeight(nn.Module):
             b_shape = weight.shape if jq.per_element else self.quantizer.scale_shape
             self.register_buffer("b", torch.ones(b_shape, device=weight.device))
             self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
+            # Per element, a channel's moment multiplies both sums of its weight's own ratio and
+            # cancels (fit_b); it weighs weights against each other only within a group, so
+            # only per-group B keeps moments (2-D linear weights; experts' inputs are routed).
             self.register_buffer("moments", torch.ones(weight.shape[-1], device=weight.device)
-                                 if weight.dim() == 2 else None)
+                                 if weight.dim() == 2 and jq.weighted and not jq.per_element else None)
             # whether the next training forward records its input moments: only the step
             # before each refit does (refresh_hook sets it), so the steps in between pay nothing
             self.register_buffer("observing", torch.ones((), dtype=torch.bool, device=weight.device))
