@@ -54,7 +54,7 @@ def hf_model(kind: str, seed: int = 0):
     raise ValueError(kind)
 
 
-def _randomize(model) -> None:
+def randomize(model) -> None:
     # transformers initializes biases and norm gains to 0 / 1; random ones test their mapping
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -65,7 +65,7 @@ def _randomize(model) -> None:
 def save_hf_model(kind: str, path: Path, dtype=torch.float32, seed: int = 0, **save_kw) -> Path:
     """hf_model(kind) in dtype, save_pretrained'd to path with tokenizer.json; returns path."""
     model = hf_model(kind, seed)
-    _randomize(model)
+    randomize(model)
     model.to(dtype).save_pretrained(path, **save_kw)
     tokenizer().save(str(path / "tokenizer.json"))
     return path

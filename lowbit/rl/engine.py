@@ -180,9 +180,12 @@ class RolloutEngine:
         def plain(name: str) -> torch.Tensor:
             return take(name).detach().to(device=self.device, dtype=self.dtype, copy=True)
 
-        def linear(*names: str) -> EngineLinear:
+        def linear(*names: str, bias: bool = False) -> EngineLinear:
+            # bias: the config says these projections have one (Qwen2's q/k/v; attention_bias,
+            # mlp_bias), named as their weights are
+            biases = [take(n.removesuffix("weight") + "bias") for n in names] if bias else None
             return EngineLinear.fused([take(n) for n in names], self.precision, self.rac_ratio,
-                                      self.device, self.dtype)
+                                      self.device, self.dtype, biases)
 
         self.embed = plain("model.embed_tokens.weight")
         layers = []
@@ -190,8 +193,8 @@ class RolloutEngine:
             p, layer = f"model.layers.{i}.", _Layer()
             layer.input_layernorm = plain(p + "input_layernorm.weight")
             layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight")
-            layer.qkv_proj = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))
-            layer.o_proj = linear(p + "self_attn.o_proj.weight")
+            layer.qkv_proj = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=cfg.qkv_bias)
+            layer.o_proj = linear(p + "self_attn.o_proj.weight", bias=cfg.o_bias)
             if cfg.qk_norm:   # one per-head weight for q's and k's heads side by side
                 layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight").expand(cfg.n_heads, -1),
                                            plain(p + "self_attn.k_norm.weight").expand(cfg.n_kv_heads, -1)])
@@ -207,8 +210,9 @@ class RolloutEngine:
                                                    self.device, self.dtype)
                                       for e in range(cfg.n_experts)]
             else:
-                layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-                layer.down_proj = linear(p + "mlp.down_proj.weight")
+                layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                                            bias=cfg.mlp_bias)
+                layer.down_proj = linear(p + "mlp.down_proj.weight", bias=cfg.mlp_bias)
             layers.append(layer)
         self.layers = layers
         self.norm = plain("model.norm.weight")

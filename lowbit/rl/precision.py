@@ -164,28 +164,39 @@ class EngineLinear:
     as the trainer fake-quantizes each projection) and their dequantized values are stacked
     along out_features, so the fused GEMM's columns are the separate GEMMs' outputs exactly
     (up to accumulation order). The activation side needs nothing more: the per-token FP8 and
-    NVFP4 quantizers see the same x for every part, and RAC picks its channels from x alone."""
+    NVFP4 quantizers see the same x for every part, and RAC picks its channels from x alone.
+
+    A bias (Qwen2's q/k/v, attention_bias, mlp_bias) stays in the compute dtype and is added
+    to the GEMM's output, as servers do and as the trainer's high-precision bias is."""
 
     def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self._build([weight], precision, rac_ratio, device, dtype)
+                 device: torch.device, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        self._build([weight], precision, rac_ratio, device, dtype, None if bias is None else [bias])
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
-              device: torch.device, dtype: torch.dtype) -> "EngineLinear":
+              device: torch.device, dtype: torch.dtype,
+              biases: list[torch.Tensor] | None = None) -> "EngineLinear":
         """One GEMM for several weights (out_i, in) of the same in_features; its output is the
-        parts' outputs side by side, in order (split it with `split_sizes`)."""
+        parts' outputs side by side, in order (split it with `split_sizes`). biases: one
+        (out_i,) per part, or None."""
         self = cls.__new__(cls)
-        self._build(list(weights), precision, rac_ratio, device, dtype)
+        self._build(list(weights), precision, rac_ratio, device, dtype, biases)
         return self
 
     def _build(self, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
-               device: torch.device, dtype: torch.dtype) -> None:
+               device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None) -> None:
         if rac_ratio and precision is not Precision.NVFP4:
             raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs precision nvfp4")
         if len({w.shape[-1] for w in weights}) != 1:
             raise ValueError(f"fused weights need the same in_features (got shapes "
                              f"{[tuple(w.shape) for w in weights]})")
+        if biases is not None and [tuple(b.shape) for b in biases] != [(w.shape[0],) for w in weights]:
+            raise ValueError(f"biases of shapes {[tuple(b.shape) for b in biases]} do not match "
+                             f"weights of shapes {[tuple(w.shape) for w in weights]}")
+        self.bias = (None if biases is None else
+                     torch.cat([b.detach().to(device=device, dtype=dtype) for b in biases]))
+        """(out,) added to the output in the compute dtype, or None."""
         self.precision, self.rac_ratio = precision, rac_ratio
         packed, values = [], []
         for weight in weights:
@@ -214,6 +225,8 @@ class EngineLinear:
             y = rac_linear(x2, self.values, self.rac_ratio)
         else:
             y = F.linear(quantize_activation(x2, self.precision), self.values)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     @property

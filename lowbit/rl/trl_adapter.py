@@ -70,18 +70,15 @@ def engine_for_model(model: nn.Module, precision: str = "nvfp4", rac_ratio: floa
                      device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                      max_batch_size: int = 16, max_seq_len: int = 1024,
                      **engine_kw) -> RolloutEngine:
-    """A RolloutEngine shaped as the transformers causal LM `model` (Llama, Qwen3, Qwen3-MoE
-    without linear biases; other architectures are refused with lowbit.models.ModelLoadError,
-    biases with a ValueError), loaded with its weights.
+    """A RolloutEngine shaped as the transformers causal LM `model` (Llama, Qwen2, Qwen3,
+    Qwen3-MoE; other architectures are refused with lowbit.models.ModelLoadError), loaded with
+    its weights.
     device: the model's by default; max_seq_len: prompt plus completion tokens, capped at the
     model's max_position_embeddings (it sizes the preallocated KV cache, with max_batch_size)."""
     hf = model.config.to_dict()
     if not hf.get("architectures"):   # set by save_pretrained; a model built from a config has none
         hf["architectures"] = [type(model).__name__]
     config = config_from_hf(hf, type(model).__name__)
-    if config.qkv_bias or config.o_bias or config.mlp_bias:
-        raise ValueError(f"{type(model).__name__} has linear biases (attention_bias, mlp_bias, or "
-                         f"Qwen2's q/k/v), which the rollout engine does not hold yet")
     if device is None:
         device = next(model.parameters()).device
     engine = RolloutEngine(config, precision=precision, rac_ratio=rac_ratio, device=device,
