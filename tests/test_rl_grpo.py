@@ -192,6 +192,26 @@ def test_tasks_are_seeded_and_held_out():
         get_task("add", digits=1).problems(0, 0, 4, exclude={f"{a}+{b}=" for a in range(10) for b in range(10)})
 
 
+def test_gsm8k_loads_and_its_reward_reads_the_final_number(corpus_env):
+    task = get_task("gsm8k")
+    assert (len(task.train), len(task.test)) == (7473, 1319)        # shared/data/gsm8k's splits
+    assert not {p.prompt for p in task.train} & {p.prompt for p in task.test}
+    first = task.eval_problems(3)[0]                                 # the test split, in order
+    assert first.prompt.startswith("Question: Janet") and first.prompt.endswith("\nAnswer:")
+    assert first.answer == "18" and "<<" not in first.solution and first.solution.endswith("\n")
+    # every reference solution earns its reward: the number after its "####"
+    assert all(task.reward(p, p.solution) == 1.0 for p in task.test)
+    for completion, reward in ((" 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 #### 18", 1.0),
+                               ("She makes $18.00 a day.", 1.0),       # no "####": the last number
+                               ("#### 18.", 1.0),                       # a closing period
+                               ("#### 19", 0.0), ("#### 18 then 19", 0.0), ("eighteen", 0.0),
+                               ("#### -18", 0.0)):
+        assert task.reward(first, completion) == reward, completion
+    big = next(p for p in task.test if int(p.answer) >= 1000)
+    assert task.reward(big, f"#### {int(big.answer):,}") == 1.0     # 1,000 reads as 1000
+    assert task.problems(0, 0, 4) == task.problems(0, 0, 4)          # seeded draws from train
+
+
 def test_cli_rl_runs(tmp_path, capsys):
     """`lowbit rl --quick` in this process (tests/test_robustness.py's table holds the bad flags)."""
     from lowbit.cli import main

@@ -21,6 +21,7 @@ problem's `solution` is the reference completion a supervised warm start trains 
 from __future__ import annotations
 
 import ast
+import decimal
 import json
 import random
 import re
@@ -179,8 +180,13 @@ class GSM8K(Task):
 
 
 def _number(text: str) -> str:
+    """A number's canonical text, so that 1,000 / 1000.00 / 1000. all read 1000."""
     text = text.replace(",", "").rstrip(".")
-    return text[:-2] if text.endswith(".0") else text
+    try:
+        value = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        return text
+    return str(int(value)) if value == value.to_integral_value() else str(value.normalize())
 
 
 def _read_gsm8k(path) -> list[Problem]:
