@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,13 +367,21 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     rerun by tests/test_robustness.py)."""
     from lowbit.cli import main
 
-    assert main(["qat", "--compare", "ste,jacquant", "--steps", "4", "--base-steps", "6",
-                 "--eval-every", "2", "--refresh-every", "2", "--out-dir", str(tmp_path),
-                 "--no-progress", "--device", "cpu"]) == 0
+    assert main(["qat", "--compare", "ste,jacquant", "--seeds", "0,1", "--steps", "4",
+                 "--base-steps", "6", "--eval-every", "2", "--refresh-every", "2",
+                 "--out-dir", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
         assert f"| {method} |" in out
-    assert list(tmp_path.glob("qat-*/qat.png"))
+    (folder,) = tmp_path.glob("qat-*/qat.png")
+    # the paired-seed statistics of `lowbit train --compare`, on the QAT runs' own curves
+    assert "| arm | gap vs ste: mean ± sd |" in out and (folder.parent / "seeds" / "seeds.png").is_file()
+    stats = json.loads((folder.parent / "seeds" / "summary.json").read_text())
+    (arm,) = stats["arms"]
+    assert (arm["arm"], arm["seeds"], stats["step"]) == ("jacquant", [0, 1], 4)
+    final = {Path(r["run"]).name: r["val_loss"]
+             for r in json.loads((folder.parent / "summary.json").read_text())["runs"]}
+    assert {row["run"]: row["value"] for row in stats["rows"]} == pytest.approx(final) and len(final) == 4
     # --distill: the same base (cached), the run labelled and its config recording it
     assert main(["qat", "--estimator", "ste", "--distill", "0.5", "--distill-temperature", "2",
                  "--steps", "2", "--base-steps", "6", "--eval-every", "2", "--no-baselines",

@@ -142,3 +142,5 @@ def run_qat_command(args: argparse.Namespace) -> None:
     summary = run_qat(job_from_args(args))
     print(summary["table"], end="")
     print(f"figure: {summary['figure']}\ntable: {summary['dir']}/table.md")
+    if "comparison" in summary:
+        print(f"seeds: {summary['comparison']} and seeds.png beside it")

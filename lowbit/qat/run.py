@@ -12,7 +12,9 @@ or neither (a tiny BF16 model trained first, cached).
 `run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
 tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
 writes a table (`table.md`), `summary.json` and one figure of validation loss over steps with
-the baselines as horizontal lines into `<out_dir>/<name>/`. Each QAT run folder also gets
+the baselines as horizontal lines into `<out_dir>/<name>/`; with several estimators, also the
+paired-seed statistics of `lowbit train --compare` against the first one (`seeds/summary.md`,
+`seeds/seeds.png`: lowbit.train.compare.write_comparison). Each QAT run folder also gets
 `quantized.safetensors`: its trained weights packed (`convert` + `packed_weights`, keyed by
 Hugging Face weight names), which `lowbit export RUN` writes as they are.
 """
@@ -35,6 +37,7 @@ from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
 from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
+from lowbit.train.compare import RunOutcome, RunSpec, check_specs, val_curve, write_comparison
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
 from lowbit.train.metrics import read_metrics
@@ -217,6 +220,9 @@ def run_qat(job: QATJob) -> dict:
         for seed in job.seeds:
             name = _slug(f"{base_name}-{qat.weights}-{_label(qat)}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
             plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name)))
+    specs = [RunSpec(_label(qat), seed, config.name) for qat, seed, config in plans]
+    if len(job.configs) > 1:
+        check_specs(specs)   # two estimators of one label would not pair: refused before training
     device = resolve_device(job.device)
     data = build_data(source)
 
@@ -254,6 +260,18 @@ def run_qat(job: QATJob) -> dict:
     out = Path(job.out_dir) / base_name
     out.mkdir(parents=True, exist_ok=True)
     summary["table"] = format_table(summary)
+    if len(job.configs) > 1 and summary["runs"]:
+        # --compare: the gaps to the first estimator over paired seeds, the statistics and
+        # seed-band plot of `lowbit train --compare` (lowbit.train.compare), in <out>/seeds/
+        outcomes = {}
+        for _, _, config in plans:
+            run_dir = Path(config.out_dir) / config.name
+            outcomes[config.name] = RunOutcome(val_curve(run_dir), "ok", str(run_dir))
+        comparison = write_comparison(specs, outcomes, out / "seeds",
+                                      title=f"QAT to {job.configs[0].weights}, {len(job.seeds)} "
+                                            f"seed{'s' * (len(job.seeds) > 1)}")
+        summary["comparison"] = str(comparison.table)
+        summary["table"] += "\n" + comparison.table.read_text()
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_text_atomic(out / "table.md", summary["table"])
     summary["figure"] = str(plot_qat(summary, out / "qat.png"))
@@ -311,7 +329,10 @@ def format_table(summary: dict) -> str:
 
 
 def plot_qat(summary: dict, path: Path) -> Path:
-    """Validation loss over steps of every QAT run, the baselines as horizontal lines."""
+    """Validation loss (left) and perplexity (right) over steps of every QAT run, the
+    baselines as horizontal lines."""
+    import numpy as np
+
     from lowbit.train.plot import pyplot, save_figure
 
     plt = pyplot()
@@ -332,6 +353,10 @@ def plot_qat(summary: dict, path: Path) -> Path:
         ax.axhline(loss, color=color, linestyle=style, linewidth=1, label=name)
     ax.set_xlabel("QAT step")
     ax.set_ylabel("validation loss (nats/token)")
+    # perplexity on the right, the same curves read as exp(loss)
+    ppl = ax.secondary_yaxis("right", functions=(lambda x: np.exp(np.minimum(x, 700)),
+                                                 lambda p: np.log(np.maximum(p, 1e-300))))
+    ppl.set_ylabel("perplexity")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     ax.set_title(f"QAT from {Path(summary['source']).name}", fontsize="medium")

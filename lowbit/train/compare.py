@@ -63,7 +63,8 @@ from lowbit.train.plot import plot_gap_bands, plot_runs
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "compare_runs",
-           "run_all", "seed_statistics", "format_table", "TrainRunner", "compare", "t_critical"]
+           "write_comparison", "run_all", "seed_statistics", "format_table", "TrainRunner", "compare",
+           "t_critical", "val_curve"]
 
 # What may differ between the training runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe (the seed pairs the runs).
@@ -194,10 +195,20 @@ def compare_runs(specs: Sequence[RunSpec], runner: Callable[[Any], RunOutcome],
         in this process). deadline_s: seconds from now after which runs still going are stopped
         (processes only); their curves so far come from runner.partial, if it has one.
     """
-    arms, seeds = check_specs(specs)
+    check_specs(specs)
     summary_dir = Path(summary_dir)
     outcomes = run_all(specs, runner, parallel_runs=parallel_runs, deadline_s=deadline_s,
                        log_dir=summary_dir / "logs", progress=progress)
+    return write_comparison(specs, outcomes, summary_dir, metric=metric, title=title)
+
+
+def write_comparison(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome],
+                     summary_dir: str | Path, *, metric: str = "val loss",
+                     title: str | None = None) -> Comparison:
+    """The statistics of runs already run (outcomes by spec name), written to summary_dir:
+    summary.md, summary.json and seeds.png (see the module doc)."""
+    arms, seeds = check_specs(specs)
+    summary_dir = Path(summary_dir)
     step, rows, stats, spread = seed_statistics(specs, outcomes)
     summary_dir.mkdir(parents=True, exist_ok=True)
     table = summary_dir / "summary.md"
@@ -423,15 +434,16 @@ class TrainRunner:
             outcome = self.partial(config)
             outcome.status = f"diverged at step {e.step} (non-finite loss)"
             return outcome
-        return RunOutcome(_val_curve(result.run_dir), "ok", str(result.run_dir))
+        return RunOutcome(val_curve(result.run_dir), "ok", str(result.run_dir))
 
     def partial(self, config: TrainConfig) -> RunOutcome:
         run_dir = Path(config.out_dir) / config.name
-        curve = _val_curve(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        curve = val_curve(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         return RunOutcome(curve, "ended early", str(run_dir))
 
 
-def _val_curve(run_dir) -> list[tuple[int, float]]:
+def val_curve(run_dir) -> list[tuple[int, float]]:
+    """A run folder's (step, validation loss) per evaluation, in step order."""
     curve = {}
     for r in read_metrics(run_dir):
         if r["event"] == "eval":
