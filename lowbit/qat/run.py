@@ -233,9 +233,9 @@ def run_qat(job: QATJob) -> dict:
             model.load_state_dict(state)
         return model.to(device)
 
-    summary = {"source": str(source_path), "baselines": {}, "runs": []}
+    summary = {"source": str(source_path), "baselines": {}, "notes": [], "runs": []}
     if job.baselines:
-        summary["baselines"] = _baselines(job, fresh_model, data, device)
+        summary["baselines"] = _baselines(job, fresh_model, data, device, summary["notes"])
     for qat, seed, config in plans if not job.baselines_only else []:
         model = fresh_model()
         hook = None
@@ -290,8 +290,9 @@ def save_packed(model: torch.nn.Module, run_dir: Path) -> Path:
     return path
 
 
-def _baselines(job: QATJob, fresh_model, data, device) -> dict:
-    """Validation loss of the source model (bf16), RTN and GPTQ, per weight format."""
+def _baselines(job: QATJob, fresh_model, data, device, notes: list[str]) -> dict:
+    """Validation loss of the source model (bf16), RTN and GPTQ, per weight format; why a
+    baseline is missing goes to `notes`."""
     out = {}
     model = fresh_model()
     out["bf16"] = evaluate(model, data.eval_batches(), device)
@@ -304,6 +305,10 @@ def _baselines(job: QATJob, fresh_model, data, device) -> dict:
         calibration = [data.train_batch(i) for i in range(job.gptq_batches)]
         if gptq(model, calibration, device):
             out[f"gptq {weights}"] = evaluate(model, data.eval_batches(), device)
+        else:
+            notes.append(f"No GPTQ row for {weights}: lowbit's GPTQ covers the grid formats "
+                         "(intK, ternary, binary, seq2) of linear layers; nvfp4 and mxfp4 "
+                         "scales follow the weights (lowbit.qat.gptq).")
     return out
 
 
@@ -325,6 +330,7 @@ def format_table(summary: dict) -> str:
         sd = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
         gap = "" if base is None else f"{mean - base:+.4f}{sd}"
         lines.append(f"| {estimator} | {weights} | {mean:.4f}{sd} | {_ppl(mean):.2f} | {gap} | {len(losses)} |")
+    lines += ["", *summary.get("notes", [])] if summary.get("notes") else []
     return "\n".join(lines) + "\n"
 
 
