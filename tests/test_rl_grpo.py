@@ -178,6 +178,29 @@ def test_moe_policy_through_rl_with_routing_replay(tmp_path):
     assert any(r["grad_norm"] > 0 for r in exact + quantized)
 
 
+def test_kl_iterations_truncation_masking_and_sequence_is_through_the_loop(tmp_path):
+    """beta > 0 (a reference model), num_iterations = 2, mask_truncated_completions and
+    sequence-level masked importance sampling, through GRPOTrainer's pieces and its loop."""
+    from lowbit.rl.trainer import GRPOTrainer
+
+    cfg = _config(tmp_path, run_name="options", rollout="nvfp4", align="none", steps=2,
+                  checkpoint_every=0, beta=0.04, num_iterations=2, mask_truncated_completions=True,
+                  importance_sampling="sequence", is_mode="mask", is_cap=1.5, max_completion_length=3)
+    trainer = GRPOTrainer(cfg)
+    _, rollout = trainer.generate(0)
+    batch = trainer.batch(rollout)
+    assert (~rollout.stopped).any() and rollout.stopped.any()     # some rows truncated at 3 tokens
+    assert torch.equal(batch.mask, rollout.completion_mask & rollout.stopped[:, None])
+    records = [r for r in trainer.run().records if r["event"] == "train"]
+    assert len(records) == 2
+    for p in trainer.policy.parameters():                         # two optimizer steps per RL step
+        assert int(trainer.optimizer.state[p]["step"]) == 4
+        break
+    # the metrics are the second iteration's: the policy has moved from the reference by then
+    assert all(r["kl"] >= 0 for r in records) and any(r["kl"] > 0 for r in records)
+    assert all(0 <= r["sampling/importance_sampling_ratio/capped_frac"] <= 1 for r in records)
+
+
 def test_tasks_are_seeded_and_held_out():
     task = get_task("countdown")
     held = {p.prompt for p in task.eval_problems(50)}
