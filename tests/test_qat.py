@@ -86,6 +86,27 @@ def test_grid_values_match_the_formats_reference():
         assert torch.equal(q.dequantize(w, scales, zeros), ref), name
 
 
+def test_mse_scales_are_the_best_clipping_ratio_per_group():
+    from lowbit.qat.quantizer import MSE_RATIOS
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 64)
+    w[0, 5] = 12.0                                        # an outlier
+    q = GroupQuantizer(parse_weight_format("int3:g32"), w.shape)
+    absmax, _ = q.init_scales(w, "absmax")
+    mse, _ = q.init_scales(w, "mse")
+    groups = w.view(6, 2, 32)
+    torch.testing.assert_close(absmax, groups.abs().amax(-1) / 3)   # int3: levels -3..3
+    for row in range(6):
+        for g in range(2):
+            x, s = groups[row, g], absmax[row, g]
+            errors = [float(((torch.clamp(torch.round(x / (s * r)), -3, 3) * s * r - x) ** 2).sum())
+                      for r in MSE_RATIOS]
+            best = MSE_RATIOS[errors.index(min(errors))]
+            torch.testing.assert_close(mse[row, g], s * best)
+    assert (mse < absmax).any() and (mse <= absmax).all()   # 1.0 is among the ratios
+
+
 def test_seq2_and_asymmetric_grids():
     x = torch.tensor([[0.0, -0.0, 1.0, -1.0, 1.5, 3.0, -3.0, 0.1]])
     assert quantize(x, "seq2", block=(1, 8)).dequantize().tolist() == [[1, -1, 1, -1, 1, 3, -3, 1]]
