@@ -414,6 +414,14 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     final = {Path(r["run"]).name: r["val_loss"]
              for r in json.loads((folder.parent / "summary.json").read_text())["runs"]}
     assert {row["run"]: row["value"] for row in stats["rows"]} == pytest.approx(final) and len(final) == 4
+    # B's statistics: a record at each refit (steps 1 and 3 of 4 with --refresh-every 2)
+    run = next(tmp_path.glob("qat-*-jacquant-s0"))
+    b_records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                 if '"jacquant"' in line]
+    assert [r["step"] for r in b_records] == [1, 3]
+    for r in b_records:
+        assert 0 <= r["b/mean"] <= 2 and 0 <= r["b/near_zero"] <= 1            # b_max 2
+        assert {"b/model.layers.0.self_attn.q_proj.weight/mean", "b/near_max"} <= set(r)
     # --distill: the same base (cached), the run labelled and its config recording it
     assert main(["qat", "--estimator", "ste", "--distill", "0.5", "--distill-temperature", "2",
                  "--steps", "2", "--base-steps", "6", "--eval-every", "2", "--no-baselines",
