@@ -516,6 +516,20 @@ def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path,
     assert prof["kernels_per_step"] == pytest.approx(report["decode_step_ops"]["bf16"], abs=1)
 
 
+def test_exposed_communication_is_what_no_compute_kernel_overlaps():
+    from lowbit.bench.timing import exposed, kernel_category
+
+    assert kernel_category("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication (nccl)"
+    assert kernel_category("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "communication (nccl)"
+    # two collectives (the second given as two overlapping pieces) against compute 5..25, 40..45
+    communication = [(0, 10), (20, 26), (24, 30)]
+    compute = [(5, 15), (12, 25), (40, 45)]
+    assert exposed(communication, compute) == 5 + 5     # 0..5 and 25..30
+    assert exposed(communication, []) == 20
+    assert exposed([], compute) == 0
+    assert exposed([(0, 10)], [(0, 10), (2, 3)]) == 0
+
+
 def test_qat_settings_take_refresh_interval_per_element_b_and_mse_scales():
     from lowbit.bench.train import qat_setting
 

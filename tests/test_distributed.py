@@ -228,3 +228,40 @@ def test_checkpoints_from_before_fsdp_support_still_load():
             assert torch.equal(new["state"][i][key], value)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_batch(tmp_path, parallel):
+    """`lowbit bench train` under torchrun: --batch-size is the global batch, split as lowbit
+    train splits it, so two processes report one process's loss; rank 0 alone prints and
+    writes --json; tokens/s counts the job's tokens."""
+    from lowbit.bench.train import bench_train
+
+    device = FLAGS[FLAGS.index("--device") + 1]
+    args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", "2",
+            "--warmup", "1", "--device", device, "--recipes", "bf16,stable-fp4"]
+    path = tmp_path / "two.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "-m", "lowbit.cli", "bench", "train", *args, "--parallel", parallel,
+               "--json", str(path)]
+    two = subprocess.run(command, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("model tiny") == 1 and two.stdout.count("bf16: ") == 1   # rank 0's
+    assert f"x 2 processes ({parallel}" in two.stdout
+    rows = json.loads(path.read_text())
+    assert [(r["recipe"], r["world_size"], r["parallel"]) for r in rows] == [
+        ("bf16", 2, parallel), ("stable-fp4", 2, parallel)]
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 / (r["step_ms"] / 1e3))
+    one = bench_train("tiny", ["bf16"], 32, 4, 2, 1, device, progress=lambda message: None)
+    assert rows[0]["loss"] == pytest.approx(one[0]["loss"], rel=SAME_BATCHES)   # bf16: no SR noise
+    assert rows[0]["params"] == one[0]["params"]
+
+
+def test_bench_train_refuses_what_torchrun_cannot_split():
+    from lowbit.bench.train import bench_train
+
+    with pytest.raises(ValueError, match="--parallel ddp"):
+        bench_train("tiny", ["qat/int2:g32/jacquant"], parallel="fsdp")
+    with pytest.raises(ValueError, match="ddp or fsdp"):
+        bench_train("tiny", ["bf16"], parallel="tp")

@@ -64,6 +64,9 @@ def add_arguments(parser) -> None:
                         "one batch of random tokens); e.g. tinyshakespeare")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="under torchrun: replicate the model (ddp) or shard it (fsdp), as lowbit "
+                        "train --parallel; --batch-size is then the global batch (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(bench_func=run_train)
 
@@ -344,7 +347,9 @@ def run_train(args) -> None:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
     rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
                        args.device, args.compile, args.n_experts, args.profile, args.cuda_graph,
-                       args.corpus, interleave=args.interleave)
+                       args.corpus, interleave=args.interleave, parallel=args.parallel)
+    if os.environ.get("RANK", "0") != "0":   # under torchrun, rank 0 reports for the job
+        return
     print(format_rows(rows))
     if args.profile:
         print(format_profiles(rows))

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "gpu_events", "idle_gaps", "format_profiles",
-           "record_check", "kernel_category"]
+__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "gpu_events", "idle_gaps", "exposed",
+           "format_profiles", "record_check", "kernel_category"]
 
 
 def time_ms(fn, device: str) -> float:
@@ -50,6 +50,8 @@ def sync(dev: torch.device) -> None:
 
 
 _CATEGORIES = (
+    # NCCL's collectives (ncclDevKernel_AllReduce_..., ReduceScatter, AllGather) under torchrun
+    ("communication (nccl)", ("nccl",)),
     ("quantize (lowbit Triton)", ("_quantize_kernel", "tensor_amax_kernel", "_rht_rows_kernel")),
     ("fp8 fold (lowbit Triton)", ("_live_blocks_kernel", "_fold_kernel", "_band_max_kernel",
                                   "_fold_one_chunk_kernel")),
@@ -63,8 +65,8 @@ _CATEGORIES = (
 
 
 def kernel_category(name: str) -> str:
-    """The category a profile sums a GPU kernel (or a CPU aten operator) under: lowbit's
-    quantize or fold kernels, attention, fp8 gemm, gemm (bf16/fp32), or other."""
+    """The category a profile sums a GPU kernel (or a CPU aten operator) under: communication
+    (NCCL), lowbit's quantize or fold kernels, attention, fp8 gemm, gemm (bf16/fp32), or other."""
     low = name.lower()
     return next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
 
@@ -99,15 +101,42 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         category = kernel_category(name)
         by_category[category] = by_category.get(category, 0.0) + ms
     busy = sum(kernels.values())
+    communication = [(a, b) for a, b, name in spans if kernel_category(name).startswith("communication")]
+    compute = [(a, b) for a, b, name in spans if not kernel_category(name).startswith("communication")]
     # the host side: CPU self time per op / runtime call (a device sync shows up as time in
     # cudaStreamSynchronize / cudaDeviceSynchronize / a device-to-host cudaMemcpyAsync)
     host = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
             if e.self_cpu_time_total > 0}
     return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, **idle_gaps(spans, top),
+            "communication_ms": _covered(communication) / 1e3,
+            "communication_exposed_ms": exposed(communication, compute) / 1e3,
             "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
             "host_total_ms": sum(ms for ms, _ in host.values()),
             "top_host_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:top])}
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, stop in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], stop)
+        else:
+            out.append([start, stop])
+    return [(a, b) for a, b in out]
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in _merged(spans))
+
+
+def exposed(communication: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """How long communication runs with no compute kernel beside it (the same units as the
+    (start, end) spans): the time the collectives add to the step, where overlap hides none."""
+    hidden, other = 0.0, _merged(compute)
+    for a, b in _merged(communication):
+        hidden += sum(max(0.0, min(b, d) - max(a, c)) for c, d in other)
+    return _covered(communication) - hidden
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
@@ -148,6 +177,9 @@ def format_profiles(rows: list[dict]) -> str:
                    f"{p['gpu_busy_ms']:.1f} ms ({p['gpu_busy_ms'] / p['wall_ms']:.0%})")
         for category, ms in p["by_category_ms"].items():
             out.append(f"  {category:28s} {ms:9.2f} ms  {ms / p['gpu_busy_ms']:6.1%}")
+        if p.get("communication_ms"):
+            out.append(f"  communication {p['communication_ms']:.2f} ms, of which "
+                       f"{p['communication_exposed_ms']:.2f} ms with no compute kernel beside it")
         if "idle_ms" in p:
             lengths = ", ".join(f"{label}: {h['gaps']} ({h['ms']:.1f} ms)"
                                 for label, h in p["idle_histogram"].items())

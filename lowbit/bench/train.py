@@ -12,6 +12,17 @@ with --compile / --cuda-graph the compiled model and the CUDA graph. The median 
 With --interleave R the recipes' timed blocks take turns R times (every model kept on the
 device), so a slow drift of the machine cannot favour one recipe: what a 2% comparison needs.
 Speed targets are checked here, in a benchmark, never in unit tests.
+
+Under torchrun it benchmarks the step `lowbit train` runs there (lowbit.train.distributed):
+
+    torchrun --nproc_per_node 2 -m lowbit.cli bench train --model 1b --seq-len 2048 \
+        --batch-size 8 --recipes bf16,stable-fp4-fp8 --parallel ddp|fsdp
+
+--batch-size is then the global batch (each process trains its rows r::N of it, as lowbit
+train splits it), tokens/s counts the whole job's tokens, the step time is the slowest
+process's median, and the peak memory the largest of any process (one GPU's). Only rank 0
+prints and writes --json. benchmarks/multi_gpu.py runs 1 and N processes and reports the
+scaling.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
                 cuda_graph: bool = False, corpus: str | None = None,
-                progress=print, interleave: int = 1) -> list[dict]:
+                progress=print, interleave: int = 1, parallel: str = "ddp") -> list[dict]:
     """Each recipe's median step time and peak memory on the same model (seeded init) and the
     same batches, timing lowbit.train's own step (TrainStep: its optimizer groups, schedule,
     clipping, autocast, fold policy and CUDA graph), built as `lowbit train` builds a run.
@@ -43,33 +54,55 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     of text (the FP8 folds' redo count depends on them). interleave R > 1: every model is built
     first and kept, and R blocks of `steps` timed steps take turns across the recipes; the
     median is over all R * steps, "block_ms" holds each block's median (the spread a repeat
-    shows), and peak memory is not reported (the models share the device)."""
-    from lowbit.models import is_model_folder
+    shows), and peak memory is not reported (the models share the device). parallel: "ddp"
+    or "fsdp", how the model is spread over the processes when launched by torchrun (see the
+    module doc); one process ignores it."""
     from lowbit.recipes import get_recipe
-    from lowbit.train import TrainConfig
-    from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
-                                    model_config, resolve_recipe)
     from lowbit.train.config import resolve_device
-    from lowbit.train.distributed import Distributed
-    from lowbit.train.step import TrainStep, refuse_cuda_graph
+    from lowbit.train.distributed import setup
 
     for flag, value, least in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--interleave", interleave, 1),
                                ("--seq-len", seq_len, 1), ("--batch-size", batch_size, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} (got {value})")
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"--parallel must be ddp or fsdp (got {parallel!r})")
     for name in recipes:
         if qat_setting(name) is None:
             get_recipe(name)  # refuse an unknown recipe before building anything
-    dev = resolve_device(device)
-    process = Distributed(device=dev)   # one process: the benchmark is not run under torchrun
+        elif parallel == "fsdp":
+            raise ValueError(f"{name}: QAT settings run under --parallel ddp (JacQuant's step "
+                             "scaling reads the whole weight)")
+    process = setup(resolve_device(device))   # torchrun's process group, if launched by it
+    try:
+        if batch_size % process.world_size:
+            raise ValueError(f"--batch-size ({batch_size}) is the global batch under torchrun and "
+                             f"must be a multiple of the {process.world_size} processes")
+        return _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
+                      n_experts, profile, cuda_graph, corpus,
+                      progress if process.is_main else (lambda message: None), interleave, parallel)
+    finally:
+        process.close()
+
+
+def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile, n_experts,
+           profile, cuda_graph, corpus, progress, interleave, parallel) -> list[dict]:
+    from lowbit.models import is_model_folder
+    from lowbit.train import TrainConfig
+    from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
+                                    model_config, resolve_recipe)
+    from lowbit.train.step import TrainStep, refuse_cuda_graph
+
+    dev = process.device
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
                        max_steps=warmup + steps * interleave + (1 if profile else 0),
                        warmup_steps=min(warmup, 1),
                        compile=compile, cuda_graph=cuda_graph, device=str(dev),
                        corpus=corpus or "tinyshakespeare",
                        tokenizer="model" if is_model_folder(model) else "bytes", progress=False,
-                       diagnostics=False)
-    data = build_data(base) if corpus is not None else None
+                       diagnostics=False, parallel=parallel)
+    with process.main_first():   # rank 0 tokenizes and caches the corpus, the others read it
+        data = build_data(base) if corpus is not None else None
     vocab_size = data.vocab_size if data is not None else None
     if cuda_graph:
         refuse_cuda_graph(process, moe=model_config(base).is_moe)
@@ -91,7 +124,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         else:
             apply_recipe(net, resolve_recipe(name))
         net.to(dev).train()
-        optimizer = build_optimizer(net, config, dev)
+        if process.enabled and parallel == "fsdp":
+            process.shard_model(net)   # before the optimizer takes the (sharded) parameters
+        optimizer = build_optimizer(net, config, dev, sharded=process.fsdp)
         step_fn = TrainStep(net, optimizer, config, process, objective=objective)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": []}
@@ -125,20 +160,26 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
 
     def finish(unit: dict) -> dict:
         times, results, net = unit["times"], unit["results"], unit["net"]
-        step_s = statistics.median(times)
+        # the job's step is its slowest process's (they meet at every all_reduce anyway)
+        step_s = _across_ranks(process, statistics.median(times), max)
         redone = [i + 1 for i, r in enumerate(results)
                   if any(rec["event"] == "fold_redo" for rec in r.records)]
         row = {"recipe": unit["name"], "step_ms": step_s * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
-               "peak_mem_gib": (torch.cuda.max_memory_allocated(dev) / 2**30
+               "peak_mem_gib": (_across_ranks(process, torch.cuda.max_memory_allocated(dev), max) / 2**30
                                 if dev.type == "cuda" and interleave == 1 else None),
+               "world_size": process.world_size,
+               "parallel": parallel if process.enabled else None,
                "loss": results[-1].loss, "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
                "cuda_graph": cuda_graph, "corpus": corpus,
                "fold_redo_steps": len(redone), "steps_run": len(results),
                "fold_redo_at": redone, "block_ms": unit["blocks"]}
         if profile and dev.type == "cuda":
-            row["profile"] = profile_step(unit["step"], dev)
+            if process.is_main:
+                row["profile"] = profile_step(unit["step"], dev)
+            else:
+                unit["step"]()   # the other processes take the profiled step's collectives
         progress(f"{unit['name']}: {row['step_ms']:.1f} ms/step"
                  + (f" (blocks {', '.join(f'{b:.1f}' for b in unit['blocks'])})" if interleave > 1 else ""))
         return row
@@ -176,6 +217,17 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     return rows
 
 
+def _across_ranks(process, value: float, op) -> float:
+    """max (op=max) of a number over the processes; the number itself in one process."""
+    if not process.enabled:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor(float(value), dtype=torch.float64, device=process.device)
+    dist.all_reduce(t, op={max: dist.ReduceOp.MAX}[op])
+    return float(t)
+
+
 def qat_setting(name: str):
     """'qat/<weights>/<estimator>[/<option>...]' -> its QATConfig (lowbit.qat.parse_qat_spec's
     spelling, e.g. qat/int2:g64/jacquant/k100/mse); any other name is a recipe (None)."""
@@ -211,7 +263,9 @@ def format_rows(rows: list[dict]) -> str:
                        "with exact ones, as lowbit train does (in the times above)")
     r0 = rows[0]
     data = f"{r0['corpus']} bytes" if r0.get("corpus") else "random tokens"
-    return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}, "
+    procs = (f" x {r0['world_size']} processes ({r0['parallel']}; peak GiB: the largest of any "
+             "process)" if r0.get("world_size", 1) > 1 else "")
+    return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}{procs}, "
             f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}, {data}\n"
             + "\n".join(out))
 
