@@ -151,3 +151,24 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path)
                             "--settings", f"bf16/ste/0,{bad}"], capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not out.exists()
+
+
+def test_multi_gpu_scaling_smoke(tmp_path):
+    """benchmarks/multi_gpu.py --smoke: one process, then two under torchrun (gloo), and the
+    scaling table from their rows."""
+    spec = importlib.util.spec_from_file_location("multi_gpu", ROOT / "benchmarks" / "multi_gpu.py")
+    multi_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(multi_gpu)
+    assert multi_gpu.main(["--out", str(tmp_path), "--smoke", "--modes", "ddp"]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["meta"]["machine"].endswith("2 processes (gloo)")
+    rows = {(r["recipe"], r["processes"]): r for r in report["results"]}
+    assert set(rows) == {("bf16", 1), ("stable-fp4", 1), ("bf16", 2), ("stable-fp4", 2)}
+    for recipe in ("bf16", "stable-fp4"):
+        one, two = rows[recipe, 1], rows[recipe, 2]
+        assert two["parallel"] == "ddp" and one["scaling"] == 1.0
+        assert two["scaling"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+        # the two-process run trains twice the rows a step: 2 processes x 2 rows x 32 tokens
+        assert two["tokens_per_s"] == pytest.approx(4 * 32 / (two["step_ms"] / 1e3))
+    assert "| stable-fp4 | 2 | ddp |" in (tmp_path / "summary.md").read_text()
+    assert multi_gpu.main(["--out", str(tmp_path), "--smoke", "--modes", "tp"]) == 2
