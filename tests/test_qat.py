@@ -251,6 +251,29 @@ def test_b_on_the_update_scales_each_step_and_keeps_the_ste_backward():
     assert "a.parametrizations.weight.0.prev" in upd.state_dict()   # checkpoints carry it
 
 
+def test_b_on_the_update_in_multi_tensor_passes_is_the_one_weight_update_bit_for_bit():
+    from lowbit.qat.layers import fake_quantizers, scale_updates
+
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant")     # B per element on the update
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        net = Net()
+        prepare(net, cfg)
+        refresh(net, 0, 1)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+        net(torch.randn(8, 64, generator=torch.Generator().manual_seed(2))).square().sum().backward()
+        opt.step()
+        nets.append(net)
+    pairs = [[(m.parametrizations[p].original, fq) for _, m, p, fq in fake_quantizers(net)] for net in nets]
+    scale_updates(pairs[0])
+    for weight, fq in pairs[1]:
+        fq.scale_update(weight)
+    for (w0, fq0), (w1, fq1) in zip(*pairs):
+        assert torch.equal(w0, w1) and torch.equal(fq0.prev, fq1.prev)
+        assert not torch.equal(fq0.b, torch.ones_like(fq0.b))          # B did something
+
+
 def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     from lowbit.cli import build_parser
     from lowbit.qat.cli_args import config_flags, job_from_args
