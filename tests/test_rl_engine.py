@@ -225,19 +225,28 @@ def test_weight_sync_copies_and_changes_outputs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
-    cfg, model = _model(True)
-    engine = _engine(cfg, model, precision="nvfp4", dtype=dtype)
-    apply_asymmetric_qat(model)
-    layer = model.model.layers[1]
-    recipe = layer.self_attn.q_proj.linear_recipe
-    # what the trainer's forward GEMM multiplies (weights in the compute dtype, as autocast casts)
-    trainer_q = operand(layer.self_attn.q_proj.weight.to(dtype), recipe.fprop_w, reduce_dim=1)
-    assert torch.equal(trainer_q, engine.linear_values(1, "q_proj"))
-    expert = layer.mlp.experts
-    trainer_e = operand(expert.down_proj[2].to(dtype), expert.linear_recipe.fprop_w, reduce_dim=1)
-    assert torch.equal(trainer_e, engine.layers[1].experts_down[2].values)
-    assert recipe.fprop_x is None and recipe.dgrad_dy is None      # activations stay high precision
-    assert not hasattr(model.lm_head, "linear_recipe")            # the head is kept, as in the engine
+    # every projection of every layer, dense and MoE (each expert's gate|up and down)
+    for moe in (False, True):
+        cfg, model = _model(moe)
+        engine = _engine(cfg, model, precision="nvfp4", dtype=dtype)
+        apply_asymmetric_qat(model)
+        for i, layer in enumerate(model.model.layers):
+            # what the trainer's forward GEMM multiplies (weights in the compute dtype, as autocast casts)
+            def trainer(module):
+                return operand(module.weight.to(dtype), module.linear_recipe.fprop_w, reduce_dim=1)
+            names = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
+            for name in names:
+                module = getattr(layer.self_attn if name[0] in "qkvo" else layer.mlp, name)
+                assert torch.equal(trainer(module), engine.linear_values(i, name)), (i, name)
+                assert module.linear_recipe.fprop_x is None and module.linear_recipe.dgrad_dy is None
+            if moe:
+                experts = layer.mlp.experts
+                for e in range(cfg.n_experts):
+                    for fused, engine_side in ((experts.gate_up_proj, engine.layers[i].experts_gate_up),
+                                               (experts.down_proj, engine.layers[i].experts_down)):
+                        expected = operand(fused[e].to(dtype), experts.linear_recipe.fprop_w, reduce_dim=1)
+                        assert torch.equal(expected, engine_side[e].values), (i, e)
+        assert not hasattr(model.lm_head, "linear_recipe")        # the head is kept, as in the engine
 
 
 def test_bf16_engine_decode_matches_the_trainer_in_bf16():
