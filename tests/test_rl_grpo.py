@@ -251,6 +251,22 @@ def test_cli_rl_runs(tmp_path, capsys):
     assert "| bf16 |" in capsys.readouterr().out
 
 
+def test_cli_rl_compare_runs_every_setting_on_the_same_seeds(tmp_path, capsys):
+    from lowbit.cli import main
+
+    assert main(["rl", "--quick", "--compare", "bf16,nvfp4,nvfp4+quads", "--no-progress",
+                 "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| {s} |" in out for s in ("bf16", "nvfp4", "nvfp4+quads"))
+    folder = tmp_path / "compare-add"
+    assert (folder / "rl.png").is_file() and (folder / "summary.md").is_file()
+    rows = {r["setting"]: r for r in json.loads((folder / "summary.json").read_text())}
+    assert {r["seed"] for r in rows.values()} == {0} and {r["steps"] for r in rows.values()} == {3}
+    assert rows["bf16"]["logp_gap_mean"] < 1e-5            # float32 engine and trainer on the CPU
+    # the same prompts and seeds: QUADS (QAT + RAC) narrows naive NVFP4's log-prob gap
+    assert 0 < rows["nvfp4+quads"]["logp_gap_mean"] < rows["nvfp4"]["logp_gap_mean"]
+
+
 def test_compile_decode_gives_the_eager_rollouts(tmp_path):
     """--compile-decode reaches the engine, and its rollouts are the eager engine's: the same
     rewards and lengths, log-probs equal to float32 rounding."""
