@@ -92,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                    *extra, "--json", str(path)]
         print(f"== {' '.join(command[1:])}", flush=True)
         t0 = time.perf_counter()
-        try:
-            done = subprocess.run(command, env=env, timeout=args.timeout_min * 60, text=True,
-                                  capture_output=True)
-        except subprocess.TimeoutExpired:
+        done = _run(command, env, args.timeout_min * 60)
+        if done is None:
             print(f"   stopped after {args.timeout_min} min", flush=True)
             continue
         print(done.stdout[-4000:], end="", flush=True)
@@ -113,6 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
     print(table, end="")
     return 0 if len(results) == len(runs) else 1
+
+
+def _run(command: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess | None:
+    """The command's result, or None when it ran past timeout_s. Then torchrun gets SIGTERM
+    first, which it passes on to its workers (they run in sessions of their own, so killing
+    torchrun alone would leave them holding the GPUs), and SIGKILL 60 s later if need be."""
+    proc = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        return None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def scaling_rows(results: dict[str, list[dict]], gpus: int, modes: list[str]) -> list[dict]:

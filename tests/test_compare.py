@@ -68,7 +68,7 @@ def test_a_diverged_run_drops_its_pair_and_does_not_move_the_step():
 
 
 def test_specs_must_form_a_full_grid_of_arms_and_seeds():
-    with pytest.raises(ValueError, match="at least two arms"):
+    with pytest.raises(ValueError, match="at least two different arms"):
         check_specs([RunSpec("a", 0, "x"), RunSpec("a", 1, "y")])
     with pytest.raises(ValueError, match="missing: b at seed 1"):
         check_specs([RunSpec("a", 0, "x"), RunSpec("b", 0, "y"), RunSpec("a", 1, "z")])

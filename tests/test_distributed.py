@@ -238,8 +238,10 @@ def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_bat
     from lowbit.bench.train import bench_train
 
     device = FLAGS[FLAGS.index("--device") + 1]
+    # DDP also takes a QAT setting (its large per-weight buffers left out of DDP's broadcast)
+    recipes = ["bf16", "stable-fp4"] + (["qat/int2:g32/jacquant"] if parallel == "ddp" else [])
     args = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", "2",
-            "--warmup", "1", "--device", device, "--recipes", "bf16,stable-fp4"]
+            "--warmup", "1", "--device", device, "--recipes", ",".join(recipes)]
     path = tmp_path / "two.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", "-m", "lowbit.cli", "bench", "train", *args, "--parallel", parallel,
@@ -250,7 +252,7 @@ def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_bat
     assert f"x 2 processes ({parallel}" in two.stdout
     rows = json.loads(path.read_text())
     assert [(r["recipe"], r["world_size"], r["parallel"]) for r in rows] == [
-        ("bf16", 2, parallel), ("stable-fp4", 2, parallel)]
+        (recipe, 2, parallel) for recipe in recipes]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / (r["step_ms"] / 1e3))
     one = bench_train("tiny", ["bf16"], 32, 4, 2, 1, device, progress=lambda message: None)
@@ -258,10 +260,17 @@ def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_bat
     assert rows[0]["params"] == one[0]["params"]
 
 
-def test_bench_train_refuses_what_torchrun_cannot_split():
+def test_bench_train_refuses_an_unknown_parallel_mode():
     from lowbit.bench.train import bench_train
 
-    with pytest.raises(ValueError, match="--parallel ddp"):
-        bench_train("tiny", ["qat/int2:g32/jacquant"], parallel="fsdp")
     with pytest.raises(ValueError, match="ddp or fsdp"):
         bench_train("tiny", ["bf16"], parallel="tp")
+
+
+def test_bench_train_under_fsdp_refuses_qat_settings_on_every_rank(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "-m", "lowbit.cli", "bench", "train", "--model", "tiny", "--device", "cpu",
+               "--recipes", "bf16,qat/int2:g32/ste", "--parallel", "fsdp"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode != 0
+    assert "lowbit runs QAT settings under --parallel ddp" in done.stderr

@@ -274,6 +274,23 @@ def test_b_on_the_update_in_multi_tensor_passes_is_the_one_weight_update_bit_for
         assert not torch.equal(fq0.b, torch.ones_like(fq0.b))          # B did something
 
 
+def test_ddp_leaves_out_only_the_buffers_every_rank_holds_alike():
+    expected = {
+        JacQuantConfig(): ["prev", "b"],                          # per element: B from the weights
+        JacQuantConfig(per_element=False): ["prev"],             # weighted per group: rank-local moments
+        JacQuantConfig(per_element=False, weighted=False): ["prev", "b"],
+        JacQuantConfig(per_element=False, b_on="grad"): None,    # nothing large to leave out
+    }
+    for jq, kinds in expected.items():
+        net = Net()
+        prepare(net, QATConfig(weights="int2:g32", estimator="jacquant", jacquant=jq))
+        ignored = getattr(net, "_ddp_params_and_buffers_to_ignore", None)
+        assert ignored == (None if kinds is None else
+                           [f"{m}.parametrizations.weight.0.{k}" for m in "ab" for k in kinds])
+        buffers = dict(net.named_buffers())
+        assert all(name in buffers for name in ignored or [])
+
+
 def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     from lowbit.cli import build_parser
     from lowbit.qat.cli_args import config_flags, job_from_args

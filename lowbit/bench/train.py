@@ -20,7 +20,7 @@ Under torchrun it benchmarks the step `lowbit train` runs there (lowbit.train.di
 
 --batch-size is then the global batch (each process trains its rows r::N of it, as lowbit
 train splits it), tokens/s counts the whole job's tokens, the step time is the slowest
-process's median, and the peak memory the largest of any process (one GPU's). Only rank 0
+process's median (the mean too), and the peak memory the largest of any process (one GPU's). Only rank 0
 prints and writes --json. benchmarks/multi_gpu.py runs 1 and N processes and reports the
 scaling.
 """
@@ -70,11 +70,12 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
     for name in recipes:
         if qat_setting(name) is None:
             get_recipe(name)  # refuse an unknown recipe before building anything
-        elif parallel == "fsdp":
-            raise ValueError(f"{name}: QAT settings run under --parallel ddp (JacQuant's step "
-                             "scaling reads the whole weight)")
     process = setup(resolve_device(device))   # torchrun's process group, if launched by it
     try:
+        qat = [name for name in recipes if qat_setting(name) is not None]
+        if process.enabled and parallel == "fsdp" and qat:   # every rank refuses alike
+            raise ValueError(f"{qat[0]}: lowbit runs QAT settings under --parallel ddp; their "
+                             "fake-quantized weights are not sharded with FSDP")
         if batch_size % process.world_size:
             raise ValueError(f"--batch-size ({batch_size}) is the global batch under torchrun and "
                              f"must be a multiple of the {process.world_size} processes")
@@ -164,7 +165,8 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
         step_s = _across_ranks(process, statistics.median(times), max)
         redone = [i + 1 for i, r in enumerate(results)
                   if any(rec["event"] == "fold_redo" for rec in r.records)]
-        row = {"recipe": unit["name"], "step_ms": step_s * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
+        mean_s = _across_ranks(process, statistics.fmean(times), max)
+        row = {"recipe": unit["name"], "step_ms": step_s * 1e3, "mean_ms": mean_s * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
                "peak_mem_gib": (_across_ranks(process, torch.cuda.max_memory_allocated(dev), max) / 2**30
                                 if dev.type == "cuda" and interleave == 1 else None),

@@ -126,8 +126,9 @@ class JacQuantConfig:
     update, measured worse than STE at W2 (1.085x its gap; docs/results/jacquant.md)."""
     weighted: bool = True
     """Weight the fit by the layer's input second moments diag(E[x x^T]) (an EMA the layer keeps).
-    Per group only: per element the weight cancels from each weight's own ratio, so no
-    moments are kept; MoE experts' B is unweighted."""
+    Per group only: per element the weight cancels from each weight's own ratio (up to
+    rounding, and but for channels whose moment is 0), so no moments are kept; MoE experts'
+    B is unweighted."""
     moment_decay: float = 0.5
     """EMA decay of the input second moments across refits (each refit's moments come from the
     training step just before it: the steps in between record nothing)."""

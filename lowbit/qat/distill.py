@@ -27,14 +27,13 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                     targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """T^2 * KL(softmax(teacher / T) || softmax(student / T)), summed over the vocabulary and
     averaged over the positions whose target is not -100 (0 when there are none), in float32."""
-    keep = targets.reshape(-1) != -100
+    # a mask, not boolean indexing: no host sync, so a CUDA graph can capture it
+    keep = (targets.reshape(-1) != -100).float()
     vocab = student_logits.shape[-1]
-    s = student_logits.reshape(-1, vocab)[keep].float() / temperature
-    t = teacher_logits.reshape(-1, vocab)[keep].float() / temperature
-    if s.shape[0] == 0:
-        return student_logits.sum().float() * 0.0   # keeps the graph; nothing to match
-    kl = F.kl_div(F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), log_target=True,
-                  reduction="sum") / s.shape[0]
+    s = F.log_softmax(student_logits.reshape(-1, vocab).float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.reshape(-1, vocab).float() / temperature, dim=-1)
+    per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)   # (positions,)
+    kl = (per_position * keep).sum() / keep.sum().clamp(min=1)
     return kl * temperature ** 2
 
 

@@ -255,7 +255,26 @@ def prepare(model: nn.Module, config: QATConfig,
         report.prepared.append((qname, kind, tuple(weight.shape)))
     if config.format.grid == "nvfp4":
         _share_tensor_scales(targets)
+    _unsynced_under_ddp(model)
     return report
+
+
+def _unsynced_under_ddp(model: nn.Module) -> None:
+    """Tell DDP (which broadcasts rank 0's buffers before every forward) to leave out the
+    buffers that are the same on every rank by construction and as large as the weights: B on
+    the update's `prev` (the weight after the last step), and B itself where no rank-local
+    input moments feed its fit (seeded probes of identical weights). A per-group weighted B
+    keeps the broadcast: its moments come from each rank's own rows."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantWeight) and module.b is not None:
+            names += [f"{name}.prev"] if module.prev is not None else []
+            names += [f"{name}.b"] if module.moments is None else []
+    if names:
+        known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, known + names)
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

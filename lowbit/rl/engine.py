@@ -7,7 +7,7 @@
     rollout.completions, rollout.logprobs, rollout.routed_experts
 
 It is to the trainer what vLLM is to verl: a separate object that holds its own copy of the
-weights (by Hugging Face parameter names: lowbit's models, Llama, Qwen3, Qwen3-MoE), never the
+weights (by Hugging Face parameter names: lowbit's models, Llama, Qwen2, Qwen3, Qwen3-MoE), never the
 trainer's modules or tensors, so it may sit on another device. Weights are stored as the
 precision mode says (lowbit.rl.precision: bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 + RAC);
 attention, norms, the router, the embeddings, the output head and the KV cache stay in the

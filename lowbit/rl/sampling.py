@@ -25,7 +25,8 @@ class SamplingParams:
     temperature: float = 1.0
     """Divides the logits; 0 is greedy decoding (argmax; log-probs then of the untempered logits)."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1: off."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (after
+    top-k, of the top-k tokens' renormalized probabilities); 1: off."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0: off."""
     max_new_tokens: int = 64
@@ -64,9 +65,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
 
 
 def truncated_logprobs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution draws come from: top-k, then top-p on the top-k tokens' renormalized
-    probabilities (the order and renormalization of transformers' warpers and vLLM's sampler);
-    dropped tokens at -inf. logprobs (B, V) are log softmax(logits / T)."""
+    """The tokens draws may take, as log-weights: top-k, then top-p on the top-k tokens'
+    renormalized probabilities (the order and renormalization of transformers' warpers and
+    vLLM's sampler); dropped tokens at -inf. The kept values are not renormalized after top-p
+    (Gumbel-max draws do not need it), so they are log-probabilities only up to a constant
+    per row. logprobs (B, V) are log softmax(logits / T)."""
     keep = logprobs
     if params.top_k and params.top_k < logprobs.shape[-1]:
         kth = torch.topk(keep, params.top_k, dim=-1).values[:, -1:]       # (B, 1)

@@ -170,7 +170,7 @@ def check_specs(specs: Sequence[RunSpec]) -> tuple[list[str], list[int]]:
     arms = list(dict.fromkeys(s.arm for s in specs))
     seeds = list(dict.fromkeys(s.seed for s in specs))
     if len(arms) < 2:
-        raise ValueError(f"a comparison needs at least two arms (e.g. --compare bf16,mxfp4), "
+        raise ValueError(f"a comparison needs at least two different arms (recipes, estimators, ...), "
                          f"got {arms}")
     names = [s.name for s in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
