@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -26,6 +25,7 @@ def main() -> None:
     p.add_argument("--n-experts", type=int, default=0)
     p.add_argument("--json", required=True)
     a = p.parse_args()
+    from lowbit.bench import git_commit
     from lowbit.export import export_model
     from lowbit.models import ModelConfig, build_model, save_hf
 
@@ -47,8 +47,7 @@ def main() -> None:
                      "quantized_weight_ratio": r.weight_ratio,
                      "packed_weights": len(r.quantized)})
         print(f"{fmt:6} {layout:19} folder {on_disk / bf16:.3f}x, quantized weights {r.weight_ratio:.4f}x")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     Path(a.json).write_text(json.dumps({"meta": {
         "date": datetime.date.today().isoformat(), "commit": commit, "machine": "2-core CPU",
         "command": f"PYTHONPATH=. python benchmarks/export_sizes.py --preset {a.preset}"

@@ -103,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
         results[label] = json.loads(path.read_text())
 
+    from lowbit.bench import git_commit
+
     rows = scaling_rows(results, args.gpus, modes)
     table = format_table(rows, args)
     (out / "summary.md").write_text(table)
-    meta = {"date": date.today().isoformat(), "commit": _commit(), "machine": _machine(args),
+    meta = {"date": date.today().isoformat(), "commit": git_commit(), "machine": _machine(args),
             "command": "python benchmarks/multi_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
     print(table, end="")
@@ -172,14 +174,6 @@ def format_table(rows: list[dict], args) -> str:
             line += f" {num(r.get('communication_ms'), '.2f')} | {num(r.get('communication_exposed_ms'), '.2f')} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip() or "unknown"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _machine(args) -> str:

@@ -64,6 +64,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    from lowbit.bench import git_commit
     from lowbit.data.tasks import get_task
     from lowbit.rl.compare import config_for_setting, format_summary, summary_rows, write_summary
     from lowbit.rl.config import RLConfig
@@ -119,7 +120,7 @@ def main() -> int:
     policy = f"{args.model}{f' MoE {args.n_experts}x top-2' if args.n_experts else ''}"
     write_summary(folders, out, title=f"{policy} on {task.name}: rollout precision vs log-prob gap")
     print(format_summary(summary_rows(folders)))
-    meta = {"date": datetime.date.today().isoformat(), "commit": _commit(), "machine": _machine(),
+    meta = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "machine": _machine(),
             "command": " ".join(["python", *sys.argv]), "runs": [c.name for c in configs],
             "failed": failed,
             "wall_s": time.time() - t0}
@@ -127,14 +128,6 @@ def main() -> int:
     if failed:
         print("failed or timed out: " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _machine() -> str:

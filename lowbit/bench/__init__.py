@@ -35,7 +35,7 @@ from lowbit.bench.train import bench_train, format_rows
 
 __all__ = ["bench_train", "bench_kernels", "format_rows", "format_kernel_rows",
            "format_profiles", "add_arguments", "run", "write_json", "parse_shapes",
-           "kernel_device", "smoke_or_gpu", "run_meta"]
+           "kernel_device", "smoke_or_gpu", "run_meta", "git_commit"]
 
 
 def add_arguments(parser) -> None:
@@ -178,6 +178,19 @@ def write_json(path: str | None, rows) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+
+
+def git_commit() -> str:
+    """The checkout's short commit, or "unknown" outside a git checkout: what a results file
+    names as the code that ran."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out or "unknown"
 
 
 def run_meta(device: str) -> dict:
