@@ -104,8 +104,9 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
     # busy: the time some kernel ran; with NCCL on its own stream beside compute, kernels
     # overlap, and their sum (kernel_ms) can exceed the wall time
     busy = _covered([(a, b) for a, b, _ in spans]) / 1e3
-    communication = [(a, b) for a, b, name in spans if kernel_category(name).startswith("communication")]
-    compute = [(a, b) for a, b, name in spans if not kernel_category(name).startswith("communication")]
+    communication, compute = [], []
+    for a, b, name in spans:
+        (communication if kernel_category(name).startswith("communication") else compute).append((a, b))
     # the host side: CPU self time per op / runtime call (a device sync shows up as time in
     # cudaStreamSynchronize / cudaDeviceSynchronize / a device-to-host cudaMemcpyAsync)
     host = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()

@@ -364,18 +364,17 @@ def scale_updates(pairs: list[tuple[torch.Tensor, "FakeQuantWeight"]]) -> None:
     multi-tensor passes over all of them at once, W -= prev; W *= B; W += prev; prev = W:
     the float32 operations of scale_update in its order, so the same bits in a few launches
     instead of several per weight. The others go one at a time."""
-    fast = [(w, fq) for w, fq in pairs
-            if w.dtype == fq.prev.dtype == torch.float32 and fq.b.shape == w.shape]
+    fast, rest = [], []
+    for w, fq in pairs:
+        (fast if w.dtype == fq.prev.dtype == torch.float32 and fq.b.shape == w.shape else rest).append((w, fq))
     if fast:
         weights, prevs, bs = [w for w, _ in fast], [fq.prev for _, fq in fast], [fq.b for _, fq in fast]
         torch._foreach_sub_(weights, prevs)
         torch._foreach_mul_(weights, bs)
         torch._foreach_add_(weights, prevs)
         torch._foreach_copy_(prevs, weights)
-    chosen = {id(w) for w, _ in fast}
-    for weight, fq in pairs:
-        if id(weight) not in chosen:
-            fq.scale_update(weight)
+    for weight, fq in rest:
+        fq.scale_update(weight)
 
 
 def _set_observing(model: nn.Module, on: bool) -> None:

@@ -40,7 +40,6 @@ from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
 from lowbit.train.compare import RunOutcome, RunSpec, check_specs, val_curve, write_comparison
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
-from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["QATJob", "run_qat", "source_run", "load_source", "save_packed", "BASE_STEPS",
@@ -348,7 +347,7 @@ def plot_qat(summary: dict, path: Path) -> Path:
     labels = sorted({(r["estimator"], r["weights"]) for r in summary["runs"]})
     for r in summary["runs"]:
         color = colors[labels.index((r["estimator"], r["weights"]))]
-        evals = [(m["step"], m["val_loss"]) for m in read_metrics(r["run"]) if m["event"] == "eval"]
+        evals = val_curve(r["run"])
         if evals:
             first = r is next(x for x in summary["runs"] if (x["estimator"], x["weights"]) == (r["estimator"], r["weights"]))
             ax.plot(*zip(*evals), color=color, marker="o", markersize=3, alpha=0.9,
