@@ -146,6 +146,10 @@ def add_arguments(parser) -> None:
     o.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    help="also time every mode with its decode step compiled (torch.compile; "
                         "MODE: default or max-autotune-no-cudagraphs)")
+    o.add_argument("--decode-kernels", choices=("auto", "on", "off", "both"), default="auto",
+                   help="the engine's fused decode kernels (bf16 and nvfp4-w4a16, batch <= 16): "
+                        "auto is the engine's default (on CUDA), both times each mode with and "
+                        "without them (default: %(default)s)")
     o.add_argument("--profile", action="store_true",
                    help="also profile each engine row: per decode step, how busy the GPU is "
                         "and which kernels take the time")
@@ -343,7 +347,8 @@ def run_rollout(args) -> None:
     result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
                            prompt_len, new_tokens, args.repeats, not args.no_generate, device,
                            save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
-                           compile_decode=args.compile or False, profile_steps=args.profile)
+                           compile_decode=args.compile or False, profile_steps=args.profile,
+                           decode_kernels=args.decode_kernels)
     print(format_rollout_rows(result))
 
 

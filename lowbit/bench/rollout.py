@@ -43,7 +43,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lowbit.bench.timing import gpu_events, kernel_category
-from lowbit.rl.engine import RolloutEngine
+from lowbit.kernels import kernels_available
+from lowbit.rl.engine import RolloutEngine, decode_kernels_fit
 from lowbit.rl.sampling import SamplingParams
 
 __all__ = ["MODES", "HF_SHAPES", "bench_rollout", "decode_step_ops", "decode_step_profile",
@@ -52,6 +53,9 @@ __all__ = ["MODES", "HF_SHAPES", "bench_rollout", "decode_step_ops", "decode_ste
 # mode label -> (precision, rac_ratio)
 MODES = {"bf16": ("bf16", 0.0), "fp8": ("fp8", 0.0), "nvfp4-w4a16": ("nvfp4-w4a16", 0.0),
          "nvfp4": ("nvfp4", 0.0), "nvfp4+rac0.25": ("nvfp4", 0.25)}
+
+# --decode-kernels -> the engine's decode_kernels setting(s) to time
+KERNEL_CHOICES = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
 
 # Llama shapes built with random weights (transformers' LlamaConfig fields)
 HF_SHAPES = {
@@ -202,8 +206,11 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
 def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
                   generate_baseline: bool = True, device: str = "cpu", say=print,
-                  save=None, compile_decode: bool | str = False, profile_steps: bool = False) -> dict:
-    """Engine rows for every mode and batch size (with compile_decode, a compiled row too),
+                  save=None, compile_decode: bool | str = False, profile_steps: bool = False,
+                  decode_kernels: str = "auto") -> dict:
+    """Engine rows for every mode and batch size (with compile_decode, a compiled row too;
+    decode_kernels "auto" (the engine's default), "on", "off" or "both": the fused decode
+    kernels, where they apply; a row that runs on them says so in its label),
     then transformers' generate rows; returns {"rows", "bandwidth_bytes_per_s", "weight_bytes",
     "limit_steps_per_s", "decode_step_ops", ...}; with profile_steps also "profiles" (label ->
     batch -> decode_step_profile). `save(result)`, if given, is called after every row, so a
@@ -238,15 +245,30 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
 
     full = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     one = SamplingParams(temperature=1.0, max_new_tokens=1, seed=0)
-    runs = [(mode, compiled) for mode in modes for compiled in ((False, compile_decode) if compile_decode
-                                                                  else (False,))]
-    for mode, compiled in runs:
+    if decode_kernels not in KERNEL_CHOICES:
+        raise ValueError(f"decode_kernels {decode_kernels!r}: use one of {', '.join(KERNEL_CHOICES)}")
+    choices = KERNEL_CHOICES[decode_kernels]
+    if True in choices and not kernels_available(torch.empty(0, device=dev)):
+        if decode_kernels == "on":
+            raise ValueError("--decode-kernels on needs triton and a CUDA device")
+        say("   decode kernels: not timed here (they need triton and a CUDA device)")
+        choices = (False,)
+    runs = [(mode, compiled, kernels) for mode in modes
+            for compiled in ((False, compile_decode) if compile_decode else (False,))
+            for kernels in choices
+            # compiled steps are what the kernels replace: a compiled row with kernels would
+            # repeat the kernel row at batch <= MAX_ROWS and the compiled row past it
+            if not (kernels and (compiled or not decode_kernels_fit(config, MODES[mode][0])))]
+    for mode, compiled, kernels in runs:
         precision, rac = MODES[mode]
-        label = mode if not compiled else (f"{mode} compiled" if compiled in (True, "default")
-                                           else f"{mode} compiled {compiled}")
+        base = mode if not compiled else (f"{mode} compiled" if compiled in (True, "default")
+                                          else f"{mode} compiled {compiled}")
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
-                               max_seq_len=seq_len, compile_decode=compiled)
+                               max_seq_len=seq_len, compile_decode=compiled, decode_kernels=kernels)
         engine.load_state_dict(state)
+
+        def labelled(batch: int) -> str:
+            return base + (", decode kernels" if engine.uses_decode_kernels(batch) else "")
         if mode == "bf16" and result["weight_bytes"] is None:
             # a decode step reads every linear weight and the output head once
             result["weight_bytes"] = (engine.weight_bytes()
@@ -255,6 +277,9 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
                 result["limit_steps_per_s"] = result["bandwidth_bytes_per_s"] / result["weight_bytes"]
         limit = result["limit_steps_per_s"]
         for b in batch_sizes:
+            if kernels and not engine.uses_decode_kernels(b):
+                continue                                    # the row without them has it
+            label = labelled(b)
             ids = prompts[b].tolist()
             engine.generate(ids, full)                      # captures the decode graph
             t_full = _median_s(lambda: engine.generate(ids, full), dev, repeats)
@@ -268,6 +293,7 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
                 prof["step_us"] = 1e6 / row["decode_steps_per_s"]
                 result["profiles"].setdefault(label, {})[b] = prof
                 say(_profile_line(label, b, prof))
+        label = labelled(batch_sizes[0])
         if engine.graph_note:
             say(f"   {label}: {engine.graph_note}")
         if not (compiled and dev.type != "cuda"):

@@ -36,12 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lowbit import kernels
 from lowbit.models.config import ModelConfig
 from lowbit.models.transformer import rope_inv_freq
 from lowbit.rl.precision import EngineLinear, Precision, parse_precision
 from lowbit.rl.sampling import SamplingParams, sample_next
 
-__all__ = ["RolloutEngine", "Rollout", "COMPILE_MODES"]
+__all__ = ["RolloutEngine", "Rollout", "COMPILE_MODES", "decode_kernels_fit"]
 
 # torch.compile modes a decode step may be compiled with (compile_decode): those without
 # inductor's own CUDA graphs, since the engine captures the step itself
@@ -95,12 +96,19 @@ class _Layer:
         self.experts_down: list[EngineLinear] = []
 
 
+def decode_kernels_fit(config: ModelConfig, precision: str | Precision) -> bool:
+    """The fused decode kernels cover this model and precision: a dense decoder with an even
+    head_dim, and weights the GEMM multiplies by unquantized activations (bf16, nvfp4-w4a16)."""
+    return (not config.is_moe and config.head_dim % 2 == 0
+            and parse_precision(precision) in (Precision.BF16, Precision.NVFP4_W4A16))
+
+
 class RolloutEngine:
     def __init__(self, config: ModelConfig, precision: str | Precision = "bf16",
                  rac_ratio: float = 0.0, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, max_batch_size: int = 64,
                  max_seq_len: int | None = None, cuda_graph: bool | None = None,
-                 compile_decode: bool | str = False) -> None:
+                 compile_decode: bool | str = False, decode_kernels: bool | None = None) -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); precision: bf16, fp8,
         nvfp4-w4a16 or nvfp4; rac_ratio: the fraction of input channels RAC compensates (nvfp4
         only); dtype: compute dtype (default bf16 on CUDA, float32 elsewhere); max_batch_size
@@ -110,7 +118,11 @@ class RolloutEngine:
         batch size; on CUDA before its graph is captured; dense models only); True for
         torch.compile's default mode, or a mode's name (e.g. "max-autotune-no-cudagraphs", which
         autotunes the GEMMs and may fuse their epilogues; the engine captures the graph itself,
-        so modes that add inductor's own CUDA graphs are refused)."""
+        so modes that add inductor's own CUDA graphs are refused); decode_kernels: run decode
+        steps of up to lowbit.kernels.decode.MAX_ROWS rows on the fused decode kernels (a layer
+        in five launches, attention over the filled cache only; bf16 and nvfp4-w4a16, dense
+        models; default: on CUDA when triton imports), which take precedence over
+        compile_decode at those batch sizes."""
         self.config = config
         self.precision = parse_precision(precision)
         if not 0.0 <= rac_ratio <= 1.0:
@@ -140,6 +152,16 @@ class RolloutEngine:
                              f"{', '.join(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
         self.compile_decode = compile_decode
         self._compiled_decode = None
+        kernels_fit = decode_kernels_fit(config, self.precision)
+        if decode_kernels and not kernels_fit:
+            raise ValueError("decode_kernels needs a dense model with an even head_dim and "
+                             f"precision bf16 or nvfp4-w4a16 (got {self.precision.value}"
+                             f"{', MoE' if config.is_moe else ''}); leave it off")
+        if decode_kernels and not kernels.kernels_available(torch.empty(0, device=self.device)):
+            raise ValueError("decode_kernels needs triton and a CUDA device (or TRITON_INTERPRET=1 "
+                             "on the CPU, which is slow)")
+        self.decode_kernels = (kernels_fit and self.device.type == "cuda" and kernels.triton_importable()
+                               if decode_kernels is None else bool(decode_kernels))
         self.cos, self.sin_signed = _rope_tables(config, self.device, self.dtype)
         B, L, KV, D = max_batch_size, self.max_seq_len, config.n_kv_heads, config.head_dim
         # The preallocated cache, one (B, KV, L, D) key and value tensor per layer.
@@ -323,9 +345,36 @@ class RolloutEngine:
         over the whole cache: the fixed shapes a CUDA graph or a compiled step needs."""
         return self._forward(tokens, positions, col, self.max_seq_len)
 
-    def _decode_step(self):
-        """_decode, compiled with compile_decode. The weights and the cache are read as inputs of
+    def uses_decode_kernels(self, batch: int) -> bool:
+        """A decode step of `batch` rows runs on lowbit.kernels.decode."""
+        return self.decode_kernels and batch <= _decode_kernels().MAX_ROWS
+
+    def _decode_fused(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      col: torch.Tensor) -> torch.Tensor:
+        """_decode on lowbit.kernels.decode: five launches per layer, attention over the cache
+        columns up to col only (read on the GPU, so one CUDA graph still serves every step)."""
+        kd, cfg = _decode_kernels(), self.config
+        eps = cfg.norm_eps
+        x = F.embedding(tokens[:, 0], self.embed)                      # (B, C)
+        for i, layer in enumerate(self.layers):
+            qkv = kd.linear(x, layer.qkv_proj.values, layer.qkv_proj.bias,
+                            norm=layer.input_layernorm, eps=eps)       # (B, (H + 2 KV) D)
+            y = kd.attention(qkv, self.k_cache[i], self.v_cache[i], self.key_valid, positions,
+                             col, self.cos, self.sin_signed, cfg.n_heads, cfg.n_kv_heads,
+                             layer.qk_norm, eps)                       # (B, H D)
+            x = kd.linear(y, layer.o_proj.values, layer.o_proj.bias, residual=x)
+            gate_up = kd.linear(x, layer.gate_up_proj.values, layer.gate_up_proj.bias,
+                                norm=layer.post_attention_layernorm, eps=eps)
+            x = kd.linear(gate_up, layer.down_proj.values, layer.down_proj.bias,
+                          silu_mul=True, residual=x)
+        return kd.linear(x, self.lm_head, norm=self.norm, eps=eps)    # (B, V)
+
+    def _decode_step(self, batch: int):
+        """The decode step for `batch` rows: the fused decode kernels where they apply, else
+        _decode, compiled with compile_decode. The weights and the cache are read as inputs of
         the compiled graph (never baked in), so a weight sync does not recompile it."""
+        if self.uses_decode_kernels(batch):
+            return self._decode_fused
         if not self.compile_decode:
             return self._decode
         if self._compiled_decode is None:
@@ -441,8 +490,8 @@ class RolloutEngine:
             else:
                 col_t = torch.tensor([col], device=self.device)
                 self.key_valid[:B, col] = True
-                if self.compile_decode:
-                    logits = self._decode_step()(token[:, None], (col - pad)[:, None], col_t)
+                if self.compile_decode or self.uses_decode_kernels(B):
+                    logits = self._decode_step(B)(token[:, None], (col - pad)[:, None], col_t)
                 else:
                     logits = self._forward(token[:, None], (col - pad)[:, None], col_t, col + 1)
         mask = torch.stack(out_alive, dim=1)
@@ -530,7 +579,7 @@ class _DecodeGraph:
         e = self.engine
         B = self.tokens.shape[0]
         e.key_valid[:B].index_fill_(1, self.col, True)
-        return e._decode_step()(self.tokens, self.positions, self.col)
+        return e._decode_step(B)(self.tokens, self.positions, self.col)
 
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         self.tokens.copy_(tokens[:, None])
@@ -541,6 +590,12 @@ class _DecodeGraph:
 
 
 # ---- shared math (the trainer's lowbit.models definitions, restated for the engine) ---------
+
+def _decode_kernels():
+    """lowbit.kernels.decode, imported on first use (it imports triton)."""
+    from lowbit.kernels import decode
+    return decode
+
 
 def _rope_tables(cfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
