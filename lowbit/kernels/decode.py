@@ -43,51 +43,33 @@ _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
 
 
 def _linear_configs():
-    if interpret_mode():   # the interpreter: one small tile
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-            for bn, bk, w in ((4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
-                              (16, 256, 8), (32, 128, 4), (32, 256, 8))]
+    # tensor-core tiles (rows padded to 16) with deep load pipelines, and CUDA-core tiles for a
+    # single row; the autotuner keeps the fastest for each shape
+    dot = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True}, num_warps=w, num_stages=st)
+           for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6),
+                                 (64, 128, 4, 4), (64, 256, 8, 3))]
+    cuda_cores = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False}, num_warps=w)
+                  for bn, bk, w in ((4, 512, 4), (8, 256, 4), (8, 512, 8))]
+    return dot + cuda_cores
 
 
-@triton.autotune(configs=_linear_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE"])
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_ym, eps,
                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     dt = y_ptr.dtype.element_ty
-    rm = tl.arange(0, BLOCK_M)
+    if USE_DOT or BLOCK_M > 1:
+        acc = _linear_dot(x_ptr, w_ptr, norm_ptr, M, N, K, stride_xm, stride_wn, eps, PROLOGUE,
+                          F32_DOT, dt, DOT_M, BLOCK_N, BLOCK_K)
+        rm = tl.arange(0, DOT_M)
+    else:
+        acc = _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE, dt,
+                              BLOCK_N, BLOCK_K)
+        rm = tl.arange(0, 1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    if PROLOGUE == 1:   # RMSNorm: each program reads the (short) rows once more for their norms
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            xv = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xv * xv, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        x_ok = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
-            g = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            xv = (s * u).to(dt).to(tl.float32)
-        else:
-            xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
-        if PROLOGUE == 1:   # weight * rms_norm(x): rounded after the norm and after the weight
-            g = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            xv = ((xv * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
     y = acc.to(dt)
     if HAS_BIAS:
         b = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -99,6 +81,93 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, M, N, K,
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=out_ok)
 
 
+@triton.jit
+def _input_tile(x_rows, rm_ok, kk, k_ok, K, norm_ptr, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
+    """The GEMM's input x[:, kk] after the prologue, (rows, BLOCK_K) float32, each value rounded
+    to dt where the eager ops round."""
+    x_ok = rm_ok[:, None] & k_ok[None, :]
+    if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
+        g = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        xv = (s * u).to(dt).to(tl.float32)
+    else:
+        xv = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:   # weight * rms_norm(x): rounded after the norm and after the weight
+        g = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        xv = ((xv * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _row_rstd(x_rows, rm_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row (RMSNorm's statistic): each program reads the short rows once more."""
+    rk = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([ROWS], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        xv = tl.load(x_rows + kk[None, :], mask=rm_ok[:, None] & (kk < K)[None, :],
+                     other=0.0).to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _linear_dot(x_ptr, w_ptr, norm_ptr, M, N, K, stride_xm, stride_wn, eps, PROLOGUE: tl.constexpr,
+                F32_DOT: tl.constexpr, dt: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(DOT_M, BLOCK_N) float32 on the tensor cores, the rows past M zero: the weight tile is
+    read once for all rows, and the pipeliner keeps several tiles in flight."""
+    rm = tl.arange(0, DOT_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    rstd = tl.zeros([DOT_M], tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_rows, m_ok, K, eps, DOT_M, BLOCK_K)
+    acc = tl.zeros([DOT_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        xv = _input_tile(x_rows, m_ok, kk, k_ok, K, norm_ptr, rstd, PROLOGUE, dt)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)          # (BLOCK_K, BLOCK_N)
+        # xv holds values of dt exactly, so the products are exact and only the sums round
+        if F32_DOT:
+            acc = tl.dot(xv, w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv.to(dt), w, acc)
+    return acc
+
+
+@triton.jit
+def _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE: tl.constexpr,
+                    dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(1, BLOCK_N) float32 for one row on the CUDA cores: products accumulate elementwise over
+    K and are summed once at the end."""
+    rm = tl.arange(0, 1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < 1, rn < N
+    x_rows = x_ptr + rm[:, None]
+    rstd = tl.zeros([1], tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_rows, m_ok, K, eps, 1, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        xv = _input_tile(x_rows, m_ok, kk, k_ok, K, norm_ptr, rstd, PROLOGUE, dt)   # (1, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * xv
+    return tl.sum(acc, axis=1)[None, :]
+
+
+_linear_tuned = triton.autotune(configs=_linear_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE"])(_linear_kernel)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride along its last dim (what the kernels index by)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -106,12 +175,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """y = f(x) @ weight.T (+ bias) (+ residual), (M, K_in) -> (M, N) in x's dtype, M <= 16.
 
     f is the identity, or with norm (K,) the engine's RMSNorm `norm * rms_norm(x, eps)`, or with
     silu_mul `F.silu(x[:, :K]) * x[:, K:]` (x is (M, 2K): gate|up). weight (N, K), bias (N,),
-    residual (M, N), all in x's dtype."""
+    residual (M, N), all in x's dtype. tile: {"BLOCK_N", "BLOCK_K", "USE_DOT"} instead of the
+    autotuner's choice (which times every tile once per shape, on the first call); under
+    Triton's interpreter the default is a small tile, on the tensor cores for M > 1."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     M = x.shape[0]
@@ -128,12 +199,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     residual = None if residual is None else _rows(residual)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
-    _linear_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+    if tile is None and interpret_mode():   # the autotuner cannot time in the interpreter
+        tile = {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": M > 1}
+    kernel = _linear_tuned if tile is None else _linear_kernel
+    kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
         x, weight, bias if bias is not None else y, norm.contiguous() if norm is not None else y,
         residual if residual is not None else y, y, M, N, K,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         y.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_M=max(1, triton.next_power_of_2(M)))
+        # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
+        # float32 the products of dt's values are exact all the same
+        HAS_RES=residual is not None, F32_DOT=x.dtype == torch.float32 or interpret_mode(),
+        BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)), **(tile or {}))
     return y
 
 
@@ -188,17 +265,18 @@ def _attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, col_ptr, k_p
     rl = tl.arange(0, BLOCK_L)
     for start in range(0, col, BLOCK_L):          # the columns written before this one
         cols = start + rl
-        ok = cols < col
-        ok = ok & (tl.load(valid_ptr + b * stride_valid + cols, mask=ok, other=0) != 0)
+        written = cols < col
+        # the three loads are independent (the mask waits on none), so they overlap
+        visible = tl.load(valid_ptr + b * stride_valid + cols, mask=written, other=0) != 0
         offs = cache + cols[:, None] * stride_kl + rd[None, :]
-        kv_ok = ok[:, None] & d_ok[None, :]
+        kv_ok = written[:, None] & d_ok[None, :]
         keys = tl.load(k_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
         s = tl.sum(keys * q[None, :], axis=1) * sm_scale
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(visible & written, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
-        values = tl.load(v_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
         l = l * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
         m = m_new
@@ -234,5 +312,6 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         key_valid.stride(0), out.stride(0), cos.stride(0), 1.0 / D ** 0.5, eps,
         H=H, KV=KV, D=D, QK_NORM=qk_norm is not None,
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64 if D <= 64 else 32)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=128 if D <= 64 else 64,
+        num_warps=4 if D <= 64 else 8)
     return out
