@@ -200,9 +200,11 @@ def test_engine_refuses_decode_kernels_where_they_do_not_apply():
 @pytest.mark.gpu
 def test_cuda_graph_decode_on_the_kernels_equals_eager_decode():
     cfg, model, _, plain = _engines(qk_norm=True)
-    graphed = RolloutEngine(cfg, max_batch_size=8, device="cuda")      # kernels and graphs by default
+    default = RolloutEngine(cfg, max_batch_size=8, device="cuda")      # kernels at batch 1 only
+    assert default.uses_decode_kernels(1) and not default.uses_decode_kernels(2)
+    graphed = RolloutEngine(cfg, max_batch_size=8, device="cuda", decode_kernels=True)
     graphed.load_state_dict(model.state_dict())
-    assert graphed.decode_kernels and graphed.cuda_graph
+    assert graphed.uses_decode_kernels(4) and graphed.cuda_graph
     params = SamplingParams(max_new_tokens=12, seed=3)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
     a, b = graphed.generate(prompts, params), plain.generate(prompts, params)

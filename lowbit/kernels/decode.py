@@ -13,8 +13,11 @@ prologues and epilogues and into one attention kernel:
     x   = linear(gu, W_down, silu_mul=True, residual=x) # SiLU(gate) * up prologue
 
 `linear` is a GEMV for M <= 16 rows: each program owns BLOCK_N output features and streams
-their weight rows over K once, multiplying in float32 on the CUDA cores (at these M, tensor
-cores have nothing to do that the memory system would wait for). `attention` runs one program
+their weight rows over K once. One row multiplies on the CUDA cores, accumulating products
+elementwise and summing once at the end; several rows share each weight tile on the tensor
+cores (rows padded to 16). The engine uses them for one row (ENGINE_MAX_ROWS), where they beat
+cuBLAS's GEMMs with their launches between; at 8 and 16 rows the tensor-core tile does not yet
+stream as fast as cuBLAS. `attention` runs one program
 per (row, query head) over the cache columns written so far, read from a device tensor, so one
 CUDA graph serves every step and a step reads only the filled part of the cache.
 
@@ -34,23 +37,28 @@ import triton.language as tl
 
 from lowbit.kernels import interpret_mode
 
-__all__ = ["linear", "attention", "MAX_ROWS"]
+__all__ = ["linear", "attention", "default_tile", "MAX_ROWS", "ENGINE_MAX_ROWS"]
 
 MAX_ROWS = 16
-"""The most rows (batch size) `linear` takes: past it the GEMM has enough rows for cuBLAS."""
+"""The most rows (batch size) `linear` takes."""
+
+ENGINE_MAX_ROWS = 1
+"""The batch sizes the rollout engine runs on these kernels by default: one row. At 8 and 16
+rows the tensor-core tile ran slower than the compiled decoder's cuBLAS GEMMs on an H200
+(docs/results/quads.md), so the engine keeps cuBLAS there."""
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
 
 
-def _linear_configs():
-    # tensor-core tiles (rows padded to 16) with deep load pipelines, and CUDA-core tiles for a
-    # single row; the autotuner keeps the fastest for each shape
-    dot = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True}, num_warps=w, num_stages=st)
-           for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6),
-                                 (64, 128, 4, 4), (64, 256, 8, 3))]
-    cuda_cores = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False}, num_warps=w)
-                  for bn, bk, w in ((4, 512, 4), (8, 256, 4), (8, 512, 8))]
-    return dot + cuda_cores
+def default_tile(M: int, N: int, K: int) -> dict:
+    """The tile `linear` runs with: for one row, the CUDA-core tile that streamed each of
+    TinyLlama-1.1B's projections from HBM fastest on an H200 (a sweep of 32 tiles, weights
+    rotated past the L2; docs/results/quads.md); for more rows, a tensor-core tile."""
+    if M > 1:
+        return {"BLOCK_N": 32, "BLOCK_K": 256, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
+    long_k = K > 4096    # long rows: more rows per program, more warps per row
+    return {"BLOCK_N": 8 if long_k else 2, "BLOCK_K": min(1024, triton.next_power_of_2(K)),
+            "USE_DOT": False, "num_warps": 8 if long_k else 4}
 
 
 @triton.jit
@@ -165,9 +173,6 @@ def _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE: tl.c
     return tl.sum(acc, axis=1)[None, :]
 
 
-_linear_tuned = triton.autotune(configs=_linear_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE"])(_linear_kernel)
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride along its last dim (what the kernels index by)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -180,9 +185,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     f is the identity, or with norm (K,) the engine's RMSNorm `norm * rms_norm(x, eps)`, or with
     silu_mul `F.silu(x[:, :K]) * x[:, K:]` (x is (M, 2K): gate|up). weight (N, K), bias (N,),
-    residual (M, N), all in x's dtype. tile: {"BLOCK_N", "BLOCK_K", "USE_DOT"} instead of the
-    autotuner's choice (which times every tile once per shape, on the first call); under
-    Triton's interpreter the default is a small tile, on the tensor cores for M > 1."""
+    residual (M, N), all in x's dtype. tile: {"BLOCK_N", "BLOCK_K", "USE_DOT"} and optionally
+    num_warps / num_stages, instead of default_tile(M, N, K) (under Triton's interpreter: a
+    small tile, on the tensor cores for M > 1)."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     M = x.shape[0]
@@ -199,10 +204,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     residual = None if residual is None else _rows(residual)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
-    if tile is None and interpret_mode():   # the autotuner cannot time in the interpreter
-        tile = {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": M > 1}
-    kernel = _linear_tuned if tile is None else _linear_kernel
-    kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+    if tile is None:   # the interpreter: a small tile, so the programs loop over K
+        tile = {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": M > 1} if interpret_mode() else default_tile(M, N, K)
+    _linear_kernel[(triton.cdiv(N, tile["BLOCK_N"]),)](
         x, weight, bias if bias is not None else y, norm.contiguous() if norm is not None else y,
         residual if residual is not None else y, y, M, N, K,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
@@ -312,6 +316,6 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         key_valid.stride(0), out.stride(0), cos.stride(0), 1.0 / D ** 0.5, eps,
         H=H, KV=KV, D=D, QK_NORM=qk_norm is not None,
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=128 if D <= 64 else 64,
-        num_warps=4 if D <= 64 else 8)
+        # one or two column blocks cover an RL rollout's cache (8 warps: fastest on an H200)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=256 if D <= 64 else 128, num_warps=8)
     return out

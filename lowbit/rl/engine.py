@@ -121,8 +121,9 @@ class RolloutEngine:
         so modes that add inductor's own CUDA graphs are refused); decode_kernels: run decode
         steps of up to lowbit.kernels.decode.MAX_ROWS rows on the fused decode kernels (a layer
         in five launches, attention over the filled cache only; bf16 and nvfp4-w4a16, dense
-        models; default: on CUDA when triton imports), which take precedence over
-        compile_decode at those batch sizes."""
+        models; default: on CUDA when triton imports, for batch 1 only, where they are faster;
+        True: for every batch up to MAX_ROWS), which take precedence over compile_decode at
+        those batch sizes."""
         self.config = config
         self.precision = parse_precision(precision)
         if not 0.0 <= rac_ratio <= 1.0:
@@ -162,6 +163,12 @@ class RolloutEngine:
                              "on the CPU, which is slow)")
         self.decode_kernels = (kernels_fit and self.device.type == "cuda" and kernels.triton_importable()
                                if decode_kernels is None else bool(decode_kernels))
+        self.decode_kernels_max_batch = 0
+        """The largest decode batch that runs on the kernels: ENGINE_MAX_ROWS (one row, where
+        they are faster) by default, every size they take (MAX_ROWS) when asked for explicitly."""
+        if self.decode_kernels:
+            kd = _decode_kernels()
+            self.decode_kernels_max_batch = kd.MAX_ROWS if decode_kernels else kd.ENGINE_MAX_ROWS
         self.cos, self.sin_signed = _rope_tables(config, self.device, self.dtype)
         B, L, KV, D = max_batch_size, self.max_seq_len, config.n_kv_heads, config.head_dim
         # The preallocated cache, one (B, KV, L, D) key and value tensor per layer.
@@ -347,7 +354,7 @@ class RolloutEngine:
 
     def uses_decode_kernels(self, batch: int) -> bool:
         """A decode step of `batch` rows runs on lowbit.kernels.decode."""
-        return self.decode_kernels and batch <= _decode_kernels().MAX_ROWS
+        return self.decode_kernels and batch <= self.decode_kernels_max_batch
 
     def _decode_fused(self, tokens: torch.Tensor, positions: torch.Tensor,
                       col: torch.Tensor) -> torch.Tensor:
