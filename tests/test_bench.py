@@ -498,9 +498,10 @@ def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path,
     assert [kernel_category(n) for n in ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "sm90_xmma_gemm_bf16",
                                          "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
                                          "triton_poi_fused_add_mul_0", "triton_tem_fused_mm_t_view_6",
-                                         "aten::linear", "aten::rms_norm")] == [
+                                         "aten::linear", "aten::rms_norm", "_linear_kernel",
+                                         "_attention_kernel")] == [
         "gemm (bf16/fp32)", "gemm (bf16/fp32)", "attention", "other", "gemm (bf16/fp32)",
-        "gemm (bf16/fp32)", "other"]
+        "gemm (bf16/fp32)", "other", "gemm (bf16/fp32)", "attention"]
     out = tmp_path / "rollout.json"
     assert main(["bench", "rollout", "--modes", "bf16", "--batch-sizes", "2", "--new-tokens", "3",
                  "--prompt-len", "2", "--repeats", "1", "--no-generate", "--profile", "--device",
