@@ -20,8 +20,10 @@ minus its padding, so every row computes what it would alone from position 0 (th
 right-padded teacher forcing sees the same positions). Prefill runs all prompt tokens in one
 forward; each decode step feeds one token per row. On CUDA a dense model's decode step (the
 forward from the token ids to the logits) replays from a CUDA graph captured per batch size;
-sampling runs eagerly between replays. MoE decode runs eagerly (its expert grouping reads
-counts back to the host, which a graph cannot hold).
+sampling runs eagerly between replays. At batch 1 (bf16, nvfp4-w4a16) that step runs on the
+fused decode kernels of lowbit.kernels.decode, five launches per layer (decode_kernels). MoE
+decode runs eagerly (its expert grouping reads counts back to the host, which a graph cannot
+hold).
 
 Per token it returns the log-probability of what it sampled (lowbit.rl.sampling) and, for MoE
 models, the experts each token was routed to in each layer (for routing replay, verl's R3).
@@ -47,6 +49,12 @@ __all__ = ["RolloutEngine", "Rollout", "COMPILE_MODES", "decode_kernels_fit"]
 # torch.compile modes a decode step may be compiled with (compile_decode): those without
 # inductor's own CUDA graphs, since the engine captures the step itself
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def _decode_kernels():
+    """lowbit.kernels.decode, imported on first use (it imports triton)."""
+    from lowbit.kernels import decode
+    return decode
 
 
 @dataclass
@@ -597,12 +605,6 @@ class _DecodeGraph:
 
 
 # ---- shared math (the trainer's lowbit.models definitions, restated for the engine) ---------
-
-def _decode_kernels():
-    """lowbit.kernels.decode, imported on first use (it imports triton)."""
-    from lowbit.kernels import decode
-    return decode
-
 
 def _rope_tables(cfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
