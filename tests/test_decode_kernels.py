@@ -128,7 +128,7 @@ def _reference_attention(qkv, k_cache, v_cache, valid, positions, col, cos, sin,
     return out.reshape(B, H * D).to(dt), k_cache, v_cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,KV,D,qk_norm,col", [(4, 2, 16, True, 70), (6, 6, 24, False, 0),
                                                 (4, 1, 8, False, 5)])
 def test_attention_matches_the_reference(dtype, H, KV, D, qk_norm, col):
@@ -166,20 +166,23 @@ def test_attention_propagates_nan_and_refuses_bad_shapes():
         kd.attention(qkv[:, :-1], *args, H, KV)
 
 
-def _engines(**cfg_kw):
+def _engines(precision="bf16", **cfg_kw):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, **cfg_kw)
     model = build_model(cfg).eval()
-    fused = RolloutEngine(cfg, max_batch_size=8, device=DEV, decode_kernels=True, cuda_graph=False)
-    plain = RolloutEngine(cfg, max_batch_size=8, device=DEV, decode_kernels=False, cuda_graph=False)
+    fused = RolloutEngine(cfg, precision, max_batch_size=8, device=DEV, decode_kernels=True, cuda_graph=False)
+    plain = RolloutEngine(cfg, precision, max_batch_size=8, device=DEV, decode_kernels=False, cuda_graph=False)
     for e in (fused, plain):
         e.load_state_dict(model.state_dict())
     return cfg, model, fused, plain
 
 
-@pytest.mark.parametrize("cfg_kw", [dict(qk_norm=True), dict(qkv_bias=True, tie_embeddings=True)])
-def test_engine_decode_on_the_kernels_equals_the_eager_decoder(cfg_kw):
-    cfg, _, fused, plain = _engines(**cfg_kw)
+@pytest.mark.parametrize("precision,cfg_kw", [("bf16", dict(qk_norm=True)),
+                                              ("bf16", dict(qkv_bias=True, tie_embeddings=True)),
+                                              ("nvfp4-w4a16", dict())])
+def test_engine_decode_on_the_kernels_equals_the_eager_decoder(precision, cfg_kw):
+    # nvfp4-w4a16: the kernels multiply the dequantized NVFP4 weights, as the eager GEMMs do
+    cfg, _, fused, plain = _engines(precision, **cfg_kw)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
     params = SamplingParams(temperature=0.9, max_new_tokens=7, seed=4)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)

@@ -214,7 +214,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
         # float32 the products of dt's values are exact all the same
         HAS_RES=residual is not None, F32_DOT=x.dtype == torch.float32 or interpret_mode(),
-        BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)), **(tile or {}))
+        BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)), **tile)
     return y
 
 
@@ -295,9 +295,10 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Each row's q and k are normed (qk_norm (H + KV, D): Qwen3's q_norm and k_norm), rotated at
     its position (positions (B,)), and its k and v are written to cache column col (a (1,)
-    device tensor). Its query heads then attend over that column and every earlier column
-    key_valid marks (B', >= col) bool), the caches (B', KV, L, D) read in place (B' >= B).
-    cos and sin_signed (max_pos, D) are the engine's RoPE tables (sin's first half negated)."""
+    device tensor). Its query heads then attend over that column and every earlier column that
+    key_valid ((B', > col) bool) marks; the caches (B', KV, L, D) are read and written in place
+    (B' >= B). cos and sin_signed (max_pos, D) are the engine's RoPE tables (sin's first half
+    negated)."""
     B = qkv.shape[0]
     H, KV = n_heads, n_kv_heads
     D = k_cache.shape[-1]
@@ -308,7 +309,10 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("the caches need the same strides, unit stride along an even head_dim")
     if qk_norm is not None and tuple(qk_norm.shape) != (H + KV, D):
         raise ValueError(f"qk_norm is {tuple(qk_norm.shape)}: expected ({H + KV}, {D})")
-    qkv = _rows(qkv)
+    qkv, cos, sin_signed = _rows(qkv), _rows(cos), _rows(sin_signed)
+    if sin_signed.stride() != cos.stride():
+        sin_signed = sin_signed.contiguous()
+        cos = cos.contiguous()
     out = torch.empty(B, H * D, dtype=qkv.dtype, device=qkv.device)
     _attention_kernel[(B, H)](
         qkv, qk_norm.contiguous() if qk_norm is not None else qkv, cos, sin_signed,
