@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--task-size", type=int, default=2)
     p.add_argument("--warmstart-steps", type=int, default=1500)
     p.add_argument("--warmstart-lr", type=float, default=3e-3)
+    p.add_argument("--warmstart-target", type=float, default=None,
+                   help="stop the warm start at this validation accuracy (see lowbit rl --help)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
@@ -74,6 +76,7 @@ def main() -> int:
     common = ["--model", args.model, "--n-experts", str(args.n_experts), "--task", args.task,
               "--task-size", str(args.task_size), "--warmstart-steps", str(args.warmstart_steps),
               "--warmstart-lr", str(args.warmstart_lr),
+              *(["--warmstart-target", str(args.warmstart_target)] if args.warmstart_target else []),
               "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
               "--num-generations", str(args.num_generations), "--lr", str(args.lr),
               "--warmstart-seed", str(args.seed), "--device", args.device, "--out-dir", str(out),
@@ -83,7 +86,7 @@ def main() -> int:
         common += ["--max-completion-length", "4"]
     base = RLConfig(model=args.model, n_experts=args.n_experts, task=args.task,
                     task_size=args.task_size, warmstart_steps=args.warmstart_steps,
-                    warmstart_lr=args.warmstart_lr,
+                    warmstart_lr=args.warmstart_lr, warmstart_target=args.warmstart_target,
                     seed=args.seed, out_dir=str(out), progress=False,
                     eval_problems=256 if not args.smoke else 8,
                     max_completion_length=4 if args.smoke else 8)

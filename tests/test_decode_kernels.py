@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowbit.models import ModelConfig, build_model
-from lowbit.rl.engine import RolloutEngine
-from lowbit.rl.sampling import SamplingParams
+pytest.importorskip("triton")
 
-kd = pytest.importorskip("lowbit.kernels.decode")
+from lowbit.kernels import decode as kd  # noqa: E402
+from lowbit.models import ModelConfig, build_model  # noqa: E402
+from lowbit.rl.engine import RolloutEngine  # noqa: E402
+from lowbit.rl.sampling import SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 agrees to accumulation order; bf16 / fp16 to a rounding or two of the output (and the

@@ -145,6 +145,49 @@ def _config(tmp_path, **kw):
     return RLConfig(**base)
 
 
+def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
+    import lowbit.rl.warmstart as warmstart
+
+    # an accuracy that climbs 0.1 per check: the target 0.25 is reached at the third check
+    checks = []
+
+    def climbing(engine, task, tokenizer, problems, max_new_tokens, stop_ids):
+        checks.append(len(problems))
+        return 0.1 * len(checks)
+
+    monkeypatch.setattr(warmstart, "greedy_accuracy", climbing)
+    config = _config(tmp_path, warmstart_steps=80, warmstart_target=0.25, task_size=2, steps=1)
+    task = get_task("add", digits=2)
+    state = warmstart.warm_start(config, task, warmstart.policy_config(config, task), "cpu",
+                                 lambda message: None)
+    assert checks == [warmstart.VALIDATION_PROBLEMS] * 3        # checked every 80 // 40 steps
+    [run] = (tmp_path / "warmstart").iterdir()
+    final = json.loads((run / "final.json").read_text())
+    assert final["steps"] == 6
+    hooks = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [round(r["validation_accuracy"], 6) for r in hooks if r["event"] == "hook"] == [0.1, 0.2, 0.3]
+    assert set(state) == set(warmstart.warm_start(config, task, warmstart.policy_config(config, task),
+                                                  "cpu", lambda message: None))   # cached now
+    assert len(checks) == 3
+    # the target is part of the cache key: without it the warm start is another run
+    plain = _config(tmp_path, warmstart_steps=80, task_size=2, steps=1)
+    warmstart.warm_start(plain, task, warmstart.policy_config(plain, task), "cpu", lambda m: None)
+    assert len(list((tmp_path / "warmstart").iterdir())) == 2 and len(checks) == 3
+
+
+def test_warm_start_validation_set_is_held_out_and_distinct():
+    task = get_task("add", digits=2)
+    held_out = task.eval_problems(256)
+    both = task.eval_problems(256 + 256)
+    assert both[:256] == held_out and len({p.prompt for p in both}) == 512
+    with pytest.raises(ValueError, match="too few distinct problems"):
+        import lowbit.rl.warmstart as warmstart
+        config = RLConfig(warmstart_steps=10, warmstart_target=0.5, task_size=1, progress=False,
+                          out_dir="/nonexistent-lowbit-test")
+        small = get_task("add", digits=1)
+        warmstart.warm_start(config, small, warmstart.policy_config(config, small), "cpu", print)
+
+
 def test_resume_is_exact(tmp_path):
     straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
     first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))

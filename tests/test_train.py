@@ -128,6 +128,22 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert [r["loss"] for r in records(tmp_path / "cut", "train")] == whole.train_losses
 
 
+def test_a_step_hook_can_end_the_run_early(tmp_path):
+    # the hook's "stop" ends the run after that step: evaluated and checkpointed as the last
+    # step; the other keys are logged; the LR schedule stays max_steps'
+    config = make_config(tmp_path, max_steps=10, eval_every=0, checkpoint_every=0)
+    result = run(config, on_step=lambda step: {"seen": step, "stop": step == 3})
+    assert result.steps == 3
+    run_dir = tmp_path / "run"
+    assert [r["step"] for r in records(run_dir, "eval")] == [3]
+    assert [r["seen"] for r in records(run_dir, "hook")] == [1, 2, 3]
+    assert "stop" not in records(run_dir, "hook")[0]
+    assert load_checkpoint(checkpoint_path(run_dir))["step"] == 3
+    assert json.loads((run_dir / "final.json").read_text())["steps"] == 3
+    lrs = [r["lr"] for r in records(run_dir, "train")]
+    assert lrs == [learning_rate_at(s, config) for s in range(3)]
+
+
 def test_resume_refuses_a_changed_config_and_a_folder_without_checkpoint(tmp_path):
     config = make_config(tmp_path, max_steps=4)
     with pytest.raises(ValueError, match="has no checkpoint"):

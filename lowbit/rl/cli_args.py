@@ -25,6 +25,9 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
                                                   "none for a Hugging Face --model PATH)"),
     "--warmstart-seed": ("warmstart_seed", int, "seed of the warm start (default: --seed)"),
     "--warmstart-lr": ("warmstart_lr", float, "peak learning rate of the warm start (default: %(default)s)"),
+    "--warmstart-target": ("warmstart_target", float, "stop the warm start once the bf16 engine's greedy "
+                           "accuracy on 256 validation problems reaches this (e.g. 0.3; default: "
+                           "train all --warmstart-steps)"),
     "--task": ("task", str, "add, mul, countdown or gsm8k (default: %(default)s)"),
     "--task-size": ("task_size", int, "digits (add, mul) or numbers (countdown) (default: %(default)s)"),
     "--data-dir": ("data_dir", str, "folder holding gsm8k/"),

@@ -41,7 +41,7 @@ from lowbit.rl.engine import Rollout, RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay, replay_routing,
                                     routing_agreement)
-from lowbit.rl.warmstart import policy_config, policy_tokenizer, warm_start
+from lowbit.rl.warmstart import greedy_accuracy, policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
 from lowbit.train.checkpoint import CHECKPOINT_VERSION, rng_state, set_rng_state, write_text_atomic
 from lowbit.train.config import TrainConfig, resolve_device
@@ -263,15 +263,8 @@ class GRPOTrainer:
 
     def evaluate(self) -> float:
         """Greedy accuracy of the engine (its precision, current weights) on the held-out set."""
-        correct = 0
-        chunk = self.engine.max_batch_size
-        params = SamplingParams(temperature=0, max_new_tokens=self.config.max_completion_length,
-                                stop_token_ids=self.stop_ids)
-        for i in range(0, len(self.eval_set), chunk):
-            problems = self.eval_set[i:i + chunk]
-            rollout = self.engine.generate([self.tokenizer.encode(p.prompt) for p in problems], params)
-            correct += float(self.score(problems, rollout).sum())
-        return correct / len(self.eval_set)
+        return greedy_accuracy(self.engine, self.task, self.tokenizer, self.eval_set,
+                               self.config.max_completion_length, self.stop_ids)
 
     # ---- the loop -------------------------------------------------------------------------
 

@@ -20,13 +20,18 @@ import torch
 from lowbit.data import ByteTokenizer
 from lowbit.data.tasks import Task
 from lowbit.models import ModelConfig, build_model
+from lowbit.rl.engine import RolloutEngine
+from lowbit.rl.sampling import SamplingParams
 from lowbit.train import TrainConfig, train
 from lowbit.train.checkpoint import load_checkpoint
 
-__all__ = ["SolutionData", "policy_config", "policy_tokenizer", "warm_start", "encode_problem"]
+__all__ = ["SolutionData", "policy_config", "policy_tokenizer", "warm_start", "encode_problem",
+           "greedy_accuracy", "VALIDATION_PROBLEMS"]
 
 TOKENIZER = ByteTokenizer()
 STOP_ID = 10   # "\n" in the byte tokenizer: every task's completions end with it
+VALIDATION_PROBLEMS = 256
+"""Problems a warm start with a target accuracy is checked on (after the held-out set's)."""
 
 
 def encode_problem(task_prompt: str) -> list[int]:
@@ -133,6 +138,8 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
                   "lr": config.warmstart_lr, "seed": config.warmstart_seed,
                   # the supervised data leaves out the held-out problems, so their number is part of it
                   "eval_problems": config.eval_problems}
+    if config.warmstart_target is not None:   # (absent otherwise: earlier cached runs keep their key)
+        key_fields["target"] = config.warmstart_target
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
     run = Path(config.out_dir) / "warmstart" / name
@@ -141,6 +148,13 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         say(f"warm start: reading {run}")
         return load_checkpoint(checkpoint)["model"]
     exclude = {p.prompt for p in task.eval_problems(config.eval_problems)}
+    validation = task.eval_problems(config.eval_problems + VALIDATION_PROBLEMS)[config.eval_problems:]
+    if config.warmstart_target is not None:   # kept out of the training data too
+        if len(validation) < VALIDATION_PROBLEMS // 2:
+            raise ValueError(f"{task.name} has too few distinct problems for a validation set "
+                             f"beside the {config.eval_problems} held-out ones: use a larger "
+                             f"--task-size or fewer --eval-problems, or drop --warmstart-target")
+        exclude |= {p.prompt for p in validation}
     longest = max(len(TOKENIZER.encode(p.prompt + p.solution)) for p in task.eval_problems(256))
     seq_len = min(model_config.max_seq_len, longest + 4)
     train_config = TrainConfig(
@@ -154,5 +168,35 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
     torch.manual_seed(config.warmstart_seed)
     model = build_model(model_config)
     data = SolutionData(task, seq_len, train_config.batch_size, config.warmstart_seed, exclude)
-    train(train_config, model=model, data=data, overwrite=True)
+    on_step = None
+    if config.warmstart_target is not None:
+        every = max(1, config.warmstart_steps // 40)
+        engine = RolloutEngine(model_config, "bf16", device=device, max_batch_size=len(validation))
+
+        def on_step(step: int) -> dict | None:
+            if step % every and step != config.warmstart_steps:
+                return None
+            engine.load_state_dict(model.state_dict())
+            accuracy = greedy_accuracy(engine, task, TOKENIZER, validation,
+                                       config.max_completion_length, (STOP_ID,))
+            reached = accuracy >= config.warmstart_target
+            if reached:
+                say(f"warm start: validation accuracy {accuracy:.3f} at step {step} reached the "
+                    f"target {config.warmstart_target}")
+            return {"validation_accuracy": accuracy, "stop": reached}
+    train(train_config, model=model, data=data, overwrite=True, on_step=on_step)
     return load_checkpoint(checkpoint)["model"]
+
+
+def greedy_accuracy(engine: RolloutEngine, task: Task, tokenizer, problems: list,
+                    max_new_tokens: int, stop_ids: tuple[int, ...]) -> float:
+    """The fraction of `problems` the engine (its precision, current weights) answers right,
+    decoding greedily in chunks of its max_batch_size."""
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    correct = 0.0
+    for i in range(0, len(problems), engine.max_batch_size):
+        chunk = problems[i:i + engine.max_batch_size]
+        rollout = engine.generate([tokenizer.encode(p.prompt) for p in chunk], params)
+        texts = [tokenizer.decode(ids) for ids in rollout.completion_lists()]
+        correct += sum(task.reward(p, t) for p, t in zip(chunk, texts))
+    return correct / len(problems)

@@ -102,7 +102,9 @@ def train(
         after the update; its dict of numbers is logged as a "diagnostics" record.
     on_step: called as fn(step) after every optimizer step (step = steps completed), on every
         rank; a dict it returns is logged as a record (its "event" key names it). QAT refits
-        JacQuant's B here. It must draw randomness only from its own seeded generators.
+        JacQuant's B here. It must draw randomness only from its own seeded generators. A
+        returned "stop": True (the same on every rank) ends the run after this step, evaluated
+        and checkpointed as its last; the LR schedule stays the one config.max_steps draws.
     objective: the training loss, fn(output, inputs, targets) (lowbit.train.step.Objective),
         instead of output.loss; QAT's --distill passes one. Evaluation stays cross-entropy.
 
@@ -232,9 +234,13 @@ class _Run:
                     say(message)
                 self.losses.append(result.loss)
                 if self.on_step is not None:
-                    record = self.on_step(step)
+                    record = dict(self.on_step(step) or {})
+                    stop = bool(record.pop("stop", False))
                     if record:
                         log.write({"event": "hook", "step": step, **record})
+                    if stop and step < total:
+                        say(f"step {step}: the step hook ended the run")
+                        total = step   # evaluated and checkpointed as the last step, then done
                 if step_fn.nonfinite_run >= config.max_consecutive_nonfinite:
                     raise NonFiniteLossError(_nonfinite_message(config, step, self.last_checkpoint),
                                              step, self.last_checkpoint)
