@@ -5,6 +5,7 @@ from, to re-run when a kernel, Triton or the GPU changes.
     python benchmarks/tune.py fold [--operands X,dY]        # the one-chunk FP8 fold's two passes
     python benchmarks/tune.py nvfp4 [--rotated] [--amax]    # nvfp4's quantize and RHT kernels
     python benchmarks/tune.py fp8-gemm                      # torch._scaled_mm's scaling modes
+    python benchmarks/tune.py decode                        # the rollout engine's decode GEMV
     python benchmarks/tune.py host-overhead [--profile R]   # lowbit's host time per linear
     python benchmarks/tune.py compile-sm90                  # every kernel variant, for sm_90
     python benchmarks/tune.py SWEEP --smoke                 # tiny shapes on the CPU
@@ -30,7 +31,7 @@ import sys
 import time
 import traceback
 
-SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "host-overhead", "compile-sm90")
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "decode", "host-overhead", "compile-sm90")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "kernel, and (--amax) of the rotated tensor-amax pass",
              "fp8-gemm": "torch._scaled_mm row-wise against tensor-wise, fast accumulation on "
                          "and off, against bf16 mm: GPU time and error against fp64",
+             "decode": "tiles of the rollout engine's one-row decode GEMV (lowbit.kernels.decode) "
+                       "on TinyLlama-1.1B's projections, weights streamed from HBM, against cuBLAS",
              "host-overhead": "host time of one quantized linear's forward + backward per recipe",
              "compile-sm90": "compile every Triton kernel variant for sm_90 on this CPU"}
     for name in SWEEPS:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
             device = smoke_or_gpu(args.smoke, f"tune.py {args.sweep}")
             run = {"amax": sweep_amax, "fold": sweep_fold, "nvfp4": sweep_nvfp4,
-                   "fp8-gemm": sweep_fp8_gemm}[args.sweep]
+                   "fp8-gemm": sweep_fp8_gemm, "decode": sweep_decode}[args.sweep]
             results = run(args, device)
     except ValueError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
@@ -470,6 +473,79 @@ def sweep_fp8_gemm(args, device: str) -> dict:
     return results
 
 
+# ---- decode ----------------------------------------------------------------------------------
+
+def sweep_decode(args, device: str) -> dict:
+    """lowbit.kernels.decode.linear at one row (batch-1 decode) on TinyLlama-1.1B's
+    projections, each with the prologue or epilogue the engine gives it: per tile (BLOCK_N,
+    BLOCK_K, CUDA or tensor cores, warps, stages) the GPU time per call and the weight bytes
+    read per second, beside cuBLAS's F.linear on the same weights. Each call reads another
+    copy of the weight, enough copies to pass the L2, so the weights stream from HBM as in a
+    decode step. Every tile's output is checked against the default tile's (to rounding: the
+    tiles sum K in different orders)."""
+    import itertools
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from lowbit.kernels import decode
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = [("q|k|v", 2560, 2048, "norm"), ("o", 2048, 2048, "residual"),
+              ("gate|up", 11264, 2048, "norm"), ("down", 2048, 5632, "silu_mul"),
+              ("head", 32000, 2048, "norm")]
+    tiles = ([{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": w, "num_stages": st}
+              for bn, bk, w, st in itertools.product((2, 4, 8), (512, 1024), (4, 8), (1, 3))]
+             + [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": st}
+                for bn, bk, st in itertools.product((16, 32), (256, 512), (3, 5))])
+    if args.smoke:
+        shapes = [("smoke norm", 24, 40, "norm"), ("smoke residual", 24, 40, "residual"),
+                  ("smoke silu_mul", 24, 40, "silu_mul")]
+        tiles = [{"BLOCK_N": 8, "BLOCK_K": 16, "USE_DOT": False, "num_warps": 4},
+                 {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4}]
+    g = torch.Generator(device=dev).manual_seed(0)
+    results = {}
+    for name, n, k, fused in shapes:
+        nbytes = n * k * torch.finfo(dtype).bits // 8
+        copies = 1 if device != "cuda" else max(2, math.ceil(200e6 / nbytes))
+        weights = [torch.randn(n, k, device=dev, generator=g).div_(k ** 0.5).to(dtype)
+                   for _ in range(copies)]
+        x = torch.randn(1, 2 * k if fused == "silu_mul" else k, device=dev, generator=g).to(dtype)
+        extra = {"norm": {"norm": torch.ones(k, device=dev, dtype=dtype)},
+                 "residual": {"residual": torch.randn(1, n, device=dev, generator=g).to(dtype)},
+                 "silu_mul": {"silu_mul": True}}[fused]
+
+        def calls(tile):
+            return lambda: [decode.linear(x, w, tile=tile, **extra) for w in weights]
+
+        def per_call(fn):
+            ms = gpu_ms(fn, device)
+            return None if ms is None else ms / copies
+
+        default = decode.default_tile(1, n, k)
+        expected = decode.linear(x, weights[0], tile=default, **extra).float()
+        row = {"N": n, "K": k, "fused": fused, "copies": copies, "default": str(default),
+               "cublas_ms": per_call(lambda: [F.linear(x[:, :k], w) for w in weights])}
+        timings = {}
+        for tile in tiles:
+            def run(tile=tile):
+                out = decode.linear(x, weights[0], tile=tile, **extra).float()
+                same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+                return {"ms": per_call(calls(tile)), "same": same}
+            timings[str(tile)] = attempt(run)
+        row["default_ms"] = per_call(calls(default))
+        row["tiles"] = timings
+        gbps = lambda ms: "" if not ms else f" ({nbytes / ms / 1e6:,.0f} GB/s)"
+        print(f"{name:8} {n:6} x {k:5} ({fused}): cuBLAS {us(row['cublas_ms'])}{gbps(row['cublas_ms'])}, "
+              f"default tile {us(row['default_ms'])}{gbps(row['default_ms'])}; fastest: "
+              f"{top_text(fastest(timings), 3)}; every tile equal to the default to rounding: "
+              f"{all(isinstance(v, dict) and v['same'] for v in timings.values())}")
+        results[name] = row
+    return results
+
+
 # ---- host-overhead ---------------------------------------------------------------------------
 
 def host_overhead(args, device: str) -> dict:
@@ -556,7 +632,8 @@ def compile_sm90(limit: int | None = None) -> dict:
     """Compile, for sm_90, every Triton kernel variant lowbit's entry points launch (the
     recipes' MXFP4 1D/2D floor/rceil RNE/SR with transposes, whole-tile and ragged shapes,
     float32 / bfloat16 / float16 inputs; MXFP8; NVFP4 1D/2D one- and two-level with the fused
-    Hadamard transform and the row-group kernel; intK; both paths of the fold and its pass 1):
+    Hadamard transform and the row-group kernel; intK; both paths of the fold and its pass 1;
+    the rollout engine's decode GEMV, each prologue, one row and several, and its attention):
     the entry points run on small CPU tensors with every `kernel[grid](...)` launch intercepted
     and recorded (NATIVE_CAST=True: the GPU's casts) instead of run, then each distinct variant
     is compiled, in parallel over the CPU's cores (Triton caches what it compiled, so a second
@@ -735,6 +812,22 @@ def _exercise_kernels() -> None:
                                            counter=counter, path=path)
                     attempt_launch(fold_pass_one, x, spec, transpose=spec.is_2d)
     attempt_launch(stochastic_uniforms, (64, 256), 3, device="cpu")
+    from lowbit.kernels import decode   # the rollout engine's decode GEMV and attention
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w, bias = torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype)
+        for m in (1, 3):   # a one-row (CUDA-core) tile, a tensor-core tile
+            x = torch.randn(m, 64, dtype=dtype)
+            attempt_launch(decode.linear, x, w, bias, norm=torch.ones(64, dtype=dtype))
+            attempt_launch(decode.linear, x, w, residual=torch.randn(m, 48, dtype=dtype))
+            attempt_launch(decode.linear, torch.randn(m, 128, dtype=dtype), w, silu_mul=True,
+                           residual=torch.randn(m, 48, dtype=dtype))
+        qkv = torch.randn(2, (4 + 2 * 2) * 16, dtype=dtype)
+        cache = [torch.zeros(2, 2, 8, 16, dtype=dtype) for _ in range(2)]
+        rope = [torch.randn(8, 16, dtype=dtype) for _ in range(2)]
+        for norm in (None, torch.ones(6, 16, dtype=dtype)):
+            attempt_launch(decode.attention, qkv, *cache, torch.ones(2, 16, dtype=torch.bool),
+                           torch.tensor([3, 2]), torch.tensor([3]), *rope, 4, 2, norm)
 
 
 if __name__ == "__main__":

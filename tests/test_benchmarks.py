@@ -56,6 +56,15 @@ def test_fold_sweep_smoke(tune, tmp_path, capsys):
     assert "--operands takes X, W and dY; got 'X,Q'" in capsys.readouterr().err
 
 
+def test_decode_sweep_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "decode")
+    assert set(results) == {"smoke norm", "smoke residual", "smoke silu_mul"}
+    for row in results.values():
+        assert len(row["tiles"]) == 2     # a CUDA-core and a tensor-core tile
+        assert all(isinstance(v, dict) and v["same"] for v in row["tiles"].values()), row["tiles"]
+    assert capsys.readouterr().out.count("every tile equal to the default to rounding: True") == 3
+
+
 def test_nvfp4_sweep_smoke(tune, tmp_path, capsys):
     results = smoke(tune, tmp_path, "nvfp4", "--amax")
     rotated = results["dY^T rht 32x64"]
