@@ -52,8 +52,8 @@ _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
 
 def default_tile(M: int, N: int, K: int) -> dict:
     """The tile `linear` runs with: for one row, the CUDA-core tile that streamed each of
-    TinyLlama-1.1B's projections from HBM fastest on an H200 (a sweep of 32 tiles, weights
-    rotated past the L2; docs/results/quads.md); for more rows, a tensor-core tile."""
+    TinyLlama-1.1B's projections from HBM fastest on an H200 (`benchmarks/tune.py decode`
+    sweeps 32 tiles; docs/results/quads.md); for more rows, a tensor-core tile."""
     if M > 1:
         return {"BLOCK_N": 32, "BLOCK_K": 256, "USE_DOT": True, "num_warps": 4, "num_stages": 3}
     long_k = K > 4096    # long rows: more rows per program, more warps per row
