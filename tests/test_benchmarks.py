@@ -128,7 +128,8 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
     assert set(results["kernels"]) == {"_quantize_kernel", "tensor_amax_kernel",
                                        "_uniforms_kernel", "_band_max_kernel",
                                        "_fold_one_chunk_kernel", "_live_blocks_kernel",
-                                       "_fold_kernel", "_rht_rows_kernel"}
+                                       "_fold_kernel", "_rht_rows_kernel",
+                                       "_linear_kernel", "_attention_kernel"}   # decode
 
 
 def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env, capsys):
