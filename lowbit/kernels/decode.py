@@ -309,10 +309,8 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("the caches need the same strides, unit stride along an even head_dim")
     if qk_norm is not None and tuple(qk_norm.shape) != (H + KV, D):
         raise ValueError(f"qk_norm is {tuple(qk_norm.shape)}: expected ({H + KV}, {D})")
-    qkv, cos, sin_signed = _rows(qkv), _rows(cos), _rows(sin_signed)
-    if sin_signed.stride() != cos.stride():
-        sin_signed = sin_signed.contiguous()
-        cos = cos.contiguous()
+    # the kernel reads both tables by cos's row stride (the engine's are contiguous already)
+    qkv, cos, sin_signed = _rows(qkv), cos.contiguous(), sin_signed.contiguous()
     out = torch.empty(B, H * D, dtype=qkv.dtype, device=qkv.device)
     _attention_kernel[(B, H)](
         qkv, qk_norm.contiguous() if qk_norm is not None else qkv, cos, sin_signed,

@@ -148,8 +148,8 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         say(f"warm start: reading {run}")
         return load_checkpoint(checkpoint)["model"]
     exclude = {p.prompt for p in task.eval_problems(config.eval_problems)}
-    validation = task.eval_problems(config.eval_problems + VALIDATION_PROBLEMS)[config.eval_problems:]
     if config.warmstart_target is not None:   # kept out of the training data too
+        validation = task.eval_problems(config.eval_problems + VALIDATION_PROBLEMS)[config.eval_problems:]
         if len(validation) < VALIDATION_PROBLEMS // 2:
             raise ValueError(f"{task.name} has too few distinct problems for a validation set "
                              f"beside the {config.eval_problems} held-out ones: use a larger "
