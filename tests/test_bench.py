@@ -517,6 +517,21 @@ def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path,
     assert prof["kernels_per_step"] == pytest.approx(report["decode_step_ops"]["bf16"], abs=1)
 
 
+def test_bench_rollout_table_explains_a_busy_time_above_the_step():
+    from lowbit.bench.rollout import format_rollout_rows
+
+    def result(busy_us):
+        prof = {"busy_us": busy_us, "step_us": 955.0, "kernels_per_step": 128,
+                "classes": {"gemm (bf16/fp32)": [busy_us, 89]}, "top": []}
+        return {"rows": [], "batch_sizes": [1], "limit_steps_per_s": None,
+                "profiles": {"bf16, decode kernels": {1: prof}}}
+
+    # kernels launched with programmatic dependent launch overlap, each counting its wait
+    assert "| bf16, decode kernels | 1 | 955 | 1409 | 148% |" in format_rollout_rows(result(1409.0))
+    assert "the kernels overlap (programmatic dependent launch)" in format_rollout_rows(result(1409.0))
+    assert "overlap" not in format_rollout_rows(result(900.0))
+
+
 def test_exposed_communication_is_what_no_compute_kernel_overlaps():
     from lowbit.bench.timing import exposed, kernel_category
 

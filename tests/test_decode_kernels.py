@@ -217,3 +217,68 @@ def test_cuda_graph_decode_on_the_kernels_equals_eager_decode():
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-2, rtol=0)
     assert torch.equal(graphed.generate(prompts, params).completions, a.completions)
 
+
+
+def test_pdl_applies_only_to_compiled_kernels_on_hopper():
+    assert not kd.pdl_supported("cpu")
+    x, w, bias, norm, res = _operands(1, 37, 70, torch.float32, seed=5)
+    tile = {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": False}
+    # where it does not apply, pdl=True is a launch hint that changes nothing
+    if not kd.pdl_supported(DEV):
+        assert torch.equal(kd.linear(x, w, bias, norm=norm, residual=res, tile=tile, pdl=True),
+                           kd.linear(x, w, bias, norm=norm, residual=res, tile=tile))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_pdl_chains_equal_plain_launches_in_a_cuda_graph(M):
+    """A layer's chain of kernels (each reading what the one before wrote) launched with
+    programmatic dependent launch, eagerly and replayed from a CUDA graph, gives the same bits
+    as plain launches: no kernel reads its input before the one that writes it has finished."""
+    if not kd.pdl_supported("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    dtype, C, F_ = torch.bfloat16, 2048, 5632
+    g = torch.Generator().manual_seed(M)
+    w = {n: (torch.randn(*s, generator=g) / math.sqrt(s[1])).to("cuda", dtype)
+         for n, s in {"qkv": (C, C), "o": (C, C), "gu": (2 * F_, C), "down": (C, F_)}.items()}
+    ln = (1 + 0.1 * torch.randn(C, generator=g)).to("cuda", dtype)
+    x0 = torch.randn(M, C, generator=g).to("cuda", dtype)
+
+    def chain(pdl):
+        x = x0
+        for _ in range(4):
+            y = kd.linear(x, w["qkv"], norm=ln, pdl=pdl)
+            x = kd.linear(y, w["o"], residual=x, pdl=pdl)
+            gu = kd.linear(x, w["gu"], norm=ln, pdl=pdl)
+            x = kd.linear(gu, w["down"], silu_mul=True, residual=x, pdl=pdl)
+        return x
+
+    expected = chain(False)
+    assert torch.equal(chain(True), expected)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_engine_decode_with_pdl_equals_without():
+    cfg, model, _, _ = _engines(qk_norm=True)
+    engines = []
+    for pdl in (True, False):
+        engine = RolloutEngine(cfg, max_batch_size=8, device="cuda", decode_kernels=True)
+        engine.load_state_dict(model.state_dict())
+        assert engine.decode_pdl == kd.pdl_supported("cuda")
+        engine.decode_pdl = pdl and engine.decode_pdl
+        engines.append(engine)
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    for prompts in ([[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]):
+        a, b = (e.generate(prompts, params) for e in engines)
+        assert torch.equal(a.completions, b.completions) and torch.equal(a.logprobs, b.logprobs)

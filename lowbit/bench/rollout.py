@@ -329,7 +329,12 @@ def _profile_line(label: str, batch: int, prof: dict) -> str:
     top = "; ".join(f"{name[:60]} {us:.1f} us x{n:.0f}" for name, us, n in prof["top"][:5])
     return (f"   {label} batch {batch}: {prof['busy_us']:.0f} us busy of a {prof['step_us']:.0f} us "
             f"decode step ({prof['busy_us'] / prof['step_us']:.0%}), {prof['kernels_per_step']:.0f} "
-            f"launches: {classes}\n      top: {top}")
+            f"launches: {classes}\n      top: {top}"
+            + (f"\n      {OVERLAP_NOTE}" if prof["busy_us"] > prof["step_us"] else ""))
+
+
+OVERLAP_NOTE = ("busy above 100%: the kernels overlap (programmatic dependent launch), and each "
+                "one's time counts its wait for the one before")
 
 
 def _line(row: dict) -> str:
@@ -379,8 +384,11 @@ def format_rollout_rows(result: dict) -> str:
                          for k in classes]
                 out.append(f"| {label} | {b} | {p['step_us']:.0f} | {p['busy_us']:.0f} | "
                            f"{p['busy_us'] / p['step_us']:.0%} | " + " | ".join(cells) + " |")
+        if any(p["busy_us"] > p["step_us"] for per in result["profiles"].values() for p in per.values()):
+            out += ["", OVERLAP_NOTE[0].upper() + OVERLAP_NOTE[1:] + "."]
     if result.get("decode_step_ops"):
         out.append("")
-        out.append(f"{result['decode_step_ops_unit'].capitalize()} per decode step (sampling included, "
+        unit = result["decode_step_ops_unit"]
+        out.append(f"{unit[0].upper() + unit[1:]} per decode step (sampling included, "
                    "batch 1): " + ", ".join(f"{k} {v}" for k, v in result["decode_step_ops"].items()))
     return "\n".join(out)

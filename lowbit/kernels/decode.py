@@ -21,6 +21,13 @@ stream as fast as cuBLAS. `attention` runs one program
 per (row, query head) over the cache columns written so far, read from a device tensor, so one
 CUDA graph serves every step and a step reads only the filled part of the cache.
 
+Launches. With pdl=True on Hopper (`pdl_supported`) each kernel is launched with programmatic
+dependent launch: it starts while the kernel before it finishes, reads what that kernel cannot
+have written (the GEMV's first weight tile; attention's position and RoPE rows), then waits for
+it and lets the next one start. A batch-1 step is about 128 kernels, and the gap between two
+of them is a large part of a step that streams 2 GB in about a millisecond (on an H200 it took
+a 1.1B Llama's batch-1 step from 989-999 to 1,020-1,074 steps/s; docs/results/quads.md).
+
 Rounding. Each kernel rounds where the engine's plain-PyTorch decoder (lowbit.rl.engine) rounds
 to the compute dtype: the normalized input before and after its weight, the GEMM's output before
 the bias and again before the residual add, SiLU's output and the product with up, the rotated
@@ -37,7 +44,7 @@ import triton.language as tl
 
 from lowbit.kernels import interpret_mode
 
-__all__ = ["linear", "attention", "default_tile", "MAX_ROWS", "ENGINE_MAX_ROWS"]
+__all__ = ["linear", "attention", "default_tile", "pdl_supported", "MAX_ROWS", "ENGINE_MAX_ROWS"]
 
 MAX_ROWS = 16
 """The most rows (batch size) `linear` takes."""
@@ -66,15 +73,17 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, M, N, K,
                    stride_xm, stride_wn, stride_rm, stride_ym, eps,
                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, DOT_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                   PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     if USE_DOT or BLOCK_M > 1:
+        _wait_for_inputs(PDL)
         acc = _linear_dot(x_ptr, w_ptr, norm_ptr, M, N, K, stride_xm, stride_wn, eps, PROLOGUE,
                           F32_DOT, dt, DOT_M, BLOCK_N, BLOCK_K)
         rm = tl.arange(0, DOT_M)
     else:
         acc = _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE, dt,
-                              BLOCK_N, BLOCK_K)
+                              BLOCK_N, BLOCK_K, PDL)
         rm = tl.arange(0, 1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
@@ -151,13 +160,19 @@ def _linear_dot(x_ptr, w_ptr, norm_ptr, M, N, K, stride_xm, stride_wn, eps, PROL
 
 @triton.jit
 def _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE: tl.constexpr,
-                    dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
     """(1, BLOCK_N) float32 for one row on the CUDA cores: products accumulate elementwise over
-    K and are summed once at the end."""
+    K and are summed once at the end. Each weight tile is fetched one iteration ahead, the
+    first before the wait on the kernel launched before this one (PDL: it does not write the
+    weights), so that fetch overlaps that kernel's tail."""
     rm = tl.arange(0, 1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < 1, rn < N
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    _wait_for_inputs(PDL)
     x_rows = x_ptr + rm[:, None]
     rstd = tl.zeros([1], tl.float32)
     if PROLOGUE == 1:
@@ -165,12 +180,21 @@ def _linear_one_row(x_ptr, w_ptr, norm_ptr, N, K, stride_wn, eps, PROLOGUE: tl.c
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        k_ok = kk < K
-        xv = _input_tile(x_rows, m_ok, kk, k_ok, K, norm_ptr, rstd, PROLOGUE, dt)   # (1, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * xv
+        xv = _input_tile(x_rows, m_ok, kk, kk < K, K, norm_ptr, rstd, PROLOGUE, dt)  # (1, BLOCK_K)
+        acc += w.to(tl.float32) * xv
+        nk = kk + BLOCK_K      # the next tile (past K on the last iteration: all masked, no read)
+        w = tl.load(w_rows + nk[None, :], mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
     return tl.sum(acc, axis=1)[None, :]
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL), wait until the kernel launched before this
+    one has finished and its writes are visible, then let the next kernel start launching (its
+    programs wait the same way before they read anything this one writes)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -180,14 +204,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-           residual: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tile: dict | None = None,
+           pdl: bool = False) -> torch.Tensor:
     """y = f(x) @ weight.T (+ bias) (+ residual), (M, K_in) -> (M, N) in x's dtype, M <= 16.
 
     f is the identity, or with norm (K,) the engine's RMSNorm `norm * rms_norm(x, eps)`, or with
     silu_mul `F.silu(x[:, :K]) * x[:, K:]` (x is (M, 2K): gate|up). weight (N, K), bias (N,),
     residual (M, N), all in x's dtype. tile: {"BLOCK_N", "BLOCK_K", "USE_DOT"} and optionally
     num_warps / num_stages, instead of default_tile(M, N, K) (under Triton's interpreter: a
-    small tile, on the tensor cores for M > 1)."""
+    small tile, on the tensor cores for M > 1). pdl: launch with programmatic dependent launch
+    where `pdl_supported` (else ignored): the kernel starts while the one before it finishes,
+    fetching its first weight tile before it waits, so that kernel must not write the weight."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     M = x.shape[0]
@@ -214,8 +241,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
         # float32 the products of dt's values are exact all the same
         HAS_RES=residual is not None, F32_DOT=x.dtype == torch.float32 or interpret_mode(),
-        BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)), **tile)
+        BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)),
+        **_pdl_launch(pdl, x), **tile)
     return y
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Programmatic dependent launch applies: a CUDA device of compute capability 9.0 or newer
+    (Hopper), kernels compiled rather than interpreted."""
+    device = torch.device(device)
+    return (device.type == "cuda" and not interpret_mode()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _pdl_launch(pdl: bool, x: torch.Tensor) -> dict:
+    """The launch arguments for `pdl`: the kernel's PDL constexpr, and Triton's launch_pdl."""
+    on = bool(pdl) and pdl_supported(x.device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit
@@ -243,7 +285,7 @@ def _attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, col_ptr, k_p
                       valid_ptr, out_ptr, stride_qkv, stride_kb, stride_kh, stride_kl,
                       stride_valid, stride_out, stride_rope, sm_scale, eps,
                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
     dt = out_ptr.dtype.element_ty
     b, h = tl.program_id(0), tl.program_id(1)
     kvh = h // (H // KV)                          # HF's repeat_kv: head h reads KV head h // (H/KV)
@@ -253,6 +295,7 @@ def _attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, col_ptr, k_p
     col = tl.load(col_ptr)
     cos = tl.load(cos_ptr + pos * stride_rope + rd, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_rope + rd, mask=d_ok, other=0.0).to(tl.float32)
+    _wait_for_inputs(PDL)     # q|k|v and the cache may be the kernel before's to write
     row = qkv_ptr + b * stride_qkv
     q = _rotate(row, h * D, rd, d_ok, D, norm_ptr, h * D, eps, cos, sin, QK_NORM, dt)
     k = _rotate(row, (H + kvh) * D, rd, d_ok, D, norm_ptr, (H + kvh) * D, eps, cos, sin, QK_NORM, dt)
@@ -290,7 +333,8 @@ def _attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, col_ptr, k_p
 def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               key_valid: torch.Tensor, positions: torch.Tensor, col: torch.Tensor,
               cos: torch.Tensor, sin_signed: torch.Tensor, n_heads: int, n_kv_heads: int,
-              qk_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+              qk_norm: torch.Tensor | None = None, eps: float = 1e-6,
+              pdl: bool = False) -> torch.Tensor:
     """One decode step's attention for B rows: (B, (H + 2 KV) D) q|k|v -> (B, H D).
 
     Each row's q and k are normed (qk_norm (H + KV, D): Qwen3's q_norm and k_norm), rotated at
@@ -298,7 +342,9 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     device tensor). Its query heads then attend over that column and every earlier column that
     key_valid ((B', > col) bool) marks; the caches (B', KV, L, D) are read and written in place
     (B' >= B). cos and sin_signed (max_pos, D) are the engine's RoPE tables (sin's first half
-    negated)."""
+    negated). pdl: launch with programmatic dependent launch where `pdl_supported` (else
+    ignored): the kernel starts while the one before it finishes and reads positions, col and
+    the tables before it waits, so that kernel must not write them."""
     B = qkv.shape[0]
     H, KV = n_heads, n_kv_heads
     D = k_cache.shape[-1]
@@ -319,5 +365,6 @@ def attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         key_valid.stride(0), out.stride(0), cos.stride(0), 1.0 / D ** 0.5, eps,
         H=H, KV=KV, D=D, QK_NORM=qk_norm is not None,
         # one or two column blocks cover an RL rollout's cache (8 warps: fastest on an H200)
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=256 if D <= 64 else 128, num_warps=8)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=256 if D <= 64 else 128, num_warps=8,
+        **_pdl_launch(pdl, qkv))
     return out

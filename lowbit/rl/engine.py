@@ -21,7 +21,8 @@ right-padded teacher forcing sees the same positions). Prefill runs all prompt t
 forward; each decode step feeds one token per row. On CUDA a dense model's decode step (the
 forward from the token ids to the logits) replays from a CUDA graph captured per batch size;
 sampling runs eagerly between replays. At batch 1 (bf16, nvfp4-w4a16) that step runs on the
-fused decode kernels of lowbit.kernels.decode, five launches per layer (decode_kernels). MoE
+fused decode kernels of lowbit.kernels.decode, five launches per layer (decode_kernels), each
+started while the one before it finishes on Hopper (programmatic dependent launch). MoE
 decode runs eagerly (its expert grouping reads counts back to the host, which a graph cannot
 hold).
 
@@ -174,9 +175,13 @@ class RolloutEngine:
         self.decode_kernels_max_batch = 0
         """The largest decode batch that runs on the kernels: ENGINE_MAX_ROWS (one row, where
         they are faster) by default, every size they take (MAX_ROWS) when asked for explicitly."""
+        self.decode_pdl = False
+        """The decode kernels launch with programmatic dependent launch (on Hopper and newer:
+        each starts while the one before it finishes). Read when a step is captured or run."""
         if self.decode_kernels:
             kd = _decode_kernels()
             self.decode_kernels_max_batch = kd.MAX_ROWS if decode_kernels else kd.ENGINE_MAX_ROWS
+            self.decode_pdl = kd.pdl_supported(self.device)
         self.cos, self.sin_signed = _rope_tables(config, self.device, self.dtype)
         B, L, KV, D = max_batch_size, self.max_seq_len, config.n_kv_heads, config.head_dim
         # The preallocated cache, one (B, KV, L, D) key and value tensor per layer.
@@ -369,20 +374,20 @@ class RolloutEngine:
         """_decode on lowbit.kernels.decode: five launches per layer, attention over the cache
         columns up to col only (read on the GPU, so one CUDA graph still serves every step)."""
         kd, cfg = _decode_kernels(), self.config
-        eps = cfg.norm_eps
+        eps, pdl = cfg.norm_eps, self.decode_pdl   # no kernel of the step writes a weight
         x = F.embedding(tokens[:, 0], self.embed)                      # (B, C)
         for i, layer in enumerate(self.layers):
             qkv = kd.linear(x, layer.qkv_proj.values, layer.qkv_proj.bias,
-                            norm=layer.input_layernorm, eps=eps)       # (B, (H + 2 KV) D)
+                            norm=layer.input_layernorm, eps=eps, pdl=pdl)   # (B, (H + 2 KV) D)
             y = kd.attention(qkv, self.k_cache[i], self.v_cache[i], self.key_valid, positions,
                              col, self.cos, self.sin_signed, cfg.n_heads, cfg.n_kv_heads,
-                             layer.qk_norm, eps)                       # (B, H D)
-            x = kd.linear(y, layer.o_proj.values, layer.o_proj.bias, residual=x)
+                             layer.qk_norm, eps, pdl=pdl)                   # (B, H D)
+            x = kd.linear(y, layer.o_proj.values, layer.o_proj.bias, residual=x, pdl=pdl)
             gate_up = kd.linear(x, layer.gate_up_proj.values, layer.gate_up_proj.bias,
-                                norm=layer.post_attention_layernorm, eps=eps)
+                                norm=layer.post_attention_layernorm, eps=eps, pdl=pdl)
             x = kd.linear(gate_up, layer.down_proj.values, layer.down_proj.bias,
-                          silu_mul=True, residual=x)
-        return kd.linear(x, self.lm_head, norm=self.norm, eps=eps)    # (B, V)
+                          silu_mul=True, residual=x, pdl=pdl)
+        return kd.linear(x, self.lm_head, norm=self.norm, eps=eps, pdl=pdl)   # (B, V)
 
     def _decode_step(self, batch: int):
         """The decode step for `batch` rows: the fused decode kernels where they apply, else
