@@ -230,14 +230,12 @@ def test_pdl_applies_only_to_compiled_kernels_on_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4])
-def test_pdl_chains_equal_plain_launches_in_a_cuda_graph(M):
+def test_pdl_chains_equal_plain_launches_in_a_cuda_graph():
     """A layer's chain of kernels (each reading what the one before wrote) launched with
     programmatic dependent launch, eagerly and replayed from a CUDA graph, gives the same bits
     as plain launches: no kernel reads its input before the one that writes it has finished."""
-    if not kd.pdl_supported("cuda"):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    dtype, C, F_ = torch.bfloat16, 2048, 5632
+    # (before Hopper, pdl=True launches plainly and this compares plain launches)
+    dtype, C, F_, M = torch.bfloat16, 2048, 5632, 1   # PDL applies to the one-row tile
     g = torch.Generator().manual_seed(M)
     w = {n: (torch.randn(*s, generator=g) / math.sqrt(s[1])).to("cuda", dtype)
          for n, s in {"qkv": (C, C), "o": (C, C), "gu": (2 * F_, C), "down": (C, F_)}.items()}

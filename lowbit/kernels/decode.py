@@ -76,8 +76,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr, M, N, K,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                    PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
-    if USE_DOT or BLOCK_M > 1:
-        _wait_for_inputs(PDL)
+    if USE_DOT or BLOCK_M > 1:   # (launched without PDL: see linear)
         acc = _linear_dot(x_ptr, w_ptr, norm_ptr, M, N, K, stride_xm, stride_wn, eps, PROLOGUE,
                           F32_DOT, dt, DOT_M, BLOCK_N, BLOCK_K)
         rm = tl.arange(0, DOT_M)
@@ -212,9 +211,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     silu_mul `F.silu(x[:, :K]) * x[:, K:]` (x is (M, 2K): gate|up). weight (N, K), bias (N,),
     residual (M, N), all in x's dtype. tile: {"BLOCK_N", "BLOCK_K", "USE_DOT"} and optionally
     num_warps / num_stages, instead of default_tile(M, N, K) (under Triton's interpreter: a
-    small tile, on the tensor cores for M > 1). pdl: launch with programmatic dependent launch
-    where `pdl_supported` (else ignored): the kernel starts while the one before it finishes,
-    fetching its first weight tile before it waits, so that kernel must not write the weight."""
+    small tile, on the tensor cores for M > 1). pdl: launch the one-row CUDA-core tile with
+    programmatic dependent launch where `pdl_supported` (else ignored): the kernel starts while
+    the one before it finishes, fetching its first weight tile before it waits, so that kernel
+    must not write the weight."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     M = x.shape[0]
@@ -242,7 +242,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # float32 the products of dt's values are exact all the same
         HAS_RES=residual is not None, F32_DOT=x.dtype == torch.float32 or interpret_mode(),
         BLOCK_M=triton.next_power_of_2(M), DOT_M=max(16, triton.next_power_of_2(M)),
-        **_pdl_launch(pdl, x), **tile)
+        # PDL on the one-row tile only: the tensor-core tile ran slower with it at 8 rows
+        **_pdl_launch(pdl and M == 1 and not tile["USE_DOT"], x), **tile)
     return y
 
 
