@@ -530,6 +530,13 @@ def test_bench_rollout_table_explains_a_busy_time_above_the_step():
     assert "| bf16, decode kernels | 1 | 955 | 1409 | 148% |" in format_rollout_rows(result(1409.0))
     assert "the kernels overlap (programmatic dependent launch)" in format_rollout_rows(result(1409.0))
     assert "overlap" not in format_rollout_rows(result(900.0))
+    # the batch-1 bf16 row runs on the decode kernels by default: it is the one set against generate
+    rows = [{"impl": "lowbit engine", "mode": "bf16, decode kernels", "batch": 1, "decode_steps_per_s": 1000.0,
+             "tokens_per_s": 990.0},
+            {"impl": "transformers generate", "mode": "bf16, dynamic cache", "batch": 1,
+             "decode_steps_per_s": 25.0, "tokens_per_s": 24.75}]
+    table = format_rollout_rows({**result(900.0), "rows": rows})
+    assert "- batch 1: engine bf16, decode kernels 40.0x the tokens/s of generate (bf16, dynamic cache)" in table
 
 
 def test_exposed_communication_is_what_no_compute_kernel_overlaps():

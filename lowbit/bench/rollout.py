@@ -366,11 +366,11 @@ def format_rollout_rows(result: dict) -> str:
             if "of_limit" in r:
                 out.append(f"- engine {r['mode']}, batch {r['batch']}: {r['of_limit']:.0%} of the limit")
     for b in batches:
-        ours = by.get(("lowbit engine", "bf16", b))
+        ours = by.get(("lowbit engine", "bf16", b)) or by.get(("lowbit engine", "bf16, decode kernels", b))
         theirs = [by[k] for k in by if k[0] == "transformers generate" and k[2] == b]
         if ours and theirs:
             best = max(theirs, key=lambda r: r["tokens_per_s"])
-            out.append(f"- batch {b}: engine bf16 {ours['tokens_per_s'] / best['tokens_per_s']:.1f}x "
+            out.append(f"- batch {b}: engine {ours['mode']} {ours['tokens_per_s'] / best['tokens_per_s']:.1f}x "
                        f"the tokens/s of generate ({best['mode']})")
     if result.get("profiles"):
         classes = list(dict.fromkeys(k for per in result["profiles"].values() for p in per.values()
