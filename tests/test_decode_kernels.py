@@ -218,7 +218,6 @@ def test_cuda_graph_decode_on_the_kernels_equals_eager_decode():
     assert torch.equal(graphed.generate(prompts, params).completions, a.completions)
 
 
-
 def test_pdl_applies_only_to_compiled_kernels_on_hopper():
     assert not kd.pdl_supported("cpu")
     x, w, bias, norm, res = _operands(1, 37, 70, torch.float32, seed=5)
