@@ -153,13 +153,22 @@ def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env,
                         "--diag-seed", "1"]) == 2
 
 
-def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path):
+def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path, monkeypatch, capsys):
     out = tmp_path / "never"
-    for bad, says in (("int2:g64/ste/0/fast", "unknown option 'fast'"),
-                      ("int2:g64/ste/x", "WEIGHTS/ESTIMATOR/SEED"), ("int2:g64/ste/0/lrx", "no learning rate")):
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_experiment.py"), "--out", str(out),
-                            "--settings", f"bf16/ste/0,{bad}"], capture_output=True, text=True)
-        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    script = ROOT / "benchmarks" / "qat_experiment.py"
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--settings",
+                        "bf16/ste/0,int2:g64/ste/0/fast"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "unknown option 'fast'" in r.stderr and not out.exists()
+    spec = importlib.util.spec_from_file_location("qat_experiment", script)   # the rest in-process
+    qat_experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qat_experiment)
+    for bad, says in (("int2:g64/ste/x", "WEIGHTS/ESTIMATOR/SEED"), ("int2:g64/ste/0/lrx", "no learning rate")):
+        monkeypatch.setattr(sys, "argv", [str(script), "--out", str(out), "--settings", f"bf16/ste/0,{bad}"])
+        with pytest.raises(SystemExit) as exit_:
+            qat_experiment.main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
 
 

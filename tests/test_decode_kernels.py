@@ -185,7 +185,8 @@ def test_engine_decode_on_the_kernels_equals_the_eager_decoder(precision, cfg_kw
     # nvfp4-w4a16: the kernels multiply the dequantized NVFP4 weights, as the eager GEMMs do
     cfg, _, fused, plain = _engines(precision, **cfg_kw)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
-    params = SamplingParams(temperature=0.9, max_new_tokens=7, seed=4)
+    # three decode steps on a growing cache (the interpreter runs each launch slowly)
+    params = SamplingParams(temperature=0.9, max_new_tokens=4, seed=4)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
     assert torch.equal(a.completions, b.completions)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-2 if DEV == "cuda" else 2e-5, rtol=0)
