@@ -18,15 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TUNE = ROOT / "benchmarks" / "tune.py"
 
 
+def script_module(path):
+    """A benchmarks/ script loaded as a module, to run its main() in this process."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def tune():
     """benchmarks/tune.py as a module: its smoke modes run in this process, whose Triton
     already runs in the interpreter on the CPU (tests/conftest.py)."""
     pytest.importorskip("triton")
-    spec = importlib.util.spec_from_file_location("tune", TUNE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(TUNE)
 
 
 def smoke(tune, tmp_path, *args) -> dict:
@@ -135,10 +140,7 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
 def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env, capsys):
     """benchmarks/stable_fp4_seeds.py --smoke: the GPU comparison's code path on the tiny model
     (two recipes, one seed, in this process), its per-layer diagnostics and its summary."""
-    spec = importlib.util.spec_from_file_location("stable_fp4_seeds",
-                                                  ROOT / "benchmarks" / "stable_fp4_seeds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module(ROOT / "benchmarks" / "stable_fp4_seeds.py")
     assert module.main(["--out", str(tmp_path), "--smoke", "--recipes", "bf16,stable-fp4-dy8",
                         "--seeds", "0"]) == 0
     text = (tmp_path / "summary.md").read_text()
@@ -160,9 +162,7 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path,
                         "bf16/ste/0,int2:g64/ste/0/fast"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "unknown option 'fast'" in r.stderr and not out.exists()
-    spec = importlib.util.spec_from_file_location("qat_experiment", script)   # the rest in-process
-    qat_experiment = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(qat_experiment)
+    qat_experiment = script_module(script)   # the rest in-process
     for bad, says in (("int2:g64/ste/x", "WEIGHTS/ESTIMATOR/SEED"), ("int2:g64/ste/0/lrx", "no learning rate")):
         monkeypatch.setattr(sys, "argv", [str(script), "--out", str(out), "--settings", f"bf16/ste/0,{bad}"])
         with pytest.raises(SystemExit) as exit_:
@@ -175,9 +175,7 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path,
 def test_multi_gpu_scaling_smoke(tmp_path):
     """benchmarks/multi_gpu.py --smoke: one process, then two under torchrun (gloo), and the
     scaling table from their rows."""
-    spec = importlib.util.spec_from_file_location("multi_gpu", ROOT / "benchmarks" / "multi_gpu.py")
-    multi_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(multi_gpu)
+    multi_gpu = script_module(ROOT / "benchmarks" / "multi_gpu.py")
     assert multi_gpu.main(["--out", str(tmp_path), "--smoke", "--modes", "ddp"]) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["meta"]["machine"].endswith("2 processes (gloo)")

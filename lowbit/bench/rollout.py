@@ -333,8 +333,8 @@ def _profile_line(label: str, batch: int, prof: dict) -> str:
             + (f"\n      {OVERLAP_NOTE}" if prof["busy_us"] > prof["step_us"] else ""))
 
 
-OVERLAP_NOTE = ("busy above 100%: the kernels overlap (programmatic dependent launch), and each "
-                "one's time counts its wait for the one before")
+OVERLAP_NOTE = ("Busy above 100%: the kernels overlap (programmatic dependent launch), and each "
+                "one's time counts its wait for the one before.")
 
 
 def _line(row: dict) -> str:
@@ -385,7 +385,7 @@ def format_rollout_rows(result: dict) -> str:
                 out.append(f"| {label} | {b} | {p['step_us']:.0f} | {p['busy_us']:.0f} | "
                            f"{p['busy_us'] / p['step_us']:.0%} | " + " | ".join(cells) + " |")
         if any(p["busy_us"] > p["step_us"] for per in result["profiles"].values() for p in per.values()):
-            out += ["", OVERLAP_NOTE[0].upper() + OVERLAP_NOTE[1:] + "."]
+            out += ["", OVERLAP_NOTE]
     if result.get("decode_step_ops"):
         out.append("")
         unit = result["decode_step_ops_unit"]
