@@ -1,0 +1,138 @@
+"""The rollout engine's activation quantizers, per token: the references (the definition) that
+lowbit.rl.precision applies at every linear's input and lowbit/kernels/activation_quant.py
+fuses into one pass.
+
+| function          | what each row (token) of x (N, K) becomes                              |
+| ----------------- | ---------------------------------------------------------------------- |
+| `per_token_nvfp4` | NVFP4 1x16 under its own power-of-two pre-scale (x_hat, x's dtype)     |
+| `per_token_fp8`   | E4M3 codes and one power-of-two scale (`torch._scaled_mm`'s operands) |
+| `rac_residual`    | RAC's quantized residual on the row's own top channels (r_hat, dense) |
+
+Every row is quantized from its own values alone, so a token's numerics do not depend on its
+batch-mates: a prefill and a KV-cache decode of the same token, or the same sequence in two
+batches, give the same bits (tests/test_activations.py checks a row alone against the row in
+a batch).
+
+RAC, per token
+--------------
+QUADS (arXiv 2607.15810) compensates the activation quantization error on the channels where
+it is largest: with r = X - QDQ(X) and S the top-k% input channels by residual magnitude,
+
+    Y = Q(X) Q(W)^T + Q(r_S) Q(W_{:,S})^T
+
+i.e. the quantized residual of the chosen channels appended to the GEMM's reduction
+dimension. A GEMM call that picks one S for all its tokens (from |r| summed over them) makes a
+token's output depend on which tokens share its batch. Here S is chosen per token, S_n = the
+top channels of |r[n]|, so the appended term no longer has one column set; written with a
+dense r_hat (N, K) that holds Q(r[n, S_n]) at channels S_n and zeros elsewhere,
+
+    Q(r_S) Q(W_{:,S})^T  ->  r_hat Q(W)^T,      Y = x_hat Q(W)^T + r_hat Q(W)^T
+
+(both products into one accumulator: x_hat + r_hat added first in x's dtype would round). For
+a batch of one token the two forms are the same sum (tests/test_activations.py checks the
+augmented-K form [x_hat | Q(r_S)] [Q(W) | Q(W)_{:,S}]^T against it), and for any batch each
+row equals that row alone. Q(r[n, S_n]) is `per_token_nvfp4` of the compacted row: the chosen
+channels' residuals in increasing channel order, its 1x16 blocks running over them in that
+order (the last block zero-padded for its amax), as a GEMM with |S| appended columns holds them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit.formats.elements import e8m0_to_float
+from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec
+from lowbit.formats.spec import QuantSpec
+
+__all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_row_spec", "rac_channel_count",
+           "rac_residual", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
+
+NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
+"""Single-level NVFP4: 1x16 blocks, E4M3 block scales, no tensor scale (the per-token
+power-of-two pre-scale stands in for it)."""
+
+NVFP4_ROW_AMAX = 448.0 * 6.0
+"""The largest magnitude single-level NVFP4 represents (E4M3's max times E2M1's)."""
+
+
+def fp8_row_spec(k: int) -> QuantSpec:
+    """One E8M0 (power-of-two, rceil) scale per row of k values, E4M3 elements."""
+    return QuantSpec.make("mxfp8_e4m3", (1, k), "rceil")
+
+
+def per_token_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """QDQ of each row of x (..., K) under its own power-of-two pre-scale, in x's dtype.
+
+    A power-of-two pre-scale 2^e per row puts the row's finite amax in (1344, 2688], then
+    single-level NVFP4 (E4M3 block scales, no tensor scale) quantizes it, and 2^-e scales it
+    back. That is NVFP4's two-level scaling with a per-token instead of a per-tensor FP32
+    scale, rounded to a power of two: then both scalings are exact, so every value is exactly
+    an E2M1 element times an E4M3 block scale times 2^e, with no rounding beyond NVFP4's own
+    (a float32 factor amax / 2688 would round x * (1 / s) and the product back). Per token
+    because a per-tensor amax over a batch would make every token's numerics depend on its
+    batch-mates (a prefill and a KV-cache decode of the same token would quantize it
+    differently).
+
+    e = ceil(log2(amax / 2688)) is taken on the float32 bits of amax / 2688 (frexp: exact, no
+    log2 rounding) and clamped to [-126, 127]; an all-zero row takes e = 0 and gives zeros
+    (as does a row whose amax / 2688 underflows to 0). NaN and Inf are not in the amax; the
+    block holding one dequantizes to NaN.
+    """
+    xf = x.float()
+    finite = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
+    amax = finite.amax(dim=-1, keepdim=True)                       # (..., 1)
+    # 2^e with amax / 2^e in (1344, 2688]: e = ceil(log2(amax / 2688)) on the float bits
+    mant, exp = torch.frexp(amax / NVFP4_ROW_AMAX)
+    exp = torch.where(mant == 0.5, exp - 1, exp)
+    exp = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(-126, 127)
+    up = torch.ldexp(torch.ones_like(amax), -exp)                  # 2^-e, exact
+    values = quantize_dequantize(xf * up, NVFP4_ROW)
+    return (values * torch.ldexp(torch.ones_like(amax), exp)).to(x.dtype)
+
+
+def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of x (N, K): E4M3 codes (N, K) float8_e4m3fn and one power-of-two scale
+    per row (N, 1) float32, the operand and row-wise scale `torch._scaled_mm` takes.
+
+    codes * scale (in float32) is `quantize_dequantize(x, fp8_row_spec(K), dtype=float32)` bit
+    for bit; saturated to x's dtype, the FP8 activation QDQ the engine emulates. The scale is
+    rceil's 2^ceil(log2(amax / 448)), so nothing clips (a zero row takes 2^-127, a float32
+    subnormal). A row holding NaN or Inf gets codes 0 and a NaN scale: all of it is NaN."""
+    if x.dim() != 2:
+        raise ValueError(f"per_token_fp8 takes (N, K) rows, got shape {tuple(x.shape)}")
+    q = quantize_with_spec(x, fp8_row_spec(x.shape[-1]))
+    return q.codes.view(torch.float8_e4m3fn), e8m0_to_float(q.scales)
+
+
+def rac_channel_count(k: int, ratio: float) -> int:
+    """How many of k input channels RAC compensates: ceil(ratio * k), at most k (the 1e-9
+    keeps ratio * k from rounding up past an exact integer, e.g. 0.3 * 10)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"rac ratio must be in [0, 1], got {ratio}")
+    return min(k, math.ceil(ratio * k - 1e-9))
+
+
+def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float) -> torch.Tensor:
+    """RAC's quantized residual per token, dense: r_hat (..., K) in x's dtype (see the module
+    doc), with Y = x_hat Q(W)^T + r_hat Q(W)^T the compensated GEMM.
+
+    Each row n on its own: r = x[n] - x_hat[n] in float32; S_n = the
+    c = rac_channel_count(K, ratio) channels with the largest |r| (ties to the lower channel;
+    NaN counts as the largest, as a descending torch.sort has it); the compacted row
+    r[S_n] (c values in increasing channel order) goes through `per_token_nvfp4`, and its
+    values land back on their channels; every other channel is 0. ratio 0 gives all zeros.
+    x_hat is the quantized x (`per_token_nvfp4(x)`), in x's dtype."""
+    if x.shape != x_hat.shape:
+        raise ValueError(f"x {tuple(x.shape)} and x_hat {tuple(x_hat.shape)} differ in shape")
+    k = x.shape[-1]
+    count = rac_channel_count(k, ratio)
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    if count == 0 or x.numel() == 0:
+        return out
+    r = (x.float() - x_hat.float()).reshape(-1, k)                 # (N, K)
+    top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :count]
+    channels = torch.sort(top, dim=-1).values                      # (N, c), increasing
+    r_hat = per_token_nvfp4(torch.gather(r, -1, channels)).to(x.dtype)   # (N, c)
+    return out.reshape(-1, k).scatter_(-1, channels, r_hat).reshape(x.shape)

@@ -1,0 +1,182 @@
+"""LinearWeight: a linear layer's weight as an inference GEMM reads it -- dense, FP8 or packed
+NVFP4 -- for one projection, several fused along out_features, or a stack of experts.
+
+    w = LinearWeight.from_qtensors([q_q, q_k, q_v], dtype=torch.bfloat16)   # q|k|v, NVFP4
+    w.dequantize()              # (N, K) in bf16: each part's QTensor.dequantize(), bit for bit
+    experts = LinearWeight.stack([w_0, w_1, ...])                          # (E, N, K)
+
+The codes and scales are the QTensors' own bytes, concatenated; nothing is re-encoded:
+
+| format  | data                                  | block_scales                  | row_scales     |
+| ------- | ------------------------------------- | ----------------------------- | -------------- |
+| `dense` | (.., N, K) in the compute dtype       | --                            | --             |
+| `fp8`   | (.., N, K) uint8, E4M3 bits           | --                            | (.., N) fp32, 2^e |
+| `nvfp4` | (.., N, Kp/2) uint8, two E2M1 a byte  | (.., N, Kp/16) float8_e4m3fn  | (.., N) fp32   |
+
+Kp is K padded to a whole number of 16-blocks (the QTensor's own padding). An NVFP4 part's
+FP32 tensor scale becomes the row scale of each of its rows, so parts quantized on their own
+(q, k and v each with its own tensor scale, as the trainer fake-quantizes them) share one
+GEMM; an FP8 row's scale is its E8M0 block scale (one block spans the row) as a float.
+
+Values, in float32 and then rounded once to the compute dtype, in QTensor.dequantize's order:
+nvfp4 `e2m1(code) * (row_scale * e4m3(block_scale))`, fp8 `e4m3(code) * row_scale`. A GEMM
+kernel that forms the same products multiplies exactly the dequantized weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from lowbit.formats.elements import E2M1, E4M3, decode, e8m0_to_float, unpack_codes
+from lowbit.formats.qtensor import QTensor, saturate_to
+from lowbit.formats.spec import ScaleKind
+
+__all__ = ["LinearWeight", "WeightFormat"]
+
+
+class WeightFormat(str, Enum):
+    DENSE = "dense"
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+
+
+@dataclass
+class LinearWeight:
+    format: WeightFormat
+    data: torch.Tensor
+    """dense: the values; fp8: E4M3 bits; nvfp4: packed E2M1 codes (see the module doc)."""
+    block_scales: torch.Tensor | None
+    """nvfp4: (.., N, Kp/16) float8_e4m3fn; None otherwise."""
+    row_scales: torch.Tensor | None
+    """fp8, nvfp4: (.., N) float32; None for dense."""
+    in_features: int
+    dtype: torch.dtype
+    """The compute dtype: what dequantize() and a GEMM on this weight give."""
+    may_saturate: bool = field(init=False)
+    """Some value may reach the compute dtype's largest finite value, where dequantize()
+    saturates (False when every row scale times the format's largest element is below it, so
+    a kernel may skip the clamp)."""
+
+    _values: torch.Tensor | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.may_saturate = False
+        if self.row_scales is not None and self.row_scales.numel():
+            element_max = 448.0 * 6.0 if self.format is WeightFormat.NVFP4 else 448.0
+            bound = float(self.row_scales.abs().max()) * element_max      # one read, at sync
+            self.may_saturate = not bound < torch.finfo(self.dtype).max
+
+    # ---- building ------------------------------------------------------------------------
+
+    @classmethod
+    def dense(cls, weight: torch.Tensor) -> "LinearWeight":
+        """A weight kept in its own dtype (the bf16 mode)."""
+        return cls(WeightFormat.DENSE, weight, None, None, weight.shape[-1], weight.dtype)
+
+    @classmethod
+    def from_qtensors(cls, parts: list[QTensor], dtype: torch.dtype) -> "LinearWeight":
+        """Parts (N_i, K) of one format (NVFP4 1x16 with a tensor scale, or FP8 with one E8M0
+        block per row), fused along N in order."""
+        first = parts[0]
+        k = first.shape[-1]
+        if any(len(p.shape) != 2 or p.shape[-1] != k for p in parts):
+            raise ValueError("fused parts need 2-D shapes with the same in_features")
+        kind, block = first.spec.info.scale_kind, first.spec.block
+        rows = [p.shape[0] for p in parts]
+        if first.format == "nvfp4" and block == (1, 16) and first.tensor_scale is not None:
+            row_scales = torch.cat([p.tensor_scale.float().reshape(1).expand(n)
+                                    for p, n in zip(parts, rows)])
+            return cls(WeightFormat.NVFP4, torch.cat([p.codes for p in parts]),
+                       torch.cat([p.scales for p in parts]), row_scales, k, dtype)
+        if first.format == "mxfp8_e4m3" and kind is ScaleKind.E8M0 and block == (1, k):
+            row_scales = torch.cat([e8m0_to_float(p.scales).reshape(-1) for p in parts])
+            return cls(WeightFormat.FP8, torch.cat([p.codes for p in parts]), None, row_scales,
+                       k, dtype)
+        raise ValueError(f"LinearWeight holds NVFP4 1x16 (with a tensor scale) or FP8 row-scaled "
+                         f"weights; got {first.format} with blocks {block}")
+
+    @classmethod
+    def stack(cls, experts: list["LinearWeight"]) -> "LinearWeight":
+        """Experts of one shape and format stacked along a new leading dim: (E, N, ...)."""
+        first = experts[0]
+        if any(e.format is not first.format or e.data.shape != first.data.shape for e in experts):
+            raise ValueError("stacked experts need one format and shape")
+
+        def stacked(name):
+            parts = [getattr(e, name) for e in experts]
+            return None if parts[0] is None else torch.stack(parts)
+        return cls(first.format, stacked("data"), stacked("block_scales"), stacked("row_scales"),
+                   first.in_features, first.dtype)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[-2]
+
+    @property
+    def n_experts(self) -> int | None:
+        """E for a stack of experts, None for one weight."""
+        return self.data.shape[0] if self.data.dim() == 3 else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMM reads: data, block scales and row scales."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.block_scales, self.row_scales)
+                   if t is not None)
+
+    def expert(self, e: int) -> "LinearWeight":
+        """Expert e of a stack (views)."""
+        def pick(t):
+            return None if t is None else t[e]
+        return LinearWeight(self.format, self.data[e], pick(self.block_scales),
+                            pick(self.row_scales), self.in_features, self.dtype)
+
+    @torch.no_grad()
+    def copy_(self, other: "LinearWeight") -> None:
+        """Take other's stored weight into this one's tensors, in place (the same format and
+        shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
+        valid. A dequantized copy kept by reference_values() is refreshed in place too."""
+        if (other.format is not self.format or other.data.shape != self.data.shape
+                or other.dtype != self.dtype):
+            raise ValueError(f"copy_ needs the same format, shape and dtype (got {other.format.value} "
+                             f"{tuple(other.data.shape)} {other.dtype} for {self.format.value} "
+                             f"{tuple(self.data.shape)} {self.dtype})")
+        for mine, theirs in ((self.data, other.data), (self.block_scales, other.block_scales),
+                             (self.row_scales, other.row_scales)):
+            if mine is not None:
+                mine.copy_(theirs)
+        self.may_saturate = other.may_saturate
+        if self._values is not None:
+            self._values.copy_(other.dequantize())
+
+    def reference_values(self) -> torch.Tensor:
+        """dequantize(), kept after the first call: the operand of a reference GEMM that runs
+        many times on one weight (a kernel that reads the stored form never asks for it, so
+        no dequantized copy is made there)."""
+        if self._values is None:
+            self._values = self.dequantize()
+        return self._values
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(.., N, K) in `dtype` (default the compute dtype), rounded once from float32 (see the
+        module doc); dense weights come back as they are (cast if asked)."""
+        dtype = dtype or self.dtype
+        if self.format is WeightFormat.DENSE:
+            return self.data.to(dtype)
+        k = self.in_features
+        if self.format is WeightFormat.FP8:
+            values = decode(self.data, E4M3) * self.row_scales[..., None]
+            return saturate_to(values, dtype)
+        codes = unpack_codes(self.data, E2M1.code_bits)[..., :k]
+        # QTensor.element_scales's order: tensor scale times block scale, then the element
+        scale = self.row_scales[..., None] * self.block_scales.to(torch.float32)
+        values = decode(codes, E2M1) * scale.repeat_interleave(16, dim=-1)[..., :k]
+        return saturate_to(values, dtype)
