@@ -1,0 +1,175 @@
+"""lowbit.kernels.engine_linear (the rollout engine's GEMM on dense, FP8 and packed-NVFP4 weights)
+against lowbit.formats.LinearWeight.dequantize and plain PyTorch: the weight it multiplies bit for
+bit, its prologues and epilogues, RAC's second input, and the grouped expert GEMM. Runs the kernels
+on the GPU where there is one, else in Triton's interpreter on the CPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
+from lowbit.formats.linear_weight import LinearWeight, WeightFormat  # noqa: E402
+from lowbit.kernels import engine_linear as el  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=4e-3, rtol=4e-3)}
+FORMATS = ("dense", "fp8", "nvfp4")
+
+
+def _weight(fmt: str, w: torch.Tensor, dtype: torch.dtype, spread: float = 40.0) -> LinearWeight:
+    """w (N, K) stored in `fmt`; nvfp4 as two parts with their own tensor scales (a fused q|k),
+    the second `spread` times the first."""
+    w = w.to(DEV, dtype)
+    if fmt == "dense":
+        return LinearWeight.dense(w)
+    if fmt == "fp8":
+        spec = QuantSpec.make("mxfp8_e4m3", (1, w.shape[1]), "rceil")
+        return LinearWeight.from_qtensors([quantize_with_spec(w, spec)], dtype)
+    half = w.shape[0] // 2
+    spec = QuantSpec.make("nvfp4", (1, 16))
+    return LinearWeight.from_qtensors([quantize_with_spec(w[:half], spec),
+                                       quantize_with_spec(w[half:] * spread, spec)], dtype)
+
+
+def _adversarial(N, K, g):
+    """Weights with an all-zero block, huge and tiny rows, exact E2M1 grid values (ties)."""
+    w = torch.randn(N, K, generator=g)
+    w[0, :16] = 0.0
+    w[1] *= 1e30
+    w[2] *= 1e-30
+    w[3, : min(K, 32)] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] * 4)[: min(K, 32)]
+    return w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_the_kernel_multiplies_the_dequantized_weight_bit_for_bit(fmt, M):
+    # with one-hot rows, y's columns are single weight values (products with 1, sums of zeros),
+    # so float32 outputs show every decoded value exactly
+    g = torch.Generator().manual_seed(0)
+    N, K = 24, 70                                          # K not a multiple of 16 or of the tile
+    w = _weight(fmt, _adversarial(N, K, g), torch.float32)
+    expected = w.dequantize()
+    for start in range(0, K, M):
+        rows = torch.arange(start, min(start + M, K))
+        x = F.one_hot(rows, K).float().to(DEV)
+        y = el.linear(x, w)
+        assert torch.equal(y, expected[:, rows].T), (fmt, start)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 3, 33])
+def test_linear_matches_dequantize_then_gemm(dtype, fmt, M):
+    g = torch.Generator().manual_seed(M)
+    N, K = 40, 96
+    # (parts of one scale: the interpreter rounds float32 -> bf16 by truncation, which a
+    # large part would turn into large absolute differences)
+    w = _weight(fmt, torch.randn(N, K, generator=g) / math.sqrt(K), dtype, spread=1.0)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    expected = F.linear(x.float(), w.dequantize().float()).to(dtype)
+    torch.testing.assert_close(el.linear(x, w), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 4])
+def test_prologues_epilogues_and_a_second_input(fmt, M):
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(7)
+    N, K = 32, 48
+    w = _weight(fmt, torch.randn(N, K, generator=g), dtype)
+    wv = w.dequantize()
+    x = torch.randn(M, 2 * K, generator=g).to(DEV)
+    bias, res = torch.randn(N, generator=g).to(DEV), torch.randn(M, N, generator=g).to(DEV)
+    norm = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV)
+    xk = x[:, :K]
+    normed = norm * F.rms_norm(xk, (K,), eps=1e-5)
+    torch.testing.assert_close(el.linear(xk, w, bias, norm=norm, eps=1e-5, residual=res),
+                               res + (F.linear(normed, wv) + bias), **TOL[dtype])
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(el.linear(x, w, silu_mul=True), F.linear(F.silu(gate) * up, wv),
+                               **TOL[dtype])
+    x2 = torch.randn(M, K, generator=g).to(DEV)
+    torch.testing.assert_close(el.linear(xk, w, x2=x2), F.linear(xk, wv) + F.linear(x2, wv), **TOL[dtype])
+
+
+def test_nan_in_a_block_stays_nan_and_saturation_follows_dequantize():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 64, generator=g)
+    w[5, 20] = float("nan")
+    lw = _weight("nvfp4", w, torch.float32)
+    x = torch.ones(2, 64, device=DEV)
+    y = el.linear(x, lw)
+    assert y[:, 5].isnan().all() and not y[:, :5].isnan().any() and not y[:, 6:].isnan().any()
+    # fp16 compute with row scales whose products pass fp16's max: dequantize saturates, and
+    # the kernel with it (a quantized fp16 tensor stays below its amax; these scales are made up)
+    codes = _weight("nvfp4", torch.randn(16, 32, generator=g), torch.float16, spread=1.0)
+    row_scales = torch.full((16,), 40.0, device=DEV)
+    lw16 = LinearWeight(WeightFormat.NVFP4, codes.data, codes.block_scales, row_scales, 32, torch.float16)
+    assert lw16.may_saturate and (lw16.dequantize().abs() == 65504).any()
+    eye = torch.eye(32, dtype=torch.float16, device=DEV)
+    for cols in (slice(0, 1), slice(0, 32)):                 # the one-row and the tensor-core tile
+        assert torch.equal(el.linear(eye[cols], lw16), lw16.dequantize()[:, cols].T)
+
+
+def test_non_contiguous_inputs_and_odd_shapes():
+    g = torch.Generator().manual_seed(4)
+    w = _weight("nvfp4", torch.randn(18, 50, generator=g), torch.float32)    # N and K odd sizes
+    x = torch.randn(50, 7, generator=g).to(DEV).T                            # a transposed view
+    torch.testing.assert_close(el.linear(x, w), F.linear(x, w.dequantize()), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_grouped_experts_equal_one_gemm_per_expert(fmt, silu_mul):
+    g = torch.Generator().manual_seed(5)
+    E, N, K, T, k = 5, 24, 48, 9, 2
+    experts = LinearWeight.stack([_weight(fmt, torch.randn(N, K, generator=g), torch.float32, 1.0)
+                                  for _ in range(E)])
+    x = torch.randn(T, 2 * K if silu_mul else K, generator=g).to(DEV)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    index[:, 0] = 3                                        # one expert with many rows, one with none
+    rows = index.reshape(-1)
+    tile_expert, row_ids = el.moe_align(rows, E)
+    y = el.grouped_linear(x, experts, tile_expert, row_ids, T * k, row_div=k, silu_mul=silu_mul)
+    xin = x if not silu_mul else F.silu(x[:, :K]) * x[:, K:]
+    for r in range(T * k):
+        expected = F.linear(xin[r // k], experts.expert(int(rows[r])).dequantize())
+        torch.testing.assert_close(y[r], expected, **TOL[torch.float32])
+
+
+def test_moe_align_groups_rows_by_expert():
+    rows = torch.tensor([2, 0, 2, 2, 1, 0, 2] * 5, device=DEV)      # 35 rows, expert 3 unused
+    tile_expert, row_ids = el.moe_align(rows, 4, block_m=16)
+    tiles = row_ids.view(-1, 16)
+    seen = []
+    for t, e in enumerate(tile_expert.tolist()):
+        listed = [r for r in tiles[t].tolist() if r >= 0]
+        if e < 0:
+            assert not listed
+            continue
+        assert listed == sorted(listed) and all(int(rows[r]) == e for r in listed)
+        seen += listed
+    assert sorted(seen) == list(range(35))                  # every row once
+    assert tile_expert.numel() == -(-35 // 16) + 4           # fixed size: no host read-back
+
+
+def test_linear_refuses_what_it_cannot_do():
+    w = _weight("nvfp4", torch.randn(16, 32), torch.float32)
+    x = torch.randn(2, 32, device=DEV)
+    with pytest.raises(ValueError, match="one prologue"):
+        el.linear(x, w, norm=torch.ones(32, device=DEV), silu_mul=True)
+    with pytest.raises(ValueError, match="in_features"):
+        el.linear(x[:, :31], w)
+    with pytest.raises(ValueError, match="dtype"):
+        el.linear(x.double(), w)
+    with pytest.raises(ValueError, match="no prologue"):
+        el.linear(x, w, x2=x, norm=torch.ones(32, device=DEV))
+    with pytest.raises(ValueError, match="grouped_linear"):
+        el.linear(x, LinearWeight.stack([w, w]))
+    assert w.format is WeightFormat.NVFP4 and w.nbytes == 16 * 16 + 16 * 2 + 16 * 4
