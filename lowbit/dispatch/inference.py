@@ -1,0 +1,196 @@
+"""The inference kernels' one place of choice: the rollout engine's GEMMs, activation
+quantizers and decode attention, each on its Triton kernel or on plain PyTorch.
+
+    y = inference.linear(x, weight, norm=ln)                # a LinearWeight, RMSNorm prologue
+    x_hat, r_hat = inference.quantize_activations(x, "nvfp4", rac_ratio=0.25)
+    codes, scale = inference.quantize_activations(x, "fp8")
+    y = inference.fp8_linear(codes, scale, weight)          # torch._scaled_mm on CUDA
+    y = inference.decode_attention(qkv, k_cache, v_cache, positions, ...)
+    y = inference.grouped_linear(x, experts, expert_of_row, row_div=k)   # MoE experts
+
+The rule: the kernels run where the caller allows them (`use_kernels`, the engine's
+`decode_kernels`), triton can run them (a CUDA tensor; a CPU tensor under TRITON_INTERPRET=1,
+Triton's interpreter, which is how the CPU tests run the engine on its kernels) and the
+reference is not forced (`force_reference()`, LOWBIT_FORCE_REFERENCE=1); everything else takes
+the reference. (The engine allows them on CUDA by default and on the CPU only when asked.) One
+exception is made for speed, not numerics: a dense (bf16) weight with more than one row on
+CUDA goes to cuBLAS (DENSE_KERNEL_MAX_ROWS says why).
+
+The references are the engine's eager decoder, op by op: every prologue, GEMM and epilogue
+rounds to the compute dtype where the kernels do, so the two agree up to accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit import kernels
+from lowbit.dispatch import reference_forced
+from lowbit.formats import activations as reference_activations
+from lowbit.formats.linear_weight import LinearWeight, WeightFormat
+
+__all__ = ["use_inference_kernels", "linear", "quantize_activations", "fp8_linear",
+           "decode_attention", "grouped_linear", "prologue", "DENSE_KERNEL_MAX_ROWS"]
+
+DENSE_KERNEL_MAX_ROWS = 1
+"""A dense weight with more rows than this multiplies on cuBLAS: on an H200 (2026-12-04,
+`python benchmarks/tune.py engine-gemm`) the kernel's one-row tile beat cuBLAS's GEMV on
+TinyLlama-1.1B's projections (4.1-13.4 us against 6.0-13.1), and its tensor-core tiles lost to
+cuBLAS from 8 rows up (9.7-42.8 us against 6.0-12.9)."""
+
+
+def use_inference_kernels(x: torch.Tensor, allowed: bool = True) -> bool:
+    """The inference kernels run on x: allowed, triton able to run them on x's device (see the
+    module doc), the reference not forced."""
+    return allowed and not reference_forced() and kernels.kernels_available(x)
+
+
+def prologue(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6,
+             silu_mul: bool = False) -> torch.Tensor:
+    """What a prologue makes of x, in plain PyTorch: the engine's RMSNorm `norm * rms_norm(x)`
+    (F.rms_norm normalizes in float32 and rounds once; the weight multiplies after, in x's
+    dtype), or SiLU(gate) * up of x = [gate | up]; else x."""
+    if norm is not None:
+        return norm * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, *,
+           x2: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 1e-6,
+           silu_mul: bool = False, residual: torch.Tensor | None = None, pdl: bool = False,
+           use_kernels: bool = True) -> torch.Tensor:
+    """(prologue(x) + x2) @ W^T (+ bias) (+ residual), (M, K_in) -> (M, N) in x's dtype: the
+    packed-weight kernel (lowbit.kernels.engine_linear) or the reference (the prologue, then
+    F.linear on the dequantized weight, x2's GEMM added, each rounded as the eager ops round)."""
+    dense_prefill = (weight.format is WeightFormat.DENSE and x.is_cuda
+                     and x.shape[0] > DENSE_KERNEL_MAX_ROWS)
+    if use_inference_kernels(x, use_kernels) and not dense_prefill:
+        from lowbit.kernels import engine_linear
+        return engine_linear.linear(x, weight, bias, x2=x2, norm=norm, eps=eps, silu_mul=silu_mul,
+                                    residual=residual, pdl=pdl)
+    w = weight.reference_values()
+    y = F.linear(prologue(x, norm, eps, silu_mul), w)
+    if x2 is not None:
+        y = y + F.linear(x2, w)
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
+
+
+def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
+                         norm: torch.Tensor | None = None, eps: float = 1e-6,
+                         silu_mul: bool = False, use_kernels: bool = True):
+    """A linear's input quantized per token after its prologue (lowbit.formats.activations):
+    mode "nvfp4" -> (x_hat, r_hat or None), the per-token NVFP4 values and RAC's compensated
+    residual (rac_ratio > 0) in x's dtype; mode "fp8" -> (E4M3 codes, (M, 1) float32
+    power-of-two scales). One fused pass on the kernels."""
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+    if use_inference_kernels(x, use_kernels):
+        from lowbit.kernels import activation_quant
+        if k <= activation_quant.MAX_K:   # longer rows than one program holds: the reference
+            return activation_quant.quantize_activations(x, mode, rac_ratio, norm=norm, eps=eps,
+                                                         silu_mul=silu_mul)
+    xp = prologue(x, norm, eps, silu_mul)
+    if mode == "fp8":
+        return reference_activations.per_token_fp8(xp)
+    x_hat = reference_activations.per_token_nvfp4(xp)
+    r_hat = reference_activations.rac_residual(xp, x_hat, rac_ratio) if rac_ratio > 0 else None
+    return x_hat, r_hat
+
+
+def fp8_linear(codes: torch.Tensor, scale: torch.Tensor, weight: LinearWeight,
+               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               use_kernels: bool = True) -> torch.Tensor:
+    """W8A8: (codes * scale) @ W^T (+ bias) (+ residual) for per-token FP8 activations and a
+    row-scaled FP8 weight, out in the weight's compute dtype. On CUDA torch._scaled_mm with
+    row-wise scales (what vLLM runs for FP8 checkpoints on Hopper; exact products, float32
+    accumulation); elsewhere the same values multiplied in float32."""
+    dtype = weight.dtype
+    N, K = weight.out_features, weight.in_features
+    if (use_inference_kernels(codes, use_kernels) and codes.is_cuda and K % 16 == 0
+            and N % 16 == 0 and dtype == torch.bfloat16):
+        w = weight.data.view(torch.float8_e4m3fn)
+        y = torch._scaled_mm(codes, w.t(), scale_a=scale, scale_b=weight.row_scales[None, :],
+                             out_dtype=dtype)
+    else:
+        x = (codes.to(torch.float32) * scale).to(dtype)          # exact: E4M3 times 2^e
+        y = F.linear(x, weight.reference_values())
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
+
+
+def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                     n_heads: int, n_kv_heads: int, qk_norm: torch.Tensor | None = None,
+                     eps: float = 1e-6, pdl: bool = False, use_kernels: bool = True) -> torch.Tensor:
+    """One decode step's attention, (B, (H + 2 KV) D) q|k|v -> (B, H D): q/k norm, RoPE at
+    each row's position, the new k and v written at that position of the row's cache, and
+    attention over the row's positions 0..p (lowbit.kernels.decode_attention). The reference
+    attends over the whole cache with a mask: the fixed shapes a compiled step needs."""
+    if use_inference_kernels(qkv, use_kernels):
+        from lowbit.kernels.decode_attention import decode_attention as kernel
+        return kernel(qkv, k_cache, v_cache, positions, cos, sin_signed, n_heads, n_kv_heads,
+                      qk_norm=qk_norm, eps=eps, pdl=pdl)
+    B = qkv.shape[0]
+    H, KV, D = n_heads, n_kv_heads, k_cache.shape[-1]
+    qkv = qkv.view(B, H + 2 * KV, D)
+    qk, v = qkv[:, :H + KV], qkv[:, H + KV:]
+    if qk_norm is not None:
+        qk = qk_norm * F.rms_norm(qk, (D,), eps=eps)
+    qk = rotary(qk, cos[positions][:, None], sin_signed[positions][:, None])     # (B, H + KV, D)
+    rows = torch.arange(B, device=qkv.device)
+    k_cache[rows, :, positions] = qk[:, H:]
+    v_cache[rows, :, positions] = v
+    L = k_cache.shape[2]
+    visible = torch.arange(L, device=qkv.device)[None, :] <= positions[:, None]    # (B, L)
+    bias = torch.zeros(B, 1, 1, L, dtype=qkv.dtype, device=qkv.device)
+    bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    # the H / KV query heads that share a KV head are that head's queries (HF's repeat_kv
+    # order: head h reads KV head h // (H / KV)), so the cache is read as it is
+    q = qk[:, :H].reshape(B, KV, H // KV, D)
+    y = F.scaled_dot_product_attention(q, k_cache[:B], v_cache[:B], attn_mask=bias)
+    return y.reshape(B, H * D)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): the same products, as
+    cat(x2, x1) = roll(x, D/2) times the sin whose first half is negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def grouped_linear(x: torch.Tensor, weight: LinearWeight, expert_of_row: torch.Tensor,
+                   row_div: int = 1, *, x2: torch.Tensor | None = None, silu_mul: bool = False,
+                   use_kernels: bool = True) -> torch.Tensor:
+    """Expert GEMMs: out[r] = (prologue(x[r // row_div]) + x2[r // row_div]) @ W[e_r]^T for
+    e_r = expert_of_row[r]; weight a stack of experts (E, N, K) -> (rows, N). On the kernels,
+    one launch for all experts, each expert's weight read once for all its rows, grouped on
+    the device (no host read-back, so it fits in a CUDA graph); the reference loops over the
+    experts that have rows."""
+    rows = expert_of_row.shape[0]
+    if use_inference_kernels(x, use_kernels):
+        from lowbit.kernels import engine_linear
+        tile_expert, row_ids = engine_linear.moe_align(expert_of_row, weight.n_experts)
+        return engine_linear.grouped_linear(x, weight, tile_expert, row_ids, rows, row_div,
+                                            x2=x2, silu_mul=silu_mul)
+    src = torch.arange(rows, device=x.device) // row_div
+    out = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
+    values = weight.reference_values()
+    order = torch.argsort(expert_of_row, stable=True)
+    counts = torch.bincount(expert_of_row, minlength=weight.n_experts).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        r = order[start:start + count]
+        xin = prologue(x[src[r]], silu_mul=silu_mul)
+        y = F.linear(xin, values[e])
+        if x2 is not None:
+            y = y + F.linear(x2[src[r]], values[e])
+        out[r] = y
+        start += count
+    return out
