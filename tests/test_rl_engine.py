@@ -11,8 +11,9 @@ from lowbit import dispatch
 from lowbit.models import ModelConfig, build_model
 from lowbit.ops import operand
 from lowbit.rl.engine import RolloutEngine
-from lowbit.rl.precision import (EngineLinear, Precision, quantize_activation, rac_channels,
-                                 rac_linear, weight_spec)
+from lowbit.formats.activations import rac_residual
+from lowbit.rl.engine.weights import EngineLinear
+from lowbit.rl.precision import Precision, quantize_activation, rac_linear, weight_spec
 from lowbit.rl.sampling import SamplingParams, truncated_logprobs
 from lowbit.rl.trainer_side import apply_asymmetric_qat
 
@@ -124,15 +125,20 @@ def test_rac_math_and_monotone_activation_error():
     w = dispatch.quantize_dequantize(torch.randn(32, 80, generator=g), weight_spec())
     xq = quantize_activation(x, Precision.NVFP4)
     assert torch.equal(rac_linear(x, w, 0.0), F.linear(xq, w))            # ratio 0 is naive W4A4
-    # a direct reference: the residual channels appended along K, one GEMM
+    # per token, the paper's form: that token's residual channels appended along K, one GEMM
     ratio = 0.3
     residual = x - xq
-    score = [(float(residual[:, c].abs().sum()), -c) for c in range(80)]
-    chosen = sorted(-c for _, c in sorted(score, reverse=True)[:math.ceil(ratio * 80)])
-    assert rac_channels(residual, ratio).tolist() == chosen
-    x_aug = torch.cat([xq, quantize_activation(residual[:, chosen], Precision.NVFP4)], dim=1)
-    w_aug = torch.cat([w, w[:, chosen]], dim=1)
-    torch.testing.assert_close(rac_linear(x, w, ratio), x_aug @ w_aug.T, atol=1e-5, rtol=1e-5)
+    out = rac_linear(x, w, ratio)
+    for n in (0, 3, 17):
+        score = [(float(residual[n, c].abs()), -c) for c in range(80)]
+        chosen = sorted(-c for _, c in sorted(score, reverse=True)[:math.ceil(ratio * 80)])
+        x_aug = torch.cat([xq[n], quantize_activation(residual[n, chosen][None], Precision.NVFP4)[0]])
+        w_aug = torch.cat([w, w[:, chosen]], dim=1)
+        torch.testing.assert_close(out[n], w_aug @ x_aug, atol=1e-5, rtol=1e-5)
+    # a token's output is what it is alone: RAC chooses its channels from the token itself (the
+    # quantized residual bit for bit; the GEMM up to its accumulation order, which depends on M)
+    assert torch.equal(rac_residual(x[5:9], xq[5:9], ratio), rac_residual(x, xq, ratio)[5:9])
+    torch.testing.assert_close(rac_linear(x[3:4], w, ratio), out[3:4], atol=1e-5, rtol=1e-6)
     # more channels, less activation error, on this fixed input
     exact = F.linear(x, w)
     errors = [(rac_linear(x, w, r) - exact).norm().item() for r in (0, 0.125, 0.25, 0.5, 1.0)]
@@ -210,8 +216,9 @@ def test_weight_sync_copies_and_changes_outputs():
     engine = _engine(cfg, model, precision="nvfp4")
     before = engine.score([[1, 2, 3, 4, 5, 6]])[0]
     ptrs = {p.data_ptr() for p in model.parameters()}
-    held = [engine.embed, engine.lm_head, engine.linear_values(0, "q_proj"),
-            engine.layers[0].experts_down[1].values, engine.layers[0].router]
+    weights = engine.weights
+    held = [weights.embed, weights.lm_head, weights.layers[0].qkv_proj.weight.data,
+            weights.layers[0].experts.down.data, weights.layers[0].router]
     assert not ptrs & {t.data_ptr() for t in held}
     with torch.no_grad():                                 # the trainer's step, after the sync
         for p in model.parameters():
@@ -242,10 +249,11 @@ def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
             if moe:
                 experts = layer.mlp.experts
                 for e in range(cfg.n_experts):
-                    for fused, engine_side in ((experts.gate_up_proj, engine.layers[i].experts_gate_up),
-                                               (experts.down_proj, engine.layers[i].experts_down)):
+                    engine_experts = engine.weights.layers[i].experts
+                    for fused, engine_side in ((experts.gate_up_proj, engine_experts.gate_up),
+                                               (experts.down_proj, engine_experts.down)):
                         expected = operand(fused[e].to(dtype), experts.linear_recipe.fprop_w, reduce_dim=1)
-                        assert torch.equal(expected, engine_side[e].values), (i, e)
+                        assert torch.equal(expected, engine_side.expert(e).dequantize()), (i, e)
         assert not hasattr(model.lm_head, "linear_recipe")        # the head is kept, as in the engine
 
 

@@ -1,0 +1,91 @@
+"""The engine's settings, checked where they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit import kernels
+from lowbit.models.config import ModelConfig
+from lowbit.rl.precision import Precision, parse_precision
+
+__all__ = ["EngineConfig", "COMPILE_MODES"]
+
+# torch.compile modes a decode step may be compiled with (compile_decode): those without
+# inductor's own CUDA graphs, since the engine captures the step itself
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class EngineConfig:
+    precision: Precision | str = Precision.BF16
+    """bf16, fp8, nvfp4-w4a16 or nvfp4 (lowbit.rl.precision)."""
+    rac_ratio: float = 0.0
+    """The fraction of each token's input channels RAC compensates (nvfp4 only)."""
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype | None = None
+    """Compute dtype; default bf16 on CUDA, float32 elsewhere."""
+    max_batch_size: int = 64
+    max_seq_len: int | None = None
+    """Positions a row holds (prompt plus completion); default the model's max_seq_len."""
+    cuda_graph: bool | None = None
+    """Replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)."""
+    compile_decode: bool | str = False
+    """torch.compile the decode step of the plain-PyTorch path (decode_kernels off): True for
+    the default mode, or a mode of COMPILE_MODES."""
+    packed_gemm: bool = False
+    """The NVFP4 modes' GEMMs read the packed weights (0.5625 bytes a parameter, dequantized in
+    registers by lowbit.kernels.engine_linear). Off: the engine keeps each NVFP4 weight's
+    dequantized values in the compute dtype beside it and multiplies those -- the same values,
+    at bf16's speed and memory. Off by default: on an H200 (2026-12-04) the packed kernel is
+    correct but still slower than the bf16 GEMMs (docs/results/rollout.md)."""
+    decode_kernels: bool | None = None
+    """Run on lowbit's Triton inference kernels (GEMMs on the stored weights, decode attention,
+    activation quantizers; lowbit.dispatch.inference): default on CUDA when triton imports;
+    False: the plain-PyTorch path everywhere."""
+
+    def resolve(self, model: ModelConfig) -> "EngineConfig":
+        """Check every setting against the model, fill the defaults; refuses in one line."""
+        self.precision = parse_precision(self.precision)
+        if not 0.0 <= self.rac_ratio <= 1.0:
+            raise ValueError(f"rac_ratio must be in [0, 1] (got {self.rac_ratio}); e.g. 0.25 "
+                             "compensates a quarter of the input channels")
+        if self.rac_ratio and self.precision is not Precision.NVFP4:
+            raise ValueError(f"RAC compensates NVFP4 activations, so rac_ratio needs precision "
+                             f"nvfp4 (got {self.precision.value})")
+        self.rac_ratio = float(self.rac_ratio)
+        self.device = torch.device(self.device)
+        self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1 (got {self.max_batch_size})")
+        self.max_seq_len = self.max_seq_len or model.max_seq_len
+        if self.max_seq_len > model.max_seq_len:
+            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's RoPE tables "
+                             f"(config.max_seq_len={model.max_seq_len})")
+        if isinstance(self.compile_decode, str) and self.compile_decode not in COMPILE_MODES:
+            raise ValueError(f"compile_decode mode {self.compile_decode!r}: use one of "
+                             f"{', '.join(COMPILE_MODES)} (the engine captures its own CUDA graphs)")
+        if self.compile_decode and model.is_moe:
+            raise ValueError("compile_decode needs a dense model (MoE expert grouping on the "
+                             "plain-PyTorch path reads counts back to the host)")
+        available = kernels.kernels_available(torch.empty(0, device=self.device))
+        if self.decode_kernels and not available:
+            raise ValueError("decode_kernels needs triton and a CUDA device (or TRITON_INTERPRET=1 "
+                             "on the CPU, which is slow)")
+        if self.packed_gemm and self.precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
+            raise ValueError(f"packed_gemm applies to the NVFP4 modes (got {self.precision.value}: "
+                             "bf16 weights are dense, FP8 runs torch._scaled_mm)")
+        if self.decode_kernels is None:
+            self.decode_kernels = self.device.type == "cuda" and available and not self.compile_decode
+        if self.compile_decode and self.decode_kernels:
+            raise ValueError("compile_decode compiles the plain-PyTorch decode step; the inference "
+                             "kernels replace it: pass decode_kernels=False with it")
+        # the kernels group MoE experts on the device; the PyTorch path reads counts back
+        graphable = self.device.type == "cuda" and (self.decode_kernels or not model.is_moe)
+        if self.cuda_graph is None:
+            self.cuda_graph = graphable
+        if self.cuda_graph and not graphable:
+            raise ValueError("cuda_graph needs a CUDA device, and for an MoE model the inference "
+                             "kernels (the plain-PyTorch expert grouping reads counts back to the host)")
+        return self

@@ -1,0 +1,297 @@
+"""The engine's runner: `RolloutEngine`, which generates and scores on its decoder, and the CUDA
+graphs of its decode step, one per batch-size bucket."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.models.config import ModelConfig
+from lowbit.rl.engine.config import EngineConfig
+from lowbit.rl.engine.decoder import Decoder
+from lowbit.rl.engine.kv_cache import KVCache
+from lowbit.rl.engine.weights import EngineWeights
+from lowbit.rl.precision import Precision
+from lowbit.rl.sampling import SamplingParams, sample_next
+
+__all__ = ["RolloutEngine", "Rollout", "batch_bucket"]
+
+
+@dataclass
+class Rollout:
+    """What one generate() call produced, one row per prompt."""
+
+    prompts: list[list[int]]
+    completions: torch.Tensor
+    """(B, Tc) int64 sampled tokens, 0 after a row's end (Tc = the longest completion)."""
+    completion_mask: torch.Tensor
+    """(B, Tc) bool, True on a row's sampled tokens (its stop token included)."""
+    logprobs: torch.Tensor
+    """(B, Tc) float32, the engine's log-probability of each sampled token (0 where masked)."""
+    stopped: torch.Tensor
+    """(B,) bool, the row ended on a stop token (False: it reached max_new_tokens)."""
+    routed_experts: torch.Tensor | None
+    """MoE only: (B, T, n_layers, k) int64 experts each position was routed to, positions
+    counted from the row's first prompt token (prompt, then completion), -1 where there is
+    none (past the row's end, and its last token, whose forward no log-prob needs)."""
+    seconds: float
+    """Wall time of the call (prefill, decode, sampling)."""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    def completion_lists(self) -> list[list[int]]:
+        return [row[mask].tolist() for row, mask in zip(self.completions.cpu(),
+                                                        self.completion_mask.cpu())]
+
+
+def batch_bucket(batch: int, max_batch_size: int) -> int:
+    """The CUDA-graph batch size a decode batch runs at: 1, 2, 4, 8, then multiples of 16,
+    never above max_batch_size (the rows past the batch are padding)."""
+    bucket = batch if batch <= 2 else 4 if batch <= 4 else 8 if batch <= 8 else -(-batch // 16) * 16
+    return min(bucket, max_batch_size)
+
+
+class RolloutEngine:
+    def __init__(self, config: ModelConfig, precision: str | Precision = "bf16",
+                 rac_ratio: float = 0.0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, max_batch_size: int = 64,
+                 max_seq_len: int | None = None, cuda_graph: bool | None = None,
+                 compile_decode: bool | str = False, packed_gemm: bool = False,
+                 decode_kernels: bool | None = None) -> None:
+        """config: the decoder's shape (lowbit.models.ModelConfig); the rest are
+        lowbit.rl.engine.EngineConfig's settings (precision mode, RAC ratio, device, compute
+        dtype, the cache's max_batch_size and max_seq_len, CUDA graphs, compile_decode,
+        packed_gemm, decode_kernels), checked here."""
+        self.config = config
+        self.settings = EngineConfig(precision, rac_ratio, device, dtype, max_batch_size,
+                                     max_seq_len, cuda_graph, compile_decode, packed_gemm,
+                                     decode_kernels).resolve(config)
+        s = self.settings
+        self.precision, self.rac_ratio, self.device, self.dtype = s.precision, s.rac_ratio, s.device, s.dtype
+        self.max_batch_size, self.max_seq_len = s.max_batch_size, s.max_seq_len
+        self.cuda_graph, self.compile_decode, self.decode_kernels = s.cuda_graph, s.compile_decode, s.decode_kernels
+        self.decode_pdl = False
+        """The decode kernels launch with programmatic dependent launch (Hopper and newer)."""
+        if self.decode_kernels:
+            from lowbit.kernels.launch import pdl_supported
+            self.decode_pdl = pdl_supported(self.device)
+        self.cache = KVCache(config.n_layers, s.max_batch_size, config.n_kv_heads, s.max_seq_len,
+                             config.head_dim, s.device, s.dtype)
+        self.routed = (torch.full((config.n_layers, s.max_batch_size, s.max_seq_len,
+                                   config.experts_per_token), -1, dtype=torch.int64, device=s.device)
+                       if config.is_moe else None)
+        self.weights: EngineWeights | None = None
+        self.decoder: Decoder | None = None
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._compiled_decode = None
+        self.graph_note: str | None = None
+        """Why CUDA-graph decode was turned off after a failed capture (None: it was not)."""
+
+    # ---- weights --------------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self.weights is not None
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take a state dict by Hugging Face parameter names: every tensor is copied to the
+        engine's device and dtype, then stored as the precision mode says (EngineWeights). The
+        engine keeps no reference to the given tensors. Missing or unexpected keys are refused."""
+        s = self.settings
+        weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
+                                     s.dtype, s.packed_gemm)
+        # a sync into the tensors the CUDA graphs read keeps them (and a compiled step) valid
+        if self.weights is not None and self.weights.copy_(weights):
+            return
+        self.weights = weights
+        self.decoder = Decoder(self.config, self.weights, self.cache, self.routed,
+                               s.decode_kernels, self.decode_pdl)
+        self._graphs.clear()   # the graphs read the old weight tensors
+        self._compiled_decode = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored linear-layer weights (packed in the quantizing modes)."""
+        return self.weights.linear_bytes()
+
+    def linear_values(self, layer: int, name: str) -> torch.Tensor:
+        """What the engine multiplies for a dense projection, by its Hugging Face name (q_proj,
+        k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj): (out, in), dequantized in the
+        quantizing modes."""
+        where = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
+                 "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+        if name not in where:
+            raise ValueError(f"unknown projection {name!r}; use one of {', '.join(where)}")
+        fused, part = where[name]
+        lin = getattr(self.weights.layers[layer], fused)
+        if lin is None:
+            raise ValueError(f"layer {layer} has no dense {name} (an MoE layer's experts are "
+                             "in weights.layers[i].experts)")
+        return lin.part(part)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def _prepare(self, prompts: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded prompt tokens (B, T) and lengths (B,) on the device, after the checks."""
+        if not self.loaded:
+            raise ValueError("the engine has no weights yet; call load_state_dict first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, each of at least one token")
+        B, Tp = len(prompts), max(len(p) for p in prompts)
+        if B > self.max_batch_size:
+            raise ValueError(f"{B} prompts exceed the engine's max_batch_size={self.max_batch_size}")
+        if Tp + new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt length {Tp} + {new_tokens} new tokens exceeds the engine's "
+                             f"max_seq_len={self.max_seq_len}")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        tokens = torch.tensor([list(p) + [0] * (Tp - len(p)) for p in prompts], device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        if self.routed is not None:
+            self.routed[:, :B] = -1
+        return tokens, lengths
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        """Sample a completion for each prompt (lists of token ids)."""
+        t0 = time.perf_counter()
+        tokens, lengths = self._prepare(prompts, params.max_new_tokens)
+        B = tokens.shape[0]
+        graph = self._graph(B) if self.cuda_graph and params.max_new_tokens > 1 else None
+        logits = self.decoder.prefill(tokens, lengths)
+        positions = lengths.clone()                  # where each row's next token goes
+        if graph is not None:
+            graph.start(positions)
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stop = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        alive = torch.ones(B, dtype=torch.bool, device=self.device)
+        out_tokens, out_logprobs, out_alive = [], [], []
+        # "Is any row alive?" is read one step late, so the host queues the next step before it
+        # waits on the last: the GPU never idles on a round trip. The one extra step after
+        # every row ended samples only masked tokens, trimmed below.
+        any_alive = None                             # (host flag, its copy's CUDA event or None)
+        for step in range(params.max_new_tokens):
+            token, logprob = sample_next(logits, params, generator)
+            token = torch.where(alive, token, torch.zeros_like(token))
+            out_tokens.append(token), out_logprobs.append(logprob), out_alive.append(alive)
+            alive = alive & ~torch.isin(token, stop)
+            if step + 1 == params.max_new_tokens:
+                break
+            if any_alive is not None:
+                if any_alive[1] is not None:
+                    any_alive[1].synchronize()
+                if not bool(any_alive[0]):
+                    break
+            flag = alive.any().to("cpu", non_blocking=True)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            any_alive = (flag, event)
+            if graph is not None:
+                logits = graph.replay(token)
+            else:
+                logits = self._decode_step()(token, positions)
+                positions += 1
+        mask = torch.stack(out_alive, dim=1)
+        n = int(mask.any(0).nonzero().max()) + 1     # the columns sampled after every row ended
+        completions = torch.stack(out_tokens[:n], dim=1) * mask[:, :n]
+        logprobs = torch.stack(out_logprobs[:n], dim=1) * mask[:, :n]
+        mask = mask[:, :n]
+        routed = None if self.routed is None else self._routed_by_position(lengths, mask)
+        return Rollout([list(p) for p in prompts], completions, mask, logprobs, ~alive, routed,
+                       time.perf_counter() - t0)
+
+    def _routed_by_position(self, lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The routing record (layers, B, positions, k) as (B, T, layers, k), -1 from each row's
+        last token on (what was recorded there is padding, or a token fed after the row ended)."""
+        B, Tc = mask.shape
+        T = int(lengths.max()) + Tc
+        routed = self.routed[:, :B, :T].permute(1, 2, 0, 3)                     # (B, T, L, k)
+        last = (lengths + mask.sum(1) - 1)[:, None]                              # (B, 1)
+        beyond = torch.arange(T, device=self.device)[None, :] >= last
+        return torch.where(beyond[:, :, None, None], torch.full_like(routed, -1), routed)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced log-probs under the engine's numerics, one full-sequence forward:
+        for each sequence s, log softmax(logits / T)[s[t+1]] for t < len(s) - 1 (float32)."""
+        tokens, lengths = self._prepare(sequences, 0)
+        logits = self.decoder.prefill(tokens, lengths, all_logits=True).float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return [logp[b, :len(s) - 1].gather(-1, tokens[b, 1:len(s), None])[:, 0]
+                for b, s in enumerate(sequences)]
+
+    # ---- decode steps and CUDA graphs -----------------------------------------------------
+
+    def _decode_step(self):
+        """The decoder's decode step, compiled with compile_decode (the weights and the cache
+        are inputs of the compiled graph, never baked in, so a weight sync does not recompile)."""
+        if not self.compile_decode:
+            return self.decoder.decode
+        if self._compiled_decode is None:
+            # inductor without its own CUDA graphs: the engine captures the step itself
+            mode = None if self.compile_decode in (True, "default") else self.compile_decode
+            self._compiled_decode = torch.compile(self.decoder.decode, dynamic=False, mode=mode)
+        return self._compiled_decode
+
+    def _graph(self, batch: int) -> "_DecodeGraph | None":
+        bucket = batch_bucket(batch, self.max_batch_size)
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = _DecodeGraph(self._decode_step(), bucket, self.device)
+            except Exception as e:   # noqa: BLE001 -- any capture failure: run eagerly
+                what = "CUDA-graph decode" + (" and compile_decode" if self.compile_decode else "")
+                self.cuda_graph = self.compile_decode = False
+                self._compiled_decode = None
+                self.graph_note = f"{what} turned off: capture failed ({e})"
+                return None
+        return self._graphs[bucket]
+
+
+class _DecodeGraph:
+    """One decode step (tokens -> logits) of a batch-size bucket captured in a CUDA graph, the
+    positions advanced inside it; a smaller batch fills the first rows and leaves the rest as
+    padding rows (token 0 at position 0 of their cache rows, which no generate is using)."""
+
+    def __init__(self, step, batch: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.step = step
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):      # warm-up: writes column 0 of the rows, which prefill rewrites
+                self._step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+        self.positions.zero_()
+
+    def _step(self) -> torch.Tensor:
+        logits = self.step(self.tokens, self.positions)
+        self.positions.add_(1)
+        return logits
+
+    def start(self, positions: torch.Tensor) -> None:
+        """A new generate: the first rows at these positions, the padding rows at 0."""
+        self.positions.zero_()
+        self.positions[:positions.shape[0]] = positions
+        self.tokens.zero_()
+
+    def replay(self, tokens: torch.Tensor) -> torch.Tensor:
+        B = tokens.shape[0]
+        self.tokens[:B] = tokens
+        self.graph.replay()
+        return self.logits[:B]

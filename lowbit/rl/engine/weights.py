@@ -1,0 +1,328 @@
+"""The engine's weights: each linear layer stored as its precision mode says, and the decoder's
+tensors by Hugging Face parameter names.
+
+    weights = EngineWeights.load(state_dict, model_config, precision, rac_ratio, device, dtype)
+    weights.layers[i].qkv_proj(x, norm=ln)       # an EngineLinear: quantize x as the mode says, GEMM
+
+A linear's weight is a lowbit.formats.LinearWeight: the packed NVFP4 codes and scales (or FP8
+codes, or the compute-dtype values for bf16) exactly as lowbit.rl.precision.quantize_weight
+makes them, made once per weight sync and never dequantized on the GPU -- the GEMM kernels
+read the stored form (lowbit.dispatch.inference). Projections that read the same input are one
+GEMM (q|k|v, gate|up), each part quantized on its own (its own NVFP4 tensor scale, as the
+trainer fake-quantizes each projection); an MoE layer's experts are one stack (E, N, K), each
+expert quantized on its own.
+
+The engine never holds the trainer's tensors: every weight is copied to the engine's device
+and compute dtype first, so the trainer may step while the engine generates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.dispatch import inference
+from lowbit.formats.linear_weight import LinearWeight
+from lowbit.models.config import ModelConfig
+from lowbit.rl.precision import Precision, quantize_weight
+
+__all__ = ["EngineLinear", "EngineExperts", "EngineLayer", "EngineWeights"]
+
+
+def _linear_weight(weights: list[torch.Tensor], precision: Precision, device: torch.device,
+                   dtype: torch.dtype) -> LinearWeight:
+    """Parts (N_i, K) of any dtype and device, fused along N in the mode's storage."""
+    own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
+    if precision is Precision.BF16:
+        return LinearWeight.dense(own[0] if len(own) == 1 else torch.cat(own))
+    return LinearWeight.from_qtensors([quantize_weight(w, precision) for w in own], dtype)
+
+
+class EngineLinear:
+    """One linear layer of the engine (several fused, with `fused`): its weight as `precision`
+    stores it, and its GEMM with the activation quantization the mode applies.
+
+    A bias (Qwen2's q/k/v, attention_bias, mlp_bias) stays in the compute dtype and is added to
+    the GEMM's output, as servers do and as the trainer's high-precision bias is."""
+
+    def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
+                 device: torch.device, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                 packed_gemm: bool = False) -> None:
+        self._build([weight], precision, rac_ratio, device, dtype, None if bias is None else [bias],
+                    packed_gemm)
+
+    @classmethod
+    def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
+              device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None = None,
+              packed_gemm: bool = False) -> "EngineLinear":
+        """One GEMM for several weights (out_i, in) of the same in_features; its output is the
+        parts' outputs side by side, in order. biases: one (out_i,) per part, or None."""
+        self = cls.__new__(cls)
+        self._build(list(weights), precision, rac_ratio, device, dtype, biases, packed_gemm)
+        return self
+
+    def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm) -> None:
+        if rac_ratio and precision is not Precision.NVFP4:
+            raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs precision nvfp4")
+        if len({w.shape[-1] for w in weights}) != 1:
+            raise ValueError(f"fused weights need the same in_features (got shapes "
+                             f"{[tuple(w.shape) for w in weights]})")
+        if biases is not None and [tuple(b.shape) for b in biases] != [(w.shape[0],) for w in weights]:
+            raise ValueError(f"biases of shapes {[tuple(b.shape) for b in biases]} do not match "
+                             f"weights of shapes {[tuple(w.shape) for w in weights]}")
+        self.precision, self.rac_ratio = precision, float(rac_ratio)
+        self.weight = _linear_weight(weights, precision, device, dtype)
+        """The stored weight (lowbit.formats.LinearWeight), (out, in)."""
+        self.gemm_weight = _gemm_weight(self.weight, precision, packed_gemm)
+        """What the GEMM reads: the stored weight, or (NVFP4 without packed_gemm) its values."""
+        self.bias = (None if biases is None else
+                     torch.cat([b.detach().to(device=device, dtype=dtype) for b in biases]))
+        """(out,) added to the output in the compute dtype, or None."""
+        self.split_sizes = tuple(w.shape[0] for w in weights)
+        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(out, in) what the GEMM multiplies: the parts' dequantized weights stacked."""
+        return self.weight.reference_values()
+
+    def part(self, i: int) -> torch.Tensor:
+        """The values of part i (a view of `values`)."""
+        start = sum(self.split_sizes[:i])
+        return self.values[start:start + self.split_sizes[i]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored weight (packed for quantizing modes)."""
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
+                 silu_mul: bool = False, residual: torch.Tensor | None = None,
+                 pdl: bool = False, use_kernels: bool = True) -> torch.Tensor:
+        """x (..., in) -> (..., out): prologue (norm: the engine's RMSNorm; silu_mul: SiLU(gate)
+        * up of x = [gate | up]), the mode's activation quantization, the GEMM, bias, and the
+        residual (..., out) added."""
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        res = None if residual is None else residual.reshape(-1, self.out_features)
+        kw = dict(use_kernels=use_kernels)
+        if self.precision is Precision.NVFP4:
+            x_hat, r_hat = inference.quantize_activations(x2d, "nvfp4", self.rac_ratio, norm=norm,
+                                                          eps=eps, silu_mul=silu_mul, **kw)
+            y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, **kw)
+        elif self.precision is Precision.FP8:
+            codes, scale = inference.quantize_activations(x2d, "fp8", norm=norm, eps=eps,
+                                                          silu_mul=silu_mul, **kw)
+            y = inference.fp8_linear(codes, scale, self.weight, self.bias, res, **kw)
+        else:
+            y = inference.linear(x2d, self.gemm_weight, self.bias, norm=norm, eps=eps,
+                                 silu_mul=silu_mul, residual=res, pdl=pdl, **kw)
+        return y.reshape(*lead, self.out_features)
+
+
+def _gemm_weight(weight: LinearWeight, precision: Precision, packed_gemm: bool) -> LinearWeight:
+    """The weight a GEMM multiplies: the stored one, or for NVFP4 without packed_gemm its
+    dequantized values as a dense weight (kept beside the packed one and refreshed in place by
+    a weight sync, so CUDA graphs that read it stay valid)."""
+    if packed_gemm or precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
+        return weight
+    return LinearWeight.dense(weight.reference_values())
+
+
+class EngineExperts:
+    """An MoE layer's experts: gate|up (E, 2F, C) and down (E, C, F) stacks, each expert
+    quantized on its own (its own NVFP4 tensor scale, as lowbit.nn.QuantExperts fake-quantizes
+    them in the trainer), and their grouped GEMMs."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, precision: Precision,
+                 rac_ratio: float, device: torch.device, dtype: torch.dtype,
+                 packed_gemm: bool = False) -> None:
+        self.precision, self.rac_ratio = precision, float(rac_ratio)
+        self.gate_up = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in gate_up])
+        self.down = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in down])
+        self.gate_up_gemm = _gemm_weight(self.gate_up, precision, packed_gemm)
+        self.down_gemm = _gemm_weight(self.down, precision, packed_gemm)
+        self.n_experts = gate_up.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                 use_kernels: bool = True) -> torch.Tensor:
+        """x (T, C), index and weights (T, k) of the routed experts -> (T, C): every (token,
+        expert) row through its expert, then the k rows of a token weighted and summed in
+        routing order."""
+        T, k = index.shape
+        expert_of_row = index.reshape(-1)                                       # (T k,) token-major
+        kw = dict(use_kernels=use_kernels)
+        if self.precision is Precision.NVFP4:
+            x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio, **kw)
+            gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **kw)
+            h_hat, rh_hat = inference.quantize_activations(gate_up, "nvfp4", self.rac_ratio,
+                                                           silu_mul=True, **kw)
+            y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **kw)
+        elif self.precision is Precision.FP8:
+            gate_up = inference.grouped_linear(_fp8_values(x, **kw), self.gate_up_gemm, expert_of_row,
+                                               k, **kw)
+            h = _fp8_values(gate_up, silu_mul=True, **kw)
+            y = inference.grouped_linear(h, self.down_gemm, expert_of_row, **kw)
+        else:
+            gate_up = inference.grouped_linear(x, self.gate_up_gemm, expert_of_row, k, **kw)
+            y = inference.grouped_linear(gate_up, self.down_gemm, expert_of_row, silu_mul=True, **kw)
+        return (y.view(T, k, -1) * weights[:, :, None]).sum(dim=1)
+
+
+def _fp8_values(x: torch.Tensor, silu_mul: bool = False, use_kernels: bool = True) -> torch.Tensor:
+    """The per-token FP8 activation's values in x's dtype (E4M3 times a power of two: exact)."""
+    codes, scale = inference.quantize_activations(x, "fp8", silu_mul=silu_mul, use_kernels=use_kernels)
+    return (codes.to(torch.float32) * scale).to(x.dtype)
+
+
+class EngineLayer:
+    """One decoder layer's weights as the engine holds them."""
+
+    def __init__(self) -> None:
+        self.input_layernorm = self.post_attention_layernorm = None
+        self.qk_norm: torch.Tensor | None = None                       # (H + KV, D): q_norm, k_norm
+        self.qkv_proj: EngineLinear | None = None
+        self.o_proj: EngineLinear | None = None
+        self.gate_up_proj: EngineLinear | None = None                  # dense
+        self.down_proj: EngineLinear | None = None
+        self.router: torch.Tensor | None = None                        # MoE: (E, C)
+        self.experts: EngineExperts | None = None
+
+
+class EngineWeights:
+    """Every tensor the engine's decoder reads: embeddings, layers, final norm, output head."""
+
+    def __init__(self, embed: torch.Tensor, layers: list[EngineLayer], norm: torch.Tensor,
+                 lm_head: torch.Tensor) -> None:
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+
+    @classmethod
+    @torch.no_grad()
+    def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
+             rac_ratio: float, device: torch.device, dtype: torch.dtype,
+             packed_gemm: bool = False) -> "EngineWeights":
+        """From a state dict by Hugging Face parameter names; missing or unexpected keys are
+        refused. packed_gemm: the GEMMs read the packed NVFP4 weights (else their dequantized
+        values, kept beside them)."""
+        sd = _fuse_hf_experts(dict(state_dict), cfg)
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"state dict has no {name!r}; the engine's model has "
+                                 f"{cfg.n_layers} layers, dim {cfg.dim}"
+                                 + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
+            used.add(name)
+            return sd[name]
+
+        def plain(name: str) -> torch.Tensor:
+            return take(name).detach().to(device=device, dtype=dtype, copy=True)
+
+        def linear(*names: str, bias: bool = False) -> EngineLinear:
+            # bias: the config says these projections have one (Qwen2's q/k/v; attention_bias,
+            # mlp_bias), named as their weights are
+            biases = [take(n.removesuffix("weight") + "bias") for n in names] if bias else None
+            return EngineLinear.fused([take(n) for n in names], precision, rac_ratio, device,
+                                      dtype, biases, packed_gemm)
+
+        embed = plain("model.embed_tokens.weight")
+        layers = []
+        for i in range(cfg.n_layers):
+            p, layer = f"model.layers.{i}.", EngineLayer()
+            layer.input_layernorm = plain(p + "input_layernorm.weight")
+            layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight")
+            layer.qkv_proj = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=cfg.qkv_bias)
+            layer.o_proj = linear(p + "self_attn.o_proj.weight", bias=cfg.o_bias)
+            if cfg.qk_norm:   # one per-head weight for q's and k's heads side by side
+                layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight").expand(cfg.n_heads, -1),
+                                           plain(p + "self_attn.k_norm.weight").expand(cfg.n_kv_heads, -1)])
+            if cfg.is_moe:
+                layer.router = plain(p + "mlp.gate.weight")
+                layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj"),
+                                              take(p + "mlp.experts.down_proj"), precision,
+                                              rac_ratio, device, dtype, packed_gemm)
+            else:
+                layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                                            bias=cfg.mlp_bias)
+                layer.down_proj = linear(p + "mlp.down_proj.weight", bias=cfg.mlp_bias)
+            layers.append(layer)
+        norm = plain("model.norm.weight")
+        if "lm_head.weight" in sd:
+            lm_head = plain("lm_head.weight")
+        elif cfg.tie_embeddings:
+            lm_head = embed
+        else:
+            lm_head = take("lm_head.weight")
+        unexpected = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+        if unexpected:
+            raise ValueError(f"state dict has keys the engine's model does not: "
+                             f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
+        return cls(embed, layers, norm, lm_head)
+
+    @torch.no_grad()
+    def copy_(self, other: "EngineWeights") -> bool:
+        """Take other's weights into this object's tensors, in place, so that CUDA graphs
+        captured on them stay valid (a weight sync every RL step would otherwise capture
+        them again). Returns False, copying nothing, where the two differ in a way a
+        captured kernel could see (a shape, or a weight's saturation)."""
+        mine, theirs = list(self._parts()), list(other._parts())
+        pairs = list(zip(mine, theirs))
+        if len(mine) != len(theirs) or any(
+                type(a) is not type(b) or (isinstance(a, torch.Tensor) and a.shape != b.shape)
+                or (isinstance(a, LinearWeight) and (a.data.shape != b.data.shape
+                                                     or a.may_saturate != b.may_saturate))
+                for a, b in pairs):
+            return False
+        for mine, theirs in pairs:
+            mine.copy_(theirs)
+        return True
+
+    def _parts(self):
+        """Every tensor and LinearWeight, in a fixed order (a tied head once)."""
+        yield self.embed
+        for layer in self.layers:
+            for t in (layer.input_layernorm, layer.post_attention_layernorm, layer.qk_norm,
+                      layer.router):
+                if t is not None:
+                    yield t
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if lin is not None:
+                    yield lin.weight
+                    if lin.bias is not None:
+                        yield lin.bias
+            if layer.experts is not None:
+                yield layer.experts.gate_up
+                yield layer.experts.down
+        yield self.norm
+        if self.lm_head is not self.embed:
+            yield self.lm_head
+
+    def linear_bytes(self) -> int:
+        """Bytes of the stored linear-layer weights (packed in the quantizing modes)."""
+        total = 0
+        for layer in self.layers:
+            for part in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj,
+                         layer.experts):
+                total += part.nbytes if part is not None else 0
+        return total
+
+
+def _fuse_hf_experts(sd: dict, cfg: ModelConfig) -> dict:
+    """Checkpoints that store experts one by one (`mlp.experts.<e>.gate_proj.weight`, older
+    Qwen3-MoE files) become the fused (E, 2F, C) / (E, C, F) layout lowbit and transformers 5.x
+    use."""
+    if not cfg.is_moe:
+        return sd
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" not in sd:
+            continue
+        gates = [sd.pop(p + f"{e}.gate_proj.weight") for e in range(cfg.n_experts)]
+        ups = [sd.pop(p + f"{e}.up_proj.weight") for e in range(cfg.n_experts)]
+        downs = [sd.pop(p + f"{e}.down_proj.weight") for e in range(cfg.n_experts)]
+        sd[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])
+        sd[p + "down_proj"] = torch.stack(downs)
+    return sd

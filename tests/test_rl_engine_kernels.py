@@ -1,0 +1,143 @@
+"""The rollout engine on its inference kernels (lowbit.dispatch.inference: the packed-weight GEMM,
+decode attention, activation quantizers) against the same engine on plain PyTorch, in every
+precision mode, dense and MoE; and the invariances every mode keeps: a row alone equals the row
+in a batch, and decode log-probs equal a re-score. The kernels run on the GPU where there is one,
+else in Triton's interpreter on the CPU (slow: tiny models, few tokens)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowbit.models import ModelConfig, build_model  # noqa: E402
+from lowbit.rl.engine import RolloutEngine, batch_bucket  # noqa: E402
+from lowbit.rl.sampling import SamplingParams  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MODES = [("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.25)]
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
+
+
+def _model(moe: bool, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32,
+                      qk_norm=True, n_experts=4 if moe else 0, **kw)
+    return cfg, build_model(cfg).eval()
+
+
+def _engine(cfg, model, precision, rac, device=DEV, **kw):
+    engine = RolloutEngine(cfg, precision, rac, device=device, max_batch_size=8, **kw)
+    engine.load_state_dict(model.state_dict())
+    return engine
+
+
+KERNEL_CASES = [(p, r, False) for p, r in MODES] + [("nvfp4-w4a16", 0.0, True), ("nvfp4", 0.25, True)]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("precision,rac,packed", KERNEL_CASES)
+def test_the_kernels_decode_what_the_reference_decodes(precision, rac, packed, moe):
+    # float32 on both sides (on the GPU too), so that the kernels agree with the reference to
+    # accumulation order and greedy decoding picks the same tokens
+    cfg, model = _model(moe)
+    kw = dict(dtype=torch.float32, cuda_graph=False, packed_gemm=packed)
+    kernels = _engine(cfg, model, precision, rac, decode_kernels=True, **kw)
+    reference = _engine(cfg, model, precision, rac, decode_kernels=False, **kw)
+    params = SamplingParams(temperature=0, max_new_tokens=3)     # greedy: the same tokens
+    a, b = kernels.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    assert torch.equal(a.completions, b.completions)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    if moe:
+        assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("precision,rac", MODES)
+def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(precision, rac, moe):
+    # on the plain-PyTorch path (the definition): float32, so differences are accumulation order
+    cfg, model = _model(moe, seed=1)
+    engine = _engine(cfg, model, precision, rac, device="cpu")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=2)
+    batch = engine.generate(PROMPTS, params)
+    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
+    alone = engine.score(sequences[1:2])[0]
+    together = engine.score(sequences)
+    torch.testing.assert_close(alone, together[1], atol=2e-5, rtol=0)
+    for b, prompt in enumerate(PROMPTS):   # decode with the KV cache against the full forward
+        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25)])
+def test_a_weight_sync_lands_in_place_and_equals_a_fresh_engine(precision, rac):
+    cfg, model = _model(True, seed=4)
+    engine = _engine(cfg, model, precision, rac, device="cpu")
+    held = engine.weights.layers[0].experts.gate_up.data
+    engine.score([[1, 2, 3]])                               # keeps the dequantized reference values
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.load_state_dict(model.state_dict())
+    assert engine.weights.layers[0].experts.gate_up.data is held     # the same tensors
+    fresh = _engine(cfg, model, precision, rac, device="cpu")
+    assert torch.equal(engine.score([[1, 2, 3, 4]])[0], fresh.score([[1, 2, 3, 4]])[0])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_survive_a_weight_sync():
+    cfg, model = _model(False, seed=5)
+    engine = _engine(cfg, model, "nvfp4", 0.25)
+    params = SamplingParams(max_new_tokens=8, seed=1)
+    engine.generate(PROMPTS, params)
+    graphs = dict(engine._graphs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.load_state_dict(model.state_dict())
+    assert engine._graphs == graphs                          # kept: the weights changed in place
+    fresh = _engine(cfg, model, "nvfp4", 0.25)
+    a, b = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
+    assert torch.equal(a.completions, b.completions) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b, 256) for b in (1, 2, 3, 5, 8, 9, 16, 17, 100, 256)] == \
+        [1, 2, 4, 8, 8, 16, 16, 32, 112, 256]
+    assert batch_bucket(100, 100) == 100                 # never above max_batch_size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("precision,rac", MODES)
+def test_cuda_graph_decode_equals_eager_decode_on_the_kernels(precision, rac, moe):
+    cfg, model = _model(moe, seed=3)
+    graphed = _engine(cfg, model, precision, rac)
+    eager = _engine(cfg, model, precision, rac, cuda_graph=False)
+    assert graphed.decode_kernels and graphed.cuda_graph
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    for prompts in (PROMPTS, PROMPTS[:3]):                # bucket 4, the last row padding
+        a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
+        assert graphed.graph_note is None
+        assert torch.equal(a.completions, b.completions)
+        assert torch.equal(a.logprobs, b.logprobs)         # the same kernels, replayed
+    again = graphed.generate(PROMPTS, params)             # a refilled cache, the same graph
+    assert torch.equal(again.completions, graphed.generate(PROMPTS, params).completions)
+
+
+@pytest.mark.gpu
+def test_engine_decode_with_pdl_equals_without():
+    cfg, model = _model(False)
+    engines = []
+    for pdl in (True, False):
+        engine = _engine(cfg, model, "nvfp4-w4a16", 0.0, packed_gemm=True)
+        engine.decode_pdl = engine.decoder.pdl = pdl and engine.decode_pdl
+        engines.append(engine)
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    for prompts in ([[1, 2, 3, 4, 5]], PROMPTS):
+        a, b = (e.generate(prompts, params) for e in engines)
+        assert torch.equal(a.completions, b.completions) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_engine_refuses_kernels_where_they_do_not_apply():
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    with pytest.raises(ValueError, match="decode_kernels=False"):
+        RolloutEngine(cfg, decode_kernels=True, compile_decode=True, device=DEV)
