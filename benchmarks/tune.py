@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "decode", "host-overhead", "compile-sm90")
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "host-overhead", "compile-sm90")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "kernel, and (--amax) of the rotated tensor-amax pass",
              "fp8-gemm": "torch._scaled_mm row-wise against tensor-wise, fast accumulation on "
                          "and off, against bf16 mm: GPU time and error against fp64",
-             "decode": "tiles of the rollout engine's one-row decode GEMV (lowbit.kernels.decode) "
-                       "on TinyLlama-1.1B's projections, weights streamed from HBM, against cuBLAS",
+             "engine-gemm": "tiles of the rollout engine's GEMM (lowbit.kernels.engine_linear) on "
+                            "packed NVFP4 weights, 1-256 rows of 1.1B and 8B projections, weights "
+                            "streamed from HBM, against cuBLAS bf16 and torch._scaled_mm FP8",
              "host-overhead": "host time of one quantized linear's forward + backward per recipe",
              "compile-sm90": "compile every Triton kernel variant for sm_90 on this CPU"}
     for name in SWEEPS:
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="a few iterations, to check the harness" if name == "host-overhead"
                            else "tiny shapes on the CPU under Triton's interpreter, untimed")
         p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+        if name == "engine-gemm":
+            p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256",
+                           help="comma-separated row counts M (default: %(default)s)")
+            p.add_argument("--default-tiles", action="store_true",
+                           help="time the default tile only, not the sweep")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
             device = smoke_or_gpu(args.smoke, f"tune.py {args.sweep}")
             run = {"amax": sweep_amax, "fold": sweep_fold, "nvfp4": sweep_nvfp4,
-                   "fp8-gemm": sweep_fp8_gemm, "decode": sweep_decode}[args.sweep]
+                   "fp8-gemm": sweep_fp8_gemm, "engine-gemm": sweep_engine_gemm}[args.sweep]
             results = run(args, device)
     except ValueError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
@@ -473,76 +479,90 @@ def sweep_fp8_gemm(args, device: str) -> dict:
     return results
 
 
-# ---- decode ----------------------------------------------------------------------------------
+# ---- engine-gemm ---------------------------------------------------------------------------
 
-def sweep_decode(args, device: str) -> dict:
-    """lowbit.kernels.decode.linear at one row (batch-1 decode) on TinyLlama-1.1B's
-    projections, each with the prologue or epilogue the engine gives it: per tile (BLOCK_N,
-    BLOCK_K, CUDA or tensor cores, warps, stages) the GPU time per call and the weight bytes
-    read per second, beside cuBLAS's F.linear on the same weights. Each call reads another
-    copy of the weight, enough copies to pass the L2, so the weights stream from HBM as in a
-    decode step. Every tile's output is checked against the default tile's (to rounding: the
-    tiles sum K in different orders)."""
+def sweep_engine_gemm(args, device: str) -> dict:
+    """lowbit.kernels.engine_linear on decode and prefill row counts (M = 1..256) of
+    TinyLlama-1.1B's and Llama-3-8B's projections, dense bf16 and packed NVFP4 weights, each
+    tile against cuBLAS's bf16 F.linear (and torch._scaled_mm's FP8 row-wise GEMM) on the same
+    shape: GPU time per call and the weight bytes read per second. Each call reads another copy
+    of the weight, enough copies to pass the L2, so the weights stream from HBM as in a decode
+    step. Every tile's output is checked against dequantize-then-F.linear (to rounding)."""
     import itertools
     import math
 
     import torch
     import torch.nn.functional as F
 
-    from lowbit.kernels import decode
+    from lowbit.formats import QuantSpec, quantize_with_spec
+    from lowbit.formats.linear_weight import LinearWeight, WeightFormat
+    from lowbit.kernels import engine_linear
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shapes = [("q|k|v", 2560, 2048, "norm"), ("o", 2048, 2048, "residual"),
-              ("gate|up", 11264, 2048, "norm"), ("down", 2048, 5632, "silu_mul"),
-              ("head", 32000, 2048, "norm")]
-    tiles = ([{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": w, "num_stages": st}
-              for bn, bk, w, st in itertools.product((2, 4, 8), (512, 1024), (4, 8), (1, 3))]
-             + [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "num_warps": 4, "num_stages": st}
-                for bn, bk, st in itertools.product((16, 32), (256, 512), (3, 5))])
+    shapes = [("1.1b q|k|v", 2560, 2048), ("1.1b o", 2048, 2048), ("1.1b gate|up", 11264, 2048),
+              ("1.1b down", 2048, 5632), ("8b gate|up", 28672, 4096), ("8b down", 4096, 14336)]
+    rows = tuple(int(r) for r in args.rows.split(","))
+    one_row = [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": w}
+               for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (4, 8))]
+    dot = [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "num_warps": w, "num_stages": st}
+           for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
+    if args.default_tiles:
+        one_row, dot = [], []
     if args.smoke:
-        shapes = [("smoke norm", 24, 40, "norm"), ("smoke residual", 24, 40, "residual"),
-                  ("smoke silu_mul", 24, 40, "silu_mul")]
-        tiles = [{"BLOCK_N": 8, "BLOCK_K": 16, "USE_DOT": False, "num_warps": 4},
-                 {"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4}]
+        shapes, rows = [("smoke", 48, 96)], (1, 3)
+        one_row = [{"BLOCK_N": 8, "BLOCK_K": 32, "USE_DOT": False, "num_warps": 4}]
+        dot = [{"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4}]
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
-    for name, n, k, fused in shapes:
-        nbytes = n * k * torch.finfo(dtype).bits // 8
-        copies = 1 if device != "cuda" else max(2, math.ceil(200e6 / nbytes))
-        weights = [torch.randn(n, k, device=dev, generator=g).div_(k ** 0.5).to(dtype)
-                   for _ in range(copies)]
-        x = torch.randn(1, 2 * k if fused == "silu_mul" else k, device=dev, generator=g).to(dtype)
-        extra = {"norm": {"norm": torch.ones(k, device=dev, dtype=dtype)},
-                 "residual": {"residual": torch.randn(1, n, device=dev, generator=g).to(dtype)},
-                 "silu_mul": {"silu_mul": True}}[fused]
+    for name, n, k in shapes:
+        dense_bytes = n * k * 2
+        copies = 1 if device != "cuda" else max(2, math.ceil(300e6 / (n * k * 0.5625)))
+        master = [torch.randn(n, k, device=dev, generator=g).div_(k ** 0.5).to(dtype)
+                  for _ in range(copies)]
+        spec = QuantSpec.make("nvfp4", (1, 16))
+        packed = [LinearWeight.from_qtensors([quantize_with_spec(w, spec)], dtype) for w in master]
+        fp8 = None
+        if device == "cuda":
+            f8 = [quantize_with_spec(w, QuantSpec.make("mxfp8_e4m3", (1, k), "rceil")) for w in master]
+            fp8 = [LinearWeight.from_qtensors([q], dtype) for q in f8]
+        dense_copies = master[:max(2, math.ceil(300e6 / dense_bytes))] if device == "cuda" else master
+        for m in rows:
+            x = torch.randn(m, k, device=dev, generator=g).to(dtype)
 
-        def calls(tile):
-            return lambda: [decode.linear(x, w, tile=tile, **extra) for w in weights]
-
-        def per_call(fn):
-            ms = gpu_ms(fn, device)
-            return None if ms is None else ms / copies
-
-        default = decode.default_tile(1, n, k)
-        expected = decode.linear(x, weights[0], tile=default, **extra).float()
-        row = {"N": n, "K": k, "fused": fused, "copies": copies, "default": str(default),
-               "cublas_ms": per_call(lambda: [F.linear(x[:, :k], w) for w in weights])}
-        timings = {}
-        for tile in tiles:
-            def run(tile=tile):
-                out = decode.linear(x, weights[0], tile=tile, **extra).float()
-                same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-                return {"ms": per_call(calls(tile)), "same": same}
-            timings[str(tile)] = attempt(run)
-        row["default_ms"] = per_call(calls(default))
-        row["tiles"] = timings
-        gbps = lambda ms: "" if not ms else f" ({nbytes / ms / 1e6:,.0f} GB/s)"
-        print(f"{name:8} {n:6} x {k:5} ({fused}): cuBLAS {us(row['cublas_ms'])}{gbps(row['cublas_ms'])}, "
-              f"default tile {us(row['default_ms'])}{gbps(row['default_ms'])}; fastest: "
-              f"{top_text(fastest(timings), 3)}; every tile equal to the default to rounding: "
-              f"{all(isinstance(v, dict) and v['same'] for v in timings.values())}")
-        results[name] = row
+            def per_call(fn, count):
+                ms = gpu_ms(fn, device)
+                return None if ms is None else ms / count
+            expected = F.linear(x, packed[0].dequantize()).float()
+            row = {"N": n, "K": k, "M": m, "nvfp4_bytes": packed[0].nbytes, "dense_bytes": dense_bytes,
+                   "cublas_ms": per_call(lambda: [F.linear(x, w) for w in dense_copies], len(dense_copies)),
+                   "dense_kernel_ms": per_call(lambda: [engine_linear.linear(x, LinearWeight.dense(w))
+                                                        for w in dense_copies], len(dense_copies)),
+                   "default_ms": per_call(lambda: [engine_linear.linear(x, w) for w in packed], copies),
+                   "default": str(engine_linear.default_tile(m, n, k, WeightFormat.NVFP4))}
+            if fp8 is not None and k % 16 == 0 and n % 16 == 0:
+                xq = x.to(torch.float8_e4m3fn)
+                scale_a = torch.ones(m, 1, device=dev)
+                row["scaled_mm_fp8_ms"] = per_call(lambda: [torch._scaled_mm(
+                    xq, w.data.view(torch.float8_e4m3fn).t(), scale_a=scale_a,
+                    scale_b=w.row_scales[None, :], out_dtype=dtype) for w in fp8], copies)
+            timings = {}
+            for tile in (one_row if m == 1 else []) + [dict(t, BLOCK_M=max(16, min(128, 1 << (m - 1).bit_length())))
+                                                       for t in dot]:
+                def run(tile=tile):
+                    out = engine_linear.linear(x, packed[0], tile=tile).float()
+                    same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+                    return {"ms": per_call(lambda: [engine_linear.linear(x, w, tile=tile) for w in packed],
+                                           copies), "same": same}
+                timings[str(tile)] = attempt(run)
+            row["tiles"] = timings
+            gbps = lambda ms, b: "" if not ms else f" ({b / ms / 1e6:,.0f} GB/s)"
+            print(f"{name:12} M={m:3}: cuBLAS bf16 {us(row['cublas_ms'])}{gbps(row['cublas_ms'], dense_bytes)}, "
+                  f"kernel bf16 {us(row['dense_kernel_ms'])}, nvfp4 default {us(row['default_ms'])}"
+                  f"{gbps(row['default_ms'], row['nvfp4_bytes'])}"
+                  + (f", fp8 scaled_mm {us(row['scaled_mm_fp8_ms'])}" if row.get("scaled_mm_fp8_ms") else "")
+                  + f"; fastest nvfp4: {top_text(fastest(timings), 2)}", flush=True)
+            results[f"{name} M={m}"] = row
     return results
 
 
@@ -812,36 +832,63 @@ def _exercise_kernels() -> None:
                                            counter=counter, path=path)
                     attempt_launch(fold_pass_one, x, spec, transpose=spec.is_2d)
     attempt_launch(stochastic_uniforms, (64, 256), 3, device="cpu")
-    from lowbit.kernels import decode   # the rollout engine's decode GEMV and attention
+    exercise_engine_kernels(attempt_launch)
 
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        w, bias = torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype)
-        for m in (1, 3):   # a one-row (CUDA-core) tile, a tensor-core tile
-            x = torch.randn(m, 64, dtype=dtype)
-            attempt_launch(decode.linear, x, w, bias, norm=torch.ones(64, dtype=dtype))
-            attempt_launch(decode.linear, x, w, residual=torch.randn(m, 48, dtype=dtype))
-            attempt_launch(decode.linear, torch.randn(m, 128, dtype=dtype), w, silu_mul=True,
-                           residual=torch.randn(m, 48, dtype=dtype))
-        qkv = torch.randn(2, (4 + 2 * 2) * 16, dtype=dtype)
-        cache = [torch.zeros(2, 2, 8, 16, dtype=dtype) for _ in range(2)]
-        rope = [torch.randn(8, 16, dtype=dtype) for _ in range(2)]
-        for norm in (None, torch.ones(6, 16, dtype=dtype)):
-            attempt_launch(decode.attention, qkv, *cache, torch.ones(2, 16, dtype=torch.bool),
-                           torch.tensor([3, 2]), torch.tensor([3]), *rope, 4, 2, norm)
-    # with programmatic dependent launch (the one-row GEMV and attention), as the engine
-    # launches them on Hopper
-    supported, decode.pdl_supported = decode.pdl_supported, lambda device: True
+
+def exercise_engine_kernels(attempt_launch) -> None:
+    """The rollout engine's kernels: its GEMM on dense, FP8 and packed-NVFP4 weights (one row
+    and several, each prologue, RAC's second input, the grouped experts, PDL), the decode
+    attention (one split and several, PDL) and the activation quantizers."""
+    import torch
+
+    from lowbit.formats import QuantSpec, quantize_with_spec
+    from lowbit.formats.linear_weight import LinearWeight
+    from lowbit.kernels import activation_quant, decode_attention, engine_linear, launch
+
+    supported, launch.pdl_supported = launch.pdl_supported, lambda device: True
     try:
-        w, x = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
-        attempt_launch(decode.linear, x, w, norm=torch.ones(64, dtype=torch.bfloat16), pdl=True)
-        attempt_launch(decode.attention, torch.randn(2, 128, dtype=torch.bfloat16),
-                       *[torch.zeros(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2)],
-                       torch.ones(2, 16, dtype=torch.bool), torch.tensor([3, 2]),
-                       torch.tensor([3]), *[torch.randn(8, 16, dtype=torch.bfloat16)] * 2, 4, 2,
-                       pdl=True)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            w = torch.randn(48, 64, dtype=dtype)
+            weights = [LinearWeight.dense(w),
+                       LinearWeight.from_qtensors([quantize_with_spec(w, QuantSpec.make(
+                           "mxfp8_e4m3", (1, 64), "rceil"))], dtype),
+                       LinearWeight.from_qtensors([quantize_with_spec(w, QuantSpec.make(
+                           "nvfp4", (1, 16)))], dtype)]
+            for lw in weights:
+                for m in (1, 3, 100):   # the one-row (CUDA-core) tile, tensor-core tiles
+                    x = torch.randn(m, 64, dtype=dtype)
+                    attempt_launch(engine_linear.linear, x, lw, torch.randn(48, dtype=dtype),
+                                   norm=torch.ones(64, dtype=dtype), pdl=True)
+                    attempt_launch(engine_linear.linear, x, lw, residual=torch.randn(m, 48, dtype=dtype),
+                                   pdl=True)
+                    attempt_launch(engine_linear.linear, torch.randn(m, 128, dtype=dtype), lw,
+                                   silu_mul=True, residual=torch.randn(m, 48, dtype=dtype))
+                    attempt_launch(engine_linear.linear, x, lw, x2=x)
+                experts = LinearWeight.stack([lw, lw])
+                rows = torch.tensor([0, 1, 1, 0, 1, 1])
+                tile_expert, row_ids = engine_linear.moe_align(rows, 2)
+                attempt_launch(engine_linear.grouped_linear, torch.randn(3, 64, dtype=dtype), experts,
+                               tile_expert, row_ids, 6, 2)
+                attempt_launch(engine_linear.grouped_linear, torch.randn(6, 128, dtype=dtype), experts,
+                               tile_expert, row_ids, 6, 1, silu_mul=True)
+                attempt_launch(engine_linear.grouped_linear, torch.randn(6, 64, dtype=dtype), experts,
+                               tile_expert, row_ids, 6, 1, x2=torch.randn(6, 64, dtype=dtype))
+            for B, L in ((2, 8), (1, 512)):   # one split, several (and their combine)
+                qkv = torch.randn(B, (4 + 2 * 2) * 16, dtype=dtype)
+                cache = [torch.zeros(B, 2, L, 16, dtype=dtype) for _ in range(2)]
+                rope = [torch.randn(L, 16, dtype=dtype) for _ in range(2)]
+                for norm in (None, torch.ones(6, 16, dtype=dtype)):
+                    for splits in (1, 4):
+                        attempt_launch(decode_attention.decode_attention, qkv, *cache,
+                                       torch.tensor([3, 2][:B]), *rope, 4, 2, norm, splits=splits,
+                                       pdl=True)
+            for silu_mul, norm in ((False, None), (False, torch.ones(64, dtype=dtype)), (True, None)):
+                x = torch.randn(3, 128 if silu_mul else 64, dtype=dtype)
+                for mode, ratio in (("nvfp4", 0.0), ("nvfp4", 0.25), ("fp8", 0.0)):
+                    attempt_launch(activation_quant.quantize_activations, x, mode, ratio, norm=norm,
+                                   silu_mul=silu_mul)
     finally:
-        decode.pdl_supported = supported
-
+        launch.pdl_supported = supported
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -475,7 +475,12 @@ def test_bench_rollout_times_every_mode_beside_generate(tmp_path, capsys):
     for r in rows:   # the decode rate excludes prefill: whole call minus a one-token call
         assert r["generate_s"] > 0 and r["decode_steps_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 3 / r["generate_s"])
-    assert report["limit_steps_per_s"] is None and report["meta"]["device"] == "cpu"
+    # no bandwidth measured off CUDA, so no row has a limit; every engine row has its bytes
+    assert report["bandwidth_bytes_per_s"] is None and report["meta"]["device"] == "cpu"
+    assert not any("of_limit" in r for r in rows)
+    assert all(r["bytes_per_step"] > 0 for r in rows if r["impl"] == "lowbit engine")
+    assert set(report["weight_bytes"]) == set(report["gpu_weight_bytes"]) == {"bf16", "nvfp4+rac0.25"}
+    assert "- batch 2: nvfp4+rac0.25 " in table and "x bf16" in table
     # the work of one decode step, counted per mode (on the CPU: aten operators)
     assert report["decode_step_ops_unit"] == "aten operators"
     assert set(report["decode_step_ops"]) == {"bf16", "nvfp4+rac0.25"}
@@ -490,6 +495,7 @@ def test_bench_rollout_compile_adds_compiled_rows(tmp_path, capsys):
     assert "| lowbit engine | bf16 compiled |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["bf16", "bf16 compiled"]
+    assert rows[1]["compiled"] == "default" and rows[1]["decode_kernels"] is False
 
 
 def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path, capsys):
@@ -517,6 +523,146 @@ def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path,
     assert prof["kernels_per_step"] == pytest.approx(report["decode_step_ops"]["bf16"], abs=1)
 
 
+ROLLOUT_MODELS = ["llama-tiny", "qwen3-tiny", "qwen3-moe-tiny"]
+
+
+@pytest.mark.parametrize("model", ROLLOUT_MODELS)
+def test_bench_rollout_runs_every_mode_of_every_model_kind(model, monkeypatch):
+    import lowbit.bench.rollout as rollout
+    from lowbit.bench.rollout import MODES, bench_rollout, format_rollout_rows
+
+    # a bandwidth as CUDA would measure it: then every engine row has its fraction of the limit
+    monkeypatch.setattr(rollout, "copy_bandwidth", lambda device: 1e9)
+    result = bench_rollout(model, list(MODES), batch_sizes=(3,), prompt_len=3, new_tokens=2,
+                           repeats=1, say=lambda line: None)
+    rows = result["rows"]
+    engine = [r for r in rows if r["impl"] == "lowbit engine"]
+    assert [r["mode"] for r in engine] == list(MODES)
+    assert {r["mode"] for r in rows if r["impl"] == "transformers generate"} == {
+        "bf16, dynamic cache", "bf16, static cache"}
+    for r in rows:
+        if r["impl"] == "lowbit engine":
+            assert r["of_limit"] == pytest.approx(r["decode_steps_per_s"] * r["bytes_per_step"] / 1e9)
+        else:
+            assert "of_limit" not in r and "bytes_per_step" not in r
+    # each mode stores its own weights: bf16's fp32 values on the CPU, fp8 a byte, nvfp4 0.5625
+    # (codes and block scales), each plus a float32 scale a row
+    weights = result["weight_bytes"]
+    assert weights["bf16"] > weights["fp8"] > weights["nvfp4-w4a16"] == weights["nvfp4"]
+    assert 0.5625 / 4 < weights["nvfp4"] / weights["bf16"] < 0.65 / 4
+    for mode in MODES:   # the linear weights, plus embeddings, head, norms (and routers)
+        assert result["gpu_weight_bytes"][mode] > weights[mode] + result["head_bytes"]
+    moe = model == "qwen3-moe-tiny"
+    assert (result["params_active"] < result["params_total"]) == moe
+    if moe:   # 3 tokens of 2 experts in 8: 8 (1 - (6/8)^3) expected, at least 2 routed
+        assert engine[0]["expected_experts_per_layer"] == pytest.approx(8 * (1 - 0.75 ** 3))
+        assert all(2 <= r["routed_experts_per_layer"] <= 6 for r in engine)
+    else:     # weights + head + 3 rows of a cache 3 + 2/2 tokens long on average
+        for r in engine:
+            assert r["bytes_per_step"] == pytest.approx(weights[r["mode"]] + result["head_bytes"]
+                                                        + 3 * 4 * result["kv_bytes_per_token"])
+    text = format_rollout_rows(result)
+    ratios = [line for line in text.splitlines() if line.startswith("- batch 3: fp8 ")]
+    assert len(ratios) == 1
+    for pair in ("fp8 ", "nvfp4-w4a16 ", "x bf16", "x nvfp4-w4a16", "nvfp4+rac0.25 ", "x nvfp4,", "x fp8"):
+        assert pair in ratios[0]
+    assert "| nvfp4 | " in text and "| mode | linear weights | vs bf16 |" in text
+    assert "| bf16 | 3 |" in text and "Bandwidth limit: 0.00 TB/s" in text
+
+
+def test_bench_rollout_bytes_per_step_count_weights_head_kv_and_routed_experts():
+    import itertools
+
+    from lowbit.bench.rollout import DecodeReads, _hf_config, expected_distinct_experts
+    from lowbit.models.hf import config_from_hf
+    from lowbit.models.transformer import Transformer
+    from lowbit.rl.engine import RolloutEngine
+
+    # the expected distinct experts of B tokens, each choosing k of E, against every outcome
+    for E, k, B in ((4, 2, 2), (5, 2, 3), (6, 1, 4), (8, 3, 2)):
+        choices = list(itertools.combinations(range(E), k))
+        outcomes = list(itertools.product(choices, repeat=B))
+        brute = sum(len(set().union(*o)) for o in outcomes) / len(outcomes)
+        assert expected_distinct_experts(E, k, B) == pytest.approx(brute, rel=1e-12)
+    assert expected_distinct_experts(48, 8, 1) == pytest.approx(8)
+    assert expected_distinct_experts(48, 8, 256) == pytest.approx(48)
+
+    # the arithmetic: weights + head + routed experts + each row's mean cache (P + N/2 tokens)
+    reads = DecodeReads(dense_bytes=1000, head_bytes=300, kv_bytes_per_token=10, expert_bytes=50,
+                        moe_layers=2, n_experts=4, experts_per_token=2)
+    experts = 4 * (1 - (1 - 2 / 4) ** 3)                 # 3.5 of 4
+    assert reads.per_step(batch=3, prompt_len=8, new_tokens=5) == pytest.approx(
+        1000 + 300 + 2 * experts * 50 + 3 * (8 + 5 / 2) * 10)
+    dense = DecodeReads(dense_bytes=1000, head_bytes=300, kv_bytes_per_token=10)
+    assert dense.per_step(batch=2, prompt_len=4, new_tokens=3) == 1000 + 300 + 2 * 5.5 * 10
+    # decode step j of N - 1 reads P + j cache entries: their mean is P + N / 2
+    P, N = 8, 5
+    assert sum(P + j for j in range(1, N)) / (N - 1) == P + N / 2
+
+    # ... and the parts as an engine stores them
+    hf_config, _ = _hf_config("qwen3-moe-tiny")
+    config = config_from_hf(hf_config.to_dict())
+    for precision in ("bf16", "nvfp4"):
+        engine = RolloutEngine(config, precision, max_batch_size=1, max_seq_len=8)
+        torch.manual_seed(0)
+        engine.load_state_dict(Transformer(config).state_dict())
+        reads = DecodeReads.of(engine)
+        C, E, L = config.dim, config.n_experts, config.n_layers
+        routers = L * E * C * 4                          # float32 on the CPU
+        assert reads.moe_layers == L and (reads.n_experts, reads.experts_per_token) == (E, 2)
+        assert reads.dense_bytes + L * E * reads.expert_bytes - routers == engine.weight_bytes()
+        assert reads.head_bytes == config.vocab_size * C * 4
+        assert reads.kv_bytes_per_token == 2 * L * config.n_kv_heads * config.head_dim * 4
+        if precision == "bf16":
+            assert reads.expert_bytes == 3 * C * config.moe_ffn_dim * 4
+
+
+def test_bench_rollout_models_have_the_named_shapes():
+    from lowbit.bench.rollout import MODELS, _hf_config
+    from lowbit.models.hf import config_from_hf
+
+    configs = {name: config_from_hf(_hf_config(name)[0].to_dict(), name) for name in MODELS}
+    qwen, moe = configs["qwen3-0.6b"], configs["qwen3-moe-1b"]
+    assert (qwen.dim, qwen.n_layers, qwen.n_heads, qwen.n_kv_heads, qwen.head_dim, qwen.ffn_dim,
+            qwen.vocab_size, qwen.tie_embeddings, qwen.rope_theta, qwen.norm_eps, qwen.qk_norm) == (
+        1024, 28, 16, 8, 128, 3072, 151936, True, 1e6, 1e-6, True)
+    assert qwen.num_parameters() == 596_049_920            # Qwen3-0.6B's count
+    assert (moe.dim, moe.n_layers, moe.n_heads, moe.n_kv_heads, moe.head_dim, moe.n_experts,
+            moe.moe_ffn_dim, moe.experts_per_token, moe.moe_norm_topk, moe.vocab_size) == (
+        1024, 16, 16, 4, 64, 48, 384, 8, True, 151936)
+    assert moe.num_parameters() == 1_259_899_904 and moe.num_parameters(active=True) == 504_925_184
+    assert all(configs[name].max_seq_len >= 2048 for name in ("llama-1.1b", "qwen3-0.6b", "qwen3-moe-1b"))
+
+
+def test_bench_rollout_refuses_in_one_line(capsys):
+    from lowbit.bench.rollout import bench_rollout
+
+    base = ["bench", "rollout", "--device", "cpu", "--no-generate", "--repeats", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*base, "--model", "qwen3-7b"])
+    assert exit_.value.code == 2 and "invalid choice: 'qwen3-7b'" in capsys.readouterr().err
+    for args, says in ((["--batch-sizes", "1,100000000", "--new-tokens", "2"],
+                        "--batch-sizes 100000000 does not fit"),
+                       (["--prompt-len", "500", "--new-tokens", "20"], "exceeds the model's 512 positions")):
+        assert main([*base, *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.strip().count("\n") == 0, err
+    with pytest.raises(ValueError, match="unknown --model 'qwen3-7b'"):
+        bench_rollout("qwen3-7b")
+
+
+def test_bench_rollout_compiles_dense_models_only():
+    from lowbit.bench.rollout import bench_rollout
+
+    result = bench_rollout("qwen3-moe-tiny", ["bf16"], batch_sizes=(1,), prompt_len=2, new_tokens=2,
+                           repeats=1, generate_baseline=False, say=lambda line: None,
+                           compile_decode=True, decode_kernels="off")
+    assert [r["mode"] for r in result["rows"]] == ["bf16"]
+    assert result["rows"][0]["decode_kernels"] is False and result["rows"][0]["compiled"] is None
+    assert result["notes"] == [
+        "compiled rows: skipped (the engine compiles a dense model's decode step only)"]
+
+
 def test_bench_rollout_table_explains_a_busy_time_above_the_step():
     from lowbit.bench.rollout import format_rollout_rows
 
@@ -537,6 +683,32 @@ def test_bench_rollout_table_explains_a_busy_time_above_the_step():
              "decode_steps_per_s": 25.0, "tokens_per_s": 24.75}]
     table = format_rollout_rows({**result(900.0), "rows": rows})
     assert "- batch 1: engine bf16, decode kernels 40.0x the tokens/s of generate (bf16, dynamic cache)" in table
+
+
+def test_bench_rollout_table_sets_modes_against_each_other_and_the_limit():
+    from lowbit.bench.rollout import format_rollout_rows
+
+    speeds = {"bf16": 400.0, "fp8": 600.0, "nvfp4-w4a16": 924.0, "nvfp4": 800.0, "nvfp4+rac0.25": 600.0}
+    rows = [{"impl": "lowbit engine", "mode": f"{m}{suffix}", "precision": m, "batch": 8,
+             "decode_kernels": bool(suffix), "decode_steps_per_s": v * scale, "tokens_per_s": 8 * v,
+             "bytes_per_step": 1e9 / (1 + i), "limit_steps_per_s": 4000.0 * (1 + i),
+             "of_limit": v * scale / (4000.0 * (1 + i))}
+            for suffix, scale in ((", decode kernels", 1.0), ("", 0.5))
+            for i, (m, v) in enumerate(speeds.items())]
+    weights = {"bf16": 2e9, "fp8": 1e9, "nvfp4-w4a16": 0.5625e9, "nvfp4": 0.5625e9, "nvfp4+rac0.25": 0.5625e9}
+    result = {"rows": rows, "batch_sizes": [8], "model": "llama-1.1b", "architecture": "LlamaForCausalLM",
+              "params_total": 1_100_048_384, "params_active": 1_100_048_384, "prompt_len": 128,
+              "new_tokens": 256, "bandwidth_bytes_per_s": 4e12, "weight_bytes": weights,
+              "gpu_weight_bytes": {m: w + 0.5e9 for m, w in weights.items()}}
+    text = format_rollout_rows(result)
+    assert ("- batch 8, decode kernels: fp8 1.50x bf16, nvfp4-w4a16 2.31x bf16, nvfp4 2.00x bf16, "
+            "nvfp4+rac0.25 1.50x bf16, nvfp4 0.87x nvfp4-w4a16, nvfp4+rac0.25 0.75x nvfp4, "
+            "nvfp4 1.33x fp8") in text
+    assert "- batch 8 without decode kernels: fp8 1.50x bf16, nvfp4-w4a16 2.31x bf16," in text
+    assert "| nvfp4 | 0.562 GB | 0.28x | 1.062 GB | 0.42x |" in text
+    assert "Bandwidth limit: 4.00 TB/s" in text
+    assert "| bf16, decode kernels | 8 | 1.000 GB | 4,000 | 400.0 | 10% |" in text
+    assert "llama-1.1b (LlamaForCausalLM): 1.10B parameters, 1.10B active a token" in text
 
 
 def test_exposed_communication_is_what_no_compute_kernel_overlaps():

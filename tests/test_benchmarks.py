@@ -61,13 +61,14 @@ def test_fold_sweep_smoke(tune, tmp_path, capsys):
     assert "--operands takes X, W and dY; got 'X,Q'" in capsys.readouterr().err
 
 
-def test_decode_sweep_smoke(tune, tmp_path, capsys):
-    results = smoke(tune, tmp_path, "decode")
-    assert set(results) == {"smoke norm", "smoke residual", "smoke silu_mul"}
+def test_engine_gemm_sweep_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "engine-gemm")
+    assert set(results) == {"smoke M=1", "smoke M=3"}
+    assert len(results["smoke M=1"]["tiles"]) == 2     # a CUDA-core and a tensor-core tile
+    assert len(results["smoke M=3"]["tiles"]) == 1     # the tensor-core tile
     for row in results.values():
-        assert len(row["tiles"]) == 2     # a CUDA-core and a tensor-core tile
         assert all(isinstance(v, dict) and v["same"] for v in row["tiles"].values()), row["tiles"]
-    assert capsys.readouterr().out.count("every tile equal to the default to rounding: True") == 3
+    assert capsys.readouterr().out.count("fastest nvfp4: untimed") == 2
 
 
 def test_nvfp4_sweep_smoke(tune, tmp_path, capsys):
@@ -134,7 +135,8 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
                                        "_uniforms_kernel", "_band_max_kernel",
                                        "_fold_one_chunk_kernel", "_live_blocks_kernel",
                                        "_fold_kernel", "_rht_rows_kernel",
-                                       "_linear_kernel", "_attention_kernel"}   # decode
+                                       "_linear_kernel", "_split_kernel", "_combine_kernel",
+                                       "_activation_kernel"}   # the rollout engine's
 
 
 def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env, capsys):

@@ -129,32 +129,36 @@ def add_arguments(parser) -> None:
     r.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     r.set_defaults(bench_func=run_recipes)
 
-    from lowbit.bench.rollout import HF_SHAPES, MODES
-    o = sub.add_parser("rollout", help="the RL rollout engine's decode steps/s and tokens/s in "
-                                       "every precision mode, beside transformers' generate")
-    o.add_argument("--model", default=None, choices=sorted(HF_SHAPES),
-                   help="random-weight Llama shape (default: llama-1.1b on CUDA, llama-tiny on "
-                        "the CPU)")
+    from lowbit.bench.rollout import MODELS, MODES
+    o = sub.add_parser("rollout", help="the RL rollout engine's decode steps/s in every precision "
+                                       "mode against the bandwidth limit and transformers' generate")
+    o.add_argument("--model", default=None, choices=list(MODELS),
+                   help="random-weight model: llama-1.1b (TinyLlama-1.1B's shape), qwen3-0.6b "
+                        "(Qwen3-0.6B's), qwen3-moe-1b (Qwen3-MoE, 48 experts, 8 a token), or the "
+                        "CPU-sized llama-tiny, qwen3-tiny, qwen3-moe-tiny (default: llama-1.1b on "
+                        "CUDA, llama-tiny on the CPU)")
     o.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated engine precisions (default: %(default)s)")
     o.add_argument("--batch-sizes", default=None,
-                   help="comma-separated (default: 1,8,32,128 on CUDA, 1,2 on the CPU)")
-    o.add_argument("--prompt-len", type=int, default=None, help="(default: 64 on CUDA, 16 on the CPU)")
-    o.add_argument("--new-tokens", type=int, default=None, help="(default: 128 on CUDA, 8 on the CPU)")
+                   help="comma-separated (default: 1,8,32,128,256 on CUDA, 1,2 on the CPU)")
+    o.add_argument("--prompt-len", type=int, default=None, help="(default: 128 on CUDA, 16 on the CPU)")
+    o.add_argument("--new-tokens", type=int, default=None, help="(default: 256 on CUDA, 8 on the CPU)")
     o.add_argument("--repeats", type=int, default=3, help="timed calls per row, median (default: 3)")
     o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
     o.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                   help="also time every mode with its decode step compiled (torch.compile; "
-                        "MODE: default or max-autotune-no-cudagraphs)")
+                   help="also time every mode with its plain-PyTorch decode step compiled "
+                        "(torch.compile; without the decode kernels, which it would replace; "
+                        "dense models only; MODE: default or max-autotune-no-cudagraphs)")
     o.add_argument("--decode-kernels", choices=("auto", "on", "off", "both"), default="auto",
-                   help="the engine's fused decode kernels (bf16 and nvfp4-w4a16, batch <= 16): "
-                        "auto is the engine's default (on CUDA), both times each mode with and "
-                        "without them (default: %(default)s)")
+                   help="run the engine on lowbit's Triton inference kernels, at every batch size "
+                        "and in every mode: auto is the engine's default (on CUDA), both times "
+                        "each mode with and without them (default: %(default)s)")
     o.add_argument("--profile", action="store_true",
                    help="also profile each engine row: per decode step, how busy the GPU is "
                         "and which kernels take the time")
     o.add_argument("--device", default="auto")
-    o.add_argument("--json", metavar="PATH", help="also write {meta, rows, limit} as JSON")
+    o.add_argument("--json", metavar="PATH",
+                   help="also write {meta, rows, weight_bytes, bandwidth_bytes_per_s, ...} as JSON")
     o.set_defaults(bench_func=run_rollout)
 
 
@@ -333,9 +337,9 @@ def run_rollout(args) -> None:
         raise ValueError(f"--compile {args.compile!r}: use one of {', '.join(COMPILE_MODES)}")
     device = str(resolve_device(args.device))
     gpu = device.startswith("cuda")
-    batches = _positive_ints(args.batch_sizes or ("1,8,32,128" if gpu else "1,2"), "--batch-sizes")
-    prompt_len = args.prompt_len or (64 if gpu else 16)
-    new_tokens = args.new_tokens or (128 if gpu else 8)
+    batches = _positive_ints(args.batch_sizes or ("1,8,32,128,256" if gpu else "1,2"), "--batch-sizes")
+    prompt_len = args.prompt_len or (128 if gpu else 16)
+    new_tokens = args.new_tokens or (256 if gpu else 8)
     for name, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
                         ("--repeats", args.repeats)):
         if value < 1 or (name == "--new-tokens" and value < 2):
