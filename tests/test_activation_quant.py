@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from bits import same_bits
 
 pytest.importorskip("triton")
 
@@ -39,15 +40,6 @@ def _prologue(x, norm=None, eps=EPS, silu_mul=False):
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     return x
-
-
-def _same(a, b):
-    """Equal bit for bit, NaN compared by position."""
-    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
-        return False
-    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    keep = ~a.isnan()
-    return torch.equal(a.view(bits)[keep], b.view(bits)[keep])
 
 
 def _ties(k, g):
@@ -123,16 +115,16 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
         x_hat = per_token_nvfp4(inp)
         for ratio in (0.0, 0.25, 1.0):
             got_x, got_r = quantize_activations(x, "nvfp4", ratio, **kw)
-            assert _same(got_x, x_hat), (k, ratio)
+            assert same_bits(got_x, x_hat), (k, ratio)
             if ratio == 0:
                 assert got_r is None
             else:
-                assert _same(got_r, rac_residual(inp, x_hat, ratio)), (k, ratio)
+                assert same_bits(got_r, rac_residual(inp, x_hat, ratio)), (k, ratio)
         codes, scale = quantize_activations(x, "fp8", **kw)
         ref_codes, ref_scale = per_token_fp8(inp)
         assert codes.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
         assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), k
-        assert _same(scale, ref_scale), k
+        assert same_bits(scale, ref_scale), k
     assert not got_x[0].isnan().any() and got_x[3].isnan().any() and (got_r[2] == 0).all()
 
 
@@ -152,7 +144,7 @@ def test_ties_nan_and_layouts():
         for ratio in (0.1, 0.25, 0.5):
             got_x, got_r = quantize_activations(xs, "nvfp4", ratio)
             x_hat = per_token_nvfp4(x.to(DEV))
-            assert _same(got_x, x_hat) and _same(got_r, rac_residual(x.to(DEV), x_hat, ratio))
+            assert same_bits(got_x, x_hat) and same_bits(got_r, rac_residual(x.to(DEV), x_hat, ratio))
             count = rac_channel_count(k, ratio)
             assert got_r[0, 16:16 + min(count, 16)].isnan().all()      # the NaN block's first
             assert got_r[1, :min(count, 16)].isnan().all() and not got_r[1, 16:].isnan().any()

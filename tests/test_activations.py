@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from bits import same_bits
 
 from lowbit import dispatch
 from lowbit.formats import QuantSpec, quantize_dequantize
@@ -32,15 +33,6 @@ def _engine_per_token_nvfp4(x):
     return (values * torch.ldexp(torch.ones_like(amax), exp)).to(x.dtype)
 
 
-def _same(a, b):
-    """Equal bit for bit, NaN compared by position (a NaN's sign and payload are free)."""
-    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
-        return False
-    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    keep = ~a.isnan()
-    return torch.equal(a.view(bits)[keep], b.view(bits)[keep])
-
-
 def _rows(k, dtype, seed=0):
     """Random rows and adversarial ones: scaled by 2^-20 and 2^20, all zero, NaN and Inf, a
     denormal-scale row (float32/bfloat16), and a row of ties (a 7 in every block of 16)."""
@@ -64,13 +56,13 @@ def _rows(k, dtype, seed=0):
 def test_per_token_nvfp4_is_the_engines_quantizer(dtype, k):
     x = _rows(k, dtype)
     out = per_token_nvfp4(x)
-    assert out.dtype == dtype and _same(out, _engine_per_token_nvfp4(x))
+    assert out.dtype == dtype and same_bits(out, _engine_per_token_nvfp4(x))
     assert torch.equal(out[3], torch.zeros(k, dtype=dtype))              # zero row: zeros
     assert out[4, :16].isnan().all() and out[4, k - 1].isnan()           # NaN / Inf blocks: NaN
     assert not out[0].isnan().any()
     wide = torch.randn(5, 2 * k).to(dtype)
     strided = wide[:, ::2]                                               # not contiguous
-    assert _same(per_token_nvfp4(strided), _engine_per_token_nvfp4(strided.contiguous()))
+    assert same_bits(per_token_nvfp4(strided), _engine_per_token_nvfp4(strided.contiguous()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,8 +75,8 @@ def test_per_token_fp8_is_the_mxfp8_row_qdq(dtype):
         spec = fp8_row_spec(k)
         assert spec == QuantSpec.make("mxfp8_e4m3", (1, k), "rceil")
         # codes * scale in float32 is the QDQ; in x's dtype, the engine's FP8 activations
-        assert _same(codes.float() * scale, quantize_dequantize(x, spec, dtype=torch.float32))
-        assert _same((codes.float() * scale).to(dtype), quantize_dequantize(x, spec))
+        assert same_bits(codes.float() * scale, quantize_dequantize(x, spec, dtype=torch.float32))
+        assert same_bits((codes.float() * scale).to(dtype), quantize_dequantize(x, spec))
         finite = ~scale.isnan()
         mant, _ = torch.frexp(scale[finite])
         assert (mant == 0.5).all()                                      # powers of two
@@ -125,13 +117,13 @@ def test_rac_residual_is_its_definition(dtype, k):
     x_hat = per_token_nvfp4(x)
     for ratio in (0.0, 0.1, 0.25, 0.5, 1.0):
         got = rac_residual(x, x_hat, ratio)
-        assert got.dtype == dtype and _same(got, _slow_rac_residual(x, x_hat, ratio))
+        assert got.dtype == dtype and same_bits(got, _slow_rac_residual(x, x_hat, ratio))
         count = rac_channel_count(k, ratio)
         assert ((got != 0) | got.isnan()).sum(-1).le(count).all()      # at most c channels
     assert torch.equal(rac_residual(x, x_hat, 0.0), torch.zeros_like(x))
     # ratio 1: the compacted row is the whole residual
     r = x.float() - x_hat.float()
-    assert _same(rac_residual(x, x_hat, 1.0), per_token_nvfp4(r).to(dtype))
+    assert same_bits(rac_residual(x, x_hat, 1.0), per_token_nvfp4(r).to(dtype))
     assert rac_residual(x, x_hat, 0.25)[4].isnan().any()               # NaN residuals come first
 
 
@@ -152,7 +144,7 @@ def test_rac_residual_ties_go_to_the_lower_channel():
         x_hat = per_token_nvfp4(x)
         assert (x.float() - x_hat.float()).abs().unique().numel() <= 8
         for ratio in (0.1, 0.25, 0.5):
-            assert _same(rac_residual(x, x_hat, ratio), _slow_rac_residual(x, x_hat, ratio))
+            assert same_bits(rac_residual(x, x_hat, ratio), _slow_rac_residual(x, x_hat, ratio))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,11 +154,11 @@ def test_a_row_alone_is_the_row_in_a_batch(dtype):
     codes, scale = per_token_fp8(x)
     for n in range(x.shape[0]):
         alone = x[n:n + 1]
-        assert _same(per_token_nvfp4(alone), x_hat[n:n + 1])
-        assert _same(rac_residual(alone, per_token_nvfp4(alone), 0.25), r_hat[n:n + 1])
+        assert same_bits(per_token_nvfp4(alone), x_hat[n:n + 1])
+        assert same_bits(rac_residual(alone, per_token_nvfp4(alone), 0.25), r_hat[n:n + 1])
         c, s = per_token_fp8(alone)
         assert torch.equal(c.view(torch.uint8), codes[n:n + 1].view(torch.uint8))
-        assert _same(s, scale[n:n + 1])
+        assert same_bits(s, scale[n:n + 1])
 
 
 @pytest.mark.parametrize("k,ratio", [(64, 0.25), (200, 0.125), (40, 1.0)])

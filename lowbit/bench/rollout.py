@@ -91,13 +91,18 @@ __all__ = ["MODES", "MODELS", "DecodeReads", "bench_rollout", "copy_bandwidth", 
            "decode_step_profile", "expected_distinct_experts", "format_rollout_rows", "parse_modes",
            "stored_weight_bytes"]
 
-# mode label -> (precision, rac_ratio)
-MODES = {"bf16": ("bf16", 0.0), "fp8": ("fp8", 0.0), "nvfp4-w4a16": ("nvfp4-w4a16", 0.0),
-         "nvfp4": ("nvfp4", 0.0), "nvfp4+rac0.25": ("nvfp4", 0.25)}
+# mode label -> (precision, rac_ratio, packed_gemm): the NVFP4 modes twice, multiplying the
+# dequantized copy (the engine's default) and the packed weights (RolloutEngine(packed_gemm=True))
+MODES = {"bf16": ("bf16", 0.0, False), "fp8": ("fp8", 0.0, False),
+         "nvfp4-w4a16": ("nvfp4-w4a16", 0.0, False), "nvfp4": ("nvfp4", 0.0, False),
+         "nvfp4+rac0.25": ("nvfp4", 0.25, False), "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, True),
+         "nvfp4 packed": ("nvfp4", 0.0, True), "nvfp4+rac0.25 packed": ("nvfp4", 0.25, True)}
 
 # the ratios format_rollout_rows prints: (mode, against), each where both were timed
 RATIOS = ([(m, "bf16") for m in MODES if m != "bf16"]
-          + [("nvfp4", "nvfp4-w4a16"), ("nvfp4+rac0.25", "nvfp4"), ("nvfp4", "fp8")])
+          + [(f"nvfp4{p}", f"nvfp4-w4a16{p}") for p in ("", " packed")]
+          + [(f"nvfp4+rac0.25{p}", f"nvfp4{p}") for p in ("", " packed")]
+          + [(f"nvfp4{p}", "fp8") for p in ("", " packed")])
 
 # --decode-kernels -> the engine's decode_kernels setting(s) to time
 KERNEL_CHOICES = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
@@ -226,7 +231,8 @@ def stored_weight_bytes(engine: RolloutEngine) -> int:
     """Bytes of every weight tensor the engine holds on its device: embeddings, norms, linear
     weights as stored (codes, block and row scales), biases, routers, experts, output head; a
     tensor held twice (a head that is the embedding) counted once. The dequantized copies the
-    plain-PyTorch path keeps of quantized weights (LinearWeight.reference_values) are not."""
+    plain-PyTorch path keeps of quantized weights (LinearWeight.reference_values) are not,
+    except where the GEMMs multiply them (the NVFP4 modes without packed_gemm)."""
     w = engine.weights
 
     def stored(lw):
@@ -236,9 +242,10 @@ def stored_weight_bytes(engine: RolloutEngine) -> int:
         tensors += [layer.input_layernorm, layer.post_attention_layernorm, layer.qk_norm, layer.router]
         for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             if lin is not None:
-                tensors += stored(lin.weight) + [lin.bias]
+                tensors += stored(lin.weight) + [lin.bias, lin.gemm_weight.data]
         if layer.experts is not None:
-            tensors += stored(layer.experts.gate_up) + stored(layer.experts.down)
+            e = layer.experts
+            tensors += stored(e.gate_up) + stored(e.down) + [e.gate_up_gemm.data, e.down_gemm.data]
     unique = {(t.data_ptr(), t.numel()): _tensor_bytes(t) for t in tensors if t is not None}
     return sum(unique.values())
 
@@ -473,10 +480,11 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
             [(mode, False, kernels) for kernels in choices] + [(mode, c, False) for c in compile_modes]]
     bandwidth = result["bandwidth_bytes_per_s"]
     for mode, compiled, kernels in runs:
-        precision, rac = MODES[mode]
+        precision, rac, packed = MODES[mode]
         compile_mode = None if not compiled else "default" if compiled is True else compiled
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
-                               max_seq_len=seq_len, compile_decode=compiled, decode_kernels=kernels)
+                               max_seq_len=seq_len, compile_decode=compiled, packed_gemm=packed,
+                               decode_kernels=kernels)
         engine.load_state_dict(state)
         reads = DecodeReads.of(engine)
         result["weight_bytes"][mode] = engine.weight_bytes()
@@ -488,8 +496,8 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
         for b in batch_sizes:
             ids = prompts[b].tolist()
             warm = engine.generate(ids, full)               # captures the decode graph
-            t_full = _median_s(lambda: engine.generate(ids, full), dev, repeats)
-            t_one = _median_s(lambda: engine.generate(ids, one), dev, repeats)
+            t_full = _median_s(lambda e=engine: e.generate(ids, full), dev, repeats)
+            t_one = _median_s(lambda e=engine: e.generate(ids, one), dev, repeats)
             row = _row("lowbit engine", label, b, new_tokens, t_full, t_one)
             row.update(precision=mode, decode_kernels=bool(engine.decode_kernels),
                        compiled=compile_mode, bytes_per_step=reads.per_step(b, prompt_len, new_tokens))

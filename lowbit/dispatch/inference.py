@@ -35,9 +35,10 @@ __all__ = ["use_inference_kernels", "linear", "quantize_activations", "fp8_linea
 
 DENSE_KERNEL_MAX_ROWS = 1
 """A dense weight with more rows than this multiplies on cuBLAS: on an H200 (2026-12-04,
-`python benchmarks/tune.py engine-gemm`) the kernel's one-row tile beat cuBLAS's GEMV on
-TinyLlama-1.1B's projections (4.1-13.4 us against 6.0-13.1), and its tensor-core tiles lost to
-cuBLAS from 8 rows up (9.7-42.8 us against 6.0-12.9)."""
+`python benchmarks/tune.py engine-gemm`; docs/results/rollout.md) the kernel's one-row tile ran
+TinyLlama-1.1B's projections in 4.1-13.4 us against cuBLAS's 6.0-13.1 (faster on three of four,
+with the norm or residual fused in), and its tensor-core tiles lost to cuBLAS from 8 rows up
+(9.7-42.8 us against 6.0-12.9)."""
 
 
 def use_inference_kernels(x: torch.Tensor, allowed: bool = True) -> bool:
