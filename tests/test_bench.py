@@ -573,7 +573,7 @@ def test_bench_rollout_runs_every_mode_of_every_model_kind(model, monkeypatch):
 def test_bench_rollout_bytes_per_step_count_weights_head_kv_and_routed_experts():
     import itertools
 
-    from lowbit.bench.rollout import DecodeReads, _hf_config, expected_distinct_experts
+    from lowbit.bench.rollout import DecodeReads, expected_distinct_experts, hf_config
     from lowbit.models.hf import config_from_hf
     from lowbit.models.transformer import Transformer
     from lowbit.rl.engine import RolloutEngine
@@ -600,8 +600,8 @@ def test_bench_rollout_bytes_per_step_count_weights_head_kv_and_routed_experts()
     assert sum(P + j for j in range(1, N)) / (N - 1) == P + N / 2
 
     # ... and the parts as an engine stores them
-    hf_config, _ = _hf_config("qwen3-moe-tiny")
-    config = config_from_hf(hf_config.to_dict())
+    transformers_config, _ = hf_config("qwen3-moe-tiny")
+    config = config_from_hf(transformers_config.to_dict())
     for precision in ("bf16", "nvfp4"):
         engine = RolloutEngine(config, precision, max_batch_size=1, max_seq_len=8)
         torch.manual_seed(0)
@@ -618,10 +618,10 @@ def test_bench_rollout_bytes_per_step_count_weights_head_kv_and_routed_experts()
 
 
 def test_bench_rollout_models_have_the_named_shapes():
-    from lowbit.bench.rollout import MODELS, _hf_config
+    from lowbit.bench.rollout import MODELS, hf_config
     from lowbit.models.hf import config_from_hf
 
-    configs = {name: config_from_hf(_hf_config(name)[0].to_dict(), name) for name in MODELS}
+    configs = {name: config_from_hf(hf_config(name)[0].to_dict(), name) for name in MODELS}
     qwen, moe = configs["qwen3-0.6b"], configs["qwen3-moe-1b"]
     assert (qwen.dim, qwen.n_layers, qwen.n_heads, qwen.n_kv_heads, qwen.head_dim, qwen.ffn_dim,
             qwen.vocab_size, qwen.tie_embeddings, qwen.rope_theta, qwen.norm_eps, qwen.qk_norm) == (

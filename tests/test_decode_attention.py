@@ -39,7 +39,8 @@ def _reference(qkv, k_cache, v_cache, positions, cos, sin, H, KV, qk_norm, eps=1
     if qk_norm is not None:
         qk = qk_norm * F.rms_norm(qk, (D,), eps=eps)
     c, s = cos[positions][:, None].float(), sin[positions][:, None].float()
-    qk = (qk.float() * c + torch.cat([qk[..., D // 2:], qk[..., :D // 2]], -1).float() * s).to(dt)
+    rolled = torch.cat([qk[..., D // 2:], qk[..., :D // 2]], -1)
+    qk = ((qk.float() * c).to(dt).float() + (rolled.float() * s).to(dt).float()).to(dt)   # as in dt
     q, k, v = qk[:, :H], qk[:, H:], heads[:, H + KV:]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     out = torch.empty(B, H, D, dtype=dt, device=qkv.device)
@@ -88,8 +89,8 @@ def test_decode_attention_matches_the_reference(dtype, H, KV, D, qk_norm):
         torch.testing.assert_close(out, ref, **TOL[dtype])
         assert torch.equal(v, v_ref)                       # column p_b written, the rest untouched
         assert torch.equal(k[~written], k_cache[~written])
-        # the rotated k to rounding: the GPU fuses x cos + roll(x) sin into an FMA, the
-        # interpreter truncates to bf16, the norm sums its squares in another order; at
+        # the rotated k to rounding: the interpreter truncates to bf16, the norm sums its
+        # squares in another order; at
         # position 0 (cos 1, sin 0) it is the new k itself, bit for bit
         torch.testing.assert_close(k[written], k_ref[written], **TOL[dtype])
         if not qk_norm:

@@ -89,7 +89,7 @@ from lowbit.rl.sampling import SamplingParams
 
 __all__ = ["MODES", "MODELS", "DecodeReads", "bench_rollout", "copy_bandwidth", "decode_step_ops",
            "decode_step_profile", "expected_distinct_experts", "format_rollout_rows", "parse_modes",
-           "stored_weight_bytes"]
+           "stored_weight_bytes", "hf_config"]
 
 # mode label -> (precision, rac_ratio, packed_gemm): the NVFP4 modes twice, multiplying the
 # dequantized copy (the engine's default) and the packed weights (RolloutEngine(packed_gemm=True))
@@ -157,7 +157,7 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-def _hf_config(name: str):
+def hf_config(name: str):
     """The transformers config of a MODELS entry, and its model class."""
     import transformers
 
@@ -430,15 +430,15 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2)
     if decode_kernels == "on" and not kernels_here:
         raise ValueError("--decode-kernels on needs triton and a CUDA device")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    hf_config, model_class = _hf_config(model)
-    config = config_from_hf(hf_config.to_dict(), model)
+    transformers_config, model_class = hf_config(model)
+    config = config_from_hf(transformers_config.to_dict(), model)
     seq_len = prompt_len + new_tokens
     if seq_len > config.max_seq_len:
         raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the "
                          f"model's {config.max_seq_len} positions")
     torch.manual_seed(0)
     with torch.device(dev):
-        hf = model_class(hf_config).to(dtype).eval()
+        hf = model_class(transformers_config).to(dtype).eval()
     state = hf.state_dict()
     _check_fits(config, max(batch_sizes), seq_len, state, dev, dtype)
     generator = torch.Generator().manual_seed(0)

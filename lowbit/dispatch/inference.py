@@ -31,14 +31,13 @@ from lowbit.formats import activations as reference_activations
 from lowbit.formats.linear_weight import LinearWeight, WeightFormat
 
 __all__ = ["use_inference_kernels", "linear", "quantize_activations", "fp8_linear",
-           "decode_attention", "grouped_linear", "prologue", "DENSE_KERNEL_MAX_ROWS"]
+           "decode_attention", "rotary", "grouped_linear", "expert_groups", "prologue",
+           "DENSE_KERNEL_MAX_ROWS"]
 
 DENSE_KERNEL_MAX_ROWS = 1
-"""A dense weight with more rows than this multiplies on cuBLAS: on an H200 (2026-12-04,
-`python benchmarks/tune.py engine-gemm`; docs/results/rollout.md) the kernel's one-row tile ran
-TinyLlama-1.1B's projections in 4.1-13.4 us against cuBLAS's 6.0-13.1 (faster on three of four,
-with the norm or residual fused in), and its tensor-core tiles lost to cuBLAS from 8 rows up
-(9.7-42.8 us against 6.0-12.9)."""
+"""A dense weight with more rows than this multiplies on cuBLAS: the kernel's one-row tile
+keeps up with cuBLAS and fuses the norm and the residual, its tensor-core tiles do not yet
+(`python benchmarks/tune.py engine-gemm`; docs/results/rollout.md)."""
 
 
 def use_inference_kernels(x: torch.Tensor, allowed: bool = True) -> bool:
@@ -73,13 +72,18 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
         from lowbit.kernels import engine_linear
         return engine_linear.linear(x, weight, bias, x2=x2, norm=norm, eps=eps, silu_mul=silu_mul,
                                     residual=residual, pdl=pdl)
-    w = weight.reference_values()
-    y = F.linear(prologue(x, norm, eps, silu_mul), w)
-    if x2 is not None:
-        y = y + F.linear(x2, w)
+    y = _gemm(prologue(x, norm, eps, silu_mul), x2, weight.reference_values())
     if bias is not None:
         y = y + bias
     return y if residual is None else residual + y
+
+
+def _gemm(x: torch.Tensor, x2: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T, or with RAC's residual x2 (x + x2) @ w^T as the kernel forms it: both products
+    exact in one float32 sum, rounded once (one GEMM over [x | x2] and [w | w])."""
+    if x2 is None:
+        return F.linear(x, w)
+    return F.linear(torch.cat([x, x2], dim=-1), torch.cat([w, w], dim=-1))
 
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
@@ -151,10 +155,15 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     visible = torch.arange(L, device=qkv.device)[None, :] <= positions[:, None]    # (B, L)
     bias = torch.zeros(B, 1, 1, L, dtype=qkv.dtype, device=qkv.device)
     bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    # columns past a row's position hold what earlier generates left (maybe NaN): zeroed, so
+    # only the row's own tokens reach the products
+    hidden = ~visible[:, None, :, None]
+    keys = k_cache[:B].masked_fill(hidden, 0.0)
+    values = v_cache[:B].masked_fill(hidden, 0.0)
     # the H / KV query heads that share a KV head are that head's queries (HF's repeat_kv
     # order: head h reads KV head h // (H / KV)), so the cache is read as it is
     q = qk[:, :H].reshape(B, KV, H // KV, D)
-    y = F.scaled_dot_product_attention(q, k_cache[:B], v_cache[:B], attn_mask=bias)
+    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
     return y.reshape(B, H * D)
 
 
@@ -164,18 +173,28 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def expert_groups(x: torch.Tensor, expert_of_row: torch.Tensor, n_experts: int,
+                  use_kernels: bool = True):
+    """The rows grouped by expert once for a layer's expert GEMMs (grouped_linear's `groups`):
+    on the kernels the device-side tiles of lowbit.kernels.engine_linear.moe_align, else None."""
+    if use_inference_kernels(x, use_kernels):
+        from lowbit.kernels import engine_linear
+        return engine_linear.moe_align(expert_of_row, n_experts)
+    return None
+
+
 def grouped_linear(x: torch.Tensor, weight: LinearWeight, expert_of_row: torch.Tensor,
                    row_div: int = 1, *, x2: torch.Tensor | None = None, silu_mul: bool = False,
-                   use_kernels: bool = True) -> torch.Tensor:
+                   groups=None, use_kernels: bool = True) -> torch.Tensor:
     """Expert GEMMs: out[r] = (prologue(x[r // row_div]) + x2[r // row_div]) @ W[e_r]^T for
     e_r = expert_of_row[r]; weight a stack of experts (E, N, K) -> (rows, N). On the kernels,
     one launch for all experts, each expert's weight read once for all its rows, grouped on
-    the device (no host read-back, so it fits in a CUDA graph); the reference loops over the
-    experts that have rows."""
+    the device (no host read-back, so it fits in a CUDA graph; `groups`: expert_groups' result,
+    to group once for several GEMMs); the reference loops over the experts that have rows."""
     rows = expert_of_row.shape[0]
     if use_inference_kernels(x, use_kernels):
         from lowbit.kernels import engine_linear
-        tile_expert, row_ids = engine_linear.moe_align(expert_of_row, weight.n_experts)
+        tile_expert, row_ids = groups or engine_linear.moe_align(expert_of_row, weight.n_experts)
         return engine_linear.grouped_linear(x, weight, tile_expert, row_ids, rows, row_div,
                                             x2=x2, silu_mul=silu_mul)
     src = torch.arange(rows, device=x.device) // row_div
@@ -188,10 +207,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, expert_of_row: torch.T
         if count == 0:
             continue
         r = order[start:start + count]
-        xin = prologue(x[src[r]], silu_mul=silu_mul)
-        y = F.linear(xin, values[e])
-        if x2 is not None:
-            y = y + F.linear(x2[src[r]], values[e])
-        out[r] = y
+        out[r] = _gemm(prologue(x[src[r]], silu_mul=silu_mul),
+                       None if x2 is None else x2[src[r]], values[e])
         start += count
     return out

@@ -145,15 +145,16 @@ class LinearWeight:
         shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
         valid. A dequantized copy kept by reference_values() is refreshed in place too."""
         if (other.format is not self.format or other.data.shape != self.data.shape
-                or other.dtype != self.dtype):
-            raise ValueError(f"copy_ needs the same format, shape and dtype (got {other.format.value} "
-                             f"{tuple(other.data.shape)} {other.dtype} for {self.format.value} "
-                             f"{tuple(self.data.shape)} {self.dtype})")
+                or other.dtype != self.dtype or other.may_saturate != self.may_saturate):
+            raise ValueError(f"copy_ needs the same format, shape, dtype and saturation (got "
+                             f"{other.format.value} {tuple(other.data.shape)} {other.dtype} "
+                             f"saturating={other.may_saturate} for {self.format.value} "
+                             f"{tuple(self.data.shape)} {self.dtype} saturating={self.may_saturate}: "
+                             "a kernel built for one may not read the other)")
         for mine, theirs in ((self.data, other.data), (self.block_scales, other.block_scales),
                              (self.row_scales, other.row_scales)):
             if mine is not None:
                 mine.copy_(theirs)
-        self.may_saturate = other.may_saturate
         if self._values is not None:
             self._values.copy_(other.dequantize())
 

@@ -81,7 +81,9 @@ def _rotate(x_ptr, offs, rd, ok, D, norm_ptr, norm_offs, eps, cos, sin,
         xr = ((xr * rstd).to(dt).to(tl.float32) * gr).to(dt).to(tl.float32)
     x = x.to(dt).to(tl.float32)
     xr = xr.to(dt).to(tl.float32)
-    return (x * cos + xr * sin).to(dt).to(tl.float32)
+    # each product rounded to dt, then the sum: the engine's (and the trainer's) x * cos +
+    # rotate_half(x) * sin in dt, never one fused multiply-add
+    return ((x * cos).to(dt).to(tl.float32) + (xr * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -254,7 +256,9 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         F32_DOT=qkv.dtype == torch.float32 or interpret_mode(),
         GROUP=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D,
         # the interpreter: short tiles, so the tests cross tile and chunk edges
-        BLOCK_N=16 if interpret_mode() else 64, num_warps=4, **launch)
+        BLOCK_N=16 if interpret_mode() else 64, num_warps=4,
+        # float32: no fused multiply-add where the eager ops round a product (RoPE)
+        enable_fp_fusion=qkv.dtype != torch.float32, **launch)
     if not direct:
         _combine_kernel[(B, H)](m, l, acc, out, out.stride(0), splits, H=H, D=D,
                                 BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D,

@@ -7,7 +7,7 @@ parameter, FP8 at 1, dense bf16 at 2) and forms each weight value in registers, 
 on GPUs without FP4 tensor cores, then multiplies in the compute dtype:
 
     nvfp4:  w = e2m1(code) * (row_scale * e4m3(block_scale))     float32, then rounded to dt
-    fp8:    w = e4m3(code) * row_scale                            (a power of two: exact in dt)
+    fp8:    w = e4m3(code) * row_scale       (a power of two: exact in bf16 and float32)
 
 -- the products and the one rounding of LinearWeight.dequantize, so the kernel multiplies
 exactly the dequantized weight, and differs from dequantize-then-GEMM by accumulation order
@@ -115,11 +115,12 @@ def _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn,
     if FORMAT == 2:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                              # byte columns
         ok = n_ok[:, None] & (kb * 2 < K)[None, :]
-        data = tl.load(w_ptr + rn[:, None] * stride_wn + kb[None, :], mask=ok, other=0)
-        scales = tl.load(bs_ptr + rn[:, None] * stride_bsn + (kb // 8)[None, :], mask=ok, other=0)
+        rows = rn.to(tl.int64)[:, None]
+        data = tl.load(w_ptr + rows * stride_wn + kb[None, :], mask=ok, other=0)
+        scales = tl.load(bs_ptr + rows * stride_bsn + (kb // 8)[None, :], mask=ok, other=0)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        data = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :],
+        data = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
                        mask=n_ok[:, None] & (kk < K)[None, :], other=0)
         scales = data
     return data, scales
@@ -174,7 +175,7 @@ def _input_values(x_ptrs, kk, ok, K, norm_ptr, rstd, PROLOGUE: tl.constexpr, dt:
     if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
         g = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(x_ptrs + K + kk, mask=ok, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
         xv = (s * u).to(dt).to(tl.float32)
     else:
         xv = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
@@ -194,7 +195,7 @@ def _row_rstd(x_ptrs, row_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr)
         kk = k0 + rk
         xv = tl.load(x_ptrs + kk, mask=row_ok & (kk < K), other=0.0).to(tl.float32)
         ss += tl.sum(xv * xv, axis=1)
-    return tl.rsqrt(ss / K + eps)[:, None]
+    return tl.rsqrt(tl.math.div_rn(ss, K * 1.0) + eps)[:, None]
 
 
 # ---- the kernel ---------------------------------------------------------------------------------
@@ -210,15 +211,18 @@ def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                    PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the tensor-core grid: (row tiles, column tiles); the one-row grid: (column tiles,) --
+    # row tiles on axis 0, which takes 2^31 - 1 programs (axis 1 takes 65535)
+    rn = tl.program_id(1 if USE_DOT else 0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     if USE_DOT:
         rm = tl.arange(0, BLOCK_M)
+        tile = tl.program_id(0)
         if GROUPED:   # this row tile's expert and rows (see moe_align)
-            expert = tl.load(tile_expert_ptr + tl.program_id(1))
+            expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
             if expert < 0:
                 return
-            rows = tl.load(row_ids_ptr + tl.program_id(1) * BLOCK_M + rm)
+            rows = tl.load(row_ids_ptr + tile * BLOCK_M + rm).to(tl.int64)
             m_ok = rows >= 0
             x_rows = tl.where(m_ok, rows // ROW_DIV, 0)
             out_rows = tl.where(m_ok, rows, 0)
@@ -226,7 +230,7 @@ def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res
             bs_ptr += expert * stride_bse
             rs_ptr += expert * stride_rse
         else:
-            out_rows = tl.program_id(1) * BLOCK_M + rm
+            out_rows = tile.to(tl.int64) * BLOCK_M + rm
             m_ok = out_rows < M
             x_rows = out_rows
         acc = _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok,
@@ -328,14 +332,15 @@ def _one_row(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride
                                        LIMIT, dt)
         cols, cols_odd = _columns(k0, FORMAT, BLOCK_K)
         xv = _input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, dt)
-        if HAS_X2:   # RAC's residual adds to the activation: one multiply for both (fp32)
-            xv += tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         acc += w_even.to(tl.float32) * xv
+        if HAS_X2:   # RAC's residual: its own exact products, into the same sums
+            acc += w_even.to(tl.float32) * tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         if FORMAT == 2:
             xo = _input_values(x_ptrs, cols_odd, cols_odd < K, K, norm_ptr, rstd, PROLOGUE, dt)
-            if HAS_X2:
-                xo += tl.load(x2_ptr + cols_odd, mask=cols_odd < K, other=0.0).to(tl.float32)
             acc += w_odd.to(tl.float32) * xo
+            if HAS_X2:
+                acc += w_odd.to(tl.float32) * tl.load(x2_ptr + cols_odd, mask=cols_odd < K,
+                                                      other=0.0).to(tl.float32)
         # the next tile (past K on the last iteration: all masked, no read)
         data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0 + BLOCK_K, K, stride_wn, stride_bsn,
                                    FORMAT, BLOCK_N, BLOCK_K)
@@ -412,7 +417,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     block_m = tile.pop("BLOCK_M", 16)
     block_m = block_m if tile["USE_DOT"] else 1
     wa = _weight_args(weight, x)
-    grid = (triton.cdiv(N, tile["BLOCK_N"]), triton.cdiv(M, block_m) if tile["USE_DOT"] else 1)
+    grid = ((triton.cdiv(M, block_m), triton.cdiv(N, tile["BLOCK_N"])) if tile["USE_DOT"]
+            else (triton.cdiv(N, tile["BLOCK_N"]),))
     if not tile["USE_DOT"] and M != 1:
         raise ValueError("the CUDA-core tile (USE_DOT False) takes one row")
     _linear_kernel[grid](
@@ -487,7 +493,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, tile_expert: torch.Ten
                           "num_stages": 3}))
     tile.pop("BLOCK_M", None)
     wa = _weight_args(weight, x)
-    _linear_kernel[(triton.cdiv(N, tile["BLOCK_N"]), tile_expert.numel())](
+    _linear_kernel[(tile_expert.numel(), triton.cdiv(N, tile["BLOCK_N"]))](
         x, x2 if x2 is not None else x, wa["w"], wa["bs"], wa["rs"], y, y, y, y,
         tile_expert, row_ids, n_rows, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0,
         wa["stride_wn"], wa["stride_we"], wa["stride_bsn"], wa["stride_bse"], wa["stride_rse"],

@@ -39,7 +39,7 @@ lower channel), which writes the second term as r_hat Q(W)^T with r_hat dense (t
 residual on the token's own channels, zeros elsewhere): the same sum for one token, and for a
 batch every token's output is what it would be alone. (Choosing one S per GEMM call from |r|
 summed over the call's tokens, as a GEMM with |S| extra columns would, made a sequence's
-log-probs depend on its batch-mates by up to 0.03 nats.) The GEMM reads each weight tile once
+log-probs depend on its batch-mates.) The GEMM reads each weight tile once
 for both terms. Ratio 0 is naive W4A4; ratio 1 compensates every channel.
 """
 
@@ -113,7 +113,8 @@ def rac_linear(x: torch.Tensor, weight_values: torch.Tensor, ratio: float) -> to
     (out, K), the engine's dequantized FP4 weight, Q the per-token NVFP4 quantizer and r_hat
     RAC's per-token compensated residual; x (N, K) -> (N, out)."""
     xq = per_token_nvfp4(x)
-    y = F.linear(xq, weight_values)
     if ratio <= 0:
-        return y
-    return y + F.linear(rac_residual(x, xq, ratio), weight_values)
+        return F.linear(xq, weight_values)
+    # both products in one sum, rounded once: one GEMM over [Q(X) | r_hat] and [W | W]
+    return F.linear(torch.cat([xq, rac_residual(x, xq, ratio)], dim=-1),
+                    torch.cat([weight_values, weight_values], dim=-1))

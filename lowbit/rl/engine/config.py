@@ -35,11 +35,12 @@ class EngineConfig:
     """torch.compile the decode step of the plain-PyTorch path (decode_kernels off): True for
     the default mode, or a mode of COMPILE_MODES."""
     packed_gemm: bool = False
-    """The NVFP4 modes' GEMMs read the packed weights (0.5625 bytes a parameter, dequantized in
-    registers by lowbit.kernels.engine_linear). Off: the engine keeps each NVFP4 weight's
-    dequantized values in the compute dtype beside it and multiplies those -- the same values,
-    at bf16's speed and memory. Off by default: on an H200 (2026-12-04) the packed kernel is
-    correct but still slower than the bf16 GEMMs (docs/results/rollout.md)."""
+    """The NVFP4 modes' GEMM kernels read the packed weights (0.5625 bytes a parameter,
+    dequantized in registers by lowbit.kernels.engine_linear). Off: the engine keeps each NVFP4
+    weight's dequantized values in the compute dtype beside it and multiplies those -- the
+    same values, at bf16's speed and memory. Off by default while the packed kernel is slower
+    than the bf16 GEMMs on Hopper (docs/results/rollout.md). The plain-PyTorch path
+    (decode_kernels off) multiplies dequantized values either way."""
     decode_kernels: bool | None = None
     """Run on lowbit's Triton inference kernels (GEMMs on the stored weights, decode attention,
     activation quantizers; lowbit.dispatch.inference): default on CUDA when triton imports;
@@ -57,8 +58,14 @@ class EngineConfig:
         self.rac_ratio = float(self.rac_ratio)
         self.device = torch.device(self.device)
         self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1 (got {self.max_batch_size})")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {self.dtype}: the engine computes in float32, bfloat16 or float16")
+        if not (isinstance(self.max_batch_size, int) and self.max_batch_size >= 1):
+            raise ValueError(f"max_batch_size must be a positive integer (got {self.max_batch_size!r})")
+        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int)
+                                                 and self.max_seq_len >= 1):
+            raise ValueError(f"max_seq_len must be a positive integer or None for the model's "
+                             f"(got {self.max_seq_len!r})")
         self.max_seq_len = self.max_seq_len or model.max_seq_len
         if self.max_seq_len > model.max_seq_len:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's RoPE tables "

@@ -118,9 +118,14 @@ class RolloutEngine:
         self._graphs.clear()   # the graphs read the old weight tensors
         self._compiled_decode = None
 
+    def _loaded_weights(self) -> EngineWeights:
+        if self.weights is None:
+            raise ValueError("the engine has no weights yet; call load_state_dict first")
+        return self.weights
+
     def weight_bytes(self) -> int:
         """Bytes of the stored linear-layer weights (packed in the quantizing modes)."""
-        return self.weights.linear_bytes()
+        return self._loaded_weights().linear_bytes()
 
     def linear_values(self, layer: int, name: str) -> torch.Tensor:
         """What the engine multiplies for a dense projection, by its Hugging Face name (q_proj,
@@ -132,7 +137,7 @@ class RolloutEngine:
         if name not in where:
             raise ValueError(f"unknown projection {name!r}; use one of {', '.join(where)}")
         fused, part = where[name]
-        lin = getattr(self.weights.layers[layer], fused)
+        lin = getattr(self._loaded_weights().layers[layer], fused)
         if lin is None:
             raise ValueError(f"layer {layer} has no dense {name} (an MoE layer's experts are "
                              "in weights.layers[i].experts)")
@@ -226,9 +231,12 @@ class RolloutEngine:
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
         """Teacher-forced log-probs under the engine's numerics, one full-sequence forward:
         for each sequence s, log softmax(logits / T)[s[t+1]] for t < len(s) - 1 (float32)."""
+        if not temperature > 0:
+            raise ValueError(f"score needs a positive temperature (got {temperature}); 1.0 scores "
+                             "the model's own distribution")
         tokens, lengths = self._prepare(sequences, 0)
         logits = self.decoder.prefill(tokens, lengths, all_logits=True).float()
-        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
         return [logp[b, :len(s) - 1].gather(-1, tokens[b, 1:len(s), None])[:, 0]
                 for b, s in enumerate(sequences)]
 
@@ -262,7 +270,7 @@ class RolloutEngine:
 class _DecodeGraph:
     """One decode step (tokens -> logits) of a batch-size bucket captured in a CUDA graph, the
     positions advanced inside it; a smaller batch fills the first rows and leaves the rest as
-    padding rows (token 0 at position 0 of their cache rows, which no generate is using)."""
+    padding rows (token 0 from position 0 on, in cache rows this generate is not using)."""
 
     def __init__(self, step, batch: int, device: torch.device) -> None:
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -271,7 +279,7 @@ class _DecodeGraph:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for _ in range(2):      # warm-up: writes column 0 of the rows, which prefill rewrites
+            for _ in range(2):      # warm-up: writes columns 0 and 1, which prefill rewrites
                 self._step()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()

@@ -154,21 +154,23 @@ class EngineExperts:
         routing order."""
         T, k = index.shape
         expert_of_row = index.reshape(-1)                                       # (T k,) token-major
+        groups = inference.expert_groups(x, expert_of_row, self.n_experts, use_kernels)
         kw = dict(use_kernels=use_kernels)
+        gw = dict(groups=groups, **kw)
         if self.precision is Precision.NVFP4:
             x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio, **kw)
-            gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **kw)
+            gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **gw)
             h_hat, rh_hat = inference.quantize_activations(gate_up, "nvfp4", self.rac_ratio,
                                                            silu_mul=True, **kw)
-            y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **kw)
+            y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **gw)
         elif self.precision is Precision.FP8:
             gate_up = inference.grouped_linear(_fp8_values(x, **kw), self.gate_up_gemm, expert_of_row,
-                                               k, **kw)
+                                               k, **gw)
             h = _fp8_values(gate_up, silu_mul=True, **kw)
-            y = inference.grouped_linear(h, self.down_gemm, expert_of_row, **kw)
+            y = inference.grouped_linear(h, self.down_gemm, expert_of_row, **gw)
         else:
-            gate_up = inference.grouped_linear(x, self.gate_up_gemm, expert_of_row, k, **kw)
-            y = inference.grouped_linear(gate_up, self.down_gemm, expert_of_row, silu_mul=True, **kw)
+            gate_up = inference.grouped_linear(x, self.gate_up_gemm, expert_of_row, k, **gw)
+            y = inference.grouped_linear(gate_up, self.down_gemm, expert_of_row, silu_mul=True, **gw)
         return (y.view(T, k, -1) * weights[:, :, None]).sum(dim=1)
 
 
@@ -250,12 +252,11 @@ class EngineWeights:
                 layer.down_proj = linear(p + "mlp.down_proj.weight", bias=cfg.mlp_bias)
             layers.append(layer)
         norm = plain("model.norm.weight")
-        if "lm_head.weight" in sd:
-            lm_head = plain("lm_head.weight")
-        elif cfg.tie_embeddings:
+        if cfg.tie_embeddings:   # one tensor for both (a tied state dict may list the head too)
+            used.add("lm_head.weight")
             lm_head = embed
         else:
-            lm_head = take("lm_head.weight")
+            lm_head = plain("lm_head.weight")
         unexpected = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
         if unexpected:
             raise ValueError(f"state dict has keys the engine's model does not: "
