@@ -115,6 +115,14 @@ def test_nan_in_a_block_stays_nan_and_saturation_follows_dequantize():
     eye = torch.eye(32, dtype=torch.float16, device=DEV)
     for cols in (slice(0, 1), slice(0, 32)):                 # the one-row and the tensor-core tile
         assert torch.equal(el.linear(eye[cols], lw16), lw16.dequantize()[:, cols].T)
+    # row scales so large that the E2M1 decode's 2^-14 cannot be folded into the block scale
+    # (the kernel multiplies it out first): the same values
+    huge = LinearWeight(WeightFormat.NVFP4, codes.data, codes.block_scales,
+                        torch.full((16,), 1e33, device=DEV), 32, torch.float32)
+    assert not huge.fold_exact and lw16.fold_exact
+    eye32 = torch.eye(32, device=DEV)
+    for cols in (slice(0, 1), slice(0, 32)):
+        assert torch.equal(el.linear(eye32[cols], huge), huge.dequantize()[:, cols].T)
 
 
 def test_non_contiguous_inputs_and_odd_shapes():

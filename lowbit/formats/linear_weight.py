@@ -60,14 +60,19 @@ class LinearWeight:
     saturates (False when every row scale times the format's largest element is below it, so
     a kernel may skip the clamp)."""
 
+    fold_exact: bool = field(init=False)
+    """Every row scale times the largest E4M3 block scale times 2^14 is a finite float32, so a
+    kernel may fold its E2M1 decode's 2^-14 into the block scale (lowbit.kernels.engine_linear)."""
     _values: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.may_saturate = False
+        self.fold_exact = True
         if self.row_scales is not None and self.row_scales.numel():
             element_max = 448.0 * 6.0 if self.format is WeightFormat.NVFP4 else 448.0
-            bound = float(self.row_scales.abs().max()) * element_max      # one read, at sync
-            self.may_saturate = not bound < torch.finfo(self.dtype).max
+            largest = float(self.row_scales.abs().max())                    # one read, at sync
+            self.may_saturate = not largest * element_max < torch.finfo(self.dtype).max
+            self.fold_exact = largest * 448.0 * 16384.0 < torch.finfo(torch.float32).max
 
     # ---- building ------------------------------------------------------------------------
 
@@ -145,7 +150,8 @@ class LinearWeight:
         shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
         valid. A dequantized copy kept by reference_values() is refreshed in place too."""
         if (other.format is not self.format or other.data.shape != self.data.shape
-                or other.dtype != self.dtype or other.may_saturate != self.may_saturate):
+                or other.dtype != self.dtype or other.may_saturate != self.may_saturate
+                or other.fold_exact != self.fold_exact):
             raise ValueError(f"copy_ needs the same format, shape, dtype and saturation (got "
                              f"{other.format.value} {tuple(other.data.shape)} {other.dtype} "
                              f"saturating={other.may_saturate} for {self.format.value} "

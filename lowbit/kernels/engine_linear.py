@@ -79,10 +79,23 @@ def default_tile(M: int, N: int, K: int, format: WeightFormat) -> dict:
 # ---- decoding ---------------------------------------------------------------------------------
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 codes (int32, 0..15) -> float32 values."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)          # fp16 pattern of value * 2^-14
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+def _e2m1_tiny(code):
+    """E2M1 codes (int32, 0..15) -> float32 values times 2^-14, exactly (see the module doc)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)          # the fp16 pattern of value * 2^-14
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_values(codes, scale, FOLD: tl.constexpr):
+    """e2m1(codes) * scale in float32, rounded once, as LinearWeight.dequantize forms it.
+    FOLD: the 2^14 the decode leaves is folded into the (block) scale, one multiply an
+    element fewer -- the same bits, since scaling by 2^14 is exact and the one rounding is of
+    the same product; the caller folds only where scale * 2^14 cannot overflow."""
+    if FOLD:
+        v = _e2m1_tiny(codes) * scale
+    else:
+        v = (_e2m1_tiny(codes) * 16384.0) * scale
+    return v
 
 
 @triton.jit
@@ -114,7 +127,9 @@ def _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn,
     K read as zeros."""
     if FORMAT == 2:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                              # byte columns
-        ok = n_ok[:, None] & (kb * 2 < K)[None, :]
+        # whole 16-blocks (the codes are padded to them): a mask constant over a block's 8
+        # bytes, so the loads stay vectorized
+        ok = n_ok[:, None] & ((kb // 8) < (K + 15) // 16)[None, :]
         rows = rn.to(tl.int64)[:, None]
         data = tl.load(w_ptr + rows * stride_wn + kb[None, :], mask=ok, other=0)
         scales = tl.load(bs_ptr + rows * stride_bsn + (kb // 8)[None, :], mask=ok, other=0)
@@ -128,7 +143,8 @@ def _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn,
 
 @triton.jit
 def _weight_values(data, scales, row_scale, FORMAT: tl.constexpr, NATIVE_CAST: tl.constexpr,
-                   SATURATE: tl.constexpr, LIMIT: tl.constexpr, dt: tl.constexpr):
+                   SATURATE: tl.constexpr, LIMIT: tl.constexpr, FOLD: tl.constexpr,
+                   dt: tl.constexpr):
     """The weight tile's values in dt, as two tiles: dense and fp8 (BLOCK_N, BLOCK_K) and the
     same again; nvfp4 the even columns (each byte's low code) and the odd ones (its high code),
     (BLOCK_N, BLOCK_K / 2) each -- the caller multiplies them by x's even and odd columns, so
@@ -142,9 +158,11 @@ def _weight_values(data, scales, row_scale, FORMAT: tl.constexpr, NATIVE_CAST: t
             odd = even
         else:
             scale = row_scale[:, None] * _e4m3(scales, NATIVE_CAST)           # tensor * block
+            if FOLD:
+                scale = scale * 16384.0
             codes = data.to(tl.int32)
-            even = _e2m1(codes & 15) * scale
-            odd = _e2m1(codes >> 4) * scale
+            even = _nvfp4_values(codes & 15, scale, FOLD)
+            odd = _nvfp4_values(codes >> 4, scale, FOLD)
         if SATURATE:
             even = _saturate(even, LIMIT)
             odd = _saturate(odd, LIMIT)
@@ -207,7 +225,7 @@ def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res
                    FORMAT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
                    ROW_DIV: tl.constexpr, SATURATE: tl.constexpr, LIMIT: tl.constexpr,
-                   F32_DOT: tl.constexpr, NATIVE_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   FOLD: tl.constexpr, F32_DOT: tl.constexpr, NATIVE_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                    PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
@@ -235,10 +253,11 @@ def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res
             x_rows = out_rows
         acc = _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok,
                         K, stride_xm, stride_x2m, stride_wn, stride_bsn, eps, FORMAT, PROLOGUE,
-                        HAS_X2, SATURATE, LIMIT, F32_DOT, NATIVE_CAST, dt, BLOCK_M, BLOCK_N, BLOCK_K)
+                        HAS_X2, SATURATE, LIMIT, FOLD, F32_DOT, NATIVE_CAST, dt, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
     else:
         acc = _one_row(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride_wn,
-                       stride_bsn, eps, FORMAT, PROLOGUE, HAS_X2, SATURATE, LIMIT, NATIVE_CAST, dt,
+                       stride_bsn, eps, FORMAT, PROLOGUE, HAS_X2, SATURATE, LIMIT, FOLD, NATIVE_CAST, dt,
                        BLOCK_N, BLOCK_K, PDL)
         out_rows = tl.arange(0, 1)
         m_ok = out_rows < 1
@@ -257,7 +276,8 @@ def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res
 def _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok, K,
               stride_xm, stride_x2m, stride_wn, stride_bsn, eps, FORMAT: tl.constexpr,
               PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr, SATURATE: tl.constexpr,
-              LIMIT: tl.constexpr, F32_DOT: tl.constexpr, NATIVE_CAST: tl.constexpr, dt: tl.constexpr,
+              LIMIT: tl.constexpr, FOLD: tl.constexpr, F32_DOT: tl.constexpr,
+              NATIVE_CAST: tl.constexpr, dt: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(BLOCK_M, BLOCK_N) float32 on the tensor cores: each weight tile is decoded once for all
     the tile's rows; the pipeliner keeps several tiles in flight."""
@@ -274,7 +294,7 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, 
         data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn,
                                    FORMAT, BLOCK_N, BLOCK_K)
         w_even, w_odd = _weight_values(data, scales, row_scale, FORMAT, NATIVE_CAST, SATURATE,
-                                       LIMIT, dt)
+                                       LIMIT, FOLD, dt)
         cols, cols_odd = _columns(k0, FORMAT, BLOCK_K)
         # x's values and w's are dt's values exactly, so the products are exact and only the
         # sums round; nvfp4 multiplies x's even and odd columns by the two code tiles
@@ -294,6 +314,60 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, 
 
 
 @triton.jit
+def _nvfp4_raw_3d(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn, BLOCK_K: tl.constexpr):
+    """The one-row tile's NVFP4 bytes at column k0 as (BLOCK_N, BLOCK_K / 16, 8): a block's 8
+    code bytes together (one vector load), and its scale byte beside each of them (the same
+    address 8 times: one load, broadcast in registers, in the layout the codes have)."""
+    rg = tl.arange(0, BLOCK_K // 16)
+    rj = tl.arange(0, 8)
+    kg = k0 // 16 + rg
+    ok = n_ok[:, None, None] & (kg < (K + 15) // 16)[None, :, None]
+    rows = rn.to(tl.int64)[:, None, None]
+    data = tl.load(w_ptr + rows * stride_wn + (kg[:, None] * 8 + rj[None, :])[None], mask=ok, other=0)
+    scales = tl.load(bs_ptr + rows * stride_bsn + kg[None, :, None] + 0 * rj[None, None, :],
+                     mask=ok, other=0)
+    return data, scales
+
+
+@triton.jit
+def _one_row_nvfp4(x_ptrs, x2_ptr, w_ptr, bs_ptr, row_scale, norm_ptr, rstd, rn, n_ok, K,
+                   stride_wn, stride_bsn, PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr,
+                   SATURATE: tl.constexpr, LIMIT: tl.constexpr, FOLD: tl.constexpr,
+                   NATIVE_CAST: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, data, scales):
+    """The one-row tile on packed NVFP4, (BLOCK_N,) float32: tiles of (BLOCK_N, BLOCK_K / 16,
+    8) bytes, each byte's low code against x's even column and its high code against the odd
+    one, the block scale decoded once a block; the first tile (data, scales) is the caller's,
+    each next one fetched while this one multiplies."""
+    G: tl.constexpr = BLOCK_K // 16
+    even = (tl.arange(0, G)[:, None] * 16 + tl.arange(0, 8)[None, :] * 2)[None]      # (1, G, 8)
+    x3 = x_ptrs[:, :, None]
+    rstd3 = rstd[:, :, None]
+    acc = tl.zeros([BLOCK_N, G, 8], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        scale = row_scale[:, None, None] * _e4m3(scales, NATIVE_CAST)       # tensor * block
+        if FOLD:
+            scale = scale * 16384.0
+        codes = data.to(tl.int32)
+        w_even = _nvfp4_values(codes & 15, scale, FOLD)
+        w_odd = _nvfp4_values(codes >> 4, scale, FOLD)
+        if SATURATE:
+            w_even = _saturate(w_even, LIMIT)
+            w_odd = _saturate(w_odd, LIMIT)
+        w_even = w_even.to(dt).to(tl.float32)
+        w_odd = w_odd.to(dt).to(tl.float32)
+        cols = k0 + even
+        acc += w_even * _input_values(x3, cols, cols < K, K, norm_ptr, rstd3, PROLOGUE, dt)
+        acc += w_odd * _input_values(x3, cols + 1, cols + 1 < K, K, norm_ptr, rstd3, PROLOGUE, dt)
+        if HAS_X2:   # RAC's residual: its own exact products, into the same sums
+            acc += w_even * tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += w_odd * tl.load(x2_ptr + cols + 1, mask=cols + 1 < K, other=0.0).to(tl.float32)
+        data, scales = _nvfp4_raw_3d(w_ptr, bs_ptr, rn, n_ok, k0 + BLOCK_K, K, stride_wn,
+                                     stride_bsn, BLOCK_K)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def _dot(xv, w, acc, F32_DOT: tl.constexpr, dt: tl.constexpr):
     """acc + xv @ w^T on the tensor cores: xv (M, k) float32 holding dt's values, w (N, k) dt."""
     if F32_DOT:
@@ -306,14 +380,18 @@ def _dot(xv, w, acc, F32_DOT: tl.constexpr, dt: tl.constexpr):
 @triton.jit
 def _one_row(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride_wn, stride_bsn,
              eps, FORMAT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr,
-             SATURATE: tl.constexpr, LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr, dt: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+             SATURATE: tl.constexpr, LIMIT: tl.constexpr, FOLD: tl.constexpr,
+             NATIVE_CAST: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """(1, BLOCK_N) float32 for one row on the CUDA cores: products accumulate elementwise over
     K and are summed once at the end. Each weight tile is fetched one iteration ahead, the
     first before the wait on the kernel launched before this one (PDL: it does not write the
     weights), so that fetch overlaps that kernel's tail."""
-    data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, 0, K, stride_wn, stride_bsn, FORMAT,
-                               BLOCK_N, BLOCK_K)
+    if FORMAT == 2:
+        data, scales = _nvfp4_raw_3d(w_ptr, bs_ptr, rn, n_ok, 0, K, stride_wn, stride_bsn, BLOCK_K)
+    else:
+        data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, 0, K, stride_wn, stride_bsn, FORMAT,
+                                   BLOCK_N, BLOCK_K)
     row_scale = tl.zeros([BLOCK_N], tl.float32)
     if FORMAT != 0:
         row_scale = tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
@@ -324,27 +402,24 @@ def _one_row(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride
     if PROLOGUE == 1:
         rstd = _row_rstd(x_ptrs, zero == 0, K, eps, 1, BLOCK_K)
     if FORMAT == 2:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+        total = _one_row_nvfp4(x_ptrs, x2_ptr, w_ptr, bs_ptr, row_scale, norm_ptr, rstd, rn, n_ok,
+                               K, stride_wn, stride_bsn, PROLOGUE, HAS_X2, SATURATE, LIMIT, FOLD,
+                               NATIVE_CAST, dt, BLOCK_N, BLOCK_K, data, scales)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w_even, w_odd = _weight_values(data, scales, row_scale, FORMAT, NATIVE_CAST, SATURATE,
-                                       LIMIT, dt)
-        cols, cols_odd = _columns(k0, FORMAT, BLOCK_K)
-        xv = _input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, dt)
-        acc += w_even.to(tl.float32) * xv
-        if HAS_X2:   # RAC's residual: its own exact products, into the same sums
-            acc += w_even.to(tl.float32) * tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if FORMAT == 2:
-            xo = _input_values(x_ptrs, cols_odd, cols_odd < K, K, norm_ptr, rstd, PROLOGUE, dt)
-            acc += w_odd.to(tl.float32) * xo
-            if HAS_X2:
-                acc += w_odd.to(tl.float32) * tl.load(x2_ptr + cols_odd, mask=cols_odd < K,
-                                                      other=0.0).to(tl.float32)
-        # the next tile (past K on the last iteration: all masked, no read)
-        data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0 + BLOCK_K, K, stride_wn, stride_bsn,
-                                   FORMAT, BLOCK_N, BLOCK_K)
-    total = tl.sum(acc, axis=1)
+        for k0 in range(0, K, BLOCK_K):
+            w, _ = _weight_values(data, scales, row_scale, FORMAT, NATIVE_CAST, SATURATE, LIMIT,
+                                  FOLD, dt)
+            cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+            acc += w.to(tl.float32) * _input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd,
+                                                    PROLOGUE, dt)
+            if HAS_X2:   # RAC's residual: its own exact products, into the same sums
+                acc += w.to(tl.float32) * tl.load(x2_ptr + cols, mask=cols < K,
+                                                  other=0.0).to(tl.float32)
+            # the next tile (past K on the last iteration: all masked, no read)
+            data, scales = _weight_raw(w_ptr, bs_ptr, rn, n_ok, k0 + BLOCK_K, K, stride_wn,
+                                       stride_bsn, FORMAT, BLOCK_N, BLOCK_K)
+        total = tl.sum(acc, axis=1)
     return total[None, :]
 
 
@@ -366,7 +441,7 @@ def _weight_args(weight: LinearWeight, x: torch.Tensor) -> dict:
         stride_bsn=bs.stride(-2) if bs is not None else 0,
         stride_bse=bs.stride(0) if bs is not None and bs.dim() == 3 else 0,
         stride_rse=rs.stride(0) if rs is not None and rs.dim() == 2 else 0,
-        FORMAT=_FORMAT[weight.format], SATURATE=weight.may_saturate,
+        FORMAT=_FORMAT[weight.format], SATURATE=weight.may_saturate, FOLD=weight.fold_exact,
         LIMIT=torch.finfo(x.dtype).max, NATIVE_CAST=x.is_cuda and not interpret_mode())
 
 
@@ -429,7 +504,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         FORMAT=wa["FORMAT"], PROLOGUE=_RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE,
         HAS_X2=x2 is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        GROUPED=False, ROW_DIV=1, SATURATE=wa["SATURATE"], LIMIT=wa["LIMIT"],
+        GROUPED=False, ROW_DIV=1, SATURATE=wa["SATURATE"], LIMIT=wa["LIMIT"], FOLD=wa["FOLD"],
         # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
         # float32 the products of dt's values are exact all the same
         F32_DOT=x.dtype == torch.float32 or interpret_mode(), NATIVE_CAST=wa["NATIVE_CAST"], BLOCK_M=block_m,
@@ -500,7 +575,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, tile_expert: torch.Ten
         0, y.stride(0), 0.0, FORMAT=wa["FORMAT"], PROLOGUE=_SILU_MUL if silu_mul else _NONE,
         HAS_X2=x2 is not None,
         HAS_BIAS=False, HAS_RES=False, GROUPED=True, ROW_DIV=row_div, SATURATE=wa["SATURATE"],
-        LIMIT=wa["LIMIT"], F32_DOT=x.dtype == torch.float32 or interpret_mode(), NATIVE_CAST=wa["NATIVE_CAST"],
+        LIMIT=wa["LIMIT"], FOLD=wa["FOLD"], F32_DOT=x.dtype == torch.float32 or interpret_mode(), NATIVE_CAST=wa["NATIVE_CAST"],
         BLOCK_M=block_m, PDL=False, **tile)
     return y
 

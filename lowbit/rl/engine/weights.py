@@ -274,7 +274,8 @@ class EngineWeights:
         if len(mine) != len(theirs) or any(
                 type(a) is not type(b) or (isinstance(a, torch.Tensor) and a.shape != b.shape)
                 or (isinstance(a, LinearWeight) and (a.data.shape != b.data.shape
-                                                     or a.may_saturate != b.may_saturate))
+                                                     or a.may_saturate != b.may_saturate
+                                                     or a.fold_exact != b.fold_exact))
                 for a, b in pairs):
             return False
         for mine, theirs in pairs:
