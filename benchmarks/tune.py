@@ -31,7 +31,8 @@ import sys
 import time
 import traceback
 
-SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "host-overhead", "compile-sm90")
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "engine-sass", "host-overhead",
+          "compile-sm90")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,10 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "packed NVFP4 weights, 1-256 rows of 1.1B and 8B projections, weights "
                             "streamed from HBM, against cuBLAS bf16 and torch._scaled_mm FP8",
              "host-overhead": "host time of one quantized linear's forward + backward per recipe",
+             "engine-sass": "the rollout engine GEMM's sm_90 machine code, compiled on this CPU: "
+                            "instructions per weight in each tile's main loop, and its loads",
              "compile-sm90": "compile every Triton kernel variant for sm_90 on this CPU"}
     for name in SWEEPS:
         p = sub.add_parser(name, help=helps[name], description=helps[name])
-        if name != "compile-sm90":
+        if name not in ("compile-sm90", "engine-sass"):
             p.add_argument("--smoke", action="store_true",
                            help="a few iterations, to check the harness" if name == "host-overhead"
                            else "tiny shapes on the CPU under Triton's interpreter, untimed")
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.sweep == "compile-sm90":
             results = compile_sm90(args.limit)
+            device = "cpu"
+        elif args.sweep == "engine-sass":
+            results = engine_sass()
             device = "cpu"
         elif args.sweep == "host-overhead":
             device = interpreter(args.sweep)
@@ -563,6 +569,71 @@ def sweep_engine_gemm(args, device: str) -> dict:
                   + (f", fp8 scaled_mm {us(row['scaled_mm_fp8_ms'])}" if row.get("scaled_mm_fp8_ms") else "")
                   + f"; fastest nvfp4: {top_text(fastest(timings), 2)}", flush=True)
             results[f"{name} M={m}"] = row
+    return results
+
+
+# ---- engine-sass ---------------------------------------------------------------------------
+
+def engine_sass() -> dict:
+    """lowbit.kernels.engine_linear's tiles compiled for sm_90 on this CPU (no GPU), with the
+    divisibility Triton assumes at run time for 16-aligned pointers and strides, then
+    disassembled with the nvdisasm Triton carries: per tile, the instructions of the main loop
+    per weight element a thread handles in one trip (at one row a tile is instruction-bound
+    above about 4.5 a weight on an H200: 132 SMs x 128 lanes x 1.98 GHz against the bytes
+    a weight costs), and its global loads by width. A lead to a kernel's cost before a GPU
+    times it, not a timing."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lowbit.kernels import engine_linear
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
+    fn = engine_linear._linear_kernel
+    tiles = [("dense", 1, 2, 1024, 4), ("nvfp4", 1, 8, 512, 4), ("nvfp4", 1, 16, 512, 4),
+             ("nvfp4", 1, 8, 256, 4), ("dense", 16, 64, 128, 4), ("nvfp4", 16, 64, 128, 4),
+             ("nvfp4", 16, 32, 256, 4), ("nvfp4", 128, 128, 64, 8)]
+    results = {}
+    for fmt, block_m, block_n, block_k, warps in tiles:
+        fmt_id = {"dense": 0, "nvfp4": 2}[fmt]
+        pointers = {n: "*bf16" for n in ("x_ptr", "x2_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr")}
+        pointers.update(w_ptr="*u8" if fmt_id else "*bf16", bs_ptr="*u8", rs_ptr="*fp32",
+                        tile_expert_ptr="*i32", row_ids_ptr="*i32")
+        constants = dict(FORMAT=fmt_id, PROLOGUE=0, HAS_X2=False, HAS_BIAS=False, HAS_RES=False,
+                         GROUPED=False, ROW_DIV=1, SATURATE=False, LIMIT=3.38e38, FOLD=True,
+                         F32_DOT=False, NATIVE_CAST=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, USE_DOT=block_m > 1, PDL=False)
+        signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name,
+                     "fp32" if p.name == "eps" else "i32") for p in fn.params}
+        names = list(signature)
+        aligned = [n for n in names if n.endswith("_ptr") or n in ("M", "N", "K") or n.startswith("stride")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        kernel = triton.compile(ASTSource(fn, signature, constants, attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+        loop = 0
+        for label in set(re.findall(r"BRA `\((\.L_x_\d+)\)", text)):
+            start, end = text.find(label + ":"), text.find("BRA `(" + label + ")")
+            if 0 <= start < end:
+                loop = max(loop, len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end])))
+        per_trip = block_n * block_k / (32 * warps)            # weights a thread decodes a trip
+        loads = collections.Counter(re.findall(r"\b(LDG[.A-Z0-9]*|LDGSTS[.A-Z0-9]*)", text))
+        label = f"{fmt} {block_m}x{block_n}x{block_k} w{warps}"
+        results[label] = {"loop_instructions": loop, "weights_per_thread": per_trip,
+                          "per_weight": loop / per_trip, "loads": dict(loads)}
+        print(f"{label:28} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
+              f"{loop / per_trip:5.1f} a weight; loads {dict(loads)}", flush=True)
     return results
 
 
