@@ -315,17 +315,18 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, 
 
 @triton.jit
 def _nvfp4_raw_3d(w_ptr, bs_ptr, rn, n_ok, k0, K, stride_wn, stride_bsn, BLOCK_K: tl.constexpr):
-    """The one-row tile's NVFP4 bytes at column k0 as (BLOCK_N, BLOCK_K / 16, 8): a block's 8
-    code bytes together (one vector load), and its scale byte beside each of them (the same
-    address 8 times: one load, broadcast in registers, in the layout the codes have)."""
+    """The one-row tile's NVFP4 bytes at column k0: codes (BLOCK_N, BLOCK_K / 16, 8), a block's
+    8 code bytes together (one vector load), and block scales (BLOCK_N, BLOCK_K / 16), decoded
+    once a block and broadcast over its bytes."""
     rg = tl.arange(0, BLOCK_K // 16)
     rj = tl.arange(0, 8)
     kg = k0 // 16 + rg
     ok = n_ok[:, None, None] & (kg < (K + 15) // 16)[None, :, None]
-    rows = rn.to(tl.int64)[:, None, None]
-    data = tl.load(w_ptr + rows * stride_wn + (kg[:, None] * 8 + rj[None, :])[None], mask=ok, other=0)
-    scales = tl.load(bs_ptr + rows * stride_bsn + kg[None, :, None] + 0 * rj[None, None, :],
-                     mask=ok, other=0)
+    rows = rn.to(tl.int64)
+    data = tl.load(w_ptr + rows[:, None, None] * stride_wn + (kg[:, None] * 8 + rj[None, :])[None],
+                   mask=ok, other=0)
+    scales = tl.load(bs_ptr + rows[:, None] * stride_bsn + kg[None, :],
+                     mask=n_ok[:, None] & (kg < (K + 15) // 16)[None, :], other=0)
     return data, scales
 
 
@@ -345,9 +346,10 @@ def _one_row_nvfp4(x_ptrs, x2_ptr, w_ptr, bs_ptr, row_scale, norm_ptr, rstd, rn,
     rstd3 = rstd[:, :, None]
     acc = tl.zeros([BLOCK_N, G, 8], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        scale = row_scale[:, None, None] * _e4m3(scales, NATIVE_CAST)       # tensor * block
+        scale = row_scale[:, None] * _e4m3(scales, NATIVE_CAST)             # tensor * block
         if FOLD:
             scale = scale * 16384.0
+        scale = scale[:, :, None]
         codes = data.to(tl.int32)
         w_even = _nvfp4_values(codes & 15, scale, FOLD)
         w_odd = _nvfp4_values(codes >> 4, scale, FOLD)
