@@ -157,18 +157,31 @@ def _weight_values(data, scales, row_scale, FORMAT: tl.constexpr, NATIVE_CAST: t
             even = _e4m3(data, NATIVE_CAST) * row_scale[:, None]
             odd = even
         else:
-            scale = row_scale[:, None] * _e4m3(scales, NATIVE_CAST)           # tensor * block
-            if FOLD:
-                scale = scale * 16384.0
-            codes = data.to(tl.int32)
-            even = _nvfp4_values(codes & 15, scale, FOLD)
-            odd = _nvfp4_values(codes >> 4, scale, FOLD)
+            even, odd = _nvfp4_pair(data, _block_scale(row_scale, scales, FOLD, NATIVE_CAST), FOLD)
         if SATURATE:
             even = _saturate(even, LIMIT)
             odd = _saturate(odd, LIMIT)
         even = even.to(dt)
         odd = odd.to(dt)
     return even, odd
+
+
+@triton.jit
+def _block_scale(row_scale, scales, FOLD: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """(BLOCK_N, n) float32 tensor scale times E4M3 block scale (QTensor's order), times 2^14
+    where FOLD (see _nvfp4_values)."""
+    scale = row_scale[:, None] * _e4m3(scales, NATIVE_CAST)
+    if FOLD:
+        scale = scale * 16384.0
+    return scale
+
+
+@triton.jit
+def _nvfp4_pair(data, scale, FOLD: tl.constexpr):
+    """NVFP4 bytes -> float32 values of their low codes (even columns) and high codes (odd),
+    scale broadcast against data."""
+    codes = data.to(tl.int32)
+    return _nvfp4_values(codes & 15, scale, FOLD), _nvfp4_values(codes >> 4, scale, FOLD)
 
 
 @triton.jit
@@ -346,13 +359,8 @@ def _one_row_nvfp4(x_ptrs, x2_ptr, w_ptr, bs_ptr, row_scale, norm_ptr, rstd, rn,
     rstd3 = rstd[:, :, None]
     acc = tl.zeros([BLOCK_N, G, 8], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        scale = row_scale[:, None] * _e4m3(scales, NATIVE_CAST)             # tensor * block
-        if FOLD:
-            scale = scale * 16384.0
-        scale = scale[:, :, None]
-        codes = data.to(tl.int32)
-        w_even = _nvfp4_values(codes & 15, scale, FOLD)
-        w_odd = _nvfp4_values(codes >> 4, scale, FOLD)
+        scale = _block_scale(row_scale, scales, FOLD, NATIVE_CAST)[:, :, None]   # once a block
+        w_even, w_odd = _nvfp4_pair(data, scale, FOLD)
         if SATURATE:
             w_even = _saturate(w_even, LIMIT)
             w_odd = _saturate(w_odd, LIMIT)
