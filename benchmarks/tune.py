@@ -597,7 +597,7 @@ def engine_sass() -> dict:
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
-    fn = engine_linear._linear_kernel
+    fn = engine_linear.engine_linear_kernel
     tiles = [("dense", 1, 2, 1024, 4), ("nvfp4", 1, 8, 512, 4), ("nvfp4", 1, 16, 512, 4),
              ("nvfp4", 1, 8, 256, 4), ("dense", 16, 64, 128, 4), ("nvfp4", 16, 64, 128, 4),
              ("nvfp4", 16, 32, 256, 4), ("nvfp4", 128, 128, 64, 8)]

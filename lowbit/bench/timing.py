@@ -58,8 +58,8 @@ _CATEGORIES = (
     # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("fp8 gemm", ("f8", "fp8", "e4m3", "_qqtst_")),   # nvjet's FP8 kernels: nvjet_sm90_qqtst_*
-    # triton_tem_*: inductor's GEMM templates (max-autotune), epilogues fused in; _linear_kernel:
-    # lowbit.kernels.decode's GEMV, prologue and epilogue fused in
+    # triton_tem_*: inductor's GEMM templates (max-autotune), epilogues fused in;
+    # engine_linear_kernel: lowbit.kernels.engine_linear's GEMM, prologue and epilogue fused in
     ("gemm (bf16/fp32)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "ampere_", "cublas", "triton_tem",
                           "_linear_kernel",
                           "aten::linear", "aten::mm", "aten::addmm")),   # the last: CPU operators

@@ -87,12 +87,13 @@ def _rotate(x_ptr, offs, rd, ok, D, norm_ptr, norm_offs, eps, cos, sin,
 
 
 @triton.jit
-def _split_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, out_ptr,
-                  m_ptr, l_ptr, acc_ptr, stride_qkv, stride_kb, stride_kh, stride_kl, stride_out,
-                  stride_rope, L, chunk, splits, sm_scale, eps,
-                  H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-                  DIRECT: tl.constexpr, F32_DOT: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def _decode_attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, out_ptr,
+                             m_ptr, l_ptr, acc_ptr, stride_qkv, stride_kb, stride_kh, stride_kl,
+                             stride_out, stride_rope, L, chunk, splits, sm_scale, eps,
+                             H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                             QK_NORM: tl.constexpr, DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PDL: tl.constexpr):
     dt = qkv_ptr.dtype.element_ty
     G: tl.constexpr = H // KV
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -161,9 +162,9 @@ def _split_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ou
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_out, splits,
-                    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _decode_attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_out, splits,
+                                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, query head): the partials merged, rescaled to their common max."""
     wait_for_inputs(PDL)     # every partial is the split kernel's to write
     b, h = tl.program_id(0), tl.program_id(1)
@@ -246,7 +247,7 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                   torch.empty(B, H, splits, D, device=qkv.device)))
     BLOCK_D = max(16, triton.next_power_of_2(D))          # tl.dot takes 16 or more
     launch = pdl_launch(pdl, qkv.device)
-    _split_kernel[(B, KV, splits)](
+    _decode_attention_kernel[(B, KV, splits)](
         qkv, qk_norm.contiguous() if qk_norm is not None else qkv, cos, sin_signed, positions,
         k_cache, v_cache, out, m, l, acc, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), cos.stride(0), L, triton.cdiv(L, splits), splits,
@@ -260,7 +261,8 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         # float32: no fused multiply-add where the eager ops round a product (RoPE)
         enable_fp_fusion=qkv.dtype != torch.float32, **launch)
     if not direct:
-        _combine_kernel[(B, H)](m, l, acc, out, out.stride(0), splits, H=H, D=D,
-                                BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D,
-                                num_warps=4, **launch)
+        _decode_attention_combine_kernel[(B, H)](
+            m, l, acc, out, out.stride(0), splits, H=H, D=D,
+            BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D, num_warps=4,
+            **launch)
     return out

@@ -47,7 +47,8 @@ from lowbit.formats.linear_weight import LinearWeight, WeightFormat
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.launch import pdl_launch, wait_for_inputs
 
-__all__ = ["linear", "grouped_linear", "moe_align", "default_tile", "MAX_ROWS", "GROUP_BLOCK_M"]
+__all__ = ["linear", "grouped_linear", "moe_align", "default_tile", "engine_linear_kernel", "MAX_ROWS",
+           "GROUP_BLOCK_M"]
 
 MAX_ROWS = 1 << 20
 """The most rows one call takes (prefill of a batch included)."""
@@ -232,15 +233,15 @@ def _row_rstd(x_ptrs, row_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr)
 # ---- the kernel ---------------------------------------------------------------------------------
 
 @triton.jit
-def _linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr,
-                   tile_expert_ptr, row_ids_ptr, M, N, K, stride_xm, stride_x2m, stride_wn,
-                   stride_we, stride_bsn, stride_bse, stride_rse, stride_rm, stride_ym, eps,
-                   FORMAT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
-                   ROW_DIV: tl.constexpr, SATURATE: tl.constexpr, LIMIT: tl.constexpr,
-                   FOLD: tl.constexpr, F32_DOT: tl.constexpr, NATIVE_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                   PDL: tl.constexpr):
+def engine_linear_kernel(x_ptr, x2_ptr, w_ptr, bs_ptr, rs_ptr, bias_ptr, norm_ptr, res_ptr, y_ptr,
+                          tile_expert_ptr, row_ids_ptr, M, N, K, stride_xm, stride_x2m, stride_wn,
+                          stride_we, stride_bsn, stride_bse, stride_rse, stride_rm, stride_ym, eps,
+                          FORMAT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
+                          ROW_DIV: tl.constexpr, SATURATE: tl.constexpr, LIMIT: tl.constexpr,
+                          FOLD: tl.constexpr, F32_DOT: tl.constexpr, NATIVE_CAST: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_DOT: tl.constexpr, PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     # the tensor-core grid: (row tiles, column tiles); the one-row grid: (column tiles,) --
     # row tiles on axis 0, which takes 2^31 - 1 programs (axis 1 takes 65535)
@@ -506,7 +507,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
             else (triton.cdiv(N, tile["BLOCK_N"]),))
     if not tile["USE_DOT"] and M != 1:
         raise ValueError("the CUDA-core tile (USE_DOT False) takes one row")
-    _linear_kernel[grid](
+    engine_linear_kernel[grid](
         x, x2 if x2 is not None else x, wa["w"], wa["bs"], wa["rs"],
         bias if bias is not None else y, norm.contiguous() if norm is not None else y,
         residual if residual is not None else y, y, y, y, M, N, K, x.stride(0),
@@ -578,7 +579,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, tile_expert: torch.Ten
                           "num_stages": 3}))
     tile.pop("BLOCK_M", None)
     wa = _weight_args(weight, x)
-    _linear_kernel[(tile_expert.numel(), triton.cdiv(N, tile["BLOCK_N"]))](
+    engine_linear_kernel[(tile_expert.numel(), triton.cdiv(N, tile["BLOCK_N"]))](
         x, x2 if x2 is not None else x, wa["w"], wa["bs"], wa["rs"], y, y, y, y,
         tile_expert, row_ids, n_rows, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0,
         wa["stride_wn"], wa["stride_we"], wa["stride_bsn"], wa["stride_bse"], wa["stride_rse"],

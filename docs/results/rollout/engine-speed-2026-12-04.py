@@ -1,5 +1,9 @@
-"""Development timing of the rollout engine per mode and batch (a scratch script; the numbers
-that land in docs come from `lowbit bench rollout`)."""
+"""The script that measured engine-speed-llama-1.1b-2026-12-04.json (one H200, 2026-12-04):
+the rollout engine's decode steps/s per precision mode and batch on TinyLlama-1.1B's shape.
+The code is as it ran; `lowbit bench rollout` now measures the same quantities and more.
+
+    PYTHONPATH=. python docs/results/rollout/engine-speed-2026-12-04.py OUT.json [MODES] [BATCHES]
+"""
 import json, sys, time, statistics
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
