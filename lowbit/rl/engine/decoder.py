@@ -4,7 +4,7 @@ inference on the engine's weights and cache.
     logits = decoder.prefill(tokens, lengths)          # (B, T) right-padded prompts -> (B, V)
     logits = decoder.decode(tokens, positions)         # (B,) one token per row -> (B, V)
 
-A decode step is, per layer (five GEMM / attention launches on the kernels):
+A decode step is, per layer (at one row in bf16 and W4A16, five launches on the kernels):
 
     qkv = W_qkv(x, norm=ln_1)                          # RMSNorm prologue
     y   = decode_attention(qkv, cache, positions)      # q/k norm, RoPE, cache write, attention
