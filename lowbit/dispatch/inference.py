@@ -122,8 +122,7 @@ def fp8_linear(codes: torch.Tensor, scale: torch.Tensor, weight: LinearWeight,
         y = torch._scaled_mm(codes, w.t(), scale_a=scale, scale_b=weight.row_scales[None, :],
                              out_dtype=dtype)
     else:
-        x = (codes.to(torch.float32) * scale).to(dtype)          # exact: E4M3 times 2^e
-        y = F.linear(x, weight.reference_values())
+        y = F.linear(reference_activations.fp8_values(codes, scale, dtype), weight.reference_values())
     if bias is not None:
         y = y + bias
     return y if residual is None else residual + y

@@ -46,7 +46,7 @@ from lowbit.formats.elements import e8m0_to_float
 from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec
 from lowbit.formats.spec import QuantSpec
 
-__all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_row_spec", "rac_channel_count",
+__all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
            "rac_residual", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
@@ -104,6 +104,12 @@ def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"per_token_fp8 takes (N, K) rows, got shape {tuple(x.shape)}")
     q = quantize_with_spec(x, fp8_row_spec(x.shape[-1]))
     return q.codes.view(torch.float8_e4m3fn), e8m0_to_float(q.scales)
+
+
+def fp8_values(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of per_token_fp8's (codes, scale) in `dtype`: E4M3 times a power of two,
+    formed in float32 (exact) and rounded once."""
+    return (codes.to(torch.float32) * scale).to(dtype)
 
 
 def rac_channel_count(k: int, ratio: float) -> int:

@@ -48,11 +48,12 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
-import torch.nn.functional as F
 
 from lowbit import dispatch
+from lowbit.dispatch import inference
 from lowbit.formats import QTensor, QuantSpec
-from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4, rac_residual
+from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4
+from lowbit.formats.linear_weight import LinearWeight
 
 __all__ = ["Precision", "parse_precision", "weight_spec", "quantize_weight",
            "quantize_activation", "rac_linear"]
@@ -112,9 +113,6 @@ def rac_linear(x: torch.Tensor, weight_values: torch.Tensor, ratio: float) -> to
     """The reference W4A4 GEMM with RAC: Y = Q(X) W^T + r_hat W^T with W = weight_values
     (out, K), the engine's dequantized FP4 weight, Q the per-token NVFP4 quantizer and r_hat
     RAC's per-token compensated residual; x (N, K) -> (N, out)."""
-    xq = per_token_nvfp4(x)
-    if ratio <= 0:
-        return F.linear(xq, weight_values)
-    # both products in one sum, rounded once: one GEMM over [Q(X) | r_hat] and [W | W]
-    return F.linear(torch.cat([xq, rac_residual(x, xq, ratio)], dim=-1),
-                    torch.cat([weight_values, weight_values], dim=-1))
+    # the engine's own reference path: both products in one sum, rounded once
+    x_hat, r_hat = inference.quantize_activations(x, "nvfp4", ratio, use_kernels=False)
+    return inference.linear(x_hat, LinearWeight.dense(weight_values), x2=r_hat, use_kernels=False)

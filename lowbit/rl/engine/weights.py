@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.dispatch import inference
+from lowbit.formats.activations import fp8_values
 from lowbit.formats.linear_weight import LinearWeight
 from lowbit.models.config import ModelConfig
 from lowbit.rl.precision import Precision, quantize_weight
@@ -177,7 +178,7 @@ class EngineExperts:
 def _fp8_values(x: torch.Tensor, silu_mul: bool = False, use_kernels: bool = True) -> torch.Tensor:
     """The per-token FP8 activation's values in x's dtype (E4M3 times a power of two: exact)."""
     codes, scale = inference.quantize_activations(x, "fp8", silu_mul=silu_mul, use_kernels=use_kernels)
-    return (codes.to(torch.float32) * scale).to(x.dtype)
+    return fp8_values(codes, scale, x.dtype)
 
 
 class EngineLayer:
