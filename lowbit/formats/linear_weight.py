@@ -161,8 +161,8 @@ class LinearWeight:
                              (self.row_scales, other.row_scales)):
             if mine is not None:
                 mine.copy_(theirs)
-        if self._values is not None:
-            self._values.copy_(other.dequantize())
+        if self._values is not None:   # other's, where it made them already
+            self._values.copy_(other._values if other._values is not None else other.dequantize())
 
     def reference_values(self) -> torch.Tensor:
         """dequantize(), kept after the first call: the operand of a reference GEMM that runs
