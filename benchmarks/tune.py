@@ -501,24 +501,22 @@ def sweep_engine_gemm(args, device: str) -> dict:
     import torch.nn.functional as F
 
     from lowbit.formats import QuantSpec, quantize_with_spec
-    from lowbit.formats.linear_weight import LinearWeight, WeightFormat
+    from lowbit.formats.linear_weight import LinearWeight
     from lowbit.kernels import engine_linear
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [("1.1b q|k|v", 2560, 2048), ("1.1b o", 2048, 2048), ("1.1b gate|up", 11264, 2048),
-              ("1.1b down", 2048, 5632), ("8b gate|up", 28672, 4096), ("8b down", 4096, 14336)]
+              ("1.1b down", 2048, 5632), ("0.6b q|k|v", 4096, 1024), ("0.6b down", 1024, 3072),
+              ("8b gate|up", 28672, 4096), ("8b down", 4096, 14336)]
     rows = tuple(int(r) for r in args.rows.split(","))
-    one_row = [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": False, "num_warps": w}
-               for bn, bk, w in itertools.product((4, 8, 16), (256, 512), (4, 8))]
-    dot = [{"BLOCK_N": bn, "BLOCK_K": bk, "USE_DOT": True, "num_warps": w, "num_stages": st}
-           for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
+    sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
+             for bn, sk, w, st in itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (3, 4))]
     if args.default_tiles:
-        one_row, dot = [], []
+        sweep = []
     if args.smoke:
         shapes, rows = [("smoke", 48, 96)], (1, 3)
-        one_row = [{"BLOCK_N": 8, "BLOCK_K": 32, "USE_DOT": False, "num_warps": 4}]
-        dot = [{"BLOCK_N": 16, "BLOCK_K": 32, "USE_DOT": True, "num_warps": 4}]
+        sweep = [{"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}]
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for name, n, k in shapes:
@@ -528,6 +526,9 @@ def sweep_engine_gemm(args, device: str) -> dict:
                   for _ in range(copies)]
         spec = QuantSpec.make("nvfp4", (1, 16))
         packed = [LinearWeight.from_qtensors([quantize_with_spec(w, spec)], dtype) for w in master]
+        for w in packed:
+            w.tiles()      # the NVFP4 kernel's layout, made at sync: not timed
+        tiles_k = packed[0].tiles().tiles_k
         fp8 = None
         if device == "cuda":
             f8 = [quantize_with_spec(w, QuantSpec.make("mxfp8_e4m3", (1, k), "rceil")) for w in master]
@@ -539,13 +540,13 @@ def sweep_engine_gemm(args, device: str) -> dict:
             def per_call(fn, count):
                 ms = gpu_ms(fn, device)
                 return None if ms is None else ms / count
-            expected = F.linear(x, packed[0].dequantize()).float()
+            expected = F.linear(x.float(), packed[0].reference_values())
             row = {"N": n, "K": k, "M": m, "nvfp4_bytes": packed[0].nbytes, "dense_bytes": dense_bytes,
                    "cublas_ms": per_call(lambda: [F.linear(x, w) for w in dense_copies], len(dense_copies)),
                    "dense_kernel_ms": per_call(lambda: [engine_linear.linear(x, LinearWeight.dense(w))
                                                         for w in dense_copies], len(dense_copies)),
                    "default_ms": per_call(lambda: [engine_linear.linear(x, w) for w in packed], copies),
-                   "default": str(engine_linear.default_tile(m, n, k, WeightFormat.NVFP4))}
+                   "default": str(engine_linear.nvfp4_tile(m, n, tiles_k))}
             if fp8 is not None and k % 16 == 0 and n % 16 == 0:
                 xq = x.to(torch.float8_e4m3fn)
                 scale_a = torch.ones(m, 1, device=dev)
@@ -553,8 +554,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
                     xq, w.data.view(torch.float8_e4m3fn).t(), scale_a=scale_a,
                     scale_b=w.row_scales[None, :], out_dtype=dtype) for w in fp8], copies)
             timings = {}
-            for tile in (one_row if m == 1 else []) + [dict(t, BLOCK_M=max(16, min(128, 1 << (m - 1).bit_length())))
-                                                       for t in dot]:
+            for tile in [dict(t, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64) for t in sweep]:
                 def run(tile=tile):
                     out = engine_linear.linear(x, packed[0], tile=tile).float()
                     same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
@@ -597,24 +597,29 @@ def engine_sass() -> dict:
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
-    fn = engine_linear.engine_linear_kernel
-    tiles = [("dense", 1, 2, 1024, 4), ("nvfp4", 1, 8, 512, 4), ("nvfp4", 1, 16, 512, 4),
-             ("nvfp4", 1, 8, 256, 4), ("dense", 16, 64, 128, 4), ("nvfp4", 16, 64, 128, 4),
-             ("nvfp4", 16, 32, 256, 4), ("nvfp4", 128, 128, 64, 8)]
+    dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, engine_linear.nvfp4_linear_kernel
+    # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
+    tiles = [("dense", 1, 2, 1024, 1, 4), ("dense", 16, 64, 128, 1, 4),
+             ("nvfp4", 16, 64, 128, 1, 4), ("nvfp4", 16, 64, 128, 4, 4), ("nvfp4", 16, 128, 128, 4, 4),
+             ("nvfp4", 32, 64, 128, 4, 4), ("nvfp4", 64, 128, 128, 1, 4)]
     results = {}
-    for fmt, block_m, block_n, block_k, warps in tiles:
-        fmt_id = {"dense": 0, "nvfp4": 2}[fmt]
-        pointers = {n: "*bf16" for n in ("x_ptr", "x2_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr")}
-        pointers.update(w_ptr="*u8" if fmt_id else "*bf16", bs_ptr="*u8", rs_ptr="*fp32",
+    for fmt, block_m, block_n, block_k, split, warps in tiles:
+        fn = dense_fn if fmt == "dense" else nvfp4_fn
+        pointers = {n: "*bf16" for n in ("x_ptr", "x2_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr", "w_ptr")}
+        pointers.update(wq_ptr="*i32", ws_ptr="*bf16", rs_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
                         tile_expert_ptr="*i32", row_ids_ptr="*i32")
-        constants = dict(FORMAT=fmt_id, PROLOGUE=0, HAS_X2=False, HAS_BIAS=False, HAS_RES=False,
-                         GROUPED=False, ROW_DIV=1, SATURATE=False, LIMIT=3.38e38, FOLD=True,
-                         F32_DOT=False, NATIVE_CAST=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_K=block_k, USE_DOT=block_m > 1, PDL=False)
+        if fmt == "dense":
+            constants = dict(FORMAT=0, PROLOGUE=0, HAS_X2=False, HAS_BIAS=False, HAS_RES=False,
+                             GROUPED=False, ROW_DIV=1, SATURATE=False, LIMIT=3.38e38, F32_DOT=False,
+                             NATIVE_CAST=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                             USE_DOT=block_m > 1, PDL=False)
+        else:
+            constants = dict(HAS_X2=False, HAS_BIAS=False, HAS_RES=False, GROUPED=False, ROW_DIV=1,
+                             ASM=True, F32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split)
         signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name,
                      "fp32" if p.name == "eps" else "i32") for p in fn.params}
         names = list(signature)
-        aligned = [n for n in names if n.endswith("_ptr") or n in ("M", "N", "K") or n.startswith("stride")]
+        aligned = [n for n in names if n.endswith("_ptr") or n in ("N", "K") or n.startswith("stride")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton.compile(ASTSource(fn, signature, constants, attrs),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
@@ -629,10 +634,10 @@ def engine_sass() -> dict:
                 loop = max(loop, len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end])))
         per_trip = block_n * block_k / (32 * warps)            # weights a thread decodes a trip
         loads = collections.Counter(re.findall(r"\b(LDG[.A-Z0-9]*|LDGSTS[.A-Z0-9]*)", text))
-        label = f"{fmt} {block_m}x{block_n}x{block_k} w{warps}"
+        label = f"{fmt} {block_m}x{block_n}x{block_k}" + (f" split {split}" if fmt == "nvfp4" else "") + f" w{warps}"
         results[label] = {"loop_instructions": loop, "weights_per_thread": per_trip,
                           "per_weight": loop / per_trip, "loads": dict(loads)}
-        print(f"{label:28} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
+        print(f"{label:34} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
               f"{loop / per_trip:5.1f} a weight; loads {dict(loads)}", flush=True)
     return results
 
@@ -759,7 +764,7 @@ def compile_sm90(limit: int | None = None) -> dict:
             value = bound[p.name] if p.name in bound else p.default
             if p.is_constexpr:
                 signature[p.name] = "constexpr"
-                constants[p.name] = True if p.name == "NATIVE_CAST" else value
+                constants[p.name] = True if p.name in ("NATIVE_CAST", "ASM") else value   # the GPU's
             elif isinstance(value, torch.Tensor):
                 signature[p.name] = "*" + types[value.dtype]
             elif isinstance(value, bool):

@@ -120,6 +120,8 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
                 assert got_r is None
             else:
                 assert same_bits(got_r, rac_residual(inp, x_hat, ratio)), (k, ratio)
+        plain, nothing = quantize_activations(x, "none", **kw)     # the prologue alone
+        assert same_bits(plain, inp) and nothing is None, k
         codes, scale = quantize_activations(x, "fp8", **kw)
         ref_codes, ref_scale = per_token_fp8(inp)
         assert codes.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)

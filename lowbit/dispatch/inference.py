@@ -69,7 +69,11 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     dense_prefill = (weight.format is WeightFormat.DENSE and x.is_cuda
                      and x.shape[0] > DENSE_KERNEL_MAX_ROWS)
     if use_inference_kernels(x, use_kernels) and not dense_prefill:
-        from lowbit.kernels import engine_linear
+        from lowbit.kernels import activation_quant, engine_linear
+        if (weight.format is WeightFormat.NVFP4 and (norm is not None or silu_mul)
+                and weight.in_features > activation_quant.MAX_K):
+            # rows longer than the activation pass holds: the NVFP4 kernel's prologue in torch
+            x, norm, silu_mul = prologue(x, norm, eps, silu_mul), None, False
         return engine_linear.linear(x, weight, bias, x2=x2, norm=norm, eps=eps, silu_mul=silu_mul,
                                     residual=residual, pdl=pdl)
     y = _gemm(prologue(x, norm, eps, silu_mul), x2, weight.reference_values())
@@ -80,10 +84,12 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
 
 def _gemm(x: torch.Tensor, x2: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T, or with RAC's residual x2 (x + x2) @ w^T as the kernel forms it: both products
-    exact in one float32 sum, rounded once (one GEMM over [x | x2] and [w | w])."""
-    if x2 is None:
-        return F.linear(x, w)
-    return F.linear(torch.cat([x, x2], dim=-1), torch.cat([w, w], dim=-1))
+    exact in one float32 sum, rounded once (one GEMM over [x | x2] and [w | w]). w: a weight's
+    reference_values -- in x's dtype, or float32 for NVFP4, which multiplies in float32 and
+    rounds once to x's dtype."""
+    if x2 is not None:
+        x, w = torch.cat([x, x2], dim=-1), torch.cat([w, w], dim=-1)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,

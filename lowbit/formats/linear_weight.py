@@ -19,8 +19,13 @@ FP32 tensor scale becomes the row scale of each of its rows, so parts quantized 
 GEMM; an FP8 row's scale is its E8M0 block scale (one block spans the row) as a float.
 
 Values, in float32 and then rounded once to the compute dtype, in QTensor.dequantize's order:
-nvfp4 `e2m1(code) * (row_scale * e4m3(block_scale))`, fp8 `e4m3(code) * row_scale`. A GEMM
-kernel that forms the same products multiplies exactly the dequantized weight.
+nvfp4 `e2m1(code) * (row_scale * e4m3(block_scale))`, fp8 `e4m3(code) * row_scale`.
+
+What a GEMM on the weight multiplies (`reference_values`): dense and FP8, the dequantized
+values (FP8's are exact in the compute dtype); NVFP4, its exact values in float32 -- an NVFP4
+GEMM multiplies e2m1 * e4m3 * tensor_scale with exact products and float32 sums, as FP4 tensor
+cores do (lowbit.kernels.engine_linear, on the tiles made by `tiles()`), not the weight rounded
+to the compute dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from enum import Enum
 import torch
 
 from lowbit.formats.elements import E2M1, E4M3, decode, e8m0_to_float, unpack_codes
+from lowbit.formats.nvfp4_tiles import NVFP4Tiles, nvfp4_tiles
 from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import ScaleKind
 
@@ -60,19 +66,15 @@ class LinearWeight:
     saturates (False when every row scale times the format's largest element is below it, so
     a kernel may skip the clamp)."""
 
-    fold_exact: bool = field(init=False)
-    """Every row scale times the largest E4M3 block scale times 2^14 is a finite float32, so a
-    kernel may fold its E2M1 decode's 2^-14 into the block scale (lowbit.kernels.engine_linear)."""
     _values: torch.Tensor | None = field(init=False, default=None, repr=False)
+    _tiles: NVFP4Tiles | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.may_saturate = False
-        self.fold_exact = True
         if self.row_scales is not None and self.row_scales.numel():
             element_max = 448.0 * 6.0 if self.format is WeightFormat.NVFP4 else 448.0
             largest = float(self.row_scales.abs().max())                    # one read, at sync
             self.may_saturate = not largest * element_max < torch.finfo(self.dtype).max
-            self.fold_exact = largest * 448.0 * 16384.0 < torch.finfo(torch.float32).max
 
     # ---- building ------------------------------------------------------------------------
 
@@ -148,10 +150,9 @@ class LinearWeight:
     def copy_(self, other: "LinearWeight") -> None:
         """Take other's stored weight into this one's tensors, in place (the same format and
         shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
-        valid. A dequantized copy kept by reference_values() is refreshed in place too."""
+        valid. What was made from it -- reference_values(), tiles() -- is refreshed in place too."""
         if (other.format is not self.format or other.data.shape != self.data.shape
-                or other.dtype != self.dtype or other.may_saturate != self.may_saturate
-                or other.fold_exact != self.fold_exact):
+                or other.dtype != self.dtype or other.may_saturate != self.may_saturate):
             raise ValueError(f"copy_ needs the same format, shape, dtype and saturation (got "
                              f"{other.format.value} {tuple(other.data.shape)} {other.dtype} "
                              f"saturating={other.may_saturate} for {self.format.value} "
@@ -162,15 +163,39 @@ class LinearWeight:
             if mine is not None:
                 mine.copy_(theirs)
         if self._values is not None:   # other's, where it made them already
-            self._values.copy_(other._values if other._values is not None else other.dequantize())
+            self._values.copy_(other._values if other._values is not None else other._gemm_values())
+        if self._tiles is not None:
+            self._tiles.copy_(other._tiles if other._tiles is not None else other._make_tiles())
 
     def reference_values(self) -> torch.Tensor:
-        """dequantize(), kept after the first call: the operand of a reference GEMM that runs
-        many times on one weight (a kernel that reads the stored form never asks for it, so
-        no dequantized copy is made there)."""
+        """What a GEMM on this weight multiplies (the module doc): dequantize(), or for NVFP4
+        its exact values in float32 (e2m1 * e4m3, exact, times the tensor scale: one rounding,
+        as the kernel's); kept after the first call, as the operand of a reference
+        GEMM that runs many times on one weight (a kernel that reads the stored form never
+        asks for it, so no dequantized copy is made there)."""
         if self._values is None:
-            self._values = self.dequantize()
+            self._values = self._gemm_values()
         return self._values
+
+    def _gemm_values(self) -> torch.Tensor:
+        if self.format is not WeightFormat.NVFP4:
+            return self.dequantize()
+        # e2m1 * e4m3 is exact in float32; times the tensor scale, rounded once
+        codes = unpack_codes(self.data, E2M1.code_bits)[..., :self.in_features]
+        blocks = self.block_scales.to(torch.float32).repeat_interleave(16, dim=-1)
+        return (decode(codes, E2M1) * blocks[..., :self.in_features]) * self.row_scales[..., None]
+
+    def tiles(self) -> NVFP4Tiles:
+        """An NVFP4 weight re-laid for the tensor-core GEMM (lowbit.formats.nvfp4_tiles), made
+        on the first call and refreshed in place by copy_."""
+        if self.format is not WeightFormat.NVFP4:
+            raise ValueError(f"tiles() re-lays NVFP4 weights (this one is {self.format.value})")
+        if self._tiles is None:
+            self._tiles = self._make_tiles()
+        return self._tiles
+
+    def _make_tiles(self) -> NVFP4Tiles:
+        return nvfp4_tiles(self.data, self.block_scales, self.row_scales, self.in_features)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(.., N, K) in `dtype` (default the compute dtype), rounded once from float32 (see the

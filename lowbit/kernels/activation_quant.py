@@ -4,6 +4,7 @@ FP8 (codes and a row-wise scale), bit for bit the references of lowbit.formats.a
 
     x_hat, r_hat = quantize_activations(x, "nvfp4", 0.25, norm=ln_weight)   # RAC on 25% channels
     codes, scale = quantize_activations(h, "fp8", silu_mul=True)            # h = [gate | up]
+    x_in, _ = quantize_activations(x, "none", norm=ln_weight)     # the prologue alone (W4A16)
 
 One program owns one row (token), the whole row in registers (BLOCK_K = next_power_of_2(K),
 K <= 16384): it reads the row once, runs the prologue, quantizes and writes the outputs. Every
@@ -88,7 +89,7 @@ MAX_K = 16384
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
-_NVFP4, _FP8 = 0, 1
+_NVFP4, _FP8, _PLAIN = 0, 1, 2
 _F32_MAX = tl.constexpr(kq.OUT_LIMIT[torch.float32])
 _E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 
@@ -206,7 +207,10 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
     bits = v.to(tl.int32, bitcast=True)
     out = row * K + kk
 
-    if MODE == 0:
+    if MODE == 2:
+        # ---- the prologue's output as it is (the W4A16 GEMM's input) ---------------------------
+        tl.store(xhat_ptr + out, to_output(v, xhat_ptr, NATIVE_CAST), mask=ok)
+    elif MODE == 0:
         # ---- x_hat: per-token NVFP4, blocks of 16 consecutive channels -------------------------
         up, down = _prescale(v, ok)
         xs = v * up
@@ -260,13 +264,14 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     mode: "nvfp4" -> (x_hat, r_hat): x_hat = per_token_nvfp4(input) (M, K) in x's dtype;
         r_hat = rac_residual(input, x_hat, rac_ratio) (M, K), or None when rac_ratio is 0.
         "fp8" -> (codes, scale) = per_token_fp8(input): (M, K) float8_e4m3fn, (M, 1) float32.
+        "none" -> (input, None): the prologue's output in x's dtype, unquantized.
     rac_ratio: RAC's channel fraction in [0, 1] (nvfp4 only).
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
     The prologues round where the engine's eager ops do (see the module doc for how close
     RMSNorm's rsqrt and SiLU's exp come to torch's)."""
-    if mode not in ("nvfp4", "fp8"):
-        raise ValueError(f"mode must be 'nvfp4' or 'fp8', got {mode!r}")
+    if mode not in ("nvfp4", "fp8", "none"):
+        raise ValueError(f"mode must be 'nvfp4', 'fp8' or 'none', got {mode!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError("quantize_activations takes a 2-D float32, bfloat16 or float16 tensor, "
                          f"got {getattr(x, 'dtype', type(x).__name__)} "
@@ -292,7 +297,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     if x.stride(-1) != 1:
         x = x.contiguous()
     dev = x.device
-    if mode == "nvfp4":
+    if mode in ("nvfp4", "none"):
         x_hat = torch.empty(M, K, dtype=x.dtype, device=dev)
         r_hat = torch.empty(M, K, dtype=x.dtype, device=dev) if count else None
         outputs = (x_hat, r_hat)
@@ -312,7 +317,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     with kq.on_device(x):
         _activation_kernel[(M,)](
             x, norm if norm is not None else x, **buffers, K=K, stride_xm=x.stride(0),
-            count=count, eps=eps, MODE=_NVFP4 if mode == "nvfp4" else _FP8, RAC=count > 0,
+            count=count, eps=eps, MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET,
             num_warps=_num_warps(block_k),
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings

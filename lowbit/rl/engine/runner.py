@@ -128,9 +128,9 @@ class RolloutEngine:
         return self._loaded_weights().linear_bytes()
 
     def linear_values(self, layer: int, name: str) -> torch.Tensor:
-        """What the engine multiplies for a dense projection, by its Hugging Face name (q_proj,
-        k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj): (out, in), dequantized in the
-        quantizing modes."""
+        """The weight the engine stores for a dense projection, by its Hugging Face name (q_proj,
+        k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj): (out, in), dequantized to the
+        compute dtype in the quantizing modes (EngineLinear.values)."""
         where = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
                  "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}

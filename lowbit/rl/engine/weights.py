@@ -83,8 +83,10 @@ class EngineLinear:
 
     @property
     def values(self) -> torch.Tensor:
-        """(out, in) what the GEMM multiplies: the parts' dequantized weights stacked."""
-        return self.weight.reference_values()
+        """(out, in) the stored weight's values in the compute dtype, the parts stacked
+        (LinearWeight.dequantize: the trainer's fake-quantized weight, bit for bit). The NVFP4
+        GEMM multiplies them before that rounding (LinearWeight.reference_values)."""
+        return self.weight.dequantize()
 
     def part(self, i: int) -> torch.Tensor:
         """The values of part i (a view of `values`)."""
@@ -122,11 +124,11 @@ class EngineLinear:
 
 def _gemm_weight(weight: LinearWeight, precision: Precision, packed_gemm: bool) -> LinearWeight:
     """The weight a GEMM multiplies: the stored one, or for NVFP4 without packed_gemm its
-    dequantized values as a dense weight (kept beside the packed one and refreshed in place by
-    a weight sync, so CUDA graphs that read it stay valid)."""
+    dequantized values as a dense weight in the compute dtype (kept beside the packed one and
+    refreshed in place by a weight sync, so CUDA graphs that read it stay valid)."""
     if packed_gemm or precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
         return weight
-    return LinearWeight.dense(weight.reference_values())
+    return LinearWeight.dense(weight.dequantize())
 
 
 class EngineExperts:
@@ -275,8 +277,7 @@ class EngineWeights:
         if len(mine) != len(theirs) or any(
                 type(a) is not type(b) or (isinstance(a, torch.Tensor) and a.shape != b.shape)
                 or (isinstance(a, LinearWeight) and (a.data.shape != b.data.shape
-                                                     or a.may_saturate != b.may_saturate
-                                                     or a.fold_exact != b.fold_exact))
+                                                     or a.may_saturate != b.may_saturate))
                 for a, b in pairs):
             return False
         for mine, theirs in pairs:
@@ -284,7 +285,8 @@ class EngineWeights:
         return True
 
     def _parts(self):
-        """Every tensor and LinearWeight, in a fixed order (a tied head once)."""
+        """Every tensor and LinearWeight, in a fixed order (a tied head once; a dequantized
+        copy the GEMMs read after the weight it copies)."""
         yield self.embed
         for layer in self.layers:
             for t in (layer.input_layernorm, layer.post_attention_layernorm, layer.qk_norm,
@@ -294,11 +296,16 @@ class EngineWeights:
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if lin is not None:
                     yield lin.weight
+                    if lin.gemm_weight is not lin.weight:    # the dequantized copy
+                        yield lin.gemm_weight
                     if lin.bias is not None:
                         yield lin.bias
             if layer.experts is not None:
-                yield layer.experts.gate_up
-                yield layer.experts.down
+                for stored, gemm in ((layer.experts.gate_up, layer.experts.gate_up_gemm),
+                                     (layer.experts.down, layer.experts.down_gemm)):
+                    yield stored
+                    if gemm is not stored:
+                        yield gemm
         yield self.norm
         if self.lm_head is not self.embed:
             yield self.lm_head

@@ -1,0 +1,129 @@
+"""Packed NVFP4 weights re-laid for the rollout engine's tensor-core GEMM
+(lowbit.kernels.engine_linear): made once at weight sync from a LinearWeight's own codes and
+scales (the QTensors' bytes stay the source of truth), so that the GEMM's inner loop turns 8
+codes into 8 bf16 weights with a few integer instructions and one packed multiply a pair.
+
+    tiles = nvfp4_tiles(weight.data, weight.block_scales, weight.row_scales, weight.in_features)
+    tiles.values()             # (.., N, K) float32: the exact NVFP4 values (what the GEMM multiplies)
+
+Layout, per row, K in tiles of 128 columns (K padded with zero codes), rows padded to a multiple
+of ROW_PAD with zeros:
+
+- `words` (.., Np, T*16) int32: word t*16 + i holds the 8 codes of columns t*128 + 16 j + i,
+  j = 0..7 -- "plane" j of the tile is NVFP4 block j, so each plane has one block scale per
+  row. Code j sits in 16-bit lane j % 2 of the word, in slot j // 2 (SLOT_BITS: where its sign
+  bit and its three magnitude bits go), chosen so that a slot's code becomes the bf16 bit
+  pattern of e2m1 * 2^-126 by one shift and one mask for slots 0-2 (sign at bit 15, magnitude
+  at the exponent's low two bits and the mantissa's top bit; the code 0.5 becomes a bf16
+  subnormal), a few more for slot 3.
+- `scales` (.., Np, T*8) bfloat16: each block's E4M3 scale times 2^119 (exact in bf16: E4M3
+  has 4 significant bits, and 448 * 2^119 < bf16's largest). So decoded value times scale is
+  e2m1 * e4m3 * 2^-7, exact in bf16 (at most 6 significant bits, 2^-17 .. 21).
+- `row_scales` (.., N) float32: the FP32 tensor scale of each row's part times 2^7, applied to
+  the float32 accumulator once at the end.
+
+The GEMM so multiplies the exact NVFP4 weight e2m1 * e4m3 * tensor_scale (products exact,
+float32 sums), as FP4 tensor cores do: not the weight rounded to bf16 that
+LinearWeight.dequantize() gives (a relative 2^-9 apart at most).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.formats.elements import E2M1, decode
+
+__all__ = ["NVFP4Tiles", "nvfp4_tiles", "TILE_K", "ROW_PAD", "SLOT_BITS", "SCALE_BIAS", "ROW_BIAS"]
+
+TILE_K = 128
+ROW_PAD = 128
+"""Rows are padded to a multiple of this (the largest tile's rows), so tiles read no masks."""
+SLOT_BITS = ((15, (8, 7, 6)), (12, (5, 4, 3)), (9, (2, 1, 0)), (14, (13, 11, 10)))
+"""Per slot (0-3) of a 16-bit lane: the sign bit's position and the magnitude bits' (high to
+low). Slot s's decode: slots 0-2 `(lane << 3 s) & 0x81C0`; slot 3 `((lane << 1) & 0x8000) |
+((lane >> 5) & 0x100) | ((lane >> 4) & 0xC0)`."""
+SCALE_BIAS = 2.0 ** 119
+ROW_BIAS = 2.0 ** 7
+
+
+@dataclass
+class NVFP4Tiles:
+    words: torch.Tensor
+    """(.., Np, T*16) int32 (see the module doc)."""
+    scales: torch.Tensor
+    """(.., Np, T*8) bfloat16: E4M3 block scales times 2^119."""
+    row_scales: torch.Tensor
+    """(.., N) float32: tensor scales times 2^7."""
+    out_features: int
+    in_features: int
+
+    @property
+    def tiles_k(self) -> int:
+        """T: tiles of 128 columns per row."""
+        return self.words.shape[-1] // 16
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.row_scales))
+
+    @torch.no_grad()
+    def copy_(self, other: "NVFP4Tiles") -> None:
+        """other's tensors into this one's, in place (CUDA graphs reading these stay valid)."""
+        if other.words.shape != self.words.shape or other.in_features != self.in_features:
+            raise ValueError(f"copy_ needs tiles of one shape (got {tuple(other.words.shape)} for "
+                             f"{tuple(self.words.shape)})")
+        self.words.copy_(other.words)
+        self.scales.copy_(other.scales)
+        self.row_scales.copy_(other.row_scales)
+
+    def values(self) -> torch.Tensor:
+        """(.., N, K) float32: the weight the GEMM multiplies, decoded from the tiles (for tests:
+        it equals the LinearWeight's exact NVFP4 values)."""
+        lead = self.words.shape[:-2]
+        n_pad, T = self.words.shape[-2], self.tiles_k
+        w = self.words.to(torch.int64) & 0xFFFFFFFF
+        codes = torch.empty(*lead, n_pad, T, 8, 16, dtype=torch.int64, device=w.device)
+        w = w.view(*lead, n_pad, T, 16)
+        for j in range(8):
+            lane = (w >> (16 * (j % 2))) & 0xFFFF
+            sign_bit, mag_bits = SLOT_BITS[j // 2]
+            code = ((lane >> sign_bit) & 1) << 3
+            for m, bit in zip((2, 1, 0), mag_bits):
+                code |= ((lane >> bit) & 1) << m
+            codes[..., j, :] = code
+        values = decode(codes.view(*lead, n_pad, T * 128), E2M1)
+        scale = (self.scales.float() / SCALE_BIAS).repeat_interleave(16, dim=-1)
+        values = values * scale
+        n, k = self.out_features, self.in_features
+        return values[..., :n, :k] * (self.row_scales / ROW_BIAS)[..., None]
+
+
+@torch.no_grad()
+def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: torch.Tensor,
+                in_features: int) -> NVFP4Tiles:
+    """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
+    block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
+    (on their device, a few elementwise passes)."""
+    lead, n = codes.shape[:-2], codes.shape[-2]
+    kp = codes.shape[-1] * 2
+    T = -(-kp // TILE_K)
+    n_pad = -(-n // ROW_PAD) * ROW_PAD
+    dev = codes.device
+    nib = torch.zeros(*lead, n_pad, T * TILE_K, dtype=torch.int32, device=dev)
+    nib[..., :n, 0:kp:2] = (codes & 15).to(torch.int32)
+    nib[..., :n, 1:kp:2] = (codes >> 4).to(torch.int32)
+    nib = nib.view(*lead, n_pad, T, 8, 16)
+    words = torch.zeros(*lead, n_pad, T, 16, dtype=torch.int32, device=dev)
+    for j in range(8):
+        c = nib[..., j, :]
+        base = 16 * (j % 2)
+        sign_bit, mag_bits = SLOT_BITS[j // 2]
+        words |= ((c >> 3) & 1) << (base + sign_bit)      # bit 31 wraps to the int32 sign: fine
+        for m, bit in zip((2, 1, 0), mag_bits):
+            words |= ((c >> m) & 1) << (base + bit)
+    scales = torch.zeros(*lead, n_pad, T * 8, dtype=torch.bfloat16, device=dev)
+    scales[..., :n, :block_scales.shape[-1]] = (block_scales.to(torch.float32) * SCALE_BIAS).to(torch.bfloat16)
+    return NVFP4Tiles(words.view(*lead, n_pad, T * 16), scales,
+                      row_scales.to(torch.float32) * ROW_BIAS, n, in_features)
