@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated row counts M (default: %(default)s)")
             p.add_argument("--default-tiles", action="store_true",
                            help="time the default tile only, not the sweep")
+            p.add_argument("--shapes", default=None,
+                           help="comma-separated shape names to keep (e.g. '1.1b gate|up,8b down'; "
+                                "default: all)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -510,6 +513,12 @@ def sweep_engine_gemm(args, device: str) -> dict:
               ("1.1b down", 2048, 5632), ("0.6b q|k|v", 4096, 1024), ("0.6b down", 1024, 3072),
               ("8b gate|up", 28672, 4096), ("8b down", 4096, 14336)]
     rows = tuple(int(r) for r in args.rows.split(","))
+    if args.shapes:
+        keep = [n.strip() for n in args.shapes.split(",")]
+        if unknown := [n for n in keep if n not in {name for name, _, _ in shapes}]:
+            raise ValueError(f"--shapes: unknown {unknown}; the shapes are "
+                             f"{', '.join(name for name, _, _ in shapes)}")
+        shapes = [s for s in shapes if s[0] in keep]
     sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
              for bn, sk, w, st in itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (3, 4))]
     if args.default_tiles:
@@ -554,7 +563,8 @@ def sweep_engine_gemm(args, device: str) -> dict:
                     xq, w.data.view(torch.float8_e4m3fn).t(), scale_a=scale_a,
                     scale_b=w.row_scales[None, :], out_dtype=dtype) for w in fp8], copies)
             timings = {}
-            for tile in [dict(t, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64) for t in sweep]:
+            block_ms = [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m >= 128 else [])
+            for tile in [dict(t, BLOCK_M=bm) for t in sweep for bm in block_ms]:
                 def run(tile=tile):
                     out = engine_linear.linear(x, packed[0], tile=tile).float()
                     same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
