@@ -323,3 +323,21 @@ def test_compile_decode_gives_the_eager_rollouts(tmp_path):
         assert a["completions/mean_length"] == b["completions/mean_length"]
         assert b["sampling/sampling_logp_difference/mean"] == pytest.approx(
             a["sampling/sampling_logp_difference/mean"], abs=1e-4)
+
+
+def test_packed_gemm_reaches_the_engine_and_needs_nvfp4_rollouts(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--packed-gemm multiplies packed NVFP4 weights"):
+        RLConfig(rollout="bf16", align="none", packed_gemm=True, progress=False)
+    from lowbit.rl import trainer as trainer_module
+    built = []
+    real = trainer_module.RolloutEngine
+
+    def spy(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine)
+        return engine
+    monkeypatch.setattr(trainer_module, "RolloutEngine", spy)
+    result = run_rl(_config(tmp_path, rollout="nvfp4-w4a16", align="none", steps=1,
+                            checkpoint_every=1, packed_gemm=True))
+    assert built and all(e.settings.packed_gemm for e in built)
+    assert [r for r in result.records if r["event"] == "train"]

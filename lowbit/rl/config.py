@@ -88,6 +88,9 @@ class RLConfig:
     """MoE: the trainer replays the engine's expert choices (verl's R3)."""
     compile_decode: bool = False
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
+    packed_gemm: bool = False
+    """NVFP4 rollouts multiply the packed weights on the tiled kernel (exact NVFP4 values,
+    0.37-0.47x bf16's GPU memory), not a dequantized bf16 copy (RolloutEngine's packed_gemm)."""
 
     # --- optimizer -------------------------------------------------------------------------
     lr: float = 3e-4
@@ -142,6 +145,9 @@ class RLConfig:
         _require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
         _require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
                  "--routing-replay needs an MoE policy: add --n-experts 8")
+        _require(not self.packed_gemm or self.rollout in ("nvfp4", "nvfp4-w4a16"),
+                 f"--packed-gemm multiplies packed NVFP4 weights: use it with --rollout nvfp4 or "
+                 f"nvfp4-w4a16 (got --rollout {self.rollout})")
         _require(not self.compile_decode or self.n_experts == 0 or folder,
                  "--compile-decode needs a dense policy (MoE decode reads expert counts back "
                  "to the host); drop --n-experts or the flag")

@@ -161,7 +161,7 @@ class GRPOTrainer:
 
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
-                                    compile_decode=c.compile_decode)
+                                    compile_decode=c.compile_decode, packed_gemm=c.packed_gemm)
         self.start_step, self.records, self.wall_before = 0, [], 0.0
         if checkpoint is not None:
             self.policy.load_state_dict(checkpoint["model"])

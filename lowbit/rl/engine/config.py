@@ -35,12 +35,15 @@ class EngineConfig:
     """torch.compile the decode step of the plain-PyTorch path (decode_kernels off): True for
     the default mode, or a mode of COMPILE_MODES."""
     packed_gemm: bool = False
-    """The NVFP4 modes' GEMM kernels read the packed weights (0.5625 bytes a parameter,
-    dequantized in registers by lowbit.kernels.engine_linear). Off: the engine keeps each NVFP4
-    weight's dequantized values in the compute dtype beside it and multiplies those -- the
-    same values, at bf16's speed and memory. Off by default while the packed kernel is slower
-    than the bf16 GEMMs on Hopper (docs/results/rollout.md). The plain-PyTorch path
-    (decode_kernels off) multiplies dequantized values either way."""
+    """The NVFP4 modes' GEMMs read the packed weights (re-laid at sync as tiles,
+    lowbit.formats.nvfp4_tiles; 0.5625 bytes a parameter, decoded in registers by
+    lowbit.kernels.engine_linear) and multiply the exact NVFP4 weight. Off: the engine keeps
+    each NVFP4 weight dequantized to the compute dtype beside it and multiplies that copy on
+    cuBLAS (the weight rounded to bf16, a relative 2^-9 at most; bf16's speed, 1.25x its
+    memory). On one H200 the packed GEMMs decode faster than bf16 at 8-32 rows and slower at 1
+    and 128 on 0.6-1.1B models, at 0.37-0.47x bf16's memory (docs/results/rollout.md), so
+    they are not the default yet. The plain-PyTorch path (decode_kernels off) multiplies the
+    same values as the kernels: the exact ones with this on, the copy with it off."""
     decode_kernels: bool | None = None
     """Run on lowbit's Triton inference kernels (GEMMs on the stored weights, decode attention,
     activation quantizers; lowbit.dispatch.inference): default on CUDA when triton imports;
