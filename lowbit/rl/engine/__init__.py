@@ -20,9 +20,11 @@ small inference engines are (nano-vllm, vLLM), a file per part:
 | runner     | `runner.py`   | RolloutEngine: generate, score, CUDA graphs per batch-size bucket    |
 
 Weights are stored as the precision mode says (lowbit.rl.precision: bf16, fp8, nvfp4-w4a16,
-nvfp4, nvfp4 + RAC) and the GEMMs read them as stored (packed NVFP4 at 0.5625 bytes a
-parameter); attention, norms, the router, the embeddings, the output head and the KV cache
-stay in the compute dtype (bf16 on CUDA, float32 on the CPU).
+nvfp4, nvfp4 + RAC) and the GEMMs read them as stored -- FP8 as E4M3 codes, NVFP4 packed
+(0.5625 bytes a parameter, re-laid as tiles at sync) with `packed_gemm=True`, else a
+dequantized copy kept beside the packed weight; attention, norms, the router, the
+embeddings, the output head and the KV cache stay in the compute dtype (bf16 on CUDA,
+float32 on the CPU).
 
 Batching. Prompts are right-padded for their one prefill forward (causal attention: a row's
 real tokens see only real tokens), and each row's cache holds its tokens at their positions,
