@@ -37,7 +37,31 @@ import torch
 
 from lowbit.bench.timing import profile_step, sync
 
-__all__ = ["bench_train", "format_rows"]
+__all__ = ["bench_train", "format_rows", "training_flops_per_token", "BF16_PEAK_FLOPS"]
+
+BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
+"""Dense bf16 tensor-core peak by GPU (the vendor's figure, no sparsity): MFU's denominator."""
+
+
+def training_flops_per_token(net: torch.nn.Module, seq_len: int) -> tuple[float, int]:
+    """(FLOPs a training step spends per token, active matmul parameters): 6 per active
+    parameter of every GEMM (the linears, the output head; an MoE layer's experts at k / E of
+    theirs, its router), plus causal attention's 6 * layers * seq_len * (heads * head_dim)
+    (PaLM's count, halved for the causal mask). Embeddings are lookups, not counted."""
+    from lowbit.models.moe import Experts
+
+    active = 0
+    for module in net.modules():
+        if isinstance(module, torch.nn.Linear):
+            active += module.weight.numel()
+        elif isinstance(module, Experts):
+            share = net.config.experts_per_token / module.num_experts
+            active += round((module.gate_up_proj.numel() + module.down_proj.numel()) * share)
+        elif hasattr(module, "weight") and type(module).__name__ == "TopKRouter":
+            active += module.weight.numel()
+    cfg = net.config
+    attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6.0 * active + attention, active
 
 
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
@@ -166,8 +190,14 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
         redone = [i + 1 for i, r in enumerate(results)
                   if any(rec["event"] == "fold_redo" for rec in r.records)]
         mean_s = _across_ranks(process, statistics.fmean(times), max)
+        flops_per_token, active = training_flops_per_token(_unwrapped(net), seq_len)
+        tflops = flops_per_token * batch_size * seq_len / step_s / 1e12
+        peak = next((v for k, v in BF16_PEAK_FLOPS.items()
+                     if dev.type == "cuda" and k in torch.cuda.get_device_name(dev)), None)
         row = {"recipe": unit["name"], "step_ms": step_s * 1e3, "mean_ms": mean_s * 1e3,
                "tokens_per_s": batch_size * seq_len / step_s,
+               "active_params": active, "model_tflops": tflops,
+               "mfu": tflops * 1e12 / (peak * process.world_size) if peak else None,
                "peak_mem_gib": (_across_ranks(process, torch.cuda.max_memory_allocated(dev), max) / 2**30
                                 if dev.type == "cuda" and interleave == 1 else None),
                "world_size": process.world_size,
@@ -219,6 +249,11 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
     return rows
 
 
+def _unwrapped(net: torch.nn.Module) -> torch.nn.Module:
+    """The model under torch.compile's wrapper (its config and modules)."""
+    return getattr(net, "_orig_mod", net)
+
+
 def _across_ranks(process, value: float, op) -> float:
     """max (op=max) of a number over the processes; the number itself in one process."""
     if not process.enabled:
@@ -243,13 +278,15 @@ def qat_setting(name: str):
 def format_rows(rows: list[dict]) -> str:
     base = rows[0]["recipe"]
     head = ["recipe", "ms/step", "tokens/s", f"time vs {base}", "mean ms", f"mean vs {base}",
-            "peak GiB", f"mem vs {base}"]
+            "peak GiB", f"mem vs {base}", "TFLOP/s", "MFU"]
     lines = [head]
     for r in rows:
         lines.append([r["recipe"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
                       f"{r['time_vs_base']:.2f}x", f"{r['mean_ms']:.1f}", f"{r['mean_vs_base']:.3f}x",
                       "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}",
-                      "-" if r["mem_vs_base"] is None else f"{r['mem_vs_base']:.2f}x"])
+                      "-" if r["mem_vs_base"] is None else f"{r['mem_vs_base']:.2f}x",
+                      f"{r['model_tflops']:.1f}",
+                      "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for k, line in enumerate(lines):
@@ -267,7 +304,10 @@ def format_rows(rows: list[dict]) -> str:
     data = f"{r0['corpus']} bytes" if r0.get("corpus") else "random tokens"
     procs = (f" x {r0['world_size']} processes ({r0['parallel']}; peak GiB: the largest of any "
              "process)" if r0.get("world_size", 1) > 1 else "")
-    return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters) on {r0['device']}{procs}, "
+    return (f"model {r0['model']} ({r0['params'] / 1e6:.1f}M parameters, "
+            f"{r0['active_params'] / 1e6:.1f}M active in GEMMs; TFLOP/s and MFU count 6 a "
+            f"parameter a token plus causal attention, MFU against the dense bf16 peak) "
+            f"on {r0['device']}{procs}, "
             f"compile={r0['compile']}, cuda_graph={r0.get('cuda_graph', False)}, {data}\n"
             + "\n".join(out))
 

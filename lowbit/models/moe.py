@@ -10,9 +10,16 @@ A layer's `mlp` is a `SparseMoeBlock` holding
 So `state_dict()` keys and shapes are Hugging Face's: one converter serves both models, and
 Hugging Face expert weights load into `Experts` unchanged.
 
-Quantized experts (lowbit.nn.QuantExperts) subclass `Experts` and override only
-`_expert_linear`, the one place an expert's weight meets its input; routing, the
-gather/scatter of tokens and the weighting stay here, written once.
+The experts' GEMMs run grouped: the routed (token, expert) slots are sorted by expert once
+per layer, and each projection (gate|up, down) is one `torch._grouped_mm` over all experts
+(cuBLAS's grouped GEMM on Hopper, what torchtitan trains experts with), with the group sizes
+computed on the device, so a step needs no host read-back and can compile and be captured.
+Where the grouped GEMM cannot run (a dtype or device it lacks, widths not a multiple of 16
+bytes) or a subclass says so (`_can_group`), each expert runs its own GEMM in turn
+(`_expert_linear`): the reference the grouped path is tested against. Quantized experts
+(lowbit.nn.QuantExperts) subclass `Experts` and override `_expert_linear` (and `_can_group`),
+the one place an expert's weight meets its input; routing, the gather/scatter of tokens and
+the weighting stay here, written once.
 """
 
 from __future__ import annotations
@@ -69,6 +76,31 @@ class Experts(nn.Module):
         """
         return F.linear(x, weight[expert_idx])
 
+    def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Every expert's GEMM may run as one torch._grouped_mm on these operands (see
+        `grouped_mm_supported`); a subclass whose experts' GEMMs are not plain products says
+        no."""
+        return grouped_mm_supported(x, weight)
+
+    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every expert's GEMM on its rows: x (R, in) sorted by expert, counts (E,) rows each on
+        the device (rows past their sum: dropped slots, left out) -> (R, out). One grouped GEMM,
+        or each expert's own `_expert_linear` in turn."""
+        if self._can_group(x, weight):
+            x, weight = _autocast(x, weight)
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        # the reference: one host read-back of the counts, then the experts that have rows
+        pieces, start = [], 0
+        for expert_idx, count in enumerate(counts.tolist()):
+            if count:
+                pieces.append(self._expert_linear(x[start:start + count], weight, expert_idx))
+            start += count
+        out = torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+        if start < x.shape[0]:   # dropped slots
+            out = torch.cat([out, out.new_zeros(x.shape[0] - start, out.shape[1])])
+        return out
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states (N, C), top_k_index (N, k) int, top_k_weights (N, k) -> (N, C).
@@ -77,32 +109,58 @@ class Experts(nn.Module):
         parallelism) and contributes nothing.
         """
         N, k = top_k_index.shape
-        out = torch.zeros_like(hidden_states)  # (N, C)
         flat_index = top_k_index.reshape(-1)  # (N*k,) expert of each routed slot
-        # Group the slots by expert with one stable sort, then walk the groups: one host sync
-        # (the counts) instead of one nonzero() per expert.
+        # the slots grouped by expert with one stable sort; the group sizes by a scatter-add on
+        # the device (torch.bincount would read the maximum back to the host)
         order = torch.argsort(flat_index, stable=True)  # (N*k,)
         token_of_slot = order // k  # (N*k,) which token each sorted slot belongs to
         weight_of_slot = top_k_weights.reshape(-1)[order]  # (N*k,)
-        counts = torch.bincount(flat_index, minlength=self.num_experts + 1)[: self.num_experts].tolist()
-        start = 0
-        for expert_idx, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = token_of_slot[start:start + count]  # (n,)
-            x = hidden_states[tokens]  # (n, C)
-            gate, up = self._expert_linear(x, self.gate_up_proj, expert_idx).chunk(2, dim=-1)  # (n, F) each
-            y = self._expert_linear(F.silu(gate) * up, self.down_proj, expert_idx)  # (n, C)
-            y = y * weight_of_slot[start:start + count, None]
-            # A token reaches each expert at most once (top-k indices are distinct), so the
-            # index_add_ writes never collide within one expert.
-            out.index_add_(0, tokens, y.to(out.dtype))
-            start += count
-        return out
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat_index.device)
+        counts = counts.scatter_add_(0, flat_index.long(), torch.ones_like(flat_index, dtype=torch.long))
+        counts = counts[: self.num_experts]
+        # dropped slots (sorted last, past every group) take no part, in either direction: a
+        # grouped GEMM leaves their rows unwritten
+        kept = (flat_index[order] < self.num_experts)[:, None]  # (N*k, 1)
+        x = torch.where(kept, hidden_states[token_of_slot], 0.0)  # (N*k, C)
+        gate, up = self._experts_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)  # (N*k, F)
+        y = self._experts_linear(F.silu(gate) * up, self.down_proj, counts)  # (N*k, C)
+        y = torch.where(kept, y * weight_of_slot[:, None], 0.0)
+        out = torch.zeros_like(hidden_states)  # (N, C)
+        # each token's k slots add in expert order (the sort's)
+        return out.index_add_(0, token_of_slot, y.to(out.dtype))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}")
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm can multiply x (R, in) by every expert of weight (E, out, in), under
+    autocast too: in bf16 (its only dtype under torch.compile, and on CUDA), on the CPU or on
+    a Hopper or later GPU, with in and out a multiple of 16 bytes (its stride rule)."""
+    if not hasattr(torch, "_grouped_mm") or x.device != weight.device:
+        return False
+    dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+             else x.dtype)
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        return False
+    if dtype != torch.bfloat16 or (x.device.type != "cpu" and not (x.is_cuda and _hopper_or_later(x.device.index))):
+        return False
+    return weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0       # 16 bytes of bf16
+
+
+@torch.compiler.assume_constant_result
+def _hopper_or_later(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _autocast(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and weight in the autocast dtype where autocast is on (torch._grouped_mm is not on
+    its cast lists; F.linear is)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight
 
 
 def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,12 @@ class QuantExperts(Experts):
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
         return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None)
 
+    def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # a quantizing recipe runs expert by expert (its per-expert scales; a grouped quantized
+        # path is not written yet); unquantized, the experts are plain products
+        recipe = self.linear_recipe if self.quantize else None
+        return (recipe is None or not recipe.is_quantized) and super()._can_group(x, weight)
+
     def extra_repr(self) -> str:
         recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
         return f"{super().extra_repr()}, {recipe}"

@@ -1,0 +1,122 @@
+"""lowbit.models.moe's grouped expert GEMMs (torch._grouped_mm over all experts) against the
+per-expert loop they replace: the same outputs and gradients (uneven groups, an empty expert,
+one expert taking every token, dropped slots), no host read-back (a full-graph compile), and
+quantized experts kept on the per-expert path."""
+
+import pytest
+import torch
+
+from lowbit.models.moe import Experts, grouped_mm_supported
+from lowbit.nn import QuantExperts
+from lowbit.recipes import get_recipe
+
+
+class PerExpert(Experts):
+    """The reference: each expert's GEMM in turn."""
+
+    def _can_group(self, x, weight):
+        return False
+
+
+def _experts(E=6, C=32, F=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grouped, reference = Experts(E, C, F), PerExpert(E, C, F)
+    with torch.no_grad():
+        grouped.gate_up_proj.copy_(torch.randn(E, 2 * F, C, generator=g) * 0.2)
+        grouped.down_proj.copy_(torch.randn(E, C, F, generator=g) * 0.2)
+    reference.load_state_dict(grouped.state_dict())
+    return grouped.to(dtype), reference.to(dtype)
+
+
+def _routing(N, E, k, case, g):
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    if case == "uneven":
+        index[: N // 2, 0] = 2                       # expert 2 takes many slots
+        index[index == 4] = 5                        # expert 4 takes none
+    elif case == "one expert takes every token":
+        index[:, 0] = 1
+    elif case == "dropped slots":
+        index[0, 1], index[3, 0] = E, E              # index E: a dropped slot (expert parallelism)
+    return index
+
+
+@pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
+def test_grouped_experts_equal_the_per_expert_loop_forward_and_gradients(case):
+    g = torch.Generator().manual_seed(1)
+    N, E, k = 20, 6, 2
+    grouped, reference = _experts(E)
+    assert grouped_mm_supported(torch.zeros(1, 32, dtype=torch.bfloat16), grouped.gate_up_proj)
+    index = _routing(N, E, k, case, g)
+    weights = torch.rand(N, k, generator=g).to(torch.bfloat16)
+    results = []
+    for module in (grouped, reference):
+        x = torch.randn(N, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        x.requires_grad_(True)
+        w = weights.clone().requires_grad_(True)
+        y = module(x, index, w)
+        grads = torch.autograd.grad(y.float().square().sum(),
+                                    [x, w, module.gate_up_proj, module.down_proj])
+        results.append((y, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        assert a.isfinite().all()
+    if case == "dropped slots":                       # a dropped slot adds nothing
+        assert torch.equal(results[0][0][0], _only_kept(grouped, index, weights)[0])
+
+
+def _only_kept(module, index, weights):
+    x = torch.randn(20, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    w = torch.where(index < module.num_experts, weights, torch.zeros_like(weights))
+    return module(x, torch.where(index < module.num_experts, index, 0), w)
+
+
+def test_grouped_experts_under_autocast_equal_the_loop():
+    # float32 parameters, bf16 autocast (lowbit train's bf16): the grouped GEMM takes the
+    # autocast dtype as F.linear does
+    grouped, reference = _experts(dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 32, generator=g)
+    index, w = _routing(16, 6, 2, "uneven", g), torch.rand(16, 2, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_mm_supported(x, grouped.gate_up_proj)
+        torch.testing.assert_close(grouped(x, index, w), reference(x, index, w), atol=2e-2, rtol=2e-2)
+    assert not grouped_mm_supported(x, grouped.gate_up_proj)       # float32 outside autocast
+
+
+def test_grouped_experts_compile_in_one_graph():
+    # no host read-back of the group sizes: the whole forward traces as one graph
+    grouped, _ = _experts()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(12, 32, generator=g).to(torch.bfloat16)
+    index, w = _routing(12, 6, 2, "uneven", g), torch.rand(12, 2, generator=g).to(torch.bfloat16)
+    compiled = torch.compile(grouped, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, index, w), grouped(x, index, w))
+
+
+def test_quantized_experts_stay_on_the_per_expert_path():
+    grouped, _ = _experts()
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert QuantExperts(grouped, None)._can_group(x, grouped.gate_up_proj)
+    recipe = get_recipe("stable-fp4").linear_for("model.layers.1.mlp.experts", 4)
+    assert recipe.is_quantized
+    quantized = QuantExperts(grouped, recipe)
+    assert not quantized._can_group(x, grouped.gate_up_proj)
+    quantized.quantize = False                           # qat's high-precision switch
+    assert quantized._can_group(x, grouped.gate_up_proj)
+
+
+def test_training_flops_count_the_active_experts_only():
+    from lowbit.bench.train import training_flops_per_token
+    from lowbit.models import ModelConfig, Transformer
+
+    dense = Transformer(ModelConfig.preset("tiny"))
+    moe = Transformer(ModelConfig.preset("tiny", n_experts=4, experts_per_token=2))
+    for net in (dense, moe):
+        flops, active = training_flops_per_token(net, seq_len=64)
+        cfg = net.config
+        linears = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
+        experts = sum((m.gate_up_proj.numel() + m.down_proj.numel()) // 2
+                      for m in net.modules() if isinstance(m, Experts))          # k / E = 1/2
+        routers = sum(m.mlp.gate.weight.numel() for m in net.model.layers) if cfg.is_moe else 0
+        assert active == linears + experts + routers
+        assert flops == 6 * active + 6 * cfg.n_layers * 64 * cfg.n_heads * cfg.head_dim
