@@ -8,6 +8,7 @@ import torch
 
 from lowbit.models.moe import Experts, grouped_mm_supported
 from lowbit.nn import QuantExperts
+from lowbit.ops.grouped import grouped_quant_linear, groups_exactly, row_tile
 from lowbit.recipes import get_recipe
 
 
@@ -93,16 +94,56 @@ def test_grouped_experts_compile_in_one_graph():
     assert torch.equal(compiled(x, index, w), grouped(x, index, w))
 
 
-def test_quantized_experts_stay_on_the_per_expert_path():
-    grouped, _ = _experts()
-    x = torch.zeros(4, 32, dtype=torch.bfloat16)
-    assert QuantExperts(grouped, None)._can_group(x, grouped.gate_up_proj)
-    recipe = get_recipe("stable-fp4").linear_for("model.layers.1.mlp.experts", 4)
-    assert recipe.is_quantized
-    quantized = QuantExperts(grouped, recipe)
-    assert not quantized._can_group(x, grouped.gate_up_proj)
-    quantized.quantize = False                           # qat's high-precision switch
-    assert quantized._can_group(x, grouped.gate_up_proj)
+class QuantPerExpert(QuantExperts):
+    """The quantized reference: each expert's quant_linear in turn."""
+
+    def _experts_linear(self, x, weight, counts):
+        return self._per_expert_linear(x, weight, counts)
+
+
+def _quantized_pair(name, seed=0):
+    base, _ = _experts(E=6, C=64, F=32, seed=seed)
+    recipe = get_recipe(name).linear_for("model.layers.1.mlp.experts", 4)
+    return base, QuantExperts(base, recipe), QuantPerExpert(base, recipe), recipe
+
+
+def _run(module, base, x, index, w, seed):
+    xx = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = module(xx, index, w)
+    return (y, *torch.autograd.grad(y.float().square().sum(), [xx, base.gate_up_proj, base.down_proj]))
+
+
+@pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4"])
+@pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
+def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case):
+    # round-to-nearest recipes without tensor scales: every quantized operand is the per-expert
+    # path's, bit for bit (32-row tiles never straddle two experts), and the grouped GEMMs
+    # agree to accumulation order -- here, on the CPU, exactly
+    g = torch.Generator().manual_seed(5)
+    base, grouped, reference, recipe = _quantized_pair(name)
+    assert groups_exactly(recipe) and row_tile(recipe) == 32
+    N = 40
+    x = torch.randn(N, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(N, 6, 2, case, g), torch.rand(N, 2, generator=g).to(torch.bfloat16)
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert torch.equal(a, b)
+
+
+def test_stochastic_rounding_draws_differently_but_alike_and_tensor_scales_stay_per_expert():
+    g = torch.Generator().manual_seed(6)
+    base, grouped, reference, recipe = _quantized_pair("stable-fp4")
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
+    assert torch.equal(got[0], want[0])                  # the forward rounds to nearest
+    for a, b in zip(got[1:], want[1:]):                  # dY's stochastic rounding: other draws
+        assert a.isfinite().all() and abs(a.float().norm() / b.float().norm() - 1) < 0.2
+    # NVFP4's per-expert tensor scales span an expert's rows: its experts run one by one
+    nvfp4 = get_recipe("nvfp4").linear_for("model.layers.1.mlp.experts", 4)
+    assert not groups_exactly(nvfp4)
+    with pytest.raises(ValueError, match="does not group exactly"):
+        grouped_quant_linear(x, base.gate_up_proj, torch.tensor([40, 0, 0, 0, 0, 0]), nvfp4)
 
 
 def test_training_flops_count_the_active_experts_only():

@@ -90,7 +90,11 @@ class Experts(nn.Module):
             x, weight = _autocast(x, weight)
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-        # the reference: one host read-back of the counts, then the experts that have rows
+        return self._per_expert_linear(x, weight, counts)
+
+    def _per_expert_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`_experts_linear` as the reference computes it: one host read-back of the counts,
+        then `_expert_linear` for each expert that has rows."""
         pieces, start = [], 0
         for expert_idx, count in enumerate(counts.tolist()):
             if count:

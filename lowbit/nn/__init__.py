@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lowbit.models.moe import Experts
+from lowbit.models.moe import Experts, grouped_mm_supported
 from lowbit.ops.gemms import compilable
+from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
@@ -99,11 +100,16 @@ class QuantExperts(Experts):
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
         return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None)
 
-    def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # a quantizing recipe runs expert by expert (its per-expert scales; a grouped quantized
-        # path is not written yet); unquantized, the experts are plain products
+    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # unquantized: plain products (Experts' grouped GEMM); a recipe whose quantization of
+        # the stacked experts is each expert's own: one grouped quantized GEMM
+        # (lowbit.ops.grouped); any other (tensor scales, FP8 GEMMs): expert by expert
         recipe = self.linear_recipe if self.quantize else None
-        return (recipe is None or not recipe.is_quantized) and super()._can_group(x, weight)
+        if recipe is None or not recipe.is_quantized:
+            return super()._experts_linear(x, weight, counts)
+        if groups_exactly(recipe) and grouped_mm_supported(x, weight):
+            return grouped_quant_linear(x, weight, counts, recipe)
+        return self._per_expert_linear(x, weight, counts)
 
     def extra_repr(self) -> str:
         recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"

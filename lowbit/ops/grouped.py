@@ -1,0 +1,129 @@
+"""Every expert's quantized GEMMs at once: the MoE counterpart of lowbit.ops.linear's emulated
+Function, on grouped GEMMs (torch._grouped_mm).
+
+    y = grouped_quant_linear(x, weight, counts, recipe)   # x (R, in) sorted by expert, counts (E,)
+
+The per-expert reference (lowbit.nn.QuantExperts' `_expert_linear`) quantizes each expert's
+operands on their own: its rows of X and dY, and its own weight matrix. Here every operand is
+quantized in one call, and the result is the same bit for bit where the recipe's quantization
+cannot see the other experts:
+- the weight (E, out, in) quantized as one stacked tensor equals each expert's matrix
+  quantized alone (tiles and blocks lie within a matrix) when no tensor scale spans the stack;
+- the routed rows are laid out with each expert's rows starting at a multiple of `row_tile`
+  (the largest block or tile any X or dY operand has along the tokens), zero rows between, so
+  no block or tile holds two experts' rows, and a partial tile's zero rows quantize as the
+  per-expert tensor's edge does.
+So recipes without tensor scales and without the random Hadamard transform group
+(`groups_exactly`): the MX family (mxfp4, stable-fp4 and its variants). A rounding that draws
+random numbers (stochastic rounding of dY) draws them in the grouped layout's order: the same
+distribution as the per-expert path, not the same draws. The three GEMMs:
+
+    fprop  Y  = X W_e^T      one grouped GEMM, 2D x 3D
+    dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
+    wgrad  dW_e = dY_e^T X_e one grouped GEMM, 2D x 2D, the groups along the tokens
+
+The group sizes stay on the device (no host read-back), the padded layout has a fixed size
+(R + E * (row_tile - 1) rows), so the layer compiles and captures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.ops.gemms import operand, shared
+from lowbit.recipes import Gemm, LinearRecipe
+
+__all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
+
+
+def _specs(r: LinearRecipe):
+    return (r.fprop_x, r.fprop_w, r.dgrad_dy, r.dgrad_w, r.wgrad_dy, r.wgrad_x)
+
+
+def groups_exactly(r: LinearRecipe) -> bool:
+    """The recipe's GEMMs on stacked experts equal its per-expert GEMMs in every quantized
+    operand (see the module doc): emulated GEMMs, no tensor scale, no Hadamard rotation."""
+    return (r.gemm is Gemm.EMULATED and not r.wgrad_hadamard
+            and all(s is None or not s.tensor_scale for s in _specs(r)))
+
+
+def row_tile(r: LinearRecipe) -> int:
+    """Rows an expert's segment is padded to a multiple of: the longest block or tile side of
+    the operands that span tokens (X and dY, either GEMM)."""
+    sides = [max(s.block) for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x) if s is not None]
+    return max(sides, default=1)
+
+
+def _layout(counts: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(each sorted row's position in the padded layout (R,), the groups' padded ends (E,)
+    int32, the layout's rows, a multiple of 8). Rows past sum(counts) (dropped slots) go to the
+    last row, which no group reaches."""
+    padded = (counts + tile - 1) // tile * tile
+    ends = torch.cumsum(counts, 0)
+    padded_ends = torch.cumsum(padded, 0)
+    i = torch.arange(rows, device=counts.device)
+    expert = torch.searchsorted(ends, i, right=True)                     # (R,), E for dropped
+    kept = expert < counts.shape[0]
+    e = expert.clamp(max=counts.shape[0] - 1)
+    size = (rows + counts.shape[0] * (tile - 1) + 1 + 7) // 8 * 8   # 16-byte strides in bf16
+    position = torch.where(kept, (padded_ends - padded)[e] + i - (ends - counts)[e], size - 1)
+    return position, padded_ends.to(torch.int32), size
+
+
+def _spread(t: torch.Tensor, position: torch.Tensor, size: int) -> torch.Tensor:
+    """t's rows at their padded positions, zeros elsewhere."""
+    out = t.new_zeros(size, t.shape[1])
+    return out.index_copy(0, position, t)
+
+
+class GroupedQuantLinearFunction(torch.autograd.Function):
+    """The three emulated GEMMs of every expert (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, recipe: LinearRecipe):
+        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert
+        position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
+        xp = _spread(x, position, size)
+        x_f = operand(xp, recipe.fprop_x, reduce_dim=1)                  # blocks along in
+        w_f = operand(weight, recipe.fprop_w, reduce_dim=2)              # blocks along in
+        dropped = (position == size - 1)[:, None]
+        y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)[position].masked_fill(dropped, 0)
+        # what the backward reuses: the quantized copies where 2D tiles share them
+        x_saved = x_f if shared(recipe.fprop_x, recipe.wgrad_x) else xp
+        w_saved = w_f if shared(recipe.fprop_w, recipe.dgrad_w) else weight
+        ctx.save_for_backward(x_saved, w_saved, position, ends, dropped)
+        ctx.recipe, ctx.size = recipe, size
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w_saved, position, ends, dropped = ctx.saved_tensors
+        r = ctx.recipe
+        dx = dw = None
+        dyp = _spread(dy, position, ctx.size)
+        dy_d = operand(dyp, r.dgrad_dy, reduce_dim=1)                    # blocks along out
+        if ctx.needs_input_grad[0]:
+            w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else operand(w_saved, r.dgrad_w, reduce_dim=0)
+            dx = torch._grouped_mm(dy_d, w_d, offs=ends)[position].masked_fill(dropped, 0)
+        if ctx.needs_input_grad[1]:
+            dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dyp, r.wgrad_dy, reduce_dim=0)
+            x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
+            dw = torch._grouped_mm(dy_w.mT, x_w, offs=ends)               # (E, out, in)
+        return dx, dw, None, None
+
+
+def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                         recipe: LinearRecipe) -> torch.Tensor:
+    """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (R, in) sorted
+    by expert (counts[e] rows each, on the device; rows past their sum, zeros out and in), weight
+    (E, out, in) -> (R, out). The recipe must group exactly (`groups_exactly`); under autocast
+    the operands are cast to its dtype first, as quant_linear casts them. torch._grouped_mm
+    takes bf16 with in and out multiples of 8."""
+    if not groups_exactly(recipe):
+        raise ValueError(f"recipe {recipe.describe()} does not group exactly (a tensor scale, the "
+                         "Hadamard transform or FP8 GEMMs): run its experts one by one")
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return GroupedQuantLinearFunction.apply(x, weight, counts, recipe)
