@@ -7,6 +7,7 @@ do>`, and exit code 2; no traceback (set LOWBIT_DEBUG=1 to see one).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -174,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LOWBIT_DEBUG"):
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"lowbit: error: {where}{(e.strerror or str(e)).lower()}; check the path, or "
-              f"choose another", file=sys.stderr)
+        advice = ("free space on its disk, or choose another path" if e.errno == errno.ENOSPC
+                  else "check the path, or choose another")
+        print(f"lowbit: error: {where}{(e.strerror or str(e)).lower()}; {advice}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # lowbit.train's says the step, checkpoint and --resume
         print(f"lowbit: interrupted {e}".rstrip(), file=sys.stderr)

@@ -17,14 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pattern_data import VOCAB, PatternData
 
 import lowbit.train.loop as loop
 from lowbit.cli import main
 from lowbit.train import TrainConfig, train
 from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
                                      load_checkpoint, save_checkpoint)
-
-VOCAB = 32
 
 
 class TinyLM(nn.Module):
@@ -39,28 +38,6 @@ class TinyLM(nn.Module):
         logits = self.head(self.drop(torch.tanh(self.mix(self.embed(idx)))))  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return SimpleNamespace(logits=logits, loss=loss, aux_loss=torch.zeros(()))
-
-
-class PatternData:
-    """Step i's rows depend on (seed, i) only; `shift` makes other data (another fingerprint)."""
-
-    vocab_size = VOCAB
-
-    def __init__(self, config: TrainConfig, shift: int = 0):
-        self.tokens = (torch.arange(2048) * 7 + shift) % VOCAB
-        self.rows, self.seq_len, self.seed = config.batch_size, config.seq_len, config.seed
-        self.fingerprint = f"pattern-{shift}"
-
-    def _rows(self, g):
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.rows,), generator=g)
-        return (torch.stack([self.tokens[s:s + self.seq_len] for s in starts]),
-                torch.stack([self.tokens[s + 1:s + 1 + self.seq_len] for s in starts]))
-
-    def train_batch(self, step):
-        return self._rows(torch.Generator().manual_seed(self.seed * 1_000_003 + step))
-
-    def eval_batches(self):
-        return [self._rows(torch.Generator().manual_seed(7))]
 
 
 def config(tmp_path, **overrides) -> TrainConfig:

@@ -149,20 +149,41 @@ def _calibration_batches(model, tokenizer, corpus: str, n: int):
     return [windows[i:i + 4] for i in range(0, min(len(windows), 4 * n), 4)]
 
 
+def _check_apart(source: Path, out: Path, what: str = "the source folder") -> None:
+    """Refuse an --out that is `source`, holds it or lies inside it (symlinks resolved): the
+    export would write over what it reads."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src:
+        where = f"is {what}"
+    elif dst.is_relative_to(src):
+        where = f"lies inside {what} {source}"
+    elif src.is_relative_to(dst):
+        where = f"holds {what} {source}"
+    else:
+        return
+    raise ValueError(f"--out {out} {where}, and the export would write over what it reads; "
+                     f"choose an --out outside {source}")
+
+
 def run_export(args: argparse.Namespace) -> None:
     from lowbit.export import calibrate_input_amax, export_model
+    from lowbit.export.writer import check_export_folder, write_text
     from lowbit.models.hf import load_tokenizer
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
+    _check_apart(Path(args.source), out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"{out} is not empty; pass --overwrite or choose another --out")
+    check_export_folder(out)
     if args.calib_batches < 1:
         raise ValueError("--calib-batches must be >= 1")
     if args.format is not None:
         parse_export_format(args.format)   # a bad format: refused before anything loads
     model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source)
+    if tokenizer_dir is not None:   # a run trained from a model folder copies its tokenizer
+        _check_apart(Path(tokenizer_dir), out, "the run's model folder")
     fmt = export_format(args.format, trained, args.source)
     layout = args.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
     input_amax = None
@@ -176,7 +197,7 @@ def run_export(args: argparse.Namespace) -> None:
                           allow_unshared_scales=args.allow_unshared_scales,
                           progress=not args.no_progress)
     print(report)
-    (out / "lowbit_export.json").write_text(json.dumps({
+    write_text(out / "lowbit_export.json", json.dumps({
         "source": str(args.source), "format": str(fmt), "layout": layout,
         "activations": args.activations, "packed_weights": len(report.quantized),
         "excluded": report.excluded, "quantized_bytes": report.quantized_bytes,

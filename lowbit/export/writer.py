@@ -25,11 +25,22 @@ stacks as lowbit's and transformers' parameters hold them, `model.layers.0.mlp.e
 32x32 MX) become the serving layout's 1D row blocks exactly (each row of a tile has the
 tile's scale). A group whose QTensors carry different tensor scales is refused unless
 allow_unshared_scales (vLLM then uses their max, TensorRT-LLM cannot load it faithfully).
+
+Files. Every file is written to a temporary file in `out` and renamed over its name
+(lowbit.formats.qtensor.write_atomic): a name that is a symlink (a Hugging Face cache
+snapshot) is replaced, never written through, and a failed write (a full disk) leaves no
+partial file. Files a previous export wrote that this one does not (EXPORT_FILES, the
+`model-0000i-of-0000n.safetensors` shards, their temporary files) are removed afterwards, so
+an old index or shard is never served beside the new weights; other files are left alone,
+except that another `*.safetensors` in `out` (a QAT run's quantized.safetensors) is refused
+before anything is written, since servers load every safetensors file of a folder without
+an index.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,14 +55,21 @@ from lowbit.export.layouts import (FORMAT_LAYOUTS, ExportFormat, compressed_tens
                                    parse_export_format, tensor_names)
 from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
+from lowbit.formats.qtensor import write_atomic, write_safetensors
 from lowbit.models.hf import hf_config_dict, write_shards
 
 __all__ = ["ExportReport", "export_model", "quantize_group", "split_rows", "row_blocks",
-           "weight_groups", "TOKENIZER_FILES"]
+           "weight_groups", "check_export_folder", "write_text", "TOKENIZER_FILES",
+           "EXPORT_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt",
                    "tokenizer.model")
+EXPORT_FILES = ("config.json", "hf_quant_config.json", "model.safetensors",
+                "model.safetensors.index.json", "lowbit_export.json", *TOKENIZER_FILES)
+"""The names an export writes (`lowbit export` adds lowbit_export.json), besides its shards."""
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_TEMP = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]{8}\.tmp$")   # write_atomic's temporary files
 
 
 @dataclass
@@ -234,6 +252,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
     if input_amax is not None and format != "nvfp4":
         raise ValueError("calibrated activations (W4A4) are written for nvfp4 only")
     out = Path(out)
+    check_export_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     names = tensor_names(layout)
     report = ExportReport(out, str(fmt), layout)
@@ -315,13 +334,13 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
                                              "version": __version__})}
     if exact_scales:
         metadata["lowbit.tensor_scales"] = json.dumps(exact_scales)
-    write_shards(out, shards, metadata)
+    written = write_shards(out, shards, metadata, save=write_safetensors, save_text=write_text)
 
     hf_config = hf_config_dict(config, torch.bfloat16)
     activations = input_amax is not None
     if layout == "modelopt":
         quant = modelopt_config(report.excluded, activations, __version__)
-        (out / "hf_quant_config.json").write_text(json.dumps(quant, indent=2) + "\n")
+        written.append(write_text(out / "hf_quant_config.json", json.dumps(quant, indent=2) + "\n"))
         q = quant["quantization"]
         hf_config["quantization_config"] = {"quant_method": "modelopt", **q,
                                             "ignore": q["exclude_modules"]}
@@ -331,14 +350,54 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
     else:
         hf_config["quantization_config"] = compressed_tensors_config(
             format, report.excluded, activations, __version__)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    written.append(write_text(out / "config.json", json.dumps(hf_config, indent=2) + "\n"))
     if tokenizer_dir is not None:
         for file in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / file).is_file():
-                shutil.copy2(Path(tokenizer_dir) / file, out / file)
+            source = Path(tokenizer_dir) / file
+            if source.is_file():
+                write_atomic(out / file, lambda tmp, source=source: shutil.copyfile(source, tmp))
+                written.append(out / file)
     elif tokenizer is not None:
-        getattr(tokenizer, "tokenizer", tokenizer).save(str(out / "tokenizer.json"))
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        write_atomic(out / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
+        written.append(out / "tokenizer.json")
+    _remove_stale(out, {p.name for p in written})
     return report
+
+
+def check_export_folder(out: str | Path) -> None:
+    """Refuse an `out` holding a `*.safetensors` file an export does not write (a QAT run's
+    quantized.safetensors): servers load every safetensors file of a folder without an
+    index, so it would be served beside the exported weights. Nothing is removed."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.glob("*.safetensors")
+                     if p.name not in EXPORT_FILES and not _SHARD.match(p.name))
+    if foreign:
+        raise ValueError(f"{out} holds {', '.join(foreign)}, which lowbit export does not write "
+                         f"and a server would load beside the exported weights; move "
+                         f"{'it' if len(foreign) == 1 else 'them'} out of {out} or choose another "
+                         f"--out")
+
+
+def write_text(path: Path, text: str) -> Path:
+    """`text` written to `path` through write_atomic; returns `path`."""
+    write_atomic(path, lambda tmp: tmp.write_text(text))
+    return path
+
+
+def _remove_stale(out: Path, written: set[str]) -> None:
+    """Remove what a previous export wrote into `out` that this one did not write (and the
+    temporary files of a killed export); files an export never writes are left alone."""
+    def exported(name: str) -> bool:
+        return name in EXPORT_FILES or bool(_SHARD.match(name))
+
+    for path in out.iterdir():
+        temp = _TEMP.match(path.name)
+        stale = (exported(path.name) and path.name not in written) or bool(temp and exported(temp[1]))
+        if stale and not path.is_dir():
+            path.unlink()
 
 
 def _natural(name: str):

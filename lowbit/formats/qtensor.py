@@ -14,16 +14,21 @@ A QTensor is storage, not a tensor subclass: the training math in lowbit.ops deq
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from lowbit.formats.elements import decode, e8m0_to_float, pack_codes, unpack_codes
 from lowbit.formats.spec import QuantSpec, ScaleKind
 
-__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to"]
+__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to", "write_atomic",
+           "write_safetensors"]
 
 
 def saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -167,10 +172,8 @@ class QTensor:
 
 def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
     """Save QTensors to one safetensors file (`<name>.codes`, `<name>.scales`,
-    `<name>.tensor_scale`, `<name>.zeros`, and each tensor's spec in the header's metadata). Written to a
-    temporary file and renamed, so a crash never leaves a half-written file."""
-    from safetensors.torch import save_file
-
+    `<name>.tensor_scale`, `<name>.zeros`, and each tensor's spec in the header's metadata),
+    through write_safetensors: a crash never leaves a half-written file."""
     flat: dict[str, torch.Tensor] = {}
     meta = {"lowbit.format_version": _FORMAT_VERSION}
     for name, q in tensors.items():
@@ -183,10 +186,60 @@ def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
         if q.zeros is not None:
             flat[f"{name}.zeros"] = q.zeros.contiguous().cpu()
         meta[f"lowbit.{name}"] = json.dumps(q._metadata())
+    write_safetensors(path, flat, meta)
+
+
+# --- writing a file atomically ---------------------------------------------------------------
+#
+# The new contents go to a temporary file beside the destination, `.<name>.<pid>.<hex>.tmp`
+# (unique, so two writers or a user's file of that name are never clobbered), which is then
+# renamed over the destination. The rename replaces the directory entry: a destination that
+# is a symlink (a Hugging Face cache snapshot links every file to a blob) is replaced by the
+# new file, never written through. The temporary file is removed on any failure, and the
+# file gets the mode a plain open() gives (0o666 & ~umask): safetensors writes 0600, which a
+# server running as another user cannot read.
+
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Create `path` by `write(tmp)`, which fills the fresh file `tmp` beside it (it may
+    replace it), then rename `tmp` over `path`. An OSError names `path`."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(flat, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "xb") as f:      # "x": the umask's mode; mkstemp would give 0600
+            mode = os.fstat(f.fileno()).st_mode & 0o777
+        write(tmp)
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDONLY)  # the bytes reach the disk before the name does
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename in (None, str(tmp), tmp):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file through write_atomic; a full disk (or any error of the file
+    system) is an OSError naming `path`, not safetensors' own error type."""
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except Exception as e:  # noqa: BLE001 -- SafetensorError carries the OS error as text
+            found = re.search(r"os error (\d+)", str(e))
+            if found is None:
+                raise
+            code = int(found[1])
+            raise OSError(code, os.strerror(code)) from None
+
+    write_atomic(path, write)
 
 
 def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, QTensor]:
@@ -219,10 +272,52 @@ def _load_qtensors(path: Path, device) -> dict[str, QTensor]:
                 continue
             name = key.removeprefix("lowbit.")
             info = json.loads(value)
-            tensor_scale = (f.get_tensor(f"{name}.tensor_scale").reshape(())
+            tensor_scale = (f.get_tensor(f"{name}.tensor_scale")
                             if f"{name}.tensor_scale" in f.keys() else None)
             zeros = f.get_tensor(f"{name}.zeros") if f"{name}.zeros" in f.keys() else None
-            out[name] = QTensor(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
-                                tensor_scale, QuantSpec.from_dict(info["spec"]),
-                                tuple(info["shape"]), _DTYPES[info["dtype"]], zeros=zeros)
+            spec, shape = QuantSpec.from_dict(info["spec"]), tuple(info["shape"])
+            codes, scales = f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales")
+            _check_stored(path, name, spec, shape, codes=codes, scales=scales,
+                          tensor_scale=tensor_scale, zeros=zeros)
+            if tensor_scale is not None:
+                tensor_scale = tensor_scale.reshape(())
+            out[name] = QTensor(codes, scales, tensor_scale, spec, shape, _DTYPES[info["dtype"]],
+                                zeros=zeros)
     return out
+
+
+def _check_stored(path: Path, name: str, spec: QuantSpec, shape: tuple[int, ...],
+                  **stored: torch.Tensor | None) -> None:
+    """Refuse stored tensors that are not what the metadata's spec and shape imply (a changed
+    shape would dequantize scrambled, a relabelled format decode wrongly)."""
+    if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
+        raise ValueError(f"{path}: {name} has shape {list(shape)} in its metadata, not a "
+                         f"list of positive sizes")
+    rows_per_block, cols_per_block = spec.block
+    n_col_blocks = -(-shape[-1] // cols_per_block)
+    code_bytes = n_col_blocks * cols_per_block * spec.info.element.code_bits // 8
+    if len(shape) == 1:
+        scale_shape = (n_col_blocks,)
+    else:       # (b, b) tiles: one scale per tile; (1, b) blocks: one per row and block
+        scale_shape = (*shape[:-2], -(-shape[-2] // rows_per_block), n_col_blocks)
+    scale_dtype = {ScaleKind.E4M3: torch.float8_e4m3fn,
+                   ScaleKind.E8M0: torch.uint8}.get(spec.info.scale_kind, torch.float32)
+    expected = {"codes": ((*shape[:-1], code_bytes), torch.uint8),
+                "scales": (scale_shape, scale_dtype),
+                "tensor_scale": ((1,) if spec.tensor_scale else None, torch.float32),
+                "zeros": (scale_shape if spec.info.scale_kind is ScaleKind.MINMAX else None,
+                          torch.uint8)}
+    for part, (want_shape, want_dtype) in expected.items():
+        t = stored[part]
+        if want_shape is None or t is None:
+            if (want_shape is None) != (t is None):
+                raise ValueError(f"{path}: {name}.{part} is {'missing' if t is None else 'stored'}"
+                                 f", but its metadata says {spec.format} with "
+                                 f"tensor_scale={spec.tensor_scale}; the file is inconsistent")
+            continue
+        if tuple(t.shape) != want_shape or t.dtype != want_dtype:
+            raise ValueError(f"{path}: {name}.{part} is {str(t.dtype).removeprefix('torch.')} "
+                             f"{list(t.shape)}, but its metadata ({spec.format}, blocks "
+                             f"{spec.block[0]}x{spec.block[1]}, shape {list(shape)}) implies "
+                             f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)}; "
+                             f"the file's metadata does not match its tensors")

@@ -155,7 +155,15 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for key, shard in weight_map.items():
+            # a shard name is a file of this folder: `../x` or `/x` would read elsewhere
+            if (not isinstance(shard, str) or not shard or Path(shard).is_absolute()
+                    or ".." in shard.replace("\\", "/").split("/")):
+                raise ModelLoadError(f"{index}: weight_map entry {key!r} names shard {shard!r}, "
+                                     f"outside the model folder; an index names its shards by "
+                                     f"their file name in {path} (fix or remove the entry)")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise ModelLoadError(f"{path}: shard {missing[0]} named in {index.name} is missing")
@@ -350,21 +358,47 @@ def save_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None,
     return path
 
 
-def write_shards(path: Path, shards: list[dict[str, torch.Tensor]], metadata: dict | None = None) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors plus the index, each written to
-    a temporary name and renamed."""
-    from safetensors.torch import save_file
-
+def write_shards(path: Path, shards: list[dict[str, torch.Tensor]], metadata: dict | None = None,
+                 *, save=None, save_text=None) -> list[Path]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors plus the index (the names
+    save_pretrained gives); returns the paths written. save(file, tensors, metadata) and
+    save_text(file, text) write one file (default: to a unique temporary name beside it,
+    then renamed over it; lowbit.export passes its symlink-safe writers)."""
+    save = save or _save_safetensors
+    save_text = save_text or _save_text
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map, total = {}, 0
+    weight_map, total, written = {}, 0, []
     for name, shard in zip(names, shards):
-        tmp = path / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt", **(metadata or {})})
-        os.replace(tmp, path / name)
+        save(path / name, shard, {"format": "pt", **(metadata or {})})
+        written.append(path / name)
         for key, t in shard.items():
             weight_map[key] = name
             total += t.nbytes
     if len(shards) > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        index = path / "model.safetensors.index.json"
+        save_text(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                    indent=2) + "\n")
+        written.append(index)
+    return written
+
+
+def _replaced(path: Path, write) -> None:
+    """write(tmp) to a unique temporary file beside path, renamed over it (removed on failure)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    _replaced(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _save_text(path: Path, text: str) -> None:
+    _replaced(path, lambda tmp: tmp.write_text(text))

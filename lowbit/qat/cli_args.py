@@ -7,9 +7,11 @@ Bad values raise ValueError with a one-line message; cli.py prints it as
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig
 from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
+from lowbit.train.loop import NonFiniteLossError
 
 _JQ = JacQuantConfig()
 
@@ -139,7 +141,13 @@ def config_flags(config: QATConfig) -> list[str]:
 
 
 def run_qat_command(args: argparse.Namespace) -> None:
-    summary = run_qat(job_from_args(args))
+    """`lowbit qat`. A run stopped by non-finite losses ends the process with one line and exit
+    code 1, as `lowbit train`'s does, its advice in `lowbit qat`'s flags."""
+    try:
+        summary = run_qat(job_from_args(args))
+    except NonFiniteLossError as e:
+        print(f"lowbit: error: {e} Try a lower --lr or a longer --warmup-steps", file=sys.stderr)
+        raise SystemExit(1) from None
     print(summary["table"], end="")
     print(f"figure: {summary['figure']}\ntable: {summary['dir']}/table.md")
     if "comparison" in summary:

@@ -22,6 +22,7 @@ Hugging Face weight names), which `lowbit export RUN` writes as they are.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -36,14 +37,15 @@ from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
-from lowbit.train.checkpoint import load_checkpoint, write_text_atomic
+from lowbit.train.checkpoint import (content_digest, load_checkpoint, write_json_atomic,
+                                     write_text_atomic)
 from lowbit.train.compare import RunOutcome, RunSpec, check_specs, val_curve, write_comparison
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
 
-__all__ = ["QATJob", "run_qat", "source_run", "load_source", "save_packed", "BASE_STEPS",
-           "PACKED_FILE"]
+__all__ = ["QATJob", "run_qat", "source_run", "load_source", "source_fingerprint", "save_packed",
+           "BASE_STEPS", "PACKED_FILE"]
 
 BASE_STEPS = 300   # the BF16 model `lowbit qat` trains first when given no --from
 PACKED_FILE = "quantized.safetensors"   # a QAT run's packed weights (what lowbit export reads)
@@ -175,11 +177,29 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
     return config, checkpoint["model"]
 
 
+def source_fingerprint(path: Path, state: dict | None) -> str:
+    """SHA-256 of the weights QAT starts from: a source run's (content_digest of its state
+    dict), or a Hugging Face folder's safetensors files, byte for byte. A resumed QAT run
+    checks it (lowbit.train.checkpoint.check_same_start): the same source moved elsewhere
+    resumes, another one is refused."""
+    if state is not None:
+        return content_digest(state)
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int, job: QATJob,
-               name: str) -> TrainConfig:
-    """The TrainConfig of one QAT run: the source's model and data, QAT's schedule."""
+               name: str, fingerprint: str | None = None) -> TrainConfig:
+    """The TrainConfig of one QAT run: the source's model and data, QAT's schedule;
+    fingerprint: the source weights' (source_fingerprint)."""
     fields = dict(
-        recipe="bf16", qat=qat.to_dict(), init_from=str(source_path), seed=seed,
+        recipe="bf16", qat=qat.to_dict(), init_from=str(source_path),
+        init_fingerprint=fingerprint, seed=seed,
         max_steps=job.steps, max_tokens=None, lr=job.lr, warmup_steps=min(job.warmup_steps, job.steps),
         min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
@@ -212,13 +232,15 @@ def run_qat(job: QATJob) -> dict:
     """Run the job (see the module docstring); returns the summary it writes."""
     source_path = source_run(job)
     source, state = load_source(source_path, job)
+    fingerprint = source_fingerprint(source_path, state)
     base_name = job.name or _slug(f"qat-{source_path.name}")
     # Every run's config is built (and so validated) before the first one trains.
     plans = []
     for qat in job.configs:
         for seed in job.seeds:
             name = _slug(f"{base_name}-{qat.weights}-{_label(qat)}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
-            plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name)))
+            plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name,
+                                                fingerprint)))
     specs = [RunSpec(_label(qat), seed, config.name) for qat, seed, config in plans]
     if len(job.configs) > 1:
         check_specs(specs)   # two estimators of one label would not pair: refused before training
@@ -271,7 +293,7 @@ def run_qat(job: QATJob) -> dict:
                                             f"seed{'s' * (len(job.seeds) > 1)}")
         summary["comparison"] = str(comparison.table)
         summary["table"] += "\n" + comparison.table.read_text()
-    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out / "summary.json", summary)
     write_text_atomic(out / "table.md", summary["table"])
     summary["figure"] = str(plot_qat(summary, out / "qat.png"))
     summary["dir"] = str(out)

@@ -1,9 +1,14 @@
-"""`lowbit rl`: its flags (RLConfig's fields) and what it runs."""
+"""`lowbit rl`: its flags (RLConfig's fields) and what it runs.
+
+Value flags default to None, meaning "RLConfig's default" (shown in --help), so that
+config_from_args can tell what the user set: a flag given explicitly wins over --quick's value.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from lowbit.rl.config import ALIGNMENTS, RLConfig
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
@@ -65,9 +70,11 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     defaults = RLConfig()
     for flag, (field, kind, text) in _FLAGS.items():
-        # rac_ratio's and warmstart_steps' defaults depend on other flags (RLConfig resolves them)
-        default = None if field in ("rac_ratio", "warmstart_steps", "warmstart_seed") else getattr(defaults, field)
-        p.add_argument(flag, dest=field, type=kind, default=default, help=text)
+        # None: not given (RLConfig fills in its default; rac_ratio's, warmstart_steps' and
+        # warmstart_seed's depend on other flags, and their help says how)
+        shown = str(getattr(defaults, field)).replace("%", "%%")
+        p.add_argument(flag, dest=field, type=kind, default=None,
+                       help=text.replace("%(default)s", shown))
     p.add_argument("--mask-truncated-completions", action="store_true",
                    help="leave completions that hit --max-completion-length out of the loss")
     p.add_argument("--routing-replay", action="store_true",
@@ -91,13 +98,16 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RLConfig:
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(RLConfig) if hasattr(args, f.name)}
+    """The RLConfig the flags describe: those given, then --quick's values for the others,
+    then RLConfig's defaults."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(RLConfig)
+              if getattr(args, f.name, None) is not None}
     fields["progress"] = not args.no_progress
     if args.quick:
         from lowbit.models import is_model_folder
-        quick = dict(QUICK)
+        quick = {k: v for k, v in QUICK.items() if k not in fields}
         if is_model_folder(fields.get("model") or RLConfig.model):
-            del quick["warmstart_steps"]   # a Hugging Face policy has no warm start
+            quick.pop("warmstart_steps", None)   # a Hugging Face policy has no warm start
         fields.update(quick)
     return RLConfig(**fields)
 
@@ -105,16 +115,22 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
 def run_rl_command(args: argparse.Namespace) -> None:
     from lowbit.rl.compare import compare_settings, format_summary, summary_rows
     from lowbit.rl.trainer import run_rl
+    from lowbit.train.loop import NonFiniteLossError
 
     config = config_from_args(args)
+    if args.compare and args.resume:
+        raise ValueError("--compare starts its runs afresh; resume each run on its own")
+    try:
+        if args.compare:
+            settings = [s for s in args.compare.split(",") if s.strip()]
+            results, folder = compare_settings(config, settings, overwrite=args.overwrite)
+        else:
+            results = [run_rl(config, resume=args.resume, overwrite=args.overwrite)]
+    except NonFiniteLossError as e:   # one line and exit code 1, as `lowbit train`'s
+        print(f"lowbit: error: {e} Try a lower --lr", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(format_summary(summary_rows([r.run_dir for r in results])), end="")
     if args.compare:
-        if args.resume:
-            raise ValueError("--compare starts its runs afresh; resume each run on its own")
-        settings = [s for s in args.compare.split(",") if s.strip()]
-        results, folder = compare_settings(config, settings, overwrite=args.overwrite)
-        print(format_summary(summary_rows([r.run_dir for r in results])), end="")
         print(f"figure and table: {folder}")
-        return
-    result = run_rl(config, resume=args.resume, overwrite=args.overwrite)
-    print(format_summary(summary_rows([result.run_dir])), end="")
-    print(f"run folder: {result.run_dir} (metrics.jsonl, rl.png, checkpoints/)")
+    else:
+        print(f"run folder: {results[0].run_dir} (metrics.jsonl, rl.png, checkpoints/)")

@@ -18,7 +18,7 @@ from typing import Sequence
 from lowbit.rl.config import RLConfig
 from lowbit.rl.plot import plot_rl_runs
 from lowbit.rl.trainer import RLResult, run_rl
-from lowbit.train.checkpoint import write_text_atomic
+from lowbit.train.checkpoint import write_json_atomic, write_text_atomic
 from lowbit.train.metrics import read_metrics
 
 __all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary"]
@@ -105,4 +105,4 @@ def write_summary(run_dirs: Sequence[Path], folder: Path, title: str | None = No
     rows = summary_rows(run_dirs)
     plot_rl_runs(run_dirs, folder / "rl.png", title=title)
     write_text_atomic(folder / "summary.md", format_summary(rows))
-    write_text_atomic(folder / "summary.json", json.dumps(rows, indent=2) + "\n")
+    write_json_atomic(folder / "summary.json", rows)

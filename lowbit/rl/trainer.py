@@ -18,12 +18,18 @@ Each piece is a method (`generate`, `score`, `train_on`, `sync`) that a subclass
 
 Determinism: prompts and sampling noise are pure functions of (seed, step), the engine's
 weights a function of the trainer's, so N steps + resume + M steps equals N + M steps.
+
+The run folder follows lowbit.train's rules (lowbit.train.run_dir.RunDir): one writer at a
+time (a GRPOTrainer holds the folder's lock from its construction until run() ends), a resume
+reads the problems it started with (their fingerprint is in the checkpoint), a NaN/Inf loss
+stops the run at once keeping the last checkpoint (NonFiniteLossError), and Ctrl-C says the
+step, the last checkpoint and the --resume command (TrainingInterrupted, exit 130).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import hashlib
 import math
 import sys
 import time
@@ -43,14 +49,17 @@ from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay,
                                     routing_agreement)
 from lowbit.rl.warmstart import greedy_accuracy, policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
-from lowbit.train.checkpoint import CHECKPOINT_VERSION, rng_state, set_rng_state, write_text_atomic
+from lowbit.train.checkpoint import CHECKPOINT_VERSION, check_same_data, rng_state, set_rng_state
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed
+from lowbit.train.loop import (NonFiniteLossError, TrainingInterrupted, interrupted_message,
+                               nonfinite_message)
 from lowbit.train.metrics import MetricsLog
 from lowbit.train.run_dir import RunDir
 from lowbit.train.step import TrainStep
 
-__all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES"]
+__all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
+           "task_fingerprint"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 
@@ -112,7 +121,14 @@ class GRPOTrainer:
         self.folder = RunDir(self.run_dir, files=RUN_FILES,
                              changed=lambda saved, config: config.changed_fields(saved))
         self.warn = lambda message: print(message, file=sys.stderr)
-        checkpoint = self._check_run_dir(resume, overwrite)
+        try:
+            self._build(self._check_run_dir(resume, overwrite))   # holds the folder's lock
+        except BaseException:
+            self.folder.release()   # a trainer that could not be built holds no folder
+            raise
+
+    def _build(self, checkpoint: dict | None) -> None:
+        c = self.config
         self.device = resolve_device(c.device)
         engine_device = resolve_device(c.engine_device) if c.engine_device else self.device
         self.say = tqdm.write if c.progress else (lambda message: None)
@@ -126,6 +142,10 @@ class GRPOTrainer:
             raise ValueError(f"--task {c.task} --task-size {c.task_size}: {e}") from None
         self.eval_set = self.task.eval_problems(c.eval_problems)
         self.exclude = {p.prompt for p in self.eval_set}
+        self.data_fingerprint = task_fingerprint(self.task, self.eval_set, c)
+        if checkpoint is not None:   # e.g. --task gsm8k --data-dir OTHER
+            check_same_data(checkpoint.get("data_fingerprint"), self.data_fingerprint,
+                            self.run_dir)
         self.model_config = policy_config(c, self.task)
         self.tokenizer, self.stop_ids = policy_tokenizer(c)
         if c.routing_replay and not self.model_config.is_moe:
@@ -172,6 +192,7 @@ class GRPOTrainer:
             self.start_step, self.records = checkpoint["step"], checkpoint["metrics"]
             self.wall_before = checkpoint["wall_time_s"]
         self.resumed = checkpoint is not None
+        self.last_checkpoint_step = self.start_step if self.resumed else None
         self.sync()
         for path, size in self.folder.start(c, fresh=checkpoint is None):
             self.warn(f"lowbit: removed {path} ({size:,} bytes), left by a write that was killed")
@@ -248,6 +269,9 @@ class GRPOTrainer:
         losses, grad_norms = [], []
         for i in range(c.num_iterations):
             result = fn(step * c.num_iterations + i, batch.input_ids, packed)
+            if result.skipped:   # the update was not applied; a NaN policy loss does not heal
+                raise NonFiniteLossError(nonfinite_message(step + 1, 1, self.last_checkpoint),
+                                         step + 1, self.last_checkpoint)
             losses.append(result.loss), grad_norms.append(result.grad_norm)
             for message in result.messages:
                 self.say(message)
@@ -301,10 +325,14 @@ class GRPOTrainer:
                                 refresh=False)
                 if not on_terminal and c.progress:
                     self.say(_line(record, c.steps))
+            return self.finish(step, log.records, t_session)
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(interrupted_message(step, self.last_checkpoint_step,
+                                                          self.last_checkpoint)) from None
         finally:
             bar.close()
             log.close()
-        return self.finish(step, log.records, t_session)
+            self.folder.release()
 
     def one_step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -330,14 +358,21 @@ class GRPOTrainer:
                 "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                 "time/sync_s": t4 - t3}
 
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The run's newest checkpoint file, None before the first."""
+        return self.folder.checkpoint if self.last_checkpoint_step is not None else None
+
     def checkpoint(self, step: int, log: MetricsLog, t_session: float) -> None:
         state = {"version": CHECKPOINT_VERSION, "step": step, "config": self.config.to_dict(),
                  "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "rng": rng_state(), "metrics": log.records,
-                 "wall_time_s": self.wall_before + time.perf_counter() - t_session}
+                 "wall_time_s": self.wall_before + time.perf_counter() - t_session,
+                 "data_fingerprint": self.data_fingerprint}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         self.folder.save_checkpoint(state)
+        self.last_checkpoint_step = step
         self.plot(force=False)
 
     def plot(self, force: bool) -> None:
@@ -360,7 +395,7 @@ class GRPOTrainer:
             values = [r[key] for r in train if key in r]
             if values:
                 summary[key] = sum(values) / len(values)
-        write_text_atomic(self.run_dir / "final.json", json.dumps(summary, indent=2) + "\n")
+        self.folder.write_final(summary)
         self.plot(force=True)
         self.say(f"done: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
                  f"held-out accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
@@ -372,6 +407,14 @@ def _line(record: dict, total: int) -> str:
     return (f"step {record['step']}/{total} | reward {record['reward']:.3f} | "
             f"len {record['completions/mean_length']:.1f} | gap {gap:.4f} | "
             f"{record['rollout/tokens_per_s']:,.0f} rollout tok/s")
+
+
+def task_fingerprint(task, eval_set: list[Problem], config: RLConfig) -> str:
+    """SHA-256 of the problems a run reads: its held-out set and its first step's draw (for
+    gsm8k, what --data-dir holds; for the generated tasks, a function of the config). A
+    checkpoint stores it, so that a resume on other problems is refused."""
+    problems = eval_set + task.problems(config.seed, 0, config.prompts_per_step, None)
+    return hashlib.sha256(repr([(p.prompt, p.answer) for p in problems]).encode()).hexdigest()
 
 
 def run_rl(config: RLConfig, *, resume: bool = False, overwrite: bool = False) -> RLResult:

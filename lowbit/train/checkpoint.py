@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import pickle
 import random
@@ -40,8 +42,8 @@ import torch
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "CheckpointStore", "LoadedCheckpoint",
            "checkpoint_path", "save_checkpoint", "load_checkpoint", "content_digest",
-           "write_text_atomic", "remove_temp_files", "check_same_data", "rng_state",
-           "set_rng_state", "TEMP_SUFFIX"]
+           "write_text_atomic", "write_json_atomic", "strict_json", "remove_temp_files",
+           "check_same_data", "check_same_start", "rng_state", "set_rng_state", "TEMP_SUFFIX"]
 
 CHECKPOINT_VERSION = 2
 """2: the file holds the SHA-256 of its contents ("sha256"). Version 1 files (no checksum)
@@ -279,9 +281,42 @@ def check_same_data(saved: str | None, current: str | None, where: str | Path) -
                           f"with --run-name")
 
 
+def check_same_start(saved: str | None, current: str | None, where: str | Path,
+                     source: str | None = None) -> None:
+    """Refuse to resume a run that started from given weights (TrainConfig.init_from: QAT's
+    --from or --model) from other weights: `saved` and `current` are the fingerprints of the
+    weights it started from and of those given now (None where unknown); `source` is where the
+    run's came from. The same weights moved elsewhere resume."""
+    if saved is None or current is None or saved == current:
+        return
+    raise CheckpointError(f"cannot resume {where}: it started from other weights "
+                          f"({source or 'its source'}, fingerprint {saved[:12]}; the source given "
+                          f"now has {current[:12]}); resume with the --from or --model it started "
+                          f"from, or start a new run with --run-name")
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Small files (config.json, final.json, a cut-back metrics.jsonl) get the same guarantee."""
     _write_atomic(Path(path), "w", lambda f: f.write(text))
+
+
+def strict_json(value):
+    """`value` with every NaN, Inf and -Inf float (at any depth of dicts, lists and tuples)
+    written as the string "nan", "inf" or "-inf": strict JSON has no spelling for them, and
+    Python's bare `NaN` is a file that jq, browsers and other languages cannot parse.
+    `float(text)` reads the strings back. Every JSON file lowbit writes goes through this."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: str | Path, value, indent: int | None = 2) -> None:
+    """`value` as strict JSON (through strict_json), written as write_text_atomic writes."""
+    write_text_atomic(path, json.dumps(strict_json(value), indent=indent, allow_nan=False) + "\n")
 
 
 def rng_state() -> dict:

@@ -149,7 +149,8 @@ def run_train(args: argparse.Namespace) -> None:
         try:
             train(config, resume=args.resume, overwrite=args.overwrite)
         except NonFiniteLossError as e:
-            print(f"lowbit: error: {e}", file=sys.stderr)
+            print(f"lowbit: error: {e} Try a lower --lr, a longer --warmup-steps, or "
+                  f"--grad-clip", file=sys.stderr)
             raise SystemExit(1) from None
         return
     if args.resume:

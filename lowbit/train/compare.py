@@ -41,7 +41,6 @@ runs (`TrainRunner`), with loss.png of all the runs beside.
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -55,7 +54,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from lowbit.train.build import resolve_recipe
-from lowbit.train.checkpoint import write_text_atomic
+from lowbit.train.checkpoint import write_json_atomic, write_text_atomic
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.metrics import read_metrics
@@ -215,7 +214,7 @@ def write_comparison(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome],
     comparison = Comparison(metric, step, arms[0], spread, rows, stats, outcomes,
                             summary_dir / "seeds.png", table)
     write_text_atomic(table, format_table(comparison))
-    write_text_atomic(summary_dir / "summary.json", json.dumps(_to_json(comparison), indent=2) + "\n")
+    write_json_atomic(summary_dir / "summary.json", _to_json(comparison))
     curves = {a: {s.seed: outcomes[s.name].curve for s in specs if s.arm == a} for a in arms}
     plot_gap_bands(curves, comparison.figure, metric=metric,
                    title=title or f"{len(seeds)} seed{'s' * (len(seeds) > 1)}")
@@ -484,11 +483,13 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
 
 def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False) -> None:
     """Refuse, before the first run's first step, what would stop a later run: an unknown
-    recipe, or a run folder that cannot be started (one holding a run, without overwrite)."""
+    recipe, or a run folder that cannot be started (one holding a run, without overwrite, or
+    one another process is writing)."""
     for config in configs:
         resolve_recipe(config.recipe)
     for config in configs:
-        RunDir(Path(config.out_dir) / config.name).check(config, resume=False, overwrite=overwrite)
+        with RunDir(Path(config.out_dir) / config.name) as run_dir:   # locked only to look
+            run_dir.check(config, resume=False, overwrite=overwrite)
 
 
 def _check_comparable(configs: Sequence[TrainConfig]) -> None:

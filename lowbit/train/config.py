@@ -37,6 +37,7 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "out_dir",
         "run_name",
         "init_from",
+        "init_fingerprint",   # checked on its own, with its own message (check_same_start)
     }
 )
 
@@ -165,6 +166,10 @@ class TrainConfig:
     init_from: str | None = None
     """The run folder whose final weights this run started from (QAT); None: a random init.
     Only recorded (the weights come from the checkpoint once the run has one)."""
+    init_fingerprint: str | None = None
+    """SHA-256 of the weights the run started from (lowbit.train.checkpoint.content_digest of
+    init_from's); resume refuses other starting weights (check_same_start), so a moved source
+    resumes and another one does not. None: not checked."""
     out_dir: str = "runs"
     """Parent folder of run folders."""
     run_name: str = ""

@@ -34,7 +34,8 @@ from tqdm import tqdm
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
                                 build_optimizer, context_warning, epochs, resolve_recipe,
                                 seed_everything)
-from lowbit.train.checkpoint import CHECKPOINT_VERSION, check_same_data, rng_state, set_rng_state
+from lowbit.train.checkpoint import (CHECKPOINT_VERSION, check_same_data, check_same_start,
+                                     rng_state, set_rng_state)
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.fold_policy import FoldPolicy
@@ -43,7 +44,8 @@ from lowbit.train.run_dir import RunDir
 from lowbit.train.step import Objective, TrainStep, learning_rate_at, refuse_cuda_graph
 
 __all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingInterrupted", "TrainingData",
-           "evaluate", "learning_rate_at", "data_fingerprint"]
+           "evaluate", "learning_rate_at", "data_fingerprint", "nonfinite_message",
+           "interrupted_message"]
 
 DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
 StepHook = Callable[[int], "dict | None"]
@@ -51,7 +53,9 @@ StepHook = Callable[[int], "dict | None"]
 
 class NonFiniteLossError(RuntimeError):
     """Raised after config.max_consecutive_nonfinite optimizer steps in a row had a NaN/Inf
-    loss or gradient norm. The last checkpoint on disk is the one from before they began."""
+    loss or gradient norm. The last checkpoint on disk is the one from before they began.
+    The message says what happened (nonfinite_message); each command adds what to try, in
+    flags it has."""
 
     def __init__(self, message: str, step: int, checkpoint: Path | None) -> None:
         super().__init__(message)
@@ -115,9 +119,12 @@ def train(
         if config.batch_size % process.world_size:
             raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the "
                              f"{process.world_size} processes, which split each micro-batch")
-        run = _Run(config, process, resume, overwrite, model, data, diagnostics_fn, objective)
-        run.on_step = on_step
-        return run.loop()
+        # the run folder's lock (RunDir.lock) is held from its check to the end of the run
+        with RunDir(Path(config.out_dir) / config.name, config.keep_checkpoints) as run_dir:
+            run = _Run(config, process, run_dir, resume, overwrite, model, data, diagnostics_fn,
+                       objective)
+            run.on_step = on_step
+            return run.loop()
     finally:
         process.close()
 
@@ -125,16 +132,20 @@ def train(
 class _Run:
     """One train() call: built (and resumed) by __init__, trained by loop()."""
 
-    def __init__(self, config: TrainConfig, process: Distributed, resume: bool, overwrite: bool,
-                 model: nn.Module | None, data: TrainingData | None,
+    def __init__(self, config: TrainConfig, process: Distributed, run_dir: RunDir, resume: bool,
+                 overwrite: bool, model: nn.Module | None, data: TrainingData | None,
                  diagnostics_fn: DiagnosticsFn | None, objective: Objective | None = None) -> None:
         # Everything that can refuse the run does so before the run folder is touched.
         self.config, self.process = config, process
         device, main = process.device, process.is_main
         recipe = resolve_recipe(config.recipe)
-        self.run_dir = RunDir(Path(config.out_dir) / config.name, config.keep_checkpoints)
+        self.run_dir = run_dir
         warn = (lambda message: print(message, file=sys.stderr)) if main else (lambda message: None)
-        checkpoint = self.run_dir.check(config, resume, overwrite, warn=warn)
+        checkpoint = run_dir.check(config, resume, overwrite, warn=warn, lock=main)
+        if checkpoint is not None:
+            saved = checkpoint["config"]
+            check_same_start(saved.get("init_fingerprint"), config.init_fingerprint, run_dir.path,
+                             saved.get("init_from"))
         if config.cuda_graph:
             refuse_cuda_graph(process, moe=bool(config.n_experts))
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
@@ -242,8 +253,9 @@ class _Run:
                         say(f"step {step}: the step hook ended the run")
                         total = step   # evaluated and checkpointed as the last step, then done
                 if step_fn.nonfinite_run >= config.max_consecutive_nonfinite:
-                    raise NonFiniteLossError(_nonfinite_message(config, step, self.last_checkpoint),
-                                             step, self.last_checkpoint)
+                    raise NonFiniteLossError(
+                        nonfinite_message(step, config.max_consecutive_nonfinite,
+                                          self.last_checkpoint), step, self.last_checkpoint)
                 window[0] += time.perf_counter() - t0 - result.capture_s
                 window[1] += 1
                 bar.update(1)
@@ -254,7 +266,8 @@ class _Run:
                     with clock.timing("diagnostics"):
                         self._diagnose(step, result, log)
         except KeyboardInterrupt:
-            raise TrainingInterrupted(self._interrupted_message(step)) from None
+            raise TrainingInterrupted(interrupted_message(step, self.last_checkpoint_step,
+                                                          self.last_checkpoint)) from None
         finally:
             bar.close()
             log.close()
@@ -284,13 +297,6 @@ class _Run:
         })
         self.last_checkpoint, self.last_checkpoint_step = self.run_dir.checkpoint, step
         self.run_dir.plot()   # at most once a minute; always at the end
-
-    def _interrupted_message(self, step: int) -> str:
-        if self.last_checkpoint_step is None:
-            return (f"at step {step}, before the first checkpoint; nothing to resume: start "
-                    f"again with --overwrite (or a smaller --checkpoint-every)")
-        return (f"at step {step}; the last checkpoint is step {self.last_checkpoint_step} "
-                f"({self.last_checkpoint}): run the same command with --resume to continue")
 
     def _log_train(self, step: int, result, window: list, log, bar_on_terminal: bool) -> None:
         config = self.config
@@ -450,9 +456,19 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
 
 
-def _nonfinite_message(config: TrainConfig, step: int, checkpoint: Path | None) -> str:
+def nonfinite_message(step: int, in_a_row: int, checkpoint: Path | None) -> str:
+    """What a job stopped by a NaN/Inf loss says (every lowbit job: train, QAT, RL); the
+    command adds what to try."""
     kept = (f"the last checkpoint, {checkpoint}, is from before and intact" if checkpoint
             else "no checkpoint had been written yet")
-    return (f"stopped at step {step}: the loss or gradient norm was NaN/Inf for "
-            f"{config.max_consecutive_nonfinite} steps in a row; {kept}. Try a lower --lr, "
-            f"a longer --warmup-steps, or --grad-clip")
+    steps = f" for {in_a_row} steps in a row" if in_a_row > 1 else ""
+    return f"stopped at step {step}: the loss or gradient norm was NaN/Inf{steps}; {kept}."
+
+
+def interrupted_message(step: int, checkpoint_step: int | None, checkpoint: Path | None) -> str:
+    """What a job stopped by Ctrl-C says after `lowbit: interrupted ` (every lowbit job)."""
+    if checkpoint_step is None:
+        return (f"at step {step}, before the first checkpoint; nothing to resume: start "
+                f"again with --overwrite (or a smaller --checkpoint-every)")
+    return (f"at step {step}; the last checkpoint is step {checkpoint_step} "
+            f"({checkpoint}): run the same command with --resume to continue")

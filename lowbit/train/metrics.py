@@ -5,18 +5,18 @@ Every record has an "event" ("train", "eval", "diagnostics", "nonfinite_skip") a
 the optimizer saw (for MoE models it includes the load-balancing term; with QAT's --distill it
 is the distillation loss); an eval record's "val_loss" is pure next-token cross-entropy, and
 "val_ppl" its exponential. NaN and Inf are written as the strings
-"nan", "inf", "-inf": strict JSON has no spelling for them, and a record that jq or a
-browser cannot parse is worse than a string. TensorBoard is optional: without the package
+"nan", "inf", "-inf" (lowbit.train.checkpoint.strict_json, as in every JSON file lowbit
+writes): strict JSON has no spelling for them, and a record that jq or a browser cannot parse
+is worse than a string. TensorBoard is optional: without the package
 the run logs to metrics.jsonl only and says so once.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from lowbit.train.checkpoint import write_text_atomic
+from lowbit.train.checkpoint import strict_json, write_text_atomic
 
 # TensorBoard tag prefix per event; the loss of a train record becomes "train/loss".
 _TB_PREFIX = {"train": "train", "eval": "val", "diagnostics": "diag", "nonfinite_skip": "nonfinite"}
@@ -90,10 +90,4 @@ def _warn(message: str) -> None:
 
 
 def _json_line(record: dict) -> str:
-    return json.dumps({k: _finite_or_str(v) for k, v in record.items()}) + "\n"
-
-
-def _finite_or_str(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "nan", "inf", "-inf"
-    return value
+    return json.dumps(strict_json(record), allow_nan=False) + "\n"

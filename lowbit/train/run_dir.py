@@ -7,11 +7,19 @@
     loss.png             the loss curves, redrawn at a checkpoint (at most once every
                          PLOT_EVERY_S seconds: matplotlib takes ~0.5 s) and at the end
     final.json           the final numbers (written at the end)
+    .lowbit.lock         the lock a lowbit process holds while it writes the folder (below)
 
 `RunDir.check` refuses, before anything is written, what cannot be done there: a new run in a
 folder that holds one (without overwrite), a resume without a usable checkpoint, or one whose
 saved config differs in a field that changes the run. `RunDir.start` removes the temporary
 files of writes a killed run left behind. Nothing else in the folder is ever touched.
+
+One writer at a time. The process that runs (or resumes, or overwrites) a folder holds an
+advisory lock on `.lowbit.lock` in it from `check` (or, for a folder that does not exist yet,
+from `start`) until `release`, and a second lowbit process is refused in one line, before it
+reads or removes anything. The lock is `fcntl.flock`: the OS drops it when its process ends,
+killed or not, so a folder is never left locked; the file stays (removing it would let two
+processes lock two different files of one name).
 
 Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write and how
 their config is compared with a checkpoint's, and get the same checks and checkpoints.
@@ -19,19 +27,21 @@ their config is compared with a checkpoint's, and get the same checks and checkp
 
 from __future__ import annotations
 
-import json
+import fcntl
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
-                                     remove_temp_files, write_text_atomic)
+                                     remove_temp_files, write_json_atomic)
 from lowbit.train.config import TrainConfig, changed_fields
 
-__all__ = ["RunDir", "PLOT_EVERY_S"]
+__all__ = ["RunDir", "PLOT_EVERY_S", "LOCK_FILE"]
 
 PLOT_EVERY_S = 60.0
+LOCK_FILE = ".lowbit.lock"
 
 _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 
@@ -39,7 +49,8 @@ _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 class RunDir:
     """files: the names the job writes at the top of the folder (a fresh or overwritten run
     removes them); changed(saved_config_dict, config) lists the fields a resume may not change
-    (default: TrainConfig's rule)."""
+    (default: TrainConfig's rule). Used as a context manager, it releases the folder's lock
+    on leaving."""
 
     def __init__(self, path: str | Path, keep_checkpoints: int = 2,
                  files: tuple[str, ...] = _FILES,
@@ -48,6 +59,41 @@ class RunDir:
         self.checkpoints = CheckpointStore(self.path / "checkpoints", keep_checkpoints)
         self.files, self.changed = files, changed
         self._plotted_at = -math.inf
+        self._lock = None             # the open lock file, while this process holds the folder
+        self._absent_at_check = False  # check() found no folder, so it could not lock it yet
+
+    def __enter__(self) -> "RunDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def lock(self) -> None:
+        """Hold the folder (created if need be) for this process until release(); a
+        ValueError, naming the folder, if another process holds it."""
+        if self._lock is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = open(self.path / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip()
+            lock.close()
+            raise ValueError(f"{self.path} is in use: another lowbit process"
+                             f"{f' (pid {holder})' if holder.isdigit() else ''} is writing it; "
+                             f"wait for it to end, or choose another --run-name") from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")   # for the message above; the lock is the flock
+        lock.flush()
+        self._lock = lock
+
+    def release(self) -> None:
+        """Let other processes have the folder (closing the file drops the flock)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     @property
     def checkpoint(self) -> Path:
@@ -60,16 +106,32 @@ class RunDir:
                 *self.path.glob("events.out.tfevents.*")]
 
     def check(self, config: TrainConfig | Any, resume: bool, overwrite: bool,
-              warn: Callable[[str], None] | None = None) -> dict | None:
+              warn: Callable[[str], None] | None = None, lock: bool = True) -> dict | None:
         """Refuse what cannot be done here; return the checkpoint to resume from, or None.
 
-        warn(message) hears about each newer checkpoint that was damaged and skipped."""
+        warn(message) hears about each newer checkpoint that was damaged and skipped. lock:
+        take the folder's lock first, if the folder exists (start() takes it otherwise); False
+        for the processes of a distributed run that only read it."""
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other; pick one")
         for folder in (self.path.parent, self.path, self.checkpoints.folder):
             if folder.exists() and not folder.is_dir():
                 raise ValueError(f"{folder} is a file, not a folder; choose another --out-dir "
                                  f"(or --run-name)")
+        if lock:
+            # before anything below reads the folder: what a live run has not written yet
+            # (its first checkpoint) must not read as a run that stopped
+            self._absent_at_check = not self.path.is_dir()
+            if not self._absent_at_check:
+                self.lock()
+        try:
+            return self._checkpoint_to_resume(config, resume, overwrite, warn)
+        except BaseException:
+            self.release()   # a refused run holds no folder
+            raise
+
+    def _checkpoint_to_resume(self, config: TrainConfig | Any, resume: bool, overwrite: bool,
+                              warn: Callable[[str], None] | None) -> dict | None:
         if not resume:
             if not overwrite and any(p.exists() for p in self.produced_files()):
                 if not self.checkpoints.exists():
@@ -105,13 +167,19 @@ class RunDir:
     def start(self, config: TrainConfig | Any, fresh: bool) -> list[tuple[Path, int]]:
         """Create the folder and write config.json; a fresh run first removes what an
         overwritten one left behind. Every start removes the temporary files of writes a
-        killed run left (returned as (path, bytes), for the caller to report)."""
+        killed run left (returned as (path, bytes), for the caller to report). Takes the
+        folder's lock if check() could not (the folder did not exist then)."""
+        locked_now = self._lock is None
+        self.lock()
+        if locked_now and self._absent_at_check and any(p.exists() for p in self.produced_files()):
+            self.release()
+            raise ValueError(f"{self.path} was started by another lowbit process while this one "
+                             f"was getting ready; choose another --run-name")
         removed = remove_temp_files(self.path) + self.checkpoints.remove_temp_files()
         if fresh:
             for path in self.produced_files():
                 path.unlink(missing_ok=True)
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.path / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+        write_json_atomic(self.path / "config.json", config.to_dict())
         return removed
 
     def save_checkpoint(self, state: dict) -> Path:
@@ -119,7 +187,8 @@ class RunDir:
         return self.checkpoints.save(state)
 
     def write_final(self, final: dict) -> None:
-        write_text_atomic(self.path / "final.json", json.dumps(final, indent=2) + "\n")
+        """final.json, strict JSON (NaN/Inf as the strings "nan"/"inf": strict_json)."""
+        write_json_atomic(self.path / "final.json", final)
 
     def plot(self, force: bool = False, draw: Callable[[], None] | None = None) -> None:
         """Redraw loss.png from metrics.jsonl (matplotlib is imported only here), or call
