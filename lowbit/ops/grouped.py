@@ -22,8 +22,10 @@ distribution as the per-expert path, not the same draws. The three GEMMs:
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
     wgrad  dW_e = dY_e^T X_e one grouped GEMM, 2D x 2D, the groups along the tokens
 
-The group sizes stay on the device (no host read-back), the padded layout has a fixed size
-(R + E * (row_tile - 1) rows), so the layer compiles and captures.
+The group sizes stay on the device (no host read-back) and the padded layout has a fixed size
+(R + E * (row_tile - 1) rows, rounded up to 8), so nothing in the layer waits on the host;
+under torch.compile it runs eagerly (a graph break), as lowbit.ops.linear's stochastically
+rounding recipes do.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+@torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
 def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                          recipe: LinearRecipe) -> torch.Tensor:
     """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (R, in) sorted
