@@ -128,7 +128,9 @@ class Experts(nn.Module):
         x = torch.where(kept, hidden_states[token_of_slot], 0.0)  # (N*k, C)
         gate, up = self._experts_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)  # (N*k, F)
         y = self._experts_linear(F.silu(gate) * up, self.down_proj, counts)  # (N*k, C)
-        y = torch.where(kept, y * weight_of_slot[:, None], 0.0)
+        # masked before the routing weight multiplies it: a dropped row's value (unwritten by
+        # a grouped GEMM, maybe NaN) must not reach that weight's gradient either
+        y = torch.where(kept, y, 0.0) * weight_of_slot[:, None]
         out = torch.zeros_like(hidden_states)  # (N, C)
         # each token's k slots add in expert order (the sort's)
         return out.index_add_(0, token_of_slot, y.to(out.dtype))
