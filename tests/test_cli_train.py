@@ -40,3 +40,20 @@ def test_seq_len_longer_than_a_split_is_refused_before_the_run_folder_exists(tmp
                  "--out-dir", str(tmp_path / "runs")]) == 2
     assert "use a shorter seq_len" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_takes_the_runs_saved_flags_and_refuses_a_changed_one(tmp_path, corpus_env, capsys):
+    out = ["--out-dir", str(tmp_path / "runs"), "--no-progress"]
+    short = ["--recipe", "bf16", "--steps", "3", "--checkpoint-every", "2", "--eval-batches", "1",
+             "--seq-len", "32", "--batch-size", "2"]
+    assert main(["train", *short, "--run-name", "r", *out]) == 0
+    run = tmp_path / "runs" / "r"
+    (run / "final.json").unlink()                       # as if stopped after its checkpoint at 2
+    # only the run's name given again: its other flags come from its config.json
+    assert main(["train", "--resume", "--run-name", "r", *out]) == 0
+    final = json.loads((run / "final.json").read_text())
+    assert final["steps"] == 3 and final["recipe"] == "bf16"
+    capsys.readouterr()
+    # a flag given now that the run did not start with: refused, naming it
+    assert main(["train", "--resume", "--run-name", "r", "--steps", "6", *out]) == 2
+    assert "max_steps: 3 -> 6" in capsys.readouterr().err

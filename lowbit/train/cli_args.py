@@ -106,9 +106,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig the flags describe (for --compare: the first recipe's)."""
+    """The TrainConfig the flags describe (for --compare: the first recipe's). With --resume,
+    what the run folder's config.json holds for every value flag not given (`lowbit train
+    --steps 50` then `lowbit train --resume` continues that run, as TRL's and torchtitan's
+    resumes take the saved run); the checkpoint's config is checked against it on load."""
     fields = {field: getattr(args, field) for _, field, _, _ in _VALUE_FLAGS
               if getattr(args, field) is not None}
+    if getattr(args, "resume", False) and args.compare is None:
+        fields = {**_saved_fields(fields), **fields}
     if "betas" in fields:
         fields["betas"] = _parse_betas(fields["betas"])
     if "model" in fields and "tokenizer" not in fields:
@@ -136,6 +141,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         steps = TrainConfig(**{**fields, "warmup_steps": 0}).total_steps
         fields["warmup_steps"] = min(_DEFAULT.warmup_steps, steps // 10)
     return TrainConfig(**fields)
+
+
+def _saved_fields(given: dict) -> dict:
+    """The value-flag fields of the run folder the given flags name (its config.json), or {}
+    where there is none (a resume of nothing is refused later, with its own message)."""
+    import json
+    from pathlib import Path
+
+    naming = TrainConfig(**{k: v for k, v in given.items()
+                            if k in ("model", "corpus", "recipe", "run_name", "out_dir")})
+    saved_file = Path(naming.out_dir) / naming.name / "config.json"
+    if not saved_file.is_file():
+        return {}
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (OSError, ValueError):
+        return {}   # unreadable: the resume's own checks say so
+    value_fields = {field for _, field, _, _ in _VALUE_FLAGS}
+    fields = {k: v for k, v in saved.items() if k in value_fields and v is not None}
+    if isinstance(fields.get("betas"), list):      # as the flag spells it
+        fields["betas"] = ",".join(str(b) for b in fields["betas"])
+    return fields
 
 
 def run_train(args: argparse.Namespace) -> None:
