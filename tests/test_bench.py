@@ -738,3 +738,19 @@ def test_qat_settings_take_refresh_interval_per_element_b_and_mse_scales():
                       ("qat/int2:g64/magic", "unknown estimator")):
         with pytest.raises(ValueError, match=says):
             qat_setting(bad)
+
+
+def test_bench_train_says_when_a_recipe_quantized_nothing(monkeypatch):
+    # (a 2-layer Hugging Face model under nvfp4's first/last-block rule, say): its row would read
+    # as a speed-up of the recipe; the table says it trained bf16
+    import lowbit.train.build as build
+    from lowbit.bench.train import bench_train, format_rows
+
+    real = build.apply_recipe
+    monkeypatch.setattr(build, "apply_recipe", lambda net, recipe: (
+        real(net, recipe) if recipe is None or recipe.name == "bf16" else
+        "lowbit.convert: recipe 'nvfp4': 0 modules quantized, 21 kept in high precision"))
+    rows = bench_train("tiny", ("bf16", "nvfp4"), 16, 2, 1, 0, progress=lambda m: None)
+    text = format_rows(rows)
+    assert rows[0]["note"] is None and "nvfp4 quantized no module" in rows[1]["note"]
+    assert "nvfp4: nvfp4 quantized no module of this model" in text

@@ -147,14 +147,20 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
             prepare(net, qat)
             hook = refresh_hook(net, qat, seed=0)
         else:
-            apply_recipe(net, resolve_recipe(name))
+            summary = apply_recipe(net, resolve_recipe(name))
+            if " 0 modules quantized" in summary and name != "bf16":
+                unit_note = (f"{name} quantized no module of this model (lowbit.convert: "
+                             f"{summary.split(': ', 2)[-1]}); its row is bf16 training")
+            else:
+                unit_note = None
         net.to(dev).train()
         if process.enabled and parallel == "fsdp":
             process.shard_model(net)   # before the optimizer takes the (sharded) parameters
         optimizer = build_optimizer(net, config, dev, sharded=process.fsdp)
         step_fn = TrainStep(net, optimizer, config, process, objective=objective)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
-        unit = {"name": name, "net": net, "results": [], "blocks": [], "times": []}
+        unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],
+                "note": None if qat is not None else unit_note}
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
@@ -204,7 +210,7 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
                "parallel": parallel if process.enabled else None,
                "loss": results[-1].loss, "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
-               "cuda_graph": cuda_graph, "corpus": corpus,
+               "cuda_graph": cuda_graph, "corpus": corpus, "note": unit["note"],
                "fold_redo_steps": len(redone), "steps_run": len(results),
                "fold_redo_at": redone, "block_ms": unit["blocks"]}
         if profile and dev.type == "cuda":
@@ -295,6 +301,8 @@ def format_rows(rows: list[dict]) -> str:
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     for r in rows:
+        if r.get("note"):
+            out.append(f"{r['recipe']}: {r['note']}")
         if r.get("fold_redo_steps"):
             at = ", ".join(map(str, r.get("fold_redo_at", [])))
             out.append(f"{r['recipe']}: {r['fold_redo_steps']} of {r['steps_run']} steps (number "
