@@ -39,6 +39,18 @@ def _add_inspect(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for --random and stochastic rounding")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("gradients", "a trained run's weight-gradient bias and variance per "
+                             "recipe (lowbit.diagnostics.gradients), instead of the weights")
+    g.add_argument("--gradients", metavar="RUN_DIR",
+                   help="a lowbit train run folder: its last checkpoint, its data's first batch")
+    g.add_argument("--recipes", default="mxfp4,stable-fp4-1d,stable-fp4,stable-nvfp4-16x16,nvfp4",
+                   help="comma-separated recipes (default: %(default)s)")
+    g.add_argument("--draws", type=int, default=64, help="stochastic-rounding draws (default: 64)")
+    g.add_argument("--operands", action="store_true",
+                   help="also each GEMM operand alone (the others in high precision)")
+    g.add_argument("--layers", action="store_true", help="print every layer, not only the model")
+    g.add_argument("--plot", metavar="PNG", help="write the bars of bias and variance here")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.set_defaults(func=_run_inspect)
 
 
@@ -50,6 +62,12 @@ def _run_inspect(args) -> None:
         rows_to_json,
     )
 
+    if args.gradients is not None:
+        if args.path is not None or args.model is not None or args.random is not None:
+            raise InspectError("--gradients reads a run folder: give no safetensors path, "
+                               "--model or --random with it")
+        _inspect_gradients(args)
+        return
     if args.model is not None:
         from lowbit.models.hf import read_config
         if args.path is not None:
@@ -73,6 +91,44 @@ def _run_inspect(args) -> None:
             raise InspectError(f"no tensors in {args.path}" + (f" match {args.filter!r}" if args.filter else ""))
     rows = inspect_tensors(tensors, formats, total=total, progress=not args.no_progress, seed=args.seed)
     print(rows_to_json(rows) if args.json else format_table(rows))
+
+
+def _inspect_gradients(args) -> None:
+    """`lowbit inspect --gradients RUN_DIR`: the run's checkpointed weights (config from the
+    checksummed checkpoint), its data's first training batch, each recipe's gradient bias and
+    variance against the run's high-precision gradient."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from lowbit.diagnostics.gradients import format_report, gradient_bias_variance, plot_report
+    from lowbit.train.build import build_data, build_model
+    from lowbit.train.checkpoint import load_checkpoint
+    from lowbit.train.config import TrainConfig, resolve_device
+    from lowbit.train.run_dir import RunDir
+
+    run = Path(args.gradients)
+    if not run.is_dir():
+        raise ValueError(f"--gradients {run} is not a folder; give a lowbit train run folder")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if not recipes:
+        raise ValueError("--recipes is empty; name at least one recipe, e.g. --recipes mxfp4")
+    device = resolve_device(args.device)
+    checkpoint = load_checkpoint(RunDir(run).checkpoint)
+    config = dataclasses.replace(TrainConfig.from_dict(checkpoint["config"]), recipe="bf16",
+                                 progress=False)
+    data = build_data(config)
+    model = build_model(config, data.vocab_size)
+    model.load_state_dict(checkpoint["model"])
+    del checkpoint
+    idx, targets = (t.to(device) for t in data.train_batch(0))
+    report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
+                                    operands=args.operands, seed=args.seed)
+    print(json.dumps([dataclasses.asdict(r) for r in report.rows], indent=1) if args.json
+          else format_report(report, layers=args.layers))
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot: {args.plot}")
 
 
 def _command(sub, name: str, add_arguments, run, help: str, description: str | None = None) -> None:
