@@ -118,7 +118,11 @@ class QuantPerExpert(QuantExperts):
 
 def _quantized_pair(name, seed=0):
     base, _ = _experts(E=6, C=64, F=32, seed=seed)
-    recipe = get_recipe(name).linear_for("model.layers.1.mlp.experts", 4)
+    if name == "asymmetric-qat":                  # QUADS' trainer side: NVFP4 weights in fprop
+        from lowbit.rl.trainer_side import asymmetric_qat_recipe
+        recipe = asymmetric_qat_recipe().linear_for("model.layers.1.mlp.experts", 4)
+    else:
+        recipe = get_recipe(name).linear_for("model.layers.1.mlp.experts", 4)
     return base, QuantExperts(base, recipe), QuantPerExpert(base, recipe), recipe
 
 
@@ -129,15 +133,16 @@ def _run(module, base, x, index, w, seed):
     return (y, *torch.autograd.grad(y.float().square().sum(), [xx, base.gate_up_proj, base.down_proj]))
 
 
-@pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4"])
+@pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4", "asymmetric-qat"])
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
 def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case):
-    # round-to-nearest recipes without tensor scales: every quantized operand is the per-expert
-    # path's, bit for bit (32-row tiles never straddle two experts), and the grouped GEMMs
-    # agree to accumulation order -- here, on the CPU, exactly
+    # round-to-nearest recipes without tensor scales on X and dY: every quantized operand is
+    # the per-expert path's, bit for bit (32-row tiles never straddle two experts; NVFP4
+    # weights, tensor-scaled, quantized expert by expert), and the grouped GEMMs agree to
+    # accumulation order -- here, on the CPU, exactly
     g = torch.Generator().manual_seed(5)
     base, grouped, reference, recipe = _quantized_pair(name)
-    assert groups_exactly(recipe) and row_tile(recipe) == 32
+    assert groups_exactly(recipe) and row_tile(recipe) == (1 if name == "asymmetric-qat" else 32)
     N = 40
     x = torch.randn(N, 64, generator=g).to(torch.bfloat16)
     index, w = _routing(N, 6, 2, case, g), torch.rand(N, 2, generator=g).to(torch.bfloat16)

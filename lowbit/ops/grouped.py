@@ -5,16 +5,19 @@ Function, on grouped GEMMs (torch._grouped_mm).
 
 The per-expert reference (lowbit.nn.QuantExperts' `_expert_linear`) quantizes each expert's
 operands on their own: its rows of X and dY, and its own weight matrix. Here every operand is
-quantized in one call, and the result is the same bit for bit where the recipe's quantization
-cannot see the other experts:
+quantized in one call where that is the same bit for bit, and the weights expert by expert
+where it is not:
 - the weight (E, out, in) quantized as one stacked tensor equals each expert's matrix
   quantized alone (tiles and blocks lie within a matrix) when no tensor scale spans the stack;
+  a tensor-scaled weight format (NVFP4) is quantized expert by expert (E calls, no host
+  read-back: the shapes are the weight's);
 - the routed rows are laid out with each expert's rows starting at a multiple of `row_tile`
   (the largest block or tile any X or dY operand has along the tokens), zero rows between, so
   no block or tile holds two experts' rows, and a partial tile's zero rows quantize as the
   per-expert tensor's edge does.
-So recipes without tensor scales and without the random Hadamard transform group
-(`groups_exactly`): the MX family (mxfp4, stable-fp4 and its variants). A rounding that draws
+So recipes whose token-spanning operands (X, dY) carry no tensor scale group (`groups_exactly`):
+the MX family (mxfp4, stable-fp4 and its variants), and weight-only recipes of any format
+(QUADS' asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rounding that draws
 random numbers (stochastic rounding of dY) draws them in the grouped layout's order: the same
 distribution as the per-expert path, not the same draws. The three GEMMs:
 
@@ -44,9 +47,19 @@ def _specs(r: LinearRecipe):
 
 def groups_exactly(r: LinearRecipe) -> bool:
     """The recipe's GEMMs on stacked experts equal its per-expert GEMMs in every quantized
-    operand (see the module doc): emulated GEMMs, no tensor scale, no Hadamard rotation."""
+    operand (see the module doc): emulated GEMMs, no tensor scale on an operand that spans
+    tokens (X, dY), no Hadamard rotation."""
     return (r.gemm is Gemm.EMULATED and not r.wgrad_hadamard
-            and all(s is None or not s.tensor_scale for s in _specs(r)))
+            and all(s is None or not s.tensor_scale
+                    for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x)))
+
+
+def _weights(weight: torch.Tensor, spec, reduce_dim: int) -> torch.Tensor:
+    """The stacked experts' weight (E, out, in) quantized as each expert's alone: in one call,
+    or (a tensor scale: one per expert) expert by expert."""
+    if spec is not None and spec.tensor_scale:
+        return torch.stack([operand(w, spec, reduce_dim - 1) for w in weight])
+    return operand(weight, spec, reduce_dim)
 
 
 def row_tile(r: LinearRecipe) -> int:
@@ -87,7 +100,7 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
         xp = _spread(x, position, size)
         x_f = operand(xp, recipe.fprop_x, reduce_dim=1)                  # blocks along in
-        w_f = operand(weight, recipe.fprop_w, reduce_dim=2)              # blocks along in
+        w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)             # blocks along in
         dropped = (position == size - 1)[:, None]
         y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)[position].masked_fill(dropped, 0)
         # what the backward reuses: the quantized copies where 2D tiles share them
@@ -105,7 +118,7 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         dyp = _spread(dy, position, ctx.size)
         dy_d = operand(dyp, r.dgrad_dy, reduce_dim=1)                    # blocks along out
         if ctx.needs_input_grad[0]:
-            w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else operand(w_saved, r.dgrad_w, reduce_dim=0)
+            w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else _weights(w_saved, r.dgrad_w, reduce_dim=1)
             dx = torch._grouped_mm(dy_d, w_d, offs=ends)[position].masked_fill(dropped, 0)
         if ctx.needs_input_grad[1]:
             dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dyp, r.wgrad_dy, reduce_dim=0)
