@@ -227,7 +227,10 @@ PRESET_RANGES = {"tiny": (0.8e6, 1.5e6), "small": (8e6, 13e6), "100m": (80e6, 13
 
 
 def test_presets_are_in_their_stated_ranges():
-    assert set(PRESETS) == set(PRESET_RANGES)
+    assert set(PRESETS) == set(PRESET_RANGES) | {"moe-120m"}
+    moe = ModelConfig.preset("moe-120m")              # the MoE benchmark shape
+    assert moe.is_moe and 115e6 <= moe.num_parameters(active=True) <= 125e6
+    assert 600e6 <= moe.num_parameters() <= 700e6
     for name, (low, high) in PRESET_RANGES.items():
         cfg = ModelConfig.preset(name)
         assert low <= cfg.num_parameters() <= high, (name, cfg.num_parameters())

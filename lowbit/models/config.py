@@ -5,7 +5,8 @@ Sizes come from one of three places:
 - `ModelConfig.from_size(n_layers, dim, **overrides)`: two knobs, the rest follows LLaMA's
   conventions (64-dim heads, SwiGLU hidden size ~8/3 * dim);
 - `ModelConfig.preset(name, **overrides)`: the named sizes in PRESETS ("tiny" for CI,
-  "small", "100m", "1b"). Add `n_experts=8` (say) to any of them for an MoE model.
+  "small", "100m", "1b", and the MoE "moe-120m"). Add `n_experts=8` (say) to any dense one for an
+  MoE model.
 
 Defaults that depend on other fields (head_dim, n_kv_heads, ffn_dim, moe_ffn_dim) are resolved in
 `__post_init__`, so a built config holds concrete numbers and round-trips through
@@ -178,6 +179,11 @@ PRESETS: dict[str, dict] = {
     "small": dict(n_layers=6, dim=320),  # 5 heads of 64
     "100m": dict(n_layers=12, dim=768),  # GPT-2 small's shape with LLaMA's blocks
     "1b": dict(n_layers=20, dim=2048, n_heads=16, n_kv_heads=8, max_seq_len=2048),  # 128-dim heads, GQA
+    # Qwen3-MoE-shaped: 32 experts of width 512, top-4 (122M active of 651M), 128-dim heads,
+    # GQA, q/k norms: the grouped expert GEMMs' benchmark shape
+    "moe-120m": dict(n_layers=12, dim=1024, n_heads=8, head_dim=128, n_kv_heads=4,
+                     n_experts=32, experts_per_token=4, moe_ffn_dim=512, qk_norm=True,
+                     max_seq_len=2048),
 }
 
 
