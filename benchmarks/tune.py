@@ -505,7 +505,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
 
     from lowbit.formats import QuantSpec, quantize_with_spec
     from lowbit.formats.linear_weight import LinearWeight
-    from lowbit.kernels import engine_linear
+    from lowbit.kernels import engine_linear, nvfp4_gemm
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -555,7 +555,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
                    "dense_kernel_ms": per_call(lambda: [engine_linear.linear(x, LinearWeight.dense(w))
                                                         for w in dense_copies], len(dense_copies)),
                    "default_ms": per_call(lambda: [engine_linear.linear(x, w) for w in packed], copies),
-                   "default": str(engine_linear.nvfp4_tile(m, n, tiles_k))}
+                   "default": str(nvfp4_gemm.nvfp4_tile(m, n, tiles_k))}
             if fp8 is not None and k % 16 == 0 and n % 16 == 0:
                 xq = x.to(torch.float8_e4m3fn)
                 scale_a = torch.ones(m, 1, device=dev)
@@ -602,12 +602,12 @@ def engine_sass() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lowbit.kernels import engine_linear
+    from lowbit.kernels import engine_linear, nvfp4_gemm
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
-    dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, engine_linear.nvfp4_linear_kernel
+    dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, nvfp4_gemm.nvfp4_linear_kernel
     # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
     tiles = [("dense", 1, 2, 1024, 1, 4), ("dense", 16, 64, 128, 1, 4),
              ("nvfp4", 16, 64, 128, 1, 4), ("nvfp4", 16, 64, 128, 4, 4), ("nvfp4", 16, 128, 128, 4, 4),

@@ -135,7 +135,8 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
                                        "_uniforms_kernel", "_band_max_kernel",
                                        "_fold_one_chunk_kernel", "_live_blocks_kernel",
                                        "_fold_kernel", "_rht_rows_kernel",
-                                       "engine_linear_kernel", "_decode_attention_kernel",
+                                       "engine_linear_kernel", "nvfp4_linear_kernel",
+                                       "_decode_attention_kernel",
                                        "_decode_attention_combine_kernel",
                                        "_activation_kernel"}   # the rollout engine's
 

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
 from lowbit.formats.linear_weight import LinearWeight, WeightFormat  # noqa: E402
 from lowbit.kernels import engine_linear as el  # noqa: E402
+from lowbit.kernels.nvfp4_gemm import nvfp4_tile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
@@ -230,4 +231,4 @@ def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
         for _ in range(2):
             torch.testing.assert_close(el.linear(x, lw, bias, residual=res, tile=tile), expected,
                                        **TOL[torch.float32])
-    assert el.nvfp4_tile(1, 2560, 16)["SPLIT_K"] == 4 and el.nvfp4_tile(1, 4096, 8)["SPLIT_K"] == 1
+    assert nvfp4_tile(1, 2560, 16)["SPLIT_K"] == 4 and nvfp4_tile(1, 4096, 8)["SPLIT_K"] == 1
