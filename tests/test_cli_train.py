@@ -57,3 +57,18 @@ def test_resume_takes_the_runs_saved_flags_and_refuses_a_changed_one(tmp_path, c
     # a flag given now that the run did not start with: refused, naming it
     assert main(["train", "--resume", "--run-name", "r", "--steps", "6", *out]) == 2
     assert "max_steps: 3 -> 6" in capsys.readouterr().err
+
+
+def test_an_interrupted_comparison_continues_with_resume(tmp_path, corpus_env, capsys):
+    args = ["train", "--compare", "bf16,mxfp4", "--steps", "2", "--eval-batches", "1",
+            "--seq-len", "32", "--batch-size", "2", "--out-dir", str(tmp_path / "runs"),
+            "--no-progress"]
+    assert main(args) == 0
+    first = tmp_path / "runs" / "tiny-tinyshakespeare-bf16" / "final.json"
+    second = tmp_path / "runs" / "tiny-tinyshakespeare-mxfp4" / "final.json"
+    kept = first.read_bytes()
+    second.unlink()                                   # as if stopped in its last steps
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 0             # the finished run kept, the other finished
+    assert first.read_bytes() == kept and second.is_file()
+    assert "bf16" in capsys.readouterr().out

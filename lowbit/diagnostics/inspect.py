@@ -145,6 +145,10 @@ def inspect_tensors(tensors: list[tuple[str, torch.Tensor]] | Iterator,
                disable=not progress or (total is not None and total < 8), leave=False)
     for name, tensor in bar:
         x = tensor.float() if tensor.dtype in _WIDENED else tensor
+        if x.numel() == 0:   # nothing to quantize or score (a checkpoint may hold one)
+            rows += [Row(name, tuple(x.shape), label, None, "empty tensor (no values): skipped")
+                     for label, _ in formats]
+            continue
         for label, spec in formats:
             if spec.is_2d and x.dim() < 2:
                 rows.append(Row(name, tuple(x.shape), label, None, "1-D tensor: no 2D tiles"))

@@ -77,8 +77,9 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
 def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> QTensor:
     """A packed QTensor of x: the fused kernel on CUDA where it covers the spec, else the
-    reference."""
+    reference. Like the reference, it builds no autograd graph (x is read detached)."""
     check_input(x, spec)   # before use_kernels reads x.is_cuda: quantize(None) is one line too
+    x = x.detach()
     if use_kernels(x, spec):
         return kernels.quantize_triton(x, spec, generator=generator)
     return reference_quantize(x, spec, generator)

@@ -1,7 +1,10 @@
 """`lowbit export RUN_OR_MODEL --format nvfp4 [--layout modelopt|compressed-tensors] --out DIR`.
 
-RUN_OR_MODEL is a Hugging Face model folder, or a `lowbit train` run folder (its last
-checkpoint). A run folder holding `quantized.safetensors` (lowbit.save_qtensors, keys the
+RUN_OR_MODEL is a Hugging Face model folder, or a finished `lowbit train` run folder (its last
+checkpoint; a run without final.json, stopped or still running, only with --allow-unfinished,
+and never while another lowbit process holds it). A run whose tokenizer is BPE gets it trained
+again from its corpus, which must be the corpus the run trained on (the checkpoint's data
+fingerprint), or the token ids would not be the model's. A run folder holding `quantized.safetensors` (lowbit.save_qtensors, keys the
 Hugging Face weight names: what a `lowbit qat` run writes) exports those packed weights as they
 are; the rest of the model is quantized round to nearest. A QAT run exports in the format it
 trained (the default --format there); another --format is refused, since its weights would
@@ -44,18 +47,29 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="write given QTensors of a fused group (q/k/v, gate/up) that carry "
                         "different tensor scales as they are (vLLM takes their max)")
     p.add_argument("--overwrite", action="store_true", help="write into a folder that has files")
+    p.add_argument("--allow-unfinished", action="store_true",
+                   help="export a run folder that has no final.json (it stopped before its "
+                        "last step) from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def load_source(source: str | Path):
+def load_source(source: str | Path, allow_unfinished: bool = False):
     """(model in float32, weights mapping or None, tokenizer or None, tokenizer folder or None,
-    the QAT run's weight format or None) of a Hugging Face folder or a run folder."""
+    the QAT run's weight format or None) of a Hugging Face folder or a run folder; a run folder
+    another process holds, or without final.json (unless allow_unfinished), is refused."""
     from lowbit.models import load_model
+    from lowbit.train.run_dir import RunDir
 
     path = Path(source)
     if not path.exists():
         raise ValueError(f"no such run or model folder: {path}")
-    if (path / "checkpoints" / "latest.pt").is_file():
+    run = RunDir(path)
+    if run.checkpoint.is_file():
+        run.check_free()   # a live run's checkpoint is not the model it will end with
+        if not (path / "final.json").is_file() and not allow_unfinished:
+            raise ValueError(f"{path} holds an unfinished run (no final.json: it stopped before "
+                             f"its last step); finish it with --resume, or pass "
+                             f"--allow-unfinished to export its last checkpoint")
         return _load_run(path)
     model, tokenizer, _ = load_model(path, dtype=torch.float32)
     return model, None, tokenizer, path, None
@@ -67,8 +81,9 @@ def _load_run(path: Path):
     from lowbit.train.build import model_config
     from lowbit.train.checkpoint import load_checkpoint
     from lowbit.train.config import TrainConfig
+    from lowbit.train.run_dir import RunDir
 
-    checkpoint = load_checkpoint(path / "checkpoints" / "latest.pt")
+    checkpoint = load_checkpoint(RunDir(path).checkpoint)
     config = TrainConfig.from_dict(checkpoint["config"])
     state = checkpoint["model"]
     vocab = state["model.embed_tokens.weight"].shape[0]
@@ -88,11 +103,27 @@ def _load_run(path: Path):
     if is_model_folder(config.model):
         tokenizer_dir = Path(config.model)
     elif config.tokenizer == "bpe":
-        from lowbit.data import get_tokenizer, load_corpus
-        corpus = load_corpus(config.corpus, data_dir=config.data_dir,
-                             max_bytes=config.corpus_max_bytes)
-        tokenizer = get_tokenizer("bpe", corpus, config.bpe_vocab_size)
+        tokenizer = _run_tokenizer(path, config, checkpoint.get("data_fingerprint"))
     return model.eval(), weights, tokenizer, tokenizer_dir, trained
+
+
+def _run_tokenizer(path: Path, config, fingerprint: str | None):
+    """A BPE run's tokenizer, trained again from its corpus as the run built it
+    (lowbit.train.build.build_data). Its ids are the model's only on the corpus the run read:
+    the tokens' fingerprint must be the checkpoint's (checkpoints without one are taken as they
+    are)."""
+    from lowbit.data import data_root
+    from lowbit.train.build import build_data
+
+    data = build_data(config)
+    if fingerprint is not None and data.fingerprint != fingerprint:
+        where = "" if config.corpus == "pycode" else f" in {data_root(config.data_dir)}"
+        raise ValueError(f"cannot export {path}: its BPE tokenizer is trained again from corpus "
+                         f"{config.corpus}{where}, which is not the text the run trained on "
+                         f"(tokens' fingerprint {data.fingerprint[:12]}, the checkpoint's "
+                         f"{fingerprint[:12]}), so its ids would not be the model's; restore that "
+                         f"corpus there")
+    return data.dataset.tokenizer
 
 
 def master_weights(state: dict) -> dict:
@@ -181,7 +212,8 @@ def run_export(args: argparse.Namespace) -> None:
         raise ValueError("--calib-batches must be >= 1")
     if args.format is not None:
         parse_export_format(args.format)   # a bad format: refused before anything loads
-    model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source)
+    model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source,
+                                                                    args.allow_unfinished)
     if tokenizer_dir is not None:   # a run trained from a model folder copies its tokenizer
         _check_apart(Path(tokenizer_dir), out, "the run's model folder")
     fmt = export_format(args.format, trained, args.source)

@@ -64,6 +64,10 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
     scale_rule: MX only, "floor" (default, OCP MX v1.0) or "rceil" (truncation-free).
     rounding: "rne" or "stochastic" (draws from `generator`, else torch's default generator).
     tensor_scale: nvfp4 only; True (default) adds the FP32 per-tensor scale amax / (448 * 6).
+
+    A QTensor is storage: quantize builds no autograd graph (x is read detached, so a
+    requires_grad x gets no gradient through the codes or the scales), and a meta tensor,
+    which holds no values, is refused (ValueError).
     """
     spec = QuantSpec.make(format, block, scale_rule, rounding, tensor_scale)
     check_generator(spec, generator)
@@ -72,7 +76,14 @@ def quantize(x: torch.Tensor, format: str, *, block: tuple[int, int] | None = No
 
 def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
                        generator: torch.Generator | None = None) -> QTensor:
-    """quantize() with a prebuilt QuantSpec."""
+    """quantize() with a prebuilt QuantSpec (no autograd graph; meta tensors refused)."""
+    check_input(x, spec)
+    if x.is_meta:
+        raise ValueError(f"quantize needs values, and a meta tensor (shape {tuple(x.shape)}) "
+                         f"holds none; quantize the weights once they are loaded")
+    # a QTensor is storage: without detach the scales (amax / qmax) would carry a partial graph
+    # back to x, a gradient on each block's largest value only
+    x = x.detach()
     g = _on_grid(x, spec, generator)
     codes = encode(g.values if g.zeros is None else g.values + g.zeros[..., :, None, :, None],
                    spec.info.element)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lowbit.models.moe import Experts, grouped_mm_supported
 from lowbit.ops.gemms import compilable
@@ -192,7 +193,8 @@ def convert(model: nn.Module, recipe: str | Recipe,
     warns (UserWarning) and says so in the report.
 
     All or nothing: every module is checked (and every swap planned) before the first swap, so
-    a model that cannot be converted (e.g. already converted) is left as it was.
+    a model that cannot be converted (e.g. already converted, or prepared for QAT by
+    lowbit.qat.prepare, whose trainable weights a swap would drop) is left as it was.
     """
     recipe = get_recipe(recipe)
     keep = module_filter_fn or default_module_filter
@@ -237,6 +239,7 @@ def convert(model: nn.Module, recipe: str | Recipe,
             continue
         if kind == "experts":
             _expert_dims(module)   # refuse an unsupported experts module before any swap
+        _refuse_parametrized(module, name)
         plan.append((name, module, kind, linear_recipe))
         inside_converted.append(name)
 
@@ -248,6 +251,24 @@ def convert(model: nn.Module, recipe: str | Recipe,
     if report.warning:
         warnings.warn(f"lowbit.convert: {report.warning}", UserWarning, stacklevel=2)
     return report
+
+
+def _refuse_parametrized(module: nn.Module, name: str) -> None:
+    """A weight computed by a parametrization (torch.nn.utils.parametrize) is not the module's
+    parameter: the swap would keep the computed tensor and drop what it is computed from (a
+    QAT-prepared model's trainable latent weights and scales; a QAT-converted one's packed
+    codes). Refused, before any swap."""
+    if not parametrize.is_parametrized(module):
+        return
+    # lowbit.qat.convert leaves an empty placeholder as the original of a packed weight
+    if any(plist.original.numel() for plist in module.parametrizations.values()):
+        raise ValueError(f"{name} is prepared for QAT (lowbit.qat.prepare): its weight is "
+                         f"computed from trainable weights that lowbit.convert would drop; "
+                         f"finish QAT with lowbit.qat.convert first (which packs them), or convert "
+                         f"a fresh model; nothing was changed")
+    raise ValueError(f"{name} holds packed weights (lowbit.qat.convert), which lowbit.convert "
+                     f"would drop; the model already runs on them (save them with "
+                     f"lowbit.save_qtensors), or convert a fresh model; nothing was changed")
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

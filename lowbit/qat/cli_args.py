@@ -18,8 +18,11 @@ _JQ = JacQuantConfig()
 
 def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", metavar="RUN_DIR",
-                   help="a `lowbit train` run folder to quantize (default: train a BF16 tiny "
-                        f"model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)")
+                   help="a finished `lowbit train` run folder to quantize (default: train a BF16 "
+                        f"tiny model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)")
+    p.add_argument("--allow-unfinished", action="store_true",
+                   help="with --from: start from a run that has no final.json (it stopped "
+                        "before its last step), from its last checkpoint")
     p.add_argument("--model", metavar="PATH",
                    help="a Hugging Face model folder to quantize (Llama, Qwen2, Qwen3, Qwen3-MoE): "
                         "QAT starts from its weights, with its own tokenizer (instead of --from)")
@@ -48,24 +51,30 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="default: the source run's")
     p.add_argument("--eval-every", type=int, default=QATJob.eval_every, help="default: %(default)s")
     p.add_argument("--checkpoint-every", type=int, default=QATJob.checkpoint_every, help="default: %(default)s")
-    p.add_argument("--refresh-every", type=int, default=_JQ.refresh_every,
-                   help="jacquant: refit B every N steps (default: %(default)s)")
-    p.add_argument("--b-max", type=float, default=_JQ.b_max, help="jacquant: B's upper clamp (default: %(default)s)")
-    p.add_argument("--b-estimate", default=_JQ.estimate, choices=("probe", "dither", "both"),
-                   help="jacquant: how B is fit (default: %(default)s)")
-    p.add_argument("--b-eps", type=float, default=_JQ.eps,
-                   help="jacquant: perturbation half-width in quantization steps (default: %(default)s)")
-    p.add_argument("--b-samples", type=int, default=_JQ.samples, help="jacquant: probes per refresh (default: %(default)s)")
-    p.add_argument("--b-ema", type=float, default=_JQ.ema, help="jacquant: EMA across refreshes (default: %(default)s)")
-    p.add_argument("--b-per-element", action=argparse.BooleanOptionalAction, default=_JQ.per_element,
+    # jacquant's flags default to None, "not given", so that job_from_args can refuse them
+    # with another estimator; JacQuantConfig's defaults apply
+    p.add_argument("--refresh-every", type=int, default=None,
+                   help=f"jacquant: refit B every N steps (default: {_JQ.refresh_every})")
+    p.add_argument("--b-max", type=float, default=None,
+                   help=f"jacquant: B's upper clamp (default: {_JQ.b_max})")
+    p.add_argument("--b-estimate", default=None, choices=("probe", "dither", "both"),
+                   help=f"jacquant: how B is fit (default: {_JQ.estimate})")
+    p.add_argument("--b-eps", type=float, default=None,
+                   help=f"jacquant: perturbation half-width in quantization steps (default: {_JQ.eps})")
+    p.add_argument("--b-samples", type=int, default=None,
+                   help=f"jacquant: probes per refresh (default: {_JQ.samples})")
+    p.add_argument("--b-ema", type=float, default=None,
+                   help=f"jacquant: EMA across refreshes (default: {_JQ.ema})")
+    p.add_argument("--b-per-element", action=argparse.BooleanOptionalAction, default=None,
                    help="jacquant: one B per weight (the default), or with --no-b-per-element one "
                         "per quantization group")
-    p.add_argument("--b-unweighted", action="store_true", help="jacquant: no input second-moment weighting of a per-group B "
+    p.add_argument("--b-unweighted", action="store_true", default=None,
+                   help="jacquant: no input second-moment weighting of a per-group B "
                         "(per element the weighting cancels, so it has none)")
-    p.add_argument("--b-on", default=_JQ.b_on, choices=("grad", "update"),
+    p.add_argument("--b-on", default=None, choices=("grad", "update"),
                    help="jacquant: B scales each optimizer step's change of the weight, with an "
                         "STE backward (update), or the gradient, as published (grad; under AdamW "
-                        "it measures as STE does) (default: %(default)s)")
+                        f"it measures as STE does) (default: {_JQ.b_on})")
     p.add_argument("--distill", type=float, nargs="?", const=1.0, default=0.0, metavar="ALPHA",
                    help="distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
                         "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)")
@@ -79,7 +88,9 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out-dir", default="runs", metavar="DIR", help="parent folder of run folders (default: runs)")
     p.add_argument("--run-name", default="", help="prefix of the run folders (default: qat-<source>)")
-    p.add_argument("--resume", action="store_true", help="continue the runs' checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the runs: finished ones are kept as they are, unfinished ones "
+                        "resume from their checkpoints, ones not begun start")
     p.add_argument("--overwrite", action="store_true", help="start over in existing run folders")
     p.add_argument("--no-progress", action="store_true", help="print only the final table")
 
@@ -95,12 +106,15 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
         seeds = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
-    jq = JacQuantConfig(refresh_every=args.refresh_every, b_max=args.b_max, estimate=args.b_estimate,
-                        eps=args.b_eps, samples=args.b_samples, ema=args.b_ema,
-                        per_element=args.b_per_element, weighted=not args.b_unweighted, b_on=args.b_on)
+    jq = jacquant_from_args(args, estimators)
     configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
-                         scale_init=args.scale_init, jacquant=jq, distill=args.distill,
-                         distill_temperature=args.distill_temperature) for e in estimators]
+                         scale_init=args.scale_init,
+                         jacquant=jq if e == "jacquant" else JacQuantConfig(),
+                         distill=args.distill, distill_temperature=args.distill_temperature)
+               for e in estimators]
+    if args.allow_unfinished and args.source is None:
+        raise ValueError("--allow-unfinished goes with --from RUN_DIR (a --model folder, or the "
+                         "cached base run, is never unfinished)")
     return QATJob(configs=configs, source=args.source, model=args.model, corpus=args.corpus,
                   seq_len=args.seq_len, corpus_max_bytes=args.corpus_max_bytes, seeds=seeds,
                   steps=args.steps, lr=args.lr,
@@ -109,7 +123,34 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                   device=args.device, out_dir=args.out_dir, name=args.run_name,
                   base_steps=args.base_steps, baselines=not args.no_baselines,
                   baselines_only=args.baselines_only,
-                  progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+                  progress=not args.no_progress, allow_unfinished=args.allow_unfinished,
+                  resume=args.resume, overwrite=args.overwrite)
+
+
+# `lowbit qat`'s flags that set JacQuant's B (JacQuantConfig's field each): they mean something
+# to the jacquant estimator only
+JACQUANT_FLAGS = (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
+                  ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),
+                  ("--b-ema", "ema"), ("--b-per-element", "per_element"),
+                  ("--b-unweighted", "weighted"), ("--b-on", "b_on"))
+
+
+def jacquant_from_args(args: argparse.Namespace, estimators: list[str]) -> JacQuantConfig:
+    """The JacQuantConfig of the jacquant flags given; one given without jacquant among the
+    estimators is refused, naming the flag and the estimators."""
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in JACQUANT_FLAGS}
+    given = {field: value for field, value in values.items() if value is not None}
+    if given and "jacquant" not in estimators:
+        flag, field = next((flag, field) for flag, field in JACQUANT_FLAGS if field in given)
+        if given[field] is False:   # as typed: --no-b-per-element
+            flag = "--no-" + flag[2:]
+        chosen = (f"--estimator {estimators[0]}" if len(estimators) == 1
+                  else f"--compare {','.join(estimators)}")
+        raise ValueError(f"{flag} sets jacquant's B, which {chosen} does not use; leave it out, "
+                         f"or choose --estimator jacquant")
+    if "weighted" in given:   # the flag --b-unweighted
+        given["weighted"] = False
+    return JacQuantConfig(**given)
 
 
 def config_flags(config: QATConfig) -> list[str]:

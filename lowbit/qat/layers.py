@@ -405,6 +405,10 @@ def convert(model: nn.Module) -> int:
     """Replace every fake-quantized weight by its packed QTensor, in place; returns how many.
     The model's outputs stay exactly those of the prepared model (eval mode)."""
     targets = fake_quantizers(model)
+    if not targets and next(_parametrized(model, PackedWeight), None) is not None:
+        raise ValueError("lowbit.qat.convert: the model is already converted (its weights are "
+                         "packed); use it as it is, or save them with "
+                         "lowbit.save_qtensors(path, packed_weights(model))")
     if not targets:
         raise ValueError("lowbit.qat.convert: the model has no fake-quantized weight; "
                          "run lowbit.qat.prepare (and train) first")

@@ -5,9 +5,12 @@ JSONL/TensorBoard logs and plots) whose model starts from a trained run's weight
 `lowbit.qat.prepare` applied, and whose config records the QAT settings (`TrainConfig.qat`)
 so that resume refuses a change. JacQuant's B is refit in the loop's `on_step` hook.
 
-The source is a `lowbit train` run folder (`--from`), a Hugging Face model folder (`--model
-PATH`: its weights are the trained model, its tokenizer.json the tokenizer; no base training),
-or neither (a tiny BF16 model trained first, cached).
+The source is a finished `lowbit train` run folder (`--from`: its checkpoint's model and config,
+both checksummed; a run without final.json only with `--allow-unfinished`, and never one another
+process holds), a Hugging Face model folder (`--model PATH`: its weights are the trained model,
+its tokenizer.json the tokenizer; no base training), or neither (a tiny BF16 model trained
+first, cached; its final.json marks the cache complete, and a base run a kill left without one
+is resumed or trained again).
 
 `run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
 tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
@@ -26,6 +29,7 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +41,16 @@ from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
-from lowbit.train.checkpoint import (content_digest, load_checkpoint, write_json_atomic,
-                                     write_text_atomic)
-from lowbit.train.compare import RunOutcome, RunSpec, check_specs, val_curve, write_comparison
+from lowbit.train.checkpoint import (CheckpointError, content_digest, load_checkpoint,
+                                     write_json_atomic, write_text_atomic)
+from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
+                                  write_comparison)
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
 
-__all__ = ["QATJob", "run_qat", "source_run", "load_source", "source_fingerprint", "save_packed",
-           "BASE_STEPS", "PACKED_FILE"]
+__all__ = ["QATJob", "run_qat", "source_run", "train_base", "load_source", "check_config_file",
+           "source_fingerprint", "save_packed", "BASE_STEPS", "PACKED_FILE", "MODEL_FIELDS"]
 
 BASE_STEPS = 300   # the BF16 model `lowbit qat` trains first when given no --from
 PACKED_FILE = "quantized.safetensors"   # a QAT run's packed weights (what lowbit export reads)
@@ -84,6 +89,9 @@ class QATJob:
     """Evaluate BF16, RTN and GPTQ and train nothing."""
     gptq_batches: int = 8
     progress: bool = True
+    allow_unfinished: bool = False
+    """Start from a source run that has no final.json (it stopped, or its end was never
+    written): from its last checkpoint."""
     resume: bool = False
     overwrite: bool = False
     rows: list[dict] = field(default_factory=list)
@@ -123,23 +131,52 @@ def source_run(job: QATJob) -> Path:
         return Path(job.model)
     if job.source is not None:
         path = Path(job.source)
-        if not (path / "config.json").is_file() or not RunDir(path).checkpoint.is_file():
+        source = RunDir(path)
+        source.check_free()   # a live run's checkpoint is not the model it will end with
+        if not (path / "config.json").is_file() or not source.checkpoint.is_file():
             raise ValueError(f"{path} is not a finished lowbit train run folder (it needs "
                              "config.json and checkpoints/latest.pt); train one with `lowbit "
                              "train --recipe bf16`, or leave out --from")
+        if not (path / "final.json").is_file() and not job.allow_unfinished:
+            raise ValueError(f"{path} holds an unfinished run (no final.json: it stopped before "
+                             f"its last step); finish it with `lowbit train ... --resume`, or "
+                             f"pass --allow-unfinished to start QAT from its last checkpoint")
         return path
     config = TrainConfig(recipe="bf16", max_steps=job.base_steps, device=job.device,
                          warmup_steps=min(TrainConfig.warmup_steps, job.base_steps // 10),
                          out_dir=job.out_dir, run_name=f"base-bf16-tiny-{job.base_steps}",
                          progress=job.progress, diagnostics=False)
     run = RunDir(Path(config.out_dir) / config.name)
-    if not (run.path / "final.json").is_file():
+    if not (run.path / "final.json").is_file():   # final.json: the cache is complete
         check_before_training(config, job)
+        run.check_free()   # another lowbit qat training it now: refused, not taken as killed
         if job.progress:
             print(f"lowbit qat: no --from given: training the BF16 model to quantize first "
                   f"({run.path}, {job.base_steps} steps; cached for later runs)")
-        train(config, resume=run.checkpoint.is_file(), overwrite=False)
+        train_base(config, run)
     return run.path
+
+
+def train_base(config: TrainConfig, run: RunDir) -> None:
+    """Train the cached base run, or finish one a killed `lowbit qat` left without final.json:
+    resumed from its last checkpoint, or trained again where it has none that resumes (killed
+    before its first, or all damaged); a line on stderr says which."""
+    if run.checkpoints.exists():
+        print(f"lowbit: warning: the cached base run {run.path} was stopped before its end; "
+              f"resuming it", file=sys.stderr)
+        try:
+            train(config, resume=True, overwrite=False)
+            return
+        except CheckpointError:
+            print(f"lowbit: warning: no checkpoint of {run.path} resumes (damaged, or made from "
+                  f"other data); training the base run again", file=sys.stderr)
+    elif any(p.exists() for p in run.produced_files()):
+        print(f"lowbit: warning: the cached base run {run.path} was stopped before its first "
+              f"checkpoint; training it again", file=sys.stderr)
+    else:
+        train(config, resume=False, overwrite=False)
+        return
+    train(config, resume=False, overwrite=True)
 
 
 def check_before_training(base: TrainConfig, job: QATJob) -> None:
@@ -166,15 +203,41 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
         from lowbit.train.build import model_config
         model_config(config)   # refuses a seq_len past the model's context, before any work
         return config, None
-    config = TrainConfig.from_dict(json.loads((path / "config.json").read_text()))
+    checkpoint = load_checkpoint(RunDir(path).checkpoint)   # checksummed, config included
+    check_config_file(path, checkpoint["config"])
+    config = TrainConfig.from_dict(checkpoint["config"])
     if config.qat is not None:
         raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
                          f"from ({config.init_from})")
     if config.recipe != "bf16":
         print(f"lowbit qat: note: {path} was trained with recipe {config.recipe}; QAT starts "
               "from its high-precision master weights")
-    checkpoint = load_checkpoint(RunDir(path).checkpoint)
     return config, checkpoint["model"]
+
+
+# The fields of a source run's config that change the model QAT starts from, or the tokens it
+# reads (its vocabulary and context come from them).
+MODEL_FIELDS = ("model", "n_layers", "dim", "n_experts", "dropout", "seq_len", "corpus",
+                "corpus_max_bytes", "tokenizer", "bpe_vocab_size")
+
+
+def check_config_file(path: Path, saved: dict) -> None:
+    """QAT reads a source run's config from its checkpoint (checksummed); its config.json, which
+    anyone may edit, is refused where it says another model (MODEL_FIELDS), naming the fields."""
+    file = path / "config.json"
+    try:
+        written = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{file} is not JSON; restore it, or write the config of its "
+                         f"checkpoint back (lowbit.train.checkpoint.load_checkpoint)") from None
+    if not isinstance(written, dict):
+        written = {}
+    changed = [f"{key} ({written[key]!r}; the checkpoint's {saved.get(key)!r})"
+               for key in MODEL_FIELDS if key in written and written[key] != saved.get(key)]
+    if changed:
+        raise ValueError(f"{file} disagrees with its checkpoint in {', '.join(changed)}, which "
+                         f"changes the model; QAT starts from the checkpoint's model: restore "
+                         f"config.json, or train a run with those settings")
 
 
 def source_fingerprint(path: Path, state: dict | None) -> str:
@@ -244,6 +307,11 @@ def run_qat(job: QATJob) -> dict:
     specs = [RunSpec(_label(qat), seed, config.name) for qat, seed, config in plans]
     if len(job.configs) > 1:
         check_specs(specs)   # two estimators of one label would not pair: refused before training
+    # every run's folder is checked before the first run trains; with resume, a finished run
+    # is taken as it is, an unfinished one resumes, one not begun starts (lowbit.train.compare)
+    todo = [] if job.baselines_only else check_run_folders(
+        [(RunDir(Path(c.out_dir) / c.name), c) for _, _, c in plans],
+        resume=job.resume, overwrite=job.overwrite)
     device = resolve_device(job.device)
     data = build_data(source)
 
@@ -257,7 +325,11 @@ def run_qat(job: QATJob) -> dict:
     summary = {"source": str(source_path), "baselines": {}, "notes": [], "runs": []}
     if job.baselines:
         summary["baselines"] = _baselines(job, fresh_model, data, device, summary["notes"])
-    for qat, seed, config in plans if not job.baselines_only else []:
+    for (qat, seed, config), state_of_run in zip(plans, todo):
+        run_dir = Path(config.out_dir) / config.name
+        if state_of_run == "done" and (qat.format.grid == "bf16" or (run_dir / PACKED_FILE).is_file()):
+            summary["runs"].append(_finished_row(qat, seed, run_dir))
+            continue
         model = fresh_model()
         hook = None
         if qat.format.grid != "bf16":   # bf16: the control, fine-tuned the same way unquantized
@@ -268,7 +340,7 @@ def run_qat(job: QATJob) -> dict:
         objective = None
         if qat.distill:   # the teacher: the source model, as it was before QAT
             objective = distillation(fresh_model(), qat)
-        result = train(config, resume=job.resume, overwrite=job.overwrite, model=model,
+        result = train(config, resume=state_of_run != "start", overwrite=job.overwrite, model=model,
                        data=build_data(config), on_step=hook, objective=objective)
         del objective
         if qat.format.grid != "bf16":   # the control has nothing to pack
@@ -298,6 +370,15 @@ def run_qat(job: QATJob) -> dict:
     summary["figure"] = str(plot_qat(summary, out / "qat.png"))
     summary["dir"] = str(out)
     return summary
+
+
+def _finished_row(qat: QATConfig, seed: int, run_dir: Path) -> dict:
+    """summary["runs"]'s entry for a run finished before (a resumed job), from its final.json."""
+    final = json.loads((run_dir / "final.json").read_text())
+    return {"run": str(run_dir), "weights": qat.weights, "estimator": _label(qat), "seed": seed,
+            "val_loss": float(final["val_loss"]), "val_ppl": float(final["val_ppl"]),
+            "steps": final["steps"], "tokens": final["tokens_seen"],
+            "wall_time_s": float(final["wall_time_s"])}
 
 
 def save_packed(model: torch.nn.Module, run_dir: Path) -> Path:

@@ -118,12 +118,11 @@ def run_rl_command(args: argparse.Namespace) -> None:
     from lowbit.train.loop import NonFiniteLossError
 
     config = config_from_args(args)
-    if args.compare and args.resume:
-        raise ValueError("--compare starts its runs afresh; resume each run on its own")
     try:
         if args.compare:
             settings = [s for s in args.compare.split(",") if s.strip()]
-            results, folder = compare_settings(config, settings, overwrite=args.overwrite)
+            results, folder = compare_settings(config, settings, overwrite=args.overwrite,
+                                               resume=args.resume)
         else:
             results = [run_rl(config, resume=args.resume, overwrite=args.overwrite)]
     except NonFiniteLossError as e:   # one line and exit code 1, as `lowbit train`'s

@@ -4,7 +4,9 @@ A setting is `rollout[+align][@rac_ratio][+is]`: `bf16`, `fp8`, `nvfp4-w4a16`, `
 W4A4), `nvfp4+qat` (asymmetric QAT), `nvfp4+quads` (QAT + RAC at 25%), `nvfp4+quads@0.5`,
 `nvfp4@1` (RAC alone), `nvfp4+is` (token-level truncated importance sampling). Each runs in
 its own folder; `<out_dir>/compare-<task>/` gets rl.png (reward, held-out accuracy, mean and max
-log-prob gap per step) and summary.md / summary.json.
+log-prob gap per step) and summary.md / summary.json. Every run's folder is checked before the
+first run starts, and with resume an interrupted comparison continues, as `lowbit train
+--compare`'s (lowbit.train.compare.check_run_folders).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Sequence
 
 from lowbit.rl.config import RLConfig
 from lowbit.rl.plot import plot_rl_runs
-from lowbit.rl.trainer import RLResult, run_rl
+from lowbit.rl.trainer import RUN_FILES, RLResult, run_rl
 from lowbit.train.checkpoint import write_json_atomic, write_text_atomic
+from lowbit.train.compare import check_run_folders
 from lowbit.train.metrics import read_metrics
+from lowbit.train.run_dir import RunDir
 
 __all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary"]
 
@@ -47,16 +51,33 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
 
 
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
-                     name: str | None = None) -> tuple[list[RLResult], Path]:
-    """Run each setting in turn; returns the results and the summary folder."""
+                     resume: bool = False, name: str | None = None) -> tuple[list[RLResult], Path]:
+    """Run each setting in turn; returns the results and the summary folder. resume: continue
+    an interrupted comparison (finished runs are taken as they are)."""
     configs = [config_for_setting(base, s) for s in settings]    # all refused before any runs
     names = [c.name for c in configs]
     if len(configs) < 2 or len(set(names)) != len(names):
         raise ValueError(f"--compare needs two or more distinct settings, got {', '.join(settings)}")
-    results = [run_rl(c, overwrite=overwrite) for c in configs]
+    # the folders as GRPOTrainer keeps them: its files, RLConfig's rule for a changed config
+    folders = [(RunDir(Path(c.out_dir) / c.name, files=RUN_FILES,
+                       changed=lambda saved, config: config.changed_fields(saved)), c)
+               for c in configs]
+    states = check_run_folders(folders, resume=resume, overwrite=overwrite)
+    results = [_finished(c) if state == "done" else
+               run_rl(c, resume=state == "resume", overwrite=overwrite)
+               for c, state in zip(configs, states)]
     folder = Path(base.out_dir) / (name or f"compare-{base.task}")
     write_summary([r.run_dir for r in results], folder)
     return results, folder
+
+
+def _finished(config: RLConfig) -> RLResult:
+    """A finished run, as its folder holds it (final.json, metrics.jsonl)."""
+    run_dir = Path(config.out_dir) / config.name
+    final = json.loads((run_dir / "final.json").read_text())
+    accuracy = final.get("eval_accuracy")
+    return RLResult(run_dir, final["steps"], float(final["final_reward"]),
+                    None if accuracy is None else float(accuracy), read_metrics(run_dir))
 
 
 def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:

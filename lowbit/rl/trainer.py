@@ -62,6 +62,9 @@ __all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILE
            "task_fingerprint"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
+NO_SIGNAL_STEPS = 5
+"""A run whose first this many steps had equal rewards in every group says so (one warning):
+every advantage was 0, so the rewards have taught the policy nothing."""
 
 
 @dataclass
@@ -304,6 +307,7 @@ class GRPOTrainer:
                  f"{c.batch_size} completions/step")
         t_session, step = time.perf_counter(), self.start_step
         end = c.steps if c.max_steps_per_session is None else min(c.steps, step + c.max_steps_per_session)
+        no_signal = 0   # how many of the run's first steps, in a row, had no signal
         try:
             if step == 0 and c.eval_every:
                 log.write({"event": "eval", "step": 0, "eval/accuracy": self.evaluate()})
@@ -311,6 +315,14 @@ class GRPOTrainer:
                 record = self.one_step(step)
                 step += 1
                 record["step"] = step
+                if record["frac_reward_zero_std"] == 1.0 and no_signal == step - 1:
+                    no_signal += 1   # steps 1..step all without signal (a resume starts past them)
+                if step == NO_SIGNAL_STEPS and no_signal == step:
+                    self.warn(f"lowbit: warning: no learning signal: every group's rewards are "
+                              f"equal in each of the first {step} steps (frac_reward_zero_std "
+                              f"1.0), so every advantage is 0 and the rewards teach nothing; try "
+                              f"more --warmstart-steps, an easier --task-size, a higher "
+                              f"--temperature or a larger --num-generations")
                 if step % c.log_every == 0 or step == c.steps:
                     log.write(record)
                 if (c.eval_every and step % c.eval_every == 0) or step == c.steps:
@@ -346,9 +358,12 @@ class GRPOTrainer:
         self.sync()
         t4 = time.perf_counter()
         lengths = rollout.lengths.float()
-        grouped = rewards.view(-1, self.config.num_generations)
+        group_std = rewards.view(-1, self.config.num_generations).std(dim=1)
         return {"event": "train", "reward": float(rewards.mean()),
-                "reward_std": float(grouped.std(dim=1).mean()),
+                "reward_std": float(group_std.mean()),
+                # TRL's name: groups whose rewards are all equal give zero advantages, no signal
+                "frac_reward_zero_std": float(torch.isclose(
+                    group_std, torch.zeros_like(group_std)).float().mean()),
                 "accuracy": float((rewards >= 1).float().mean()),
                 "completions/mean_length": float(lengths.mean()),
                 "completions/max_length": float(lengths.max()),

@@ -18,6 +18,12 @@ loads and verifies, and says which ones it skipped and why, so one damaged file 
 steps since the checkpoint before it, not the run. Temporary files that a killed write left
 behind (the size of a whole checkpoint each) are found and removed by `remove_temp_files()`.
 
+Errors of the file system. A write that fails (a full disk, a quota, an I/O error) is an
+OSError that names the file it was writing and keeps the errno (ENOSPC ...), never torch's
+RuntimeError or an OSError without a path: the temporary file is removed and the previous
+file stays as it was. Every file lowbit's jobs write goes through `write_file_atomic` (or
+its text and JSON forms), or names its path through `errors_naming` (an appended log).
+
 lowbit.train's pretraining loop uses the store through lowbit.train.run_dir; QAT and RL jobs
 use the same functions, so every lowbit job's checkpoints give the same guarantees.
 """
@@ -25,6 +31,7 @@ use the same functions, so every lowbit job's checkpoints give the same guarante
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -35,14 +42,15 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable, Iterator
 
 import numpy as np
 import torch
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "CheckpointStore", "LoadedCheckpoint",
            "checkpoint_path", "save_checkpoint", "load_checkpoint", "content_digest",
-           "write_text_atomic", "write_json_atomic", "strict_json", "remove_temp_files",
+           "write_file_atomic", "write_text_atomic", "write_json_atomic", "strict_json",
+           "errors_naming", "remove_temp_files",
            "check_same_data", "check_same_start", "rng_state", "set_rng_state", "TEMP_SUFFIX"]
 
 CHECKPOINT_VERSION = 2
@@ -295,9 +303,30 @@ def check_same_start(saved: str | None, current: str | None, where: str | Path,
                           f"from, or start a new run with --run-name")
 
 
+def write_file_atomic(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """Create `path` by write(f) on a fresh temporary file beside it, fsynced, then renamed over
+    `path`: a crash or a failed write leaves the old file or the new one, never a torn or empty
+    one. Any failure of the write is an OSError naming `path` (with the errno where the error
+    says one); the temporary file is removed. mode: "wb" (f takes bytes) or "w" (text)."""
+    _write_atomic(Path(path), mode, write)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Small files (config.json, final.json, a cut-back metrics.jsonl) get the same guarantee."""
     _write_atomic(Path(path), "w", lambda f: f.write(text))
+
+
+@contextlib.contextmanager
+def errors_naming(path: str | Path) -> Iterator[None]:
+    """Inside: an OSError that names no file (what a write, flush or fsync raises: ENOSPC,
+    EIO, EDQUOT) is raised again naming `path`, with its errno; one that names a file passes
+    as it is. For writes that cannot go through write_file_atomic (an appended log)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise _naming(Path(path), e) from e
 
 
 def strict_json(value):
@@ -362,11 +391,45 @@ def _write_atomic(path: Path, mode: str, write,
             os.replace(tmp, path)
         else:
             replace(tmp)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        if not isinstance(e, Exception):   # Ctrl-C, SystemExit: as they are
+            raise
+        if isinstance(e, OSError) and e.filename not in (None, str(tmp), tmp):
+            raise   # names a file already (a rename's source or target)
+        # torch's zip writer raises a RuntimeError over the OSError of the file's write
+        raise _naming(path, e) from e
     _fsync_dir(path.parent)
+
+
+def _naming(path: Path, error: BaseException) -> OSError:
+    """An OSError for `error` that names `path`, with the errno the error carries or states."""
+    code = _errno_of(error)
+    if code is not None:
+        return OSError(code, os.strerror(code), str(path))
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    return OSError(None, f"the write failed ({type(error).__name__}"
+                         f"{': ' + first if first else ''})", str(path))
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """The errno of an OSError in `error`'s chain (its causes and contexts), else one its
+    messages state: "[Errno 28]", Rust's "os error 28" (safetensors), or the C library's own
+    words for it ("No space left on device")."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in chain:
+        if isinstance(e, OSError) and isinstance(e.errno, int) and e.errno:
+            return e.errno
+    text = " ".join(str(e) for e in chain)
+    found = re.search(r"\[Errno (\d+)\]|os error (\d+)", text)
+    if found:
+        return int(found[1] or found[2])
+    return next((code for code in sorted(errno.errorcode) if os.strerror(code) in text), None)
 
 
 def _fsync_dir(folder: Path) -> None:

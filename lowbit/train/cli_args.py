@@ -180,8 +180,6 @@ def run_train(args: argparse.Namespace) -> None:
                   f"--grad-clip", file=sys.stderr)
             raise SystemExit(1) from None
         return
-    if args.resume:
-        raise ValueError("--resume continues one run; it does not combine with --compare")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--compare runs its recipes itself, one process or --parallel-runs; "
                          "under torchrun, launch one `lowbit train --recipe R` per recipe instead")
@@ -202,7 +200,8 @@ def run_train(args: argparse.Namespace) -> None:
                 run = ""
             configs.append(dataclasses.replace(config, recipe=recipe, seed=seed, run_name=run))
     comparison = compare(configs, name=config.run_name or None, overwrite=args.overwrite,
-                         parallel_runs=args.parallel_runs, progress=config.progress)
+                         resume=args.resume, parallel_runs=args.parallel_runs,
+                         progress=config.progress)
     print(format_table(comparison), end="")
     print(f"figures: {comparison.figure}, {', '.join(map(str, comparison.extra_figures))}\n"
           f"table: {comparison.table}")

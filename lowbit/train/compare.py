@@ -37,6 +37,12 @@ step: the mean over seeds, and a band of +- one standard deviation).
 
 `compare(configs)` is `lowbit train --compare R1,R2 --seeds 0,1,2`: the same over training
 runs (`TrainRunner`), with loss.png of all the runs beside.
+
+Run folders, for every job that compares runs (`lowbit train`, `lowbit qat` and `lowbit rl`
+--compare): `check_run_folders` checks each run's folder before the first run starts, so no
+run is refused after others have trained, and says what each run does. With resume, an
+interrupted comparison continues (`continue_state`): a finished run (final.json) is taken as
+it is, an unfinished one resumes from its checkpoint, one not begun yet starts.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from lowbit.train.build import resolve_recipe
-from lowbit.train.checkpoint import write_json_atomic, write_text_atomic
+from lowbit.train.checkpoint import check_same_start, write_json_atomic, write_text_atomic
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.metrics import read_metrics
@@ -63,7 +69,7 @@ from lowbit.train.run_dir import RunDir
 
 __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "compare_runs",
            "write_comparison", "run_all", "seed_statistics", "format_table", "TrainRunner", "compare",
-           "t_critical", "val_curve"]
+           "t_critical", "val_curve", "check_runs", "check_run_folders", "continue_state"]
 
 # What may differ between the training runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe (the seed pairs the runs).
@@ -423,12 +429,19 @@ class TrainRunner:
 
     overwrite: bool = False
     diagnostics_fn: Callable | None = None
+    resume: bool = False
+    """Continue the run (continue_state): a finished one is taken as it is."""
 
     def __call__(self, config: TrainConfig) -> RunOutcome:
         diagnostics_fn = (self.diagnostics_fn if config.diagnostics and config.recipe != "bf16"
                           else None)
+        run_dir = Path(config.out_dir) / config.name
+        state = continue_state(RunDir(run_dir)) if self.resume else "start"
+        if state == "done":
+            return RunOutcome(val_curve(run_dir), "ok", str(run_dir))
         try:
-            result = train(config, overwrite=self.overwrite, diagnostics_fn=diagnostics_fn)
+            result = train(config, resume=state == "resume", overwrite=self.overwrite,
+                           diagnostics_fn=diagnostics_fn)
         except NonFiniteLossError as e:
             outcome = self.partial(config)
             outcome.status = f"diverged at step {e.step} (non-finite loss)"
@@ -452,15 +465,15 @@ def val_curve(run_dir) -> list[tuple[int, float]]:
 
 
 def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
-            overwrite: bool = False, parallel_runs: int = 1,
+            overwrite: bool = False, resume: bool = False, parallel_runs: int = 1,
             deadline_s: float | None = None, progress: bool = True,
             diagnostics_fn: Callable | None = None) -> Comparison:
     """Train every config (a recipe x seed grid that differs in nothing else) and write the
     comparison under `<out_dir>/<name>/` (default name "compare-<model>-<corpus>"), plus
-    loss.png of all runs. The first config's recipe is the baseline. diagnostics_fn: see
-    TrainRunner."""
+    loss.png of all runs. The first config's recipe is the baseline. resume: continue an
+    interrupted comparison (check_run_folders). diagnostics_fn: see TrainRunner."""
     _check_comparable(configs)
-    check_runs(configs, overwrite)
+    check_runs(configs, overwrite, resume)
     base = configs[0]
     summary_dir = Path(base.out_dir) / (name or f"compare-{base.model}-{base.corpus}")
     specs = [RunSpec(c.recipe, c.seed, c.name, c) for c in configs]
@@ -468,7 +481,7 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
         # tokenize (and train the BPE) once, here, so the parallel runs read the cache
         from lowbit.train.build import build_data
         build_data(base)
-    comparison = compare_runs(specs, TrainRunner(overwrite, diagnostics_fn), summary_dir,
+    comparison = compare_runs(specs, TrainRunner(overwrite, diagnostics_fn, resume), summary_dir,
                               parallel_runs=parallel_runs, deadline_s=deadline_s,
                               progress=progress,
                               title=f"{base.model} on {base.corpus}, {base.total_steps} steps")
@@ -481,15 +494,49 @@ def compare(configs: Sequence[TrainConfig], name: str | None = None, *,
     return comparison
 
 
-def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False) -> None:
+def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False,
+               resume: bool = False) -> list[str]:
     """Refuse, before the first run's first step, what would stop a later run: an unknown
-    recipe, or a run folder that cannot be started (one holding a run, without overwrite, or
-    one another process is writing)."""
+    recipe, or a run folder that cannot be started or continued (check_run_folders, whose
+    answer it returns)."""
     for config in configs:
         resolve_recipe(config.recipe)
-    for config in configs:
-        with RunDir(Path(config.out_dir) / config.name) as run_dir:   # locked only to look
-            run_dir.check(config, resume=False, overwrite=overwrite)
+    return check_run_folders([(RunDir(Path(c.out_dir) / c.name), c) for c in configs],
+                             resume=resume, overwrite=overwrite)
+
+
+def continue_state(run_dir: RunDir) -> str:
+    """What continuing a comparison does with one of its runs: "done" (its final.json is
+    there: taken as it is), "resume" (it has a checkpoint: it continues from there), or
+    "start" (nothing to continue)."""
+    if (run_dir.path / "final.json").is_file():
+        return "done"
+    return "resume" if run_dir.checkpoints.exists() else "start"
+
+
+def check_run_folders(folders: Sequence[tuple[RunDir, Any]], *, resume: bool = False,
+                      overwrite: bool = False) -> list[str]:
+    """Check the folder of every run of a comparison, (RunDir, the run's config) each, before
+    the first run starts; returns what each run does: continue_state's answer with resume,
+    else "start".
+
+    Refused (one line, naming the folder): a folder another process is writing; without
+    resume, one that holds a run (unless overwrite); with resume, a run whose checkpoint has
+    another config or other starting weights (finished runs included: a result is taken only
+    for the config asked for), or one that stopped before its first checkpoint (which offers
+    --overwrite). A resume of a comparison none of whose runs has begun is refused as a
+    resume of its first run is: a mistyped name must not start afresh."""
+    states = [continue_state(run_dir) if resume else "start" for run_dir, _ in folders]
+    if resume and all(state == "start" for state in states):
+        states[0] = "resume"   # refused below, with RunDir's words
+    for (run_dir, config), state in zip(folders, states):
+        with run_dir:   # locked only to look
+            checkpoint = run_dir.check(config, resume=state != "start", overwrite=overwrite)
+        if checkpoint is not None:
+            saved = checkpoint["config"]
+            check_same_start(saved.get("init_fingerprint"), getattr(config, "init_fingerprint", None),
+                             run_dir.path, saved.get("init_from"))
+    return states
 
 
 def _check_comparable(configs: Sequence[TrainConfig]) -> None:

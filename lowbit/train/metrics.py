@@ -8,7 +8,8 @@ is the distillation loss); an eval record's "val_loss" is pure next-token cross-
 "nan", "inf", "-inf" (lowbit.train.checkpoint.strict_json, as in every JSON file lowbit
 writes): strict JSON has no spelling for them, and a record that jq or a browser cannot parse
 is worse than a string. TensorBoard is optional: without the package
-the run logs to metrics.jsonl only and says so once.
+the run logs to metrics.jsonl only and says so once. A failed write (a full disk) is an OSError
+naming metrics.jsonl (lowbit.train.checkpoint.errors_naming).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lowbit.train.checkpoint import strict_json, write_text_atomic
+from lowbit.train.checkpoint import errors_naming, strict_json, write_text_atomic
 
 # TensorBoard tag prefix per event; the loss of a train record becomes "train/loss".
 _TB_PREFIX = {"train": "train", "eval": "val", "diagnostics": "diag", "nonfinite_skip": "nonfinite"}
@@ -45,8 +46,9 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        self._file.write(_json_line(record))
-        self._file.flush()
+        with errors_naming(self.path):
+            self._file.write(_json_line(record))
+            self._file.flush()
         if self._tb is not None:
             prefix = _TB_PREFIX.get(record["event"], record["event"])
             for key, value in record.items():
@@ -54,9 +56,12 @@ class MetricsLog:
                     self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        try:
+            with errors_naming(self.path):
+                self._file.close()
+        finally:
+            if self._tb is not None:
+                self._tb.close()
 
 
 def read_metrics(run_dir: str | Path, warn=None) -> list[dict]:

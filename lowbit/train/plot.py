@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
+from lowbit.train.checkpoint import write_file_atomic
 from lowbit.train.metrics import read_metrics
 
 
@@ -28,12 +29,18 @@ def pyplot():
 
 
 def save_figure(fig, out_path: str | Path, dpi: int = 120) -> Path:
-    """Lay out `fig`, write it to `out_path` (its folder created if missing), close it."""
+    """Lay out `fig`, write it to `out_path` (its folder created if missing), close it.
+
+    Every figure lowbit draws is saved here, through a temporary file renamed over `out_path`
+    (lowbit.train.checkpoint.write_file_atomic): a full disk leaves the previous figure, never
+    an empty or torn PNG, and is an OSError naming `out_path`."""
     out_path = Path(out_path)
-    fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=dpi)
-    pyplot().close(fig)
+    try:
+        fig.tight_layout()
+        write_file_atomic(out_path, lambda f: fig.savefig(
+            f, format=out_path.suffix.lstrip(".").lower() or "png", dpi=dpi))
+    finally:
+        pyplot().close(fig)
     return out_path
 
 

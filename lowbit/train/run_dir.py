@@ -19,7 +19,9 @@ advisory lock on `.lowbit.lock` in it from `check` (or, for a folder that does n
 from `start`) until `release`, and a second lowbit process is refused in one line, before it
 reads or removes anything. The lock is `fcntl.flock`: the OS drops it when its process ends,
 killed or not, so a folder is never left locked; the file stays (removing it would let two
-processes lock two different files of one name).
+processes lock two different files of one name). A process that only reads a finished run
+(`lowbit qat --from`, `lowbit export`) calls `check_free` first: a folder a live run holds is
+refused (its last checkpoint is not the model the run will end with).
 
 Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write and how
 their config is compared with a checkpoint's, and get the same checks and checkpoints.
@@ -81,13 +83,28 @@ class RunDir:
             lock.seek(0)
             holder = lock.read().strip()
             lock.close()
-            raise ValueError(f"{self.path} is in use: another lowbit process"
-                             f"{f' (pid {holder})' if holder.isdigit() else ''} is writing it; "
-                             f"wait for it to end, or choose another --run-name") from None
+            raise ValueError(f"{self._in_use(holder)}, or choose another --run-name") from None
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")   # for the message above; the lock is the flock
         lock.flush()
         self._lock = lock
+
+    def check_free(self) -> None:
+        """For a process that only reads the folder (QAT's --from, export): a ValueError, naming
+        the folder, if another process holds it (a live run, whose files are not final). A
+        shared, non-blocking flock on the lock file, let go of at once; creates nothing."""
+        if not (self.path / LOCK_FILE).is_file():   # no lowbit process ever wrote here
+            return
+        with open(self.path / LOCK_FILE) as lock:   # lock files are never removed
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(self._in_use(lock.read().strip())) from None
+
+    def _in_use(self, holder: str) -> str:
+        return (f"{self.path} is in use: another lowbit process"
+                f"{f' (pid {holder})' if holder.isdigit() else ''} is writing it; "
+                f"wait for it to end")
 
     def release(self) -> None:
         """Let other processes have the folder (closing the file drops the flock)."""

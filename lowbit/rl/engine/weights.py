@@ -209,57 +209,68 @@ class EngineWeights:
     def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
              rac_ratio: float, device: torch.device, dtype: torch.dtype,
              packed_gemm: bool = False) -> "EngineWeights":
-        """From a state dict by Hugging Face parameter names; missing or unexpected keys are
-        refused. packed_gemm: the GEMMs read the packed NVFP4 weights (else their dequantized
+        """From a state dict by Hugging Face parameter names; missing or unexpected keys, and
+        tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs read the packed NVFP4 weights (else their dequantized
         values, kept beside them)."""
         sd = _fuse_hf_experts(dict(state_dict), cfg)
         used: set[str] = set()
+        model = (f"{cfg.n_layers} layers, dim {cfg.dim}"
+                 + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            # shape: what the config implies; a wrong one would fail (or compute garbage) later
             if name not in sd:
-                raise ValueError(f"state dict has no {name!r}; the engine's model has "
-                                 f"{cfg.n_layers} layers, dim {cfg.dim}"
-                                 + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
+                raise ValueError(f"state dict has no {name!r}; the engine's model has {model}")
+            if tuple(sd[name].shape) != shape:
+                raise ValueError(f"state dict's {name!r} has shape {tuple(sd[name].shape)}, not "
+                                 f"the {shape} the engine's model expects ({model})")
             used.add(name)
             return sd[name]
 
-        def plain(name: str) -> torch.Tensor:
-            return take(name).detach().to(device=device, dtype=dtype, copy=True)
+        def plain(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return take(name, shape).detach().to(device=device, dtype=dtype, copy=True)
 
-        def linear(*names: str, bias: bool = False) -> EngineLinear:
-            # bias: the config says these projections have one (Qwen2's q/k/v; attention_bias,
-            # mlp_bias), named as their weights are
-            biases = [take(n.removesuffix("weight") + "bias") for n in names] if bias else None
-            return EngineLinear.fused([take(n) for n in names], precision, rac_ratio, device,
-                                      dtype, biases, packed_gemm)
+        def linear(*parts: tuple[str, tuple[int, int]], bias: bool = False) -> EngineLinear:
+            # parts: (weight name, (out, in)); bias: the config says these projections have
+            # one (Qwen2's q/k/v; attention_bias, mlp_bias), named as their weights are
+            biases = ([take(n.removesuffix("weight") + "bias", shape[:1]) for n, shape in parts]
+                      if bias else None)
+            return EngineLinear.fused([take(n, shape) for n, shape in parts], precision,
+                                      rac_ratio, device, dtype, biases, packed_gemm)
 
-        embed = plain("model.embed_tokens.weight")
+        C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
+        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        embed = plain("model.embed_tokens.weight", (V, C))
         layers = []
         for i in range(cfg.n_layers):
             p, layer = f"model.layers.{i}.", EngineLayer()
-            layer.input_layernorm = plain(p + "input_layernorm.weight")
-            layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight")
-            layer.qkv_proj = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"), bias=cfg.qkv_bias)
-            layer.o_proj = linear(p + "self_attn.o_proj.weight", bias=cfg.o_bias)
+            layer.input_layernorm = plain(p + "input_layernorm.weight", (C,))
+            layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight", (C,))
+            layer.qkv_proj = linear((p + "self_attn.q_proj.weight", (q, C)),
+                                    (p + "self_attn.k_proj.weight", (kv, C)),
+                                    (p + "self_attn.v_proj.weight", (kv, C)), bias=cfg.qkv_bias)
+            layer.o_proj = linear((p + "self_attn.o_proj.weight", (C, q)), bias=cfg.o_bias)
             if cfg.qk_norm:   # one per-head weight for q's and k's heads side by side
-                layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight").expand(cfg.n_heads, -1),
-                                           plain(p + "self_attn.k_norm.weight").expand(cfg.n_kv_heads, -1)])
+                layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight", (hd,)).expand(cfg.n_heads, -1),
+                                           plain(p + "self_attn.k_norm.weight", (hd,)).expand(cfg.n_kv_heads, -1)])
             if cfg.is_moe:
-                layer.router = plain(p + "mlp.gate.weight")
-                layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj"),
-                                              take(p + "mlp.experts.down_proj"), precision,
-                                              rac_ratio, device, dtype, packed_gemm)
+                E, F = cfg.n_experts, cfg.moe_ffn_dim
+                layer.router = plain(p + "mlp.gate.weight", (E, C))
+                layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C)),
+                                              take(p + "mlp.experts.down_proj", (E, C, F)),
+                                              precision, rac_ratio, device, dtype, packed_gemm)
             else:
-                layer.gate_up_proj = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                                            bias=cfg.mlp_bias)
-                layer.down_proj = linear(p + "mlp.down_proj.weight", bias=cfg.mlp_bias)
+                F = cfg.ffn_dim
+                layer.gate_up_proj = linear((p + "mlp.gate_proj.weight", (F, C)),
+                                            (p + "mlp.up_proj.weight", (F, C)), bias=cfg.mlp_bias)
+                layer.down_proj = linear((p + "mlp.down_proj.weight", (C, F)), bias=cfg.mlp_bias)
             layers.append(layer)
-        norm = plain("model.norm.weight")
+        norm = plain("model.norm.weight", (C,))
         if cfg.tie_embeddings:   # one tensor for both (a tied state dict may list the head too)
             used.add("lm_head.weight")
             lm_head = embed
         else:
-            lm_head = plain("lm_head.weight")
+            lm_head = plain("lm_head.weight", (V, C))
         unexpected = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
         if unexpected:
             raise ValueError(f"state dict has keys the engine's model does not: "

@@ -1,0 +1,294 @@
+"""QAT, export and quantize driven as a reliability probe drove them, wrongly: QAT or export
+from a run that stopped or is still running, a source whose config.json was edited, an export
+whose corpus changed since the run, a `lowbit qat` killed while training its cached base run,
+jacquant flags with another estimator, a second qat.convert, lowbit.convert on a model prepared
+for QAT, quantize of a tensor that requires grad or of a meta tensor. docs/reliability.md
+tabulates them.
+
+Runs are tiny: stand-in data (tests/pattern_data.py) or a few KB of text, one-layer models, a
+few steps on the CPU.
+"""
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from pattern_data import PatternData
+from test_reliability_runs import QAT, cli, contents, held_by_another_process, one_line_error
+from torch import nn
+
+import lowbit
+import lowbit.qat.run as qat_run
+import lowbit.train.loop as loop
+from lowbit.cli import build_parser
+from lowbit.formats import FORMATS
+from lowbit.qat import QATConfig, convert, packed_weights, prepare
+from lowbit.qat.cli_args import job_from_args
+from lowbit.train import TrainConfig, train
+from lowbit.train.checkpoint import load_checkpoint
+
+
+@pytest.fixture
+def pattern_data(monkeypatch):
+    """`lowbit train` and `lowbit qat` read PatternData instead of a corpus."""
+    monkeypatch.setattr(loop, "build_data", lambda c: PatternData(c))
+    monkeypatch.setattr(qat_run, "build_data", lambda c: PatternData(c))
+
+
+EXPORT = ["--no-progress"]
+
+
+def _source(tmp_path, name: str, seed: int):
+    """A finished `lowbit train` run on PatternData (the folder of QAT's --from)."""
+    config = TrainConfig(model="tiny", n_layers=1, dim=64, seq_len=8, batch_size=2, max_steps=2,
+                         warmup_steps=0, eval_every=0, eval_batches=1, recipe="bf16", seed=seed,
+                         device="cpu", progress=False, diagnostics=False,
+                         out_dir=str(tmp_path), run_name=name)
+    return train(config, data=PatternData(config)).run_dir
+
+
+def _export(capsys, run, out, *extra):
+    return cli(capsys, "export", run, "--out", out, *EXPORT, *extra)
+
+
+# --- 1. an unfinished or live source run ----------------------------------------------------------
+
+def test_qat_and_export_refuse_an_unfinished_or_live_run_unless_allowed(tmp_path, capsys,
+                                                                        pattern_data):
+    source = _source(tmp_path, "src", 0)
+    final = (source / "final.json").read_bytes()
+    (source / "final.json").unlink()   # the run stopped before its last step
+    qat = [*QAT, "--out-dir", tmp_path / "qat", "--from", source]
+    code, err = cli(capsys, *qat)
+    one_line_error(code, err, f"{source} holds an unfinished run", "--allow-unfinished")
+    code, err = _export(capsys, source, tmp_path / "out")
+    one_line_error(code, err, f"{source} holds an unfinished run", "--allow-unfinished")
+    assert not (tmp_path / "qat").exists() and not (tmp_path / "out").exists()
+    assert cli(capsys, *qat, "--allow-unfinished")[0] == 0
+    assert _export(capsys, source, tmp_path / "out", "--allow-unfinished")[0] == 0
+
+    (source / "final.json").write_bytes(final)
+    before = contents(source)
+    with held_by_another_process(source):   # a live run: not read, even when allowed
+        for extra in ([], ["--allow-unfinished"]):
+            code, err = cli(capsys, *qat, "--overwrite", *extra)
+            one_line_error(code, err, f"{source} is in use", "another lowbit process (pid 4242)")
+            code, err = _export(capsys, source, tmp_path / "out2", *extra)
+            one_line_error(code, err, f"{source} is in use", "another lowbit process (pid 4242)")
+    assert contents(source) == before and not (tmp_path / "out2").exists()
+    code, err = cli(capsys, "qat", "--allow-unfinished", "--estimator", "ste")
+    one_line_error(code, err, "--allow-unfinished goes with --from")
+
+
+# --- 2. QAT reads the source's checksummed config, not its config.json ---------------------------
+
+def test_qat_takes_the_source_config_from_its_checkpoint_and_refuses_an_edited_model(
+        tmp_path, capsys, pattern_data):
+    source = _source(tmp_path, "src", 0)
+    file = source / "config.json"
+    written = json.loads(file.read_text())
+    # an edit that does not change the model: the checkpoint's value is the one QAT takes
+    file.write_text(json.dumps({**written, "batch_size": 3}))
+    assert cli(capsys, *QAT, "--out-dir", tmp_path / "qat", "--from", source)[0] == 0
+    run = tmp_path / "qat" / "q-int4-g32-ste"
+    assert json.loads((run / "config.json").read_text())["batch_size"] == 2
+    # an edit that changes the model is refused, naming the field
+    file.write_text(json.dumps({**written, "dim": 128, "n_layers": 2}))
+    code, err = cli(capsys, *QAT, "--out-dir", tmp_path / "qat2", "--from", source)
+    one_line_error(code, err, f"{file} disagrees with its checkpoint", "dim (128; the checkpoint's 64)",
+                   "n_layers (2; the checkpoint's 1)")
+    assert not (tmp_path / "qat2").exists()
+
+
+# --- 3. an export retrains a BPE tokenizer only from the corpus the run read --------------------
+
+def _text(seed: int) -> str:
+    words = ["lord", "king", "queen", "sword", "night", "crown", "love", "death", "France",
+             "blood", "heaven", "fair", "speak", "sweet", "noble", "grace"]
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(300)]
+    return "\n".join(lines) + "\n"
+
+
+def test_export_of_a_bpe_run_refuses_a_corpus_that_changed_since_training(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "data" / "tinyshakespeare" / "input.txt"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text(_text(0))
+    code, err = cli(capsys, "train", "--recipe", "bf16", "--n-layers", "1", "--dim", "64",
+                    "--seq-len", "8", "--batch-size", "2", "--steps", "2", "--eval-every", "0",
+                    "--eval-batches", "1", "--tokenizer", "bpe", "--bpe-vocab-size", "300",
+                    "--data-dir", tmp_path / "data", "--no-progress", "--no-diagnostics",
+                    "--device", "cpu", "--out-dir", tmp_path, "--run-name", "bpe")
+    assert code == 0, err
+    run = tmp_path / "bpe"
+    assert _export(capsys, run, tmp_path / "out")[0] == 0   # the same corpus: the same ids
+    exported = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
+    assert len(exported["model"]["vocab"]) == 300
+    corpus.write_text(_text(1))   # another text where the run's corpus was
+    code, err = _export(capsys, run, tmp_path / "out2")
+    one_line_error(code, err, f"cannot export {run}", "not the text the run trained on",
+                   "fingerprint", "restore that corpus")
+    assert not (tmp_path / "out2").exists()
+
+
+# --- 4. a `lowbit qat` killed while training its cached base run ---------------------------------
+
+@dataclasses.dataclass
+class SmallBase(TrainConfig):
+    """TrainConfig with a one-layer model and tiny batches: the cached base run, made small."""
+    n_layers: int | None = 1
+    dim: int | None = 64
+    seq_len: int = 8
+    batch_size: int = 2
+    eval_batches: int = 1
+
+
+def test_qat_redoes_or_resumes_a_cached_base_run_that_a_kill_left_unfinished(tmp_path, capsys,
+                                                                            pattern_data,
+                                                                            monkeypatch):
+    monkeypatch.setattr(qat_run, "TrainConfig", SmallBase)
+    qat = [*QAT, "--out-dir", tmp_path, "--base-steps", "1", "--steps", "1"]
+    base = tmp_path / "base-bf16-tiny-1"
+    # killed before the base's first checkpoint: config.json and a metrics line, no checkpoint
+    base.mkdir()
+    (base / "config.json").write_text("{}\n")
+    (base / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 3.0}\n')
+    with held_by_another_process(base):   # a live base run is refused, not taken as killed
+        code, err = cli(capsys, *qat)
+        one_line_error(code, err, f"{base} is in use")
+    code, err = cli(capsys, *qat)
+    assert code == 0, err
+    assert f"the cached base run {base} was stopped before its first checkpoint" in err
+    assert load_checkpoint(base / "checkpoints" / "latest.pt")["step"] == 1
+    # killed after a checkpoint: resumed
+    (base / "final.json").unlink()
+    code, err = cli(capsys, *qat, "--overwrite")
+    assert code == 0, err
+    assert f"the cached base run {base} was stopped before its end; resuming it" in err
+    assert (base / "final.json").is_file()
+    # no checkpoint that verifies: trained again
+    (base / "final.json").unlink()
+    for checkpoint in (base / "checkpoints").glob("*.pt"):
+        checkpoint.write_bytes(b"torn")
+    code, err = cli(capsys, *qat, "--overwrite")
+    assert code == 0, err
+    assert f"no checkpoint of {base} resumes" in err and "training the base run again" in err
+    assert load_checkpoint(base / "checkpoints" / "latest.pt")["step"] == 1
+
+
+# --- 5. jacquant's flags with another estimator ---------------------------------------------------
+
+@pytest.mark.parametrize("flag", [["--refresh-every", "5"], ["--b-max", "2.0"], ["--b-estimate", "probe"],
+                                  ["--b-eps", "0.5"], ["--b-samples", "2"], ["--b-ema", "0.5"],
+                                  ["--no-b-per-element"], ["--b-unweighted"], ["--b-on", "update"]],
+                         ids=lambda flag: flag[0])
+def test_qat_refuses_jacquant_flags_with_another_estimator(tmp_path, capsys, flag):
+    # a flag equal to its default is refused too: it was given, and means nothing here
+    code, err = cli(capsys, *QAT, "--out-dir", tmp_path, *flag)
+    one_line_error(code, err, f"{flag[0]} sets jacquant's B", "--estimator ste")
+    code, err = cli(capsys, *QAT, "--compare", "ste,lsq", "--out-dir", tmp_path, *flag)
+    one_line_error(code, err, f"{flag[0]} sets jacquant's B", "--compare ste,lsq")
+    assert not any(tmp_path.iterdir())
+
+
+def test_jacquant_flags_go_to_the_jacquant_run_of_a_compare_only():
+    args = build_parser().parse_args(["qat", "--compare", "ste,jacquant", "--b-max", "1.5",
+                                      "--b-unweighted", "--no-b-per-element"])
+    ste, jacquant = job_from_args(args).configs
+    assert ste.jacquant == QATConfig().jacquant
+    jq = jacquant.jacquant
+    assert (jq.b_max, jq.weighted, jq.per_element, jq.refresh_every) == (1.5, False, False, 100)
+
+
+# --- 6, 7. qat.convert twice; lowbit.convert on a QAT model ---------------------------------------
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _prepared() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    prepare(net, QATConfig(weights="int4:g32", estimator="lsq"))
+    return net
+
+
+def test_a_second_qat_convert_says_the_model_is_already_converted():
+    net = _prepared()
+    assert convert(net) == 2
+    packed = {name: q.codes.clone() for name, q in packed_weights(net).items()}
+    with pytest.raises(ValueError, match="the model is already converted") as e:
+        convert(net)
+    assert "prepare" not in str(e.value) and "\n" not in str(e.value)
+    assert all(torch.equal(packed_weights(net)[n].codes, c) for n, c in packed.items())
+    with pytest.raises(ValueError, match="no fake-quantized weight; run lowbit.qat.prepare"):
+        convert(Net())   # a model never prepared is still told to prepare
+
+
+def _snapshot(net):
+    return ({n: type(m) for n, m in net.named_modules()},
+            {k: v.clone() for k, v in net.state_dict().items()})
+
+
+def test_lowbit_convert_refuses_a_model_prepared_for_qat_and_changes_nothing():
+    every = lambda module, name: True
+    net = _prepared()
+    x = torch.randn(4, 64)
+    types, state = _snapshot(net)
+    out = net(x)
+    with pytest.raises(ValueError) as e:
+        lowbit.convert(net, "nvfp4", module_filter_fn=every)
+    message = str(e.value)
+    assert "\n" not in message
+    for fragment in ("a is prepared for QAT", "would drop", "lowbit.qat.convert", "fresh model",
+                     "nothing was changed"):
+        assert fragment in message, message
+    after_types, after_state = _snapshot(net)
+    assert after_types == types and after_state.keys() == state.keys()
+    assert all(torch.equal(after_state[k], state[k]) for k in state)
+    assert torch.equal(net(x), out)
+    assert net.a.parametrizations.weight.original.requires_grad   # still training
+    # packed by qat.convert: the swap would drop the packed codes, refused too
+    convert(net)
+    packed = {name: q.codes.clone() for name, q in packed_weights(net).items()}
+    with pytest.raises(ValueError, match="a holds packed weights"):
+        lowbit.convert(net, "nvfp4", module_filter_fn=every)
+    assert all(torch.equal(packed_weights(net)[n].codes, c) for n, c in packed.items())
+    # a fresh model converts as before
+    assert len(lowbit.convert(Net(), "nvfp4", module_filter_fn=every).swapped) == 2
+
+
+# --- 8, 9. quantize is storage: no autograd graph, no meta tensors ------------------------------
+
+QUANTIZERS = {"lowbit.quantize": lowbit.quantize, "lowbit.formats.quantize": lowbit.formats.quantize}
+
+
+@pytest.mark.parametrize("entry", QUANTIZERS)
+def test_quantize_builds_no_autograd_graph_for_any_format(entry):
+    quantize = QUANTIZERS[entry]
+    for format in FORMATS:
+        x = torch.randn(4, 64, requires_grad=True)
+        q = quantize(x, format)
+        for part in (q.codes, q.scales, q.tensor_scale, q.zeros):
+            assert part is None or (part.grad_fn is None and not part.requires_grad), format
+        w = torch.randn(4, 64, requires_grad=True)
+        (q.dequantize(torch.float32) * w).sum().backward()
+        assert x.grad is None, format               # no gradient through codes or scales
+        assert torch.equal(w.grad, q.dequantize(torch.float32)), format
+
+
+@pytest.mark.parametrize("entry", QUANTIZERS)
+def test_quantize_refuses_a_meta_tensor_for_every_format(entry):
+    for format in FORMATS:
+        with pytest.raises(ValueError, match="a meta tensor .* holds none") as e:
+            QUANTIZERS[entry](torch.empty(4, 64, device="meta"), format)
+        assert "\n" not in str(e.value)
