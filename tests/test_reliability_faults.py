@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
-from pattern_data import PatternData
+from run_helpers import cli, finished_run, one_line_error, use_pattern_data
 
 import lowbit.qat.run as qat_run
 import lowbit.rl.compare as rl_compare
-import lowbit.train.loop as loop
 import lowbit.train.metrics as metrics
 from lowbit.cli import build_parser, main
 from lowbit.models import build_model
@@ -25,7 +24,6 @@ from lowbit.models.config import ModelConfig
 from lowbit.rl.cli_args import config_from_args
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.trainer import GRPOTrainer
-from lowbit.train import TrainConfig, train
 from lowbit.train.checkpoint import (TEMP_SUFFIX, CheckpointStore, load_checkpoint,
                                      save_checkpoint, write_json_atomic)
 from lowbit.train.loop import TrainingInterrupted
@@ -48,29 +46,13 @@ NO_SPACE = "no space left on device; free space on its disk, or choose another p
 
 @pytest.fixture
 def pattern_data(monkeypatch):
-    """`lowbit train` and `lowbit qat` read PatternData instead of a corpus."""
-    monkeypatch.setattr(loop, "build_data", lambda c: PatternData(c))
-    monkeypatch.setattr(qat_run, "build_data", lambda c: PatternData(c))
+    use_pattern_data(monkeypatch)
 
 
-def cli(capsys, *argv) -> tuple[int, str]:
-    """Run `lowbit ARGV` in this process; (exit code, stderr)."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
 
 
-def one_line_error(code, err, *fragments) -> str:
-    assert code == 2, err
-    lines = [line for line in err.strip().splitlines() if not line.startswith("lowbit: warning")]
-    assert len(lines) == 1 and lines[0].startswith("lowbit: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+
+
 
 
 def temp_files(folder) -> list:
@@ -190,17 +172,12 @@ def test_file_system_errors_name_the_file_and_a_failed_figure_leaves_the_old_one
 
 # --- 3. comparisons: every folder checked first, --resume continues them ---------------------
 
-def _source(tmp_path):
-    config = TrainConfig(model="tiny", n_layers=1, dim=64, seq_len=8, batch_size=2, max_steps=2,
-                         warmup_steps=0, eval_every=0, eval_batches=1, recipe="bf16",
-                         device="cpu", progress=False, diagnostics=False,
-                         out_dir=str(tmp_path), run_name="src")
-    return train(config, data=PatternData(config)).run_dir
+
 
 
 def test_qat_compare_checks_every_folder_first_and_resume_continues_it(tmp_path, capsys,
                                                                       pattern_data, monkeypatch):
-    source, out = _source(tmp_path), tmp_path / "qat"
+    source, out = finished_run(tmp_path), tmp_path / "qat"
     compare = [*QAT, "--out-dir", out, "--from", source, "--compare", "ste,lsq,clipped-ste"]
     ste, lsq, clipped = (out / f"q-int4-g32-{e}" for e in ("ste", "lsq", "clipped-ste"))
     clipped.mkdir(parents=True)

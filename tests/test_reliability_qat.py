@@ -15,38 +15,29 @@ import random
 
 import pytest
 import torch
-from pattern_data import PatternData
-from test_reliability_runs import QAT, cli, contents, held_by_another_process, one_line_error
+from run_helpers import cli, finished_run, one_line_error, use_pattern_data
+from test_reliability_runs import QAT, contents, held_by_another_process
 from torch import nn
 
 import lowbit
 import lowbit.qat.run as qat_run
-import lowbit.train.loop as loop
 from lowbit.cli import build_parser
 from lowbit.formats import FORMATS
 from lowbit.qat import QATConfig, convert, packed_weights, prepare
 from lowbit.qat.cli_args import job_from_args
-from lowbit.train import TrainConfig, train
+from lowbit.train import TrainConfig
 from lowbit.train.checkpoint import load_checkpoint
 
 
 @pytest.fixture
 def pattern_data(monkeypatch):
-    """`lowbit train` and `lowbit qat` read PatternData instead of a corpus."""
-    monkeypatch.setattr(loop, "build_data", lambda c: PatternData(c))
-    monkeypatch.setattr(qat_run, "build_data", lambda c: PatternData(c))
+    use_pattern_data(monkeypatch)
 
 
 EXPORT = ["--no-progress"]
 
 
-def _source(tmp_path, name: str, seed: int):
-    """A finished `lowbit train` run on PatternData (the folder of QAT's --from)."""
-    config = TrainConfig(model="tiny", n_layers=1, dim=64, seq_len=8, batch_size=2, max_steps=2,
-                         warmup_steps=0, eval_every=0, eval_batches=1, recipe="bf16", seed=seed,
-                         device="cpu", progress=False, diagnostics=False,
-                         out_dir=str(tmp_path), run_name=name)
-    return train(config, data=PatternData(config)).run_dir
+
 
 
 def _export(capsys, run, out, *extra):
@@ -57,7 +48,7 @@ def _export(capsys, run, out, *extra):
 
 def test_qat_and_export_refuse_an_unfinished_or_live_run_unless_allowed(tmp_path, capsys,
                                                                         pattern_data):
-    source = _source(tmp_path, "src", 0)
+    source = finished_run(tmp_path, "src", 0)
     final = (source / "final.json").read_bytes()
     (source / "final.json").unlink()   # the run stopped before its last step
     qat = [*QAT, "--out-dir", tmp_path / "qat", "--from", source]
@@ -86,7 +77,7 @@ def test_qat_and_export_refuse_an_unfinished_or_live_run_unless_allowed(tmp_path
 
 def test_qat_takes_the_source_config_from_its_checkpoint_and_refuses_an_edited_model(
         tmp_path, capsys, pattern_data):
-    source = _source(tmp_path, "src", 0)
+    source = finished_run(tmp_path, "src", 0)
     file = source / "config.json"
     written = json.loads(file.read_text())
     # an edit that does not change the model: the checkpoint's value is the one QAT takes

@@ -18,10 +18,8 @@ import time
 
 import pytest
 import torch
-from pattern_data import PatternData
+from run_helpers import PatternData, cli, finished_run, one_line_error, use_pattern_data
 
-import lowbit.qat.run as qat_run
-import lowbit.train.loop as loop
 from lowbit.cli import build_parser, main
 from lowbit.rl import grpo
 from lowbit.rl.cli_args import QUICK, config_from_args
@@ -34,9 +32,7 @@ from lowbit.train.step import TrainStep
 
 @pytest.fixture
 def pattern_data(monkeypatch):
-    """`lowbit train` and `lowbit qat` read PatternData instead of a corpus."""
-    monkeypatch.setattr(loop, "build_data", lambda c: PatternData(c))
-    monkeypatch.setattr(qat_run, "build_data", lambda c: PatternData(c))
+    use_pattern_data(monkeypatch)
 
 
 SMALL = ["--n-layers", "1", "--dim", "64", "--seq-len", "8", "--batch-size", "2"]
@@ -52,24 +48,10 @@ QAT = ["qat", "--estimator", "ste", "--weights", "int4:g32", "--steps", "4", "--
        "--no-progress", "--run-name", "q"]
 
 
-def cli(capsys, *argv) -> tuple[int, str]:
-    """Run `lowbit ARGV` in this process; (exit code, stderr)."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
 
 
-def one_line_error(code, err, *fragments, exit_code=2) -> str:
-    assert code == exit_code, err
-    lines = [line for line in err.strip().splitlines() if not line.startswith("lowbit: warning")]
-    assert len(lines) == 1 and lines[0].startswith("lowbit: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+
+
 
 
 def strict_json_file(path):
@@ -209,17 +191,12 @@ def test_rl_resume_on_other_problems_is_refused_and_a_moved_copy_resumes(tmp_pat
     assert code == 0, err
 
 
-def _source(tmp_path, name: str, seed: int):
-    config = TrainConfig(model="tiny", n_layers=1, dim=64, seq_len=8, batch_size=2, max_steps=2,
-                         warmup_steps=0, eval_every=0, eval_batches=1, recipe="bf16", seed=seed,
-                         device="cpu", progress=False, diagnostics=False,
-                         out_dir=str(tmp_path), run_name=name)
-    return train(config, data=PatternData(config)).run_dir
+
 
 
 def test_qat_resume_from_another_source_is_refused_and_a_moved_one_resumes(tmp_path, capsys,
                                                                           pattern_data):
-    source, other = _source(tmp_path, "src", 0), _source(tmp_path, "other", 1)
+    source, other = finished_run(tmp_path, "src", 0), finished_run(tmp_path, "other", 1)
     out = ["--out-dir", tmp_path / "qat"]
     assert cli(capsys, *QAT, *out, "--from", source)[0] == 0
     code, err = cli(capsys, *QAT, *out, "--from", other, "--resume")
@@ -259,7 +236,7 @@ def test_rl_stops_at_the_first_nan_loss_and_keeps_the_last_checkpoint(tmp_path, 
 
 
 def test_qat_on_nan_is_one_line_naming_only_qat_flags(tmp_path, capsys, pattern_data, monkeypatch):
-    source = _source(tmp_path, "src", 0)
+    source = finished_run(tmp_path, "src", 0)
     real_loss = TrainStep.loss
 
     def nan_loss(self, x, y):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pattern_data import VOCAB, PatternData
+from run_helpers import VOCAB, PatternData
 
 import lowbit.train.loop as loop
 from lowbit.cli import main
