@@ -211,8 +211,10 @@ def test_save_qtensors_uses_a_unique_temp_name_and_removes_it_on_failure(tmp_pat
         raise RuntimeError("killed half way")
 
     monkeypatch.setattr("safetensors.torch.save_file", fails_half_way)
-    with pytest.raises(RuntimeError, match="killed half way"):
+    # any failure of the write is an OSError naming the file (lowbit.files), the cause kept
+    with pytest.raises(OSError, match="killed half way") as failed:
         save_qtensors(path, {"w": quantize(torch.randn(8, 32), "int4")})
+    assert failed.value.filename == str(path)
     assert _tree(tmp_path) == before
     assert load_qtensors(path)["w"].format == "nvfp4"
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from lowbit.data.corpora import load_corpus
-from lowbit.data.tokenizer import Tokenizer, cache_root, get_tokenizer, write_atomic
+from lowbit.data.tokenizer import Tokenizer, cache_root, get_tokenizer
+from lowbit.files import write_bytes_atomic
 
 
 @dataclass
@@ -126,7 +127,7 @@ def load_dataset(corpus: str = "tinyshakespeare", tokenizer: str | Tokenizer = "
         if not path.is_file():
             buffer = io.BytesIO()
             np.save(buffer, tok.encode_array(split_text))
-            write_atomic(path, buffer.getvalue())
+            write_bytes_atomic(path, buffer.getvalue())
         splits[split] = torch.from_numpy(np.load(path))
     meta = {"corpus": corpus, "tokenizer": tok.name,
             "tokens": {split: len(tokens) for split, tokens in splits.items()}, **text.meta}

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lowbit.data.corpora import Corpus
+from lowbit.files import write_bytes_atomic
 
 TOKENIZERS = ("bpe", "bytes")
 # BPE merges are learned from at most this much of the train split (pycode's is ~220M).
@@ -38,15 +39,6 @@ def cache_root(path: str | os.PathLike | None = None) -> Path:
     if path is None:
         path = os.environ.get("LOWBIT_CACHE") or Path.home() / ".cache" / "lowbit"
     return Path(path).expanduser()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write through a temporary file in the same folder and rename: readers see the old
-    file or the new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def encode_chunks(text: str, chunk_chars: int = ENCODE_CHUNK_CHARS) -> Iterator[str]:
@@ -146,5 +138,5 @@ def get_tokenizer(kind: str, corpus: Corpus | None = None, vocab_size: int = 409
     if path.is_file():
         return BPETokenizer.load(path)
     tokenizer = train_bpe(sample, vocab_size)
-    write_atomic(path, tokenizer.tokenizer.to_str().encode())
+    write_bytes_atomic(path, tokenizer.tokenizer.to_str().encode())
     return tokenizer

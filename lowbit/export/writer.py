@@ -27,7 +27,7 @@ tile's scale). A group whose QTensors carry different tensor scales is refused u
 allow_unshared_scales (vLLM then uses their max, TensorRT-LLM cannot load it faithfully).
 
 Files. Every file is written to a temporary file in `out` and renamed over its name
-(lowbit.formats.qtensor.write_atomic): a name that is a symlink (a Hugging Face cache
+(lowbit.files.write_atomic): a name that is a symlink (a Hugging Face cache
 snapshot) is replaced, never written through, and a failed write (a full disk) leaves no
 partial file. Files a previous export wrote that this one does not (EXPORT_FILES, the
 `model-0000i-of-0000n.safetensors` shards, their temporary files) are removed afterwards, so
@@ -55,7 +55,8 @@ from lowbit.export.layouts import (FORMAT_LAYOUTS, ExportFormat, compressed_tens
                                    parse_export_format, tensor_names)
 from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
-from lowbit.formats.qtensor import write_atomic, write_safetensors
+from lowbit.files import TEMP_NAME, write_atomic, write_text_atomic
+from lowbit.formats.qtensor import write_safetensors
 from lowbit.models.hf import hf_config_dict, write_shards
 
 __all__ = ["ExportReport", "export_model", "quantize_group", "split_rows", "row_blocks",
@@ -69,7 +70,6 @@ EXPORT_FILES = ("config.json", "hf_quant_config.json", "model.safetensors",
                 "model.safetensors.index.json", "lowbit_export.json", *TOKENIZER_FILES)
 """The names an export writes (`lowbit export` adds lowbit_export.json), besides its shards."""
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_TEMP = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]{8}\.tmp$")   # write_atomic's temporary files
 
 
 @dataclass
@@ -382,8 +382,9 @@ def check_export_folder(out: str | Path) -> None:
 
 
 def write_text(path: Path, text: str) -> Path:
-    """`text` written to `path` through write_atomic; returns `path`."""
-    write_atomic(path, lambda tmp: tmp.write_text(text))
+    """`text` written to `path` through lowbit.files; returns `path` (the list of what an
+    export wrote is built from it)."""
+    write_text_atomic(path, text)
     return path
 
 
@@ -394,7 +395,7 @@ def _remove_stale(out: Path, written: set[str]) -> None:
         return name in EXPORT_FILES or bool(_SHARD.match(name))
 
     for path in out.iterdir():
-        temp = _TEMP.match(path.name)
+        temp = TEMP_NAME.match(path.name)
         stale = (exported(path.name) and path.name not in written) or bool(temp and exported(temp[1]))
         if stale and not path.is_dir():
             path.unlink()

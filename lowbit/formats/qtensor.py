@@ -14,21 +14,17 @@ A QTensor is storage, not a tensor subclass: the training math in lowbit.ops deq
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import secrets
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from lowbit.files import write_atomic
 from lowbit.formats.elements import decode, e8m0_to_float, pack_codes, unpack_codes
 from lowbit.formats.spec import QuantSpec, ScaleKind
 
-__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to", "write_atomic",
-           "write_safetensors"]
+__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to", "write_safetensors"]
 
 
 def saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -189,57 +185,13 @@ def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
     write_safetensors(path, flat, meta)
 
 
-# --- writing a file atomically ---------------------------------------------------------------
-#
-# The new contents go to a temporary file beside the destination, `.<name>.<pid>.<hex>.tmp`
-# (unique, so two writers or a user's file of that name are never clobbered), which is then
-# renamed over the destination. The rename replaces the directory entry: a destination that
-# is a symlink (a Hugging Face cache snapshot links every file to a blob) is replaced by the
-# new file, never written through. The temporary file is removed on any failure, and the
-# file gets the mode a plain open() gives (0o666 & ~umask): safetensors writes 0600, which a
-# server running as another user cannot read.
-
-def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Create `path` by `write(tmp)`, which fills the fresh file `tmp` beside it (it may
-    replace it), then rename `tmp` over `path`. An OSError names `path`."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as f:      # "x": the umask's mode; mkstemp would give 0600
-            mode = os.fstat(f.fileno()).st_mode & 0o777
-        write(tmp)
-        os.chmod(tmp, mode)
-        fd = os.open(tmp, os.O_RDONLY)  # the bytes reach the disk before the name does
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename in (None, str(tmp), tmp):
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-        raise
-
-
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file through write_atomic; a full disk (or any error of the file
-    system) is an OSError naming `path`, not safetensors' own error type."""
+    """safetensors' save_file through lowbit.files.write_atomic (symlink-safe, the umask's mode;
+    a full disk or any error of the file system is an OSError naming `path`)."""
     from safetensors.torch import save_file
 
-    def write(tmp: Path) -> None:
-        try:
-            save_file(tensors, str(tmp), metadata=metadata)
-        except Exception as e:  # noqa: BLE001 -- SafetensorError carries the OS error as text
-            found = re.search(r"os error (\d+)", str(e))
-            if found is None:
-                raise
-            code = int(found[1])
-            raise OSError(code, os.strerror(code)) from None
-
-    write_atomic(path, write)
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, QTensor]:

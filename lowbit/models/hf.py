@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lowbit.files import write_atomic, write_text_atomic
 from lowbit.models.config import PRESETS, ModelConfig
 from lowbit.models.transformer import Transformer
 
@@ -362,10 +363,10 @@ def write_shards(path: Path, shards: list[dict[str, torch.Tensor]], metadata: di
                  *, save=None, save_text=None) -> list[Path]:
     """model.safetensors, or model-0000i-of-0000n.safetensors plus the index (the names
     save_pretrained gives); returns the paths written. save(file, tensors, metadata) and
-    save_text(file, text) write one file (default: to a unique temporary name beside it,
-    then renamed over it; lowbit.export passes its symlink-safe writers)."""
+    save_text(file, text) write one file (default: lowbit.files' atomic writes; lowbit.export
+    passes its own, which record what it wrote)."""
     save = save or _save_safetensors
-    save_text = save_text or _save_text
+    save_text = save_text or write_text_atomic
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total, written = {}, 0, []
@@ -383,22 +384,9 @@ def write_shards(path: Path, shards: list[dict[str, torch.Tensor]], metadata: di
     return written
 
 
-def _replaced(path: Path, write) -> None:
-    """write(tmp) to a unique temporary file beside path, renamed over it (removed on failure)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> None:
     from safetensors.torch import save_file
 
-    _replaced(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def _save_text(path: Path, text: str) -> None:
-    _replaced(path, lambda tmp: tmp.write_text(text))

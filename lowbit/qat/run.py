@@ -41,8 +41,8 @@ from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
-from lowbit.train.checkpoint import (CheckpointError, content_digest, load_checkpoint,
-                                     write_json_atomic, write_text_atomic)
+from lowbit.files import write_text_atomic
+from lowbit.train.checkpoint import (CheckpointError, content_digest, load_checkpoint, write_json_atomic)
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
 from lowbit.train.config import TrainConfig, resolve_device

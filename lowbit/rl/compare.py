@@ -20,7 +20,8 @@ from typing import Sequence
 from lowbit.rl.config import RLConfig
 from lowbit.rl.plot import plot_rl_runs
 from lowbit.rl.trainer import RUN_FILES, RLResult, run_rl
-from lowbit.train.checkpoint import write_json_atomic, write_text_atomic
+from lowbit.files import write_text_atomic
+from lowbit.train.checkpoint import write_json_atomic
 from lowbit.train.compare import check_run_folders
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir

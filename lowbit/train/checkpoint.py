@@ -21,8 +21,8 @@ behind (the size of a whole checkpoint each) are found and removed by `remove_te
 Errors of the file system. A write that fails (a full disk, a quota, an I/O error) is an
 OSError that names the file it was writing and keeps the errno (ENOSPC ...), never torch's
 RuntimeError or an OSError without a path: the temporary file is removed and the previous
-file stays as it was. Every file lowbit's jobs write goes through `write_file_atomic` (or
-its text and JSON forms), or names its path through `errors_naming` (an appended log).
+file stays as it was. Every file lowbit writes goes through lowbit.files (write_atomic and its
+forms), or names its path through lowbit.files.naming_errors (an appended log).
 
 lowbit.train's pretraining loop uses the store through lowbit.train.run_dir; QAT and RL jobs
 use the same functions, so every lowbit job's checkpoints give the same guarantees.
@@ -31,7 +31,6 @@ use the same functions, so every lowbit job's checkpoints give the same guarante
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
@@ -39,18 +38,17 @@ import os
 import pickle
 import random
 import re
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterator
 
 import numpy as np
 import torch
 
+from lowbit.files import TEMP_NAME, fsync_folder, write_stream_atomic, write_text_atomic
+
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "CheckpointStore", "LoadedCheckpoint",
            "checkpoint_path", "save_checkpoint", "load_checkpoint", "content_digest",
-           "write_file_atomic", "write_text_atomic", "write_json_atomic", "strict_json",
-           "errors_naming", "remove_temp_files",
+           "write_json_atomic", "strict_json", "remove_temp_files",
            "check_same_data", "check_same_start", "rng_state", "set_rng_state", "TEMP_SUFFIX"]
 
 CHECKPOINT_VERSION = 2
@@ -59,7 +57,6 @@ still load, unverified."""
 _READABLE_VERSIONS = (1, 2)
 TEMP_SUFFIX = ".tmp"
 """The suffix of the temporary files atomic writes go through (dot-files: `.<name>.<pid>.<hex>.tmp`)."""
-_TEMP_NAME = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -77,7 +74,7 @@ def save_checkpoint(state: dict, path: str | Path) -> None:
     """Write `state` (a dict) to `path` atomically (temp file + fsync + os.replace), with the
     SHA-256 of its contents under "sha256"."""
     state = {**state, "sha256": content_digest(state)}
-    _write_atomic(Path(path), "wb", lambda f: torch.save(state, f))
+    write_stream_atomic(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
@@ -211,9 +208,9 @@ class CheckpointStore:
                 os.replace(self.latest, self.folder / f"step-{previous:08d}.pt")
             os.replace(tmp, self.latest)
 
-        _write_atomic(self.latest, "wb",
-                      lambda f: torch.save({**state, "sha256": content_digest(state)}, f),
-                      replace=rotate_then_replace)
+        write_stream_atomic(self.latest,
+                            lambda f: torch.save({**state, "sha256": content_digest(state)}, f),
+                            replace=rotate_then_replace)
         self._latest_step, self._latest_damaged = step, False
         # older ones past `keep`, and any at or after this step (left by a run that fell back
         # to an earlier checkpoint and has now passed them again)
@@ -223,7 +220,7 @@ class CheckpointStore:
                 p.unlink(missing_ok=True)
         for _, p in [(s, p) for s, p in older if s < step][self.keep - 1:]:
             p.unlink(missing_ok=True)
-        _fsync_dir(self.folder)
+        fsync_folder(self.folder)
         return self.latest
 
     def load(self, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
@@ -262,7 +259,7 @@ class CheckpointStore:
 
 
 def remove_temp_files(folder: str | Path) -> list[tuple[Path, int]]:
-    """Remove the temporary files that atomic writes (save_checkpoint, write_text_atomic)
+    """Remove the temporary files that atomic writes (lowbit.files: checkpoints, configs)
     killed mid-way left in `folder`; returns (path, bytes) of each. Only names of the form
     those writes use are touched."""
     folder = Path(folder)
@@ -270,7 +267,7 @@ def remove_temp_files(folder: str | Path) -> list[tuple[Path, int]]:
     if not folder.is_dir():
         return removed
     for p in folder.iterdir():
-        if _TEMP_NAME.match(p.name) and p.is_file():
+        if TEMP_NAME.match(p.name) and p.is_file():
             size = p.stat().st_size
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
@@ -303,30 +300,10 @@ def check_same_start(saved: str | None, current: str | None, where: str | Path,
                           f"from, or start a new run with --run-name")
 
 
-def write_file_atomic(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> None:
-    """Create `path` by write(f) on a fresh temporary file beside it, fsynced, then renamed over
-    `path`: a crash or a failed write leaves the old file or the new one, never a torn or empty
-    one. Any failure of the write is an OSError naming `path` (with the errno where the error
-    says one); the temporary file is removed. mode: "wb" (f takes bytes) or "w" (text)."""
-    _write_atomic(Path(path), mode, write)
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Small files (config.json, final.json, a cut-back metrics.jsonl) get the same guarantee."""
-    _write_atomic(Path(path), "w", lambda f: f.write(text))
 
 
-@contextlib.contextmanager
-def errors_naming(path: str | Path) -> Iterator[None]:
-    """Inside: an OSError that names no file (what a write, flush or fsync raises: ENOSPC,
-    EIO, EDQUOT) is raised again naming `path`, with its errno; one that names a file passes
-    as it is. For writes that cannot go through write_file_atomic (an appended log)."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise _naming(Path(path), e) from e
 
 
 def strict_json(value):
@@ -344,7 +321,7 @@ def strict_json(value):
 
 
 def write_json_atomic(path: str | Path, value, indent: int | None = 2) -> None:
-    """`value` as strict JSON (through strict_json), written as write_text_atomic writes."""
+    """`value` as strict JSON (through strict_json), written through lowbit.files."""
     write_text_atomic(path, json.dumps(strict_json(value), indent=indent, allow_nan=False) + "\n")
 
 
@@ -376,68 +353,3 @@ def set_rng_state(state: dict) -> None:
                          n["has_gauss"], n["gauss"]))
 
 
-def _write_atomic(path: Path, mode: str, write,
-                  replace: Callable[[Path], None] | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target, so os.replace is a rename on one filesystem; opened with "x"
-    # rather than through tempfile.mkstemp so the file gets the umask's permissions, not 0600.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, mode.replace("w", "x")) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace is None:
-            os.replace(tmp, path)
-        else:
-            replace(tmp)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if not isinstance(e, Exception):   # Ctrl-C, SystemExit: as they are
-            raise
-        if isinstance(e, OSError) and e.filename not in (None, str(tmp), tmp):
-            raise   # names a file already (a rename's source or target)
-        # torch's zip writer raises a RuntimeError over the OSError of the file's write
-        raise _naming(path, e) from e
-    _fsync_dir(path.parent)
-
-
-def _naming(path: Path, error: BaseException) -> OSError:
-    """An OSError for `error` that names `path`, with the errno the error carries or states."""
-    code = _errno_of(error)
-    if code is not None:
-        return OSError(code, os.strerror(code), str(path))
-    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    return OSError(None, f"the write failed ({type(error).__name__}"
-                         f"{': ' + first if first else ''})", str(path))
-
-
-def _errno_of(error: BaseException) -> int | None:
-    """The errno of an OSError in `error`'s chain (its causes and contexts), else one its
-    messages state: "[Errno 28]", Rust's "os error 28" (safetensors), or the C library's own
-    words for it ("No space left on device")."""
-    chain, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    for e in chain:
-        if isinstance(e, OSError) and isinstance(e.errno, int) and e.errno:
-            return e.errno
-    text = " ".join(str(e) for e in chain)
-    found = re.search(r"\[Errno (\d+)\]|os error (\d+)", text)
-    if found:
-        return int(found[1] or found[2])
-    return next((code for code in sorted(errno.errorcode) if os.strerror(code) in text), None)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename itself lives in the directory entry; without this a power loss right after
-    # os.replace could bring back the old name. Not all platforms can open a directory.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

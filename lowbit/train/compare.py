@@ -60,7 +60,8 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from lowbit.train.build import resolve_recipe
-from lowbit.train.checkpoint import check_same_start, write_json_atomic, write_text_atomic
+from lowbit.files import write_text_atomic
+from lowbit.train.checkpoint import check_same_start, write_json_atomic
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.metrics import read_metrics

@@ -9,7 +9,7 @@ is the distillation loss); an eval record's "val_loss" is pure next-token cross-
 writes): strict JSON has no spelling for them, and a record that jq or a browser cannot parse
 is worse than a string. TensorBoard is optional: without the package
 the run logs to metrics.jsonl only and says so once. A failed write (a full disk) is an OSError
-naming metrics.jsonl (lowbit.train.checkpoint.errors_naming).
+naming metrics.jsonl (lowbit.files.naming_errors).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lowbit.train.checkpoint import errors_naming, strict_json, write_text_atomic
+from lowbit.files import naming_errors, write_text_atomic
+from lowbit.train.checkpoint import strict_json
 
 # TensorBoard tag prefix per event; the loss of a train record becomes "train/loss".
 _TB_PREFIX = {"train": "train", "eval": "val", "diagnostics": "diag", "nonfinite_skip": "nonfinite"}
@@ -46,7 +47,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        with errors_naming(self.path):
+        with naming_errors(self.path):
             self._file.write(_json_line(record))
             self._file.flush()
         if self._tb is not None:
@@ -57,7 +58,7 @@ class MetricsLog:
 
     def close(self) -> None:
         try:
-            with errors_naming(self.path):
+            with naming_errors(self.path):
                 self._file.close()
         finally:
             if self._tb is not None:

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from lowbit.train.checkpoint import write_file_atomic
+from lowbit.files import write_stream_atomic
 from lowbit.train.metrics import read_metrics
 
 
@@ -32,12 +32,12 @@ def save_figure(fig, out_path: str | Path, dpi: int = 120) -> Path:
     """Lay out `fig`, write it to `out_path` (its folder created if missing), close it.
 
     Every figure lowbit draws is saved here, through a temporary file renamed over `out_path`
-    (lowbit.train.checkpoint.write_file_atomic): a full disk leaves the previous figure, never
+    (lowbit.files.write_stream_atomic): a full disk leaves the previous figure, never
     an empty or torn PNG, and is an OSError naming `out_path`."""
     out_path = Path(out_path)
     try:
         fig.tight_layout()
-        write_file_atomic(out_path, lambda f: fig.savefig(
+        write_stream_atomic(out_path, lambda f: fig.savefig(
             f, format=out_path.suffix.lstrip(".").lower() or "png", dpi=dpi))
     finally:
         pyplot().close(fig)
