@@ -192,6 +192,7 @@ def test_resume_is_exact(tmp_path):
     straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
     first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))
     assert first.steps == 2
+    assert not (first.run_dir / "final.json").exists()     # a session's end is not the run's
     resumed = run_rl(_config(tmp_path, run_name="b"), resume=True)
     keys = ("reward", "loss", "grad_norm", "sampling/sampling_logp_difference/mean")
     pick = lambda result: [[r[k] for k in keys] for r in result.records if r["event"] == "train"]

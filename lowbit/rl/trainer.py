@@ -410,9 +410,10 @@ class GRPOTrainer:
             values = [r[key] for r in train if key in r]
             if values:
                 summary[key] = sum(values) / len(values)
-        self.folder.write_final(summary)
+        if step >= self.config.steps:   # a session stopped by max_steps_per_session is not the end
+            self.folder.write_final(summary)
         self.plot(force=True)
-        self.say(f"done: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
+        self.say(f"{'done' if step >= self.config.steps else 'stopped'}: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
                  f"held-out accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
         return RLResult(self.run_dir, step, final_reward, accuracy, records)
 
