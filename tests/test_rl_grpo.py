@@ -340,5 +340,32 @@ def test_packed_gemm_reaches_the_engine_and_needs_nvfp4_rollouts(tmp_path, monke
     monkeypatch.setattr(trainer_module, "RolloutEngine", spy)
     result = run_rl(_config(tmp_path, rollout="nvfp4-w4a16", align="none", steps=1,
                             checkpoint_every=1, packed_gemm=True))
-    assert built and all(e.settings.packed_gemm for e in built)
+    rollout_engines = [e for e in built if e.settings.precision.value != "bf16"]
+    assert rollout_engines and all(e.settings.packed_gemm for e in rollout_engines)
     assert [r for r in result.records if r["event"] == "train"]
+
+
+def test_every_run_is_scored_by_its_own_engine_and_by_a_common_bf16_one(tmp_path):
+    from lowbit.rl.compare import format_summary, summary_rows
+
+    nvfp4 = run_rl(_config(tmp_path, run_name="n", rollout="nvfp4", align="none", steps=2, eval_every=2))
+    bf16 = run_rl(_config(tmp_path, run_name="b", rollout="bf16", align="none", steps=2, eval_every=2))
+    for result in (nvfp4, bf16):
+        evals = [r for r in result.records if r["event"] == "eval"]
+        assert evals[0]["step"] == 0 and all("eval/accuracy_bf16" in r for r in evals)
+    # a bf16 run's own engine is the common evaluator; an nvfp4 run's is not
+    assert all(r["eval/accuracy"] == r["eval/accuracy_bf16"]
+               for r in bf16.records if r["event"] == "eval")
+    rows = summary_rows([nvfp4.run_dir, bf16.run_dir])
+    assert all(0 <= r["eval_accuracy_bf16_first"] <= 1 for r in rows)
+    assert "held-out acc, bf16 (first -> last, change)" in format_summary(rows)
+
+
+def test_collapse_is_three_evaluations_below_half_the_peak():
+    from lowbit.rl.trainer import collapsed
+
+    assert not collapsed([0.4, 0.3, 0.25, 0.2])            # not below half of 0.4 in each
+    assert collapsed([0.4, 0.5, 0.2, 0.1, 0.0])            # 0.2, 0.1, 0 < 0.25
+    assert not collapsed([0.4, 0.1, 0.1, 0.3])             # recovered
+    assert not collapsed([0.0, 0.0, 0.0, 0.0])             # no peak, nothing to fall from
+    assert not collapsed([0.5, 0.1, 0.1])                  # too few evaluations

@@ -101,6 +101,9 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
             "reward_first": mean("reward", train[:last]), "reward_last": mean("reward", train[-last:]),
             "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else math.nan,
             "eval_accuracy": evals[-1]["eval/accuracy"] if evals else math.nan,
+            # the common evaluator (the trainer's weights in bf16); runs before it: nan
+            "eval_accuracy_bf16_first": evals[0].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
+            "eval_accuracy_bf16": evals[-1].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
             "logp_gap_mean": mean("sampling/sampling_logp_difference/mean", train),
             "logp_gap_max": max((r.get("sampling/sampling_logp_difference/max", math.nan) for r in train),
                                 default=math.nan),
@@ -110,14 +113,19 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
 
 
 def format_summary(rows: list[dict]) -> str:
-    lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc (first -> last) | "
-             "mean gap | max gap | k3 KL | rollout tok/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc, own engine "
+             "(first -> last) | held-out acc, bf16 (first -> last, change) | mean gap | max gap | "
+             "k3 KL | rollout tok/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     seeds = len({r.get("seed", 0) for r in rows}) > 1
     for r in rows:
         label = f"{r['setting']}, seed {r['seed']}" if seeds else r["setting"]
+        bf16_first = r.get("eval_accuracy_bf16_first", math.nan)
+        bf16_last = r.get("eval_accuracy_bf16", math.nan)
         lines.append(f"| {label} | {r['steps']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
-                     f"{r['eval_accuracy_first']:.3f} -> {r['eval_accuracy']:.3f} | {r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
+                     f"{r['eval_accuracy_first']:.3f} -> {r['eval_accuracy']:.3f} | "
+                     f"{bf16_first:.3f} -> {bf16_last:.3f} ({bf16_last - bf16_first:+.3f}) | "
+                     f"{r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
                      f"{r['kl_k3']:.2e} | {r['rollout_tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,8 @@ from lowbit.train.plot import pyplot, save_figure
 __all__ = ["plot_rl_runs"]
 
 _PANELS = (("train", "reward", "reward"),
-           ("eval", "eval/accuracy", "held-out accuracy (greedy)"),
+           ("eval", "eval/accuracy", "held-out accuracy, own engine (greedy)"),
+           ("eval", "eval/accuracy_bf16", "held-out accuracy, trainer's weights in bf16"),
            ("train", "sampling/sampling_logp_difference/mean", "mean |logp rollout - logp train|"),
            ("train", "sampling/sampling_logp_difference/max", "max |logp rollout - logp train|"))
 
@@ -32,7 +33,8 @@ def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: st
         else:
             runs.append((run_dir, run_dir.name, 0))
     several_seeds = len({seed for _, _, seed in runs}) > 1
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    axes.flat[-1].set_visible(False)   # five panels
     colours, seen = {}, {}
     for run_dir, setting, seed in runs:
         records = read_metrics(run_dir)

@@ -59,7 +59,7 @@ from lowbit.train.run_dir import RunDir
 from lowbit.train.step import TrainStep
 
 __all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
-           "task_fingerprint"]
+           "task_fingerprint", "collapsed", "COLLAPSE_EVALS"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 NO_SIGNAL_STEPS = 5
@@ -185,6 +185,11 @@ class GRPOTrainer:
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
                                     compile_decode=c.compile_decode, packed_gemm=c.packed_gemm)
+        # the common evaluator: the trainer's weights through a bf16 engine, the same for every
+        # run of a comparison whatever its rollouts (a bf16 run's own engine is one already)
+        self.evaluator = (self.engine if c.rollout == "bf16" else
+                          RolloutEngine(self.model_config, "bf16", device=engine_device,
+                                        max_batch_size=min(c.eval_problems, 256)))
         self.start_step, self.records, self.wall_before = 0, [], 0.0
         if checkpoint is not None:
             self.policy.load_state_dict(checkpoint["model"])
@@ -288,10 +293,19 @@ class GRPOTrainer:
 
     # ---- evaluation -----------------------------------------------------------------------
 
-    def evaluate(self) -> float:
-        """Greedy accuracy of the engine (its precision, current weights) on the held-out set."""
-        return greedy_accuracy(self.engine, self.task, self.tokenizer, self.eval_set,
-                               self.config.max_completion_length, self.stop_ids)
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out set by the two evaluators: `eval/accuracy`, the run's
+        own rollout engine (its precision: what the policy scores as deployed), and
+        `eval/accuracy_bf16`, the trainer's weights through a bf16 engine (what the RL did to
+        the policy, comparable across rollout precisions)."""
+        own = greedy_accuracy(self.engine, self.task, self.tokenizer, self.eval_set,
+                              self.config.max_completion_length, self.stop_ids)
+        if self.evaluator is self.engine:
+            return {"eval/accuracy": own, "eval/accuracy_bf16": own}
+        self.evaluator.load_state_dict(self.policy.state_dict())
+        common = greedy_accuracy(self.evaluator, self.task, self.tokenizer, self.eval_set,
+                                 self.config.max_completion_length, self.stop_ids)
+        return {"eval/accuracy": own, "eval/accuracy_bf16": common}
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -310,7 +324,7 @@ class GRPOTrainer:
         no_signal = 0   # how many of the run's first steps, in a row, had no signal
         try:
             if step == 0 and c.eval_every:
-                log.write({"event": "eval", "step": 0, "eval/accuracy": self.evaluate()})
+                log.write({"event": "eval", "step": 0, **self.evaluate()})
             while step < end:
                 record = self.one_step(step)
                 step += 1
@@ -326,9 +340,19 @@ class GRPOTrainer:
                 if step % c.log_every == 0 or step == c.steps:
                     log.write(record)
                 if (c.eval_every and step % c.eval_every == 0) or step == c.steps:
-                    accuracy = self.evaluate()
-                    log.write({"event": "eval", "step": step, "eval/accuracy": accuracy})
-                    self.say(f"step {step}: held-out accuracy {accuracy:.3f}")
+                    scores = self.evaluate()
+                    scores["eval/collapsed"] = float(collapsed(
+                        [r["eval/accuracy_bf16"] for r in log.records
+                         if r["event"] == "eval" and "eval/accuracy_bf16" in r]
+                        + [scores["eval/accuracy_bf16"]]))
+                    if scores["eval/collapsed"] and not any(
+                            r.get("eval/collapsed") for r in log.records if r["event"] == "eval"):
+                        self.warn(f"lowbit: warning: the policy collapsed at step {step}: held-out "
+                                  f"accuracy (trainer's weights in bf16) below half its peak in "
+                                  f"each of the last {COLLAPSE_EVALS} evaluations")
+                    log.write({"event": "eval", "step": step, **scores})
+                    self.say(f"step {step}: held-out accuracy {scores['eval/accuracy']:.3f} "
+                             f"(the trainer's weights in bf16: {scores['eval/accuracy_bf16']:.3f})")
                 if (c.checkpoint_every and step % c.checkpoint_every == 0) or step in (c.steps, end):
                     self.checkpoint(step, log, t_session)
                 bar.update(1)
@@ -416,6 +440,20 @@ class GRPOTrainer:
         self.say(f"{'done' if step >= self.config.steps else 'stopped'}: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
                  f"held-out accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
         return RLResult(self.run_dir, step, final_reward, accuracy, records)
+
+
+COLLAPSE_EVALS = 3
+"""Evaluations in a row below half the running peak that flag a collapse."""
+
+
+def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
+    """The policy has collapsed: the last `evals` held-out accuracies (the common bf16
+    evaluator's, oldest first) are each below half the peak reached before them (a peak of 0
+    never collapses)."""
+    if len(accuracies) <= evals:
+        return False
+    peak = max(accuracies[:-evals])
+    return peak > 0 and all(a < peak / 2 for a in accuracies[-evals:])
 
 
 def _line(record: dict, total: int) -> str:
