@@ -234,3 +234,28 @@ def test_int_exports_load_in_transformers_with_lowbits_values(models, format, tm
     state = hf.state_dict()   # decompressed in float32 (our scales' dtype), then cast to the model's BF16
     for name, q in exported.weights.items():
         assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_bf16_export_is_a_plain_folder_transformers_and_lowbit_load(models, kind, tmp_path, capsys):
+    from lowbit.cli import main
+
+    transformers = pytest.importorskip("transformers")
+    path, model = models[kind]
+    out = tmp_path / "plain"
+    assert main(["export", str(path), "--format", "bf16", "--out", str(out), "--no-progress"]) == 0
+    assert "plain Hugging Face folder in bf16" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and (out / "tokenizer.json").is_file()
+    again, _, _ = load_model(out, dtype=torch.float32)
+    expected = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    for name, value in again.state_dict().items():
+        assert torch.equal(value.to(torch.bfloat16), expected[name]), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = _tokens()[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, again(ids).logits, atol=2e-3, rtol=2e-3)
+    # no --layout or W4A4 with it
+    assert main(["export", str(path), "--format", "bf16", "--layout", "modelopt",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "takes no --layout" in capsys.readouterr().err

@@ -29,7 +29,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model folder or a lowbit train run folder")
     p.add_argument("--format", default=None,
                    help="weight format: nvfp4, mxfp4, int4 or int8 (with :gG or :row, and :asym; "
-                        "default g128) (default: a QAT run's own format, else nvfp4)")
+                        "default g128), or bf16: a plain Hugging Face folder, unquantized "
+                        "(default: a QAT run's own format, else nvfp4)")
     p.add_argument("--layout", default=None, choices=("modelopt", "compressed-tensors"),
                    help="checkpoint layout (default: modelopt for nvfp4, compressed-tensors "
                         "for mxfp4, which ModelOpt has no layout for)")
@@ -210,12 +211,29 @@ def run_export(args: argparse.Namespace) -> None:
     check_export_folder(out)
     if args.calib_batches < 1:
         raise ValueError("--calib-batches must be >= 1")
-    if args.format is not None:
+    plain = args.format is not None and args.format.strip().lower() == "bf16"
+    if plain and (args.layout is not None or args.activations != "bf16"):
+        raise ValueError("--format bf16 writes a plain Hugging Face folder: it takes no --layout "
+                         "and no --activations nvfp4")
+    if args.format is not None and not plain:
         parse_export_format(args.format)   # a bad format: refused before anything loads
     model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source,
                                                                     args.allow_unfinished)
     if tokenizer_dir is not None:   # a run trained from a model folder copies its tokenizer
         _check_apart(Path(tokenizer_dir), out, "the run's model folder")
+    if plain:
+        if trained is not None:
+            raise ValueError(f"{args.source} trained {trained} weights (QAT), which export as they "
+                             f"are: use --format {trained} (or leave --format out); --format bf16 "
+                             f"writes a train run's or a model folder's weights")
+        from lowbit.export.writer import export_bf16
+        written = export_bf16(model, out, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir)
+        write_text(out / "lowbit_export.json", json.dumps({
+            "source": str(args.source), "format": "bf16", "files": sorted(p.name for p in written)},
+            indent=2) + "\n")
+        print(f"lowbit export: {args.source} -> {out} as a plain Hugging Face folder in bf16 "
+              f"({len(written)} files)")
+        return
     fmt = export_format(args.format, trained, args.source)
     layout = args.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
     input_amax = None

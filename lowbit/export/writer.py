@@ -57,9 +57,9 @@ from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
 from lowbit.files import TEMP_NAME, write_atomic, write_text_atomic
 from lowbit.formats.qtensor import write_safetensors
-from lowbit.models.hf import hf_config_dict, write_shards
+from lowbit.models.hf import hf_config_dict, hf_state_items, write_shards
 
-__all__ = ["ExportReport", "export_model", "quantize_group", "split_rows", "row_blocks",
+__all__ = ["ExportReport", "export_model", "export_bf16", "quantize_group", "split_rows", "row_blocks",
            "weight_groups", "check_export_folder", "write_text", "TOKENIZER_FILES",
            "EXPORT_FILES"]
 
@@ -351,6 +351,40 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
         hf_config["quantization_config"] = compressed_tensors_config(
             format, report.excluded, activations, __version__)
     written.append(write_text(out / "config.json", json.dumps(hf_config, indent=2) + "\n"))
+    written += _write_tokenizer(out, tokenizer, tokenizer_dir)
+    _remove_stale(out, {p.name for p in written})
+    return report
+
+
+def export_bf16(model, out: str | Path, tokenizer=None, tokenizer_dir: str | Path | None = None,
+                max_shard_bytes: int = 4 * 2**30) -> list[Path]:
+    """A lowbit model as a plain Hugging Face folder in bf16 (`lowbit export --format bf16`):
+    the weights as they are, Hugging Face's names and config, the tokenizer; what transformers,
+    vLLM and `lowbit --model PATH` load with no quantization. The same file rules as
+    export_model (atomic, symlink-safe, an earlier export's files removed). Returns the paths
+    written."""
+    out = Path(out)
+    check_export_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, size = [{}], 0
+    for name, tensor in hf_state_items(model):
+        t = tensor.detach().to("cpu", torch.bfloat16).contiguous()
+        if size and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    written = write_shards(out, shards, save=write_safetensors, save_text=write_text)
+    config = json.dumps(hf_config_dict(model.config, torch.bfloat16), indent=2) + "\n"
+    written.append(write_text(out / "config.json", config))
+    written += _write_tokenizer(out, tokenizer, tokenizer_dir)
+    _remove_stale(out, {p.name for p in written})
+    return written
+
+
+def _write_tokenizer(out: Path, tokenizer, tokenizer_dir) -> list[Path]:
+    """The tokenizer files of `tokenizer_dir` copied, or `tokenizer` saved as tokenizer.json."""
+    written = []
     if tokenizer_dir is not None:
         for file in TOKENIZER_FILES:
             source = Path(tokenizer_dir) / file
@@ -361,8 +395,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
         tok = getattr(tokenizer, "tokenizer", tokenizer)
         write_atomic(out / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
         written.append(out / "tokenizer.json")
-    _remove_stale(out, {p.name for p in written})
-    return report
+    return written
 
 
 def check_export_folder(out: str | Path) -> None:
