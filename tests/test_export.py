@@ -190,7 +190,8 @@ def test_w4a4_calibration_writes_static_input_scales(models, tmp_path):
     path, model = models["qwen3-moe"]
     amax = calibrate_input_amax(model, [_tokens()[:2]])
     assert "model.layers.0.self_attn.q_proj" in amax and "model.layers.1.mlp.experts.3.down_proj" in amax
-    export_model(model, tmp_path, input_amax=amax, progress=False)
+    report = export_model(model, tmp_path, input_amax=amax, progress=False)
+    assert "W4A4, static NVFP4 input scales" in str(report)      # not read as weight-only
     assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
     t = _tensors(tmp_path)
     s = t["model.layers.0.self_attn.q_proj.input_scale"]

@@ -27,6 +27,7 @@ def test_train_from_a_hugging_face_folder_then_export_the_run(moe_folder, tmp_pa
     run = runs / f"{moe_folder.name}-tinyshakespeare-stable-fp4"
     config = json.loads((run / "config.json").read_text())
     assert config["tokenizer"] == "model" and config["model"] == str(moe_folder)
+    assert config["lr"] == 2e-5                 # a trained model fine-tunes at fine-tuning's rate
     # the run started from the folder's weights: its first evaluation is the loaded model's loss
     # on the model's own tokens (bf16 weights as float32; fp32 compute on the CPU)
     model, tok, _ = load_model(moe_folder, dtype=torch.float32)

@@ -89,6 +89,8 @@ class ExportReport:
     """Every tensor written."""
     bf16_total_bytes: int = 0
     """The whole model in BF16 (what save_hf in bfloat16 writes)."""
+    activations: str = "bf16"
+    """"nvfp4": W4A4 with calibrated static input scales; "bf16": weight-only."""
 
     @property
     def weight_ratio(self) -> float:
@@ -99,7 +101,8 @@ class ExportReport:
         return self.total_bytes / max(self.bf16_total_bytes, 1)
 
     def __str__(self) -> str:
-        return (f"lowbit export: {self.format} ({self.layout}) -> {self.out}: "
+        scheme = "W4A4, static NVFP4 input scales" if self.activations == "nvfp4" else "weight-only"
+        return (f"lowbit export: {self.format} ({self.layout}, {scheme}) -> {self.out}: "
                 f"{len(self.quantized)} weights packed, {len(self.excluded)} modules kept in BF16; "
                 f"quantized weights {self.quantized_bytes / 2**20:.2f} MiB = "
                 f"{self.weight_ratio:.3f}x their BF16 size; whole folder "
@@ -255,7 +258,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
     check_export_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     names = tensor_names(layout)
-    report = ExportReport(out, str(fmt), layout)
+    report = ExportReport(out, str(fmt), layout, activations="nvfp4" if input_amax is not None else "bf16")
     weights = weights or {}
     tensors: dict[str, torch.Tensor] = {}
     exact_scales: dict[str, str] = {}

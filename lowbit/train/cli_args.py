@@ -40,7 +40,7 @@ _VALUE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--steps", "max_steps", int, "optimizer steps to train for; a small number shortens the "
      "run (e.g. --steps 20 for CI), the warmup shrinks to fit unless --warmup-steps is given"),
     ("--tokens", "max_tokens", int, "train for this many tokens instead of --steps"),
-    ("--lr", "lr", float, "peak learning rate"),
+    ("--lr", "lr", float, "peak learning rate (default 2e-3; 2e-5 with --model PATH, which fine-tunes)"),
     ("--min-lr-ratio", "min_lr_ratio", float, "final learning rate as a fraction of --lr"),
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps"),
     ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
@@ -105,6 +105,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "own (on one GPU, they share it; default: 1, one after another)")
 
 
+FINE_TUNE_LR = 2e-5
+"""--lr for `--model PATH` when none is given: a trained model is fine-tuned (TRL's SFT default),
+not trained at the 2e-3 a fresh model from a preset starts with."""
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags describe (for --compare: the first recipe's). With --resume,
     what the run folder's config.json holds for every value flag not given (`lowbit train
@@ -120,6 +125,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         from lowbit.models import is_model_folder
         if is_model_folder(fields["model"]):
             fields["tokenizer"] = "model"
+    if "model" in fields and "lr" not in fields:
+        from lowbit.models import is_model_folder
+        if is_model_folder(fields["model"]):
+            fields["lr"] = FINE_TUNE_LR   # a trained model: fine-tuning's rate, not pretraining's
     if args.compare is not None:
         if "recipe" in fields:
             raise ValueError("--compare names the recipes; drop --recipe")
