@@ -260,3 +260,11 @@ def test_bf16_export_is_a_plain_folder_transformers_and_lowbit_load(models, kind
     assert main(["export", str(path), "--format", "bf16", "--layout", "modelopt",
                  "--out", str(tmp_path / "x")]) == 2
     assert "takes no --layout" in capsys.readouterr().err
+
+
+def test_int_formats_default_to_their_serving_granularity():
+    from lowbit.export.layouts import parse_export_format
+
+    assert parse_export_format("int4").group == 128            # GPTQ / AWQ's groups
+    assert parse_export_format("int8").group is None           # per output channel (W8A16)
+    assert parse_export_format("int8:g64").group == 64

@@ -29,7 +29,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model folder or a lowbit train run folder")
     p.add_argument("--format", default=None,
                    help="weight format: nvfp4, mxfp4, int4 or int8 (with :gG or :row, and :asym; "
-                        "default g128), or bf16: a plain Hugging Face folder, unquantized "
+                        "int4's default g128, int8's row), or bf16: a plain Hugging Face folder, unquantized "
                         "(default: a QAT run's own format, else nvfp4)")
     p.add_argument("--layout", default=None, choices=("modelopt", "compressed-tensors"),
                    help="checkpoint layout (default: modelopt for nvfp4, compressed-tensors "

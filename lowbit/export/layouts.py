@@ -91,8 +91,9 @@ class ExportFormat:
 
 
 def parse_export_format(text: str) -> ExportFormat:
-    """'nvfp4', 'mxfp4', 'int4', 'int4:g64:asym', 'int8:row' as an ExportFormat (int default
-    g128). The formats no server kernel reads are refused with a line saying which export."""
+    """'nvfp4', 'mxfp4', 'int4', 'int4:g64:asym', 'int8:g128' as an ExportFormat (defaults: int4
+    in groups of 128, as GPTQ / AWQ checkpoints are; int8 per output channel, `:row`, as W8A16
+    ones are). The formats no server kernel reads are refused with a line saying which export."""
     parts = [p.strip() for p in str(text).strip().lower().split(":")]
     head, options = parts[0], parts[1:]
     if head in ("nvfp4", "mxfp4"):
@@ -100,7 +101,7 @@ def parse_export_format(text: str) -> ExportFormat:
             raise ValueError(f"{head} has its own blocks; write plain --format {head}")
         return ExportFormat(head)
     if head in ("int4", "int8"):
-        group, asym = DEFAULT_INT_GROUP, False
+        group, asym = (DEFAULT_INT_GROUP if head == "int4" else None), False
         for option in options:
             if option == "row":
                 group = None
