@@ -49,7 +49,7 @@ def test_prepare_train_convert_save_load_is_bit_exact(weights, estimator, scale_
     torch.manual_seed(0)
     net = Net()
     # through the setting string: jacquant's defaults (B per element on the update) and the
-    # published form (per group, on the gradient)
+    # form with one B per group on the gradient
     config = parse_qat_spec(f"{weights}/{estimator}" + ("/mse" if scale_init == "mse" else ""))
     report = prepare(net, config)
     assert [n for n, _, _ in report.prepared] == ["a.weight", "b.weight"]   # lm_head kept
@@ -302,8 +302,8 @@ def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     assert parse_qat_spec("int2:g64/ste/kd").distill == 1.0
     assert parse_qat_spec("int2:g64/ste/kd0.5").distill == 0.5
     assert parse_qat_spec("int2:g64/jacquant").jacquant == JacQuantConfig()   # elem/upd: the defaults
-    published = parse_qat_spec("int2:g64/jacquant/group/grad").jacquant
-    assert (published.per_element, published.b_on) == (False, "grad")
+    per_group_grad = parse_qat_spec("int2:g64/jacquant/group/grad").jacquant
+    assert (per_group_grad.per_element, per_group_grad.b_on) == (False, "grad")
     for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
                  "int2:g64/jacquant/group/grad", "int2:g64/jacquant/group",
                  "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig
+from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
 from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
 from lowbit.train.loop import NonFiniteLossError
 
@@ -37,9 +37,12 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                         "binary, seq2 (with :gG or :row); nvfp4, mxfp4 (default: %(default)s)")
     p.add_argument("--estimator", default=QATConfig.estimator, choices=ESTIMATORS,
                    help="gradient estimator (default: %(default)s)")
-    p.add_argument("--compare", metavar="ESTIMATORS",
-                   help="one run per comma-separated estimator on the same data, steps and seed, "
-                        "e.g. ste,lsq,jacquant; a table and one plot with BF16, RTN and GPTQ")
+    p.add_argument("--compare", metavar="ARMS",
+                   help="one run per comma-separated arm on the same data, steps and seed, "
+                        "e.g. ste,lsq,jacquant; an arm is ESTIMATOR[/OPTION...] with a QAT "
+                        "setting's options and lrxM (M times --lr), e.g. "
+                        "ste,ste/lrx0.7,jacquant,jacquant/shuffled; a table and one plot with "
+                        "BF16, RTN and GPTQ")
     p.add_argument("--seeds", default="0", help="comma-separated seeds, one run each (default: 0)")
     p.add_argument("--learn-scales", action=argparse.BooleanOptionalAction, default=None,
                    help="learn the scales with LSQ's gradient (default: only for lsq)")
@@ -73,8 +76,11 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                         "(per element the weighting cancels, so it has none)")
     p.add_argument("--b-on", default=None, choices=("grad", "update"),
                    help="jacquant: B scales each optimizer step's change of the weight, with an "
-                        "STE backward (update), or the gradient, as published (grad; under AdamW "
+                        "STE backward (update), or the gradient in backward (grad; under AdamW "
                         f"it measures as STE does) (default: {_JQ.b_on})")
+    p.add_argument("--b-shuffled", action="store_true", default=None,
+                   help="jacquant: a control; the B used is the fitted B permuted within each "
+                        "tensor at each refit (same values, no information about which weight)")
     p.add_argument("--distill", type=float, nargs="?", const=1.0, default=0.0, metavar="ALPHA",
                    help="distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
                         "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)")
@@ -96,26 +102,27 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(args: argparse.Namespace) -> QATJob:
-    estimators = [args.estimator] if args.compare is None else [e.strip() for e in args.compare.split(",")]
-    for e in estimators:
+    arms = [args.estimator] if args.compare is None else [a.strip() for a in args.compare.split(",")]
+    estimators = [arm.split("/")[0].strip() for arm in arms]
+    for e, arm in zip(estimators, arms):
         if e not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {e!r} in --compare; use {', '.join(ESTIMATORS)}")
-    if args.compare is not None and len(estimators) < 2:
+            raise ValueError(f"unknown estimator {e!r} in --compare arm {arm!r}; use "
+                             f"{', '.join(ESTIMATORS)}, each with /OPTION...s, e.g. ste/lrx1.5")
+    if args.compare is not None and len(arms) < 2:
         raise ValueError("--compare needs two or more comma-separated estimators, e.g. ste,jacquant")
     try:
         seeds = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
-    jq = jacquant_from_args(args, estimators)
-    configs = [QATConfig(weights=args.weights, estimator=e, learn_scales=args.learn_scales,
-                         scale_init=args.scale_init,
-                         jacquant=jq if e == "jacquant" else JacQuantConfig(),
-                         distill=args.distill, distill_temperature=args.distill_temperature)
-               for e in estimators]
+    # the flags' config; each arm's estimator and options go on top (parse_compare_arm)
+    base = QATConfig(weights=args.weights, estimator="ste", learn_scales=args.learn_scales,
+                     scale_init=args.scale_init, jacquant=jacquant_from_args(args, estimators),
+                     distill=args.distill, distill_temperature=args.distill_temperature)
+    configs, lr_multipliers = zip(*(parse_compare_arm(arm, base) for arm in arms))
     if args.allow_unfinished and args.source is None:
         raise ValueError("--allow-unfinished goes with --from RUN_DIR (a --model folder, or the "
                          "cached base run, is never unfinished)")
-    return QATJob(configs=configs, source=args.source, model=args.model, corpus=args.corpus,
+    return QATJob(configs=list(configs), lr_multipliers=lr_multipliers, source=args.source, model=args.model, corpus=args.corpus,
                   seq_len=args.seq_len, corpus_max_bytes=args.corpus_max_bytes, seeds=seeds,
                   steps=args.steps, lr=args.lr,
                   warmup_steps=args.warmup_steps, batch_size=args.batch_size,
@@ -132,7 +139,7 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
 JACQUANT_FLAGS = (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
                   ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),
                   ("--b-ema", "ema"), ("--b-per-element", "per_element"),
-                  ("--b-unweighted", "weighted"), ("--b-on", "b_on"))
+                  ("--b-unweighted", "weighted"), ("--b-on", "b_on"), ("--b-shuffled", "shuffle_b"))
 
 
 def jacquant_from_args(args: argparse.Namespace, estimators: list[str]) -> JacQuantConfig:
@@ -175,6 +182,8 @@ def config_flags(config: QATConfig) -> list[str]:
         flags.append("--b-per-element" if jq.per_element else "--no-b-per-element")
     if not jq.weighted:
         flags.append("--b-unweighted")
+    if jq.shuffle_b:
+        flags.append("--b-shuffled")
     if jq.moment_decay != _JQ.moment_decay:
         raise ValueError("lowbit qat has no flag for jacquant moment_decay; leave it at "
                          f"{_JQ.moment_decay}")

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = ["WeightFormat", "QATConfig", "JacQuantConfig", "ESTIMATORS", "parse_weight_format",
-           "parse_qat_spec"]
+           "parse_qat_spec", "parse_compare_arm"]
 
 ESTIMATORS = ("ste", "clipped-ste", "lsq", "jacquant")
 _GRIDS = ("int", "ternary", "binary", "seq2", "nvfp4", "mxfp4")
@@ -122,8 +122,8 @@ class JacQuantConfig:
     ema: float = 0.5
     """B <- ema * B + (1 - ema) * fit at each refresh after the first."""
     per_element: bool = True
-    """One B per weight; False: one per quantization group (as published). Per group, on the
-    update, measured worse than STE at W2 (1.085x its gap; docs/results/jacquant.md)."""
+    """One B per weight; False: one per quantization group. Per group, on the update, measured
+    worse than STE at W2 (1.085x its gap; docs/results/jacquant.md)."""
     weighted: bool = True
     """Weight the fit by the layer's input second moments diag(E[x x^T]) (an EMA the layer keeps).
     Per group only: per element the weight cancels from each weight's own ratio (up to
@@ -135,9 +135,14 @@ class JacQuantConfig:
     b_on: str = "update"
     """Where B acts. "update" (the default): backward is the STE's, and each optimizer step's
     change of the latent weight is scaled by B (W <- W_prev + B * (W - W_prev)), which is what
-    the gradient-side B does under plain SGD. "grad": in backward, dL/dW ~ B * dL/dW_hat (the
-    method as published); under Adam a B that holds still between refits is divided out again
+    the gradient-side B does under plain SGD. "grad": B on the gradient, in backward
+    dL/dW ~ B * dL/dW_hat; under Adam a B that holds still between refits is divided out again
     by the second-moment normalization, except where B is 0, and it measured as STE does."""
+    shuffle_b: bool = False
+    """A control: after each refit, the B used is the fitted (smoothed) B permuted at random
+    within each tensor, so it keeps B's values and mean step size and loses which weight each
+    belongs to. The permutation is drawn from (seed, refit index, tensor): resume-exact. The
+    unshuffled B is kept (FakeQuantWeight.b_unshuffled) so the EMA smooths the fits themselves."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
@@ -216,22 +221,56 @@ class QATConfig:
 
 
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
-                 "(per-element B, the default) or group, upd (B on the update, the default) or grad, learned (learned scales), mse (MSE scales), "
-                 "kd or kdA (distill from the BF16 model with weight A, default 1)")
+                 "(per-element B, the default) or group, upd (B on the update, the default) or grad, "
+                 "shuffled (B permuted within each tensor: a control), learned (learned scales), "
+                 "mse (MSE scales), kd or kdA (distill from the BF16 model with weight A, default 1)")
 
 
 def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
     int2:g64/jacquant/k100/mse. Options: kK, epsE, probe|dither|both, elem|group, upd|grad,
-    learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
+    shuffled, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
                          "e.g. int2:g64/jacquant/k100/mse")
+    jq, qat = _setting_options(parts[2:], text, "QAT setting")
+    return QATConfig(weights=parts[0], estimator=parts[1], jacquant=JacQuantConfig(**jq), **qat)
+
+
+def parse_compare_arm(text: str, base: QATConfig) -> tuple[QATConfig, float]:
+    """One arm of `lowbit qat --compare`, 'ESTIMATOR[/OPTION...]' -> (its QATConfig, its
+    learning-rate multiplier). The options are parse_qat_spec's, applied on top of `base` (the
+    config the other flags give; the arm's own options win), plus `lrxM`: this arm trains at M
+    times --lr, e.g. ste/lrx1.5. B's options (kK, epsE, ..., shuffled) need estimator jacquant."""
+    parts = [p.strip() for p in text.strip().split("/")]
+    if not parts[0] or parts[0] not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {parts[0]!r} in --compare arm {text!r}; write "
+                         f"ESTIMATOR[/OPTION...] with one of {', '.join(ESTIMATORS)}, e.g. ste/lrx1.5")
+    multiplier, options = 1.0, []
+    for option in parts[1:]:
+        if option[:3] == "lrx":
+            if not (_is_number(option[3:]) and math.isfinite(float(option[3:]))
+                    and float(option[3:]) > 0):
+                raise ValueError(f"{option!r} in --compare arm {text!r}: write the learning-rate "
+                                 "multiplier as lrxM with M a positive number, e.g. ste/lrx1.5")
+            multiplier = float(option[3:])
+        else:
+            options.append(option)
+    jq, qat = _setting_options(options, text, "--compare arm")
+    if jq and parts[0] != "jacquant":
+        raise ValueError(f"--compare arm {text!r}: its options set jacquant's B, which "
+                         f"{parts[0]} does not use; leave them out, or write jacquant/...")
+    jacquant = dataclasses.replace(base.jacquant if parts[0] == "jacquant" else JacQuantConfig(), **jq)
+    return dataclasses.replace(base, estimator=parts[0], jacquant=jacquant, **qat), multiplier
+
+
+def _setting_options(options: list[str], text: str, what: str) -> tuple[dict, dict]:
+    """The options of a setting string: (JacQuantConfig fields, QATConfig fields)."""
     jq: dict = {}
     qat: dict = {}
-    for option in parts[2:]:
+    for option in options:
         number = option[1:] if option[:1] == "k" else option[3:] if option[:3] == "eps" else ""
         if option[:1] == "k" and number.isdigit():
             jq["refresh_every"] = int(number)
@@ -243,15 +282,21 @@ def parse_qat_spec(text: str) -> QATConfig:
             jq["per_element"] = option == "elem"
         elif option in ("upd", "grad"):
             jq["b_on"] = "update" if option == "upd" else "grad"
+        elif option == "shuffled":
+            jq["shuffle_b"] = True
         elif option == "learned":
             qat["learn_scales"] = True
         elif option == "mse":
             qat["scale_init"] = "mse"
         elif option[:2] == "kd" and (option == "kd" or _is_number(option[2:])):
             qat["distill"] = 1.0 if option == "kd" else float(option[2:])
+        elif option[:3] == "lrx":
+            raise ValueError(f"{option!r} in {what} {text!r}: a learning-rate multiplier is an arm "
+                             "option of lowbit qat --compare (e.g. --compare ste,ste/lrx1.5); "
+                             "elsewhere set the learning rate itself (--lr)")
         else:
-            raise ValueError(f"unknown option {option!r} in QAT setting {text!r}; use {_SPEC_OPTIONS}")
-    return QATConfig(weights=parts[0], estimator=parts[1], jacquant=JacQuantConfig(**jq), **qat)
+            raise ValueError(f"unknown option {option!r} in {what} {text!r}; use {_SPEC_OPTIONS}")
+    return jq, qat
 
 
 def _is_number(text: str) -> bool:

@@ -35,7 +35,7 @@ from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
 
 __all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "check_model", "convert", "packed_weights",
-           "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics"]
+           "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics", "CodeFlips"]
 
 
 class FakeQuantWeight(nn.Module):
@@ -63,6 +63,9 @@ class FakeQuantWeight(nn.Module):
             jq = config.jacquant
             b_shape = weight.shape if jq.per_element else self.quantizer.scale_shape
             self.register_buffer("b", torch.ones(b_shape, device=weight.device))
+            # the shuffled-B control: b is the B used (a permutation of this one, the smoothed fit)
+            self.register_buffer("b_unshuffled", torch.ones(b_shape, device=weight.device)
+                                 if jq.shuffle_b else None)
             self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
             # Per element, a channel's moment multiplies both sums of its weight's own ratio and
             # cancels (fit_b); it weighs weights against each other only within a group, so
@@ -75,7 +78,7 @@ class FakeQuantWeight(nn.Module):
             # B on the update: the latent weight after the last step, to scale the next step's change
             self.register_buffer("prev", weight.detach().clone() if jq.b_on == "update" else None)
         else:
-            self.b = self.moments = self.observing = self.prev = None
+            self.b = self.b_unshuffled = self.moments = self.observing = self.prev = None
         self.observing_now = True  # a host-side copy of `observing` (no device sync per forward)
         # nvfp4: the (module, parameter name) of each member of this weight's fused group
         # (itself included), whose amax sets the shared tensor scale; plain references, not
@@ -131,16 +134,29 @@ class FakeQuantWeight(nn.Module):
             self.moments.mul_(decay).add_(m, alpha=1 - decay)
 
     @torch.no_grad()
-    def refresh(self, weight: torch.Tensor, generator: torch.Generator) -> None:
+    def refresh(self, weight: torch.Tensor, generator: torch.Generator,
+                shuffle_generator: torch.Generator | None = None) -> None:
+        """Refit B: probes drawn from `generator`; with shuffle_b, the B used is the smoothed
+        fit permuted within the tensor by a draw from `shuffle_generator` (its own, so that the
+        fit is the unshuffled run's, draw for draw)."""
         jq = self.config.jacquant
         scales = None if self.scales is None else torch.clamp(self.scales.detach(), min=2.0 ** -120)
         fit = torch.clamp(fit_b(weight.detach(), self.quantizer, scales, self.zeros, jq,
                                 self.moments, generator), 0.0, jq.b_max)
+        smoothed = self.b if self.b_unshuffled is None else self.b_unshuffled
         if int(self.refreshes) == 0:
-            self.b.copy_(fit)
+            smoothed.copy_(fit)
         else:
-            self.b.mul_(jq.ema).add_(fit, alpha=1 - jq.ema)
+            smoothed.mul_(jq.ema).add_(fit, alpha=1 - jq.ema)
+        if self.b_unshuffled is not None:
+            order = torch.randperm(smoothed.numel(), generator=shuffle_generator, device=smoothed.device)
+            self.b.copy_(smoothed.flatten()[order].view_as(smoothed))
         self.refreshes += 1
+
+    @torch.no_grad()
+    def codes(self, weight: torch.Tensor) -> torch.Tensor:
+        """The integer codes (uint8, shaped like weight) that pack would store for `weight`."""
+        return self.pack(weight).unpacked_codes()
 
     def pack(self, weight: torch.Tensor) -> QTensor:
         scales = None if self.scales is None else torch.clamp(self.scales.detach(), min=2.0 ** -120)
@@ -272,6 +288,8 @@ def _unsynced_under_ddp(model: nn.Module) -> None:
         if isinstance(module, FakeQuantWeight) and module.b is not None:
             names += [f"{name}.prev"] if module.prev is not None else []
             names += [f"{name}.b"] if module.moments is None else []
+            names += ([f"{name}.b_unshuffled"] if module.moments is None and module.b_unshuffled
+                      is not None else [])
     if names:
         known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, known + names)
@@ -321,40 +339,101 @@ def fake_quantizers(model: nn.Module) -> list[tuple[str, nn.Module, str, FakeQua
 
 @torch.no_grad()
 def refresh(model: nn.Module, seed: int, step: int) -> None:
-    """Refit every jacquant B (draws from a generator seeded by (seed, step): resume-exact)."""
+    """Refit every jacquant B (draws from a generator seeded by (seed, step), and the shuffled-B
+    control's permutation from one seeded by (seed, refit index): resume-exact)."""
     for index, (_, module, pname, fq) in enumerate(fake_quantizers(model)):
         if fq.b is None:
             continue
         original = module.parametrizations[pname].original
         generator = torch.Generator(device=original.device)
         generator.manual_seed((seed * 1_000_003 + step * 7919 + index) % (2 ** 63))
-        fq.refresh(original, generator)
+        shuffle_generator = None
+        if fq.b_unshuffled is not None:
+            shuffle_generator = torch.Generator(device=original.device)
+            shuffle_generator.manual_seed(
+                (seed * 1_000_033 + int(fq.refreshes) * 104_729 + index + 2 ** 40) % (2 ** 63))
+        fq.refresh(original, generator, shuffle_generator)
 
 
-def refresh_hook(model: nn.Module, config: QATConfig, seed: int):
-    """The training loop's on_step hook of a QAT run: refit B after steps 1, 1 + K, 1 + 2K, ...
-    (jacquant only; None for the other estimators) and return B's statistics as a record. With
-    B on the update it first scales the step just taken by B (every step)."""
-    if config.estimator != "jacquant":
+def refresh_hook(model: nn.Module, config: QATConfig, seed: int, record_every: int | None = None):
+    """The training loop's on_step hook of a QAT run. With jacquant it refits B after steps
+    1, 1 + K, 1 + 2K, ... and returns B's statistics as a "jacquant" record (with B on the
+    update it first scales the step just taken by B, every step). With `record_every`, every
+    estimator also returns a "qat" record after every that many steps. Each record the hook
+    returns holds the code flips since its previous one (code_flips). None: nothing to do (no
+    jacquant, no record_every)."""
+    jacquant = config.estimator == "jacquant"
+    if not jacquant and record_every is None:
         return None
     every = config.jacquant.refresh_every
     # B on the update: each prepared weight and its fake quantizer, found once, not every step
     scaled = ([(module.parametrizations[pname].original, fq)
                for _, module, pname, fq in fake_quantizers(model)]
-              if config.jacquant.b_on == "update" else [])
+              if jacquant and config.jacquant.b_on == "update" else [])
+    flips = CodeFlips(model)
 
     def hook(step: int):
         scale_updates(scaled)
-        # refit after steps 1, 1 + K, ...; record input moments only during the step before
-        if step % every == 0 or every == 1:
-            _set_observing(model, True)
-        if (step - 1) % every:
+        refit = jacquant and (step - 1) % every == 0
+        if jacquant:
+            # refit after steps 1, 1 + K, ...; record input moments only during the step before
+            if step % every == 0 or every == 1:
+                _set_observing(model, True)
+            if refit:
+                refresh(model, seed, step)
+                if every > 1:
+                    _set_observing(model, False)
+        if not refit and (record_every is None or step % record_every):
+            flips.stepped(step)
             return None
-        refresh(model, seed, step)
-        if every > 1:
-            _set_observing(model, False)
-        return {"event": "jacquant", **jacquant_metrics(model)}
+        record = {"event": "jacquant", **jacquant_metrics(model)} if refit else {"event": "qat"}
+        return {**record, **flips.since_last(step)}
     return hook
+
+
+class CodeFlips:
+    """The fraction of quantized weights whose integer code changed since the last call, over
+    all of a model's fake-quantized weights and per weight: what learning moves across the
+    rounding boundaries (STE's codes flip freely; a B near 0 parks a weight's code).
+
+    The codes it compares against are held here, on the weights' device (one byte a weight),
+    not in the checkpoint: a resumed run takes them anew at its first step, and its first
+    record after the resume leaves code_flips out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.weights = [(name, module.parametrizations[pname].original, fq)
+                        for name, module, pname, fq in fake_quantizers(model)]
+        self.previous = self._codes()   # the codes at step 0 of a fresh run
+        self.first_step: int | None = None
+
+    @torch.no_grad()
+    def _codes(self) -> list[torch.Tensor]:
+        return [fq.codes(weight) for _, weight, fq in self.weights]
+
+    def stepped(self, step: int) -> None:
+        """Called at each step the hook records nothing: a first step past 1 is a resumed run,
+        whose codes at hook creation were the source model's, not its checkpoint's."""
+        if self.first_step is None:
+            self.first_step = step
+            if step != 1:
+                self.previous = self._codes()
+
+    def since_last(self, step: int) -> dict[str, float]:
+        """{"qat/code_flips": fraction changed, "qat/layer/<name>/code_flips": ...}; empty on a
+        resumed run's first record."""
+        resumed_here = self.first_step is None and step != 1
+        self.first_step = step if self.first_step is None else self.first_step
+        codes = self._codes()
+        previous, self.previous = self.previous, codes
+        if resumed_here:
+            return {}
+        out: dict[str, float] = {}
+        changed = total = 0
+        for (name, _, _), now, before in zip(self.weights, codes, previous):
+            n = int((now != before.to(now.device)).sum())   # a model moved after the hook was made
+            out[f"qat/layer/{name}/code_flips"] = n / now.numel()
+            changed, total = changed + n, total + now.numel()
+        return {"qat/code_flips": changed / max(total, 1), **out}
 
 
 @torch.no_grad()

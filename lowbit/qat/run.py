@@ -60,6 +60,9 @@ PACKED_FILE = "quantized.safetensors"   # a QAT run's packed weights (what lowbi
 class QATJob:
     configs: list[QATConfig]
     """One QAT run per entry (and seed); `--compare ste,jacquant` gives two."""
+    lr_multipliers: tuple[float, ...] = ()
+    """Each entry of configs trains at lr times its multiplier (`--compare ste,ste/lrx1.5`);
+    empty: 1 for all."""
     source: str | None = None
     """A `lowbit train` run folder; None (and no model): train (once, cached) a BF16 model on
     the defaults."""
@@ -99,7 +102,13 @@ class QATJob:
     def __post_init__(self) -> None:
         if not self.configs:
             raise ValueError("name at least one estimator, e.g. --estimator jacquant")
-        keys = [(c.weights, c.estimator, c.learn_scales, c.scale_init) for c in self.configs]
+        self.lr_multipliers = tuple(self.lr_multipliers) or (1.0,) * len(self.configs)
+        if len(self.lr_multipliers) != len(self.configs):
+            raise ValueError(f"{len(self.lr_multipliers)} lr_multipliers for {len(self.configs)} "
+                             "configs; give one per config, or none")
+        if not all(math.isfinite(m) and m > 0 for m in self.lr_multipliers):
+            raise ValueError(f"lr multipliers must be positive numbers (got {self.lr_multipliers})")
+        keys = list(zip(self.configs, self.lr_multipliers))
         if len(set(keys)) != len(keys):
             raise ValueError("--compare names the same estimator twice; list each once")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
@@ -257,13 +266,14 @@ def source_fingerprint(path: Path, state: dict | None) -> str:
 
 
 def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int, job: QATJob,
-               name: str, fingerprint: str | None = None) -> TrainConfig:
-    """The TrainConfig of one QAT run: the source's model and data, QAT's schedule;
-    fingerprint: the source weights' (source_fingerprint)."""
+               name: str, fingerprint: str | None = None, lr_multiplier: float = 1.0) -> TrainConfig:
+    """The TrainConfig of one QAT run: the source's model and data, QAT's schedule at
+    job.lr * lr_multiplier; fingerprint: the source weights' (source_fingerprint)."""
     fields = dict(
         recipe="bf16", qat=qat.to_dict(), init_from=str(source_path),
         init_fingerprint=fingerprint, seed=seed,
-        max_steps=job.steps, max_tokens=None, lr=job.lr, warmup_steps=min(job.warmup_steps, job.steps),
+        max_steps=job.steps, max_tokens=None, lr=job.lr * lr_multiplier,
+        warmup_steps=min(job.warmup_steps, job.steps),
         min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
         device=job.device, out_dir=job.out_dir, run_name=name, progress=job.progress,
@@ -273,10 +283,12 @@ def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int
     return dataclasses.replace(source, **fields)
 
 
-def _label(qat: QATConfig) -> str:
-    kd = "" if not qat.distill else "+kd" if qat.distill == 1 else f"+kd{qat.distill:g}"
+def _label(qat: QATConfig, lr_multiplier: float = 1.0) -> str:
+    """The arm's name in tables and run folders: the estimator and what sets it apart."""
+    suffix = "" if not qat.distill else "+kd" if qat.distill == 1 else f"+kd{qat.distill:g}"
+    suffix += "" if lr_multiplier == 1 else f"+lrx{lr_multiplier:g}"
     if qat.format.grid == "bf16":
-        return "control" + kd
+        return "control" + suffix
     label = qat.estimator
     if qat.learn_scales is not None and qat.learn_scales != (qat.estimator == "lsq"):
         label += "+learned" if qat.learn_scales else "+fixed"
@@ -284,7 +296,8 @@ def _label(qat: QATConfig) -> str:
         label += f"+{qat.scale_init}"
     if qat.estimator == "jacquant":
         label += ("" if qat.jacquant.per_element else "+group") + ("+grad" if qat.jacquant.b_on == "grad" else "")
-    return label + kd
+        label += "+shuffled" if qat.jacquant.shuffle_b else ""
+    return label + suffix
 
 
 def _slug(text: str) -> str:
@@ -298,19 +311,20 @@ def run_qat(job: QATJob) -> dict:
     fingerprint = source_fingerprint(source_path, state)
     base_name = job.name or _slug(f"qat-{source_path.name}")
     # Every run's config is built (and so validated) before the first one trains.
-    plans = []
-    for qat in job.configs:
+    plans = []   # (qat, seed, its TrainConfig, its label)
+    for qat, multiplier in zip(job.configs, job.lr_multipliers):
+        label = _label(qat, multiplier)
         for seed in job.seeds:
-            name = _slug(f"{base_name}-{qat.weights}-{_label(qat)}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
+            name = _slug(f"{base_name}-{qat.weights}-{label}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
             plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name,
-                                                fingerprint)))
-    specs = [RunSpec(_label(qat), seed, config.name) for qat, seed, config in plans]
+                                                fingerprint, multiplier), label))
+    specs = [RunSpec(label, seed, config.name) for _, seed, config, label in plans]
     if len(job.configs) > 1:
         check_specs(specs)   # two estimators of one label would not pair: refused before training
     # every run's folder is checked before the first run trains; with resume, a finished run
     # is taken as it is, an unfinished one resumes, one not begun starts (lowbit.train.compare)
     todo = [] if job.baselines_only else check_run_folders(
-        [(RunDir(Path(c.out_dir) / c.name), c) for _, _, c in plans],
+        [(RunDir(Path(c.out_dir) / c.name), c) for _, _, c, _ in plans],
         resume=job.resume, overwrite=job.overwrite)
     device = resolve_device(job.device)
     data = build_data(source)
@@ -325,10 +339,10 @@ def run_qat(job: QATJob) -> dict:
     summary = {"source": str(source_path), "baselines": {}, "notes": [], "runs": []}
     if job.baselines:
         summary["baselines"] = _baselines(job, fresh_model, data, device, summary["notes"])
-    for (qat, seed, config), state_of_run in zip(plans, todo):
+    for (qat, seed, config, label), state_of_run in zip(plans, todo):
         run_dir = Path(config.out_dir) / config.name
         if state_of_run == "done" and (qat.format.grid == "bf16" or (run_dir / PACKED_FILE).is_file()):
-            summary["runs"].append(_finished_row(qat, seed, run_dir))
+            summary["runs"].append(_finished_row(qat, seed, run_dir, label))
             continue
         model = fresh_model()
         hook = None
@@ -336,7 +350,7 @@ def run_qat(job: QATJob) -> dict:
             report = prepare(model, qat)
             if job.progress:
                 print(report if len(report.prepared) <= 12 else str(report).splitlines()[0])
-            hook = refresh_hook(model, qat, seed)
+            hook = refresh_hook(model, qat, seed, record_every=config.log_every)
         objective = None
         if qat.distill:   # the teacher: the source model, as it was before QAT
             objective = distillation(fresh_model(), qat)
@@ -346,7 +360,7 @@ def run_qat(job: QATJob) -> dict:
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)
         summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,
-                                "estimator": _label(qat), "seed": seed,
+                                "estimator": label, "seed": seed,
                                 "val_loss": result.val_loss, "val_ppl": result.val_ppl,
                                 "steps": result.steps, "tokens": result.tokens_seen,
                                 "wall_time_s": result.wall_time_s})
@@ -357,7 +371,7 @@ def run_qat(job: QATJob) -> dict:
         # --compare: the gaps to the first estimator over paired seeds, the statistics and
         # seed-band plot of `lowbit train --compare` (lowbit.train.compare), in <out>/seeds/
         outcomes = {}
-        for _, _, config in plans:
+        for _, _, config, _ in plans:
             run_dir = Path(config.out_dir) / config.name
             outcomes[config.name] = RunOutcome(val_curve(run_dir), "ok", str(run_dir))
         comparison = write_comparison(specs, outcomes, out / "seeds",
@@ -372,10 +386,10 @@ def run_qat(job: QATJob) -> dict:
     return summary
 
 
-def _finished_row(qat: QATConfig, seed: int, run_dir: Path) -> dict:
+def _finished_row(qat: QATConfig, seed: int, run_dir: Path, label: str) -> dict:
     """summary["runs"]'s entry for a run finished before (a resumed job), from its final.json."""
     final = json.loads((run_dir / "final.json").read_text())
-    return {"run": str(run_dir), "weights": qat.weights, "estimator": _label(qat), "seed": seed,
+    return {"run": str(run_dir), "weights": qat.weights, "estimator": label, "seed": seed,
             "val_loss": float(final["val_loss"]), "val_ppl": float(final["val_ppl"]),
             "steps": final["steps"], "tokens": final["tokens_seen"],
             "wall_time_s": float(final["wall_time_s"])}
