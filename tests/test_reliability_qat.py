@@ -283,3 +283,18 @@ def test_quantize_refuses_a_meta_tensor_for_every_format(entry):
         with pytest.raises(ValueError, match="a meta tensor .* holds none") as e:
             QUANTIZERS[entry](torch.empty(4, 64, device="meta"), format)
         assert "\n" not in str(e.value)
+
+
+def test_a_qat_run_saved_before_a_field_existed_still_resumes():
+    # a JacQuant run from before the shuffled-B control: its saved config lacks shuffle_b,
+    # which then was off; a resume compares against that, not against "absent"
+    from lowbit.qat import parse_qat_spec
+    from lowbit.train.config import changed_fields
+
+    q = parse_qat_spec("int2:g64/jacquant").to_dict()
+    config = TrainConfig(qat=q)
+    old = config.to_dict()
+    old["qat"] = {**q, "jacquant": {k: v for k, v in q["jacquant"].items() if k != "shuffle_b"}}
+    assert changed_fields(old, config) == []
+    shuffled = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/shuffled").to_dict())
+    assert changed_fields(old, shuffled) and "shuffle_b" in changed_fields(old, shuffled)[0]

@@ -303,13 +303,30 @@ def _require(condition: bool, message: str) -> None:
 
 # Fields added after checkpoints were first written, with the value that describes how a run
 # saved before them behaved (so such a run resumes with that value, and only with it).
-FIELDS_ADDED_LATER = {"fold_inexact": "redo"}
+FIELDS_ADDED_LATER = {"fold_inexact": "redo", "qat": {"jacquant": {"shuffle_b": False}}}
+"""Fields (nested ones inside a dict-valued field too) that configs saved before them lack,
+with the value those runs had in effect: a resume of such a run compares against these."""
+
+
+def _with_added_later(saved, added):
+    """`saved` with the keys of `added` it lacks, at every depth of its dicts: a missing plain
+    value is added; a nested dict fills in only where the saved one has that dict (a run's
+    qat = None, or no qat at all, is left as it was)."""
+    if not isinstance(saved, dict) or not isinstance(added, dict):
+        return saved
+    out = dict(saved)
+    for key, value in added.items():
+        if key in out:
+            out[key] = _with_added_later(out[key], value)
+        elif not isinstance(value, dict):
+            out[key] = value
+    return out
 
 
 def changed_fields(saved: dict, config: TrainConfig) -> list[str]:
     """Fields that would change the run, with both values, e.g. "lr: 0.001 -> 0.002"."""
     now = config.to_dict()
-    saved = {**FIELDS_ADDED_LATER, **saved}
+    saved = _with_added_later(saved, FIELDS_ADDED_LATER)
     changes = []
     for key in sorted(set(saved) | set(now)):
         if key in FIELDS_FREE_ON_RESUME:
