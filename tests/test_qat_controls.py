@@ -115,3 +115,12 @@ def test_two_arms_of_one_comparison_train_at_their_own_learning_rates(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "unknown estimator 'ste@lr1.5' in --compare" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_qat_runs_start_line_names_its_weights_not_bf16():
+    from lowbit.train.config import TrainConfig
+    from lowbit.train.loop import describe_numerics
+
+    qat = TrainConfig(qat={"weights": "int2:g64", "estimator": "jacquant"})
+    assert describe_numerics(qat) == "QAT int2:g64 with jacquant"
+    assert describe_numerics(TrainConfig(recipe="nvfp4")) == "recipe nvfp4"

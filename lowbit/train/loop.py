@@ -45,7 +45,7 @@ from lowbit.train.step import Objective, TrainStep, learning_rate_at, refuse_cud
 
 __all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingInterrupted", "TrainingData",
            "evaluate", "learning_rate_at", "data_fingerprint", "nonfinite_message",
-           "interrupted_message"]
+           "interrupted_message", "describe_numerics"]
 
 DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
 StepHook = Callable[[int], "dict | None"]
@@ -214,7 +214,7 @@ class _Run:
         total, start = config.total_steps, self.start_step
         last_eval = next((r for r in reversed(self.records) if r["event"] == "eval"), None)
         say(f"{'resuming' if self.resumed else 'starting'} {self.run_dir.path} at step "
-            f"{start}/{total}: {self.n_params / 1e6:.2f}M parameters, recipe {config.recipe}, "
+            f"{start}/{total}: {self.n_params / 1e6:.2f}M parameters, {describe_numerics(config)}, "
             f"{process.device}, {config.tokens_per_step} tokens/step")
         log = MetricsLog(self.run_dir.path, self.records, start, say) if main else _NoLog()
         bar_on_terminal = config.progress and main and sys.stderr.isatty()
@@ -398,6 +398,14 @@ def _duration(seconds: float) -> str:
         return f"{minutes} min {seconds:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def describe_numerics(config: TrainConfig) -> str:
+    """The start line's word on the numerics: the recipe, or a QAT run's weights and estimator
+    (its recipe is bf16: QAT fake-quantizes the weights itself)."""
+    if config.qat:
+        return f"QAT {config.qat.get('weights')} with {config.qat.get('estimator')}"
+    return f"recipe {config.recipe}"
 
 
 def _due(step: int, total: int, every: int) -> bool:
