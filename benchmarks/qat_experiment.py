@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -153,7 +152,6 @@ def main() -> None:
     elif args.pretrain_steps:
         steps = args.pretrain_steps
     else:
-        probe = time.time()
         subprocess.run(lowbit(*base, "--steps", "30", "--warmup-steps", "5", "--eval-every", "0",
                               "--checkpoint-every", "0", "--run-name", "probe"), env=env, check=True)
         rates = [r["step_time_s"] for r in map(json.loads, (runs / "probe" / "metrics.jsonl").read_text().splitlines())

@@ -286,7 +286,7 @@ def summary_markdown(c, configs, args, meta, tables, wall_s: float, parallel: in
                              for r in ops])
         blocks = sorted({b for r in ops for b in tables["by_block"][r]},
                         key=lambda b: int(b) if b.isdigit() else 10**9)
-        lines += ["", f"dW cosine per transformer block (mean over its layers and the steps):", ""]
+        lines += ["", "dW cosine per transformer block (mean over its layers and the steps):", ""]
         lines += _table(["recipe", *(f"block {b}" for b in blocks)],
                         [[r, *(_fmt(tables["by_block"][r].get(b)) for b in blocks)] for r in ops])
         steps = sorted({s for r in ops for s in tables["by_step"][r]})

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from hf_models import TEXT, VOCAB, save_hf_model, tokenizer
+from hf_models import TEXT, save_hf_model, tokenizer
 from lowbit.export import calibrate_input_amax, export_model, load_exported, quantize_group, weight_groups
 from lowbit.formats import QuantSpec, quantize, quantize_dequantize
 from lowbit.models import load_model

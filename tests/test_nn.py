@@ -494,7 +494,6 @@ def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():
     """stable-fp4-fp8 multiplies on FP8 tensor cores everywhere but v_proj (whose dV spans too
     many binades along tokens for one fold window) and the MXFP8 q/k projections; every layer
     quantizes exactly as stable-fp4 does."""
-    from dataclasses import replace
 
     from lowbit.recipes import Gemm
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lowbit.formats import load_qtensors, quantize, save_qtensors
+from lowbit.formats import quantize, save_qtensors
 from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq,
                         load_packed, packed_weights, parse_qat_spec, parse_weight_format, prepare,
                         refresh, refresh_hook)

@@ -1,0 +1,20 @@
+"""The code passes ruff's checks as pyproject.toml selects them (syntax errors and pyflakes: unused
+imports and names, undefined names): the linter runs with the suite, so CI keeps it."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_finds_nothing():
+    pytest.importorskip("ruff")
+    ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
+    command = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    run = subprocess.run([*command, "check", "--no-cache", "lowbit", "tests", "benchmarks"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
