@@ -2,7 +2,6 @@
 word (n, t*16 + i) holds code j (bits 4j..4j+3) of column t*128 + 16*j + i, so plane j of a tile
 is NVFP4 block j: one per-row scale per plane. Values: bf16(e2m1 * 2^-126 [bits]) * bf16(e4m3 * 2^119)
 = e2m1*e4m3*2^-7 exactly; acc * (row_scale * 2^7) at the end."""
-import os
 import torch
 import triton
 import triton.language as tl
@@ -196,9 +195,3 @@ def gemm(x, words, s, rs, N, K, BLOCK_N=64, BLOCK_M=16, SPLIT_K=1, num_warps=4, 
                        T // SPLIT_K, NATIVE=x.is_cuda, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, SPLIT_K=SPLIT_K,
                        num_warps=num_warps, num_stages=num_stages)
     return y.to(x.dtype)
-
-
-def reference(x, codes, scales, rs, K):
-    from lowbit.formats.elements import E2M1, decode, unpack_codes
-    vals = decode(unpack_codes(codes, 4)[:, :K].long() if False else None, E2M1) if False else None
-    return None

@@ -1,12 +1,18 @@
-"""Prototype W4A16 NVFP4 GEMM on the GPU: correctness and speed vs cuBLAS bf16."""
-import itertools, json, os, sys, time
+"""Prototype W4A16 NVFP4 GEMM on the GPU: correctness and speed vs cuBLAS bf16.
+
+    python docs/results/rollout/nvfp4-tiles-sweep-2026-12-04.py --out DIR   # writes DIR/proto-gemm.json
+"""
+import argparse, json, os, sys, time
 import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import importlib; proto = importlib.import_module("nvfp4-tiles-prototype-2026-12-04")
 from lowbit.formats import QuantSpec, quantize_with_spec
 from lowbit.formats.linear_weight import LinearWeight
 
-OUT = os.environ.get("OUT", "/tmp")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--out", metavar="DIR", required=True, help="folder for proto-gemm.json")
+OUT = parser.parse_args().out
+os.makedirs(OUT, exist_ok=True)
 dev = "cuda"
 torch.manual_seed(0)
 results = {"correct": [], "timing": []}
@@ -102,7 +108,7 @@ for name, (N, K) in shapes.items():
             key = "{BLOCK_N}x{BLOCK_M} sk{SPLIT_K} w{num_warps} s{num_stages}".format(**cfg)
             try:
                 t = graph_time([lambda p=p: proto.gemm(x, p[0], p[1], p[2], N, K, **cfg) for p in packed] * 2)
-            except Exception as e:
+            except Exception:
                 t = None
             row["configs"][key] = t
         ok = {k: v for k, v in row["configs"].items() if v}
