@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 __all__ = ["write_atomic", "write_stream_atomic", "write_bytes_atomic", "write_text_atomic",
-           "naming_errors", "fsync_folder", "TEMP_NAME"]
+           "write_safetensors", "naming_errors", "fsync_folder", "TEMP_NAME"]
 
 TEMP_NAME = re.compile(r"^\.(.+)\.\d+\.[0-9a-f]{8}\.tmp$")
 """The temporary files write_atomic writes through (group 1: the destination's name)."""
@@ -84,6 +84,14 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> None:
+    """safetensors' save_file through write_atomic (safetensors reports a full disk as its own
+    error with "os error 28" in the text: an OSError naming `path` here)."""
+    from safetensors.torch import save_file
+
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 @contextlib.contextmanager

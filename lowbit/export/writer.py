@@ -56,7 +56,6 @@ from lowbit.export.layouts import (FORMAT_LAYOUTS, ExportFormat, compressed_tens
 from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
 from lowbit.files import TEMP_NAME, write_atomic, write_text_atomic
-from lowbit.formats.qtensor import write_safetensors
 from lowbit.models.hf import hf_config_dict, hf_state_items, write_shards
 
 __all__ = ["ExportReport", "export_model", "export_bf16", "quantize_group", "split_rows", "row_blocks",
@@ -325,19 +324,12 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
     report.bf16_total_bytes = sum(2 * t.numel() for _, t in hf_state_items(model))
     report.total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
-    shards, size = [{}], 0
-    for name in sorted(tensors, key=_natural):
-        t = tensors[name]
-        if size and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
     metadata = {"lowbit.export": json.dumps({"format": str(fmt), "layout": layout,
                                              "version": __version__})}
     if exact_scales:
         metadata["lowbit.tensor_scales"] = json.dumps(exact_scales)
-    written = write_shards(out, shards, metadata, save=write_safetensors, save_text=write_text)
+    written = write_shards(out, ((name, tensors[name]) for name in sorted(tensors, key=_natural)),
+                           metadata, max_shard_bytes)
 
     hf_config = hf_config_dict(config, torch.bfloat16)
     activations = input_amax is not None
@@ -369,15 +361,8 @@ def export_bf16(model, out: str | Path, tokenizer=None, tokenizer_dir: str | Pat
     out = Path(out)
     check_export_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards, size = [{}], 0
-    for name, tensor in hf_state_items(model):
-        t = tensor.detach().to("cpu", torch.bfloat16).contiguous()
-        if size and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
-    written = write_shards(out, shards, save=write_safetensors, save_text=write_text)
+    written = write_shards(out, ((name, t.detach().to("cpu", torch.bfloat16).contiguous())
+                                 for name, t in hf_state_items(model)), max_shard_bytes=max_shard_bytes)
     config = json.dumps(hf_config_dict(model.config, torch.bfloat16), indent=2) + "\n"
     written.append(write_text(out / "config.json", config))
     written += _write_tokenizer(out, tokenizer, tokenizer_dir)

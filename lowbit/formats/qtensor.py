@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from lowbit.files import write_atomic
+from lowbit.files import write_safetensors
 from lowbit.formats.elements import decode, e8m0_to_float, pack_codes, unpack_codes
 from lowbit.formats.spec import QuantSpec, ScaleKind
 
-__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to", "write_safetensors"]
+__all__ = ["QTensor", "save_qtensors", "load_qtensors", "saturate_to"]
 
 
 def saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +169,7 @@ class QTensor:
 def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
     """Save QTensors to one safetensors file (`<name>.codes`, `<name>.scales`,
     `<name>.tensor_scale`, `<name>.zeros`, and each tensor's spec in the header's metadata),
-    through write_safetensors: a crash never leaves a half-written file."""
+    through lowbit.files.write_safetensors: a crash never leaves a half-written file."""
     flat: dict[str, torch.Tensor] = {}
     meta = {"lowbit.format_version": _FORMAT_VERSION}
     for name, q in tensors.items():
@@ -183,15 +183,6 @@ def save_qtensors(path: str | os.PathLike, tensors: dict[str, QTensor]) -> None:
             flat[f"{name}.zeros"] = q.zeros.contiguous().cpu()
         meta[f"lowbit.{name}"] = json.dumps(q._metadata())
     write_safetensors(path, flat, meta)
-
-
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file through lowbit.files.write_atomic (symlink-safe, the umask's mode;
-    a full disk or any error of the file system is an OSError naming `path`)."""
-    from safetensors.torch import save_file
-
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_qtensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, QTensor]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowbit.files import write_atomic, write_text_atomic
+from lowbit.files import write_atomic, write_safetensors, write_text_atomic
 from lowbit.models.config import PRESETS, ModelConfig
 from lowbit.models.transformer import Transformer
 
@@ -342,51 +342,43 @@ def save_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = dtype or next(model.parameters()).dtype
+    write_shards(path, ((name, t.detach().to("cpu", dtype).contiguous())
+                        for name, t in hf_state_items(model)), max_shard_bytes=max_shard_bytes)
+    write_text_atomic(path / "config.json", json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    if tok is not None:
+        write_atomic(path / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
+    return path
+
+
+def write_shards(path: Path, items, metadata: dict | None = None,
+                 max_shard_bytes: int = 4 * 2**30) -> list[Path]:
+    """items, (name, tensor) pairs in file order, as model.safetensors, or, past
+    max_shard_bytes, model-0000i-of-0000n.safetensors plus the index (the names
+    save_pretrained gives), each through lowbit.files' atomic writes; returns the paths
+    written."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in hf_state_items(model):
-        t = tensor.detach().to("cpu", dtype).contiguous()
+    for name, t in items:
         if size and size + t.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = t
         size += t.nbytes
-    write_shards(path, shards)
-    (path / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
-    tok = getattr(tokenizer, "tokenizer", tokenizer)
-    if tok is not None:
-        tok.save(str(path / "tokenizer.json"))
-    return path
-
-
-def write_shards(path: Path, shards: list[dict[str, torch.Tensor]], metadata: dict | None = None,
-                 *, save=None, save_text=None) -> list[Path]:
-    """model.safetensors, or model-0000i-of-0000n.safetensors plus the index (the names
-    save_pretrained gives); returns the paths written. save(file, tensors, metadata) and
-    save_text(file, text) write one file (default: lowbit.files' atomic writes; lowbit.export
-    passes its own, which record what it wrote)."""
-    save = save or _save_safetensors
-    save_text = save_text or write_text_atomic
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total, written = {}, 0, []
     for name, shard in zip(names, shards):
-        save(path / name, shard, {"format": "pt", **(metadata or {})})
+        write_safetensors(path / name, shard, {"format": "pt", **(metadata or {})})
         written.append(path / name)
         for key, t in shard.items():
             weight_map[key] = name
             total += t.nbytes
     if len(shards) > 1:
         index = path / "model.safetensors.index.json"
-        save_text(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                    indent=2) + "\n")
+        write_text_atomic(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2) + "\n")
         written.append(index)
     return written
-
-
-def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> None:
-    from safetensors.torch import save_file
-
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
