@@ -116,6 +116,7 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
     from lowbit.train import TrainConfig
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
                                     model_config, resolve_recipe)
+    from lowbit.diagnostics.training import quantized_weights
     from lowbit.train.step import TrainStep, refuse_cuda_graph
 
     dev = process.device
@@ -138,7 +139,7 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
         config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
         net = build_model(config, vocab_size)
-        hook = objective = None
+        hook = objective = note = None
         if qat is not None:
             from lowbit.qat import distillation, prepare, refresh_hook
 
@@ -148,11 +149,9 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
             hook = refresh_hook(net, qat, seed=0)
         else:
             summary = apply_recipe(net, resolve_recipe(name))
-            if " 0 modules quantized" in summary and name != "bf16":
-                unit_note = (f"{name} quantized no module of this model (lowbit.convert: "
-                             f"{summary.split(': ', 2)[-1]}); its row is bf16 training")
-            else:
-                unit_note = None
+            if name != "bf16" and not quantized_weights(net):
+                note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
+                        f"training")
         net.to(dev).train()
         if process.enabled and parallel == "fsdp":
             process.shard_model(net)   # before the optimizer takes the (sharded) parameters
@@ -160,7 +159,7 @@ def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
         step_fn = TrainStep(net, optimizer, config, process, objective=objective)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],
-                "note": None if qat is not None else unit_note}
+                "note": note}
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:

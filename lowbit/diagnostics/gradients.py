@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lowbit.diagnostics.training import quantized_weights
 from lowbit.nn import QuantExperts, QuantLinear, convert
 from lowbit.recipes import Gemm, LinearRecipe, get_recipe
 
@@ -86,11 +87,6 @@ def _only(r: LinearRecipe, keep: str) -> LinearRecipe:
     return dataclasses.replace(r, **changes)
 
 
-def _quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"{n}.{p}": t for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))
-            for p, t in m.named_parameters(recurse=False) if p != "bias"}
-
-
 def _grads(model: nn.Module, idx, targets, names) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     model.zero_grad(set_to_none=True)
@@ -116,7 +112,7 @@ def gradient_bias_variance(model: nn.Module, idx: torch.Tensor, targets: torch.T
             quantized = copy.deepcopy(model)
             convert(quantized, recipe)
             modules = [m for m in quantized.modules() if isinstance(m, (QuantLinear, QuantExperts))]
-            names = list(_quantized_weights(quantized))
+            names = list(quantized_weights(quantized))
             if not names:
                 raise ValueError(f"recipe {recipe.name!r} quantizes no layer of this model")
             own = [m.linear_recipe for m in modules]

@@ -27,8 +27,8 @@ from lowbit.dispatch import quantize_with_spec
 from lowbit.nn import QuantExperts, QuantLinear, quantization_disabled
 from lowbit.ops.gemms import gemm_operands
 
-__all__ = ["training_diagnostics", "per_layer_training_diagnostics", "relative_difference",
-           "cosine", "flushed"]
+__all__ = ["training_diagnostics", "per_layer_training_diagnostics", "quantized_weights",
+           "relative_difference", "cosine", "flushed"]
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,6 +119,13 @@ def _operand_stats(stats: dict[str, list[float]], layer: QuantLinear, x: torch.T
         per_layer.setdefault(name, {}).update(own)
 
 
+def quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every quantized layer's weight by parameter name (QuantLinear's and QuantExperts' own
+    parameters, biases left out)."""
+    return {f"{n}.{p}": t for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))
+            for p, t in m.named_parameters(recurse=False) if p != "bias"}
+
+
 def per_layer_training_diagnostics(model: nn.Module, batch, step: int) -> dict[str, float]:
     """training_diagnostics with per_layer=True, as a diagnostics_fn of lowbit.train.train."""
     return training_diagnostics(model, *batch, per_layer=True)
@@ -129,9 +136,7 @@ def training_diagnostics(model: nn.Module, idx: torch.Tensor, targets: torch.Ten
     """All three diagnostics on one batch; keys `diag/...` (see the module doc). Leaves the
     parameters' .grad as they were. Quantized experts contribute to the dW comparison only."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    quantized_params = {f"{n}.{p}": t for n, m in model.named_modules()
-                        if isinstance(m, (QuantLinear, QuantExperts))
-                        for p, t in m.named_parameters(recurse=False) if p != "bias"}
+    quantized_params = quantized_weights(model)
     if not quantized_params:
         return {}
     saved_grads = {n: p.grad for n, p in model.named_parameters()}
