@@ -181,9 +181,15 @@ class LinearWeight:
         if self.format is not WeightFormat.NVFP4:
             return self.dequantize()
         # e2m1 * e4m3 is exact in float32; times the tensor scale, rounded once
-        codes = unpack_codes(self.data, E2M1.code_bits)[..., :self.in_features]
-        blocks = self.block_scales.to(torch.float32).repeat_interleave(16, dim=-1)
-        return (decode(codes, E2M1) * blocks[..., :self.in_features]) * self.row_scales[..., None]
+        elements, blocks = self._nvfp4_parts(self.block_scales.to(torch.float32))
+        return (elements * blocks) * self.row_scales[..., None]
+
+    def _nvfp4_parts(self, block_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the E2M1 element values, the given per-block scales spread over their 16 columns),
+        both (.., N, K) float32."""
+        k = self.in_features
+        codes = unpack_codes(self.data, E2M1.code_bits)[..., :k]
+        return decode(codes, E2M1), block_scales.repeat_interleave(16, dim=-1)[..., :k]
 
     def tiles(self) -> NVFP4Tiles:
         """An NVFP4 weight re-laid for the tensor-core GEMM (lowbit.formats.nvfp4_tiles), made
@@ -203,12 +209,9 @@ class LinearWeight:
         dtype = dtype or self.dtype
         if self.format is WeightFormat.DENSE:
             return self.data.to(dtype)
-        k = self.in_features
         if self.format is WeightFormat.FP8:
             values = decode(self.data, E4M3) * self.row_scales[..., None]
             return saturate_to(values, dtype)
-        codes = unpack_codes(self.data, E2M1.code_bits)[..., :k]
         # QTensor.element_scales's order: tensor scale times block scale, then the element
-        scale = self.row_scales[..., None] * self.block_scales.to(torch.float32)
-        values = decode(codes, E2M1) * scale.repeat_interleave(16, dim=-1)[..., :k]
-        return saturate_to(values, dtype)
+        elements, scale = self._nvfp4_parts(self.row_scales[..., None] * self.block_scales.to(torch.float32))
+        return saturate_to(elements * scale, dtype)

@@ -35,14 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.ops.gemms import operand, shared
+from lowbit.ops.gemms import autocast_operands, operand, shared
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
-
-
-def _specs(r: LinearRecipe):
-    return (r.fprop_x, r.fprop_w, r.dgrad_dy, r.dgrad_w, r.wgrad_dy, r.wgrad_x)
 
 
 def groups_exactly(r: LinearRecipe) -> bool:
@@ -138,8 +134,6 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     if not groups_exactly(recipe):
         raise ValueError(f"recipe {recipe.describe()} does not group exactly (a tensor scale, the "
                          "Hadamard transform or FP8 GEMMs): run its experts one by one")
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
+    x, weight, _ = autocast_operands(x, weight, None)
     with torch.autocast(x.device.type, enabled=False):
         return GroupedQuantLinearFunction.apply(x, weight, counts, recipe)

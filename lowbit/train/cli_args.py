@@ -121,14 +121,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         fields = {**_saved_fields(fields), **fields}
     if "betas" in fields:
         fields["betas"] = _parse_betas(fields["betas"])
-    if "model" in fields and "tokenizer" not in fields:
+    if "model" in fields:
         from lowbit.models import is_model_folder
         if is_model_folder(fields["model"]):
-            fields["tokenizer"] = "model"
-    if "model" in fields and "lr" not in fields:
-        from lowbit.models import is_model_folder
-        if is_model_folder(fields["model"]):
-            fields["lr"] = FINE_TUNE_LR   # a trained model: fine-tuning's rate, not pretraining's
+            fields.setdefault("tokenizer", "model")
+            fields.setdefault("lr", FINE_TUNE_LR)   # a trained model: fine-tuning's rate, not pretraining's
     if args.compare is not None:
         if "recipe" in fields:
             raise ValueError("--compare names the recipes; drop --recipe")
