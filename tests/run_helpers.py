@@ -8,6 +8,14 @@ from lowbit.cli import main
 
 VOCAB = 32
 
+SMALL = ["--n-layers", "1", "--dim", "64", "--seq-len", "8", "--batch-size", "2"]
+"""A one-layer model on short sequences: the flags every run test shares."""
+RL = ["rl", "--n-layers", "1", "--dim", "64", "--warmstart-steps", "0", "--rollout", "bf16",
+      "--align", "none", "--steps", "4", "--prompts-per-step", "2", "--num-generations", "2",
+      "--max-completion-length", "4", "--eval-problems", "4", "--eval-every", "0",
+      "--checkpoint-every", "2", "--device", "cpu", "--no-progress", "--run-name", "rl"]
+"""A four-step `lowbit rl` that checkpoints every two steps."""
+
 
 class PatternData:
     """Step i's rows depend on (seed, i) only; `shift` makes other data (another fingerprint)."""

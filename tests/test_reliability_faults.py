@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from run_helpers import cli, finished_run, one_line_error, use_pattern_data
+from run_helpers import RL, SMALL, cli, finished_run, one_line_error, use_pattern_data
 
 import lowbit.qat.run as qat_run
 import lowbit.rl.compare as rl_compare
@@ -30,14 +30,9 @@ from lowbit.train.loop import TrainingInterrupted
 from lowbit.train.metrics import MetricsLog
 from lowbit.train.step import TrainStep
 
-SMALL = ["--n-layers", "1", "--dim", "64", "--seq-len", "8", "--batch-size", "2"]
 TRAIN = ["train", "--recipe", "bf16", *SMALL, "--steps", "4", "--checkpoint-every", "2",
          "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--device", "cpu",
          "--no-diagnostics", "--run-name", "run"]
-RL = ["rl", "--n-layers", "1", "--dim", "64", "--warmstart-steps", "0", "--rollout", "bf16",
-      "--align", "none", "--steps", "4", "--prompts-per-step", "2", "--num-generations", "2",
-      "--max-completion-length", "4", "--eval-problems", "4", "--eval-every", "0",
-      "--checkpoint-every", "2", "--device", "cpu", "--no-progress", "--run-name", "rl"]
 QAT = ["qat", "--weights", "int4:g32", "--steps", "4", "--eval-every", "2", "--checkpoint-every",
        "2", "--warmup-steps", "1", "--no-baselines", "--device", "cpu", "--no-progress",
        "--run-name", "q"]
