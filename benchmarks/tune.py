@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--shapes", default=None,
                            help="comma-separated shape names to keep (e.g. '1.1b gate|up,8b down'; "
                                 "default: all)")
+            p.add_argument("--layouts", default="planes",
+                           help="comma-separated NVFP4 main loops to sweep: planes (an MMA per "
+                                "plane), wide (one K=128 MMA a tile), wide-rows-a (the same, rows "
+                                "as the MMA's A) (default: %(default)s)")
+            p.add_argument("--splits", default="1,2,4,8", help="SPLIT_K values (default: %(default)s)")
+            p.add_argument("--stages", default="3,4", help="num_stages values (default: %(default)s)")
+            p.add_argument("--block-ms", default=None,
+                           help="BLOCK_M values (default: the default tile's, and 128 from 128 rows)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -519,13 +527,19 @@ def sweep_engine_gemm(args, device: str) -> dict:
             raise ValueError(f"--shapes: unknown {unknown}; the shapes are "
                              f"{', '.join(name for name, _, _ in shapes)}")
         shapes = [s for s in shapes if s[0] in keep]
-    sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
-             for bn, sk, w, st in itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (3, 4))]
+    layouts = {"planes": {}, "wide": {"WIDE": True}, "wide-rows-a": {"WIDE": True, "ROWS_A": True}}
+    if unknown := [n for n in args.layouts.split(",") if n not in layouts]:
+        raise ValueError(f"--layouts: unknown {unknown}; use some of {', '.join(layouts)}")
+    ints = lambda text: tuple(int(v) for v in text.split(","))
+    sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st, **layouts[lay]}
+             for lay, bn, sk, w, st in itertools.product(args.layouts.split(","), (64, 128),
+                                                         ints(args.splits), (4, 8), ints(args.stages))]
     if args.default_tiles:
         sweep = []
     if args.smoke:
         shapes, rows = [("smoke", 48, 96)], (1, 3)
-        sweep = [{"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}]
+        sweep = [{"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, **layout}
+                 for layout in layouts.values()]
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for name, n, k in shapes:
@@ -563,7 +577,8 @@ def sweep_engine_gemm(args, device: str) -> dict:
                     xq, w.data.view(torch.float8_e4m3fn).t(), scale_a=scale_a,
                     scale_b=w.row_scales[None, :], out_dtype=dtype) for w in fp8], copies)
             timings = {}
-            block_ms = [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m >= 128 else [])
+            block_ms = ([bm for bm in ints(args.block_ms) if bm <= max(16, 2 * m)] if args.block_ms
+                        else [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m >= 128 else []))
             for tile in [dict(t, BLOCK_M=bm) for t in sweep for bm in block_ms]:
                 def run(tile=tile):
                     out = engine_linear.linear(x, packed[0], tile=tile).float()

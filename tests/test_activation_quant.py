@@ -130,7 +130,10 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
     assert not got_x[0].isnan().any() and got_x[3].isnan().any() and (got_r[2] == 0).all()
 
 
-def test_ties_nan_and_layouts():
+@pytest.mark.parametrize("radix_bits", [1, 4, 8])
+def test_ties_nan_and_layouts(radix_bits, monkeypatch):
+    from lowbit.kernels import activation_quant
+    monkeypatch.setattr(activation_quant, "RADIX_BITS", radix_bits)   # every step width selects alike
     k = 40
     g = torch.Generator().manual_seed(1)
     x = torch.stack([_ties(k, g) for _ in range(4)] + [torch.randn(k, generator=g)])

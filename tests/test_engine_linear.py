@@ -232,3 +232,41 @@ def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
             torch.testing.assert_close(el.linear(x, lw, bias, residual=res, tile=tile), expected,
                                        **TOL[torch.float32])
     assert nvfp4_tile(1, 2560, 16)["SPLIT_K"] == 4 and nvfp4_tile(1, 4096, 8)["SPLIT_K"] == 1
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(WIDE=True), dict(WIDE=True, ROWS_A=True)])
+def test_every_nvfp4_tile_layout_multiplies_the_exact_weight(layout):
+    # plane by plane, the 8 planes as one K = 128 MMA (activations read in the joined tile's
+    # column order), and the same with the rows as the MMA's A: one-hot rows show each value
+    # bit for bit; K of two tiles, the second partial; a second input (RAC's) with them
+    g = torch.Generator().manual_seed(3)
+    N, K = 40, 200
+    w = _weight("nvfp4", _adversarial(N, K, g), torch.float32)
+    expected = w.reference_values()
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, **layout}
+    for start in range(0, K, 7):
+        rows = torch.arange(start, min(start + 7, K))
+        x = F.one_hot(rows, K).float().to(DEV)
+        assert torch.equal(el.linear(x, w, tile=tile), expected[:, rows].T), start
+    x, x2 = torch.randn(2, 5, K, generator=g).to(DEV)
+    w = _weight("nvfp4", torch.randn(N, K, generator=g) / math.sqrt(K), torch.float32)
+    wv = w.reference_values()
+    torch.testing.assert_close(el.linear(x, w, x2=x2, tile=tile), F.linear(x, wv) + F.linear(x2, wv),
+                               atol=1e-4, rtol=1e-5)      # sums of 400 products, in any order
+
+
+def test_an_outgrown_split_k_workspace_stays_alive_for_the_graphs_that_captured_it():
+    # a CUDA graph captured on the workspace keeps its pointer: a larger call that grows the
+    # workspace must not free the old one (its memory would go to another tensor under the graph)
+    from lowbit.kernels import nvfp4_gemm
+    dev = torch.device(DEV)
+    before, _ = nvfp4_gemm._workspace(dev, 0, 0)
+    grown, _ = nvfp4_gemm._workspace(dev, before.numel() + 1, 0)
+    assert grown.data_ptr() != before.data_ptr()
+    assert any(part is before for part, _ in nvfp4_gemm._RETIRED)
+    # a call with no split over K asks for no workspace at all
+    g = torch.Generator().manual_seed(2)
+    lw = _weight("nvfp4", torch.randn(64, 128, generator=g), torch.float32)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+    el.linear(torch.randn(200, 128, generator=g).to(DEV), lw, tile=tile)
+    assert nvfp4_gemm._WORKSPACE[dev][0] is grown

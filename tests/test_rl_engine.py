@@ -82,6 +82,32 @@ def test_kv_cache_decode_equals_full_recompute(precision):
         torch.testing.assert_close(scored[b][len(prompt) - 1:], rollout.logprobs[b], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_cache_grows_to_what_a_generate_needs(moe):
+    """A default engine holds KVCache.GROWTH columns, not the model's whole context, and grows
+    (at least doubling) for a longer prompt; its log-probs and routing equal an engine that
+    holds the whole context from the start, before and after the growth."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=1024,
+                      n_experts=4 if moe else 0)
+    model = build_model(cfg).eval()
+    grown, whole = _engine(cfg, model), _engine(cfg, model, max_seq_len=1024)
+    assert grown.cache.capacity == 256 and whole.cache.capacity == 1024
+    long = [torch.randint(0, 64, (300,)).tolist(), [5, 6]]
+    params = SamplingParams(max_new_tokens=6, seed=2)
+    for prompts, capacity in [(PROMPTS, 256), (long, 512), (PROMPTS, 512)]:
+        a, b = grown.generate(prompts, params), whole.generate(prompts, params)
+        assert grown.cache.capacity == capacity
+        assert torch.equal(a.completions, b.completions)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+        if moe:
+            assert grown.cache.routed.shape[2] == capacity
+            assert torch.equal(a.routed_experts, b.routed_experts)
+    with pytest.raises(ValueError, match="max_seq_len=1024"):
+        grown.generate([[1] * 1020], params)
+    assert grown.cache.capacity == 512      # a refused call allocates nothing
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,compile_decode", [("bf16", False), ("nvfp4", False),
                                                     ("bf16", True)])

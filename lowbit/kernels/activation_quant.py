@@ -38,8 +38,10 @@ channel is the int32 bit pattern of |r|, which orders like the magnitude; every 
 0x7FFFFFFF, above Inf's 0x7F800000, so NaNs are the largest and equal among themselves.
 
 - Threshold: T, the c-th largest key, is the largest t with count(key >= t) >= c. It is found
-  bit by bit from bit 30 down (a radix select, 31 halvings): try T | 2^b and keep the bit where
-  at least c keys are >= it. Each step is one count over the row in registers.
+  RADIX_BITS bits at a time from the top (a radix select: 4 steps of 8 bits): a histogram of
+  the next digit over the keys that share the bits chosen so far gives count(key >= T | d) for
+  every digit d at once, and the largest d where that is >= c is kept. A step is one histogram
+  of the row in registers, where one bit a step took 31 counts, each a reduction over the row.
 - Ties: every key > T is chosen (fewer than c of them), and of the keys == T the first
   c - count(key > T) by channel index, their inclusive cumsum giving the order: a stable
   descending sort's choice, ties to the lower channel.
@@ -86,6 +88,9 @@ __all__ = ["quantize_activations", "MAX_K"]
 
 MAX_K = 16384
 """The longest row one program holds in registers; longer rows take the reference."""
+
+RADIX_BITS = 8
+"""Bits of RAC's threshold found per histogram step (1, 2, 4 or 8: 32, 16, 8 or 4 steps)."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -159,17 +164,36 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr):
+def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr):
+    """The count-th largest of the row's keys (int32 >= 0 on the ok lanes), DIGIT bits at a
+    time from the top: each step histograms the next digit of the keys that share the bits
+    chosen so far, then keeps the largest digit d with count(key >= T | d) >= count."""
+    BINS: tl.constexpr = 1 << DIGIT
+    bins = tl.arange(0, BINS)
+    threshold = tl.full((), 0, tl.int32)
+    above = tl.full((), 0, tl.int32)         # keys above every key that shares T's chosen bits
+    for i in tl.static_range(32 // DIGIT):
+        shift = 32 - DIGIT * (i + 1)
+        if i == 0:
+            match = ok
+        else:
+            match = ok & ((keys >> (shift + DIGIT)) == (threshold >> (shift + DIGIT)))
+        h = tl.histogram((keys >> shift) & (BINS - 1), BINS, mask=match)
+        at_least = above + tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h   # count(key >= T | d)
+        d = tl.max(tl.where(at_least >= count, bins, 0), axis=0)
+        above += tl.sum(tl.where(bins > d, h, 0), axis=0)
+        threshold = threshold | (d << shift)
+    return threshold
+
+
+@triton.jit
+def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr):
     """The chosen mask of the c = count channels with the largest |r| (NaN largest, ties to the
     lower channel) and each lane's block in the compacted row (see the module doc)."""
     keys = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     keys = tl.where(keys > 0x7F800000, 0x7FFFFFFF, keys)            # every NaN alike
     keys = tl.where(ok, keys, -1)                                    # padding: below all
-    threshold = tl.full((), 0, tl.int32)
-    for i in tl.static_range(31):                                    # bit 30 down to bit 0
-        trial = threshold | (1 << (30 - i))
-        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= count,
-                             trial, threshold)
+    threshold = _rac_threshold(keys, ok, count, DIGIT)
     above = keys > threshold
     ties = keys == threshold
     room = count - tl.sum(above.to(tl.int32), axis=0)
@@ -198,7 +222,7 @@ def _segment_amax(bits, block, BLOCK_K: tl.constexpr):
 def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr,
                        K, stride_xm, count, eps,
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -223,7 +247,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
         if RAC:
             # ---- r_hat: per-token NVFP4 of the row's top-count residuals, compacted ------------
             r = v - widen(x_hat, NATIVE_CAST)
-            chosen, block = _rac_channels(r, ok, count, BLOCK_K)
+            chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT)
             r = tl.where(chosen, r, 0.0)
             up_r, down_r = _prescale(r, chosen)
             rs = r * up_r
@@ -318,7 +342,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         _activation_kernel[(M,)](
             x, norm if norm is not None else x, **buffers, K=K, stride_xm=x.stride(0),
             count=count, eps=eps, MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
-            PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET,
+            PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=RADIX_BITS,
             num_warps=_num_warps(block_k),
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs

@@ -28,7 +28,9 @@ class EngineConfig:
     """Compute dtype; default bf16 on CUDA, float32 elsewhere."""
     max_batch_size: int = 64
     max_seq_len: int | None = None
-    """Positions a row holds (prompt plus completion); default the model's max_seq_len."""
+    """Positions a row holds (prompt plus completion). Given, the KV cache holds that many from
+    the start; None: up to the model's max_seq_len, the cache growing to what generate calls
+    need (lowbit.rl.engine.KVCache.reserve), so a 40k-token context costs nothing unused."""
     cuda_graph: bool | None = None
     """Replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)."""
     compile_decode: bool | str = False
@@ -69,6 +71,7 @@ class EngineConfig:
                                                  and self.max_seq_len >= 1):
             raise ValueError(f"max_seq_len must be a positive integer or None for the model's "
                              f"(got {self.max_seq_len!r})")
+        self.preallocate = self.max_seq_len is not None
         self.max_seq_len = self.max_seq_len or model.max_seq_len
         if self.max_seq_len > model.max_seq_len:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's RoPE tables "
@@ -99,3 +102,6 @@ class EngineConfig:
             raise ValueError("cuda_graph needs a CUDA device, and for an MoE model the inference "
                              "kernels (the plain-PyTorch expert grouping reads counts back to the host)")
         return self
+
+    preallocate: bool = False
+    """Set by resolve: max_seq_len was given, so the cache holds it from the start."""

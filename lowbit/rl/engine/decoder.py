@@ -40,12 +40,12 @@ __all__ = ["Decoder", "rope_tables"]
 
 class Decoder:
     def __init__(self, config: ModelConfig, weights: EngineWeights, cache: KVCache,
-                 routed: torch.Tensor | None, use_kernels: bool, pdl: bool) -> None:
-        """routed: MoE only, (layers, max_batch_size, max_seq_len, k) int64, where each token's
-        experts are recorded at its position; use_kernels: the inference kernels where they
-        apply (else the PyTorch reference throughout); pdl: launch the decode kernels with
-        programmatic dependent launch (no kernel of a step writes a weight)."""
-        self.config, self.weights, self.cache, self.routed = config, weights, cache, routed
+                 use_kernels: bool, pdl: bool) -> None:
+        """cache: an MoE model's records each token's experts at its position (cache.routed);
+        use_kernels: the inference kernels where they apply (else the PyTorch reference
+        throughout); pdl: launch the decode kernels with programmatic dependent launch (no
+        kernel of a step writes a weight)."""
+        self.config, self.weights, self.cache = config, weights, cache
         self.use_kernels, self.pdl = use_kernels, pdl
         self.cos, self.sin_signed = rope_tables(config, weights.embed.device, weights.embed.dtype)
         self.lm_head = LinearWeight.dense(weights.lm_head)
@@ -106,7 +106,7 @@ class Decoder:
         weights, index = self._route(layer, h)
         B = positions.shape[0]
         rows = torch.arange(B, device=x.device)[:, None].expand_as(positions)
-        self.routed[i][rows, positions] = index.view(*positions.shape, -1)
+        self.cache.routed[i][rows, positions] = index.view(*positions.shape, -1)
         return x + layer.experts(h, index, weights, **kw).view(*lead, C)
 
     def _route(self, layer: EngineLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

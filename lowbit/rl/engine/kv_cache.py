@@ -6,9 +6,12 @@ decode-attention kernel stops at the row's position). A prompt batch is right-pa
 one prefill forward: a short row's pad tokens fill columns past its length, and the row's
 decode steps overwrite them, each writing its column before reading up to it.
 
-The cache is preallocated, max_batch_size rows of max_seq_len columns per layer (a slot per
-row, not pages: rows of very different lengths leave the unused end of their slots empty but
-never read it).
+The cache is a slot per row, not pages: max_batch_size rows of `capacity` columns per layer
+(rows of very different lengths leave the unused end of their slots empty but never read
+it). The capacity grows to what a generate needs (`reserve`), up to max_seq_len, in steps that
+at least double it, so a model with a 40k-token context does not hold 40k columns for 300-token
+rollouts; growing reallocates (the old contents are not kept: a generate's prefill writes
+what it reads), and whoever captured the old tensors in a CUDA graph captures again.
 """
 
 from __future__ import annotations
@@ -19,13 +22,50 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
+    GROWTH = 256
+    """Capacity is a multiple of this many columns (or max_seq_len)."""
+
     def __init__(self, n_layers: int, max_batch_size: int, n_kv_heads: int, max_seq_len: int,
-                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        """Per layer, (max_batch_size, KV, max_seq_len, D): keys after q/k norm and RoPE."""
-        self.v = [torch.zeros_like(k) for k in self.k]
+                 head_dim: int, device: torch.device, dtype: torch.dtype,
+                 capacity: int | None = None, routed_k: int = 0) -> None:
+        """capacity: columns allocated now (default max_seq_len); routed_k: an MoE model's
+        experts per token, for the routing record (`routed`)."""
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.device, self.dtype = device, dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.k: list[torch.Tensor] = []
+        """Per layer, (max_batch_size, KV, capacity, D): keys after q/k norm and RoPE."""
+        self.v: list[torch.Tensor] = []
+        self.routed_k = routed_k
+        self.routed: torch.Tensor | None = None
+        """MoE only: (layers, max_batch_size, capacity, k) int64, the experts each row's token
+        at each position was routed to (-1: none recorded)."""
+        self._allocate(min(capacity or max_seq_len, max_seq_len))
+
+    @property
+    def capacity(self) -> int:
+        """Columns each row holds now."""
+        return self.k[0].shape[2]
+
+    def _allocate(self, columns: int) -> None:
+        shape = (self.max_batch_size, self.n_kv_heads, columns, self.head_dim)
+        self.k = self.v = []    # the old tensors go before the new ones are made
+        self.routed = None
+        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype)
+                  for _ in range(self.n_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        if self.routed_k:
+            self.routed = torch.full((self.n_layers, self.max_batch_size, columns, self.routed_k),
+                                     -1, dtype=torch.int64, device=self.device)
+
+    def reserve(self, columns: int) -> bool:
+        """Hold at least `columns` positions a row (at most max_seq_len, the caller's check):
+        True if the cache was reallocated (its contents and tensors are new)."""
+        if columns <= self.capacity:
+            return False
+        grown = max(columns, 2 * self.capacity)
+        self._allocate(min(self.max_seq_len, -(-grown // self.GROWTH) * self.GROWTH))
+        return True
 
     def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, KV, T, D) of a right-padded prompt batch into rows 0..B-1, columns 0..T-1."""

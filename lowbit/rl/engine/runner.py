@@ -84,10 +84,9 @@ class RolloutEngine:
             from lowbit.kernels.launch import pdl_supported
             self.decode_pdl = pdl_supported(self.device)
         self.cache = KVCache(config.n_layers, s.max_batch_size, config.n_kv_heads, s.max_seq_len,
-                             config.head_dim, s.device, s.dtype)
-        self.routed = (torch.full((config.n_layers, s.max_batch_size, s.max_seq_len,
-                                   config.experts_per_token), -1, dtype=torch.int64, device=s.device)
-                       if config.is_moe else None)
+                             config.head_dim, s.device, s.dtype,
+                             capacity=None if s.preallocate else KVCache.GROWTH,
+                             routed_k=config.experts_per_token if config.is_moe else 0)
         self.weights: EngineWeights | None = None
         self.decoder: Decoder | None = None
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -113,8 +112,8 @@ class RolloutEngine:
         if self.weights is not None and self.weights.copy_(weights):
             return
         self.weights = weights
-        self.decoder = Decoder(self.config, self.weights, self.cache, self.routed,
-                               s.decode_kernels, self.decode_pdl)
+        self.decoder = Decoder(self.config, self.weights, self.cache, s.decode_kernels,
+                               self.decode_pdl)
         self._graphs.clear()   # the graphs read the old weight tensors
         self._compiled_decode = None
 
@@ -160,10 +159,13 @@ class RolloutEngine:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if self.cache.reserve(Tp + new_tokens):
+            self._graphs.clear()     # they read the old cache tensors
+            self._compiled_decode = None
         tokens = torch.tensor([list(p) + [0] * (Tp - len(p)) for p in prompts], device=self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        if self.routed is not None:
-            self.routed[:, :B] = -1
+        if self.cache.routed is not None:
+            self.cache.routed[:, :B] = -1
         return tokens, lengths
 
     @torch.no_grad()
@@ -213,7 +215,7 @@ class RolloutEngine:
         completions = torch.stack(out_tokens[:n], dim=1) * mask[:, :n]
         logprobs = torch.stack(out_logprobs[:n], dim=1) * mask[:, :n]
         mask = mask[:, :n]
-        routed = None if self.routed is None else self._routed_by_position(lengths, mask)
+        routed = None if self.cache.routed is None else self._routed_by_position(lengths, mask)
         return Rollout([list(p) for p in prompts], completions, mask, logprobs, ~alive, routed,
                        time.perf_counter() - t0)
 
@@ -222,7 +224,7 @@ class RolloutEngine:
         last token on (what was recorded there is padding, or a token fed after the row ended)."""
         B, Tc = mask.shape
         T = int(lengths.max()) + Tc
-        routed = self.routed[:, :B, :T].permute(1, 2, 0, 3)                     # (B, T, L, k)
+        routed = self.cache.routed[:, :B, :T].permute(1, 2, 0, 3)                     # (B, T, L, k)
         last = (lengths + mask.sum(1) - 1)[:, None]                              # (B, 1)
         beyond = torch.arange(T, device=self.device)[None, :] >= last
         return torch.where(beyond[:, :, None, None], torch.full_like(routed, -1), routed)
