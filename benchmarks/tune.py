@@ -72,10 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--shapes", default=None,
                            help="comma-separated shape names to keep (e.g. '1.1b gate|up,8b down'; "
                                 "default: all)")
-            p.add_argument("--layouts", default="planes",
-                           help="comma-separated NVFP4 main loops to sweep: planes (an MMA per "
-                                "plane), wide (one K=128 MMA a tile), wide-rows-a (the same, rows "
-                                "as the MMA's A) (default: %(default)s)")
             p.add_argument("--splits", default="1,2,4,8", help="SPLIT_K values (default: %(default)s)")
             p.add_argument("--stages", default="3,4", help="num_stages values (default: %(default)s)")
             p.add_argument("--block-ms", default=None,
@@ -527,19 +523,15 @@ def sweep_engine_gemm(args, device: str) -> dict:
             raise ValueError(f"--shapes: unknown {unknown}; the shapes are "
                              f"{', '.join(name for name, _, _ in shapes)}")
         shapes = [s for s in shapes if s[0] in keep]
-    layouts = {"planes": {}, "wide": {"WIDE": True}, "wide-rows-a": {"WIDE": True, "ROWS_A": True}}
-    if unknown := [n for n in args.layouts.split(",") if n not in layouts]:
-        raise ValueError(f"--layouts: unknown {unknown}; use some of {', '.join(layouts)}")
     ints = lambda text: tuple(int(v) for v in text.split(","))
-    sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st, **layouts[lay]}
-             for lay, bn, sk, w, st in itertools.product(args.layouts.split(","), (64, 128),
-                                                         ints(args.splits), (4, 8), ints(args.stages))]
+    sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
+             for bn, sk, w, st in itertools.product((64, 128), ints(args.splits), (4, 8),
+                                                    ints(args.stages))]
     if args.default_tiles:
         sweep = []
     if args.smoke:
         shapes, rows = [("smoke", 48, 96)], (1, 3)
-        sweep = [{"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, **layout}
-                 for layout in layouts.values()]
+        sweep = [{"BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}]
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for name, n, k in shapes:

@@ -61,6 +61,41 @@ def test_policy_loss_clipping_and_reductions_by_hand():
     assert m["kl"] == pytest.approx(float((kl * mask).sum() / 3))
 
 
+def test_completion_logprobs_in_chunks_equal_the_whole_batch_with_their_gradients():
+    # the chunked form (checkpointed under autograd) gives each row the values and gradients
+    # of the one-pass form, and the by-hand log-softmax
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 5, 9, 11
+    logits = torch.randn(B, T, V, generator=g)
+    lengths = torch.tensor([2, 3, 1, 4, 2])
+    completions = torch.randint(0, V, (B, 4), generator=g)
+    results = []
+    for chunk in (None, 2, 1):
+        x = logits.clone().requires_grad_()
+        logp, entropy = grpo.completion_logprobs(x, lengths, completions, 0.7, chunk_rows=chunk)
+        (logp.sum() + 0.3 * entropy.sum()).backward()
+        results.append((logp.detach(), entropy.detach(), x.grad))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    b, j = 3, 2                        # completion token j of row b: logits at lengths[b] + j - 1
+    by_hand = torch.log_softmax(logits[b, lengths[b] + j - 1] / 0.7, -1)[completions[b, j]]
+    torch.testing.assert_close(results[1][0][b, j], by_hand)
+    with torch.no_grad():              # no autograd: plain chunks, the same values
+        logp, _ = grpo.completion_logprobs(logits, lengths, completions, 0.7, chunk_rows=2)
+    torch.testing.assert_close(logp, results[0][0], rtol=0, atol=1e-6)
+    # what autograd keeps for the backward: the one-pass form several float32 (B, Tc, V) copies,
+    # the chunked form the logits it recomputes from (views of them) and small tensors
+    copy = B * 4 * V * 4
+    for chunk, most in ((None, None), (1, logits.numel() * 4 + copy // 2)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            grpo.completion_logprobs(logits.clone().requires_grad_(), lengths, completions,
+                                     chunk_rows=chunk)
+        assert sum(saved) > 4 * copy if most is None else sum(saved) <= most, (chunk, saved)
+
+
 def test_importance_weights_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
     rollout = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))        # ratios 2, 1, 0.25

@@ -131,8 +131,8 @@ def _plane_plain(words, s, J: tl.constexpr):
 @triton.jit
 def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
                F32_DOT: tl.constexpr):
-    """acc + w @ x^T (+ w @ x2^T) over columns `cols`: w (BLOCK_N, len(cols)) bf16, the
-    activations read transposed, (len(cols), BLOCK_M), straight into the MMA's operand."""
+    """acc + w @ x^T (+ w @ x2^T) over one plane's 16 columns: w (BLOCK_N, 16) bf16, the
+    activations read transposed, (16, BLOCK_M), straight into the MMA's operand."""
     kk = cols[:, None]
     ok = row_ok & (kk < K)
     acc = _dot_t(w, tl.load(x_ptrs + kk, mask=ok, other=0.0), acc, F32_DOT)
@@ -143,7 +143,7 @@ def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
 
 @triton.jit
 def _dot_t(w, xv, acc, F32_DOT: tl.constexpr):
-    """acc + w @ xv: bf16 (N, k) times bf16 (k, M), or (F32_DOT) both in float32."""
+    """acc + w @ xv: w bf16 (N, k) times xv bf16 (k, M), or (F32_DOT) both in float32."""
     if F32_DOT:
         acc = tl.dot(w.to(tl.float32), xv.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -159,8 +159,7 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
                         HAS_X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_RES: tl.constexpr, GROUPED: tl.constexpr, ROW_DIV: tl.constexpr,
                         ASM: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, WIDE: tl.constexpr = False,
-                        ROWS_A: tl.constexpr = False):
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """Grid (row tiles, column tiles, SPLIT_K): y^T tile (BLOCK_N, BLOCK_M) = W tile x^T over
     this program's share of K's tiles (see the module doc)."""
     dt = y_ptr.dtype.element_ty
@@ -180,7 +179,6 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
     row_ok = m_ok[None, :]
     ri = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)     # ROWS_A: the rows as the MMA's A
     t0 = tl.program_id(2) * tiles_per_split
     for t in range(t0, tl.minimum(t0 + tiles_per_split, tiles_k)):
         words = tl.load(wq_ptr + rows_w[:, None] * stride_wn + t * 16 + ri[None, :])
@@ -206,36 +204,15 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
             w5 = _plane_plain(words, s5[:, None], 5)
             w6 = _plane_plain(words, s6[:, None], 6)
             w7 = _plane_plain(words, s7[:, None], 7)
-        if WIDE:
-            # the 8 planes side by side, one MMA of K = 128 a tile: column q of the joined tile
-            # holds plane bitrev3(q % 8)'s column q // 8, so the activations are read in that order
-            w = tl.reshape(tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)),
-                                   tl.join(tl.join(w4, w5), tl.join(w6, w7))), (BLOCK_N, 128))
-            q = tl.arange(0, 128)
-            r = q % 8
-            cols = t * 128 + 16 * (((r & 1) << 2) | (r & 2) | (r >> 2)) + q // 8
-            if ROWS_A:
-                ok_t = m_ok[:, None] & (cols < K)[None, :]
-                xa = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :], mask=ok_t, other=0.0)
-                acc_t = _dot_t(xa, tl.trans(w), acc_t, F32_DOT)
-                if HAS_X2:
-                    xb = tl.load(x2_ptr + x_rows[:, None] * stride_x2m + cols[None, :], mask=ok_t,
-                                 other=0.0)
-                    acc_t = _dot_t(xb, tl.trans(w), acc_t, F32_DOT)
-            else:
-                acc = _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2, F32_DOT)
-        else:
-            c = t * 128 + ri
-            acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
-    if ROWS_A:
-        acc = tl.trans(acc_t)
+        c = t * 128 + ri
+        acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
     n_ok = rn < N
     acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[:, None]
     ok = n_ok[:, None] & m_ok[None, :]
