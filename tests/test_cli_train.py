@@ -14,6 +14,11 @@ def test_default_train_command_writes_a_complete_run_folder(tmp_path, corpus_env
         capture_output=True, text=True, env=corpus_env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "runs" / "tiny-tinyshakespeare-stable-fp4"
+    # --no-progress: the start and done lines, no step or evaluation lines
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"starting {run} at step 0/12"), proc.stdout
+    assert lines[-1].startswith("done: val loss") and lines[-1].endswith(str(run)), proc.stdout
+    assert not any(line.startswith("step ") for line in lines), proc.stdout
     for name in ("config.json", "metrics.jsonl", "loss.png", "final.json", "checkpoints/latest.pt"):
         assert (run / name).is_file(), name
     assert list(run.glob("events.out.tfevents.*")) or list(run.glob("tb/events.out.tfevents.*")) \

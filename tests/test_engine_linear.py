@@ -232,6 +232,8 @@ def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
             torch.testing.assert_close(el.linear(x, lw, bias, residual=res, tile=tile), expected,
                                        **TOL[torch.float32])
     assert nvfp4_tile(1, 2560, 16)["SPLIT_K"] == 4 and nvfp4_tile(1, 4096, 8)["SPLIT_K"] == 1
+    # many rows: split while the tiles leave SMs idle, not once they fill a wave
+    assert nvfp4_tile(128, 2048, 16)["SPLIT_K"] == 4 and nvfp4_tile(128, 11264, 16)["SPLIT_K"] == 1
 
 
 def test_nvfp4_tiles_over_two_ks_multiply_the_exact_weight():

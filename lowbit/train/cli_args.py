@@ -88,7 +88,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-diagnostics", action="store_true",
                         help="skip the gradient-bias / operand-consistency diagnostics")
     parser.add_argument("--no-progress", action="store_true",
-                        help="print nothing while training (metrics are still written)")
+                        help="no progress bar, step or evaluation lines: the run prints its start "
+                             "and done lines only (metrics are still written)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run folder's checkpoint (same flags as before)")
     parser.add_argument("--overwrite", action="store_true",

@@ -149,6 +149,8 @@ class _Run:
         if config.cuda_graph:
             refuse_cuda_graph(process, moe=bool(config.n_experts))
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
+        self.tell = tqdm.write if main else (lambda message: None)
+        """The run's start and done lines, which print with progress off too."""
         if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
             diagnostics_fn = _recipe_diagnostics
 
@@ -213,7 +215,7 @@ class _Run:
                                                self.process.is_main, self.say)
         total, start = config.total_steps, self.start_step
         last_eval = next((r for r in reversed(self.records) if r["event"] == "eval"), None)
-        say(f"{'resuming' if self.resumed else 'starting'} {self.run_dir.path} at step "
+        self.tell(f"{'resuming' if self.resumed else 'starting'} {self.run_dir.path} at step "
             f"{start}/{total}: {self.n_params / 1e6:.2f}M parameters, {describe_numerics(config)}, "
             f"{process.device}, {config.tokens_per_step} tokens/step")
         log = MetricsLog(self.run_dir.path, self.records, start, say) if main else _NoLog()
@@ -338,7 +340,7 @@ class _Run:
                 "recipe": config.recipe, "device": str(self.process.device),
                 "n_params": self.n_params, "epochs": self.epochs})
             self.run_dir.plot(force=True)
-        self.say(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
+        self.tell(f"done: val loss {result.val_loss:.4f}, ppl {result.val_ppl:.2f}, "
                  f"{result.tokens_seen:,} tokens in {result.wall_time_s:.1f} s -> "
                  f"{self.run_dir.path}")
         return result
