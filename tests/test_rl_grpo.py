@@ -346,6 +346,39 @@ def test_cli_rl_compare_runs_every_setting_on_the_same_seeds(tmp_path, capsys):
     assert 0 < rows["nvfp4+quads"]["logp_gap_mean"] < rows["nvfp4"]["logp_gap_mean"]
 
 
+def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, capsys):
+    # every setting at every seed, named -s<seed>; the paired table of lowbit train --compare
+    # on the bf16 evaluator's accuracy change from step 0, in points, higher is better
+    from lowbit.cli import main
+    from lowbit.rl.compare import PAIRED_METRIC, accuracy_change_curve
+
+    assert main(["rl", "--quick", "--compare", "bf16,nvfp4", "--seeds", "0,1", "--no-progress",
+                 "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    folder = tmp_path / "compare-add"
+    runs = {p.name for p in tmp_path.iterdir() if p.name.startswith("rl-")}
+    assert runs == {f"rl-tiny-add-{s}-s{seed}" for s in ("bf16", "nvfp4") for seed in (0, 1)}
+    paired = json.loads((folder / "seeds" / "summary.json").read_text())
+    assert paired["metric"] == PAIRED_METRIC and paired["relative"] is False
+    assert paired["higher_is_better"] is True and paired["baseline"] == "bf16"
+    (arm,) = paired["arms"]
+    assert arm["arm"] == "nvfp4" and arm["seeds"] == [0, 1]
+    for seed, gap in zip((0, 1), arm["gaps_pct"]):   # each gap is the two runs' changes apart
+        changes = [dict(accuracy_change_curve(tmp_path / f"rl-tiny-add-{s}-s{seed}"))[paired["step"]]
+                   for s in ("nvfp4", "bf16")]
+        assert gap == pytest.approx(changes[0] - changes[1])
+        assert accuracy_change_curve(tmp_path / f"rl-tiny-add-bf16-s{seed}")[0] == (0, 0.0)
+    assert f"{PAIRED_METRIC} at step {paired['step']}" in out and "%" not in arm["verdict"]
+    assert (folder / "seeds" / "seeds.png").is_file()
+    # refused in one line: --seeds without --compare, or with --seed, or not seeds
+    for flags, message in ((["--seeds", "0,1"], "--seeds goes with --compare"),
+                           (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),
+                           (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative")):
+        code = main(["rl", "--quick", *flags, "--out-dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_compile_decode_gives_the_eager_rollouts(tmp_path):
     """--compile-decode reaches the engine, and its rollouts are the eager engine's: the same
     rewards and lengths, log-probs equal to float32 rounding."""

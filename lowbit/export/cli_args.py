@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -247,6 +248,8 @@ def run_export(args: argparse.Namespace) -> None:
                           allow_unshared_scales=args.allow_unshared_scales,
                           progress=not args.no_progress)
     print(report)
+    for note in report.notes:
+        print(f"lowbit: warning: {note}", file=sys.stderr)
     write_text(out / "lowbit_export.json", json.dumps({
         "source": str(args.source), "format": str(fmt), "layout": layout,
         "activations": args.activations, "packed_weights": len(report.quantized),
@@ -254,4 +257,5 @@ def run_export(args: argparse.Namespace) -> None:
         "quantized_bf16_bytes": report.quantized_bf16_bytes, "weight_ratio": report.weight_ratio,
         "total_bytes": report.total_bytes, "bf16_total_bytes": report.bf16_total_bytes,
         "total_ratio": report.total_ratio,
-        "qat_weights_given": 0 if weights is None else len(weights)}, indent=2) + "\n")
+        "qat_weights_given": 0 if weights is None else len(weights),
+        "reader_notes": report.notes}, indent=2) + "\n")

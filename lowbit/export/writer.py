@@ -90,6 +90,8 @@ class ExportReport:
     """The whole model in BF16 (what save_hf in bfloat16 writes)."""
     activations: str = "bf16"
     """"nvfp4": W4A4 with calibrated static input scales; "bf16": weight-only."""
+    notes: list[str] = field(default_factory=list)
+    """Readers known to load this export wrong (`lowbit export` prints each as a warning)."""
 
     @property
     def weight_ratio(self) -> float:
@@ -106,6 +108,31 @@ class ExportReport:
                 f"quantized weights {self.quantized_bytes / 2**20:.2f} MiB = "
                 f"{self.weight_ratio:.3f}x their BF16 size; whole folder "
                 f"{self.total_bytes / 2**20:.2f} MiB = {self.total_ratio:.3f}x the BF16 folder")
+
+
+TRANSFORMERS_FUSED_EXPERTS = (
+    "transformers (5.25, with compressed-tensors 0.20.1) fuses a checkpoint's per-expert tensors "
+    "into experts.gate_up_proj / down_proj and decompresses them without {what}, so it {effect}; "
+    "compressed-tensors' own decompressor and lowbit.export.load_exported read these experts "
+    "exactly (docs/models.md, 'MoE exports in transformers')")
+
+
+def reader_notes(fmt: ExportFormat, layout: str, quantized: list[str]) -> list[str]:
+    """Known problems of readers with an export of these packed weights: transformers'
+    fused-experts decompression (transformers/integrations/compressed_tensors.py,
+    CompressedTensorsDequantize.convert) passes each expert's packed weight, block scales and
+    shape, not its NVFP4 tensor scale or its zero points."""
+    if layout != "compressed-tensors" or not any(".experts." in n for n in quantized):
+        return []
+    if fmt.name == "nvfp4":
+        return [TRANSFORMERS_FUSED_EXPERTS.format(
+            what="weight_global_scale", effect="loads every expert weight without its tensor "
+            "scale, silently wrong (up to 6 x 448 = 2,688 in magnitude)")]
+    if fmt.asym:
+        return [TRANSFORMERS_FUSED_EXPERTS.format(
+            what="weight_zero_point", effect="refuses the export ('Asymmetric quant requires "
+            "zero-point values')")]
+    return []
 
 
 def quantize_group(weights: list[torch.Tensor], spec: QuantSpec) -> list[QTensor]:
@@ -320,6 +347,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
         if layer.is_moe:
             report.excluded.append(f"model.layers.{i}.mlp.gate")
     report.excluded.insert(0, "lm_head")
+    report.notes = reader_notes(fmt, layout, report.quantized)
     config = model.config
     report.bf16_total_bytes = sum(2 * t.numel() for _, t in hf_state_items(model))
     report.total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

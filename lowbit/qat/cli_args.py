@@ -11,6 +11,7 @@ import sys
 
 from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
 from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
+from lowbit.train.compare import parse_seeds
 from lowbit.train.loop import NonFiniteLossError
 
 _JQ = JacQuantConfig()
@@ -110,10 +111,7 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                              f"{', '.join(ESTIMATORS)}, each with /OPTION...s, e.g. ste/lrx1.5")
     if args.compare is not None and len(arms) < 2:
         raise ValueError("--compare needs two or more comma-separated estimators, e.g. ste,jacquant")
-    try:
-        seeds = tuple(int(s) for s in args.seeds.split(","))
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
+    seeds = tuple(parse_seeds(args.seeds))
     # the flags' config; each arm's estimator and options go on top (parse_compare_arm)
     base = QATConfig(weights=args.weights, estimator="ste", learn_scales=args.learn_scales,
                      scale_init=args.scale_init, jacquant=jacquant_from_args(args, estimators),

@@ -89,6 +89,11 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", metavar="SETTINGS",
                    help="run these settings on the same seeds and plot them together, e.g. "
                         "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is])")
+    p.add_argument("--seeds", metavar="SEEDS",
+                   help="with --compare: every setting at each of these seeds (e.g. 0,1,2; a seed "
+                        "fixes the prompts, sampling and warm start), and the change in the bf16 "
+                        "evaluator's held-out accuracy from step 0 against the first setting, "
+                        "paired by seed (mean, sd, 95%% CI, verdict) in <folder>/seeds/")
     p.add_argument("--quick", action="store_true",
                    help="a few seconds' version of the same run (for CI): " +
                         ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -114,15 +119,23 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
 
 def run_rl_command(args: argparse.Namespace) -> None:
     from lowbit.rl.compare import compare_settings, format_summary, summary_rows
+    from lowbit.train.compare import parse_seeds
     from lowbit.rl.trainer import run_rl
     from lowbit.train.loop import NonFiniteLossError
 
     config = config_from_args(args)
+    seeds = None
+    if args.seeds is not None:
+        if not args.compare:
+            raise ValueError("--seeds goes with --compare SETTINGS (the seeds of the comparison)")
+        if args.seed is not None:
+            raise ValueError("--seeds names the seeds of the comparison; drop --seed")
+        seeds = parse_seeds(args.seeds)
     try:
         if args.compare:
             settings = [s for s in args.compare.split(",") if s.strip()]
             results, folder = compare_settings(config, settings, overwrite=args.overwrite,
-                                               resume=args.resume)
+                                               resume=args.resume, seeds=seeds)
         else:
             results = [run_rl(config, resume=args.resume, overwrite=args.overwrite)]
     except NonFiniteLossError as e:   # one line and exit code 1, as `lowbit train`'s
@@ -130,6 +143,8 @@ def run_rl_command(args: argparse.Namespace) -> None:
         raise SystemExit(1) from None
     print(format_summary(summary_rows([r.run_dir for r in results])), end="")
     if args.compare:
-        print(f"figure and table: {folder}")
+        print("\n" + (folder / "seeds" / "summary.md").read_text(), end="")
+        print(f"figures and tables: {folder} (rl.png, summary.md), {folder / 'seeds'} "
+              f"(seeds.png, summary.md)")
     else:
         print(f"run folder: {results[0].run_dir} (metrics.jsonl, rl.png, checkpoints/)")

@@ -7,6 +7,13 @@ its own folder; `<out_dir>/compare-<task>/` gets rl.png (reward, held-out accura
 log-prob gap per step) and summary.md / summary.json. Every run's folder is checked before the
 first run starts, and with resume an interrupted comparison continues, as `lowbit train
 --compare`'s (lowbit.train.compare.check_run_folders).
+
+With seeds (`--seeds 0,1,2`) every setting runs at every seed (runs named `<name>-s<seed>`;
+a seed fixes the prompts, the sampling and the warm start, so one seed's runs pair), and
+`<folder>/seeds/` gets the paired statistics of `lowbit train --compare`
+(lowbit.train.compare.write_comparison) on one metric: the common evaluator's held-out accuracy
+(the trainer's weights through a bf16 engine), as its change from the run's own step 0, per
+evaluation. The gap to the first setting is in accuracy points (not %), higher is better.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ from lowbit.rl.plot import plot_rl_runs
 from lowbit.rl.trainer import RUN_FILES, RLResult, run_rl
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import write_json_atomic
-from lowbit.train.compare import check_run_folders
+from lowbit.train.compare import RunOutcome, RunSpec, check_run_folders, write_comparison
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
-__all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary"]
+__all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary",
+           "accuracy_change_curve", "PAIRED_METRIC"]
+
+PAIRED_METRIC = "held-out accuracy change from step 0 (bf16 evaluator)"
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
@@ -52,12 +62,21 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
 
 
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
-                     resume: bool = False, name: str | None = None) -> tuple[list[RLResult], Path]:
-    """Run each setting in turn; returns the results and the summary folder. resume: continue
-    an interrupted comparison (finished runs are taken as they are)."""
-    configs = [config_for_setting(base, s) for s in settings]    # all refused before any runs
+                     resume: bool = False, name: str | None = None,
+                     seeds: Sequence[int] | None = None) -> tuple[list[RLResult], Path]:
+    """Run each setting in turn (at each of `seeds`, else at base.seed); returns the results
+    and the summary folder. resume: continue an interrupted comparison (finished runs are taken
+    as they are)."""
+    plan = []                                                   # (setting, seed, config)
+    for seed in (seeds if seeds else [base.seed]):
+        for setting in settings:     # every config is made (and refused) before any runs
+            config = config_for_setting(dataclasses.replace(base, seed=seed), setting)
+            if seeds:
+                config = dataclasses.replace(config, run_name=f"{config.name}-s{seed}")
+            plan.append((config.setting, seed, config))
+    configs = [c for _, _, c in plan]
     names = [c.name for c in configs]
-    if len(configs) < 2 or len(set(names)) != len(names):
+    if len(settings) < 2 or len(set(names)) != len(names):
         raise ValueError(f"--compare needs two or more distinct settings, got {', '.join(settings)}")
     # the folders as GRPOTrainer keeps them: its files, RLConfig's rule for a changed config
     folders = [(RunDir(Path(c.out_dir) / c.name, files=RUN_FILES,
@@ -69,7 +88,24 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
                for c, state in zip(configs, states)]
     folder = Path(base.out_dir) / (name or f"compare-{base.task}")
     write_summary([r.run_dir for r in results], folder)
+    specs = [RunSpec(setting, seed, c.name) for setting, seed, c in plan]
+    outcomes = {c.name: RunOutcome(accuracy_change_curve(r.run_dir), "ok", str(r.run_dir))
+                for (_, _, c), r in zip(plan, results)}
+    count = len(seeds) if seeds else 1
+    write_comparison(specs, outcomes, folder / "seeds", metric=PAIRED_METRIC, relative=False,
+                     higher_is_better=True, title=f"{base.task}, {count} seed{'s' * (count > 1)}")
     return results, folder
+
+
+def accuracy_change_curve(run_dir: Path) -> list[tuple[int, float]]:
+    """A run's (step, eval/accuracy_bf16 - its value at the run's first evaluation) per
+    evaluation: what the RL did to the policy, by the evaluator every run shares."""
+    evals = [r for r in read_metrics(run_dir)
+             if r["event"] == "eval" and isinstance(r.get("eval/accuracy_bf16"), (int, float))]
+    if not evals:
+        return []
+    start = evals[0]["eval/accuracy_bf16"]
+    return [(r["step"], r["eval/accuracy_bf16"] - start) for r in evals]
 
 
 def _finished(config: RLConfig) -> RLResult:

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-from lowbit.train.compare import compare, format_table
+from lowbit.train.compare import compare, format_table, parse_seeds
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.plot import plot_runs
@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if args.seeds is not None:
             if "seed" in fields:
                 raise ValueError("--seeds names the seeds of the comparison; drop --seed")
-            fields["seed"] = _parse_seeds(args.seeds)[0]
+            fields["seed"] = parse_seeds(args.seeds)[0]
     elif args.seeds is not None or args.parallel_runs != 1:
         raise ValueError("--seeds and --parallel-runs go with --compare R1,R2,...")
     fields["bf16_autocast"] = not args.no_bf16_autocast
@@ -196,7 +196,7 @@ def run_train(args: argparse.Namespace) -> None:
     # With --run-name NAME the runs are NAME-<recipe> and the summary goes to NAME/;
     # without it, each run gets its default name and the summary compare-<model>-<corpus>/.
     # With --seeds, each run name ends in -s<seed>.
-    seeds = _parse_seeds(args.seeds) if args.seeds is not None else [config.seed]
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else [config.seed]
     configs = []
     for seed in seeds:
         for recipe in recipes:
@@ -232,17 +232,6 @@ def _parse_betas(text: str) -> tuple[float, float]:
         raise ValueError(f"--betas must be two comma-separated numbers, e.g. 0.9,0.95 "
                          f"(got {text!r})") from None
     return beta1, beta2
-
-
-def _parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(part) for part in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds needs distinct non-negative integers separated by commas, "
-                         f"e.g. 0,1,2 (got {text!r})")
-    return seeds
 
 
 def _parse_recipes(text: str) -> list[str]:

@@ -21,12 +21,16 @@ The comparison itself knows nothing about training. It takes run specs and a run
 The statistics (`seed_statistics`), at the step compared: the last evaluation step that every
 run that did not end early reached (the final step when all finished).
 - gap_s = (value[arm, s] - value[baseline, s]) / value[baseline, s] * 100, for each seed s
-  at which both runs have a value at that step (paired seeds);
+  at which both runs have a value at that step (paired seeds); or, for a comparison with
+  relative=False (a metric near zero, such as an accuracy's change from step 0), the plain
+  difference value[arm, s] - value[baseline, s] in the metric's units (the `*_pct` fields
+  then hold those units, Comparison.relative says which);
 - mean and sample standard deviation (n - 1) of gap_s over those n seeds;
 - the criterion, "the difference exceeds the seed spread": a two-sided paired t-test at 95%,
   i.e. |mean| > t(0.975, n - 1) * sd / sqrt(n), which is the 95% confidence interval of the
   mean gap excluding 0 (t(0.975, 2) = 4.30 for three seeds). Then the arm is "worse" or
-  "better" than the baseline; else "within noise"; with one seed no verdict;
+  "better" than the baseline (lower is better, as for a loss, unless higher_is_better);
+  else "within noise"; with one seed no verdict;
 - the baseline's seed spread: the sample standard deviation of the baseline's own values over
   seeds, in % of their mean, and whether an arm is within it on every seed
   (max_s |gap_s| <= spread).
@@ -70,7 +74,8 @@ from lowbit.train.run_dir import RunDir
 
 __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "compare_runs",
            "write_comparison", "run_all", "seed_statistics", "format_table", "TrainRunner", "compare",
-           "t_critical", "val_curve", "check_runs", "check_run_folders", "continue_state"]
+           "t_critical", "val_curve", "check_runs", "check_run_folders", "continue_state",
+           "parse_seeds"]
 
 # What may differ between the training runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe (the seed pairs the runs).
@@ -95,7 +100,7 @@ class RunSpec:
 @dataclass
 class RunOutcome:
     curve: list[tuple[int, float]]
-    """(step, value) per evaluation, in step order; lower is better (a validation loss)."""
+    """(step, value) per evaluation, in step order (a validation loss, say)."""
     status: str = "ok"
     """"ok" (ran to the end), or why it ended early, e.g. "diverged at step 40"."""
     run_dir: str | None = None
@@ -115,7 +120,8 @@ class CompareRow:
     value: float | None
     """The run's value at the step compared; None where it has none (ended early)."""
     gap_pct: float | None
-    """(value - the same seed's baseline value) / that baseline value * 100."""
+    """(value - the same seed's baseline value) / that baseline value * 100; with
+    Comparison.relative False, value - the baseline value."""
     status: str
 
 
@@ -152,6 +158,10 @@ class Comparison:
     figure: Path
     table: Path
     extra_figures: list[Path] = field(default_factory=list)
+    relative: bool = True
+    """Gaps in % of the baseline's value; False: in the metric's own units."""
+    higher_is_better: bool = False
+    """An accuracy (True) or a loss (False): which sign of the gap is "better"."""
 
 
 # Two-sided 95% quantiles of Student's t, t(0.975, df), df = 1..30 (standard tables).
@@ -210,21 +220,23 @@ def compare_runs(specs: Sequence[RunSpec], runner: Callable[[Any], RunOutcome],
 
 def write_comparison(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome],
                      summary_dir: str | Path, *, metric: str = "val loss",
-                     title: str | None = None) -> Comparison:
+                     title: str | None = None, relative: bool = True,
+                     higher_is_better: bool = False) -> Comparison:
     """The statistics of runs already run (outcomes by spec name), written to summary_dir:
     summary.md, summary.json and seeds.png (see the module doc)."""
     arms, seeds = check_specs(specs)
     summary_dir = Path(summary_dir)
-    step, rows, stats, spread = seed_statistics(specs, outcomes)
+    step, rows, stats, spread = seed_statistics(specs, outcomes, relative, higher_is_better)
     summary_dir.mkdir(parents=True, exist_ok=True)
     table = summary_dir / "summary.md"
     comparison = Comparison(metric, step, arms[0], spread, rows, stats, outcomes,
-                            summary_dir / "seeds.png", table)
+                            summary_dir / "seeds.png", table, relative=relative,
+                            higher_is_better=higher_is_better)
     write_text_atomic(table, format_table(comparison))
     write_json_atomic(summary_dir / "summary.json", _to_json(comparison))
     curves = {a: {s.seed: outcomes[s.name].curve for s in specs if s.arm == a} for a in arms}
     plot_gap_bands(curves, comparison.figure, metric=metric,
-                   title=title or f"{len(seeds)} seed{'s' * (len(seeds) > 1)}")
+                   title=title or f"{len(seeds)} seed{'s' * (len(seeds) > 1)}", relative=relative)
     return comparison
 
 
@@ -318,9 +330,11 @@ def _stopped(runner, spec: RunSpec) -> RunOutcome:
     return outcome
 
 
-def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome]):
+def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome],
+                    relative: bool = True, higher_is_better: bool = False):
     """(step compared, a CompareRow per run, an ArmStats per arm but the baseline, the baseline's
-    seed spread in %): the module doc's definitions."""
+    seed spread): the module doc's definitions; relative False takes gaps and the spread in
+    the metric's units."""
     arms, seeds = check_specs(specs)
     # the step: the last one every run that was not cut short (diverged/failed) reached
     candidates = [o for o in outcomes.values() if o.finished or o.status.startswith("stopped at")]
@@ -335,16 +349,16 @@ def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome]):
     rows = []
     for spec in specs:
         v, b = value[spec.arm, spec.seed], value[base, spec.seed]
-        rows.append(CompareRow(spec.name, spec.arm, spec.seed, v, _gap(v, b),
+        rows.append(CompareRow(spec.name, spec.arm, spec.seed, v, _gap(v, b, relative),
                                outcomes[spec.name].status))
     base_values = [value[base, s] for s in seeds if value[base, s] is not None]
     spread = None
     if len(base_values) >= 2:
         mean = sum(base_values) / len(base_values)
-        spread = _std(base_values) / mean * 100
+        spread = _std(base_values) / mean * 100 if relative else _std(base_values)
     stats = []
     for arm in arms[1:]:
-        paired = [(s, _gap(value[arm, s], value[base, s])) for s in seeds
+        paired = [(s, _gap(value[arm, s], value[base, s], relative)) for s in seeds
                   if value[arm, s] is not None and value[base, s] is not None]
         gaps = [g for _, g in paired]
         n = len(gaps)
@@ -358,7 +372,8 @@ def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome]):
         else:
             half = t_critical(n - 1) * std / math.sqrt(n)
             ci = (mean - half, mean + half)
-            verdict = "worse" if ci[0] > 0 else "better" if ci[1] < 0 else "within noise"
+            above, below = ("better", "worse") if higher_is_better else ("worse", "better")
+            verdict = above if ci[0] > 0 else below if ci[1] < 0 else "within noise"
         within = None if spread is None or not gaps else max(abs(g) for g in gaps) <= spread
         ended = sum(1 for s in specs if s.arm == arm and not outcomes[s.name].finished)
         stats.append(ArmStats(arm, [s for s, _ in paired], gaps, mean, std, ci, verdict, within,
@@ -366,10 +381,10 @@ def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome]):
     return step, rows, stats, spread
 
 
-def _gap(value: float | None, base: float | None) -> float | None:
-    if value is None or base is None or base == 0:
+def _gap(value: float | None, base: float | None, relative: bool = True) -> float | None:
+    if value is None or base is None or (relative and base == 0):
         return None
-    return (value - base) / base * 100
+    return (value - base) / base * 100 if relative else value - base
 
 
 def _std(values: Sequence[float]) -> float:
@@ -378,39 +393,46 @@ def _std(values: Sequence[float]) -> float:
 
 
 def format_table(c: Comparison) -> str:
-    """summary.md: the gaps over seeds, then every run; gaps relative to the first arm."""
-    def pct(v, sign="+"):
-        return "—" if v is None else f"{v:{sign}.2f}%"
+    """summary.md: the gaps over seeds, then every run; gaps relative to the first arm (or,
+    for c.relative False, differences in the metric's units)."""
+    unit, digits = ("%", 2) if c.relative else ("", 4)
+
+    def gap(v, sign="+"):
+        return "—" if v is None else f"{v:{sign}.{digits}f}{unit}"
 
     seeds = list(dict.fromkeys(row.seed for row in c.rows))
+    definition = (f"({c.metric} - the same seed's {c.baseline}) / {c.baseline} in %" if c.relative
+                  else f"{c.metric} - the same seed's {c.baseline}")
+    better = "higher" if c.higher_is_better else "lower"
     lines = [f"{c.metric} at step {c.step} (the last evaluation every run that did not end "
-             f"early reached); gap = ({c.metric} - the same seed's {c.baseline}) / "
-             f"{c.baseline} in %, over {len(seeds)} paired seed{'s' * (len(seeds) > 1)} "
-             f"({', '.join(map(str, seeds))}).", "",
+             f"early reached; {better} is better); gap = {definition}, over {len(seeds)} "
+             f"paired seed{'s' * (len(seeds) > 1)} ({', '.join(map(str, seeds))}).", "",
              f"| arm | gap vs {c.baseline}: mean ± sd | 95% CI | per seed | verdict | "
              f"within {c.baseline}'s seed spread on every seed |",
              "| --- | ---: | ---: | ---: | --- | --- |"]
     for a in c.arms:
-        mean = pct(a.mean_pct) + ("" if a.std_pct is None else f" ± {a.std_pct:.2f}%")
-        ci = "—" if a.ci95_pct is None else f"[{a.ci95_pct[0]:+.2f}%, {a.ci95_pct[1]:+.2f}%]"
-        per_seed = " / ".join(f"{g:+.2f}%" for g in a.gaps_pct) or "—"
+        mean = gap(a.mean_pct) + ("" if a.std_pct is None else f" ± {gap(a.std_pct, '')}")
+        ci = "—" if a.ci95_pct is None else f"[{gap(a.ci95_pct[0])}, {gap(a.ci95_pct[1])}]"
+        per_seed = " / ".join(gap(g) for g in a.gaps_pct) or "—"
         within = {None: "—", True: "yes", False: "no"}[a.within_spread_every_seed]
         ended = f" ({a.runs_ended_early} ended early)" if a.runs_ended_early else ""
         lines.append(f"| {a.arm} | {mean} | {ci} | {per_seed} | {a.verdict}{ended} | {within} |")
-    spread = pct(c.baseline_spread_pct, "")
+    spread = gap(c.baseline_spread_pct, "")
+    of_mean = ", in % of the mean" if c.relative else ""
     lines += ["", f"Criterion: {CRITERION}. Seed spread of {c.baseline}: {spread} (sample sd of "
-              f"its {c.metric} over the seeds, in % of the mean).", "",
+              f"its {c.metric} over the seeds{of_mean}).", "",
               f"| run | arm | seed | {c.metric} | gap vs {c.baseline} | status |",
               "| --- | --- | ---: | ---: | ---: | --- |"]
     for row in c.rows:
         value = "—" if row.value is None else f"{row.value:.4f}"
-        lines.append(f"| {row.run} | {row.arm} | {row.seed} | {value} | {pct(row.gap_pct)} | "
+        lines.append(f"| {row.run} | {row.arm} | {row.seed} | {value} | {gap(row.gap_pct)} | "
                      f"{row.status} |")
     return "\n".join(lines) + "\n"
 
 
 def _to_json(c: Comparison) -> dict:
     return {"metric": c.metric, "step": c.step, "baseline": c.baseline,
+            "relative": c.relative, "higher_is_better": c.higher_is_better,
             "baseline_spread_pct": c.baseline_spread_pct, "criterion": CRITERION,
             "arms": [asdict(a) for a in c.arms], "rows": [asdict(r) for r in c.rows],
             "runs": {name: {"status": o.status, "run_dir": o.run_dir,
@@ -556,3 +578,15 @@ def _check_comparable(configs: Sequence[TrainConfig]) -> None:
                                  f"has {first[key]!r}")
     for recipe in dict.fromkeys(c.recipe for c in configs):
         get_recipe(recipe)   # an unknown name is refused now, not after the first runs
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds of every job that compares runs: distinct non-negative integers, e.g. "0,1,2"."""
+    try:
+        seeds = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds needs distinct non-negative integers separated by commas, "
+                         f"e.g. 0,1,2 (got {text!r})")
+    return seeds

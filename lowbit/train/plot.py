@@ -110,12 +110,13 @@ def _load_run(run_dir: Path) -> dict:
 
 def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
                    out_path: str | Path, metric: str = "val loss",
-                   title: str | None = None) -> Path:
+                   title: str | None = None, relative: bool = True) -> Path:
     """Runs over seeds: curves[arm][seed] = [(step, value), ...], the first arm the baseline.
 
     Left, each arm's value per step, the mean over seeds and a band of +- one standard
-    deviation; right, each other arm's gap to the same seed's baseline in %, the mean over the
-    paired seeds and its band. A step enters where at least one seed has both values."""
+    deviation; right, each other arm's gap to the same seed's baseline in % (relative False:
+    the difference, in the metric's units), the mean over the paired seeds and its band. A step
+    enters where at least one seed has both values."""
     plt = pyplot()
 
     arms = list(curves)
@@ -131,8 +132,9 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
                     continue
                 per_step.setdefault(step, []).append(value)
                 b = base.get(seed, {}).get(step)
-                if arm != arms[0] and b is not None and math.isfinite(b) and b != 0:
-                    gap_per_step.setdefault(step, []).append((value - b) / b * 100)
+                if arm != arms[0] and b is not None and math.isfinite(b) and (b != 0 or not relative):
+                    gap_per_step.setdefault(step, []).append(
+                        (value - b) / b * 100 if relative else value - b)
         for ax, data in ((ax_value, per_step), (ax_gap, gap_per_step)):
             if not data:
                 continue
@@ -145,7 +147,8 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
                             [m + d for m, d in zip(means, stds)], color=color, alpha=0.2)
     ax_gap.axhline(0, color="black", linewidth=0.8)
     ax_value.set(xlabel="step", ylabel=f"{metric} (mean ± sd over seeds)")
-    ax_gap.set(xlabel="step", ylabel=f"gap to {arms[0]} (%, mean ± sd over paired seeds)")
+    unit = "%" if relative else "difference"
+    ax_gap.set(xlabel="step", ylabel=f"gap to {arms[0]} ({unit}, mean ± sd over paired seeds)")
     for ax in (ax_value, ax_gap):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
