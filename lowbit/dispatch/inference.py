@@ -84,12 +84,36 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
 
 def _gemm(x: torch.Tensor, x2: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T, or with RAC's residual x2 (x + x2) @ w^T as the kernel forms it: both products
-    exact in one float32 sum, rounded once (one GEMM over [x | x2] and [w | w]). w: a weight's
-    reference_values -- in x's dtype, or float32 for NVFP4, which multiplies in float32 and
-    rounds once to x's dtype."""
+    exact in one float32 sum, rounded once. w: a weight's reference_values -- in x's dtype, or
+    float32 for NVFP4, which multiplies in float32 and rounds once to x's dtype. With x2, a
+    16-bit w on CUDA takes two cuBLAS GEMMs with float32 outputs, summed and rounded once (no
+    copy of the weight); elsewhere one GEMM over [x | x2] and [w | w]."""
     if x2 is not None:
+        if x.dim() == 2 and x.dtype == w.dtype and _float32_mm(x):
+            y = torch.mm(x, w.t(), out_dtype=torch.float32)
+            return (y + torch.mm(x2, w.t(), out_dtype=torch.float32)).to(x.dtype)
         x, w = torch.cat([x, x2], dim=-1), torch.cat([w, w], dim=-1)
     return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
+_FLOAT32_MM: dict = {}
+"""Per device and dtype: torch.mm takes out_dtype=float32 for these 16-bit operands (CUDA)."""
+
+
+def _float32_mm(x: torch.Tensor) -> bool:
+    """torch.mm(..., out_dtype=torch.float32) runs on x's device and dtype: asked once, the
+    first time (outside any CUDA-graph capture: the engine's warm-up steps come first)."""
+    key = (x.device, x.dtype)
+    if key not in _FLOAT32_MM:
+        ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        if ok:
+            try:
+                probe = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+                ok = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, TypeError):
+                ok = False
+        _FLOAT32_MM[key] = ok
+    return _FLOAT32_MM[key]
 
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LossConfig", "group_advantages", "completion_logprobs", "CHUNK_BYTES", "importance_weights",
            "policy_loss", "mismatch_metrics", "LOSS_TYPES", "SCALE_REWARDS", "IS_LEVELS", "IS_MODES"]
@@ -101,7 +102,6 @@ def completion_logprobs(logits: torch.Tensor, prompt_lengths: torch.Tensor,
     for i in range(0, B, rows):
         args = (logits[i:i + rows], positions[i:i + rows], completions[i:i + rows], temperature)
         if torch.is_grad_enabled() and logits.requires_grad:
-            from torch.utils.checkpoint import checkpoint
             parts.append(checkpoint(_completion_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_completion_logprobs(*args))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,5 +103,5 @@ class EngineConfig:
                              "kernels (the plain-PyTorch expert grouping reads counts back to the host)")
         return self
 
-    preallocate: bool = False
+    preallocate: bool = field(default=False, init=False)
     """Set by resolve: max_seq_len was given, so the cache holds it from the start."""

@@ -224,7 +224,7 @@ class RolloutEngine:
         last token on (what was recorded there is padding, or a token fed after the row ended)."""
         B, Tc = mask.shape
         T = int(lengths.max()) + Tc
-        routed = self.cache.routed[:, :B, :T].permute(1, 2, 0, 3)                     # (B, T, L, k)
+        routed = self.cache.routed[:, :B, :T].permute(1, 2, 0, 3)               # (B, T, L, k)
         last = (lengths + mask.sum(1) - 1)[:, None]                              # (B, 1)
         beyond = torch.arange(T, device=self.device)[None, :] >= last
         return torch.where(beyond[:, :, None, None], torch.full_like(routed, -1), routed)
