@@ -179,3 +179,23 @@ def test_one_token_is_the_papers_augmented_gemm(k, ratio):
     ours = x_hat.double() @ w.double().T + r_hat.double() @ w.double().T
     assert torch.equal(paper, ours)
     assert not torch.equal(ours, x_hat.double() @ w.double().T)        # RAC changed something
+
+
+def test_rac_residual_on_a_static_channel_set():
+    # one channel set for every row: each row's compacted residual on it, quantized per token,
+    # zeros elsewhere; the per-row sets of rac_residual give rac_residual itself
+    from lowbit.formats.activations import per_token_nvfp4, rac_residual, rac_residual_on
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 48, generator=g)
+    x_hat = per_token_nvfp4(x)
+    channels = torch.tensor([1, 5, 6, 20, 33, 47])
+    got = rac_residual_on(x, x_hat, channels)
+    r = x - x_hat
+    assert torch.equal(got[:, channels], per_token_nvfp4(r[:, channels]))
+    rest = torch.ones(48, dtype=torch.bool)
+    rest[channels] = False
+    assert (got[:, rest] == 0).all()
+    top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :12]
+    per_row = torch.sort(top, dim=-1).values
+    assert torch.equal(rac_residual_on(x, x_hat, per_row), rac_residual(x, x_hat, 0.25))
+    assert (rac_residual_on(x, x_hat, channels[:0]) == 0).all()

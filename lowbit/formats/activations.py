@@ -47,7 +47,7 @@ from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
-           "rac_residual", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
+           "rac_residual", "rac_residual_on", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
 """Single-level NVFP4: 1x16 blocks, E4M3 block scales, no tensor scale (the per-token
@@ -134,11 +134,23 @@ def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float) -> torch.Te
         raise ValueError(f"x {tuple(x.shape)} and x_hat {tuple(x_hat.shape)} differ in shape")
     k = x.shape[-1]
     count = rac_channel_count(k, ratio)
-    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     if count == 0 or x.numel() == 0:
-        return out
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     r = (x.float() - x_hat.float()).reshape(-1, k)                 # (N, K)
     top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :count]
-    channels = torch.sort(top, dim=-1).values                      # (N, c), increasing
-    r_hat = per_token_nvfp4(torch.gather(r, -1, channels)).to(x.dtype)   # (N, c)
-    return out.reshape(-1, k).scatter_(-1, channels, r_hat).reshape(x.shape)
+    return rac_residual_on(x, x_hat, torch.sort(top, dim=-1).values)   # (N, c), increasing
+
+
+def rac_residual_on(x: torch.Tensor, x_hat: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """RAC's quantized residual on given channels, dense: r_hat (..., K) in x's dtype.
+    channels: (c,) int64, one set for every row (a static choice), or (N, c) a set per row
+    (rac_residual's), each in increasing order. Per row: the compacted r[channels] goes through
+    `per_token_nvfp4` and lands back on its channels; every other channel is 0."""
+    k = x.shape[-1]
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device).reshape(-1, k)
+    if channels.shape[-1] == 0 or x.numel() == 0:
+        return out.reshape(x.shape)
+    r = (x.float() - x_hat.float()).reshape(-1, k)                 # (N, K)
+    index = channels.expand(r.shape[0], -1) if channels.dim() == 1 else channels
+    r_hat = per_token_nvfp4(torch.gather(r, -1, index)).to(x.dtype)      # (N, c)
+    return out.scatter_(-1, index, r_hat).reshape(x.shape)
