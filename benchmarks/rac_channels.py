@@ -17,7 +17,9 @@ arm quantizes every decoder linear's input per token to NVFP4 and adds RAC's res
 - `static-calibrated`: the channels with the largest mean |residual| over calibration tokens
   (training-split batches, not the evaluated ones);
 - `static-weight`: the channels whose weight columns have the largest L2 norm (no data);
-- `static-random`: random channels (the control: a static set that knows nothing).
+- `static-random`: random channels (the control: a static set that knows nothing);
+- `per-token-in-calibrated-half`: each token's top |residual| channels, chosen within the
+  calibrated half of the channels (a second GEMM over K/2 columns instead of K).
 The gap is |log p_arm(token) - log p_ref(token)| of each next token of the validation batches,
 in float32: mean and max over tokens, per seed; and the validation loss change.
 
@@ -44,7 +46,8 @@ from lowbit.train.build import build_data, build_model
 from lowbit.train.checkpoint import load_checkpoint
 from lowbit.train.config import TrainConfig
 
-ARMS = ("none", "per-token", "static-calibrated", "static-weight", "static-random")
+ARMS = ("none", "per-token", "static-calibrated", "static-weight", "static-random",
+        "per-token-in-calibrated-half")
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -77,9 +80,17 @@ class Hooks:
         x_hat = per_token_nvfp4(x)
         if arm == "none":
             return x_hat
-        r_hat = (rac_residual(x, x_hat, ratio) if arm == "per-token"
-                 else rac_residual_on(x, x_hat, static[name]))
-        return x_hat + r_hat
+        if arm == "per-token":
+            return x_hat + rac_residual(x, x_hat, ratio)
+        if arm == "per-token-in-calibrated-half":      # top channels of each row within the half
+            half = static[name]
+            r = (x.float() - x_hat.float()).reshape(-1, x.shape[-1])[:, half]
+            count = rac_channel_count(x.shape[-1], ratio)
+            top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :count]
+            channels = torch.sort(half[top], dim=-1).values
+            return x_hat + rac_residual_on(x.reshape(-1, x.shape[-1]),
+                                           x_hat.reshape(-1, x.shape[-1]), channels).reshape(x.shape)
+        return x_hat + rac_residual_on(x, x_hat, static[name])
 
     def remove(self):
         for h in self.handles:
@@ -132,6 +143,7 @@ def run_seed(seed: int, steps: int, ratio: float, out_dir: Path, say) -> dict:
     g = torch.Generator().manual_seed(seed)
     static = {
         "static-calibrated": calibrated_channels(model, calibration, ratio),
+        "per-token-in-calibrated-half": calibrated_channels(model, calibration, 0.5),
         "static-weight": {n: _top(m.weight.norm(dim=0), ratio) for n, m in linears(model).items()},
         "static-random": {n: torch.sort(torch.randperm(m.in_features, generator=g)[
             :rac_channel_count(m.in_features, ratio)]).values for n, m in linears(model).items()},
