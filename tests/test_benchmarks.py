@@ -193,3 +193,18 @@ def test_multi_gpu_scaling_smoke(tmp_path):
         assert two["tokens_per_s"] == pytest.approx(4 * 32 / (two["step_ms"] / 1e3))
     assert "| stable-fp4 | 2 | ddp |" in (tmp_path / "summary.md").read_text()
     assert multi_gpu.main(["--out", str(tmp_path), "--smoke", "--modes", "tp"]) == 2
+
+
+def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path):
+    # benchmarks/rl_step.py on a tiny Hugging Face folder on the CPU: a `lowbit rl` process per
+    # mode, each mode's median step times, the table against bf16's
+    pytest.importorskip("tokenizers")
+    rl_step = script_module(ROOT / "benchmarks" / "rl_step.py")
+    assert rl_step.main(["--smoke", "--out", str(tmp_path), "--modes", "bf16,quads"]) == 0
+    result = json.loads((tmp_path / "rl-step.json").read_text())
+    assert set(result["meta"]) >= {"date", "commit", "machine", "command"}
+    rows = {r["mode"]: r for r in result["results"]["rows"]}
+    assert set(rows) == {"bf16", "quads"} and all(r["steps_timed"] == 1 for r in rows.values())
+    for r in rows.values():
+        assert r["step_s"] == pytest.approx(sum(r[k] for k in rl_step.TIMES))
+    assert "| quads |" in (tmp_path / "rl-step.md").read_text()

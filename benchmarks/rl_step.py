@@ -1,0 +1,156 @@
+"""The RL step per rollout mode, as a user runs `lowbit rl` on a Hugging Face model: where the
+time goes (generate, score, train, weight sync) and QUADS's step against BF16's.
+
+A random model of a real shape (Qwen3-0.6B's by default; `lowbit.bench.rollout.MODELS`, built
+by transformers, saved with a byte-level BPE tokenizer trained on the task's own questions:
+nothing is downloaded) is saved as a Hugging Face folder; then one `lowbit rl --model FOLDER`
+process per mode runs, one after the other, and each mode's median per-step times (steps
+after the first, which captures the CUDA graphs) are tabulated against the bf16 mode's.
+
+    PYTHONPATH=. python benchmarks/rl_step.py --out rl-step          # one H200: GSM8K, 16 x 8 x 128
+    python benchmarks/rl_step.py --smoke --out /tmp/rl-step           # CPU, a tiny shape, a minute
+
+Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric
+QAT + RAC 25%), each NVFP4 one also with --packed-gemm. Writes --out/rl-step.json ({meta,
+results}) and rl-step.md, and keeps each run's metrics.jsonl under --out/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+MODES = {
+    "bf16": "--rollout bf16 --align none",
+    "nvfp4": "--rollout nvfp4 --align none",
+    "nvfp4 packed": "--rollout nvfp4 --align none --packed-gemm",
+    "quads": "--rollout nvfp4 --align quads",
+    "quads packed": "--rollout nvfp4 --align quads --packed-gemm",
+}
+TIMES = ("time/generate_s", "time/score_s", "time/train_s", "time/sync_s")
+
+
+def save_model(name: str, folder: Path, task_dir: Path | None, vocab: int) -> Path:
+    """A random `name` model (lowbit.bench.rollout.MODELS) with a byte-level BPE tokenizer of
+    `vocab` entries trained on GSM8K's questions (or the model's name, without data)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lowbit.bench.rollout import hf_config
+
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    config, model_class = hf_config(name)
+    torch.manual_seed(0)
+    model_class(config).to(torch.bfloat16).save_pretrained(folder)
+    texts = [name] * 10
+    if task_dir is not None and (task_dir / "gsm8k" / "train.jsonl").is_file():
+        texts = [json.loads(line)["question"] + " " + json.loads(line)["answer"]
+                 for line in (task_dir / "gsm8k" / "train.jsonl").read_text().splitlines()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
+    """One `lowbit rl` process; its per-step times (medians over the steps after the first)."""
+    name = label.replace(" ", "-")
+    cmd = [sys.executable, "-m", "lowbit", "rl", "--model", str(model), "--task", args.task,
+           "--prompts-per-step", str(args.prompts), "--num-generations", str(args.generations),
+           "--max-completion-length", str(args.tokens), "--steps", str(args.steps),
+           "--eval-every", "0", "--eval-problems", "8", "--checkpoint-every", str(args.steps),
+           "--out-dir", str(runs), "--run-name", name, "--overwrite", "--no-progress",
+           *shlex.split(flags), *(["--data-dir", args.data_dir] if args.data_dir else []),
+           *(["--device", "cpu"] if args.smoke else [])]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    row = {"mode": label, "flags": flags, "returncode": proc.returncode,
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        return row
+    records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("event") == "train"][1:]   # the first captures graphs
+    for key in TIMES:
+        values = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
+        row[key] = statistics.median(values) if values else None
+    row["step_s"] = sum(row[k] or 0.0 for k in TIMES)
+    row["steps_timed"] = len(steps)
+    row["rollout_tokens_per_s"] = statistics.median(
+        [r["rollout/tokens_per_s"] for r in steps if "rollout/tokens_per_s" in r] or [0.0])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["mode"] == "bf16" and "step_s" in r), None)
+    lines = ["| mode | generate s | score s | train s | sync s | step s | vs bf16 | rollout tok/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['mode']} | failed: {r.get('error', '')} | | | | | | |")
+            continue
+        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+        cells = " | ".join("-" if r[k] is None else f"{r[k]:.3f}" for k in TIMES)
+        lines.append(f"| {r['mode']} | {cells} | {r['step_s']:.3f} | {ratio} | "
+                     f"{r['rollout_tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="qwen3-0.6b", help="a shape of lowbit.bench.rollout.MODELS")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated of: " + ", ".join(MODES))
+    p.add_argument("--task", default="gsm8k")
+    p.add_argument("--data-dir", default=None, help="folder holding gsm8k/ (default: lowbit's)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4000, help="the BPE tokenizer's entries")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per mode")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (checks the script)")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := [m for m in modes if m not in MODES]:
+        p.error(f"unknown --modes {unknown}; use some of {', '.join(MODES)}")
+    if args.smoke:
+        args.model, args.prompts, args.generations, args.tokens, args.steps = "qwen3-tiny", 2, 2, 8, 2
+        args.task, args.vocab = "add", 300
+        modes = [m for m in modes if "packed" not in m]      # the packed kernels need a GPU
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data_dir) if args.data_dir else Path(__file__).resolve().parents[2] / "shared" / "data"
+    model = save_model(args.model, out / f"model-{args.model}", data, args.vocab)
+    rows = []
+    for label in modes:
+        rows.append(run_mode(label, MODES[label], model, args, out / "runs"))
+        print(json.dumps(rows[-1]), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    meta = {"date": date.today().isoformat(), "commit": commit,
+            "machine": os.environ.get("LOWBIT_MACHINE", "unknown"),
+            "command": "python benchmarks/rl_step.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    (out / "rl-step.json").write_text(json.dumps({"meta": meta, "results": {
+        "model": args.model, "task": args.task, "prompts": args.prompts,
+        "generations": args.generations, "tokens": args.tokens, "steps": args.steps,
+        "rows": rows}}, indent=1) + "\n")
+    (out / "rl-step.md").write_text(table(rows))
+    print(table(rows), end="")
+    return 0 if all(r["returncode"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
