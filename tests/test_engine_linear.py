@@ -260,13 +260,13 @@ def test_an_outgrown_split_k_workspace_stays_alive_for_the_graphs_that_captured_
     # workspace must not free the old one (its memory would go to another tensor under the graph)
     from lowbit.kernels import nvfp4_gemm
     dev = torch.device(DEV)
-    before, _ = nvfp4_gemm._workspace(dev, 0, 0)
-    grown, _ = nvfp4_gemm._workspace(dev, before.numel() + 1, 0)
+    before, _ = nvfp4_gemm.split_k_workspace(dev, 0, 0)
+    grown, _ = nvfp4_gemm.split_k_workspace(dev, before.numel() + 1, 0)
     assert grown.data_ptr() != before.data_ptr()
-    assert any(part is before for part, _ in nvfp4_gemm._RETIRED)
+    assert any(part is before for part, _ in nvfp4_gemm.RETIRED_WORKSPACES)
     # a call with no split over K asks for no workspace at all
     g = torch.Generator().manual_seed(2)
     lw = _weight("nvfp4", torch.randn(64, 128, generator=g), torch.float32)
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
     el.linear(torch.randn(200, 128, generator=g).to(DEV), lw, tile=tile)
-    assert nvfp4_gemm._WORKSPACE[dev][0] is grown
+    assert nvfp4_gemm.WORKSPACES[dev][0] is grown

@@ -26,7 +26,8 @@ import triton.language as tl
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
 
-__all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel"]
+__all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel", "split_k_workspace",
+           "WORKSPACES", "RETIRED_WORKSPACES"]
 
 _SMS = 132
 """Streaming multiprocessors the split over K aims to fill (an H200's; more do no harm)."""
@@ -242,25 +243,29 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
 
 # ---- launching ----------------------------------------------------------------------------------
 
-_WORKSPACE: dict = {}
+WORKSPACES: dict = {}
 """Per device: (float32 partial sums, int32 counters) of the split-K NVFP4 tiles, kept zeroed
 by the kernel (the last program of each tile takes its sums and resets its counter)."""
-_RETIRED: list = []
+RETIRED_WORKSPACES: list = []
 """Workspaces outgrown by a larger call, kept: a CUDA graph captured before the growth still
 reads and writes them (freeing one would hand its memory to another tensor under the graph).
-A graph of one decode step holds a few kilobytes of them."""
+Each is as large as the split call that outgrew it: rows x N float32, tens of megabytes at
+most at decode's row counts."""
 
 
-def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    part, count = _WORKSPACE.get(device, (None, None))
+def split_k_workspace(device: torch.device, sums: int,
+                      counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's workspace, grown to hold `sums` partial sums and `counters` tile counters
+    (an outgrown one goes to RETIRED_WORKSPACES, never freed)."""
+    part, count = WORKSPACES.get(device, (None, None))
     if part is None or part.numel() < sums or count.numel() < counters:
         if part is not None:
-            _RETIRED.append((part, count))
+            RETIRED_WORKSPACES.append((part, count))
         part = torch.zeros(max(sums, 1 << 16, 0 if part is None else part.numel()),
                            dtype=torch.float32, device=device)
         count = torch.zeros(max(counters, 1 << 12, 0 if count is None else count.numel()),
                             dtype=torch.int32, device=device)
-        _WORKSPACE[device] = (part, count)
+        WORKSPACES[device] = (part, count)
     return part, count
 
 
@@ -281,7 +286,7 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
     split = tile["SPLIT_K"]
     grid = (row_tiles or triton.cdiv(rows, tile["BLOCK_M"]), triton.cdiv(N, tile["BLOCK_N"]), split)
     # only split tiles use the workspace: a prefill's many tiles never grow it
-    part, count = _workspace(x.device, rows * N if split > 1 else 0,
+    part, count = split_k_workspace(x.device, rows * N if split > 1 else 0,
                              grid[0] * grid[1] if split > 1 else 0)
     wq, ws, rs = tiles.words, tiles.scales, tiles.row_scales
     nvfp4_linear_kernel[grid](
