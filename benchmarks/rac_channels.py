@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_residual,
-                                        rac_residual_on)
+                                        rac_residual_on, top_channels)
 from lowbit.rl.precision import quantize_weight, Precision
 from lowbit.train import train
 from lowbit.train.build import build_data, build_model
@@ -83,11 +83,9 @@ class Hooks:
         if arm == "per-token":
             return x_hat + rac_residual(x, x_hat, ratio)
         if arm == "per-token-in-calibrated-half":      # top channels of each row within the half
-            half = static[name]
+            half = static[name]                    # increasing, so half[...] stays increasing
             r = (x.float() - x_hat.float()).reshape(-1, x.shape[-1])[:, half]
-            count = rac_channel_count(x.shape[-1], ratio)
-            top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :count]
-            channels = torch.sort(half[top], dim=-1).values
+            channels = half[top_channels(r.abs(), rac_channel_count(x.shape[-1], ratio))]
             return x_hat + rac_residual_on(x.reshape(-1, x.shape[-1]),
                                            x_hat.reshape(-1, x.shape[-1]), channels).reshape(x.shape)
         return x_hat + rac_residual_on(x, x_hat, static[name])
@@ -116,9 +114,7 @@ def calibrated_channels(model, batches, ratio) -> dict[str, torch.Tensor]:
 
 
 def _top(score: torch.Tensor, ratio: float) -> torch.Tensor:
-    count = rac_channel_count(score.numel(), ratio)
-    top = torch.sort(score, descending=True, stable=True).indices[:count]
-    return torch.sort(top).values
+    return top_channels(score, rac_channel_count(score.numel(), ratio))
 
 
 def run_seed(seed: int, steps: int, ratio: float, out_dir: Path, say) -> dict:

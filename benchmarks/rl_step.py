@@ -38,29 +38,26 @@ MODES = {
 TIMES = ("time/generate_s", "time/score_s", "time/train_s", "time/sync_s")
 
 
-def save_model(name: str, folder: Path, task_dir: Path | None, vocab: int) -> Path:
-    """A random `name` model (lowbit.bench.rollout.MODELS) with a byte-level BPE tokenizer of
-    `vocab` entries trained on GSM8K's questions (or the model's name, without data)."""
+def save_model(name: str, folder: Path, data_dir: str | None, vocab: int) -> Path:
+    """A random `name` model (lowbit.bench.rollout.MODELS) with lowbit's byte-level BPE
+    (lowbit.data.tokenizer.train_bpe) of `vocab` entries, trained on GSM8K's problems where the
+    data has them (lowbit.data.tasks), else on the model's name."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from lowbit.bench.rollout import hf_config
+    from lowbit.data.tasks import get_task
+    from lowbit.data.tokenizer import train_bpe
 
     if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
         return folder
     config, model_class = hf_config(name)
     torch.manual_seed(0)
     model_class(config).to(torch.bfloat16).save_pretrained(folder)
-    texts = [name] * 10
-    if task_dir is not None and (task_dir / "gsm8k" / "train.jsonl").is_file():
-        texts = [json.loads(line)["question"] + " " + json.loads(line)["answer"]
-                 for line in (task_dir / "gsm8k" / "train.jsonl").read_text().splitlines()]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=vocab, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(folder / "tokenizer.json"))
+    try:
+        text = "\n".join(p.prompt + p.solution for p in get_task("gsm8k", data_dir=data_dir).train)
+    except FileNotFoundError:
+        text = name
+    train_bpe(text, vocab).tokenizer.save(str(folder / "tokenizer.json"))
     return folder
 
 
@@ -132,8 +129,7 @@ def main(argv=None) -> int:
         modes = [m for m in modes if "packed" not in m]      # the packed kernels need a GPU
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = Path(args.data_dir) if args.data_dir else Path(__file__).resolve().parents[2] / "shared" / "data"
-    model = save_model(args.model, out / f"model-{args.model}", data, args.vocab)
+    model = save_model(args.model, out / f"model-{args.model}", args.data_dir, args.vocab)
     rows = []
     for label in modes:
         rows.append(run_mode(label, MODES[label], model, args, out / "runs"))

@@ -351,6 +351,7 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     # on the bf16 evaluator's accuracy change from step 0, in points, higher is better
     from lowbit.cli import main
     from lowbit.rl.compare import PAIRED_METRIC, accuracy_change_curve
+    from lowbit.train.metrics import read_metrics
 
     assert main(["rl", "--quick", "--compare", "bf16,nvfp4", "--seeds", "0,1", "--no-progress",
                  "--out-dir", str(tmp_path)]) == 0
@@ -364,10 +365,10 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     (arm,) = paired["arms"]
     assert arm["arm"] == "nvfp4" and arm["seeds"] == [0, 1]
     for seed, gap in zip((0, 1), arm["gaps_pct"]):   # each gap is the two runs' changes apart
-        changes = [dict(accuracy_change_curve(tmp_path / f"rl-tiny-add-{s}-s{seed}"))[paired["step"]]
+        changes = [dict(accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-{s}-s{seed}")))[paired["step"]]
                    for s in ("nvfp4", "bf16")]
         assert gap == pytest.approx(changes[0] - changes[1])
-        assert accuracy_change_curve(tmp_path / f"rl-tiny-add-bf16-s{seed}")[0] == (0, 0.0)
+        assert accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-bf16-s{seed}"))[0] == (0, 0.0)
     assert f"{PAIRED_METRIC} at step {paired['step']}" in out and "%" not in arm["verdict"]
     assert (folder / "seeds" / "seeds.png").is_file()
     # refused in one line: --seeds without --compare, or with --seed, or not seeds

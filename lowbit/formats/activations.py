@@ -47,7 +47,7 @@ from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
-           "rac_residual", "rac_residual_on", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
+           "rac_residual", "rac_residual_on", "top_channels", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
 """Single-level NVFP4: 1x16 blocks, E4M3 block scales, no tensor scale (the per-token
@@ -137,8 +137,15 @@ def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float) -> torch.Te
     if count == 0 or x.numel() == 0:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     r = (x.float() - x_hat.float()).reshape(-1, k)                 # (N, K)
-    top = torch.sort(r.abs(), dim=-1, descending=True, stable=True).indices[:, :count]
-    return rac_residual_on(x, x_hat, torch.sort(top, dim=-1).values)   # (N, c), increasing
+    return rac_residual_on(x, x_hat, top_channels(r.abs(), count))  # (N, c), increasing
+
+
+def top_channels(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` channels with the largest scores along the last dimension, in increasing
+    channel order: ties to the lower channel, NaN the largest (a stable descending sort's
+    choice). RAC's choice of channels, per row (rac_residual) or from any score."""
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
+    return torch.sort(top, dim=-1).values
 
 
 def rac_residual_on(x: torch.Tensor, x_hat: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:

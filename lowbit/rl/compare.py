@@ -89,7 +89,7 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     folder = Path(base.out_dir) / (name or f"compare-{base.task}")
     write_summary([r.run_dir for r in results], folder)
     specs = [RunSpec(setting, seed, c.name) for setting, seed, c in plan]
-    outcomes = {c.name: RunOutcome(accuracy_change_curve(r.run_dir), "ok", str(r.run_dir))
+    outcomes = {c.name: RunOutcome(accuracy_change_curve(r.records), "ok", str(r.run_dir))
                 for (_, _, c), r in zip(plan, results)}
     count = len(seeds) if seeds else 1
     write_comparison(specs, outcomes, folder / "seeds", metric=PAIRED_METRIC, relative=False,
@@ -97,10 +97,11 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     return results, folder
 
 
-def accuracy_change_curve(run_dir: Path) -> list[tuple[int, float]]:
+def accuracy_change_curve(records: Sequence[dict]) -> list[tuple[int, float]]:
     """A run's (step, eval/accuracy_bf16 - its value at the run's first evaluation) per
-    evaluation: what the RL did to the policy, by the evaluator every run shares."""
-    evals = [r for r in read_metrics(run_dir)
+    evaluation, from its metrics records (RLResult.records, or read_metrics of its folder):
+    what the RL did to the policy, by the evaluator every run shares."""
+    evals = [r for r in records
              if r["event"] == "eval" and isinstance(r.get("eval/accuracy_bf16"), (int, float))]
     if not evals:
         return []
