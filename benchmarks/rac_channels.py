@@ -44,6 +44,7 @@ from lowbit.rl.precision import quantize_weight, Precision
 from lowbit.train import train
 from lowbit.train.build import build_data, build_model
 from lowbit.train.checkpoint import load_checkpoint
+from lowbit.train.compare import parse_seeds
 from lowbit.train.config import TrainConfig
 
 ARMS = ("none", "per-token", "static-calibrated", "static-weight", "static-random",
@@ -165,7 +166,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     t0 = time.time()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = parse_seeds(args.seeds)
+        rac_channel_count(1, args.ratio)
+    except ValueError as e:
+        p.error(str(e))
     results = [run_seed(s, args.steps, args.ratio, Path(args.runs), print) for s in seeds]
     summary = {}
     for arm in ARMS:
