@@ -124,7 +124,13 @@ def train(
             run = _Run(config, process, run_dir, resume, overwrite, model, data, diagnostics_fn,
                        objective)
             run.on_step = on_step
-            return run.loop()
+            result = run.loop()
+        # Every rank has finished (rank 0 has written final.json and the plot) before any
+        # process group is torn down: a gloo rank that destroys its group while the other
+        # still works could abort ("terminate called without an active exception", about one
+        # two-process CPU run in 35). After an error the ranks are not in step, so no barrier.
+        process.barrier()
+        return result
     finally:
         process.close()
 
