@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.qat import QATConfig, parse_qat_spec  # noqa: E402
 from lowbit.qat.cli_args import config_flags  # noqa: E402
+from lowbit.train.run_dir import RunDir  # noqa: E402
 
 DEFAULT_SETTINGS = ",".join([
     "bf16/ste/0", "bf16/ste/1", "int2:g64/ste/0", "int2:g64/jacquant/0", "int2:g64/ste/1", "int2:g64/jacquant/1",
@@ -164,7 +165,7 @@ def main() -> None:
                           "--run-name", "base"), env=env, check=True)
     source = runs / "base"
     meta["pretrain_steps"] = steps
-    meta["pretrain_final"] = json.loads((source / "final.json").read_text())
+    meta["pretrain_final"] = RunDir(source).final_record()
 
     # 3. QAT, every setting at once, plus the baselines
     procs = []

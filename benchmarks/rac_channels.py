@@ -43,7 +43,7 @@ from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_
 from lowbit.rl.precision import quantize_weight, Precision
 from lowbit.train import train
 from lowbit.train.build import build_data, build_model
-from lowbit.train.checkpoint import load_checkpoint
+from lowbit.train.run_dir import RunDir
 from lowbit.train.compare import parse_seeds
 from lowbit.train.config import TrainConfig
 
@@ -124,12 +124,12 @@ def run_seed(seed: int, steps: int, ratio: float, out_dir: Path, say) -> dict:
                          seed=seed, out_dir=str(out_dir), run_name=f"rac-base-s{seed}",
                          progress=False, diagnostics=False, eval_batches=8)
     data = build_data(config)
-    run = out_dir / config.name
-    if not (run / "final.json").is_file():
+    run = RunDir(out_dir / config.name)
+    if not run.finished:
         say(f"seed {seed}: training the base ({steps} steps)")
         train(config, data=data, overwrite=True)
     model = build_model(config, data.vocab_size)
-    model.load_state_dict(load_checkpoint(run / "checkpoints" / "latest.pt")["model"])
+    model.load_state_dict(run.open().state["model"])
     model.float().eval()
     with torch.no_grad():                    # the engine's NVFP4 weights, for every arm
         for module in linears(model).values():

@@ -103,8 +103,7 @@ def _inspect_gradients(args) -> None:
 
     from lowbit.diagnostics.gradients import format_report, gradient_bias_variance, plot_report
     from lowbit.train.build import build_data, build_model
-    from lowbit.train.checkpoint import load_checkpoint
-    from lowbit.train.config import TrainConfig, resolve_device
+    from lowbit.train.config import resolve_device
     from lowbit.train.run_dir import RunDir
 
     run = Path(args.gradients)
@@ -114,13 +113,12 @@ def _inspect_gradients(args) -> None:
     if not recipes:
         raise ValueError("--recipes is empty; name at least one recipe, e.g. --recipes mxfp4")
     device = resolve_device(args.device)
-    checkpoint = load_checkpoint(RunDir(run).checkpoint)
-    config = dataclasses.replace(TrainConfig.from_dict(checkpoint["config"]), recipe="bf16",
-                                 progress=False)
+    saved = RunDir(run).open(allow_unfinished=True)
+    config = dataclasses.replace(saved.config, recipe="bf16", progress=False)
     data = build_data(config)
     model = build_model(config, data.vocab_size)
-    model.load_state_dict(checkpoint["model"])
-    del checkpoint
+    model.load_state_dict(saved.state["model"])
+    del saved
     idx, targets = (t.to(device) for t in data.train_batch(0))
     report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
                                     operands=args.operands, seed=args.seed)

@@ -20,7 +20,7 @@ from bits import same_bits
 pytest.importorskip("triton")
 
 from lowbit.formats.activations import (  # noqa: E402
-    per_token_fp8, per_token_nvfp4, rac_channel_count, rac_residual,
+    per_token_fp8, per_token_nvfp4, rac_channel_count, rac_residual, static_nvfp4,
 )
 from lowbit.kernels.activation_quant import MAX_K, quantize_activations  # noqa: E402
 
@@ -128,6 +128,24 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
         assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), k
         assert same_bits(scale, ref_scale), k
     assert not got_x[0].isnan().any() and got_x[3].isnan().any() and (got_r[2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,prologue", [(torch.float32, "none"), (torch.bfloat16, "norm"),
+                                            (torch.float16, "none")])
+def test_static_scales_are_the_references_bit_for_bit(dtype, prologue):
+    # a served checkpoint's numerics: one calibrated amax inside the rows' range (the rows past
+    # it saturate), one far above it (past float16's range), and 0 (the smallest scale)
+    x, norm = _operands(prologue, 40, dtype, seed=3)
+    inp = _prologue(x, norm=norm)
+    for amax in (0.25, 1e6, 0.0):
+        a = torch.tensor([amax], device=DEV)
+        x_hat = static_nvfp4(inp, a)
+        got_x, got_r = quantize_activations(x, "nvfp4", 0.25, norm=norm, input_amax=a)
+        assert same_bits(got_x, x_hat), amax
+        assert same_bits(got_r, rac_residual(inp, x_hat, 0.25)), amax
+        assert got_x[3].isnan().any() and not got_x[2].isnan().any()    # NaN stays NaN
+    with pytest.raises(ValueError, match="input_amax"):
+        quantize_activations(x, "fp8", input_amax=a)
 
 
 @pytest.mark.parametrize("radix_bits", [1, 4, 8])

@@ -403,7 +403,8 @@ def test_bench_folds_credits_a_layers_wide_gradient_to_it(monkeypatch, corpus_en
         return report
 
     monkeypatch.setattr(build, "apply_recipe", applying)
-    [step] = count_inexact_folds("tiny", 32, 2, 1, DEVICE, progress=lambda message: None)
+    [step] = count_inexact_folds("tiny", seq_len=32, batch_size=2, steps=1, device=DEVICE,
+                                 progress=lambda message: None)
     wide = "model.layers.0.self_attn.o_proj dY"
     assert step["rounded"] > 0 and step["redone"]
     assert step["by_operand"][wide] == step["rounded"]
@@ -750,7 +751,8 @@ def test_bench_train_says_when_a_recipe_quantized_nothing(monkeypatch):
     monkeypatch.setattr(build, "apply_recipe", lambda net, recipe: (
         real(net, recipe) if recipe is None or recipe.name == "bf16" else
         "lowbit.convert: recipe 'nvfp4': 0 modules quantized, 21 kept in high precision"))
-    rows = bench_train("tiny", ("bf16", "nvfp4"), 16, 2, 1, 0, progress=lambda m: None)
+    rows = bench_train("tiny", ("bf16", "nvfp4"), seq_len=16, batch_size=2, steps=1, warmup=0,
+                       progress=lambda m: None)
     text = format_rows(rows)
     assert rows[0]["note"] is None and "nvfp4 quantized no module" in rows[1]["note"]
     assert "nvfp4: nvfp4 quantized no module of this model" in text

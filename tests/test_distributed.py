@@ -255,7 +255,8 @@ def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_bat
         (recipe, 2, parallel) for recipe in recipes]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / (r["step_ms"] / 1e3))
-    one = bench_train("tiny", ["bf16"], 32, 4, 2, 1, device, progress=lambda message: None)
+    one = bench_train("tiny", ["bf16"], seq_len=32, batch_size=4, steps=2, warmup=1, device=device,
+                      progress=lambda message: None)
     assert rows[0]["loss"] == pytest.approx(one[0]["loss"], rel=SAME_BATCHES)   # bf16: no SR noise
     assert rows[0]["params"] == one[0]["params"]
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from lowbit.formats import QuantSpec, quantize_with_spec  # noqa: E402
-from lowbit.formats.linear_weight import LinearWeight, WeightFormat  # noqa: E402
+from lowbit.formats.linear_weight import LinearWeight, WeightStorage  # noqa: E402
 from lowbit.kernels import engine_linear as el  # noqa: E402
 from lowbit.kernels.nvfp4_gemm import nvfp4_tile  # noqa: E402
 
@@ -119,14 +119,14 @@ def test_nan_in_a_block_stays_nan_and_overflow_follows_the_reference():
     # fp16 -- inf where the reference's float32 GEMM rounds to inf, not dequantize's clamp
     codes = _weight("nvfp4", torch.randn(16, 32, generator=g), torch.float16, spread=1.0)
     row_scales = torch.full((16,), 40.0, device=DEV)
-    lw16 = LinearWeight(WeightFormat.NVFP4, codes.data, codes.block_scales, row_scales, 32, torch.float16)
+    lw16 = LinearWeight(WeightStorage.NVFP4, codes.data, codes.block_scales, row_scales, 32, torch.float16)
     eye = torch.eye(32, dtype=torch.float16, device=DEV)
     expected = lw16.reference_values().T.to(torch.float16)
     assert expected.isinf().any()
     for cols in (slice(0, 1), slice(0, 32)):
         assert torch.equal(el.linear(eye[cols], lw16), expected[cols])
     # huge row scales (past 2^127 / 448 / 6 would overflow float32 itself): exact all the same
-    huge = LinearWeight(WeightFormat.NVFP4, codes.data, codes.block_scales,
+    huge = LinearWeight(WeightStorage.NVFP4, codes.data, codes.block_scales,
                         torch.full((16,), 1e33, device=DEV), 32, torch.float32)
     eye32 = torch.eye(32, device=DEV)
     for cols in (slice(0, 1), slice(0, 32)):
@@ -188,7 +188,7 @@ def test_linear_refuses_what_it_cannot_do():
         el.linear(x, w, x2=x, norm=torch.ones(32, device=DEV))
     with pytest.raises(ValueError, match="grouped_linear"):
         el.linear(x, LinearWeight.stack([w, w]))
-    assert w.format is WeightFormat.NVFP4 and w.nbytes == 16 * 16 + 16 * 2 + 16 * 4
+    assert w.format is WeightStorage.NVFP4 and w.nbytes == 16 * 16 + 16 * 2 + 16 * 4
     with pytest.raises(ValueError, match="re-lays NVFP4"):
         LinearWeight.dense(x).tiles()
 

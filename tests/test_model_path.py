@@ -201,7 +201,7 @@ def test_qat_int4_asym_moe_exports_pack_quantized_that_compressed_tensors_decomp
 
 
 def test_rl_takes_a_model_folder_and_bad_folders_are_one_line_errors(llama_folder, tmp_path, capsys):
-    from lowbit.export.cli_args import export_format
+    from lowbit.export.source import export_format
 
     runs = tmp_path / "runs"
     assert main(["rl", "--model", str(llama_folder), "--device", "cpu", "--out-dir", str(runs),

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from lowbit.formats import quantize, save_qtensors
 from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq,
-                        load_packed, packed_weights, parse_qat_spec, parse_weight_format, prepare,
+                        load_packed, packed_weights, parse_qat_spec, qat_weight_format, prepare,
                         refresh, refresh_hook)
 from lowbit.qat.jacquant import fit_b
 
@@ -78,7 +78,7 @@ def test_prepare_train_convert_save_load_is_bit_exact(weights, estimator, scale_
 def test_grid_values_match_the_formats_reference():
     w = torch.randn(16, 64)
     for name in ["int2:g32", "int4:g32:asym", "seq2:g32", "ternary:g32", "binary:g32"]:
-        fmt = parse_weight_format(name)
+        fmt = qat_weight_format(name)
         q = GroupQuantizer(fmt, w.shape)
         scales, zeros = q.init_scales(w)
         # absmax init: the QAT forward is exactly lowbit.formats' quantizer
@@ -92,7 +92,7 @@ def test_mse_scales_are_the_best_clipping_ratio_per_group():
     torch.manual_seed(0)
     w = torch.randn(6, 64)
     w[0, 5] = 12.0                                        # an outlier
-    q = GroupQuantizer(parse_weight_format("int3:g32"), w.shape)
+    q = GroupQuantizer(qat_weight_format("int3:g32"), w.shape)
     absmax, _ = q.init_scales(w, "absmax")
     mse, _ = q.init_scales(w, "mse")
     groups = w.view(6, 2, 32)
@@ -121,7 +121,7 @@ def test_seq2_and_asymmetric_grids():
 
 def test_ste_clipped_ste_and_lsq_gradients():
     w = torch.tensor([[0.2, 0.9, 2.5, -3.0] * 8])
-    q = GroupQuantizer(parse_weight_format("int3:g32"), w.shape)
+    q = GroupQuantizer(qat_weight_format("int3:g32"), w.shape)
     s = torch.full((1, 1), 0.5)
     g = torch.randn_like(w)
     for estimator, expect in [("ste", g), ("clipped-ste", torch.where((w / 0.5).abs() <= 3, g, 0.0))]:
@@ -140,7 +140,7 @@ def test_ste_clipped_ste_and_lsq_gradients():
 def test_dither_full_width_is_clipped_ste_and_b_stays_in_range():
     torch.manual_seed(0)
     w = torch.randn(4, 64)
-    q = GroupQuantizer(parse_weight_format("int2:g32"), w.shape)
+    q = GroupQuantizer(qat_weight_format("int2:g32"), w.shape)
     s = torch.full((4, 2), 0.4)
     per_elem = JacQuantConfig(estimate="dither", eps=0.5, per_element=True, weighted=False)
     b = fit_b(w, q, s, None, per_elem, None, torch.Generator().manual_seed(0))
@@ -161,7 +161,7 @@ def test_dither_full_width_is_clipped_ste_and_b_stays_in_range():
 def test_probe_recovers_an_identity_and_a_saturated_jacobian():
     # a very fine grid acts as the identity (B = 1); far past saturation B = 0
     w = torch.randn(4, 64) * 0.01
-    q = GroupQuantizer(parse_weight_format("int8:g32"), w.shape)
+    q = GroupQuantizer(qat_weight_format("int8:g32"), w.shape)
     s = torch.full((4, 2), 1e-3)
     cfg = JacQuantConfig(estimate="probe", eps=2.0, samples=4, weighted=False, per_element=False)
     b = fit_b(w, q, s, None, cfg, None, torch.Generator().manual_seed(0))
@@ -174,7 +174,7 @@ def test_probe_recovers_an_identity_and_a_saturated_jacobian():
 def test_input_moments_weigh_a_groups_weights_and_cancel_per_element():
     torch.manual_seed(0)
     w = torch.randn(4, 64)
-    q = GroupQuantizer(parse_weight_format("int2:g32"), w.shape)
+    q = GroupQuantizer(qat_weight_format("int2:g32"), w.shape)
     s = torch.full((4, 2), 0.4)
     moments = torch.rand(64) * 10 + 0.01                  # per input channel
     fits = {}
@@ -366,7 +366,7 @@ def test_prepare_refuses_before_changing_anything():
     assert not hasattr(net.a, "parametrizations")
     for bad in ["int5", "int2:g7", "ternary:asym", "nvfp4:g32", "foo"]:
         with pytest.raises(ValueError):
-            parse_weight_format(bad)
+            qat_weight_format(bad)
 
 
 def test_distillation_kl_against_its_formula():

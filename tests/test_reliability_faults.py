@@ -215,6 +215,20 @@ def test_qat_compare_checks_every_folder_first_and_resume_continues_it(tmp_path,
     assert (out / "q" / "seeds" / "summary.md").is_file()
 
 
+def test_an_rl_setting_label_reads_back_as_its_config(tmp_path):
+    """RLConfig.setting (the label --compare names runs by) and config_for_setting are inverses,
+    for every part a label can have; `+is` alone is token-level IS."""
+    base = config_from_args(build_parser().parse_args([*RL, "--out-dir", str(tmp_path)]))
+    for label in ["bf16", "nvfp4", "nvfp4+quads", "nvfp4+quads@0.5", "nvfp4+is-sequence",
+                  "nvfp4+qat+static-act", "nvfp4+quads@0.1+is-token+static-act"]:
+        config = rl_compare.config_for_setting(base, label)
+        assert config.setting == label
+        assert rl_compare.config_for_setting(base, config.setting) == config
+    assert rl_compare.config_for_setting(base, "bf16+is").importance_sampling == "token"
+    with pytest.raises(ValueError, match="ROLLOUT"):
+        rl_compare.config_for_setting(base, "bf16+static-act")
+
+
 def test_rl_compare_checks_every_folder_first_and_resume_continues_it(tmp_path, monkeypatch):
     base = config_from_args(build_parser().parse_args([*RL, "--out-dir", str(tmp_path)]))
     settings = ["bf16", "bf16+is"]

@@ -27,6 +27,7 @@ from lowbit.qat import QATConfig, convert, packed_weights, prepare
 from lowbit.qat.cli_args import job_from_args
 from lowbit.train import TrainConfig
 from lowbit.train.checkpoint import load_checkpoint
+from lowbit.train.run_dir import RunDir
 
 
 @pytest.fixture
@@ -71,6 +72,31 @@ def test_qat_and_export_refuse_an_unfinished_or_live_run_unless_allowed(tmp_path
     assert contents(source) == before and not (tmp_path / "out2").exists()
     code, err = cli(capsys, "qat", "--allow-unfinished", "--estimator", "ste")
     one_line_error(code, err, "--allow-unfinished goes with --from")
+
+
+def test_every_reader_opens_a_run_through_run_dir_open(tmp_path, capsys, pattern_data):
+    """RunDir.open is the one place a run is read back: config from the checksummed checkpoint,
+    final.json's record; a folder with no run, or a final.json that is not JSON, is one line for
+    QAT, export and inspect alike."""
+    source = finished_run(tmp_path, "src", 0)
+    saved = RunDir(source).open()
+    assert saved.config == TrainConfig.from_dict(json.loads((source / "config.json").read_text()))
+    assert saved.final == json.loads((source / "final.json").read_text())
+    assert saved.state["step"] == 2 and "model.embed_tokens.weight" in saved.state["model"]
+    assert RunDir(source).finished and not RunDir(tmp_path / "none").finished
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    qat = [*QAT, "--out-dir", tmp_path / "qat"]
+    for command in ([*qat, "--from", empty], ["inspect", "--gradients", empty, "--recipes", "mxfp4"]):
+        code, err = cli(capsys, *command)
+        one_line_error(code, err, f"{empty} is not a lowbit train run folder")
+    (source / "final.json").write_text("{not json")
+    for command in ([*qat, "--from", source], ["export", source, "--out", tmp_path / "out",
+                                               *EXPORT]):
+        code, err = cli(capsys, *command)
+        one_line_error(code, err, f"{source / 'final.json'} is not JSON")
+    assert not (tmp_path / "qat").exists() and not (tmp_path / "out").exists()
 
 
 # --- 2. QAT reads the source's checksummed config, not its config.json ---------------------------
@@ -289,12 +315,11 @@ def test_a_qat_run_saved_before_a_field_existed_still_resumes():
     # a JacQuant run from before the shuffled-B control: its saved config lacks shuffle_b,
     # which then was off; a resume compares against that, not against "absent"
     from lowbit.qat import parse_qat_spec
-    from lowbit.train.config import changed_fields
 
     q = parse_qat_spec("int2:g64/jacquant").to_dict()
     config = TrainConfig(qat=q)
     old = config.to_dict()
     old["qat"] = {**q, "jacquant": {k: v for k, v in q["jacquant"].items() if k != "shuffle_b"}}
-    assert changed_fields(old, config) == []
+    assert config.changed_fields(old) == []
     shuffled = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/shuffled").to_dict())
-    assert changed_fields(old, shuffled) and "shuffle_b" in changed_fields(old, shuffled)[0]
+    assert shuffled.changed_fields(old) and "shuffle_b" in shuffled.changed_fields(old)[0]

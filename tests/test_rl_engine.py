@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bits import same_bits
 from lowbit import dispatch
+from lowbit.export import calibrate_input_amax
 from lowbit.models import ModelConfig, build_model
 from lowbit.ops import operand
 from lowbit.rl.engine import RolloutEngine
-from lowbit.formats.activations import rac_residual
+from lowbit.formats.activations import per_token_nvfp4, rac_residual
 from lowbit.rl.engine.weights import EngineLinear
 from lowbit.rl.precision import Precision, quantize_activation, rac_linear, weight_spec
 from lowbit.rl.sampling import SamplingParams, truncated_logprobs
@@ -34,7 +36,10 @@ def _model(moe: bool, seed: int = 0, rope_scaling: dict | None = None):
 
 def _engine(cfg, model, **kw):
     engine = RolloutEngine(cfg, max_batch_size=8, **kw)
-    engine.load_state_dict(model.state_dict())
+    static = kw.get("activation_scale") == "static"
+    # static scales calibrated on one short prompt: later tokens go past its range, and saturate
+    engine.load_state_dict(model.state_dict(), input_amax=calibrate_input_amax(
+        model, [torch.tensor(PROMPTS[1:2])]) if static else None)
     return engine
 
 
@@ -70,10 +75,11 @@ def test_bf16_engine_logprobs_equal_the_trainers_in_float32(moe, rope_scaling):
         assert (rollout.routed_experts[1, len(seq) - 1:] == -1).all()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
-def test_kv_cache_decode_equals_full_recompute(precision):
+@pytest.mark.parametrize("precision,scale", [("bf16", "per-token"), ("nvfp4", "per-token"),
+                                             ("nvfp4", "static")])
+def test_kv_cache_decode_equals_full_recompute(precision, scale):
     cfg, model = _model(False)
-    engine = _engine(cfg, model, precision=precision)
+    engine = _engine(cfg, model, precision=precision, activation_scale=scale)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=1))
     sequences = [p + c for p, c in zip(PROMPTS, rollout.completion_lists())]
     scored = engine.score(sequences)
@@ -212,6 +218,88 @@ def test_per_token_nvfp4_activations():
     assert out[1, :16].isnan().all() and torch.isfinite(out[1, 16:]).all()  # NaN: its block
     assert out[2, 16:].isnan().all() and (out[2, :16] == 0).all()
     assert quantize_activation(x.bfloat16(), Precision.NVFP4).dtype == torch.bfloat16
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _served_nvfp4(x, amax):
+    """A served NVFP4 checkpoint's activation quantization, written out here: the FP32 input
+    scale s = amax / 2688, per 1x16 block c = E4M3((amax_block / 6) / s) in [2^-6, 448], codes
+    the nearest E2M1 of x * ((1 / s) / c) saturated at 6 (ties to the even code), value
+    code * (s * c); a block with NaN or Inf is NaN."""
+    s = torch.tensor(amax, dtype=torch.float32) / 2688.0
+    out = torch.empty_like(x)
+    grid = torch.tensor(E2M1)
+    for n in range(x.shape[0]):
+        for start in range(0, x.shape[1], 16):
+            block = x[n, start:start + 16]
+            if not torch.isfinite(block).all():
+                out[n, start:start + 16] = float("nan")
+                continue
+            c = ((block.abs().max() / 6.0) / s).clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn).float()
+            v = (block * ((1.0 / s) / c)).abs().clamp(max=6.0)
+            dist = (v[:, None] - grid[None, :]).abs()
+            best = dist.min(dim=1, keepdim=True).values
+            # the nearest grid point; of two equally near, the even code (index)
+            index = torch.where(dist == best, torch.arange(8).remainder(2) * 10 + torch.arange(8), 99).argmin(1)
+            out[n, start:start + 16] = torch.sign(block) * grid[index] * (s * c)
+    return out
+
+
+def test_static_activation_scales_are_a_served_checkpoints():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 40, generator=g) * 2.0            # K not a multiple of 16: a short block
+    x[1, 5] = 50.0                                        # past the calibrated range
+    # s = 2^-10 and block scale 256: x * 4 on the grid, here every midpoint (a tie) and 6
+    x[2] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 5) / 4 * x[2].sign()
+    x[3, 20], x[4, 33] = float("nan"), float("-inf")
+    x[5] = 0.0
+    amax = torch.tensor([2.625])
+    q = quantize_activation(x, Precision.NVFP4, input_amax=amax)
+    assert same_bits(q, _served_nvfp4(x, 2.625))
+    assert torch.equal(q[2, :8].abs() * 4, torch.tensor([6.0, 0, 1, 1, 2, 2, 4, 4]))   # to even
+    # saturation: nothing past the calibrated amax (6 * 448 * s), the outlier at it
+    s = amax / 2688.0
+    assert q[1, 5] == 6.0 * (s * 448.0) and q.nan_to_num(0).abs().max() <= 6.0 * (s * 448.0)
+    # NaN / Inf: their blocks are NaN, the rest finite; zeros stay zeros
+    assert q[3, 16:32].isnan().all() and q[4, 32:].isnan().all()
+    assert torch.isfinite(q[3, :16]).all() and torch.isfinite(q[4, :32]).all() and (q[5] == 0).all()
+    # a row is quantized alone (the scale is fixed before the batch); the dtype is x's
+    assert same_bits(quantize_activation(x[1:3], Precision.NVFP4, input_amax=amax), q[1:3])
+    assert quantize_activation(x.bfloat16(), Precision.NVFP4, input_amax=amax).dtype == torch.bfloat16
+    # per-token is the default and unchanged: the per-token quantizer, not the static one
+    assert same_bits(quantize_activation(x, Precision.NVFP4), per_token_nvfp4(x))
+    with pytest.raises(ValueError, match="static activation scale is nvfp4's"):
+        quantize_activation(x, Precision.FP8, input_amax=amax)
+
+
+def test_static_activation_scales_are_calibrated_and_checked():
+    cfg, model = _model(True)
+    amax = calibrate_input_amax(model, [torch.tensor(PROMPTS[:1])])
+    engine = _engine(cfg, model, precision="nvfp4", activation_scale="static")
+    layer = engine.weights.layers[0]
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    engine.load_state_dict(model.state_dict(), input_amax=amax)
+    assert layer.qkv_proj.input_amax.item() == max(amax[n] for n in names)   # fused: the largest
+    assert layer.o_proj.input_amax.item() == amax["model.layers.0.self_attn.o_proj"]
+    experts = [v for k, v in amax.items() if k.startswith("model.layers.0.mlp.experts.")
+               and k.endswith("down_proj")]
+    assert layer.experts.down_amax.item() == max(experts)                  # one for all experts
+    with pytest.raises(ValueError, match="needs each linear's calibrated input amax"):
+        engine.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="no calibrated amax for 'model.layers.1.self_attn.o_proj'"):
+        engine.load_state_dict(model.state_dict(), input_amax={
+            k: v for k, v in amax.items() if k != "model.layers.1.self_attn.o_proj"})
+    with pytest.raises(ValueError, match="finite amax"):
+        engine.load_state_dict(model.state_dict(), input_amax={**amax, names[1]: float("nan")})
+    with pytest.raises(ValueError, match="activation_scale='static'"):
+        _engine(cfg, model, precision="nvfp4").load_state_dict(model.state_dict(), input_amax=amax)
+    for precision in ("fp8", "nvfp4-w4a16"):
+        with pytest.raises(ValueError, match="needs precision nvfp4"):
+            RolloutEngine(cfg, precision, activation_scale="static")
+    with pytest.raises(ValueError, match="unknown activation scale 'dynamic'"):
+        RolloutEngine(cfg, "nvfp4", activation_scale="dynamic")
 
 
 def test_sampling_is_seeded_and_truncates():

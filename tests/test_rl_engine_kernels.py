@@ -9,12 +9,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from lowbit.export import calibrate_input_amax  # noqa: E402
 from lowbit.models import ModelConfig, build_model  # noqa: E402
 from lowbit.rl.engine import RolloutEngine, batch_bucket  # noqa: E402
 from lowbit.rl.sampling import SamplingParams  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-MODES = [("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.25)]
+# "nvfp4+static": NVFP4 activations under static scales calibrated on the model (a served W4A4)
+MODES = [("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.25),
+         ("nvfp4+static", 0.25)]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
 
 
@@ -26,12 +29,17 @@ def _model(moe: bool, seed: int = 0, **kw):
 
 
 def _engine(cfg, model, precision, rac, device=DEV, **kw):
-    engine = RolloutEngine(cfg, precision, rac, device=device, max_batch_size=8, **kw)
-    engine.load_state_dict(model.state_dict())
+    static = precision.endswith("+static")
+    engine = RolloutEngine(cfg, precision.removesuffix("+static"), rac, device=device,
+                           max_batch_size=8, activation_scale="static" if static else "per-token", **kw)
+    # calibrated on one short prompt: later tokens go past its range, and saturate
+    engine.load_state_dict(model.state_dict(), input_amax=calibrate_input_amax(
+        model, [torch.tensor(PROMPTS[1:2])]) if static else None)
     return engine
 
 
-KERNEL_CASES = [(p, r, False) for p, r in MODES] + [("nvfp4-w4a16", 0.0, True), ("nvfp4", 0.25, True)]
+KERNEL_CASES = [(p, r, False) for p, r in MODES if "static" not in p] + [
+    ("nvfp4-w4a16", 0.0, True), ("nvfp4", 0.25, True)]
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -51,6 +59,18 @@ def test_the_kernels_decode_what_the_reference_decodes(precision, rac, packed, m
         assert torch.equal(a.routed_experts, b.routed_experts)
 
 
+def test_static_activation_scales_on_the_kernels_score_what_the_reference_scores():
+    # one forward (the interpreter is slow): the static quantizer's own kernel-vs-reference
+    # bits are tests/test_activation_quant.py's; here the engine hands it each layer's amax
+    cfg, model = _model(False)
+    kw = dict(dtype=torch.float32, cuda_graph=False, packed_gemm=True)
+    kernels = _engine(cfg, model, "nvfp4+static", 0.25, decode_kernels=True, **kw)
+    reference = _engine(cfg, model, "nvfp4+static", 0.25, decode_kernels=False, **kw)
+    sequence = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    torch.testing.assert_close(kernels.score(sequence)[0], reference.score(sequence)[0],
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("precision,rac", MODES)
 def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(precision, rac, moe):
@@ -67,7 +87,7 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(preci
         torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25)])
+@pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25), ("nvfp4+static", 0.25)])
 def test_a_weight_sync_lands_in_place_and_equals_a_fresh_engine(precision, rac):
     cfg, model = _model(True, seed=4)
     engine = _engine(cfg, model, precision, rac, device="cpu")
@@ -76,8 +96,12 @@ def test_a_weight_sync_lands_in_place_and_equals_a_fresh_engine(precision, rac):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine.load_state_dict(model.state_dict())
+    amax = engine.weights.layers[0].experts.gate_up_amax
+    static = precision.endswith("+static")
+    engine.load_state_dict(model.state_dict(), input_amax=calibrate_input_amax(
+        model, [torch.tensor(PROMPTS[1:2])]) if static else None)
     assert engine.weights.layers[0].experts.gate_up.data is held     # the same tensors
+    assert engine.weights.layers[0].experts.gate_up_amax is amax     # recalibrated in place
     fresh = _engine(cfg, model, precision, rac, device="cpu")
     assert torch.equal(engine.score([[1, 2, 3, 4]])[0], fresh.score([[1, 2, 3, 4]])[0])
 

@@ -438,3 +438,36 @@ def test_collapse_is_three_evaluations_below_half_the_peak():
     assert not collapsed([0.4, 0.1, 0.1, 0.3])             # recovered
     assert not collapsed([0.0, 0.0, 0.0, 0.0])             # no peak, nothing to fall from
     assert not collapsed([0.5, 0.1, 0.1])                  # too few evaluations
+
+
+def test_static_activation_scales_reach_the_engine_at_every_sync(tmp_path, capsys):
+    """--rollout-activation-scale static: the engine runs a served NVFP4 checkpoint's static
+    input scales, recalibrated on the policy at every sync; the run's config records it; a bad
+    value or a rollout without NVFP4 activations is refused in one line (exit 2)."""
+    from lowbit.cli import main
+    from lowbit.export import calibrate_input_amax
+
+    for argv, words in ((["--rollout-activation-scale", "dynamic"], "use one of per-token, static"),
+                        (["--rollout", "fp8", "--align", "none", "--rollout-activation-scale",
+                          "static"], "use --rollout nvfp4")):
+        assert main(["rl", *argv, "--out-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+    from lowbit.rl.trainer import GRPOTrainer
+    trainer = GRPOTrainer(_config(tmp_path, warmstart_steps=0, rollout_activation_scale="static"))
+    try:
+        assert json.loads((trainer.run_dir / "config.json").read_text())[
+            "rollout_activation_scale"] == "static"
+        assert trainer.run_dir.name.endswith("nvfp4+quads+static-act")
+        o_proj = trainer.engine.weights.layers[0].o_proj
+        held, before = o_proj.input_amax, o_proj.input_amax.clone()
+        with trainer.step_fn.autocast:                  # as the trainer's forward runs
+            amax = calibrate_input_amax(trainer.policy, trainer.calibration)
+        assert before.item() == amax["model.layers.0.self_attn.o_proj"]
+        with torch.no_grad():                           # a step's update, then the sync
+            for p in trainer.policy.parameters():
+                p.mul_(1.5)
+        trainer.sync()
+        assert o_proj.input_amax is held and not torch.equal(held, before)   # recalibrated, in place
+    finally:
+        trainer.folder.release()

@@ -501,12 +501,10 @@ def test_real_model_and_corpus_train_and_resume_exactly(tmp_path, corpus_env):
 def test_a_run_saved_before_fold_inexact_existed_resumes_as_redo(tmp_path):
     """Checkpoints written before the fold_inexact field have no such key: they resumed with
     what the field's "redo" now names, and resume refuses only a different value."""
-    from lowbit.train.config import changed_fields
-
     saved = make_config(tmp_path).to_dict()
     del saved["fold_inexact"]
-    assert changed_fields(saved, make_config(tmp_path)) == []
-    assert changed_fields(saved, make_config(tmp_path, fold_inexact="round")) == [
+    assert make_config(tmp_path).changed_fields(saved) == []
+    assert make_config(tmp_path, fold_inexact="round").changed_fields(saved) == [
         "fold_inexact: 'redo' -> 'round'"]
 
 
@@ -581,11 +579,11 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
     graph (buffers, zeroing, the redo, resume) is checked without the capture. With compile,
     the compiled model is captured (its folds' count included) and equals the compiled eager
     run."""
-    import lowbit.train.graphs as graphs
+    import lowbit.train.step as train_step
     from lowbit.train.graphs import GraphedGradients
 
     if device == "cpu":
-        monkeypatch.setattr(graphs, "cuda_graph_refusal", lambda *args, **kwargs: None)
+        monkeypatch.setattr(train_step, "cuda_graph_refusal", lambda *args, **kwargs: None)
     fields = dict(recipe=recipe, device=device, grad_accum_steps=2, compile=compile)
     eager = run(make_config(tmp_path, run_name="eager", **fields), dropout=0.2)
     graphed = run(make_config(tmp_path, run_name="graphed", cuda_graph=True, **fields),

@@ -311,8 +311,9 @@ def run_fp8(args) -> None:
 def run_folds(args) -> None:
     from lowbit.bench.folds import count_inexact_folds, format_fold_counts
 
-    steps = count_inexact_folds(args.model, args.seq_len, args.batch_size, args.steps,
-                                args.device, args.v_proj_fp8, args.corpus)
+    steps = count_inexact_folds(args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                                steps=args.steps, device=args.device,
+                                v_proj_fp8=args.v_proj_fp8, corpus=args.corpus)
     print(format_fold_counts(steps))
     args_used = {k: getattr(args, k) for k in ("model", "corpus", "seq_len", "batch_size",
                                                "steps", "device", "v_proj_fp8")}
@@ -348,9 +349,10 @@ def run_rollout(args) -> None:
     if not gpu:
         print("on the CPU this checks the benchmark itself; its speeds mean nothing", flush=True)
     meta = run_meta("cuda" if gpu else "cpu")
-    result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes, batches,
-                           prompt_len, new_tokens, args.repeats, not args.no_generate, device,
-                           save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
+    result = bench_rollout(args.model or ("llama-1.1b" if gpu else "llama-tiny"), modes,
+                           batch_sizes=batches, prompt_len=prompt_len, new_tokens=new_tokens,
+                           repeats=args.repeats, generate_baseline=not args.no_generate,
+                           device=device, save=lambda partial: write_json(args.json, {"meta": meta, **partial}),
                            compile_decode=args.compile or False, profile_steps=args.profile,
                            decode_kernels=args.decode_kernels)
     print(format_rollout_rows(result))
@@ -367,9 +369,11 @@ def run_train(args) -> None:
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     if not recipes:
         raise ValueError("--recipes is empty; name at least one, e.g. --recipes bf16,stable-fp4")
-    rows = bench_train(args.model, recipes, args.seq_len, args.batch_size, args.steps, args.warmup,
-                       args.device, args.compile, args.n_experts, args.profile, args.cuda_graph,
-                       args.corpus, interleave=args.interleave, parallel=args.parallel)
+    rows = bench_train(args.model, recipes, seq_len=args.seq_len, batch_size=args.batch_size,
+                       steps=args.steps, warmup=args.warmup, device=args.device,
+                       compile=args.compile, n_experts=args.n_experts, profile=args.profile,
+                       cuda_graph=args.cuda_graph, corpus=args.corpus,
+                       interleave=args.interleave, parallel=args.parallel)
     if os.environ.get("RANK", "0") != "0":   # under torchrun, rank 0 reports for the job
         return
     print(format_rows(rows))

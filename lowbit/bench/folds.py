@@ -54,7 +54,7 @@ class FoldCounts:
         return dict(zip(self.counts, values))
 
 
-def count_inexact_folds(model: str = "1b", seq_len: int = 2048, batch_size: int = 4,
+def count_inexact_folds(model: str = "1b", *, seq_len: int = 2048, batch_size: int = 4,
                         steps: int = 8, device: str = "auto", v_proj_fp8: bool = False,
                         corpus: str = "tinyshakespeare", progress=print) -> list[dict]:
     """Train stable-fp4-fp8 for `steps` steps (see the module doc) and return one row per

@@ -198,11 +198,10 @@ def _number(value) -> float | None:
 
 def _read_run(run_dir: Path) -> dict:
     from lowbit.train.metrics import read_metrics
+    from lowbit.train.run_dir import RunDir
 
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    final = (json.loads((run_dir / "final.json").read_text())
-             if (run_dir / "final.json").exists() else None)
-    return {"records": records, "final": final}
+    return {"records": records, "final": RunDir(run_dir).final_record()}
 
 
 def summarize(name: str, recipes: list[str], out: Path, progress=print) -> dict:

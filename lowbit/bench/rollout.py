@@ -405,7 +405,7 @@ def _row(kind: str, mode: str, batch: int, new_tokens: int, t_full: float, t_one
             "tokens_per_s": batch * new_tokens / t_full, "generate_s": t_full, "prefill_s": t_one}
 
 
-def bench_rollout(model: str = "llama-tiny", modes=("bf16",), batch_sizes=(1, 2),
+def bench_rollout(model: str = "llama-tiny", modes=("bf16",), *, batch_sizes=(1, 2),
                   prompt_len: int = 16, new_tokens: int = 8, repeats: int = 3,
                   generate_baseline: bool = True, device: str = "cpu", say=print,
                   save=None, compile_decode: bool | str = False, profile_steps: bool = False,

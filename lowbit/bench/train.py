@@ -64,7 +64,7 @@ def training_flops_per_token(net: torch.nn.Module, seq_len: int) -> tuple[float,
     return 6.0 * active + attention, active
 
 
-def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: int = 128,
+def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len: int = 128,
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
                 cuda_graph: bool = False, corpus: str | None = None,
@@ -103,14 +103,16 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), seq_len: in
         if batch_size % process.world_size:
             raise ValueError(f"--batch-size ({batch_size}) is the global batch under torchrun and "
                              f"must be a multiple of the {process.world_size} processes")
-        return _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile,
-                      n_experts, profile, cuda_graph, corpus,
-                      progress if process.is_main else (lambda message: None), interleave, parallel)
+        return _bench(process, model=model, recipes=recipes, seq_len=seq_len,
+                      batch_size=batch_size, steps=steps, warmup=warmup, compile=compile,
+                      n_experts=n_experts, profile=profile, cuda_graph=cuda_graph, corpus=corpus,
+                      progress=progress if process.is_main else (lambda message: None),
+                      interleave=interleave, parallel=parallel)
     finally:
         process.close()
 
 
-def _bench(process, model, recipes, seq_len, batch_size, steps, warmup, compile, n_experts,
+def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compile, n_experts,
            profile, cuda_graph, corpus, progress, interleave, parallel) -> list[dict]:
     from lowbit.models import is_model_folder
     from lowbit.train import TrainConfig

@@ -1,8 +1,9 @@
 """`lowbit inspect`: what each format does to a model's weights, before training anything.
 
-Format arguments are a format name with optional `:`-separated options, e.g.
-`nvfp4`, `nvfp4:16x16` (2D tiles), `nvfp4:single` (no tensor scale), `mxfp4:rceil`,
-`mxfp4:rceil:32x32`, `int4:1x64`, `mxfp4:sr` (stochastic rounding, seeded).
+Format arguments are weight formats in lowbit.formats' grammar (lowbit.formats.weight_format),
+e.g. `nvfp4`, `nvfp4:16x16` (2D tiles), `nvfp4:single` (no tensor scale), `mxfp4:rceil`,
+`mxfp4:rceil:32x32`, `int4:g64` (or `int4:1x64`), `int4:row:asym`, `mxfp4:sr` (stochastic
+rounding, seeded).
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import torch
 
 from lowbit.diagnostics.quant_error import QuantError, quantization_error
 from lowbit.dispatch import quantize_with_spec
-from lowbit.formats import QuantSpec
-from lowbit.formats.spec import FORMATS
+from lowbit.formats.weight_format import WeightFormat, parse_weight_format
 
 __all__ = ["InspectError", "parse_format", "parse_shape", "iter_safetensors", "inspect_tensors",
            "format_table"]
@@ -41,32 +41,17 @@ class Row:
     note: str = ""
 
 
-def parse_format(text: str) -> tuple[str, QuantSpec]:
-    """'mxfp4:rceil:32x32' -> (label, QuantSpec)."""
-    name, *options = text.strip().split(":")
-    if name not in FORMATS:
-        raise InspectError(f"unknown format {name!r} in --formats; known formats: "
-                           f"{', '.join(FORMATS)} (options: floor, rceil, single, sr, RxC)")
-    kw: dict = {}
-    for opt in options:
-        if opt in ("floor", "rceil"):
-            kw["scale_rule"] = opt
-        elif opt == "single":
-            if name != "nvfp4":
-                raise InspectError(f"{text!r}: tensor_scale applies to nvfp4 only (`single` drops "
-                                   "NVFP4's tensor scale); leave it out")
-            kw["tensor_scale"] = False
-        elif opt == "sr":
-            kw["rounding"] = "stochastic"
-        elif re.fullmatch(r"\d+x\d+", opt):
-            kw["block"] = tuple(int(v) for v in opt.split("x"))
-        else:
-            raise InspectError(f"unknown option {opt!r} in format {text!r}; use floor, rceil, "
-                               "single, sr or a block like 16x16 / 1x32")
+def parse_format(text: str) -> tuple[str, WeightFormat]:
+    """'mxfp4:rceil:32x32' -> (label, WeightFormat), in lowbit.formats' grammar: every format
+    and option, `row` included (one scale per row of each tensor)."""
     try:
-        return text.strip(), QuantSpec.make(name, **kw)
+        fmt = parse_weight_format(text)
     except ValueError as e:
-        raise InspectError(f"format {text!r}: {e}") from None
+        raise InspectError(f"{e} (in --formats)") from None
+    if fmt.name == "bf16":
+        raise InspectError("bf16 is no quantization; --formats takes quantized formats, e.g. "
+                           "nvfp4,mxfp4,int4")
+    return text.strip(), fmt
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -136,7 +121,7 @@ def iter_safetensors(path: str | Path, skip_non_float: bool = False,
 
 
 def inspect_tensors(tensors: list[tuple[str, torch.Tensor]] | Iterator,
-                    formats: list[tuple[str, QuantSpec]], total: int | None = None,
+                    formats: list[tuple[str, WeightFormat]], total: int | None = None,
                     progress: bool = True, seed: int = 0) -> list[Row]:
     from tqdm import tqdm
 
@@ -149,7 +134,8 @@ def inspect_tensors(tensors: list[tuple[str, torch.Tensor]] | Iterator,
             rows += [Row(name, tuple(x.shape), label, None, "empty tensor (no values): skipped")
                      for label, _ in formats]
             continue
-        for label, spec in formats:
+        for label, fmt in formats:
+            spec = fmt.spec(x.shape[-1] if x.dim() else 1)
             if spec.is_2d and x.dim() < 2:
                 rows.append(Row(name, tuple(x.shape), label, None, "1-D tensor: no 2D tiles"))
                 continue

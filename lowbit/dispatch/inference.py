@@ -3,6 +3,7 @@ quantizers and decode attention, each on its Triton kernel or on plain PyTorch.
 
     y = inference.linear(x, weight, norm=ln)                # a LinearWeight, RMSNorm prologue
     x_hat, r_hat = inference.quantize_activations(x, "nvfp4", rac_ratio=0.25)
+    x_hat, _ = inference.quantize_activations(x, "nvfp4", input_amax=amax)   # static scale
     codes, scale = inference.quantize_activations(x, "fp8")
     y = inference.fp8_linear(codes, scale, weight)          # torch._scaled_mm on CUDA
     y = inference.decode_attention(qkv, k_cache, v_cache, positions, ...)
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from lowbit import kernels
 from lowbit.dispatch import reference_forced
 from lowbit.formats import activations as reference_activations
-from lowbit.formats.linear_weight import LinearWeight, WeightFormat
+from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 
 __all__ = ["use_inference_kernels", "linear", "quantize_activations", "fp8_linear",
            "decode_attention", "rotary", "grouped_linear", "expert_groups", "prologue",
@@ -66,11 +67,11 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     """(prologue(x) + x2) @ W^T (+ bias) (+ residual), (M, K_in) -> (M, N) in x's dtype: the
     packed-weight kernel (lowbit.kernels.engine_linear) or the reference (the prologue, then
     F.linear on the dequantized weight, x2's GEMM added, each rounded as the eager ops round)."""
-    dense_prefill = (weight.format is WeightFormat.DENSE and x.is_cuda
+    dense_prefill = (weight.format is WeightStorage.DENSE and x.is_cuda
                      and x.shape[0] > DENSE_KERNEL_MAX_ROWS)
     if use_inference_kernels(x, use_kernels) and not dense_prefill:
         from lowbit.kernels import activation_quant, engine_linear
-        if (weight.format is WeightFormat.NVFP4 and (norm is not None or silu_mul)
+        if (weight.format is WeightStorage.NVFP4 and (norm is not None or silu_mul)
                 and weight.in_features > activation_quant.MAX_K):
             # rows longer than the activation pass holds: the NVFP4 kernel's prologue in torch
             x, norm, silu_mul = prologue(x, norm, eps, silu_mul), None, False
@@ -118,21 +119,27 @@ def _float32_mm(x: torch.Tensor) -> bool:
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
-                         silu_mul: bool = False, use_kernels: bool = True):
-    """A linear's input quantized per token after its prologue (lowbit.formats.activations):
-    mode "nvfp4" -> (x_hat, r_hat or None), the per-token NVFP4 values and RAC's compensated
-    residual (rac_ratio > 0) in x's dtype; mode "fp8" -> (E4M3 codes, (M, 1) float32
-    power-of-two scales). One fused pass on the kernels."""
+                         silu_mul: bool = False, input_amax: torch.Tensor | None = None,
+                         use_kernels: bool = True):
+    """A linear's input quantized after its prologue (lowbit.formats.activations): mode
+    "nvfp4" -> (x_hat, r_hat or None), the NVFP4 values and RAC's compensated residual
+    (rac_ratio > 0) in x's dtype -- per token, or with input_amax (the layer's calibrated
+    amax, float32, one element) under its one static FP32 scale as a served checkpoint
+    (static_nvfp4; RAC's residual keeps its per-token pre-scale); mode "fp8" -> (E4M3 codes,
+    (M, 1) float32 power-of-two scales). One fused pass on the kernels."""
+    if input_amax is not None and mode != "nvfp4":
+        raise ValueError(f"a static input scale (input_amax) is NVFP4's; mode {mode!r} has none")
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     if use_inference_kernels(x, use_kernels):
         from lowbit.kernels import activation_quant
         if k <= activation_quant.MAX_K:   # longer rows than one program holds: the reference
             return activation_quant.quantize_activations(x, mode, rac_ratio, norm=norm, eps=eps,
-                                                         silu_mul=silu_mul)
+                                                         silu_mul=silu_mul, input_amax=input_amax)
     xp = prologue(x, norm, eps, silu_mul)
     if mode == "fp8":
         return reference_activations.per_token_fp8(xp)
-    x_hat = reference_activations.per_token_nvfp4(xp)
+    x_hat = (reference_activations.per_token_nvfp4(xp) if input_amax is None else
+             reference_activations.static_nvfp4(xp, input_amax))
     r_hat = reference_activations.rac_residual(xp, x_hat, rac_ratio) if rac_ratio > 0 else None
     return x_hat, r_hat
 

@@ -39,11 +39,11 @@ servers ignore and lowbit.load_exported reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
-from lowbit.formats import QuantSpec
+from lowbit.formats.weight_format import WeightFormat, names_block, parse_weight_format
 
-__all__ = ["LAYOUTS", "FORMAT_LAYOUTS", "ExportFormat", "parse_export_format", "tensor_names",
+__all__ = ["LAYOUTS", "FORMAT_LAYOUTS", "parse_export_format", "tensor_names",
            "modelopt_config", "compressed_tensors_config", "int_compressed_tensors_config"]
 
 LAYOUTS = ("modelopt", "compressed-tensors")
@@ -52,73 +52,34 @@ LAYOUTS = ("modelopt", "compressed-tensors")
 FORMAT_LAYOUTS = {"nvfp4": ("modelopt", "compressed-tensors"), "mxfp4": ("compressed-tensors",),
                   "int4": ("compressed-tensors",), "int8": ("compressed-tensors",)}
 EXPORTS = "nvfp4, mxfp4, int4 and int8 (with :gG or :row, and :asym)"
-DEFAULT_INT_GROUP = 128
 
 
-@dataclass(frozen=True)
-class ExportFormat:
-    """What `--format` names: nvfp4, mxfp4, or int4 / int8 with a group size (None: one scale
-    per row) and optionally asymmetric (a zero point per group)."""
-
-    name: str
-    group: int | None = None
-    asym: bool = False
-
-    @property
-    def is_int(self) -> bool:
-        return self.name.startswith("int")
-
-    @property
-    def bits(self) -> int:
-        return int(self.name[3:]) if self.is_int else 4
-
-    @property
-    def lowbit_format(self) -> str:
-        """The lowbit.formats format of the packed weights."""
-        return self.name + ("_asym" if self.asym else "")
-
-    def spec(self, in_features: int, scale_rule: str = "floor") -> QuantSpec:
-        if self.name == "nvfp4":
-            return QuantSpec.make("nvfp4")
-        if self.name == "mxfp4":
-            return QuantSpec.make("mxfp4", scale_rule=scale_rule)
-        return QuantSpec.make(self.lowbit_format, block=(1, self.group or in_features))
-
-    def __str__(self) -> str:
-        if not self.is_int:
-            return self.name
-        return self.name + (":row" if self.group is None else f":g{self.group}") + (":asym" if self.asym else "")
-
-
-def parse_export_format(text: str) -> ExportFormat:
-    """'nvfp4', 'mxfp4', 'int4', 'int4:g64:asym', 'int8:g128' as an ExportFormat (defaults: int4
-    in groups of 128, as GPTQ / AWQ checkpoints are; int8 per output channel, `:row`, as W8A16
-    ones are). The formats no server kernel reads are refused with a line saying which export."""
-    parts = [p.strip() for p in str(text).strip().lower().split(":")]
-    head, options = parts[0], parts[1:]
-    if head in ("nvfp4", "mxfp4"):
-        if options:
-            raise ValueError(f"{head} has its own blocks; write plain --format {head}")
-        return ExportFormat(head)
-    if head in ("int4", "int8"):
-        group, asym = (DEFAULT_INT_GROUP if head == "int4" else None), False
-        for option in options:
-            if option == "row":
-                group = None
-            elif option.startswith("g") and option[1:].isdigit() and int(option[1:]) > 0:
-                group = int(option[1:])
-            elif option == "asym":
-                asym = True
-            else:
-                raise ValueError(f"unknown option {option!r} in --format {text}; use gG (e.g. "
-                                 "g128), row or asym")
-        return ExportFormat(head, group, asym)
-    if head in ("int2", "int3", "ternary", "binary", "seq2") or head.startswith("int"):
+def parse_export_format(text: str) -> WeightFormat:
+    """'nvfp4', 'mxfp4', 'int4', 'int4:g64:asym', 'int8:g128' (lowbit.formats' grammar) as the
+    WeightFormat to export (defaults: int4 in groups of 128, as GPTQ / AWQ checkpoints are; int8
+    per output channel, `:row`, as W8A16 ones are). What no server kernel reads is refused with
+    a line saying which exports there are."""
+    head = str(text).strip().lower().split(":")[0]
+    if head in ("int2", "int3", "ternary", "binary", "seq2") or head in ("int2_asym", "int3_asym"):
         raise ValueError(f"{head} weights have no serving layout: vLLM's and SGLang's integer "
                          f"kernels (compressed-tensors pack-quantized, WNA16) take 4- and 8-bit "
                          f"integers only, and no server reads 1-3-bit or ternary codes; lowbit "
                          f"exports {EXPORTS}")
-    raise ValueError(f"unknown --format {text!r}; lowbit exports {EXPORTS}")
+    try:
+        fmt = parse_weight_format(text)
+    except ValueError as e:
+        raise ValueError(f"--format {text}: {e}; lowbit exports {EXPORTS}") from None
+    if fmt.name not in FORMAT_LAYOUTS:
+        raise ValueError(f"unknown --format {text!r}; lowbit exports {EXPORTS}")
+    if fmt.data_scaled:
+        fmt.refuse(f"--format {fmt.name}", set(), f"{fmt.name} has its own blocks; write plain "
+                   f"--format {fmt.name}")
+        return fmt
+    fmt.refuse(f"--format {fmt.name}", {"group", "asym"}, "an integer export takes gG, row and "
+               "asym")
+    if fmt.name == "int8" and not names_block(text):
+        fmt = replace(fmt, row=True)
+    return fmt
 
 
 def tensor_names(layout: str) -> dict[str, str]:
@@ -161,7 +122,7 @@ def compressed_tensors_config(format: str, ignore: list[str], activations: bool,
             "producer": "lowbit"}
 
 
-def int_compressed_tensors_config(fmt: ExportFormat, ignore: list[str], version: str) -> dict:
+def int_compressed_tensors_config(fmt: WeightFormat, ignore: list[str], version: str) -> dict:
     """config.json's quantization_config for integer weights, format "pack-quantized" (the
     W4A16 / W8A16 / W4A16_ASYM schemes of compressed_tensors.quantization.quant_scheme), with
     float32 scales: the scales QAT trained, unrounded."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -50,11 +50,13 @@ import torch
 from tqdm import tqdm
 
 from lowbit.dispatch import quantize_with_spec
-from lowbit.export.layouts import (FORMAT_LAYOUTS, ExportFormat, compressed_tensors_config,
+from lowbit.export.layouts import (FORMAT_LAYOUTS, compressed_tensors_config,
                                    int_compressed_tensors_config, modelopt_config,
                                    parse_export_format, tensor_names)
 from lowbit.export.packing import int_tensors
 from lowbit.formats import QTensor, QuantSpec
+from lowbit.formats.weight_format import WeightFormat
+from lowbit.formats.quantize import tensor_scale_from_amax
 from lowbit.files import TEMP_NAME, write_atomic, write_text_atomic
 from lowbit.models.hf import hf_config_dict, hf_state_items, write_shards
 
@@ -117,7 +119,7 @@ TRANSFORMERS_FUSED_EXPERTS = (
     "exactly (docs/models.md, 'MoE exports in transformers')")
 
 
-def reader_notes(fmt: ExportFormat, layout: str, quantized: list[str]) -> list[str]:
+def reader_notes(fmt: WeightFormat, layout: str, quantized: list[str]) -> list[str]:
     """Known problems of readers with an export of these packed weights: transformers'
     fused-experts decompression (transformers/integrations/compressed_tensors.py,
     CompressedTensorsDequantize.convert) passes each expert's packed weight, block scales and
@@ -212,7 +214,7 @@ def _lookup(weights: Mapping[str, QTensor], name: str) -> QTensor | None:
     return found if found is not None else _expert_slice(weights, name)
 
 
-def _given(weights: Mapping[str, QTensor], group, fmt: ExportFormat, spec: QuantSpec
+def _given(weights: Mapping[str, QTensor], group, fmt: WeightFormat, spec: QuantSpec
            ) -> list[QTensor] | None:
     names = [name for name, _ in group]
     found = [_lookup(weights, f"{n}.weight") for n in names]
@@ -228,7 +230,7 @@ def _given(weights: Mapping[str, QTensor], group, fmt: ExportFormat, spec: Quant
                          f"(not {', '.join(missing)}); give the whole group or none of it")
     out = []
     for (name, w), q in zip(group, found):
-        if q.format != fmt.lowbit_format or (fmt.is_int and q.spec.block != spec.block):
+        if q.format != fmt.format_name or (fmt.is_int and q.spec.block != spec.block):
             raise ValueError(f"weights[{name}.weight] is {q.format} in blocks of "
                              f"{q.spec.block[0]}x{q.spec.block[1]}, not {fmt}: the export writes "
                              f"given weights as they are; export them with the format they have")
@@ -245,7 +247,7 @@ def _tensor_scale(q: QTensor) -> torch.Tensor:
             else torch.ones((), dtype=torch.float32, device=q.device)).float().reshape(())
 
 
-def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
+def export_model(model, out: str | Path, format: str | WeightFormat = "nvfp4",
                  layout: str | None = None,
                  weights: Mapping[str, QTensor] | None = None, scale_rule: str = "floor",
                  input_amax: Mapping[str, float] | None = None, tokenizer=None,
@@ -272,7 +274,9 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
         __version__ = version("lowbit")
     except PackageNotFoundError:
         __version__ = "unknown"
-    fmt = format if isinstance(format, ExportFormat) else parse_export_format(format)
+    fmt = format if isinstance(format, WeightFormat) else parse_export_format(format)
+    if fmt.name == "mxfp4":
+        fmt = replace(fmt, scale_rule=None if scale_rule == "floor" else scale_rule)
     format = fmt.name
     layout = layout or FORMAT_LAYOUTS[format][0]
     if layout not in FORMAT_LAYOUTS[format]:
@@ -293,7 +297,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
     groups = weight_groups(model)
     for group in tqdm(groups, desc="lowbit export", unit="group", disable=not progress):
         in_features = group[0][1].shape[1]
-        spec = fmt.spec(in_features, scale_rule)
+        spec = fmt.spec(in_features)
         # servers need whole blocks along the reduction dimension (integer kernels: whole
         # groups of 8 as well)
         if in_features % spec.block[1] or (fmt.is_int and in_features % 8):
@@ -330,7 +334,7 @@ def export_model(model, out: str | Path, format: str | ExportFormat = "nvfp4",
                     exact_scales[name] = float(s).hex()   # float32 -> double: exact
                 if input_amax is not None:
                     amax = torch.tensor(float(input_amax[name]), dtype=torch.float32)
-                    act = torch.clamp(amax / (448.0 * 6.0), min=2.0 ** -120)
+                    act = tensor_scale_from_amax(amax)      # the engine's static scale too
                     tensors[f"{name}.{names['input_scale']}"] = (
                         act if layout == "modelopt" else (1.0 / act).reshape(1))
             report.quantized_bytes += q.nbytes

@@ -11,7 +11,8 @@ from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor, load_qtensors, save_qtensors
 from lowbit.formats.quantize import check_input, quantize, quantize_dequantize, quantize_with_spec
 from lowbit.formats.spec import FORMATS, QuantSpec, Rounding, ScaleKind, ScaleRule, get_format
+from lowbit.formats.weight_format import WeightFormat, parse_weight_format
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "check_input", "QTensor",
            "save_qtensors", "load_qtensors", "QuantSpec", "ScaleRule", "Rounding", "ScaleKind",
-           "FORMATS", "get_format", "ElementFormat", "E2M1", "E4M3", "E5M2", "random_hadamard"]
+           "FORMATS", "get_format", "WeightFormat", "parse_weight_format", "ElementFormat", "E2M1", "E4M3", "E5M2", "random_hadamard"]

@@ -5,13 +5,36 @@ fuses into one pass.
 | function          | what each row (token) of x (N, K) becomes                              |
 | ----------------- | ---------------------------------------------------------------------- |
 | `per_token_nvfp4` | NVFP4 1x16 under its own power-of-two pre-scale (x_hat, x's dtype)     |
+| `static_nvfp4`    | NVFP4 1x16 under one calibrated FP32 scale per layer (a served W4A4's)  |
 | `per_token_fp8`   | E4M3 codes and one power-of-two scale (`torch._scaled_mm`'s operands) |
 | `rac_residual`    | RAC's quantized residual on the row's own top channels (r_hat, dense) |
 
 Every row is quantized from its own values alone, so a token's numerics do not depend on its
 batch-mates: a prefill and a KV-cache decode of the same token, or the same sequence in two
 batches, give the same bits (tests/test_activations.py checks a row alone against the row in
-a batch).
+a batch). `static_nvfp4` keeps that property: its one FP32 scale is fixed by calibration
+before the batch is seen, and its E4M3 block scales are each block's own.
+
+Static scales (a served NVFP4 checkpoint)
+-----------------------------------------
+A W4A4 NVFP4 checkpoint (ModelOpt's quant_algo "NVFP4", compressed-tensors' nvfp4 with
+input_global_scale, as `lowbit export --activations nvfp4` writes) stores per linear one FP32
+`input_scale` s = amax / (448 * 6) from the largest |input| seen in calibration; the server
+then quantizes every activation with 1x16 E4M3 block scales computed on the fly under it:
+
+    c = e4m3(clamp((amax_block / 6) / s, 2^-6, 448)),  q = e2m1(clamp(x * ((1 / s) / c), -6, 6)),
+    x_hat = q * (s * c)
+
+(lowbit.formats.quantize's NVFP4 order with s given; servers multiply by a stored float32
+1 / s instead of dividing by s, which can move a block scale by one E4M3 step where the two
+quotients round differently -- the reference keeps the order every lowbit kernel is tested
+against). Unlike the per-token pre-scale, s is not
+adapted to the token: a token smaller than the calibration's largest uses fewer of the E4M3
+scale's binades (its block scales sit lower, down to 2^-6, where they lose precision and then
+flush), and a token beyond the calibrated range saturates -- its block scale clamps at 448 (as a
+served kernel's `cvt.rn.satfinite` to E4M3 does) and its elements at 6 (likewise to E2M1),
+so every value is within +-6 * 448 * s, the calibrated amax. NaN and Inf are not saturated:
+the block holding one dequantizes to NaN, as everywhere in lowbit.
 
 RAC, per token
 --------------
@@ -43,11 +66,12 @@ import math
 import torch
 
 from lowbit.formats.elements import e8m0_to_float
-from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec
+from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec, tensor_scale_from_amax
 from lowbit.formats.spec import QuantSpec
 
-__all__ = ["per_token_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
-           "rac_residual", "rac_residual_on", "top_channels", "NVFP4_ROW", "NVFP4_ROW_AMAX"]
+__all__ = ["per_token_nvfp4", "static_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
+           "rac_residual", "rac_residual_on", "top_channels", "NVFP4_ROW", "NVFP4_ROW_AMAX",
+           "NVFP4_STATIC"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
 """Single-level NVFP4: 1x16 blocks, E4M3 block scales, no tensor scale (the per-token
@@ -55,6 +79,10 @@ power-of-two pre-scale stands in for it)."""
 
 NVFP4_ROW_AMAX = 448.0 * 6.0
 """The largest magnitude single-level NVFP4 represents (E4M3's max times E2M1's)."""
+
+NVFP4_STATIC = QuantSpec.make("nvfp4", (1, 16), tensor_scale=True)
+"""Two-level NVFP4 along each row, whose FP32 tensor scale `static_nvfp4` gives from a
+calibrated amax (not from the values at hand)."""
 
 
 def fp8_row_spec(k: int) -> QuantSpec:
@@ -90,6 +118,19 @@ def per_token_nvfp4(x: torch.Tensor) -> torch.Tensor:
     up = torch.ldexp(torch.ones_like(amax), -exp)                  # 2^-e, exact
     values = quantize_dequantize(xf * up, NVFP4_ROW)
     return (values * torch.ldexp(torch.ones_like(amax), exp)).to(x.dtype)
+
+
+def static_nvfp4(x: torch.Tensor, input_amax: torch.Tensor) -> torch.Tensor:
+    """QDQ of each row of x (..., K) as a served NVFP4 checkpoint quantizes a linear's input
+    (see the module doc), in x's dtype: 1x16 blocks, E4M3 block scales computed from the
+    block, under the one FP32 scale s = tensor_scale_from_amax(input_amax) -- input_amax (a
+    float32 tensor of one element) the layer's calibrated largest |input|, s its checkpoint's
+    `input_scale`. Values beyond the calibrated range saturate at +-6 * 448 * s; a block holding
+    NaN or Inf is NaN."""
+    if input_amax.numel() != 1:
+        raise ValueError(f"static_nvfp4 takes one calibrated amax per layer, got shape "
+                         f"{tuple(input_amax.shape)}")
+    return quantize_dequantize(x, NVFP4_STATIC, tensor_scale=tensor_scale_from_amax(input_amax))
 
 
 def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

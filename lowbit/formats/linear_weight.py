@@ -40,10 +40,10 @@ from lowbit.formats.nvfp4_tiles import NVFP4Tiles, nvfp4_tiles
 from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import ScaleKind
 
-__all__ = ["LinearWeight", "WeightFormat"]
+__all__ = ["LinearWeight", "WeightStorage"]
 
 
-class WeightFormat(str, Enum):
+class WeightStorage(str, Enum):
     DENSE = "dense"
     FP8 = "fp8"
     NVFP4 = "nvfp4"
@@ -51,7 +51,7 @@ class WeightFormat(str, Enum):
 
 @dataclass
 class LinearWeight:
-    format: WeightFormat
+    format: WeightStorage
     data: torch.Tensor
     """dense: the values; fp8: E4M3 bits; nvfp4: packed E2M1 codes (see the module doc)."""
     block_scales: torch.Tensor | None
@@ -72,7 +72,7 @@ class LinearWeight:
     def __post_init__(self) -> None:
         self.may_saturate = False
         if self.row_scales is not None and self.row_scales.numel():
-            element_max = 448.0 * 6.0 if self.format is WeightFormat.NVFP4 else 448.0
+            element_max = 448.0 * 6.0 if self.format is WeightStorage.NVFP4 else 448.0
             largest = float(self.row_scales.abs().max())                    # one read, at sync
             self.may_saturate = not largest * element_max < torch.finfo(self.dtype).max
 
@@ -81,7 +81,7 @@ class LinearWeight:
     @classmethod
     def dense(cls, weight: torch.Tensor) -> "LinearWeight":
         """A weight kept in its own dtype (the bf16 mode)."""
-        return cls(WeightFormat.DENSE, weight, None, None, weight.shape[-1], weight.dtype)
+        return cls(WeightStorage.DENSE, weight, None, None, weight.shape[-1], weight.dtype)
 
     @classmethod
     def from_qtensors(cls, parts: list[QTensor], dtype: torch.dtype) -> "LinearWeight":
@@ -96,11 +96,11 @@ class LinearWeight:
         if first.format == "nvfp4" and block == (1, 16) and first.tensor_scale is not None:
             row_scales = torch.cat([p.tensor_scale.float().reshape(1).expand(n)
                                     for p, n in zip(parts, rows)])
-            return cls(WeightFormat.NVFP4, torch.cat([p.codes for p in parts]),
+            return cls(WeightStorage.NVFP4, torch.cat([p.codes for p in parts]),
                        torch.cat([p.scales for p in parts]), row_scales, k, dtype)
         if first.format == "mxfp8_e4m3" and kind is ScaleKind.E8M0 and block == (1, k):
             row_scales = torch.cat([e8m0_to_float(p.scales).reshape(-1) for p in parts])
-            return cls(WeightFormat.FP8, torch.cat([p.codes for p in parts]), None, row_scales,
+            return cls(WeightStorage.FP8, torch.cat([p.codes for p in parts]), None, row_scales,
                        k, dtype)
         raise ValueError(f"LinearWeight holds NVFP4 1x16 (with a tensor scale) or FP8 row-scaled "
                          f"weights; got {first.format} with blocks {block}")
@@ -178,7 +178,7 @@ class LinearWeight:
         return self._values
 
     def _gemm_values(self) -> torch.Tensor:
-        if self.format is not WeightFormat.NVFP4:
+        if self.format is not WeightStorage.NVFP4:
             return self.dequantize()
         # e2m1 * e4m3 is exact in float32; times the tensor scale, rounded once
         elements, blocks = self._nvfp4_parts(self.block_scales.to(torch.float32))
@@ -194,7 +194,7 @@ class LinearWeight:
     def tiles(self) -> NVFP4Tiles:
         """An NVFP4 weight re-laid for the tensor-core GEMM (lowbit.formats.nvfp4_tiles), made
         on the first call and refreshed in place by copy_."""
-        if self.format is not WeightFormat.NVFP4:
+        if self.format is not WeightStorage.NVFP4:
             raise ValueError(f"tiles() re-lays NVFP4 weights (this one is {self.format.value})")
         if self._tiles is None:
             self._tiles = self._make_tiles()
@@ -207,9 +207,9 @@ class LinearWeight:
         """(.., N, K) in `dtype` (default the compute dtype), rounded once from float32 (see the
         module doc); dense weights come back as they are (cast if asked)."""
         dtype = dtype or self.dtype
-        if self.format is WeightFormat.DENSE:
+        if self.format is WeightStorage.DENSE:
             return self.data.to(dtype)
-        if self.format is WeightFormat.FP8:
+        if self.format is WeightStorage.FP8:
             values = decode(self.data, E4M3) * self.row_scales[..., None]
             return saturate_to(values, dtype)
         # QTensor.element_scales's order: tensor scale times block scale, then the element

@@ -45,7 +45,8 @@ from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "blocked",
-           "unblocked", "tensor_scale_of", "check_input", "check_generator", "NVFP4_TENSOR_SCALE_MIN"]
+           "unblocked", "tensor_scale_of", "tensor_scale_from_amax", "check_input", "check_generator",
+           "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -108,10 +109,18 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+                        dtype: torch.dtype | None = None, *,
+                        tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """quantize_with_spec(x, spec).dequantize(dtype), bit for bit, without encoding and
-    packing codes: the emulated GEMM path ("fake quantization")."""
-    g = _on_grid(x, spec, generator)
+    packing codes: the emulated GEMM path ("fake quantization").
+
+    tensor_scale: NVFP4 with a tensor scale only: this FP32 scale (a float32 tensor of one
+    element, e.g. a calibrated `tensor_scale_from_amax(amax)`) instead of x's own
+    amax / (448 * 6) -- a static scale, as a served checkpoint's `input_scale`. Blocks beyond
+    its range saturate: the block scale clamps at 448 and the elements at 6."""
+    if tensor_scale is not None and not (spec.info.scale_kind is ScaleKind.E4M3 and spec.tensor_scale):
+        raise ValueError(f"tensor_scale is NVFP4's FP32 tensor scale; spec {spec} has none")
+    g = _on_grid(x, spec, generator, tensor_scale)
     kind = spec.info.scale_kind
     if kind is ScaleKind.E4M3:  # the same float32 products QTensor.element_scales() forms
         scale = g.scales if g.tensor_scale is None else g.tensor_scale * g.scales
@@ -137,9 +146,10 @@ class _OnGrid(NamedTuple):
     zeros: torch.Tensor | None = None  # (..., nR, nC) float32 zero points (asymmetric intK)
 
 
-def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
+def _on_grid(x: torch.Tensor, spec: QuantSpec, generator,
+             tensor_scale: torch.Tensor | None = None) -> _OnGrid:
     """Block scales and the scaled, rounded element values: the part quantize and
-    quantize_dequantize share."""
+    quantize_dequantize share (tensor_scale: a given NVFP4 tensor scale, else x's own)."""
     check_input(x, spec)
     element = spec.info.element
     xf = x.to(torch.float32)
@@ -152,7 +162,10 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator) -> _OnGrid:
     if kind is ScaleKind.MINMAX:
         return _on_asymmetric_grid(blocks, nonfinite, element, spec, generator, pad_rows)
     if kind is ScaleKind.E4M3:
-        t_scale = tensor_scale_of(xf) if spec.tensor_scale else None
+        t_scale = None
+        if spec.tensor_scale:
+            t_scale = (tensor_scale_of(xf) if tensor_scale is None else
+                       tensor_scale.to(device=xf.device, dtype=torch.float32).reshape(()))
         scales, recip = _nvfp4_scales(amax, t_scale)
     elif kind is ScaleKind.E8M0:
         scales, recip = _mx_scales(amax, element, spec.scale_rule)
@@ -204,7 +217,14 @@ def round_asymmetric(data: torch.Tensor, zeros: torch.Tensor, qmax: float,
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:
     """NVFP4 per-tensor scale: amax over the finite values / (448 * 6), at least 2^-120."""
     finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
-    return torch.clamp(finite_abs.amax() / (448.0 * 6.0), min=NVFP4_TENSOR_SCALE_MIN)
+    return tensor_scale_from_amax(finite_abs.amax())
+
+
+def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's FP32 tensor scale of a tensor whose largest magnitude is amax (float32):
+    amax / (448 * 6) rounded once, at least 2^-120 -- a weight's `weight_scale_2`, and from a
+    calibrated activation amax the static `input_scale` of a served W4A4 checkpoint."""
+    return torch.clamp(amax.to(torch.float32) / (448.0 * 6.0), min=NVFP4_TENSOR_SCALE_MIN)
 
 
 def _nvfp4_scales(amax: torch.Tensor, t_scale: torch.Tensor | None):

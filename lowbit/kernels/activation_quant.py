@@ -5,6 +5,7 @@ FP8 (codes and a row-wise scale), bit for bit the references of lowbit.formats.a
     x_hat, r_hat = quantize_activations(x, "nvfp4", 0.25, norm=ln_weight)   # RAC on 25% channels
     codes, scale = quantize_activations(h, "fp8", silu_mul=True)            # h = [gate | up]
     x_in, _ = quantize_activations(x, "none", norm=ln_weight)     # the prologue alone (W4A16)
+    x_hat, _ = quantize_activations(x, "nvfp4", input_amax=amax)  # a static scale (served W4A4)
 
 One program owns one row (token), the whole row in registers (BLOCK_K = next_power_of_2(K),
 K <= 16384): it reads the row once, runs the prologue, quantizes and writes the outputs. Every
@@ -30,6 +31,15 @@ The row's finite amax gives the pre-scale exponent e = ceil(log2(amax / 2688)) o
 bits of amax / 2688, as the reference's frexp does (an underflow to 0 gives e = 0, a subnormal
 quotient -126); then single-level NVFP4 on x * 2^-e in 1x16 blocks (lowbit/kernels/quantize.py's
 nvfp4_scales and dequantized) and the values times 2^e, rounded to x's dtype.
+
+Static NVFP4 (x_hat, input_amax given)
+--------------------------------------
+No pre-scale: two-level NVFP4 of the row under the FP32 scale s = max(amax / 2688, 2^-120)
+of the layer's calibrated amax (lowbit/kernels/quantize.py's nvfp4_scales with the tensor amax
+read from input_amax, the reference's tensor_scale_from_amax in the same float32 operations),
+each block's E4M3 scale from the block; the values q * (s * c) saturate at the output dtype's
+max as the reference's do. A block beyond the calibrated range saturates (block scale at 448,
+elements at 6); a NaN or Inf block is NaN. RAC's residual is then as below, per token.
 
 RAC: choosing each row's channels without a sort
 ------------------------------------------------
@@ -159,6 +169,21 @@ def _nvfp4_values(xs, block_amax_bits, down, like_ptr):
 
 
 @triton.jit
+def _static_nvfp4_values(v, block_amax_bits, amax_ptr, OUT_LIMIT: tl.constexpr):
+    """Two-level NVFP4 of the row v given each element's block amax (int32 bits, NaN/Inf at or
+    above 0x7F800000) under the tensor scale of the calibrated amax at amax_ptr (int32 bits):
+    float32, saturated at OUT_LIMIT, NaN in NaN/Inf blocks."""
+    bad = block_amax_bits >= 0x7F800000
+    _, recip, elem_scale, _ = nvfp4_scales(block_amax_bits.to(tl.float32, bitcast=True), bad,
+                                           amax_ptr, True)
+    elem_scale = tl.where(bad, 0x7FC00000,
+                          elem_scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    mag = tl.minimum(tl.abs(v * recip), 6.0)      # beyond the calibrated range: saturates at 6
+    return dequantized(mag, 0.0, v.to(tl.int32, bitcast=True), elem_scale, 0, 1, 6.0,
+                       False, False, OUT_LIMIT)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -219,10 +244,11 @@ def _segment_amax(bits, block, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr,
+def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr, amax_ptr,
                        K, stride_xm, count, eps,
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
+                       STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -235,14 +261,21 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
         # ---- the prologue's output as it is (the W4A16 GEMM's input) ---------------------------
         tl.store(xhat_ptr + out, to_output(v, xhat_ptr, NATIVE_CAST), mask=ok)
     elif MODE == 0:
-        # ---- x_hat: per-token NVFP4, blocks of 16 consecutive channels -------------------------
-        up, down = _prescale(v, ok)
-        xs = v * up
+        # ---- x_hat: NVFP4, blocks of 16 consecutive channels, per token or static -------------
+        if STATIC:
+            xs = v
+        else:
+            up, down = _prescale(v, ok)
+            xs = v * up
         xs_abs = xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         block_amax = tl.max(tl.reshape(xs_abs, (BLOCK_K // 16, 16)), axis=1)
         block_amax = tl.reshape(tl.broadcast_to(block_amax[:, None], (BLOCK_K // 16, 16)),
                                 (BLOCK_K,))
-        x_hat = to_output(_nvfp4_values(xs, block_amax, down, xhat_ptr), xhat_ptr, NATIVE_CAST)
+        if STATIC:
+            x_hat = to_output(_static_nvfp4_values(xs, block_amax, amax_ptr, OUT_LIMIT), xhat_ptr,
+                              NATIVE_CAST)
+        else:
+            x_hat = to_output(_nvfp4_values(xs, block_amax, down, xhat_ptr), xhat_ptr, NATIVE_CAST)
         tl.store(xhat_ptr + out, x_hat, mask=ok)
         if RAC:
             # ---- r_hat: per-token NVFP4 of the row's top-count residuals, compacted ------------
@@ -279,7 +312,7 @@ def _num_warps(block_k: int) -> int:
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
-                         silu_mul: bool = False):
+                         silu_mul: bool = False, input_amax: torch.Tensor | None = None):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -289,6 +322,8 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         r_hat = rac_residual(input, x_hat, rac_ratio) (M, K), or None when rac_ratio is 0.
         "fp8" -> (codes, scale) = per_token_fp8(input): (M, K) float8_e4m3fn, (M, 1) float32.
         "none" -> (input, None): the prologue's output in x's dtype, unquantized.
+        With input_amax (float32, one element: the layer's calibrated amax), x_hat is
+        static_nvfp4(input, input_amax) instead, a served checkpoint's static scale.
     rac_ratio: RAC's channel fraction in [0, 1] (nvfp4 only).
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
@@ -317,6 +352,12 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                              or norm.device != x.device):
         raise ValueError(f"norm must be ({K},) in x's dtype and device ({x.dtype}, {x.device}), "
                          f"got {tuple(norm.shape)} {norm.dtype} {norm.device}")
+    if input_amax is not None and (mode != "nvfp4" or input_amax.numel() != 1
+                                   or input_amax.dtype != torch.float32
+                                   or input_amax.device != x.device):
+        raise ValueError(f"input_amax is a static NVFP4 scale's calibrated amax: one float32 on "
+                         f"x's device, with mode 'nvfp4' (got mode {mode!r}, shape "
+                         f"{tuple(input_amax.shape)}, {input_amax.dtype}, {input_amax.device})")
     kq.require_kernel_tensor(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -338,11 +379,17 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         return outputs
     block_k = max(16, triton.next_power_of_2(K))
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
+    # the amax as int32 bits, as nvfp4_scales reads a tensor amax (no copy: a CUDA graph that
+    # captured this call reads the tensor a weight sync refreshes in place)
+    amax_bits = (kq.empty_arg(dev, torch.int32) if input_amax is None else
+                 input_amax.reshape(1).view(torch.int32))
     with kq.on_device(x):
         _activation_kernel[(M,)](
-            x, norm if norm is not None else x, **buffers, K=K, stride_xm=x.stride(0),
-            count=count, eps=eps, MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
+            x, norm if norm is not None else x, **buffers, amax_ptr=amax_bits, K=K,
+            stride_xm=x.stride(0), count=count, eps=eps,
+            MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=RADIX_BITS,
+            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
             num_warps=_num_warps(block_k),
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs

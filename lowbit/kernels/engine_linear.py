@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.formats.linear_weight import LinearWeight, WeightFormat
+from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
 from lowbit.kernels.launch import pdl_launch, wait_for_inputs
@@ -54,14 +54,14 @@ MAX_ROWS = 1 << 20
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
 GROUP_BLOCK_M = 16
 """Rows per tile of grouped_linear (an expert's rows padded to a multiple of it)."""
-_FORMAT = {WeightFormat.DENSE: 0, WeightFormat.FP8: 1}
+_FORMAT = {WeightStorage.DENSE: 0, WeightStorage.FP8: 1}
 
 
-def default_tile(M: int, N: int, K: int, format: WeightFormat) -> dict:
+def default_tile(M: int, N: int, K: int, format: WeightStorage) -> dict:
     """The tile `linear` runs a dense or FP8 weight with: for one row, a CUDA-core tile; for
     more, a tensor-core tile whose row count grows with M."""
     if M == 1:
-        if format is WeightFormat.DENSE:
+        if format is WeightStorage.DENSE:
             long_k = K > 4096   # long rows: more rows per program, more warps per row
             return {"BLOCK_N": 8 if long_k else 2, "BLOCK_K": min(1024, triton.next_power_of_2(K)),
                     "USE_DOT": False, "num_warps": 8 if long_k else 4}
@@ -328,7 +328,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     norm = None if norm is None else norm.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
-    if weight.format is WeightFormat.NVFP4:
+    if weight.format is WeightStorage.NVFP4:
         nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
                       None, None, 1, tile)
         return y
@@ -425,7 +425,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, tile_expert: torch.Ten
     x2 = None if x2 is None else _rows(x2)
     y = torch.empty(n_rows, N, dtype=x.dtype, device=x.device)
     prologue = _SILU_MUL if silu_mul else _NONE
-    if weight.format is WeightFormat.NVFP4:
+    if weight.format is WeightStorage.NVFP4:
         nvfp4_linear(_prologue_pass(x, None, 0.0, silu_mul), x2, weight, y, None, None, n_rows,
                       tile_expert, row_ids, row_div, tile, block_m)
         return y

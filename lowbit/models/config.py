@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lowbit.config import require
+
 
 def _round_up(x: float, multiple: int) -> int:
     return int(math.ceil(x / multiple) * multiple)
@@ -86,48 +88,48 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0,
+            require(isinstance(value, int) and value > 0,
                      f"{name} must be a positive integer (got {value!r})")
         if self.head_dim is None:
-            _require(self.dim % self.n_heads == 0,
+            require(self.dim % self.n_heads == 0,
                      f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
                      f"choose n_heads among the divisors of dim, e.g. dim // 64 for 64-dim heads")
-            _require((self.dim // self.n_heads) % 2 == 0,
+            require((self.dim // self.n_heads) % 2 == 0,
                      f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even, since "
                      f"RoPE rotates pairs of channels; change dim or n_heads")
             self.head_dim = self.dim // self.n_heads
-        _require(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+        require(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
                  f"head_dim must be a positive even integer (got {self.head_dim!r}), since RoPE "
                  f"rotates pairs of channels")
-        _require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
+        require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
                  f"rope_scaling {self.rope_scaling!r} is not supported; lowbit implements plain "
                  f"RoPE (None) and rope_type 'llama3'")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        _require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0
+        require(isinstance(self.n_kv_heads, int) and self.n_kv_heads > 0
                  and self.n_heads % self.n_kv_heads == 0,
                  f"n_kv_heads ({self.n_kv_heads}) must be a positive divisor of n_heads "
                  f"({self.n_heads}); each key/value head serves n_heads / n_kv_heads query heads")
         if self.ffn_dim is None:
             self.ffn_dim = _round_up(8 * self.dim / 3, 64)
-        _require(isinstance(self.ffn_dim, int) and self.ffn_dim > 0,
+        require(isinstance(self.ffn_dim, int) and self.ffn_dim > 0,
                  f"ffn_dim must be a positive integer (got {self.ffn_dim!r}); None picks ~8/3 * dim")
-        _require(self.rope_theta > 0, f"rope_theta must be > 0 (got {self.rope_theta})")
-        _require(self.norm_eps > 0, f"norm_eps must be > 0 (got {self.norm_eps})")
-        _require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")
-        _require(self.init_std > 0, f"init_std must be > 0 (got {self.init_std})")
-        _require(isinstance(self.n_experts, int) and self.n_experts >= 0,
+        require(self.rope_theta > 0, f"rope_theta must be > 0 (got {self.rope_theta})")
+        require(self.norm_eps > 0, f"norm_eps must be > 0 (got {self.norm_eps})")
+        require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1) (got {self.dropout})")
+        require(self.init_std > 0, f"init_std must be > 0 (got {self.init_std})")
+        require(isinstance(self.n_experts, int) and self.n_experts >= 0,
                  f"n_experts must be an integer >= 0 (got {self.n_experts!r}); 0 builds a dense model")
-        _require(self.moe_aux_loss_coef >= 0,
+        require(self.moe_aux_loss_coef >= 0,
                  f"moe_aux_loss_coef must be >= 0 (got {self.moe_aux_loss_coef}); 0 disables balancing")
         if self.n_experts > 0:
-            _require(isinstance(self.experts_per_token, int)
+            require(isinstance(self.experts_per_token, int)
                      and 1 <= self.experts_per_token <= self.n_experts,
                      f"experts_per_token ({self.experts_per_token}) must be between 1 and "
                      f"n_experts ({self.n_experts}); lower it or add experts")
             if self.moe_ffn_dim is None:
                 self.moe_ffn_dim = _round_up(self.ffn_dim / self.experts_per_token, 32)
-            _require(isinstance(self.moe_ffn_dim, int) and self.moe_ffn_dim > 0,
+            require(isinstance(self.moe_ffn_dim, int) and self.moe_ffn_dim > 0,
                      f"moe_ffn_dim must be a positive integer (got {self.moe_ffn_dim!r}); "
                      f"None picks ffn_dim / experts_per_token")
 
@@ -187,6 +189,3 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -9,8 +9,8 @@ estimators (ste, clipped-ste, lsq, jacquant), RTN and GPTQ baselines, and `lowbi
 DESIGN.md section 3 has the method; docs/qat.md the user's guide.
 """
 
-from lowbit.qat.config import (ESTIMATORS, JacQuantConfig, QATConfig, WeightFormat, parse_compare_arm,
-                               parse_qat_spec, parse_weight_format)
+from lowbit.qat.config import (ESTIMATORS, QAT_FORMATS, JacQuantConfig, QATConfig, parse_compare_arm,
+                               parse_qat_spec, qat_weight_format)
 from lowbit.qat.distill import Distillation, distillation, distillation_kl
 from lowbit.qat.gptq import gptq
 from lowbit.qat.layers import (CodeFlips, FakeQuantWeight, PackedWeight, QATReport, check_model, convert,
@@ -18,7 +18,7 @@ from lowbit.qat.layers import (CodeFlips, FakeQuantWeight, PackedWeight, QATRepo
                                refresh, refresh_hook)
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize
 
-__all__ = ["QATConfig", "JacQuantConfig", "WeightFormat", "parse_weight_format", "parse_qat_spec",
+__all__ = ["QATConfig", "JacQuantConfig", "QAT_FORMATS", "qat_weight_format", "parse_qat_spec",
            "parse_compare_arm", "ESTIMATORS", "CodeFlips",
            "prepare", "check_model", "convert", "packed_weights", "load_packed", "refresh", "refresh_hook",
            "jacquant_metrics", "fake_quantizers", "gptq", "FakeQuantWeight", "PackedWeight",

@@ -1,6 +1,7 @@
-"""What a QAT run quantizes and how its gradients pass the quantizer: `WeightFormat`, `QATConfig`.
+"""What a QAT run quantizes and how its gradients pass the quantizer: `QATConfig`.
 
-A weight format is written as the CLI takes it: a grid, then options separated by colons,
+The weights are a weight format in lowbit.formats' grammar (lowbit.formats.weight_format), of
+which QAT trains these (`qat_weight_format` refuses the rest in one line):
     int2:g64   int3:g128   int4:row   int2:g64:asym   ternary   binary   seq2:g64   nvfp4   mxfp4
 (and `bf16`, for `lowbit qat` only: the control run, the same fine-tuning with no quantization);
 - intK (K = 2, 3, 4, 8): symmetric -(2^(K-1)-1)..2^(K-1)-1 (lowbit.formats' intK), or with
@@ -20,88 +21,33 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["WeightFormat", "QATConfig", "JacQuantConfig", "ESTIMATORS", "parse_weight_format",
+from lowbit.config import require
+from lowbit.formats.weight_format import WeightFormat, parse_weight_format
+
+__all__ = ["QATConfig", "JacQuantConfig", "ESTIMATORS", "QAT_FORMATS", "qat_weight_format",
            "parse_qat_spec", "parse_compare_arm"]
 
 ESTIMATORS = ("ste", "clipped-ste", "lsq", "jacquant")
-_GRIDS = ("int", "ternary", "binary", "seq2", "nvfp4", "mxfp4")
-_INT_BITS = (2, 3, 4, 8)
+QAT_FORMATS = ("int2", "int3", "int4", "int8", "ternary", "binary", "seq2", "nvfp4", "mxfp4",
+               "bf16")
 
 
-@dataclass(frozen=True)
-class WeightFormat:
-    grid: str                 # "int", "ternary", "binary", "seq2", "nvfp4", "mxfp4"
-    bits: int | None = None   # intK only
-    group: int | None = 128   # inputs per scale; None: one scale per output row
-    asym: bool = False        # intK only: codes 0..2^K-1 and a zero point per group
-
-    @property
-    def data_scaled(self) -> bool:
-        """nvfp4 / mxfp4: block scales come from the weight each forward (nothing to learn)."""
-        return self.grid in ("nvfp4", "mxfp4")
-
-    @property
-    def format_name(self) -> str:
-        """The lowbit.formats format of the packed weights."""
-        if self.grid == "int":
-            return f"int{self.bits}" + ("_asym" if self.asym else "")
-        return self.grid
-
-    def block(self, in_features: int) -> tuple[int, int]:
-        if self.data_scaled:
-            return (1, 16) if self.grid == "nvfp4" else (1, 32)
-        return (1, in_features if self.group is None else self.group)
-
-    def check_layer(self, name: str, in_features: int) -> None:
-        group = self.block(in_features)[1]
-        if in_features % group:
-            if self.data_scaled:
-                raise ValueError(f"{self.grid}'s blocks of {group} do not divide {name}'s "
-                                 f"{in_features} inputs; leave it out of QAT (module_filter_fn)")
-            raise ValueError(f"group size {group} does not divide {name}'s {in_features} "
-                             f"inputs; pick a divisor (e.g. g{math.gcd(in_features, group)}) "
-                             "or `row`")
-
-    def __str__(self) -> str:
-        if self.data_scaled:
-            return self.grid
-        name = f"int{self.bits}" if self.grid == "int" else self.grid
-        return name + (":row" if self.group is None else f":g{self.group}") + (":asym" if self.asym else "")
-
-
-def parse_weight_format(text: str) -> WeightFormat:
-    """'int2:g64' -> WeightFormat('int', 2, 64); see the module docstring."""
-    parts = [p.strip() for p in text.strip().lower().split(":")]
-    head, options = parts[0], parts[1:]
-    if head == "bf16" and not options:
-        return WeightFormat("bf16", None, None)   # the control run: the same fine-tuning, unquantized
-    if head.startswith("int") and head[3:].isdigit():
-        grid, bits = "int", int(head[3:])
-        if bits not in _INT_BITS:
-            raise ValueError(f"int{bits}: QAT takes int2, int3, int4 or int8 weights")
-    elif head in _GRIDS and head != "int":
-        grid, bits = head, None
-    else:
-        raise ValueError(f"unknown weight format {text!r}; use int2|int3|int4|int8 (with :gG, "
-                         ":row, :asym), ternary, binary, seq2, nvfp4 or mxfp4, e.g. int2:g64")
-    group, asym = 128, False
-    for option in options:
-        if option == "row":
-            group = None
-        elif option.startswith("g") and option[1:].isdigit():
-            group = int(option[1:])
-            if not 8 <= group <= 4096 or group % 8:
-                raise ValueError(f"group size {group} in {text!r}: use a multiple of 8 from 8 "
-                                 "to 4096 (32-256 is usual), or `row`")
-        elif option == "asym":
-            if grid != "int":
-                raise ValueError(f"{text!r}: `asym` applies to intK only")
-            asym = True
-        else:
-            raise ValueError(f"unknown option {option!r} in {text!r}; use gG (e.g. g64), row or asym")
-    if grid in ("nvfp4", "mxfp4") and options:
-        raise ValueError(f"{grid} has its own blocks; write plain {grid!r}")
-    return WeightFormat(grid, bits, group, asym)
+def qat_weight_format(text: str) -> WeightFormat:
+    """A `--weights` value (lowbit.formats' grammar) as the WeightFormat QAT trains: the
+    formats and options in the module docstring; anything else is refused in one line."""
+    fmt = parse_weight_format(text)
+    if fmt.name not in QAT_FORMATS:
+        raise ValueError(f"QAT takes no {fmt.name} weights; use one of "
+                         f"{', '.join(QAT_FORMATS)}, e.g. int2:g64")
+    if fmt.data_scaled:
+        fmt.refuse(f"QAT's {fmt.name}", set(), f"{fmt.name} has its own blocks and scales; "
+                   f"write plain {fmt.name!r}")
+        return fmt
+    fmt.refuse("QAT", {"group", "asym"}, "QAT trains one scale per G inputs (gG) or per row")
+    if fmt.group is not None and (not 8 <= fmt.group <= 4096 or fmt.group % 8):
+        raise ValueError(f"group size {fmt.group} in {text!r}: use a multiple of 8 from 8 to "
+                         "4096 (32-256 is usual), or `row`")
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -145,19 +91,19 @@ class JacQuantConfig:
     unshuffled B is kept (FakeQuantWeight.b_unshuffled) so the EMA smooths the fits themselves."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
+        require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
                  f"refresh_every must be a positive integer (got {self.refresh_every!r})")
-        _require(math.isfinite(self.b_max) and self.b_max > 0,
+        require(math.isfinite(self.b_max) and self.b_max > 0,
                  f"b_max must be a positive number (got {self.b_max})")
-        _require(self.estimate in ("probe", "dither", "both"),
+        require(self.estimate in ("probe", "dither", "both"),
                  f"jacquant estimate must be probe, dither or both (got {self.estimate!r})")
-        _require(math.isfinite(self.eps) and 0 < self.eps <= 4,
+        require(math.isfinite(self.eps) and 0 < self.eps <= 4,
                  f"eps must be in (0, 4] quantization steps (got {self.eps})")
-        _require(isinstance(self.samples, int) and self.samples >= 1,
+        require(isinstance(self.samples, int) and self.samples >= 1,
                  f"samples must be a positive integer (got {self.samples!r})")
-        _require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
-        _require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
-        _require(self.b_on in ("grad", "update"),
+        require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
+        require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
+        require(self.b_on in ("grad", "update"),
                  f"jacquant b_on must be grad or update (got {self.b_on!r})")
 
 
@@ -182,27 +128,27 @@ class QATConfig:
 
     def __post_init__(self) -> None:
         fmt = self.format  # validates the text
-        _require(isinstance(self.distill, (int, float)) and 0 <= self.distill <= 1,
+        require(isinstance(self.distill, (int, float)) and 0 <= self.distill <= 1,
                  f"--distill must be in [0, 1], the KL term's weight (got {self.distill!r})")
-        _require(isinstance(self.distill_temperature, (int, float))
+        require(isinstance(self.distill_temperature, (int, float))
                  and math.isfinite(self.distill_temperature) and self.distill_temperature > 0,
                  f"--distill-temperature must be a positive number (got {self.distill_temperature!r})")
-        _require(self.estimator in ESTIMATORS,
+        require(self.estimator in ESTIMATORS,
                  f"unknown estimator {self.estimator!r}; use one of {', '.join(ESTIMATORS)}")
-        _require(self.scale_init in ("absmax", "mse"),
+        require(self.scale_init in ("absmax", "mse"),
                  f"scale_init must be absmax or mse (got {self.scale_init!r})")
         if fmt.data_scaled:
-            _require(self.estimator != "lsq" and not self.learn_scales,
+            require(self.estimator != "lsq" and not self.learn_scales,
                      f"{fmt.grid} scales come from the weights at every forward, so there is no "
                      "step size to learn: use --estimator ste, clipped-ste or jacquant")
-            _require(self.scale_init == "absmax",
+            require(self.scale_init == "absmax",
                      f"{fmt.grid} has its own scale rule; leave --scale-init at absmax")
         if isinstance(self.jacquant, dict):
             object.__setattr__(self, "jacquant", JacQuantConfig(**self.jacquant))
 
     @property
     def format(self) -> WeightFormat:
-        return parse_weight_format(self.weights)
+        return qat_weight_format(self.weights)
 
     @property
     def scales_learned(self) -> bool:
@@ -307,6 +253,3 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

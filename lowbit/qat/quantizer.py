@@ -25,10 +25,10 @@ import math
 import torch
 
 from lowbit import dispatch
-from lowbit.formats import QTensor, QuantSpec, ScaleKind
+from lowbit.formats import QTensor, ScaleKind
 from lowbit.formats.elements import encode, pack_codes, round_to_grid
 from lowbit.formats.quantize import round_asymmetric
-from lowbit.qat.config import WeightFormat
+from lowbit.formats.weight_format import WeightFormat
 
 __all__ = ["GroupQuantizer", "fake_quantize", "times_b", "MSE_RATIOS"]
 
@@ -44,7 +44,7 @@ class GroupQuantizer:
         self.fmt = fmt
         self.shape = torch.Size(shape)
         self.in_features = self.shape[-1]
-        self.spec = QuantSpec.make(fmt.format_name, block=fmt.block(self.in_features))
+        self.spec = fmt.spec(self.in_features)
         self.group = self.spec.block[1]
         self.element = self.spec.info.element
         self.qmax = self.element.max_value

@@ -42,7 +42,7 @@ from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
 from lowbit.train.build import build_data, build_model, seed_everything
 from lowbit.files import write_text_atomic
-from lowbit.train.checkpoint import (CheckpointError, content_digest, load_checkpoint, write_json_atomic)
+from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_atomic
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
 from lowbit.train.config import TrainConfig, resolve_device
@@ -140,23 +140,14 @@ def source_run(job: QATJob) -> Path:
         return Path(job.model)
     if job.source is not None:
         path = Path(job.source)
-        source = RunDir(path)
-        source.check_free()   # a live run's checkpoint is not the model it will end with
-        if not (path / "config.json").is_file() or not source.checkpoint.is_file():
-            raise ValueError(f"{path} is not a finished lowbit train run folder (it needs "
-                             "config.json and checkpoints/latest.pt); train one with `lowbit "
-                             "train --recipe bf16`, or leave out --from")
-        if not (path / "final.json").is_file() and not job.allow_unfinished:
-            raise ValueError(f"{path} holds an unfinished run (no final.json: it stopped before "
-                             f"its last step); finish it with `lowbit train ... --resume`, or "
-                             f"pass --allow-unfinished to start QAT from its last checkpoint")
+        RunDir(path).check_readable(job.allow_unfinished, use="start QAT from")
         return path
     config = TrainConfig(recipe="bf16", max_steps=job.base_steps, device=job.device,
                          warmup_steps=min(TrainConfig.warmup_steps, job.base_steps // 10),
                          out_dir=job.out_dir, run_name=f"base-bf16-tiny-{job.base_steps}",
                          progress=job.progress, diagnostics=False)
     run = RunDir(Path(config.out_dir) / config.name)
-    if not (run.path / "final.json").is_file():   # final.json: the cache is complete
+    if not run.finished:   # final.json: the cache is complete
         check_before_training(config, job)
         run.check_free()   # another lowbit qat training it now: refused, not taken as killed
         if job.progress:
@@ -212,9 +203,9 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
         from lowbit.train.build import model_config
         model_config(config)   # refuses a seq_len past the model's context, before any work
         return config, None
-    checkpoint = load_checkpoint(RunDir(path).checkpoint)   # checksummed, config included
+    saved = RunDir(path).open(allow_unfinished=True)   # source_run checked it is finished
+    checkpoint, config = saved.state, saved.config
     check_config_file(path, checkpoint["config"])
-    config = TrainConfig.from_dict(checkpoint["config"])
     if config.qat is not None:
         raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
                          f"from ({config.init_from})")
@@ -234,6 +225,8 @@ def check_config_file(path: Path, saved: dict) -> None:
     """QAT reads a source run's config from its checkpoint (checksummed); its config.json, which
     anyone may edit, is refused where it says another model (MODEL_FIELDS), naming the fields."""
     file = path / "config.json"
+    if not file.is_file():   # nothing to contradict the checkpoint's own config
+        return
     try:
         written = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError):

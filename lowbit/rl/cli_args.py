@@ -38,6 +38,11 @@ _FLAGS = {  # flag -> (RLConfig field, type, help)
     "--data-dir": ("data_dir", str, "folder holding gsm8k/"),
     "--rollout": ("rollout", str, f"engine precision: {', '.join(p.value for p in Precision)} (default: %(default)s)"),
     "--align": ("align", str, f"trainer/engine alignment: {', '.join(ALIGNMENTS)} (default: %(default)s)"),
+    "--rollout-activation-scale": ("rollout_activation_scale", str,
+                                   "NVFP4 rollouts' activation scale: per-token (a power-of-two "
+                                   "scale per token) or static (a served NVFP4 checkpoint's: one "
+                                   "calibrated FP32 scale per linear, recalibrated at each weight "
+                                   "sync) (default: %(default)s)"),
     "--rac-ratio": ("rac_ratio", float, "fraction of input channels RAC compensates (default: 0.25 under quads, else 0)"),
     "--num-generations": ("num_generations", int, "completions per prompt (default: %(default)s)"),
     "--prompts-per-step": ("prompts_per_step", int, "prompts per step (default: %(default)s)"),

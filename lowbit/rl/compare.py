@@ -40,11 +40,17 @@ PAIRED_METRIC = "held-out accuracy change from step 0 (bf16 evaluator)"
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
-    """`base` with the rollout, alignment, RAC ratio and IS correction `setting` names."""
+    """`base` with the rollout, alignment, RAC ratio, IS correction and activation scale
+    `setting` names: the inverse of RLConfig.setting, ROLLOUT[+ALIGN][@RATIO][+is[-LEVEL]]
+    [+static-act] (`+is` alone is token-level IS)."""
     text = setting.strip()
+    scale = "per-token"
+    if text.endswith("+static-act"):
+        text, scale = text[: -len("+static-act")], "static"
     importance = "none"
-    if text.endswith("+is"):
-        text, importance = text[:-3], "token"
+    head, sep, level = text.rpartition("+is")
+    if sep and (level == "" or level.startswith("-")):
+        text, importance = head, level[1:] or "token"
     ratio = None
     if "@" in text:
         text, value = text.split("@", 1)
@@ -55,10 +61,11 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     rollout, _, align = text.partition("+")
     try:
         return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
-                                   importance_sampling=importance, run_name="")
+                                   importance_sampling=importance, rollout_activation_scale=scale,
+                                   run_name="")
     except ValueError as e:
         raise ValueError(f"--compare setting {setting!r}: {e} (settings are ROLLOUT[+ALIGN]"
-                         f"[@RATIO][+is], e.g. nvfp4+quads@0.25)") from None
+                         f"[@RATIO][+is[-LEVEL]][+static-act], e.g. nvfp4+quads@0.25)") from None
 
 
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
@@ -78,10 +85,8 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     names = [c.name for c in configs]
     if len(settings) < 2 or len(set(names)) != len(names):
         raise ValueError(f"--compare needs two or more distinct settings, got {', '.join(settings)}")
-    # the folders as GRPOTrainer keeps them: its files, RLConfig's rule for a changed config
-    folders = [(RunDir(Path(c.out_dir) / c.name, files=RUN_FILES,
-                       changed=lambda saved, config: config.changed_fields(saved)), c)
-               for c in configs]
+    # the folders as GRPOTrainer keeps them: its files
+    folders = [(RunDir(Path(c.out_dir) / c.name, files=RUN_FILES), c) for c in configs]
     states = check_run_folders(folders, resume=resume, overwrite=overwrite)
     results = [_finished(c) if state == "done" else
                run_rl(c, resume=state == "resume", overwrite=overwrite)
@@ -112,7 +117,7 @@ def accuracy_change_curve(records: Sequence[dict]) -> list[tuple[int, float]]:
 def _finished(config: RLConfig) -> RLResult:
     """A finished run, as its folder holds it (final.json, metrics.jsonl)."""
     run_dir = Path(config.out_dir) / config.name
-    final = json.loads((run_dir / "final.json").read_text())
+    final = RunDir(run_dir).final_record()
     accuracy = final.get("eval_accuracy")
     return RLResult(run_dir, final["steps"], float(final["final_reward"]),
                     None if accuracy is None else float(accuracy), read_metrics(run_dir))
@@ -133,7 +138,7 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
             return sum(values) / len(values) if values else math.nan
 
         rows.append({
-            "run": Path(run_dir).name, "setting": RLConfig(**config).setting,
+            "run": Path(run_dir).name, "setting": RLConfig.from_dict(config).setting,
             "seed": config.get("seed", 0), "steps": len(train),
             "reward_first": mean("reward", train[:last]), "reward_last": mean("reward", train[-last:]),
             "eval_accuracy_first": evals[0]["eval/accuracy"] if evals else math.nan,

@@ -3,13 +3,13 @@ where TRL has one)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
+from lowbit.config import RunConfig, require
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
-from lowbit.rl.precision import Precision
+from lowbit.rl.precision import ActivationScale, Precision
 
 __all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME"]
 
@@ -22,7 +22,9 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
 
 
 @dataclass
-class RLConfig:
+class RLConfig(RunConfig):
+    FREE_ON_RESUME = FREE_ON_RESUME
+
     # --- policy ----------------------------------------------------------------------------
     model: str = "tiny"
     """lowbit.models preset of the policy (byte tokenizer: vocab 256), or the path of a Hugging
@@ -88,6 +90,11 @@ class RLConfig:
     """MoE: the trainer replays the engine's expert choices (verl's R3)."""
     compile_decode: bool = False
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
+    rollout_activation_scale: str = "per-token"
+    """NVFP4 rollouts' activation scale (RolloutEngine's activation_scale): per-token, a
+    power-of-two pre-scale from each token's amax; static, a served NVFP4 checkpoint's one FP32
+    input scale per linear, calibrated on the policy at every weight sync, with dynamic 1x16
+    E4M3 block scales under it."""
     packed_gemm: bool = False
     """NVFP4 rollouts multiply the packed weights on the tiled kernel (exact NVFP4 values,
     0.37-0.47x bf16's GPU memory), not a dequantized bf16 copy (RolloutEngine's packed_gemm)."""
@@ -120,67 +127,74 @@ class RLConfig:
         if self.warmstart_steps is None:
             self.warmstart_steps = 0 if folder else 150
         if folder:
-            _require(self.warmstart_steps == 0,
+            require(self.warmstart_steps == 0,
                      f"a Hugging Face policy ({self.model}) starts RL from its own weights; the "
                      f"warm start trains presets only (drop --warmstart-steps)")
-            _require(self.n_layers is None and self.dim is None and self.n_experts == 0,
+            require(self.n_layers is None and self.dim is None and self.n_experts == 0,
                      "--n-layers, --dim and --n-experts change a preset; a Hugging Face "
                      "policy's shape is its config.json's")
-        _require(self.rollout in {p.value for p in Precision},
+        require(self.rollout in {p.value for p in Precision},
                  f"unknown --rollout {self.rollout!r}; use one of {', '.join(p.value for p in Precision)}")
-        _require(self.align in ALIGNMENTS, f"unknown --align {self.align!r}; use one of {', '.join(ALIGNMENTS)}")
-        _require(self.align == "none" or self.rollout == "nvfp4",
+        require(self.align in ALIGNMENTS, f"unknown --align {self.align!r}; use one of {', '.join(ALIGNMENTS)}")
+        require(self.align == "none" or self.rollout == "nvfp4",
                  f"--align {self.align} aligns the trainer with NVFP4 rollouts: use --rollout nvfp4")
         if self.rac_ratio is None:
             self.rac_ratio = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
-        _require(0.0 <= self.rac_ratio <= 1.0, f"--rac-ratio must be in [0, 1] (got {self.rac_ratio})")
-        _require(self.rac_ratio == 0 or self.rollout == "nvfp4",
+        require(0.0 <= self.rac_ratio <= 1.0, f"--rac-ratio must be in [0, 1] (got {self.rac_ratio})")
+        require(self.rac_ratio == 0 or self.rollout == "nvfp4",
                  "--rac-ratio compensates NVFP4 activations: use --rollout nvfp4")
-        _require(self.loss_type in LOSS_TYPES, f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
-        _require(self.scale_rewards in SCALE_REWARDS,
+        scales = [a.value for a in ActivationScale]
+        require(self.rollout_activation_scale in scales,
+                 f"unknown --rollout-activation-scale {self.rollout_activation_scale!r}; use one of "
+                 f"{', '.join(scales)}")
+        require(self.rollout_activation_scale == "per-token" or self.rollout == "nvfp4",
+                 f"--rollout-activation-scale {self.rollout_activation_scale} scales NVFP4 "
+                 f"activations (W4A4): use --rollout nvfp4 (got --rollout {self.rollout})")
+        require(self.loss_type in LOSS_TYPES, f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        require(self.scale_rewards in SCALE_REWARDS,
                  f"unknown --scale-rewards {self.scale_rewards!r}; use one of {', '.join(SCALE_REWARDS)}")
-        _require(self.importance_sampling in IS_LEVELS,
+        require(self.importance_sampling in IS_LEVELS,
                  f"unknown --is {self.importance_sampling!r}; use one of {', '.join(IS_LEVELS)}")
-        _require(self.is_mode in IS_MODES, f"unknown --is-mode {self.is_mode!r}; use one of {', '.join(IS_MODES)}")
-        _require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
-        _require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
+        require(self.is_mode in IS_MODES, f"unknown --is-mode {self.is_mode!r}; use one of {', '.join(IS_MODES)}")
+        require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
+        require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
                  "--routing-replay needs an MoE policy: add --n-experts 8")
-        _require(not self.packed_gemm or self.rollout in ("nvfp4", "nvfp4-w4a16"),
+        require(not self.packed_gemm or self.rollout in ("nvfp4", "nvfp4-w4a16"),
                  f"--packed-gemm multiplies packed NVFP4 weights: use it with --rollout nvfp4 or "
                  f"nvfp4-w4a16 (got --rollout {self.rollout})")
-        _require(not self.compile_decode or self.n_experts == 0 or folder,
+        require(not self.compile_decode or self.n_experts == 0 or folder,
                  "--compile-decode needs a dense policy (MoE decode reads expert counts back "
                  "to the host); drop --n-experts or the flag")
         for name in ("num_generations", "prompts_per_step", "max_completion_length", "steps",
                      "log_every", "eval_problems", "num_iterations"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer (got {value!r})")
-        _require(self.num_generations >= 2, "num_generations must be >= 2: GRPO compares each "
+            require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer (got {value!r})")
+        require(self.num_generations >= 2, "num_generations must be >= 2: GRPO compares each "
                                             "completion with the others of its prompt")
         if self.warmstart_seed is None:
             self.warmstart_seed = self.seed
-        _require(self.warmstart_target is None or (0 < self.warmstart_target <= 1 and self.warmstart_steps > 0),
+        require(self.warmstart_target is None or (0 < self.warmstart_target <= 1 and self.warmstart_steps > 0),
                  f"--warmstart-target is an accuracy in (0, 1] for a warm start of "
                  f"--warmstart-steps > 0 (got {self.warmstart_target}, {self.warmstart_steps} steps)")
         for name in ("warmstart_steps", "eval_every", "checkpoint_every", "seed", "n_experts", "top_k",
                      "warmstart_seed"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer (got {value!r})")
-        _require(self.n_experts == 0 or self.n_experts >= 2, "n_experts must be 0 (dense) or >= 2 (top-2 MoE)")
-        _require(math.isfinite(self.temperature) and self.temperature > 0,
+            require(isinstance(value, int) and value >= 0, f"{name} must be a non-negative integer (got {value!r})")
+        require(self.n_experts == 0 or self.n_experts >= 2, "n_experts must be 0 (dense) or >= 2 (top-2 MoE)")
+        require(math.isfinite(self.temperature) and self.temperature > 0,
                  f"temperature must be > 0 (got {self.temperature})")
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})")
         for name in ("lr", "warmstart_lr"):
-            _require(math.isfinite(getattr(self, name)) and getattr(self, name) > 0,
+            require(math.isfinite(getattr(self, name)) and getattr(self, name) > 0,
                      f"{name} must be a positive number (got {getattr(self, name)})")
-        _require(self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0")
-        _require(self.beta >= 0, f"beta must be >= 0 (got {self.beta})")
-        _require(self.grad_clip >= 0 and self.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
-        _require(self.max_steps_per_session is None or self.max_steps_per_session >= 1,
+        require(self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0")
+        require(self.beta >= 0, f"beta must be >= 0 (got {self.beta})")
+        require(self.grad_clip >= 0 and self.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
+        require(self.max_steps_per_session is None or self.max_steps_per_session >= 1,
                  "max_steps_per_session must be a positive integer")
-        _require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
+        require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
                  f"run_name {self.run_name!r} must be a plain folder name")
-        _require(self.out_dir != "", "out_dir must be a folder")
+        require(self.out_dir != "", "out_dir must be a folder")
 
     @property
     def batch_size(self) -> int:
@@ -188,13 +202,15 @@ class RLConfig:
 
     @property
     def setting(self) -> str:
-        """rollout[+align][@rac_ratio], the label --compare uses."""
+        """rollout[+align][@rac_ratio][+is-level][+static-act], the label --compare uses."""
         out = self.rollout + ("" if self.align == "none" else f"+{self.align}")
         default = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
         if self.rac_ratio != default:
             out += f"@{self.rac_ratio:g}"
         if self.importance_sampling != "none":
             out += f"+is-{self.importance_sampling}"
+        if self.rollout_activation_scale != "per-token":
+            out += f"+{self.rollout_activation_scale}-act"
         return out
 
     @property
@@ -207,19 +223,3 @@ class RLConfig:
         model = os.path.basename(os.path.normpath(self.model)) if is_model_folder(self.model) else self.model
         return self.run_name or f"rl-{model}{experts}-{self.task}-{self.setting}"
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def changed_fields(self, saved: dict) -> list[str]:
-        now = self.to_dict()
-        # a field newer than the saved run had its declared default there
-        declared = {f.name: f.default for f in dataclasses.fields(self)}
-        saved = {**{k: declared[k] for k in now if k not in saved and k in declared}, **saved}
-        return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}"
-                for k in sorted(set(saved) | set(now))
-                if k not in FREE_ON_RESUME and saved.get(k, "<absent>") != now.get(k, "<absent>")]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)

@@ -28,7 +28,7 @@ def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: st
     for run_dir in map(Path, run_dirs):
         config_file = run_dir / "config.json"
         if config_file.is_file():
-            config = RLConfig(**json.loads(config_file.read_text()))
+            config = RLConfig.from_dict(json.loads(config_file.read_text()))
             runs.append((run_dir, config.setting, config.seed))
         else:
             runs.append((run_dir, run_dir.name, 0))

@@ -29,6 +29,25 @@ batch-mates, so a prefill and a KV-cache decode of the same token quantize it id
 per-tensor amax over a batch would not). FP8 activations take one `rceil` power-of-two scale
 per token likewise (the row-wise scale torch._scaled_mm takes).
 
+Activation scale (`nvfp4` only; ActivationScale, the engine's `activation_scale`):
+
+| activation scale | FP32 scale of a linear's input                | E4M3 block scales (1x16) |
+| ---------------- | --------------------------------------------- | ------------------------ |
+| `per-token`      | 2^e per token from the token's amax (above)   | dynamic, from the block  |
+| `static`         | one per layer, calibrated amax / (448 * 6)    | dynamic, from the block  |
+
+`static` is what a served NVFP4 W4A4 checkpoint runs (ModelOpt's `input_scale`,
+compressed-tensors' `input_global_scale`; `lowbit export --activations nvfp4` writes one from
+lowbit.export.calibrate_input_amax): the engine takes the same amax (`load_state_dict(...,
+input_amax=)`, refreshed at every weight sync) and the same formula
+(lowbit.formats.quantize.tensor_scale_from_amax), then lowbit.formats.activations.static_nvfp4.
+It is harsher than `per-token`: a token far below the calibrated amax gets low, coarse block
+scales, and one beyond it saturates (block scale at 448, elements at 6: within +-amax). A
+token's numerics still do not depend on its batch-mates (the scale is fixed before the batch).
+Projections that share an input take one scale, the largest of theirs (q|k|v, gate|up, as vLLM
+takes the max of fused parts' input scales), and an MoE layer one per GEMM for all its experts
+(the max over experts, as vLLM's FlashInfer NVFP4 MoE backends share one input global scale).
+
 RAC (QUADS, arXiv 2607.15810), per token. With r = X - QDQ(X), the paper appends the quantized
 residual of the top-k% channels S by residual magnitude to the GEMM's reduction dimension:
 
@@ -52,11 +71,11 @@ import torch
 from lowbit import dispatch
 from lowbit.dispatch import inference
 from lowbit.formats import QTensor, QuantSpec
-from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4
+from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4, static_nvfp4
 from lowbit.formats.linear_weight import LinearWeight
 
-__all__ = ["Precision", "parse_precision", "weight_spec", "quantize_weight",
-           "quantize_activation", "rac_linear"]
+__all__ = ["Precision", "parse_precision", "ActivationScale", "parse_activation_scale",
+           "weight_spec", "quantize_weight", "quantize_activation", "rac_linear"]
 
 
 class Precision(str, Enum):
@@ -82,6 +101,20 @@ def parse_precision(value: str | Precision) -> Precision:
                          f"{', '.join(p.value for p in Precision)}") from None
 
 
+class ActivationScale(str, Enum):
+    """How `nvfp4` scales a linear's input (the module doc's second table)."""
+    PER_TOKEN = "per-token"
+    STATIC = "static"
+
+
+def parse_activation_scale(value: str | ActivationScale) -> ActivationScale:
+    try:
+        return ActivationScale(value)
+    except ValueError:
+        raise ValueError(f"unknown activation scale {value!r}; use one of "
+                         f"{', '.join(a.value for a in ActivationScale)}") from None
+
+
 _NVFP4_WEIGHT = QuantSpec.make("nvfp4", (1, 16))                       # + FP32 tensor scale
 
 
@@ -100,10 +133,14 @@ def quantize_weight(weight: torch.Tensor, precision: Precision) -> QTensor | Non
     return dispatch.quantize_with_spec(weight, _NVFP4_WEIGHT)
 
 
-def quantize_activation(x: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """What a linear's input x (N, K) becomes under `precision` (a QDQ in x's dtype)."""
+def quantize_activation(x: torch.Tensor, precision: Precision,
+                        input_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """What a linear's input x (N, K) becomes under `precision` (a QDQ in x's dtype); for
+    nvfp4 with input_amax (the layer's calibrated amax, float32) under its static scale."""
+    if input_amax is not None and precision is not Precision.NVFP4:
+        raise ValueError(f"a static activation scale is nvfp4's (got {precision.value})")
     if precision is Precision.NVFP4:
-        return per_token_nvfp4(x)
+        return per_token_nvfp4(x) if input_amax is None else static_nvfp4(x, input_amax)
     if precision is Precision.FP8:
         return dispatch.quantize_dequantize(x, fp8_row_spec(x.shape[-1]))
     return x

@@ -13,7 +13,9 @@ One RL step:
              mismatch metrics), weights tokens by truncated importance sampling if asked, and
              takes num_iterations optimizer steps of the clipped GRPO loss -- each through
              lowbit.train.step.TrainStep, the step `lowbit train` runs (LR, clipping, skips)
-  sync       the trainer's state dict goes to the engine, which quantizes it on arrival
+  sync       the trainer's state dict goes to the engine, which quantizes it on arrival (with
+             --rollout-activation-scale static, with each linear's input amax calibrated on
+             the new weights, as `lowbit export --activations nvfp4` calibrates a checkpoint)
 Each piece is a method (`generate`, `score`, `train_on`, `sync`) that a subclass can replace.
 
 Determinism: prompts and sampling noise are pure functions of (seed, step), the engine's
@@ -40,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from lowbit.data.tasks import Problem, get_task
+from lowbit.export import calibrate_input_amax
 from lowbit.models import build_model, is_model_folder
 from lowbit.rl import grpo
 from lowbit.rl.config import RLConfig
@@ -59,9 +62,14 @@ from lowbit.train.run_dir import RunDir
 from lowbit.train.step import TrainStep
 
 __all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
-           "task_fingerprint", "collapsed", "COLLAPSE_EVALS"]
+           "task_fingerprint", "collapsed", "COLLAPSE_EVALS", "calibration_batches",
+           "CALIBRATION_PROBLEMS"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
+CALIBRATION_PROBLEMS = 32
+"""Training problems (prompt and reference solution; the warm start's first draw, never the
+held-out set) whose forward through the policy calibrates static activation scales at every
+sync (lowbit.export.calibrate_input_amax)."""
 NO_SIGNAL_STEPS = 5
 """A run whose first this many steps had equal rewards in every group says so (one warning):
 every advantage was 0, so the rewards have taught the policy nothing."""
@@ -121,8 +129,7 @@ class GRPOTrainer:
     def __init__(self, config: RLConfig, *, resume: bool = False, overwrite: bool = False) -> None:
         self.config = c = config
         self.run_dir = Path(c.out_dir) / c.name
-        self.folder = RunDir(self.run_dir, files=RUN_FILES,
-                             changed=lambda saved, config: config.changed_fields(saved))
+        self.folder = RunDir(self.run_dir, files=RUN_FILES)
         self.warn = lambda message: print(message, file=sys.stderr)
         try:
             self._build(self._check_run_dir(resume, overwrite))   # holds the folder's lock
@@ -184,7 +191,13 @@ class GRPOTrainer:
 
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
-                                    compile_decode=c.compile_decode, packed_gemm=c.packed_gemm)
+                                    compile_decode=c.compile_decode, packed_gemm=c.packed_gemm,
+                                    activation_scale=c.rollout_activation_scale)
+        self.calibration = None
+        if c.rollout_activation_scale == "static":
+            self.calibration = calibration_batches(
+                [self.tokenizer.encode(p.prompt + p.solution)
+                 for p in self.task.problems(c.seed, -1, CALIBRATION_PROBLEMS, self.exclude)])
         # the common evaluator: the trainer's weights through a bf16 engine, the same for every
         # run of a comparison whatever its rollouts (a bf16 run's own engine is one already)
         self.evaluator = (self.engine if c.rollout == "bf16" else
@@ -288,8 +301,15 @@ class GRPOTrainer:
         return metrics
 
     def sync(self) -> None:
-        """The trainer's weights to the engine (the engine copies and quantizes them)."""
-        self.engine.load_state_dict(self.policy.state_dict())
+        """The trainer's weights to the engine (the engine copies and quantizes them); for
+        static activation scales, with the amax of every linear's input over the calibration
+        problems, through the policy as the trainer runs it (a served checkpoint's input_scale
+        is calibrated for its own weights, so this is redone at every sync)."""
+        input_amax = None
+        if self.calibration is not None:
+            with self.step_fn.autocast:
+                input_amax = calibrate_input_amax(self.policy, self.calibration)
+        self.engine.load_state_dict(self.policy.state_dict(), input_amax=input_amax)
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -461,6 +481,15 @@ def _line(record: dict, total: int) -> str:
     return (f"step {record['step']}/{total} | reward {record['reward']:.3f} | "
             f"len {record['completions/mean_length']:.1f} | gap {gap:.4f} | "
             f"{record['rollout/tokens_per_s']:,.0f} rollout tok/s")
+
+
+def calibration_batches(sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Token-id sequences as (B, T) batches of equal-length rows, shortest first: no padding,
+    so only the sequences' own tokens reach the calibrated amax."""
+    by_length: dict[int, list[list[int]]] = {}
+    for seq in sequences:
+        by_length.setdefault(len(seq), []).append(seq)
+    return [torch.tensor(rows) for _, rows in sorted(by_length.items())]
 
 
 def task_fingerprint(task, eval_set: list[Problem], config: RLConfig) -> str:

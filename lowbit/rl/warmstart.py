@@ -23,7 +23,7 @@ from lowbit.models import ModelConfig, build_model
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 from lowbit.train import TrainConfig, train
-from lowbit.train.checkpoint import load_checkpoint
+from lowbit.train.run_dir import RunDir
 
 __all__ = ["SolutionData", "policy_config", "policy_tokenizer", "warm_start", "encode_problem",
            "greedy_accuracy", "VALIDATION_PROBLEMS"]
@@ -143,10 +143,9 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
     run = Path(config.out_dir) / "warmstart" / name
-    checkpoint = run / "checkpoints" / "latest.pt"
-    if (run / "final.json").is_file() and checkpoint.is_file():
+    if RunDir(run).finished:
         say(f"warm start: reading {run}")
-        return load_checkpoint(checkpoint)["model"]
+        return RunDir(run).open().state["model"]
     exclude = {p.prompt for p in task.eval_problems(config.eval_problems)}
     if config.warmstart_target is not None:   # kept out of the training data too
         validation = task.eval_problems(config.eval_problems + VALIDATION_PROBLEMS)[config.eval_problems:]
@@ -185,7 +184,7 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
                     f"target {config.warmstart_target}")
             return {"validation_accuracy": accuracy, "stop": reached}
     train(train_config, model=model, data=data, overwrite=True, on_step=on_step)
-    return load_checkpoint(checkpoint)["model"]
+    return RunDir(run).open().state["model"]
 
 
 def greedy_accuracy(engine: RolloutEngine, task: Task, tokenizer, problems: list,

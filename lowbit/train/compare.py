@@ -532,7 +532,7 @@ def continue_state(run_dir: RunDir) -> str:
     """What continuing a comparison does with one of its runs: "done" (its final.json is
     there: taken as it is), "resume" (it has a checkpoint: it continues from there), or
     "start" (nothing to continue)."""
-    if (run_dir.path / "final.json").is_file():
+    if run_dir.finished:
         return "done"
     return "resume" if run_dir.checkpoints.exists() else "start"
 

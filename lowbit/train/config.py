@@ -8,11 +8,12 @@ message that says what was wrong and what to do, so the CLI can print it as is.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
 from dataclasses import dataclass
+
+from lowbit.config import RunConfig, require
 
 # Fields that can change between a run and its resumption without changing the run itself:
 # they decide what is observed (logs, evals, diagnostics), where data is read from and files
@@ -41,12 +42,20 @@ FIELDS_FREE_ON_RESUME = frozenset(
     }
 )
 
+# Fields added after checkpoints were first written whose declared default is not how a run
+# saved before them behaved: such a run resumes with the value here, and only with it
+# (lowbit.config.RunConfig.changed_fields; nested ones inside a dict-valued field too).
+FIELDS_ADDED_LATER = {"fold_inexact": "redo", "qat": {"jacquant": {"shuffle_b": False}}}
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(RunConfig):
+    FREE_ON_RESUME = FIELDS_FREE_ON_RESUME
+    ADDED_LATER = FIELDS_ADDED_LATER
+
     # --- model -----------------------------------------------------------------------------
     model: str = "tiny"
     """Preset of lowbit.models.ModelConfig ("tiny", "small", "100m", "1b", ...), or the path of
@@ -177,70 +186,70 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON round trips turn it into a list
-        _require(self.model != "", "model must name a preset, e.g. --model tiny")
+        require(self.model != "", "model must name a preset, e.g. --model tiny")
         for name in ("n_layers", "dim"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and value >= 1),
+            require(value is None or (isinstance(value, int) and value >= 1),
                      f"{name} must be a positive integer (got {value!r}); "
                      f"omit it to keep the preset's")
-        _require(self.n_experts is None or self.n_experts >= 0,
+        require(self.n_experts is None or self.n_experts >= 0,
                  f"n_experts must be >= 0 (got {self.n_experts}); use 0 for a dense model")
-        _require(self.dropout is None or 0.0 <= self.dropout < 1.0,
+        require(self.dropout is None or 0.0 <= self.dropout < 1.0,
                  f"dropout must be in [0, 1) (got {self.dropout})")
         from lowbit.data import CORPORA, TOKENIZERS
 
-        _require(self.corpus in CORPORA,
+        require(self.corpus in CORPORA,
                  f"unknown corpus {self.corpus!r}; choose one of {', '.join(CORPORA)}")
         from lowbit.models import is_model_folder
 
         if is_model_folder(self.model):
-            _require(self.tokenizer == "model",
+            require(self.tokenizer == "model",
                      f"a Hugging Face model ({self.model}) trains with its own tokenizer; drop "
                      f"--tokenizer (or pass --tokenizer model)")
-            _require(self.n_layers is None and self.dim is None and self.n_experts is None,
+            require(self.n_layers is None and self.dim is None and self.n_experts is None,
                      "--n-layers, --dim and --n-experts change a preset; a Hugging Face model's "
                      "shape is its config.json's")
         else:
-            _require(self.tokenizer in TOKENIZERS,
+            require(self.tokenizer in TOKENIZERS,
                      f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}"
                      + (" ('model' needs --model PATH)" if self.tokenizer == "model" else ""))
-        _require(isinstance(self.bpe_vocab_size, int) and self.bpe_vocab_size >= 256,
+        require(isinstance(self.bpe_vocab_size, int) and self.bpe_vocab_size >= 256,
                  f"bpe_vocab_size must be an integer >= 256 (got {self.bpe_vocab_size!r})")
         for name in ("seq_len", "batch_size", "grad_accum_steps", "max_steps",
                      "eval_batches", "log_every", "diag_every", "max_consecutive_nonfinite",
                      "keep_checkpoints"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            require(isinstance(value, int) and value >= 1,
                      f"{name} must be a positive integer (got {value!r})")
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0,
+            require(isinstance(value, int) and value >= 0,
                      f"{name} must be a non-negative integer (got {value!r})")
-        _require(self.corpus_max_bytes is None or self.corpus_max_bytes >= 1,
+        require(self.corpus_max_bytes is None or self.corpus_max_bytes >= 1,
                  f"corpus_max_bytes must be a positive integer (got {self.corpus_max_bytes})")
-        _require(self.max_tokens is None or self.max_tokens >= 1,
+        require(self.max_tokens is None or self.max_tokens >= 1,
                  f"max_tokens must be a positive integer (got {self.max_tokens})")
-        _require(math.isfinite(self.lr) and self.lr > 0,
+        require(math.isfinite(self.lr) and self.lr > 0,
                  f"lr must be a positive number (got {self.lr}); e.g. --lr 1e-3")
-        _require(0.0 <= self.min_lr_ratio <= 1.0,
+        require(0.0 <= self.min_lr_ratio <= 1.0,
                  f"min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
-        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                  f"weight_decay must be >= 0 (got {self.weight_decay})")
-        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+        require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
                  f"betas must be two numbers in [0, 1) (got {self.betas}); e.g. --betas 0.9,0.95")
-        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+        require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
                  f"grad_clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
-        _require(self.warmup_steps <= self.total_steps,
+        require(self.warmup_steps <= self.total_steps,
                  f"warmup_steps ({self.warmup_steps}) exceeds the run's {self.total_steps} steps; "
                  f"lower --warmup-steps")
         _check_device_name(self.device)
-        _require(self.fold_inexact in ("redo", "adapt", "round"),
+        require(self.fold_inexact in ("redo", "adapt", "round"),
                  f"fold_inexact must be redo, adapt or round (got {self.fold_inexact!r})")
-        _require(self.parallel in ("ddp", "fsdp"),
+        require(self.parallel in ("ddp", "fsdp"),
                  f"parallel must be ddp or fsdp (got {self.parallel!r})")
-        _require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")
-        _require(self.out_dir != "", "out_dir must be a folder, e.g. --out-dir runs")
-        _require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
+        require(self.recipe != "", "recipe must be a name, e.g. --recipe bf16")
+        require(self.out_dir != "", "out_dir must be a folder, e.g. --out-dir runs")
+        require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
                  f"run_name {self.run_name!r} must be a plain folder name "
                  f"(letters, digits, . _ + -; no slashes)")
 
@@ -263,20 +272,6 @@ class TrainConfig:
         model = os.path.basename(os.path.normpath(self.model)) if is_model_folder(self.model) else self.model
         return self.run_name or f"{model}-{self.corpus}-{self.recipe}"
 
-    def to_dict(self) -> dict:
-        """JSON-ready fields (what config.json and the checkpoint hold)."""
-        out = dataclasses.asdict(self)
-        out["betas"] = list(self.betas)
-        return out
-
-    @classmethod
-    def from_dict(cls, fields: dict) -> "TrainConfig":
-        """Inverse of to_dict; unknown keys are an error rather than silently dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        _require(not unknown, f"unknown TrainConfig field(s): {', '.join(unknown)}")
-        return cls(**fields)
-
 
 def resolve_device(name: str):
     """A --device value as a torch.device: "auto" is cuda when a GPU is there, else cpu.
@@ -286,57 +281,14 @@ def resolve_device(name: str):
     _check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _require(not name.startswith("cuda") or torch.cuda.is_available(),
+    require(not name.startswith("cuda") or torch.cuda.is_available(),
              f"device {name!r} asked for, but CUDA is not available; use --device cpu (or auto)")
     return torch.device(name)
 
 
 def _check_device_name(name: str) -> None:
-    _require(_DEVICE.match(name) is not None,
+    require(_DEVICE.match(name) is not None,
              f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-# Fields added after checkpoints were first written, with the value that describes how a run
-# saved before them behaved (so such a run resumes with that value, and only with it).
-FIELDS_ADDED_LATER = {"fold_inexact": "redo", "qat": {"jacquant": {"shuffle_b": False}}}
-"""Fields (nested ones inside a dict-valued field too) that configs saved before them lack,
-with the value those runs had in effect: a resume of such a run compares against these."""
-
-
-def _with_added_later(saved, added):
-    """`saved` with the keys of `added` it lacks, at every depth of its dicts: a missing plain
-    value is added; a nested dict fills in only where the saved one has that dict (a run's
-    qat = None, or no qat at all, is left as it was)."""
-    if not isinstance(saved, dict) or not isinstance(added, dict):
-        return saved
-    out = dict(saved)
-    for key, value in added.items():
-        if key in out:
-            out[key] = _with_added_later(out[key], value)
-        elif not isinstance(value, dict):
-            out[key] = value
-    return out
-
-
-def changed_fields(saved: dict, config: TrainConfig) -> list[str]:
-    """Fields that would change the run, with both values, e.g. "lr: 0.001 -> 0.002"."""
-    now = config.to_dict()
-    saved = _with_added_later(saved, FIELDS_ADDED_LATER)
-    changes = []
-    for key in sorted(set(saved) | set(now)):
-        if key in FIELDS_FREE_ON_RESUME:
-            continue
-        before, after = saved.get(key, "<absent>"), now.get(key, "<absent>")
-        if isinstance(before, tuple):
-            before = list(before)
-        if before != after:
-            changes.append(f"{key}: {before!r} -> {after!r}")
-    return changes
-
-
-__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "changed_fields"]
+__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "FIELDS_ADDED_LATER"]

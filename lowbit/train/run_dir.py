@@ -21,7 +21,8 @@ reads or removes anything. The lock is `fcntl.flock`: the OS drops it when its p
 killed or not, so a folder is never left locked; the file stays (removing it would let two
 processes lock two different files of one name). A process that only reads a finished run
 (`lowbit qat --from`, `lowbit export`) calls `check_free` first: a folder a live run holds is
-refused (its last checkpoint is not the model the run will end with).
+refused (its last checkpoint is not the model the run will end with). Such a reader opens the
+run with `RunDir.open`, the one place that reads a run back (config, checkpoint, final record).
 
 Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write and how
 their config is compared with a checkpoint's, and get the same checks and checkpoints.
@@ -32,15 +33,18 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from lowbit.config import RunConfig
 from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
-                                     remove_temp_files, write_json_atomic)
-from lowbit.train.config import TrainConfig, changed_fields
+                                     load_checkpoint, remove_temp_files, write_json_atomic)
+from lowbit.train.config import TrainConfig
 
-__all__ = ["RunDir", "PLOT_EVERY_S", "LOCK_FILE"]
+__all__ = ["RunDir", "SavedRun", "PLOT_EVERY_S", "LOCK_FILE"]
 
 PLOT_EVERY_S = 60.0
 LOCK_FILE = ".lowbit.lock"
@@ -48,18 +52,28 @@ LOCK_FILE = ".lowbit.lock"
 _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 
 
+@dataclass(frozen=True)
+class SavedRun:
+    """A lowbit train run read back by `RunDir.open`: what QAT, export, RL's warm start and the
+    diagnostics start from."""
+
+    path: Path
+    config: TrainConfig   # from the checkpoint (checksummed), not from config.json
+    state: dict           # the newest checkpoint: "model", "optimizer", "step", "config", ...
+    final: dict | None    # final.json; None for a run that stopped before its last step
+
+
 class RunDir:
     """files: the names the job writes at the top of the folder (a fresh or overwritten run
-    removes them); changed(saved_config_dict, config) lists the fields a resume may not change
-    (default: TrainConfig's rule). Used as a context manager, it releases the folder's lock
-    on leaving."""
+    removes them). A resume compares the job's config (a lowbit.config.RunConfig) with the
+    checkpoint's by its changed_fields. Used as a context manager, it releases the folder's
+    lock on leaving."""
 
     def __init__(self, path: str | Path, keep_checkpoints: int = 2,
-                 files: tuple[str, ...] = _FILES,
-                 changed: Callable[[dict, object], list[str]] = changed_fields) -> None:
+                 files: tuple[str, ...] = _FILES) -> None:
         self.path = Path(path)
         self.checkpoints = CheckpointStore(self.path / "checkpoints", keep_checkpoints)
-        self.files, self.changed = files, changed
+        self.files = files
         self._plotted_at = -math.inf
         self._lock = None             # the open lock file, while this process holds the folder
         self._absent_at_check = False  # check() found no folder, so it could not lock it yet
@@ -113,6 +127,46 @@ class RunDir:
             self._lock = None
 
     @property
+    def finished(self) -> bool:
+        """The run reached its last step: final.json and its checkpoint are both there."""
+        return (self.path / "final.json").is_file() and self.checkpoint.is_file()
+
+    def open(self, allow_unfinished: bool = False, use: str = "read") -> SavedRun:
+        """Read a finished lowbit train run back (checked by `check_readable`; a damaged
+        checkpoint is a CheckpointError, one line)."""
+        self.check_readable(allow_unfinished, use)
+        state = load_checkpoint(self.checkpoint)
+        return SavedRun(self.path, TrainConfig.from_dict(state["config"]), state,
+                        self.final_record())
+
+    def check_readable(self, allow_unfinished: bool = False, use: str = "read") -> None:
+        """Refuse in one line (ValueError) a folder that holds no run, one a live process holds,
+        or one without final.json (unless allow_unfinished: its last checkpoint is read then).
+        `use` completes the advice: "pass --allow-unfinished to {use} its last checkpoint"."""
+        if not self.checkpoint.is_file():
+            raise ValueError(f"{self.path} is not a lowbit train run folder (it has no "
+                             f"{self.checkpoint.relative_to(self.path)}); give the folder a "
+                             f"`lowbit train` run wrote")
+        self.check_free()   # a live run's checkpoint is not the model it will end with
+        final_file = self.path / "final.json"
+        if not final_file.is_file() and not allow_unfinished:
+            raise ValueError(f"{self.path} holds an unfinished run (no final.json: it stopped "
+                             f"before its last step); finish it with --resume, "
+                             f"or pass --allow-unfinished to {use} its last checkpoint")
+
+    def final_record(self) -> dict | None:
+        """final.json's record, or None if the run has not written it."""
+        file = self.path / "final.json"
+        if not file.is_file():
+            return None
+        try:
+            return json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"{file} is not JSON (a run writes it atomically, so something "
+                             f"else changed it); restore it, or remove it and finish the run "
+                             f"with --resume") from None
+
+    @property
     def checkpoint(self) -> Path:
         """The newest checkpoint's path (checkpoints/latest.pt)."""
         return checkpoint_path(self.path)
@@ -122,7 +176,7 @@ class RunDir:
         return [*(self.path / n for n in self.files), *self.checkpoints.files(),
                 *self.path.glob("events.out.tfevents.*")]
 
-    def check(self, config: TrainConfig | Any, resume: bool, overwrite: bool,
+    def check(self, config: RunConfig, resume: bool, overwrite: bool,
               warn: Callable[[str], None] | None = None, lock: bool = True) -> dict | None:
         """Refuse what cannot be done here; return the checkpoint to resume from, or None.
 
@@ -147,7 +201,7 @@ class RunDir:
             self.release()   # a refused run holds no folder
             raise
 
-    def _checkpoint_to_resume(self, config: TrainConfig | Any, resume: bool, overwrite: bool,
+    def _checkpoint_to_resume(self, config: RunConfig, resume: bool, overwrite: bool,
                               warn: Callable[[str], None] | None) -> dict | None:
         if not resume:
             if not overwrite and any(p.exists() for p in self.produced_files()):
@@ -174,14 +228,14 @@ class RunDir:
             warn(f"lowbit: warning: resuming from {loaded.path} (step {loaded.state['step']}), "
                  f"the newest checkpoint that verified")
         checkpoint = loaded.state
-        changes = self.changed(checkpoint["config"], config)
+        changes = config.changed_fields(checkpoint["config"])
         if changes:
             raise ValueError(f"cannot resume {self.path}: the config differs from the checkpoint's "
                              f"in {'; '.join(changes)}; use the saved values (see "
                              f"{self.path / 'config.json'}) or start a new run with --run-name")
         return checkpoint
 
-    def start(self, config: TrainConfig | Any, fresh: bool) -> list[tuple[Path, int]]:
+    def start(self, config: RunConfig, fresh: bool) -> list[tuple[Path, int]]:
         """Create the folder and write config.json; a fresh run first removes what an
         overwritten one left behind. Every start removes the temporary files of writes a
         killed run left (returned as (path, bytes), for the caller to report). Takes the

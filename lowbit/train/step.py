@@ -37,8 +37,7 @@ from lowbit.train.build import Batch
 from lowbit.train.config import TrainConfig
 from lowbit.train.distributed import Distributed
 from lowbit.train.fold_policy import FoldPolicy
-from lowbit.train import graphs
-from lowbit.train.graphs import GraphedGradients, accumulate_gradients
+from lowbit.train.graphs import GraphedGradients, accumulate_gradients, cuda_graph_refusal
 
 __all__ = ["TrainStep", "StepResult", "Objective", "learning_rate_at", "refuse_cuda_graph"]
 
@@ -60,7 +59,7 @@ def learning_rate_at(step: int, config: TrainConfig) -> float:
 
 def refuse_cuda_graph(process: Distributed, moe: bool) -> None:
     """Raise the one-line reason (ValueError) why --cuda-graph cannot run here, if there is one."""
-    refusal = graphs.cuda_graph_refusal(process.device, moe=moe, world_size=process.world_size)
+    refusal = cuda_graph_refusal(process.device, moe=moe, world_size=process.world_size)
     if refusal:
         raise ValueError(refusal)
 

@@ -8,7 +8,7 @@ import torch
 
 from lowbit import kernels
 from lowbit.models.config import ModelConfig
-from lowbit.rl.precision import Precision, parse_precision
+from lowbit.rl.precision import ActivationScale, Precision, parse_activation_scale, parse_precision
 
 __all__ = ["EngineConfig", "COMPILE_MODES"]
 
@@ -51,6 +51,13 @@ class EngineConfig:
     activation quantizers; lowbit.dispatch.inference): default on CUDA when triton imports;
     False: the plain-PyTorch path everywhere."""
 
+    activation_scale: ActivationScale | str = ActivationScale.PER_TOKEN
+    """How nvfp4 scales a linear's input (lowbit.rl.precision): "per-token" (a power-of-two
+    pre-scale from each token's amax), or "static", a served NVFP4 checkpoint's numerics: one
+    FP32 scale per linear from a calibrated amax (load_state_dict's input_amax, refreshed at
+    every weight sync), dynamic 1x16 E4M3 block scales under it, values beyond the calibrated
+    range saturated."""
+
     def resolve(self, model: ModelConfig) -> "EngineConfig":
         """Check every setting against the model, fill the defaults; refuses in one line."""
         self.precision = parse_precision(self.precision)
@@ -61,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"RAC compensates NVFP4 activations, so rac_ratio needs precision "
                              f"nvfp4 (got {self.precision.value})")
         self.rac_ratio = float(self.rac_ratio)
+        self.activation_scale = parse_activation_scale(self.activation_scale)
+        if self.activation_scale is ActivationScale.STATIC and self.precision is not Precision.NVFP4:
+            raise ValueError(f"a static activation scale is a served NVFP4 checkpoint's (W4A4), so "
+                             f"it needs precision nvfp4 (got {self.precision.value})")
         self.device = torch.device(self.device)
         self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -13,7 +14,7 @@ from lowbit.rl.engine.config import EngineConfig
 from lowbit.rl.engine.decoder import Decoder
 from lowbit.rl.engine.kv_cache import KVCache
 from lowbit.rl.engine.weights import EngineWeights
-from lowbit.rl.precision import Precision
+from lowbit.rl.precision import ActivationScale, Precision
 from lowbit.rl.sampling import SamplingParams, sample_next
 
 __all__ = ["RolloutEngine", "Rollout", "batch_bucket"]
@@ -65,17 +66,19 @@ class RolloutEngine:
                  dtype: torch.dtype | None = None, max_batch_size: int = 64,
                  max_seq_len: int | None = None, cuda_graph: bool | None = None,
                  compile_decode: bool | str = False, packed_gemm: bool = False,
-                 decode_kernels: bool | None = None) -> None:
+                 decode_kernels: bool | None = None,
+                 activation_scale: str | ActivationScale = "per-token") -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); the rest are
         lowbit.rl.engine.EngineConfig's settings (precision mode, RAC ratio, device, compute
         dtype, the cache's max_batch_size and max_seq_len, CUDA graphs, compile_decode,
-        packed_gemm, decode_kernels), checked here."""
+        packed_gemm, decode_kernels, activation_scale), checked here."""
         self.config = config
         self.settings = EngineConfig(precision, rac_ratio, device, dtype, max_batch_size,
                                      max_seq_len, cuda_graph, compile_decode, packed_gemm,
-                                     decode_kernels).resolve(config)
+                                     decode_kernels, activation_scale).resolve(config)
         s = self.settings
         self.precision, self.rac_ratio, self.device, self.dtype = s.precision, s.rac_ratio, s.device, s.dtype
+        self.activation_scale = s.activation_scale
         self.max_batch_size, self.max_seq_len = s.max_batch_size, s.max_seq_len
         self.cuda_graph, self.compile_decode, self.decode_kernels = s.cuda_graph, s.compile_decode, s.decode_kernels
         self.decode_pdl = False
@@ -101,13 +104,27 @@ class RolloutEngine:
         return self.weights is not None
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor],
+                        input_amax: Mapping[str, float] | None = None) -> None:
         """Take a state dict by Hugging Face parameter names: every tensor is copied to the
         engine's device and dtype, then stored as the precision mode says (EngineWeights). The
-        engine keeps no reference to the given tensors. Missing or unexpected keys are refused."""
+        engine keeps no reference to the given tensors. Missing or unexpected keys are refused.
+
+        input_amax: with activation_scale "static" (and only then), each linear's calibrated
+        input amax by module name, as lowbit.export.calibrate_input_amax returns it for the
+        model these weights come from (what `lowbit export --activations nvfp4` calibrates);
+        give it at every sync, as a served checkpoint is calibrated for its own weights."""
         s = self.settings
+        static = s.activation_scale is ActivationScale.STATIC
+        if static and input_amax is None:
+            raise ValueError("activation_scale 'static' needs each linear's calibrated input amax: "
+                             "load_state_dict(sd, input_amax=lowbit.export.calibrate_input_amax("
+                             "model, batches))")
+        if not static and input_amax is not None:
+            raise ValueError("input_amax sets static activation scales; this engine's are "
+                             f"{s.activation_scale.value} (pass activation_scale='static')")
         weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
-                                     s.dtype, s.packed_gemm)
+                                     s.dtype, s.packed_gemm, input_amax)
         # a sync into the tensors the CUDA graphs read keeps them (and a compiled step) valid
         if self.weights is not None and self.weights.copy_(weights):
             return

@@ -4,6 +4,11 @@ tensors by Hugging Face parameter names.
     weights = EngineWeights.load(state_dict, model_config, precision, rac_ratio, device, dtype)
     weights.layers[i].qkv_proj(x, norm=ln)       # an EngineLinear: quantize x as the mode says, GEMM
 
+With `input_amax` (module name -> calibrated amax of its input, lowbit.export.calibrate's
+names) the NVFP4 activations take static scales, as a served checkpoint's (lowbit.rl.precision):
+each EngineLinear and expert GEMM holds its amax as a float32 tensor on the device, refreshed in
+place by a weight sync like the weights.
+
 A linear's weight is a lowbit.formats.LinearWeight: the packed NVFP4 codes and scales (or FP8
 codes, or the compute-dtype values for bf16) exactly as lowbit.rl.precision.quantize_weight
 makes them, made once per weight sync and never dequantized on the GPU -- the GEMM kernels
@@ -17,6 +22,9 @@ and compute dtype first, so the trainer may step while the engine generates.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Mapping
 
 import torch
 
@@ -47,23 +55,28 @@ class EngineLinear:
 
     def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
                  device: torch.device, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                 packed_gemm: bool = False) -> None:
+                 packed_gemm: bool = False, input_amax: float | None = None) -> None:
         self._build([weight], precision, rac_ratio, device, dtype, None if bias is None else [bias],
-                    packed_gemm)
+                    packed_gemm, input_amax)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
               device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None = None,
-              packed_gemm: bool = False) -> "EngineLinear":
+              packed_gemm: bool = False, input_amax: float | None = None) -> "EngineLinear":
         """One GEMM for several weights (out_i, in) of the same in_features; its output is the
-        parts' outputs side by side, in order. biases: one (out_i,) per part, or None."""
+        parts' outputs side by side, in order. biases: one (out_i,) per part, or None;
+        input_amax: nvfp4's static scale, the calibrated amax of the input (None: per token)."""
         self = cls.__new__(cls)
-        self._build(list(weights), precision, rac_ratio, device, dtype, biases, packed_gemm)
+        self._build(list(weights), precision, rac_ratio, device, dtype, biases, packed_gemm,
+                    input_amax)
         return self
 
-    def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm) -> None:
+    def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm,
+               input_amax) -> None:
         if rac_ratio and precision is not Precision.NVFP4:
             raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs precision nvfp4")
+        self.input_amax = _static_amax(input_amax, precision, device)
+        """nvfp4 with static scales: (1,) float32, the input's calibrated amax; else None."""
         if len({w.shape[-1] for w in weights}) != 1:
             raise ValueError(f"fused weights need the same in_features (got shapes "
                              f"{[tuple(w.shape) for w in weights]})")
@@ -110,7 +123,8 @@ class EngineLinear:
         kw = dict(use_kernels=use_kernels)
         if self.precision is Precision.NVFP4:
             x_hat, r_hat = inference.quantize_activations(x2d, "nvfp4", self.rac_ratio, norm=norm,
-                                                          eps=eps, silu_mul=silu_mul, **kw)
+                                                          eps=eps, silu_mul=silu_mul,
+                                                          input_amax=self.input_amax, **kw)
             y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, **kw)
         elif self.precision is Precision.FP8:
             codes, scale = inference.quantize_activations(x2d, "fp8", norm=norm, eps=eps,
@@ -120,6 +134,15 @@ class EngineLinear:
             y = inference.linear(x2d, self.gemm_weight, self.bias, norm=norm, eps=eps,
                                  silu_mul=silu_mul, residual=res, pdl=pdl, **kw)
         return y.reshape(*lead, self.out_features)
+
+
+def _static_amax(amax: float | None, precision: Precision, device: torch.device) -> torch.Tensor | None:
+    """A calibrated input amax as the (1,) float32 tensor the quantizers read, or None."""
+    if amax is None:
+        return None
+    if precision is not Precision.NVFP4:
+        raise ValueError(f"a static activation scale is nvfp4's (got {precision.value})")
+    return torch.tensor([amax], dtype=torch.float32, device=device)
 
 
 def _gemm_weight(weight: LinearWeight, precision: Precision, packed_gemm: bool) -> LinearWeight:
@@ -138,8 +161,14 @@ class EngineExperts:
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, precision: Precision,
                  rac_ratio: float, device: torch.device, dtype: torch.dtype,
-                 packed_gemm: bool = False) -> None:
+                 packed_gemm: bool = False,
+                 input_amax: tuple[float, float] | None = None) -> None:
+        """input_amax: nvfp4's static scales, the calibrated amax of the gate|up GEMM's input and
+        of the down GEMM's, each shared by all experts (None: per token)."""
         self.precision, self.rac_ratio = precision, float(rac_ratio)
+        gate_up_amax, down_amax = (None, None) if input_amax is None else input_amax
+        self.gate_up_amax = _static_amax(gate_up_amax, precision, device)
+        self.down_amax = _static_amax(down_amax, precision, device)
         self.gate_up = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in gate_up])
         self.down = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in down])
         self.gate_up_gemm = _gemm_weight(self.gate_up, precision, packed_gemm)
@@ -161,10 +190,12 @@ class EngineExperts:
         kw = dict(use_kernels=use_kernels)
         gw = dict(groups=groups, **kw)
         if self.precision is Precision.NVFP4:
-            x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio, **kw)
+            x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio,
+                                                          input_amax=self.gate_up_amax, **kw)
             gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **gw)
             h_hat, rh_hat = inference.quantize_activations(gate_up, "nvfp4", self.rac_ratio,
-                                                           silu_mul=True, **kw)
+                                                           silu_mul=True, input_amax=self.down_amax,
+                                                           **kw)
             y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **gw)
         elif self.precision is Precision.FP8:
             gate_up = inference.grouped_linear(_fp8_values(x, **kw), self.gate_up_gemm, expert_of_row,
@@ -208,11 +239,34 @@ class EngineWeights:
     @torch.no_grad()
     def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
              rac_ratio: float, device: torch.device, dtype: torch.dtype,
-             packed_gemm: bool = False) -> "EngineWeights":
+             packed_gemm: bool = False,
+             input_amax: Mapping[str, float] | None = None) -> "EngineWeights":
         """From a state dict by Hugging Face parameter names; missing or unexpected keys, and
-        tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs read the packed NVFP4 weights (else their dequantized
-        values, kept beside them)."""
+        tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs
+        read the packed NVFP4 weights (else their dequantized values, kept beside them).
+        input_amax: nvfp4 with static activation scales: module name -> calibrated amax of its
+        input (lowbit.export.calibrate_input_amax's; a missing linear or a non-finite amax is
+        refused); fused projections take the largest of their parts', an MoE layer's GEMMs
+        the largest over the experts that saw tokens. None: per-token scales."""
         sd = _fuse_hf_experts(dict(state_dict), cfg)
+        if input_amax is not None and precision is not Precision.NVFP4:
+            raise ValueError(f"input_amax sets static NVFP4 activation scales; precision "
+                             f"{precision.value} has none")
+
+        def amax_of(*modules: str, any_of: bool = False) -> float | None:
+            # the largest calibrated amax of these modules (any_of: of those calibrated)
+            if input_amax is None:
+                return None
+            found = [input_amax[m] for m in modules if m in input_amax]
+            if not found or (len(found) < len(modules) and not any_of):
+                missing = next(m for m in modules if m not in input_amax)
+                raise ValueError(f"input_amax has no calibrated amax for {missing!r}; calibrate "
+                                 f"every linear (lowbit.export.calibrate_input_amax)")
+            for m in modules:   # one by one: Python's max() may skip a NaN
+                if m in input_amax and not (math.isfinite(float(input_amax[m])) and input_amax[m] >= 0):
+                    raise ValueError(f"calibrated input amax {input_amax[m]} for {m!r}: a static "
+                                     "scale needs a finite amax >= 0 (was the calibration finite?)")
+            return max(float(a) for a in found)
         used: set[str] = set()
         model = (f"{cfg.n_layers} layers, dim {cfg.dim}"
                  + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
@@ -236,7 +290,8 @@ class EngineWeights:
             biases = ([take(n.removesuffix("weight") + "bias", shape[:1]) for n, shape in parts]
                       if bias else None)
             return EngineLinear.fused([take(n, shape) for n, shape in parts], precision,
-                                      rac_ratio, device, dtype, biases, packed_gemm)
+                                      rac_ratio, device, dtype, biases, packed_gemm,
+                                      amax_of(*(n.removesuffix(".weight") for n, _ in parts)))
 
         C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -256,9 +311,13 @@ class EngineWeights:
             if cfg.is_moe:
                 E, F = cfg.n_experts, cfg.moe_ffn_dim
                 layer.router = plain(p + "mlp.gate.weight", (E, C))
+                experts = [f"{p}mlp.experts.{e}." for e in range(E)]
+                amax = None if input_amax is None else (
+                    amax_of(*(e + proj for e in experts for proj in ("gate_proj", "up_proj")), any_of=True),
+                    amax_of(*(e + "down_proj" for e in experts), any_of=True))
                 layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C)),
                                               take(p + "mlp.experts.down_proj", (E, C, F)),
-                                              precision, rac_ratio, device, dtype, packed_gemm)
+                                              precision, rac_ratio, device, dtype, packed_gemm, amax)
             else:
                 F = cfg.ffn_dim
                 layer.gate_up_proj = linear((p + "mlp.gate_proj.weight", (F, C)),
@@ -311,12 +370,17 @@ class EngineWeights:
                         yield lin.gemm_weight
                     if lin.bias is not None:
                         yield lin.bias
+                    if lin.input_amax is not None:           # static activation scale
+                        yield lin.input_amax
             if layer.experts is not None:
                 for stored, gemm in ((layer.experts.gate_up, layer.experts.gate_up_gemm),
                                      (layer.experts.down, layer.experts.down_gemm)):
                     yield stored
                     if gemm is not stored:
                         yield gemm
+                for amax in (layer.experts.gate_up_amax, layer.experts.down_amax):
+                    if amax is not None:
+                        yield amax
         yield self.norm
         if self.lm_head is not self.embed:
             yield self.lm_head
