@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face model with TRL's SFTTrainer after lowbit.convert: lowbit's recipes
+"""Fine-tune a Hugging Face model with TRL's SFTTrainer after lowbit.quantize_: lowbit's recipes
 are module swaps, so any trainer runs them. A tiny random Llama here (nothing downloaded);
 pass --model PATH for a real folder.
 
@@ -41,7 +41,7 @@ def sft(model_path: str | None = None, recipe: str = "stable-fp4", steps: int = 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         corpus = texts or ["the quick brown fox jumps over the lazy dog"] * 64
-    print(str(lowbit.convert(model, recipe)).splitlines()[0])   # in place: QuantLinear layers
+    print(str(lowbit.quantize_(model, recipe)).splitlines()[0])   # in place: QuantLinear layers
     config = SFTConfig(output_dir=output_dir or tempfile.mkdtemp(), max_steps=steps,
                        per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1,
                        max_length=32, report_to=[], save_strategy="no", use_cpu=True,

@@ -750,7 +750,7 @@ def test_bench_train_says_when_a_recipe_quantized_nothing(monkeypatch):
     real = build.apply_recipe
     monkeypatch.setattr(build, "apply_recipe", lambda net, recipe: (
         real(net, recipe) if recipe is None or recipe.name == "bf16" else
-        "lowbit.convert: recipe 'nvfp4': 0 modules quantized, 21 kept in high precision"))
+        "lowbit.quantize_: recipe 'nvfp4': 0 modules quantized, 21 kept in high precision"))
     rows = bench_train("tiny", ("bf16", "nvfp4"), seq_len=16, batch_size=2, steps=1, warmup=0,
                        progress=lambda m: None)
     text = format_rows(rows)

@@ -11,7 +11,7 @@ def converted(recipe, n_experts=0):
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, max_seq_len=32,
                                     n_experts=n_experts))
-    lowbit.convert(model, recipe)
+    lowbit.quantize_(model, recipe)
     return model
 
 

@@ -34,7 +34,7 @@ def test_train_from_a_hugging_face_folder_then_export_the_run(moe_folder, tmp_pa
     data = load_dataset("tinyshakespeare", tokenizer=BPETokenizer(tok), max_bytes=20000)
     x, y = next(iter(data.eval_batches("val", 2, 32, max_batches=1)))
     import lowbit
-    lowbit.convert(model, "stable-fp4")
+    lowbit.quantize_(model, "stable-fp4")
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][0]

@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+import lowbit
 from lowbit.diagnostics import sqnr_db
 from lowbit.formats import QuantSpec
 from lowbit.models import ModelConfig, build_model
-from lowbit.nn import QuantExperts, QuantLinear, convert, quantization_disabled
+from lowbit.nn import QuantExperts, QuantLinear, convert_to_quantized_training, quantization_disabled
 from lowbit.ops import fake_quantize, gemm_operands, operand, quant_linear, random_hadamard
 from lowbit.ops.compiled import op_key
 from lowbit.recipes import LinearRecipe, get_recipe, recipe_names
@@ -189,7 +190,7 @@ def tiny_model(n_experts=0):
 @pytest.mark.parametrize("n_experts", [0, 4])
 def test_every_parameter_gets_a_gradient(recipe, n_experts):
     model = tiny_model(n_experts)
-    report = convert(model, recipe)
+    report = convert_to_quantized_training(model, recipe)
     assert report.swapped
     idx = torch.randint(0, 128, (8, 32))
     out = model(idx, idx)
@@ -203,7 +204,7 @@ def test_convert_reports_and_disabling_restores_the_model():
     model = tiny_model(4)
     idx = torch.randint(0, 128, (2, 32))
     before = model(idx).logits
-    report = convert(model, "stable-fp4")
+    report = convert_to_quantized_training(model, "stable-fp4")
     swapped = {n for n, _, _ in report.swapped}
     kept = {n: why for n, _, why in report.kept}
     assert "model.layers.1.mlp.experts" in swapped and "model.layers.0.self_attn.q_proj" in swapped
@@ -215,17 +216,17 @@ def test_convert_reports_and_disabling_restores_the_model():
         assert torch.equal(model(idx).logits, before)
     assert not torch.equal(model(idx).logits, before)
     with pytest.raises(ValueError, match="already converted"):
-        convert(model, "stable-fp4")
+        convert_to_quantized_training(model, "stable-fp4")
 
 
 def test_convert_with_a_filter_and_bf16():
     model = tiny_model()
-    report = convert(model, "mxfp4", module_filter_fn=lambda m, name: "mlp" in name)
+    report = convert_to_quantized_training(model, "mxfp4", module_filter_fn=lambda m, name: "mlp" in name)
     assert all("mlp" in n for n, _, _ in report.swapped)
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
     assert not isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
     model = tiny_model()
-    report = convert(model, "bf16")
+    report = convert_to_quantized_training(model, "bf16")
     assert not report.swapped
 
 
@@ -249,7 +250,7 @@ def test_hugging_face_models_convert_including_experts(recipe):
         torch.manual_seed(0)
         idx = torch.randint(0, 128, (2, 16))
         before = model(idx).logits.detach()
-        report = convert(model, recipe)
+        report = convert_to_quantized_training(model, recipe)
         kinds = [k for _, k, _ in report.swapped]
         per_layer = 4 + (0 if n_expert_modules else 3)
         n_quantized_layers = 2 if recipe == "stable-fp4" else 0   # nvfp4 keeps first/last block
@@ -444,7 +445,7 @@ def _converted_tiny_model(recipe):
 
     torch._dynamo.reset()
     model = tiny_model(0)
-    convert(model, recipe)
+    convert_to_quantized_training(model, recipe)
     idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
 
     def loss_and_grads(forward):
@@ -498,8 +499,8 @@ def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():
     from lowbit.recipes import Gemm
 
     fp8, plain = tiny_model(0), tiny_model(0)
-    convert(fp8, "stable-fp4-fp8")
-    convert(plain, "stable-fp4")
+    convert_to_quantized_training(fp8, "stable-fp4-fp8")
+    convert_to_quantized_training(plain, "stable-fp4")
     layers = {n: m.linear_recipe for n, m in fp8.named_modules() if isinstance(m, QuantLinear)}
     emulated = sorted(n.rsplit(".", 1)[1] for n, r in layers.items()
                       if r is not None and r.gemm is Gemm.EMULATED)
@@ -512,7 +513,7 @@ def test_stable_fp4_fp8_keeps_v_proj_and_the_mxfp8_qk_emulated():
 
 def test_stable_fp4_fp8_trains_a_moe_model():
     model = tiny_model(4)
-    report = convert(model, "stable-fp4-fp8")
+    report = convert_to_quantized_training(model, "stable-fp4-fp8")
     assert any("FP8 tensor cores" in what for _, _, what in report.swapped)
     idx = torch.randint(0, 128, (4, 32))
     out = model(idx, idx)
@@ -562,3 +563,35 @@ def test_torch_compile_traces_quantized_layers_as_custom_ops(recipe, backend):
     else:
         assert dict(breaks) == {}
     assert all(torch.equal(a, b) for a, b in zip(compiled[1], eager[1]))
+
+
+def test_quantize_takes_a_recipe_name_a_recipe_or_a_qat_config_and_convert_is_deprecated():
+    """lowbit.quantize_(model, config) in torchao's shape: a recipe's name and its config object
+    swap the same modules; a QATConfig fake-quantizes the weights (lowbit.qat.prepare); the old
+    lowbit.convert still works and says it is deprecated."""
+    from lowbit.qat import QATConfig
+    from lowbit.recipes import stable_fp4
+
+    def swapped(config, **kwargs):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=2,
+                                        max_seq_len=16))
+        return model, lowbit.quantize_(model, config, **kwargs)
+
+    by_name, report = swapped("stable-fp4")
+    by_object, report_object = swapped(stable_fp4())
+    assert report.swapped == report_object.swapped and report.swapped
+    x = torch.randint(0, 64, (2, 16))
+    torch.manual_seed(1)
+    a = by_name(x).logits
+    torch.manual_seed(1)
+    assert torch.equal(a, by_object(x).logits)
+    _, only_mlp = swapped("stable-fp4", filter_fn=lambda m, name: "mlp" in name)
+    assert only_mlp.swapped and all("mlp" in name for name, _, _ in only_mlp.swapped)
+
+    prepared, qat_report = swapped(QATConfig(weights="int2:g32", estimator="ste"))
+    assert qat_report.prepared and not any(isinstance(m, QuantLinear) for m in prepared.modules())
+    with pytest.raises(TypeError, match="takes a recipe"):
+        lowbit.quantize_(prepared, 4)
+    with pytest.warns(DeprecationWarning, match="lowbit.quantize_"):
+        lowbit.convert(swapped("bf16")[0], "stable-fp4")

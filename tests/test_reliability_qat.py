@@ -90,7 +90,7 @@ def test_every_reader_opens_a_run_through_run_dir_open(tmp_path, capsys, pattern
     qat = [*QAT, "--out-dir", tmp_path / "qat"]
     for command in ([*qat, "--from", empty], ["inspect", "--gradients", empty, "--recipes", "mxfp4"]):
         code, err = cli(capsys, *command)
-        one_line_error(code, err, f"{empty} is not a lowbit train run folder")
+        one_line_error(code, err, f"{empty} is not a finished lowbit train run folder")
     (source / "final.json").write_text("{not json")
     for command in ([*qat, "--from", source], ["export", source, "--out", tmp_path / "out",
                                                *EXPORT]):
@@ -263,7 +263,7 @@ def test_lowbit_convert_refuses_a_model_prepared_for_qat_and_changes_nothing():
     types, state = _snapshot(net)
     out = net(x)
     with pytest.raises(ValueError) as e:
-        lowbit.convert(net, "nvfp4", module_filter_fn=every)
+        lowbit.quantize_(net, "nvfp4", filter_fn=every)
     message = str(e.value)
     assert "\n" not in message
     for fragment in ("a is prepared for QAT", "would drop", "lowbit.qat.convert", "fresh model",
@@ -278,10 +278,10 @@ def test_lowbit_convert_refuses_a_model_prepared_for_qat_and_changes_nothing():
     convert(net)
     packed = {name: q.codes.clone() for name, q in packed_weights(net).items()}
     with pytest.raises(ValueError, match="a holds packed weights"):
-        lowbit.convert(net, "nvfp4", module_filter_fn=every)
+        lowbit.quantize_(net, "nvfp4", filter_fn=every)
     assert all(torch.equal(packed_weights(net)[n].codes, c) for n, c in packed.items())
     # a fresh model converts as before
-    assert len(lowbit.convert(Net(), "nvfp4", module_filter_fn=every).swapped) == 2
+    assert len(lowbit.quantize_(Net(), "nvfp4", filter_fn=every).swapped) == 2
 
 
 # --- 8, 9. quantize is storage: no autograd graph, no meta tensors ------------------------------

@@ -360,10 +360,10 @@ def test_convert_refuses_a_partly_converted_model_without_changing_it():
 
     model = _blocks(4)
     late = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and "layers.3" in n][0]
-    lowbit.convert(model.get_submodule(late.rsplit(".", 1)[0]), "stable-fp4")  # one block done
+    lowbit.quantize_(model.get_submodule(late.rsplit(".", 1)[0]), "stable-fp4")  # one block done
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(ValueError, match="already converted.*nothing was changed"):
-        lowbit.convert(model, "stable-fp4")
+        lowbit.quantize_(model, "stable-fp4")
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == \
         sum(isinstance(m, QuantLinear) for m in model.get_submodule(late.rsplit(".", 1)[0]).modules())
@@ -376,11 +376,11 @@ def test_convert_reports_modules_it_does_not_understand_and_warns_when_it_quanti
     gpt2_like = nn.ModuleDict({"c_attn": transformers_utils.Conv1D(96, 32),
                                "lm_head": nn.Linear(32, 64)})
     with pytest.warns(UserWarning, match="quantized no module.*Conv1D"):
-        report = lowbit.convert(gpt2_like, "stable-fp4")
+        report = lowbit.quantize_(gpt2_like, "stable-fp4")
     assert [(n, t) for n, t, _ in report.not_understood] == [("c_attn", "Conv1D")]
     assert "unknown    c_attn" in str(report) and "(32, 96)" in str(report)
     with pytest.warns(UserWarning, match="'nvfp4' quantized no module"):
-        report = lowbit.convert(_blocks(2), "nvfp4")     # its first/last-block rule keeps both
+        report = lowbit.quantize_(_blocks(2), "nvfp4")     # its first/last-block rule keeps both
     assert not report.swapped and "first/last 1 blocks" in str(report)
 
 

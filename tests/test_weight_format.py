@@ -54,7 +54,7 @@ def test_the_properties_the_jobs_read():
 @pytest.mark.parametrize("bad, says", [
     ("fp3", "unknown format 'fp3'"), ("int5", "unknown format 'int5'"),
     ("int4:g64:row", "names its blocks twice"), ("ternary:asym", "applies to intK only"),
-    ("nvfp4:rceil", "scale_rule applies to MX formats only"), ("mxfp4:single", "mxfp4 has none"),
+    ("nvfp4:rceil", "scale_rule applies to MX formats only"), ("mxfp4:single", "tensor_scale applies to nvfp4 only"),
     ("int4:g0", "is empty"), ("int4:fast", "unknown option 'fast'"), ("bf16:g64", "no options"),
     ("nvfp4:16x32", "weight format 'nvfp4:16x32'"),
 ])

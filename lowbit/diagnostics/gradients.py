@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lowbit.diagnostics.training import quantized_weights
-from lowbit.nn import QuantExperts, QuantLinear, convert
+from lowbit.nn import QuantExperts, QuantLinear, convert_to_quantized_training
 from lowbit.recipes import Gemm, LinearRecipe, get_recipe
 
 __all__ = ["gradient_bias_variance", "bias_variance", "GradientStats", "GradientReport",
@@ -110,7 +110,7 @@ def gradient_bias_variance(model: nn.Module, idx: torch.Tensor, targets: torch.T
     with torch.random.fork_rng(devices=devices):
         for recipe in recipes:
             quantized = copy.deepcopy(model)
-            convert(quantized, recipe)
+            convert_to_quantized_training(quantized, recipe)
             modules = [m for m in quantized.modules() if isinstance(m, (QuantLinear, QuantExperts))]
             names = list(quantized_weights(quantized))
             if not names:

@@ -45,9 +45,9 @@ def parse_format(text: str) -> tuple[str, WeightFormat]:
     """'mxfp4:rceil:32x32' -> (label, WeightFormat), in lowbit.formats' grammar: every format
     and option, `row` included (one scale per row of each tensor)."""
     try:
-        fmt = parse_weight_format(text)
+        fmt = parse_weight_format(text, where=" in --formats")
     except ValueError as e:
-        raise InspectError(f"{e} (in --formats)") from None
+        raise InspectError(str(e)) from None
     if fmt.name == "bf16":
         raise InspectError("bf16 is no quantization; --formats takes quantized formats, e.g. "
                            "nvfp4,mxfp4,int4")

@@ -143,9 +143,11 @@ def names_block(text: str) -> bool:
     return any(o == "row" or _GROUP.match(o) or _TILE.match(o) for o in options)
 
 
-def parse_weight_format(text: str) -> WeightFormat:
+def parse_weight_format(text: str, where: str = "", check_block: bool = True) -> WeightFormat:
     """'int2:g64' -> WeightFormat('int2', (1, 64)); see the module docstring. A malformed
-    format is a ValueError with one line that says what to write."""
+    format is a ValueError with one line that says what to write; `where` names the flag in it
+    (" in --formats"). check_block False leaves a block the format cannot take (int2:g33) to
+    the caller, whose own rule may say more."""
     parts = [p.strip() for p in str(text).strip().lower().split(":")]
     name, options = parts[0], parts[1:]
     asym = name.endswith("_asym") and name in FORMATS
@@ -153,7 +155,7 @@ def parse_weight_format(text: str) -> WeightFormat:
         name = name[: -len("_asym")]
     if name != "bf16" and name not in FORMATS:
         known = ", ".join(n for n in FORMATS if not n.endswith("_asym"))
-        raise ValueError(f"unknown format {text!r}; use one of {known} (options gG, row, "
+        raise ValueError(f"unknown format {text!r}{where}; use one of {known} (options gG, row, "
                          f"RxC, asym, floor, rceil, single, sr), e.g. int2:g64")
     if name == "bf16" and options:
         raise ValueError("bf16 is no quantization and takes no options; write plain bf16")
@@ -181,17 +183,18 @@ def parse_weight_format(text: str) -> WeightFormat:
             fields["scale_rule"] = None if option == "floor" else option
         elif option == "single":
             if name != "nvfp4":
-                raise ValueError(f"{text!r}: `single` drops NVFP4's tensor scale; {name} has none")
+                raise ValueError(f"{text!r}{where}: tensor_scale applies to nvfp4 only (`single` "
+                                 f"drops NVFP4's tensor scale); leave it out for {name}")
             fields["tensor_scale"] = False
         elif option == "sr":
             fields["stochastic"] = True
         else:
-            raise ValueError(f"unknown option {option!r} in {text!r}; use gG (e.g. g64), row, "
+            raise ValueError(f"unknown option {option!r} in {text!r}{where}; use gG (e.g. g64), row, "
                              f"RxC (e.g. 16x16), asym, floor, rceil, single or sr")
     fmt = WeightFormat(name, asym=asym, **fields)
-    if name != "bf16" and not fmt.row:
+    if check_block and name != "bf16" and not fmt.row:
         try:
             fmt.spec()   # a block the format cannot take (e.g. 16x32): refused here
         except ValueError as e:
-            raise ValueError(f"weight format {text!r}: {e}") from None
+            raise ValueError(f"weight format {text!r}{where}: {e}") from None
     return fmt

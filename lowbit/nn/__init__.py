@@ -1,7 +1,10 @@
 """Quantized modules and the converter that swaps them into any nn.Module.
 
-    report = lowbit.convert(model, "stable-fp4")    # in place; prints what it swapped and kept
+    report = lowbit.quantize_(model, "stable-fp4")  # in place; prints what it swapped and kept
     print(report)
+
+(`lowbit.quantize_` with a recipe calls `convert_to_quantized_training` here; with a QATConfig,
+lowbit.qat.prepare. Both walk the model with `gemm_modules`.)
 
 `QuantLinear` is an nn.Linear whose forward runs the recipe's three quantized GEMMs
 (lowbit.ops.quant_linear); `QuantExperts` does the same per expert for MoE expert weights
@@ -17,7 +20,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,7 +32,7 @@ from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
-__all__ = ["QuantLinear", "QuantExperts", "convert", "ConversionReport", "quantization_disabled",
+__all__ = ["QuantLinear", "QuantExperts", "convert_to_quantized_training", "convert", "gemm_modules", "GEMM_KINDS", "ConversionReport", "quantization_disabled",
            "default_module_filter", "is_experts"]
 
 
@@ -143,6 +146,42 @@ def default_module_filter(module: nn.Module, name: str) -> bool:
     return last not in ("lm_head", "gate", "router", "score")
 
 
+GEMM_KINDS = ("linear", "experts")
+
+
+def gemm_modules(model: nn.Module, module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+                 ) -> Iterator[tuple[str, nn.Module, str, str]]:
+    """The one walk over a model that both ways of quantizing its weights take (`convert`'s
+    module swap and lowbit.qat.prepare's fake quantization): (name, module, kind, why_kept) for
+
+    - every module holding a GEMM's weight: kind "linear" (nn.Linear) or "experts" (3D expert
+      weights, `is_experts`), why_kept "" where module_filter_fn (default
+      `default_module_filter`) takes it, else why not; its submodules are not visited;
+    - every other module that holds weights: embeddings and norms ("not a GEMM"), routers
+      ("routing stays in high precision"), and modules lowbit knows nothing about (GPT-2's
+      Conv1D, say: why_kept "holds NAME SHAPE, ..."), kind their type name or "router"."""
+    keep = module_filter_fn or default_module_filter
+    inside: list[str] = []   # the GEMM modules met so far: their submodules are theirs
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        kind = "linear" if isinstance(module, nn.Linear) else "experts" if is_experts(module) else ""
+        if kind:
+            inside.append(name)
+            why = "" if keep(module, name) else (
+                "module_filter_fn" if module_filter_fn else
+                "default filter: output head and routers stay high precision")
+            yield name, module, kind, why
+        elif isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
+            yield name, module, type(module).__name__, "not a GEMM"
+        elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
+            yield name, module, "router", "routing stays in high precision"
+        elif any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            held = ", ".join(f"{n} {tuple(p.shape)}" for n, p in
+                             module.named_parameters(recurse=False))
+            yield name, module, type(module).__name__, f"holds {held}"
+
+
 @dataclass
 class ConversionReport:
     recipe: str
@@ -164,7 +203,7 @@ class ConversionReport:
                 f"kept in high precision{why}); training it is training bf16")
 
     def __str__(self) -> str:
-        lines = [f"lowbit.convert: recipe {self.recipe!r}: {len(self.swapped)} modules quantized, "
+        lines = [f"lowbit.quantize_: recipe {self.recipe!r}: {len(self.swapped)} modules quantized, "
                  f"{len(self.kept)} kept in high precision"
                  + (f", {len(self.not_understood)} not understood" if self.not_understood else "")]
         if self.warning:
@@ -183,6 +222,17 @@ class ConversionReport:
 
 def convert(model: nn.Module, recipe: str | Recipe,
             module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> ConversionReport:
+    """Deprecated name of `convert_to_quantized_training` (lowbit.quantize_ is the front door;
+    lowbit.qat.convert is QAT's other step, packing trained weights)."""
+    warnings.warn("lowbit.convert is now lowbit.quantize_(model, recipe) (or "
+                  "lowbit.nn.convert_to_quantized_training); the old name will go",
+                  DeprecationWarning, stacklevel=2)
+    return convert_to_quantized_training(model, recipe, module_filter_fn)
+
+
+def convert_to_quantized_training(model: nn.Module, recipe: str | Recipe,
+                                  module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+                                  ) -> ConversionReport:
     """Swap model's nn.Linear and 3D-experts modules for quantized ones, in place.
 
     module_filter_fn(module, fully_qualified_name) -> bool picks the modules to convert
@@ -197,37 +247,22 @@ def convert(model: nn.Module, recipe: str | Recipe,
     lowbit.qat.prepare, whose trainable weights a swap would drop) is left as it was.
     """
     recipe = get_recipe(recipe)
-    keep = module_filter_fn or default_module_filter
     names = [name for name, _ in model.named_modules()]
     block_ids = [int(m.group(1)) for n in names for m in [re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", n)] if m]
     n_blocks = max(block_ids) + 1 if block_ids else None
     report = ConversionReport(recipe.name)
     plan: list[tuple[str, nn.Module, str, LinearRecipe]] = []
-    inside_converted: list[str] = []   # submodules of a module being swapped are not visited
 
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in inside_converted):
+    for name, module, kind, why in gemm_modules(model, module_filter_fn):
+        if kind not in GEMM_KINDS:
+            (report.not_understood if why.startswith("holds") else report.kept).append(
+                (name, kind, why))
             continue
         if isinstance(module, (QuantLinear, QuantExperts)):
             raise ValueError(f"{name} is already converted; convert a fresh model (or reload it); "
                              f"nothing was changed")
-        if isinstance(module, nn.Linear):
-            kind = "linear"
-        elif is_experts(module):
-            kind = "experts"
-        else:
-            if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
-                report.kept.append((name, type(module).__name__, "not a GEMM"))
-            elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
-                report.kept.append((name, "router", "routing stays in high precision"))
-            elif any(p.dim() >= 2 for p in module.parameters(recurse=False)):
-                held = ", ".join(f"{n} {tuple(p.shape)}" for n, p in
-                                 module.named_parameters(recurse=False))
-                report.not_understood.append((name, type(module).__name__, f"holds {held}"))
-            continue
-        if not keep(module, name):
-            report.kept.append((name, kind, "module_filter_fn" if module_filter_fn
-                                else "default filter: output head and routers stay high precision"))
+        if why:
+            report.kept.append((name, kind, why))
             continue
         linear_recipe = recipe.linear_for(name, n_blocks)
         if linear_recipe is None:
@@ -241,7 +276,6 @@ def convert(model: nn.Module, recipe: str | Recipe,
             _expert_dims(module)   # refuse an unsupported experts module before any swap
         _refuse_parametrized(module, name)
         plan.append((name, module, kind, linear_recipe))
-        inside_converted.append(name)
 
     for name, module, kind, linear_recipe in plan:
         new = (QuantLinear.from_linear(module, linear_recipe) if kind == "linear"
@@ -249,7 +283,7 @@ def convert(model: nn.Module, recipe: str | Recipe,
         _set_submodule(model, name, new)
         report.swapped.append((name, kind, linear_recipe.describe()))
     if report.warning:
-        warnings.warn(f"lowbit.convert: {report.warning}", UserWarning, stacklevel=2)
+        warnings.warn(f"lowbit.quantize_: {report.warning}", UserWarning, stacklevel=2)
     return report
 
 
@@ -263,10 +297,10 @@ def _refuse_parametrized(module: nn.Module, name: str) -> None:
     # lowbit.qat.convert leaves an empty placeholder as the original of a packed weight
     if any(plist.original.numel() for plist in module.parametrizations.values()):
         raise ValueError(f"{name} is prepared for QAT (lowbit.qat.prepare): its weight is "
-                         f"computed from trainable weights that lowbit.convert would drop; "
+                         f"computed from trainable weights that lowbit.quantize_ would drop; "
                          f"finish QAT with lowbit.qat.convert first (which packs them), or convert "
                          f"a fresh model; nothing was changed")
-    raise ValueError(f"{name} holds packed weights (lowbit.qat.convert), which lowbit.convert "
+    raise ValueError(f"{name} holds packed weights (lowbit.qat.convert), which lowbit.quantize_ "
                      f"would drop; the model already runs on them (save them with "
                      f"lowbit.save_qtensors), or convert a fresh model; nothing was changed")
 

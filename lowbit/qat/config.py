@@ -35,18 +35,23 @@ QAT_FORMATS = ("int2", "int3", "int4", "int8", "ternary", "binary", "seq2", "nvf
 def qat_weight_format(text: str) -> WeightFormat:
     """A `--weights` value (lowbit.formats' grammar) as the WeightFormat QAT trains: the
     formats and options in the module docstring; anything else is refused in one line."""
-    fmt = parse_weight_format(text)
+    head = str(text).strip().lower().split(":")[0]
+    if head.startswith("int") and head[3:].isdigit() and head not in QAT_FORMATS:
+        raise ValueError(f"{head}: QAT takes int2, int3, int4 or int8 weights")
+    fmt = parse_weight_format(text, check_block=False)
     if fmt.name not in QAT_FORMATS:
         raise ValueError(f"QAT takes no {fmt.name} weights; use one of "
                          f"{', '.join(QAT_FORMATS)}, e.g. int2:g64")
     if fmt.data_scaled:
-        fmt.refuse(f"QAT's {fmt.name}", set(), f"{fmt.name} has its own blocks and scales; "
-                   f"write plain {fmt.name!r}")
+        fmt.refuse(f"QAT's {fmt.name}", set(), f"{fmt.name} has its own blocks; write plain "
+                   f"{fmt.name!r}")
         return fmt
     fmt.refuse("QAT", {"group", "asym"}, "QAT trains one scale per G inputs (gG) or per row")
     if fmt.group is not None and (not 8 <= fmt.group <= 4096 or fmt.group % 8):
         raise ValueError(f"group size {fmt.group} in {text!r}: use a multiple of 8 from 8 to "
                          "4096 (32-256 is usual), or `row`")
+    if fmt.name != "bf16" and not fmt.row:
+        fmt.spec()   # any block left the format cannot take
     return fmt
 
 

@@ -3,7 +3,7 @@
 `prepare(model, config)` puts a fake quantizer on the weight of every linear layer and every
 3D experts weight (as `torch.nn.utils.parametrize` parametrizations: `module.weight` is
 computed as Q(original), so any forward -- lowbit's models, Hugging Face's, inside any
-trainer -- trains through it) and returns a report like `lowbit.convert`'s. Output head,
+trainer -- trains through it) and returns a report like `lowbit.quantize_`'s. Output head,
 routers, embeddings and norms stay in high precision. Under nvfp4, a fused group (a module's
 q_proj/k_proj/v_proj, or gate_proj/up_proj, all prepared) shares one per-tensor scale, from
 the group's amax at each forward, as TensorRT-LLM and vLLM need of a served checkpoint; an
@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from lowbit.formats import QTensor, load_qtensors
-from lowbit.nn import default_module_filter, is_experts
+from lowbit.nn import GEMM_KINDS, QuantExperts, QuantLinear, gemm_modules
 from lowbit.qat.config import QATConfig
 from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
@@ -208,29 +208,26 @@ class QATReport:
         return "\n".join(lines)
 
 
-def _targets(model: nn.Module, keep: Callable[[nn.Module, str], bool], report: QATReport):
-    """(module, parameter name, qualified name, kind) of every weight QAT quantizes."""
-    out = []
+def _targets(model: nn.Module, module_filter_fn, report: QATReport):
+    """(module, parameter name, qualified name, kind) of every weight QAT quantizes (the GEMM
+    weights lowbit.nn.gemm_modules finds and module_filter_fn keeps)."""
     for name, module in model.named_modules():
         if parametrize.is_parametrized(module):
             raise ValueError(f"{name} already has a parametrized weight (prepared or converted "
                              "before); prepare a fresh model")
-        if isinstance(module, nn.Linear):
-            params, kind = ["weight"], "linear"
-        elif is_experts(module):
-            params, kind = ["gate_up_proj", "down_proj"], "experts"
-        else:
-            if isinstance(module, nn.Embedding) or "norm" in type(module).__name__.lower():
-                report.kept.append((name, type(module).__name__, "not a GEMM"))
-            elif name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(module, "weight"):
-                report.kept.append((name, "router", "routing stays in high precision"))
+    out = []
+    for name, module, kind, why in gemm_modules(model, module_filter_fn):
+        if kind not in GEMM_KINDS:
+            if not why.startswith("holds"):
+                report.kept.append((name, kind, why))
             continue
-        if type(module).__name__ in ("QuantLinear", "QuantExperts"):
-            raise ValueError(f"{name} is a lowbit.convert layer; QAT prepares a model in high "
+        if isinstance(module, (QuantLinear, QuantExperts)):
+            raise ValueError(f"{name} is a lowbit.quantize_ (recipe) layer; QAT prepares a model in high "
                              "precision (build it without a recipe)")
-        if not keep(module, name):
-            report.kept.append((name, kind, "output head and routers stay high precision"))
+        if why:
+            report.kept.append((name, kind, why))
             continue
+        params = ["weight"] if kind == "linear" else ["gate_up_proj", "down_proj"]
         out.extend((module, p, f"{name}.{p}" if name else p, kind) for p in params)
     return out
 
@@ -247,7 +244,7 @@ def _checked_targets(model, config, module_filter_fn):
         raise ValueError("weights 'bf16' quantize nothing (it names lowbit qat's control run); "
                          "pick a format, e.g. int2:g64")
     report = QATReport(config.weights, config.estimator)
-    targets = _targets(model, module_filter_fn or default_module_filter, report)
+    targets = _targets(model, module_filter_fn, report)
     if not targets:
         raise ValueError("lowbit.qat.prepare found no linear or experts weight to quantize")
     for module, pname, qname, _ in targets:

@@ -8,7 +8,7 @@ expert on its own), while activations stay in high precision:
     Y = X . QDQ_nvfp4(W)^T        dX = dY . W        dW = dY^T . X   (straight-through)
 
 It is a lowbit recipe (`asymmetric_qat_recipe()`: only fprop's weight operand quantized)
-applied with lowbit.convert, so it runs the same QuantLinear / QuantExperts and GEMMs as every
+applied with lowbit.quantize_, so it runs the same QuantLinear / QuantExperts and GEMMs as every
 other recipe; lm_head and the routers stay high precision, as in the engine. The trainer
 therefore sees exactly the weights the engine runs (tests check the bits), and the remaining
 engine/trainer mismatch is the activations' quantization, which RAC addresses. (dX uses the
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.models.moe import TopKRouter
-from lowbit.nn import convert
+from lowbit.nn import convert_to_quantized_training
 from lowbit.recipes import LinearRecipe, Recipe
 from lowbit.rl.precision import weight_spec
 
@@ -50,8 +50,8 @@ def asymmetric_qat_recipe() -> Recipe:
 
 
 def apply_asymmetric_qat(model: nn.Module) -> str:
-    """Convert `model` in place; returns the first line of lowbit.convert's report."""
-    return str(convert(model, asymmetric_qat_recipe())).splitlines()[0]
+    """Convert `model` in place; returns the first line of lowbit.quantize_'s report."""
+    return str(convert_to_quantized_training(model, asymmetric_qat_recipe())).splitlines()[0]
 
 
 class ReplayRouter(TopKRouter):

@@ -159,15 +159,15 @@ def resolve_recipe(name: str):
 
 def apply_recipe(model: nn.Module, recipe) -> str:
     """The one seam between training and quantization: swap the model's layers for the
-    recipe's quantized ones, in place (lowbit.convert), and return the first line of its report
+    recipe's quantized ones, in place (lowbit.quantize_), and return the first line of its report
     ("" for no recipe). The loop itself never knows which formats are in play. Stochastic
     rounding draws from torch's default generators, which checkpoints save, so resume stays
     exact under quantized recipes too."""
     if recipe is None:
         return ""
-    from lowbit.nn import convert
+    from lowbit.nn import convert_to_quantized_training
 
-    return str(convert(model, recipe)).splitlines()[0]
+    return str(convert_to_quantized_training(model, recipe)).splitlines()[0]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

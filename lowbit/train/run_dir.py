@@ -144,7 +144,7 @@ class RunDir:
         or one without final.json (unless allow_unfinished: its last checkpoint is read then).
         `use` completes the advice: "pass --allow-unfinished to {use} its last checkpoint"."""
         if not self.checkpoint.is_file():
-            raise ValueError(f"{self.path} is not a lowbit train run folder (it has no "
+            raise ValueError(f"{self.path} is not a finished lowbit train run folder (it has no "
                              f"{self.checkpoint.relative_to(self.path)}); give the folder a "
                              f"`lowbit train` run wrote")
         self.check_free()   # a live run's checkpoint is not the model it will end with
