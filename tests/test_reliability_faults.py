@@ -210,9 +210,11 @@ def test_qat_compare_checks_every_folder_first_and_resume_continues_it(tmp_path,
     assert trained == [(lsq.name, True), (clipped.name, False)]   # the finished run is kept
     assert {p.name: p.read_bytes() for p in ste.rglob("*") if p.is_file()} == finished
     assert load_checkpoint(lsq / "checkpoints" / "latest.pt")["step"] == 4
-    summary = json.loads((out / "q" / "summary.json").read_text())
+    (folder,) = out.glob("q-*-summary")   # named by the setting (int4:g32, three arms)
+    assert folder.name == "q-int4-g32-ste+lsq+clipped-ste-summary"
+    summary = json.loads((folder / "summary.json").read_text())
     assert [r["estimator"] for r in summary["runs"]] == ["ste", "lsq", "clipped-ste"]
-    assert (out / "q" / "seeds" / "summary.md").is_file()
+    assert (folder / "seeds" / "summary.md").is_file()
 
 
 def test_an_rl_setting_label_reads_back_as_its_config(tmp_path):

@@ -15,7 +15,9 @@ is resumed or trained again).
 `run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
 tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
 writes a table (`table.md`), `summary.json` and one figure of validation loss over steps with
-the baselines as horizontal lines into `<out_dir>/<name>/`; with several estimators, also the
+the baselines as horizontal lines into `<out_dir>/<name>-<weights>-<arms>-summary/` (named by
+the setting, so another format or comparison on the same source does not overwrite it; <name>
+is --run-name, default qat-<source>); with several estimators, also the
 paired-seed statistics of `lowbit train --compare` against the first one (`seeds/summary.md`,
 `seeds/seeds.png`: lowbit.train.compare.write_comparison). Each QAT run folder also gets
 `quantized.safetensors`: its trained weights packed (`convert` + `packed_weights`, keyed by
@@ -203,7 +205,7 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
         from lowbit.train.build import model_config
         model_config(config)   # refuses a seq_len past the model's context, before any work
         return config, None
-    saved = RunDir(path).open(allow_unfinished=True)   # source_run checked it is finished
+    saved = RunDir(path).open_train_run(allow_unfinished=True, use="start QAT from")
     checkpoint, config = saved.state, saved.config
     check_config_file(path, checkpoint["config"])
     if config.qat is not None:
@@ -357,7 +359,10 @@ def run_qat(job: QATJob) -> dict:
                                 "val_loss": result.val_loss, "val_ppl": result.val_ppl,
                                 "steps": result.steps, "tokens": result.tokens_seen,
                                 "wall_time_s": result.wall_time_s})
-    out = Path(job.out_dir) / base_name
+    # named by the setting, so another format or --compare on the same source keeps this one
+    labels = list(dict.fromkeys(label for _, _, _, label in plans))
+    out = Path(job.out_dir) / _slug(f"{base_name}-{job.configs[0].weights}-{'+'.join(labels)}"
+                                    f"-summary")
     out.mkdir(parents=True, exist_ok=True)
     summary["table"] = format_table(summary)
     if len(job.configs) > 1 and summary["runs"]:
