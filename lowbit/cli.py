@@ -113,7 +113,7 @@ def _inspect_gradients(args) -> None:
     if not recipes:
         raise ValueError("--recipes is empty; name at least one recipe, e.g. --recipes mxfp4")
     device = resolve_device(args.device)
-    saved = RunDir(run).open(allow_unfinished=True)
+    saved = RunDir(run).open_train_run(allow_unfinished=True, use="inspect the gradients of")
     config = dataclasses.replace(saved.config, recipe="bf16", progress=False)
     data = build_data(config)
     model = build_model(config, data.vocab_size)

@@ -34,10 +34,15 @@ def load_source(source: str | Path, allow_unfinished: bool = False):
 
 def _load_run(saved):
     from lowbit.formats import load_qtensors
-    from lowbit.models import build_model, is_model_folder
+    from lowbit.models import ModelConfig, build_model, is_model_folder
     from lowbit.train.build import model_config
 
     path, config, state = saved.path, saved.config, saved.state["model"]
+    if config is None:   # a lowbit rl run: its policy, in high precision (the trainer's weights)
+        model = build_model(ModelConfig(**saved.state["model_config"]))
+        model.load_state_dict(master_weights(state))
+        tokenizer_dir = saved.state["tokenizer_dir"]
+        return model.eval(), None, None, None if tokenizer_dir is None else Path(tokenizer_dir), None
     vocab = state["model.embed_tokens.weight"].shape[0]
     model = build_model(model_config(config, vocab))
     model.load_state_dict(master_weights(state))

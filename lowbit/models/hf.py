@@ -92,6 +92,10 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     if not file.is_file():
         raise ModelLoadError(f"{path} has no config.json; a Hugging Face model folder holds "
                              f"config.json and *.safetensors (what save_pretrained writes)")
+    if (path / "checkpoints" / "latest.pt").is_file():   # lowbit.train.run_dir's layout
+        raise ModelLoadError(f"{path} is a lowbit run folder, not a Hugging Face model folder; "
+                             f"export it as one (lowbit export {path} --format bf16 --out DIR) "
+                             f"and give DIR")
     hf = json.loads(file.read_text())
     return config_from_hf(hf, path), hf
 

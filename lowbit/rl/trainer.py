@@ -31,6 +31,7 @@ step, the last checkpoint and the --resume command (TrainingInterrupted, exit 13
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import sys
@@ -427,7 +428,10 @@ class GRPOTrainer:
                  "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "rng": rng_state(), "metrics": log.records,
                  "wall_time_s": self.wall_before + time.perf_counter() - t_session,
-                 "data_fingerprint": self.data_fingerprint}
+                 "data_fingerprint": self.data_fingerprint,
+                 # what `lowbit export` needs to build the policy without RL's code
+                 "model_config": dataclasses.asdict(self.model_config),
+                 "tokenizer_dir": self.config.model if is_model_folder(self.config.model) else None}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
         self.folder.save_checkpoint(state)

@@ -58,7 +58,10 @@ class SavedRun:
     diagnostics start from."""
 
     path: Path
-    config: TrainConfig   # from the checkpoint (checksummed), not from config.json
+    config: TrainConfig | None
+    """From the checkpoint (checksummed), not from config.json; None for another job's run
+    (lowbit rl's), whose checkpoint holds its policy's ModelConfig as "model_config" and its
+    tokenizer folder (or None: bytes) as "tokenizer_dir"."""
     state: dict           # the newest checkpoint: "model", "optimizer", "step", "config", ...
     final: dict | None    # final.json; None for a run that stopped before its last step
 
@@ -136,8 +139,15 @@ class RunDir:
         checkpoint is a CheckpointError, one line)."""
         self.check_readable(allow_unfinished, use)
         state = load_checkpoint(self.checkpoint)
-        return SavedRun(self.path, TrainConfig.from_dict(state["config"]), state,
-                        self.final_record())
+        if "model_config" in state:   # a lowbit rl run
+            return SavedRun(self.path, None, state, self.final_record())
+        try:
+            config = TrainConfig.from_dict(state["config"])
+        except ValueError as e:   # e.g. an RL run saved before its checkpoints held model_config
+            raise ValueError(f"{self.path} is not a lowbit train run ({e}); if it is a lowbit rl "
+                             f"run from an older lowbit, its checkpoint lacks the policy's "
+                             f"model_config, which reading it back needs") from None
+        return SavedRun(self.path, config, state, self.final_record())
 
     def check_readable(self, allow_unfinished: bool = False, use: str = "read") -> None:
         """Refuse in one line (ValueError) a folder that holds no run, one a live process holds,
@@ -153,6 +163,16 @@ class RunDir:
             raise ValueError(f"{self.path} holds an unfinished run (no final.json: it stopped "
                              f"before its last step); finish it with --resume, "
                              f"or pass --allow-unfinished to {use} its last checkpoint")
+
+    def open_train_run(self, allow_unfinished: bool = False, use: str = "read") -> SavedRun:
+        """`open`, for a reader that needs a lowbit train run's config (QAT's --from, inspect
+        --gradients): another job's run is refused in one line saying how to hand it over."""
+        saved = self.open(allow_unfinished, use)
+        if saved.config is None:
+            raise ValueError(f"{self.path} is a lowbit rl run, not a lowbit train run; its "
+                             f"policy leaves as a Hugging Face folder (lowbit export {self.path} "
+                             f"--format bf16 --out DIR), which lowbit qat takes as --model DIR")
+        return saved
 
     def final_record(self) -> dict | None:
         """final.json's record, or None if the run has not written it."""
