@@ -129,3 +129,21 @@ def test_the_forbidden_patterns_catch_what_they_should():
     for text in ["resumed sessions of a run", "recall 4 items", "one H200", "2-core CPU",
                  "--device cuda", "a call per 4 elements"]:
         assert not _FORBIDDEN.search(text), text
+
+
+def test_the_demo_numbers_the_docs_quote_are_the_demo_results():
+    """docs/qat.md and docs/rl.md quote `lowbit qat` and `lowbit rl` on their defaults from the
+    newest docs/results/demos/ file (benchmarks/demos.py writes it): each quoted figure is that
+    file's number, written as the page writes it, and the page names the file."""
+    files = sorted((RESULTS / "demos").glob("demos-*.json"))
+    assert files, "no docs/results/demos/demos-*.json (python benchmarks/demos.py)"
+    newest = files[-1]
+    for demo in json.loads(newest.read_text())["results"].values():
+        page = ROOT / demo["quoted_in"]
+        text = page.read_text()
+        assert newest.resolve() in _links(page), f"{page.name} does not link {newest.name}"
+        for key, quoted in demo["quoted"].items():
+            value = demo["val_loss"][key] if "val_loss" in demo else demo[key]
+            digits = len(quoted.split(".")[1])
+            assert quoted == f"{value:.{digits}f}", (key, quoted, value)
+            assert quoted in text, f"{page.name} does not quote {key} = {quoted} ({newest.name})"

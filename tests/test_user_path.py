@@ -2,9 +2,8 @@
 give it (issue 30): a Hugging Face folder -> `lowbit train --model` in FP4 -> `lowbit qat --from`
 that run -> `lowbit export` of the QAT run, which transformers loads to lowbit's own logits ->
 `lowbit export --format bf16`, a plain folder transformers loads -> `lowbit rl --model` on it.
-Each stage reads the folder the stage before wrote; an RL run leaves as a plain folder too.
-One hand-off the path needs does not work yet (RL from a QAT run); the strict expected failure
-at the end shows it."""
+Each stage reads the folder the stage before wrote; RL also starts from a QAT run's export, and
+an RL run leaves as a plain folder."""
 
 import json
 import math
@@ -156,30 +155,19 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
         assert torch.equal(policy[name], value), name
 
 
-# --- the hand-offs that do not work yet -----------------------------------------------------------
-
-class HandOffRefused(Exception):
-    """The one step a strict expected failure below is about exited non-zero: (code, its error).
-    Any other step's failure is an AssertionError, so it fails the test instead."""
-
-
-def hand_off(capsys, *argv) -> None:
-    code, err = cli(capsys, *argv)
-    if code != 0:
-        raise HandOffRefused(code, err.strip())
-
+# --- the hand-offs between jobs: RL from a QAT run, and an RL run out ------------------------------
 
 @pytest.fixture
 def llama_folder(tmp_path):
     return save_hf_model("llama", tmp_path / "llama", dtype=torch.bfloat16)
 
 
-@pytest.mark.xfail(raises=HandOffRefused, strict=True, reason=(
-    "`lowbit rl --model` cannot start from a QAT run: its export is refused ('the checkpoint has "
-    "tensor ...weight_global_scale, which Transformer (lowbit) has no place for'), the run folder "
-    "too (a lowbit run folder, not a Hugging Face one), and `lowbit export QAT_RUN --format bf16` "
-    "is refused by design (its weights export as they were trained)"))
 def test_rl_starts_from_a_qat_runs_export(llama_folder, tmp_path, corpus_env, capsys):
+    """`lowbit rl --model` takes a QAT run's export: the policy starts from its packed weights
+    dequantized (lowbit.export.load_exported), bit for bit, with the folder's tokenizer."""
+    from lowbit.export import load_exported
+    from lowbit.train.checkpoint import load_checkpoint
+
     runs = tmp_path / "runs"
     code, err = cli(capsys, "qat", "--model", llama_folder, "--weights", "nvfp4", *DATA, *QAT,
                     "--out-dir", runs)
@@ -188,7 +176,17 @@ def test_rl_starts_from_a_qat_runs_export(llama_folder, tmp_path, corpus_env, ca
     code, err = cli(capsys, "export", runs / "qat-llama-nvfp4-ste", "--layout",
                     "compressed-tensors", "--out", served, "--no-progress")
     assert code == 0, err
-    hand_off(capsys, "rl", "--model", served, *RL, "--out-dir", runs)
+    code, err = cli(capsys, "rl", "--model", served, *RL, "--rollout", "bf16", "--align", "none",
+                    "--out-dir", runs)
+    assert code == 0, err
+    (run,) = runs.glob("rl-served-*")
+    policy = load_checkpoint(run / "checkpoints" / "latest.pt")["model"]
+    start = load_exported(served).model.state_dict()
+    # a random policy on this task earns no reward, so RL's updates are zero: the checkpoint is
+    # the policy it started from
+    assert all(r["frac_reward_zero_std"] == 1.0 for r in records(run) if r["event"] == "train")
+    for name, value in start.items():
+        assert torch.equal(policy[name], value), name
 
 
 def test_an_rl_run_exports_as_a_plain_folder_transformers_loads(llama_folder, tmp_path, capsys):

@@ -12,10 +12,11 @@ names, dtypes and configs are in lowbit.export.layouts.
 
 from lowbit.export.calibrate import calibrate_input_amax
 from lowbit.export.layouts import FORMAT_LAYOUTS, LAYOUTS
-from lowbit.export.reader import Exported, load_exported, read_layout
+from lowbit.export.reader import Exported, is_low_bit_export, load_exported, read_layout
 from lowbit.export.writer import (ExportReport, export_model, quantize_group, row_blocks,
                                   split_rows, weight_groups)
 
 __all__ = ["export_model", "load_exported", "Exported", "ExportReport", "quantize_group",
-           "split_rows", "row_blocks", "weight_groups", "read_layout", "calibrate_input_amax",
+           "split_rows", "row_blocks", "weight_groups", "read_layout", "is_low_bit_export",
+           "calibrate_input_amax",
            "LAYOUTS", "FORMAT_LAYOUTS"]

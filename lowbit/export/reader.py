@@ -16,7 +16,7 @@ from lowbit.models.hf import (ModelLoadError, checkpoint_files, load_tokenizer, 
                               read_config)
 from lowbit.models.transformer import Transformer
 
-__all__ = ["Exported", "load_exported", "read_layout"]
+__all__ = ["Exported", "load_exported", "read_layout", "is_low_bit_export"]
 
 
 @dataclass
@@ -32,6 +32,16 @@ class Exported:
     layout: str
     input_scales: dict[str, torch.Tensor]
     """Module name -> static activation tensor scale (amax / 2688) for W4A4 exports."""
+
+
+def is_low_bit_export(path: str | Path) -> bool:
+    """Whether a model folder holds quantized weights in a layout `load_exported` reads (ModelOpt's
+    hf_quant_config.json, or a compressed-tensors quantization_config), as lowbit export writes."""
+    try:
+        read_layout(path)
+    except (ModelLoadError, OSError, ValueError):
+        return False
+    return True
 
 
 def read_layout(path: str | Path) -> tuple[str, str]:

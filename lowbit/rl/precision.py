@@ -74,8 +74,7 @@ from lowbit.formats import QTensor, QuantSpec
 from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4, static_nvfp4
 from lowbit.formats.linear_weight import LinearWeight
 
-__all__ = ["Precision", "parse_precision", "ActivationScale", "parse_activation_scale",
-           "weight_spec", "quantize_weight", "quantize_activation", "rac_linear"]
+__all__ = ["Precision", "ActivationScale", "weight_spec", "quantize_weight", "quantize_activation", "rac_linear"]
 
 
 class Precision(str, Enum):
@@ -93,26 +92,10 @@ class Precision(str, Enum):
         return self in (Precision.FP8, Precision.NVFP4)
 
 
-def parse_precision(value: str | Precision) -> Precision:
-    try:
-        return Precision(value)
-    except ValueError:
-        raise ValueError(f"unknown rollout precision {value!r}; use one of "
-                         f"{', '.join(p.value for p in Precision)}") from None
-
-
 class ActivationScale(str, Enum):
     """How `nvfp4` scales a linear's input (the module doc's second table)."""
     PER_TOKEN = "per-token"
     STATIC = "static"
-
-
-def parse_activation_scale(value: str | ActivationScale) -> ActivationScale:
-    try:
-        return ActivationScale(value)
-    except ValueError:
-        raise ValueError(f"unknown activation scale {value!r}; use one of "
-                         f"{', '.join(a.value for a in ActivationScale)}") from None
 
 
 _NVFP4_WEIGHT = QuantSpec.make("nvfp4", (1, 16))                       # + FP32 tensor scale

@@ -125,9 +125,15 @@ def policy_config(config, task: Task) -> ModelConfig:
 
 def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) -> dict:
     """The warm-started policy's state dict (trained now, or read from its cached run); a
-    Hugging Face folder's weights (float32 master weights) as they are."""
+    Hugging Face folder's weights (float32 master weights) as they are; a low-bit export's
+    (lowbit export of a QAT run, say) dequantized to float32 (lowbit.export.load_exported)."""
+    from lowbit.export import is_low_bit_export, load_exported
     from lowbit.models import is_model_folder, load_model
 
+    if is_model_folder(config.model) and is_low_bit_export(config.model):
+        say(f"policy: {config.model} (a low-bit export: its weights dequantized to float32, its "
+            f"tokenizer; no warm start)")
+        return load_exported(config.model).model.state_dict()
     if is_model_folder(config.model):
         say(f"policy: {config.model} (its own weights and tokenizer; no warm start)")
         return load_model(config.model, dtype=torch.float32)[0].state_dict()

@@ -24,16 +24,17 @@ processes lock two different files of one name). A process that only reads a fin
 refused (its last checkpoint is not the model the run will end with). Such a reader opens the
 run with `RunDir.open`, the one place that reads a run back (config, checkpoint, final record).
 
-Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write and how
-their config is compared with a checkpoint's, and get the same checks and checkpoints.
+Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write, their
+config (a lowbit.config.RunConfig) says which fields a resume may change, and they get the same
+checks and checkpoints.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,8 @@ _FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
 
 @dataclass(frozen=True)
 class SavedRun:
-    """A lowbit train run read back by `RunDir.open`: what QAT, export, RL's warm start and the
-    diagnostics start from."""
+    """A run read back by `RunDir.open`: what QAT, export, RL's warm start and the diagnostics
+    start from."""
 
     path: Path
     config: TrainConfig | None
@@ -135,8 +136,8 @@ class RunDir:
         return (self.path / "final.json").is_file() and self.checkpoint.is_file()
 
     def open(self, allow_unfinished: bool = False, use: str = "read") -> SavedRun:
-        """Read a finished lowbit train run back (checked by `check_readable`; a damaged
-        checkpoint is a CheckpointError, one line)."""
+        """Read a finished run back, a lowbit train run or a lowbit rl run (config None), after
+        `check_readable`; a damaged checkpoint is a CheckpointError, one line."""
         self.check_readable(allow_unfinished, use)
         state = load_checkpoint(self.checkpoint)
         if "model_config" in state:   # a lowbit rl run

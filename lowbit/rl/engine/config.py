@@ -8,7 +8,8 @@ import torch
 
 from lowbit import kernels
 from lowbit.models.config import ModelConfig
-from lowbit.rl.precision import ActivationScale, Precision, parse_activation_scale, parse_precision
+from lowbit.formats.spec import parse_enum
+from lowbit.rl.precision import ActivationScale, Precision
 
 __all__ = ["EngineConfig", "COMPILE_MODES"]
 
@@ -60,7 +61,7 @@ class EngineConfig:
 
     def resolve(self, model: ModelConfig) -> "EngineConfig":
         """Check every setting against the model, fill the defaults; refuses in one line."""
-        self.precision = parse_precision(self.precision)
+        self.precision = parse_enum(Precision, self.precision, "rollout precision")
         if not 0.0 <= self.rac_ratio <= 1.0:
             raise ValueError(f"rac_ratio must be in [0, 1] (got {self.rac_ratio}); e.g. 0.25 "
                              "compensates a quarter of the input channels")
@@ -68,7 +69,8 @@ class EngineConfig:
             raise ValueError(f"RAC compensates NVFP4 activations, so rac_ratio needs precision "
                              f"nvfp4 (got {self.precision.value})")
         self.rac_ratio = float(self.rac_ratio)
-        self.activation_scale = parse_activation_scale(self.activation_scale)
+        self.activation_scale = parse_enum(ActivationScale, self.activation_scale,
+                                           "activation scale")
         if self.activation_scale is ActivationScale.STATIC and self.precision is not Precision.NVFP4:
             raise ValueError(f"a static activation scale is a served NVFP4 checkpoint's (W4A4), so "
                              f"it needs precision nvfp4 (got {self.precision.value})")
