@@ -128,6 +128,7 @@ def test_qat_from_a_folder_exports_its_nvfp4_weights_bit_for_bit(llama_folder, t
     run = runs / f"qat-{llama_folder.name}-nvfp4-ste"
     config = json.loads((run / "config.json").read_text())
     assert config["init_from"] == str(llama_folder) and config["tokenizer"] == "model"
+    assert config["lr"] == 2e-5   # a trained Hugging Face model: fine-tuning's rate, no --lr given
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out), "--no-progress"]) == 0   # nvfp4, modelopt
     exported = load_exported(out)

@@ -87,6 +87,7 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
     assert config["init_from"] == str(train_run) and config["qat"]["weights"] == weights
     source = load_checkpoint(train_run / "checkpoints" / "latest.pt")["model"]
     assert config["init_fingerprint"] == source_fingerprint(train_run, source)
+    assert config["lr"] == 2e-5   # a run trained from a Hugging Face folder: fine-tuning's rate
     qat_losses = [r["loss"] for r in records(qat_run) if r["event"] == "train"]
     assert qat_losses and all(math.isfinite(x) for x in qat_losses)
     assert math.isfinite(json.loads((qat_run / "final.json").read_text())["val_loss"])

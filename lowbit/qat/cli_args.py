@@ -50,7 +50,9 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-init", default="absmax", choices=("absmax", "mse"),
                    help="initial scales from the weights (default: %(default)s)")
     p.add_argument("--steps", type=int, default=QATJob.steps, help="QAT steps (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=QATJob.lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 2e-5 from a trained Hugging Face model, "
+                        "--model or a --from run trained from one; else 1e-3)")
     p.add_argument("--warmup-steps", type=int, default=QATJob.warmup_steps, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=None, help="default: the source run's")
     p.add_argument("--eval-every", type=int, default=QATJob.eval_every, help="default: %(default)s")

@@ -47,12 +47,16 @@ from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_atomic
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
-from lowbit.train.config import TrainConfig, resolve_device
+from lowbit.train.config import FINE_TUNE_LR, TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["QATJob", "run_qat", "source_run", "train_base", "load_source", "check_config_file",
            "source_fingerprint", "save_packed", "BASE_STEPS", "PACKED_FILE", "MODEL_FIELDS"]
+
+PRETRAINED_BASE_LR = 1e-3
+"""QAT's learning rate from a lowbit train run of a preset (the cached tiny base, say), when
+--lr is not given; a trained Hugging Face model is fine-tuned at FINE_TUNE_LR instead."""
 
 BASE_STEPS = 300   # the BF16 model `lowbit qat` trains first when given no --from
 PACKED_FILE = "quantized.safetensors"   # a QAT run's packed weights (what lowbit export reads)
@@ -78,7 +82,10 @@ class QATJob:
     """With model: cut each split of the corpus to this many bytes."""
     seeds: tuple[int, ...] = (0,)
     steps: int = 200
-    lr: float = 1e-3
+    lr: float | None = None
+    """Peak learning rate; None: FINE_TUNE_LR (2e-5) when the source model is a trained Hugging
+    Face model (--model, or a --from run trained from one), else PRETRAINED_BASE_LR (1e-3, the
+    tiny bases lowbit trains itself, still learning)."""
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -119,7 +126,7 @@ class QATJob:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number (got {self.lr})")
         if self.baselines_only and not self.baselines:
             raise ValueError("--baselines-only and --no-baselines exclude each other")
@@ -263,11 +270,16 @@ def source_fingerprint(path: Path, state: dict | None) -> str:
 def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int, job: QATJob,
                name: str, fingerprint: str | None = None, lr_multiplier: float = 1.0) -> TrainConfig:
     """The TrainConfig of one QAT run: the source's model and data, QAT's schedule at
-    job.lr * lr_multiplier; fingerprint: the source weights' (source_fingerprint)."""
+    job.lr (or its default for this source) * lr_multiplier; fingerprint: the source weights'
+    (source_fingerprint)."""
+    lr = job.lr
+    if lr is None:
+        # a Hugging Face model's tokenizer is "model" (TrainConfig checks it), saved with the run
+        lr = FINE_TUNE_LR if source.tokenizer == "model" else PRETRAINED_BASE_LR
     fields = dict(
         recipe="bf16", qat=qat.to_dict(), init_from=str(source_path),
         init_fingerprint=fingerprint, seed=seed,
-        max_steps=job.steps, max_tokens=None, lr=job.lr * lr_multiplier,
+        max_steps=job.steps, max_tokens=None, lr=lr * lr_multiplier,
         warmup_steps=min(job.warmup_steps, job.steps),
         min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,

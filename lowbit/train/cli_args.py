@@ -15,7 +15,7 @@ import os
 import sys
 
 from lowbit.train.compare import compare, format_table, parse_seeds
-from lowbit.train.config import TrainConfig
+from lowbit.train.config import FINE_TUNE_LR, TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
 from lowbit.train.plot import plot_runs
 
@@ -106,9 +106,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "own (on one GPU, they share it; default: 1, one after another)")
 
 
-FINE_TUNE_LR = 2e-5
-"""--lr for `--model PATH` when none is given: a trained model is fine-tuned (TRL's SFT default),
-not trained at the 2e-3 a fresh model from a preset starts with."""
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

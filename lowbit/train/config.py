@@ -47,6 +47,11 @@ FIELDS_FREE_ON_RESUME = frozenset(
 # (lowbit.config.RunConfig.changed_fields; nested ones inside a dict-valued field too).
 FIELDS_ADDED_LATER = {"fold_inexact": "redo", "qat": {"jacquant": {"shuffle_b": False}}}
 
+FINE_TUNE_LR = 2e-5
+"""The learning rate a trained model (a Hugging Face folder, or a run trained from one) is
+fine-tuned at when none is given -- `lowbit train --model PATH`, and `lowbit qat` from such a
+model (TRL's SFT default) -- not the 2e-3 a fresh model from a preset starts with."""
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -291,4 +296,4 @@ def _check_device_name(name: str) -> None:
              f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
 
 
-__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "FIELDS_ADDED_LATER"]
+__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "FIELDS_ADDED_LATER", "FINE_TUNE_LR"]
