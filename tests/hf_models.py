@@ -69,3 +69,13 @@ def save_hf_model(kind: str, path: Path, dtype=torch.float32, seed: int = 0, **s
     model.to(dtype).save_pretrained(path, **save_kw)
     tokenizer().save(str(path / "tokenizer.json"))
     return path
+
+
+def load_decompressed(path: Path, **kw):
+    """A compressed-tensors export loaded by transformers with its weights decompressed
+    (`CompressedTensorsConfig(dequantize=True)`, as docs/models.md tells users), in eval mode."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
+        **kw).eval()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from hf_models import TEXT, save_hf_model, tokenizer
+from hf_models import TEXT, load_decompressed, save_hf_model, tokenizer
 from lowbit.export import calibrate_input_amax, export_model, load_exported, quantize_group, weight_groups
 from lowbit.formats import QuantSpec, quantize, quantize_dequantize
 from lowbit.models import load_model
@@ -123,13 +123,12 @@ def test_modelopt_tensors_follow_the_documented_conventions(models, tmp_path):
 
 
 def test_compressed_tensors_decompresses_to_lowbits_dequantized_weights(models, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     path, model = models["llama"]
     export_model(model, tmp_path, layout="compressed-tensors", tokenizer_dir=path, progress=False)
     exported = load_exported(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    hf = load_decompressed(tmp_path)
     state = hf.state_dict()
     for name, q in exported.weights.items():
         assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name
@@ -144,13 +143,12 @@ def test_compressed_tensors_decompresses_to_lowbits_dequantized_weights(models, 
     "(docs/models.md, 'MoE exports in transformers'); when this passes, drop the export's "
     "reader note and the docs' warning"))
 def test_transformers_loads_the_experts_of_an_moe_nvfp4_export_exactly(models, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     path, model = models["qwen3-moe"]
     export_model(model, tmp_path, layout="compressed-tensors", tokenizer_dir=path, progress=False)
     exported = load_exported(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    hf = load_decompressed(tmp_path)
     state, ref = hf.state_dict(), exported.weights       # (dense layers: exact, tested above)
     experts = "model.layers.0.mlp.experts"
     down = torch.stack([ref[f"{experts}.{e}.down_proj.weight"].dequantize(torch.bfloat16)
@@ -254,7 +252,7 @@ def test_cli_export_and_its_errors(models, tmp_path, capsys):
 
 @pytest.mark.parametrize("format", ["int4:g32", "int8:row", "int8:g16:asym"])
 def test_int_exports_load_in_transformers_with_lowbits_values(models, format, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     from lowbit.export.layouts import parse_export_format
 
@@ -268,8 +266,7 @@ def test_int_exports_load_in_transformers_with_lowbits_values(models, format, tm
             got = exported.weights[f"{name}.weight"]
             assert torch.equal(got.codes, q.codes) and torch.equal(got.scales, q.scales), name
             assert (q.zeros is None) == (not fmt.asym) and (q.zeros is None or torch.equal(got.zeros, q.zeros))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    hf = load_decompressed(tmp_path)
     state = hf.state_dict()   # decompressed in float32 (our scales' dtype), then cast to the model's BF16
     for name, q in exported.weights.items():
         assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hf_models import TEXT, save_hf_model, tokenizer
+from hf_models import TEXT, load_decompressed, save_hf_model, tokenizer
 from run_helpers import cli
 
 # What each stage runs on: a few steps of short sequences on a slice of Tiny Shakespeare.
@@ -118,9 +118,7 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
             assert torch.equal(torch.cat(got), stack), (name, e)
 
     # 4. transformers loads that export, decompressed, to lowbit's own reading of it exactly
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        served, dtype=dtype,
-        quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    hf = load_decompressed(served, dtype=dtype)
     ids = token_ids()
     torch.testing.assert_close(logits(hf, ids), logits(exported.model.to(dtype), ids), rtol=0, atol=0)
 
