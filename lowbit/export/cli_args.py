@@ -20,7 +20,8 @@ from pathlib import Path
 
 
 from lowbit.export.layouts import FORMAT_LAYOUTS, parse_export_format
-from lowbit.export.source import calibration_batches, check_apart, export_format, load_source
+from lowbit.export.source import (check_apart, corpus_calibration_batches, export_format,
+                                  load_source)
 
 __all__ = ["add_export_arguments", "run_export"]
 
@@ -98,7 +99,7 @@ def run_export(args: argparse.Namespace) -> None:
     if args.activations == "nvfp4":
         tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
         input_amax = calibrate_input_amax(
-            model, calibration_batches(model, tok, args.calib_corpus, args.calib_batches))
+            model, corpus_calibration_batches(model, tok, args.calib_corpus, args.calib_batches))
     report = export_model(model, out, format=fmt, layout=layout, weights=weights,
                           scale_rule=args.scale_rule, input_amax=input_amax,
                           tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,

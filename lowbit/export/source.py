@@ -1,6 +1,7 @@
 """What `lowbit export` reads: a Hugging Face model folder or a lowbit run folder
-(`load_source`), the weight format to write for it (`export_format`), and its calibration text
-for `--activations nvfp4` (`calibration_batches`). See lowbit.export.cli_args for the rules.
+(`load_source`), the weight format to write for it (`export_format`), and its calibration
+text for `--activations nvfp4` (`corpus_calibration_batches`). lowbit.export.cli_args has the
+rules.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 from lowbit.export.layouts import parse_export_format
 from lowbit.formats.weight_format import WeightFormat
 
-__all__ = ["load_source", "master_weights", "export_format", "calibration_batches", "check_apart"]
+__all__ = ["load_source", "master_weights", "export_format", "corpus_calibration_batches",
+           "check_apart"]
 
 
 def load_source(source: str | Path, allow_unfinished: bool = False):
@@ -120,7 +122,7 @@ def export_format(requested: str | None, trained: str | None, source) -> WeightF
     return own
 
 
-def calibration_batches(model, tokenizer, corpus: str, n: int):
+def corpus_calibration_batches(model, tokenizer, corpus: str, n: int):
     from lowbit.data import BPETokenizer, load_corpus
 
     if tokenizer is None:
