@@ -28,14 +28,15 @@ def quantize_(model, config, filter_fn=None):
     (lowbit.qat.prepare; lowbit.qat.convert packs them afterwards). filter_fn(module, name)
     -> bool picks the modules (default: all but the output head and MoE routers). All or
     nothing: a model that cannot take the config is left as it was (ValueError, one line)."""
-    from lowbit.qat import QATConfig, prepare
     from lowbit.recipes import Recipe
 
-    if isinstance(config, QATConfig):
-        return prepare(model, config, filter_fn)
     if isinstance(config, (str, Recipe)):
         from lowbit.nn import convert_to_quantized_training
         return convert_to_quantized_training(model, config, filter_fn)
+    from lowbit.qat import QATConfig, prepare   # QAT's stack, only when it is asked for
+
+    if isinstance(config, QATConfig):
+        return prepare(model, config, filter_fn)
     raise TypeError(f"lowbit.quantize_ takes a recipe (a name such as 'stable-fp4', or a "
                     f"lowbit.recipes.Recipe) or a lowbit.qat.QATConfig, not "
                     f"{type(config).__name__}")
