@@ -397,8 +397,8 @@ def test_distillation_kl_against_its_formula():
     assert empty.item() == 0 and empty.requires_grad
 
 
-def test_distillation_is_the_step_objective_and_leaves_the_teacher_alone():
-    """TrainStep with a Distillation objective: a student identical to its teacher has loss 0 at
+def test_distillation_is_the_step_loss_and_leaves_the_teacher_alone():
+    """TrainStep with a Distillation loss function: a student identical to its teacher has loss 0 at
     alpha 1 and (1 - alpha) * CE at alpha < 1; gradients reach the student only."""
     import copy
 
@@ -407,20 +407,20 @@ def test_distillation_is_the_step_objective_and_leaves_the_teacher_alone():
     from lowbit.train.build import build_optimizer
     from lowbit.train.config import TrainConfig
     from lowbit.train.distributed import Distributed
-    from lowbit.train.step import TrainStep
+    from lowbit.train.step import StepConfig, TrainStep
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
     x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     with torch.no_grad():
         ce = model(x, y).loss.item()
-    config = TrainConfig(batch_size=2, seq_len=8, lr=1e-3, warmup_steps=1, max_steps=2, device="cpu")
+    config = StepConfig.of(TrainConfig(batch_size=2, seq_len=8, lr=1e-3, warmup_steps=1,
+                                       max_steps=2, device="cpu"))
     for alpha, expected in ((1.0, 0.0), (0.25, 0.75 * ce)):
         student, teacher = copy.deepcopy(model), copy.deepcopy(model)
-        objective = Distillation(teacher, alpha)
         step = TrainStep(student, build_optimizer(student, config, torch.device("cpu")), config,
-                         Distributed(device=torch.device("cpu")), objective=objective)
-        result = step(0, x, y)
+                         Distributed(device=torch.device("cpu")), loss_fn=Distillation(teacher, alpha))
+        result = step(0, (x, y))
         assert abs(result.loss - expected) < 1e-5, (alpha, result.loss, expected)
         assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
         assert all(torch.equal(a, b) for a, b in zip(teacher.state_dict().values(), model.state_dict().values()))

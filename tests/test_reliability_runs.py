@@ -14,7 +14,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -234,8 +233,8 @@ def test_qat_on_nan_is_one_line_naming_only_qat_flags(tmp_path, capsys, pattern_
     source = finished_run(tmp_path, "src", 0)
     real_loss = TrainStep.loss
 
-    def nan_loss(self, x, y):
-        return real_loss(self, x, y) * math.nan
+    def nan_loss(self, batch):
+        return real_loss(self, batch) * math.nan
 
     monkeypatch.setattr(TrainStep, "loss", nan_loss)
     code, err = cli(capsys, *QAT, "--out-dir", tmp_path / "qat", "--from", source, "--steps", "8")
@@ -256,8 +255,9 @@ def test_every_json_file_is_strict_json_with_nan_and_inf_as_strings(tmp_path):
     args = build_parser().parse_args([*RL, "--out-dir", str(tmp_path), "--steps", "1"])
     trainer = GRPOTrainer(config_from_args(args))
     trainer.run()
-    trainer.finish(1, [{"event": "train", "reward": math.nan, "sampling/kl_k3": math.inf}],
-                   time.perf_counter())
+    _, final, _ = trainer.finish(1, [{"event": "train", "reward": math.nan,
+                                      "sampling/kl_k3": math.inf}], 1.0)
+    trainer.folder.write_final(final)
     final = strict_json_file(tmp_path / "rl" / "final.json")
     assert (final["final_reward"], final["sampling/kl_k3"]) == ("nan", "inf")
     # the one writer behind them and the summaries (float() reads the strings back)

@@ -508,6 +508,51 @@ def test_a_run_saved_before_fold_inexact_existed_resumes_as_redo(tmp_path):
         "fold_inexact: 'redo' -> 'round'"]
 
 
+def test_a_step_takes_any_batch_of_rows_in_its_own_type():
+    """TrainStep's batch is a tuple of tensors sharing their rows (RL passes a NamedTuple of
+    token ids, log-probs and advantages): micro-batches keep the batch's type and its None
+    entries, and two of them update the model exactly as one accumulation by hand."""
+    from typing import NamedTuple
+
+    from lowbit.train.build import build_optimizer
+    from lowbit.train.distributed import Distributed
+    from lowbit.train.step import StepConfig, TrainStep
+
+    class Rows(NamedTuple):
+        x: torch.Tensor
+        y: torch.Tensor
+        weight: torch.Tensor
+        unused: torch.Tensor | None
+
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append((type(batch), batch.x.shape[0], batch.unused))
+        return ((model(batch.x).squeeze(-1) - batch.y) ** 2 * batch.weight).mean()
+
+    torch.manual_seed(0)
+    batch = Rows(torch.randn(4, 3), torch.randn(4), torch.rand(4), None)
+    config = StepConfig(batch_size=2, grad_accum_steps=2, lr=0.1, total_steps=3, grad_clip=0.0)
+    stepped, by_hand = nn.Linear(3, 1), nn.Linear(3, 1)
+    by_hand.load_state_dict(stepped.state_dict())
+    step = TrainStep(stepped, build_optimizer(stepped, config, torch.device("cpu")), config,
+                     Distributed(device=torch.device("cpu")), loss_fn=loss_fn)
+    result = step(0, batch)
+    assert seen == [(Rows, 2, None)] * 2
+    optimizer = build_optimizer(by_hand, config, torch.device("cpu"))
+    for group in optimizer.param_groups:
+        group["lr"] = result.lr
+    losses = [loss_fn(by_hand, Rows(*(None if t is None else t[i:i + 2] for t in batch))) / 2
+              for i in (0, 2)]
+    for loss in losses:
+        loss.backward()
+    optimizer.step()
+    assert result.loss == pytest.approx(sum(loss.item() for loss in losses))
+    assert all(torch.equal(a, b) for a, b in zip(stepped.parameters(), by_hand.parameters()))
+    with pytest.raises(ValueError, match="the data gave 2 sequences for step 1"):
+        step(1, Rows(*(None if t is None else t[:2] for t in batch)))
+
+
 def test_graphed_gradients_keep_their_buffers_and_leave_unused_parameters_alone():
     """GraphedGradients (its CPU form: the body at each call) gives the gradients of the eager
     micro-batch loop; a parameter the loss does not use keeps .grad None (AdamW then skips it,
@@ -520,27 +565,27 @@ def test_graphed_gradients_keep_their_buffers_and_leave_unused_parameters_alone(
     x = torch.randint(0, VOCAB, (4, 8))
     y = torch.randint(0, VOCAB, (4, 8))
 
-    def loss_fn(a, b):
-        return model(a, b).loss
+    def loss_fn(batch):
+        return model(*batch).loss
 
     model.zero_grad(set_to_none=True)
     for a, b in zip(x.chunk(2), y.chunk(2)):
-        (loss_fn(a, b) / 2).backward()
+        (loss_fn((a, b)) / 2).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    graphed = GraphedGradients(model, loss_fn, x, y, accum=2, max_norm=0.5)
+    graphed = GraphedGradients(model, loss_fn, (x, y), accum=2, max_norm=0.5)
     assert model.unused.grad is None
     model.mix.weight.grad = torch.zeros_like(model.mix.weight)       # replaced: pointed back
-    loss, graph_norm, inexact = graphed(x, y)
+    loss, graph_norm, inexact = graphed((x, y))
     assert model.unused.grad is None and int(inexact) == 0
     assert torch.equal(graph_norm, norm)
     for name, grad in eager.items():
         assert torch.equal(dict(model.named_parameters())[name].grad, grad), name
     assert model.mix.weight.grad is graphed.grads[[id(p) for p in graphed.params].index(
         id(model.mix.weight))]
-    with pytest.raises(ValueError, match="the shape it was captured with"):
-        graphed(x[:2], y[:2])
+    with pytest.raises(ValueError, match="the shapes it was captured with"):
+        graphed((x[:2], y[:2]))
 
 
 def test_cuda_graph_is_refused_where_a_step_cannot_be_captured(tmp_path):
@@ -605,8 +650,8 @@ def test_cuda_graph_run_equals_the_eager_run_and_resumes_and_redoes_exactly(tmp_
     replays = []
     replay = GraphedGradients.__call__
 
-    def flagging(self, inputs, targets):   # and spoils the gradients: the redo must redo
-        loss, norm, count = replay(self, inputs, targets)
+    def flagging(self, batch):   # and spoils the gradients: the redo must redo
+        loss, norm, count = replay(self, batch)
         replays.append(1)
         flagged = len(replays) in (2, 5)
         if flagged:

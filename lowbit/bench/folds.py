@@ -69,7 +69,7 @@ def count_inexact_folds(model: str = "1b", *, seq_len: int = 2048, batch_size: i
                                     resolve_recipe, seed_everything)
     from lowbit.train.config import resolve_device
     from lowbit.train.distributed import Distributed
-    from lowbit.train.step import TrainStep
+    from lowbit.train.step import StepConfig, TrainStep
 
     if steps < 1 or seq_len < 1 or batch_size < 1:
         raise ValueError("--steps, --seq-len and --batch-size must be >= 1")
@@ -91,12 +91,14 @@ def count_inexact_folds(model: str = "1b", *, seq_len: int = 2048, batch_size: i
             if module.linear_recipe.gemm is Gemm.FP8:
                 fp8_layers.append(name)
     net.to(dev).train()
-    step = TrainStep(net, build_optimizer(net, config, dev), config, Distributed(device=dev))
+    step_config = StepConfig.of(config)
+    step = TrainStep(net, build_optimizer(net, step_config, dev), step_config,
+                     Distributed(device=dev))
     rows = []
     for i in range(steps):
         counts = FoldCounts()
         with observe_folds(counts):
-            result = step(i, *data.train_batch(i))
+            result = step(i, data.train_batch(i))
         observed = counts.read()
         rounded = sum(r["inexact_values"] for r in result.records
                       if r["event"] in ("fold_redo", "fold_rounded"))

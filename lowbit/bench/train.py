@@ -119,7 +119,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
                                     model_config, resolve_recipe)
     from lowbit.diagnostics.training import quantized_weights
-    from lowbit.train.step import TrainStep, refuse_cuda_graph
+    from lowbit.train.step import StepConfig, TrainStep, next_token_loss, refuse_cuda_graph
 
     dev = process.device
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
@@ -141,12 +141,13 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
         net = build_model(config, vocab_size)
-        hook = objective = note = None
+        hook = note = None
+        loss_fn = next_token_loss
         if qat is not None:
             from lowbit.qat import distillation, prepare, refresh_hook
 
             if qat.distill:   # the teacher: the model as it was before QAT, on the device
-                objective = distillation(copy.deepcopy(net).to(dev), qat)
+                loss_fn = distillation(copy.deepcopy(net).to(dev), qat)
             prepare(net, qat)
             hook = refresh_hook(net, qat, seed=0)
         else:
@@ -157,8 +158,9 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         net.to(dev).train()
         if process.enabled and parallel == "fsdp":
             process.shard_model(net)   # before the optimizer takes the (sharded) parameters
-        optimizer = build_optimizer(net, config, dev, sharded=process.fsdp)
-        step_fn = TrainStep(net, optimizer, config, process, objective=objective)
+        step_config = StepConfig.of(config)
+        optimizer = build_optimizer(net, step_config, dev, sharded=process.fsdp)
+        step_fn = TrainStep(net, optimizer, step_config, process, loss_fn=loss_fn)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],
                 "note": note}
@@ -171,7 +173,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         def step():
             results = unit["results"]
             i = len(results)
-            results.append(step_fn(i, *batch(i)))
+            results.append(step_fn(i, batch(i)))
             if hook is not None:
                 hook(i + 1)   # JacQuant's refit of B, on the steps the training loop runs it
             return results[-1]

@@ -38,8 +38,8 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 
 
 class Distillation:
-    """The training objective of a distilled QAT run: objective(output, inputs, targets) for
-    lowbit.train (its `objective` argument); see the module docstring."""
+    """The training loss of a distilled QAT run: loss_fn(model, (inputs, targets)) for
+    lowbit.train (lowbit.train.step.LossFn); see the module docstring."""
 
     def __init__(self, teacher: nn.Module, alpha: float = 1.0, temperature: float = 1.0,
                  aux_loss_coef: float = 0.0) -> None:
@@ -49,7 +49,9 @@ class Distillation:
         self.teacher = teacher.eval().requires_grad_(False)
         self.alpha, self.temperature, self.aux_loss_coef = alpha, temperature, aux_loss_coef
 
-    def __call__(self, output, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        output = model(inputs, targets)
         with torch.no_grad():
             teacher_logits = self.teacher(inputs).logits
         kd = distillation_kl(output.logits, teacher_logits, targets, self.temperature)
@@ -60,7 +62,7 @@ class Distillation:
 
 
 def distillation(teacher: nn.Module, qat: QATConfig) -> Distillation:
-    """The objective of a QAT run with qat.distill > 0 whose high-precision model is `teacher`
+    """The loss function of a QAT run with qat.distill > 0 whose high-precision model is `teacher`
     (a frozen copy of the model before lowbit.qat.prepare)."""
     coef = getattr(getattr(teacher, "config", None), "moe_aux_loss_coef", 0.0)   # x 0 if dense
     return Distillation(teacher, qat.distill, qat.distill_temperature, aux_loss_coef=coef)

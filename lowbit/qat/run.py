@@ -50,6 +50,7 @@ from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_
 from lowbit.train.config import FINE_TUNE_LR, TrainConfig, resolve_device
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
+from lowbit.train.step import next_token_loss
 
 __all__ = ["QATJob", "run_qat", "source_run", "train_base", "load_source", "check_config_file",
            "source_fingerprint", "save_packed", "BASE_STEPS", "PACKED_FILE", "MODEL_FIELDS"]
@@ -358,12 +359,12 @@ def run_qat(job: QATJob) -> dict:
             if job.progress:
                 print(report if len(report.prepared) <= 12 else str(report).splitlines()[0])
             hook = refresh_hook(model, qat, seed, record_every=config.log_every)
-        objective = None
+        loss_fn = next_token_loss
         if qat.distill:   # the teacher: the source model, as it was before QAT
-            objective = distillation(fresh_model(), qat)
+            loss_fn = distillation(fresh_model(), qat)
         result = train(config, resume=state_of_run != "start", overwrite=job.overwrite, model=model,
-                       data=build_data(config), on_step=hook, objective=objective)
-        del objective
+                       data=build_data(config), on_step=hook, loss_fn=loss_fn)
+        del loss_fn   # the teacher
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)
         summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,

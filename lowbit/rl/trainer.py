@@ -11,8 +11,9 @@ One RL step:
   loss       the trainer recomputes the sampled tokens' log-probs by teacher forcing (its
              policy in BF16, or with asymmetric QAT), compares them with the engine's (the
              mismatch metrics), weights tokens by truncated importance sampling if asked, and
-             takes num_iterations optimizer steps of the clipped GRPO loss -- each through
-             lowbit.train.step.TrainStep, the step `lowbit train` runs (LR, clipping, skips)
+             takes num_iterations optimizer steps of the clipped GRPO loss (GRPOLoss on a
+             GRPOBatch) -- each through lowbit.train.step.TrainStep, the step `lowbit train`
+             runs (LR, clipping, skips)
   sync       the trainer's state dict goes to the engine, which quantizes it on arrival (with
              --rollout-activation-scale static, with each linear's input amax calibrated on
              the new weights, as `lowbit export --activations nvfp4` calibrates a checkpoint)
@@ -21,8 +22,10 @@ Each piece is a method (`generate`, `score`, `train_on`, `sync`) that a subclass
 Determinism: prompts and sampling noise are pure functions of (seed, step), the engine's
 weights a function of the trainer's, so N steps + resume + M steps equals N + M steps.
 
-The run folder follows lowbit.train's rules (lowbit.train.run_dir.RunDir): one writer at a
-time (a GRPOTrainer holds the folder's lock from its construction until run() ends), a resume
+The run goes through lowbit.train's run loop (lowbit.train.runner: cadence, evaluation,
+checkpoints, the final record, progress), to which a GRPOTrainer is the job, and its folder
+follows lowbit.train's rules (lowbit.train.run_dir.RunDir): one writer at a time (a
+GRPOTrainer holds the folder's lock from its construction until run() ends), a resume
 reads the problems it started with (their fingerprint is in the checkpoint), a NaN/Inf loss
 stops the run at once keeping the last checkpoint (NonFiniteLossError), and Ctrl-C says the
 step, the last checkpoint and the --resume command (TrainingInterrupted, exit 130).
@@ -38,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -53,16 +57,14 @@ from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay,
                                     routing_agreement)
 from lowbit.rl.warmstart import greedy_accuracy, policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
-from lowbit.train.checkpoint import CHECKPOINT_VERSION, check_same_data, rng_state, set_rng_state
-from lowbit.train.config import TrainConfig, resolve_device
+from lowbit.train.checkpoint import check_same_data, set_rng_state
+from lowbit.train.config import resolve_device
 from lowbit.train.distributed import Distributed
-from lowbit.train.loop import (NonFiniteLossError, TrainingInterrupted, interrupted_message,
-                               nonfinite_message)
-from lowbit.train.metrics import MetricsLog
 from lowbit.train.run_dir import RunDir
-from lowbit.train.step import TrainStep
+from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
+from lowbit.train.step import StepConfig, TrainStep
 
-__all__ = ["GRPOTrainer", "GRPOStep", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
+__all__ = ["GRPOTrainer", "GRPOLoss", "GRPOBatch", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
            "task_fingerprint", "collapsed", "COLLAPSE_EVALS", "calibration_batches",
            "CALIBRATION_PROBLEMS"]
 
@@ -98,31 +100,38 @@ class RLResult:
     records: list[dict]
 
 
-class GRPOStep(TrainStep):
-    """TrainStep with GRPO's loss in place of next-token cross-entropy. `targets` packs the
-    per-token inputs of the loss, (B, Tc, 6) float32: completion token, loss mask, old
-    log-prob, advantage, importance weight, reference log-prob; `prompt_lengths` and `routed`
-    are set on the object for the step's batch (one micro-batch)."""
+class GRPOBatch(NamedTuple):
+    """One optimizer step's batch of the GRPO loss (lowbit.train.step's batch: every entry's
+    first dimension is the completions)."""
 
-    def __init__(self, model, optimizer, config: TrainConfig, process, loss_config: grpo.LossConfig,
-                 temperature: float) -> None:
-        super().__init__(model, optimizer, config, process)
-        self.loss_config, self.temperature = loss_config, temperature
-        self.prompt_lengths: torch.Tensor | None = None
-        self.routed: torch.Tensor | None = None
-        self.use_is = self.use_ref = False
+    input_ids: torch.Tensor           # (B, T) prompt + completion, right-padded
+    prompt_lengths: torch.Tensor      # (B,)
+    completions: torch.Tensor         # (B, Tc)
+    mask: torch.Tensor                # (B, Tc) float: 1 for the tokens in the loss
+    logp_old: torch.Tensor            # (B, Tc) the trainer's log-probs before the update
+    advantages: torch.Tensor          # (B,)
+    is_weights: torch.Tensor | None   # (B, Tc) truncated importance weights, or None
+    ref_logp: torch.Tensor | None     # (B, Tc) the reference policy's log-probs (beta > 0)
+    routed: torch.Tensor | None       # (B, T, layers, k) experts to replay, or None
+
+
+class GRPOLoss:
+    """GRPO's clipped policy loss as the step's loss function (lowbit.train.step.LossFn):
+    loss_fn(model, GRPOBatch). `policy` is the plain module whose routers replay the batch's
+    experts; the last call's metrics (clip ratios, KL, ...) stay in .metrics."""
+
+    def __init__(self, policy: torch.nn.Module, config: grpo.LossConfig, temperature: float) -> None:
+        self.policy, self.config, self.temperature = policy, config, temperature
         self.metrics: dict = {}
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        completions, mask = y[..., 0].long(), y[..., 1]
-        logp_old, advantages = y[..., 2], y[:, 0, 3]
-        with self.autocast, replay_routing(self.model, self.routed):
-            logits = self.forward(x).logits
-        logp, _ = grpo.completion_logprobs(logits, self.prompt_lengths, completions, self.temperature)
-        loss, self.metrics = grpo.policy_loss(
-            logp, logp_old, advantages, mask, self.loss_config,
-            ref_logp=y[..., 5] if self.use_ref else None,
-            is_weights=y[..., 4] if self.use_is else None)
+    def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
+        with replay_routing(self.policy, batch.routed):
+            logits = model(batch.input_ids).logits
+        logp, _ = grpo.completion_logprobs(logits, batch.prompt_lengths, batch.completions,
+                                           self.temperature)
+        loss, self.metrics = grpo.policy_loss(logp, batch.logp_old, batch.advantages, batch.mask,
+                                              self.config, ref_logp=batch.ref_logp,
+                                              is_weights=batch.is_weights)
         return loss
 
 
@@ -177,18 +186,16 @@ class GRPOTrainer:
             enable_routing_replay(self.policy)   # records own choices for routing agreement; replays nothing
         self.policy.to(self.device)
 
-        self.train_config = TrainConfig(
-            model=c.model, tokenizer="model" if is_model_folder(c.model) else "bytes", recipe="bf16", batch_size=c.batch_size, seq_len=1, lr=c.lr,
-            max_steps=c.steps * c.num_iterations, warmup_steps=0, min_lr_ratio=1.0,
-            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed,
-            device=str(self.device), progress=c.progress)
-        self.optimizer = build_optimizer(self.policy, self.train_config, self.device)
-        loss_config = grpo.LossConfig(c.loss_type, c.epsilon, c.epsilon_high, c.beta,
-                                      c.max_completion_length)
-        self.step_fn = GRPOStep(self.policy, self.optimizer, self.train_config,
-                                Distributed(device=self.device), loss_config, c.temperature)
-        self.step_fn.use_is = c.importance_sampling != "none"
-        self.step_fn.use_ref = self.reference is not None
+        # a constant LR, one micro-batch of every completion of the step
+        step_config = StepConfig(batch_size=c.batch_size, lr=c.lr,
+                                 total_steps=c.steps * c.num_iterations,
+                                 weight_decay=c.weight_decay, grad_clip=c.grad_clip)
+        self.optimizer = build_optimizer(self.policy, step_config, self.device)
+        self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
+            c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
+            c.temperature)
+        self.step_fn = TrainStep(self.policy, self.optimizer, step_config,
+                                 Distributed(device=self.device), loss_fn=self.loss_fn)
 
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
@@ -204,17 +211,15 @@ class GRPOTrainer:
         self.evaluator = (self.engine if c.rollout == "bf16" else
                           RolloutEngine(self.model_config, "bf16", device=engine_device,
                                         max_batch_size=min(c.eval_problems, 256)))
-        self.start_step, self.records, self.wall_before = 0, [], 0.0
+        self.start = Start.of(checkpoint)
         if checkpoint is not None:
             self.policy.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             if self.reference is not None:
                 self.reference.load_state_dict(checkpoint["reference"])
             set_rng_state(checkpoint["rng"])
-            self.start_step, self.records = checkpoint["step"], checkpoint["metrics"]
-            self.wall_before = checkpoint["wall_time_s"]
-        self.resumed = checkpoint is not None
-        self.last_checkpoint_step = self.start_step if self.resumed else None
+        self.no_signal = 0   # how many of the run's first steps, in a row, had no signal
+        self.last_record: dict = {}
         self.sync()
         for path, size in self.folder.start(c, fresh=checkpoint is None):
             self.warn(f"lowbit: removed {path} ({size:,} bytes), left by a write that was killed")
@@ -261,7 +266,9 @@ class GRPOTrainer:
             routed = rollout.routed_experts[:, :T].to(dev)
         return RLBatch(ids, lengths, completions, mask, rollout.logprobs.to(dev), routed)
 
-    def train_on(self, step: int, batch: RLBatch, rewards: torch.Tensor) -> dict:
+    def train_on(self, step: int, batch: RLBatch, rewards: torch.Tensor) -> dict | None:
+        """num_iterations optimizer steps on the step's rollouts: their metrics, or None when
+        one was skipped for a NaN/Inf loss or gradient norm (the run stops there)."""
         c, fn = self.config, self.step_fn
         metrics: dict = {}
         advantages = grpo.group_advantages(rewards, c.num_generations, c.scale_rewards).to(self.device)
@@ -273,7 +280,7 @@ class GRPOTrainer:
                                                          batch.completions, c.temperature)
             if batch.routed is not None:
                 metrics["routing/agreement"] = routing_agreement(self.policy, batch.routed)
-            ref_logp = torch.zeros_like(logp_old)
+            ref_logp = None
             if self.reference is not None:
                 ref_logits = self.reference(batch.input_ids).logits
                 ref_logp, _ = grpo.completion_logprobs(ref_logits, batch.prompt_lengths,
@@ -284,20 +291,18 @@ class GRPOTrainer:
                                                       c.is_mode, c.is_cap)
         metrics.update(is_metrics)
         metrics["entropy"] = float((entropy * batch.mask).sum() / batch.mask.sum().clamp(min=1))
-        weights = weights if weights is not None else torch.ones_like(logp_old)
-        packed = torch.stack([batch.completions.float(), batch.mask.float(), logp_old,
-                              advantages[:, None].expand_as(logp_old), weights, ref_logp], dim=-1)
-        fn.prompt_lengths, fn.routed = batch.prompt_lengths, replayed
+        step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions,
+                               batch.mask.float(), logp_old, advantages, weights, ref_logp,
+                               replayed)
         losses, grad_norms = [], []
         for i in range(c.num_iterations):
-            result = fn(step * c.num_iterations + i, batch.input_ids, packed)
+            result = fn(step * c.num_iterations + i, step_batch)
             if result.skipped:   # the update was not applied; a NaN policy loss does not heal
-                raise NonFiniteLossError(nonfinite_message(step + 1, 1, self.last_checkpoint),
-                                         step + 1, self.last_checkpoint)
+                return None
             losses.append(result.loss), grad_norms.append(result.grad_norm)
             for message in result.messages:
                 self.say(message)
-        metrics.update({k: v for k, v in fn.metrics.items() if k != "nonfinite_loss"})
+        metrics.update({k: v for k, v in self.loss_fn.metrics.items() if k != "nonfinite_loss"})
         metrics.update(loss=sum(losses) / len(losses), grad_norm=grad_norms[-1], lr=result.lr)
         return metrics
 
@@ -314,7 +319,7 @@ class GRPOTrainer:
 
     # ---- evaluation -----------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
+    def accuracies(self) -> dict[str, float]:
         """Greedy accuracy on the held-out set by the two evaluators: `eval/accuracy`, the run's
         own rollout engine (its precision: what the policy scores as deployed), and
         `eval/accuracy_bf16`, the trainer's weights through a bf16 engine (what the RL did to
@@ -328,70 +333,38 @@ class GRPOTrainer:
                                  self.config.max_completion_length, self.stop_ids)
         return {"eval/accuracy": own, "eval/accuracy_bf16": common}
 
-    # ---- the loop -------------------------------------------------------------------------
+    # ---- the job the run loop drives (lowbit.train.runner.Job) ---------------------------
 
     def run(self) -> RLResult:
         c = self.config
-        log = MetricsLog(self.run_dir, self.records, self.start_step, self.say)
-        on_terminal = c.progress and sys.stderr.isatty()
-        bar = tqdm(total=c.steps, initial=self.start_step, disable=not on_terminal, unit="step",
-                   dynamic_ncols=True)
-        self.say(f"{'resuming' if self.resumed else 'starting'} {self.run_dir} at step "
-                 f"{self.start_step}/{c.steps}: {sum(p.numel() for p in self.policy.parameters()) / 1e6:.2f}M "
-                 f"parameters, task {self.task.name}, rollouts {c.setting}, "
-                 f"{c.batch_size} completions/step")
-        t_session, step = time.perf_counter(), self.start_step
-        end = c.steps if c.max_steps_per_session is None else min(c.steps, step + c.max_steps_per_session)
-        no_signal = 0   # how many of the run's first steps, in a row, had no signal
+        cadence = Cadence(c.steps, c.eval_every, c.checkpoint_every, c.log_every, max_nonfinite=1,
+                          session_steps=c.max_steps_per_session)
         try:
-            if step == 0 and c.eval_every:
-                log.write({"event": "eval", "step": 0, **self.evaluate()})
-            while step < end:
-                record = self.one_step(step)
-                step += 1
-                record["step"] = step
-                if record["frac_reward_zero_std"] == 1.0 and no_signal == step - 1:
-                    no_signal += 1   # steps 1..step all without signal (a resume starts past them)
-                if step == NO_SIGNAL_STEPS and no_signal == step:
-                    self.warn(f"lowbit: warning: no learning signal: every group's rewards are "
-                              f"equal in each of the first {step} steps (frac_reward_zero_std "
-                              f"1.0), so every advantage is 0 and the rewards teach nothing; try "
-                              f"more --warmstart-steps, an easier --task-size, a higher "
-                              f"--temperature or a larger --num-generations")
-                if step % c.log_every == 0 or step == c.steps:
-                    log.write(record)
-                if (c.eval_every and step % c.eval_every == 0) or step == c.steps:
-                    scores = self.evaluate()
-                    scores["eval/collapsed"] = float(collapsed(
-                        [r["eval/accuracy_bf16"] for r in log.records
-                         if r["event"] == "eval" and "eval/accuracy_bf16" in r]
-                        + [scores["eval/accuracy_bf16"]]))
-                    if scores["eval/collapsed"] and not any(
-                            r.get("eval/collapsed") for r in log.records if r["event"] == "eval"):
-                        self.warn(f"lowbit: warning: the policy collapsed at step {step}: held-out "
-                                  f"accuracy (trainer's weights in bf16) below half its peak in "
-                                  f"each of the last {COLLAPSE_EVALS} evaluations")
-                    log.write({"event": "eval", "step": step, **scores})
-                    self.say(f"step {step}: held-out accuracy {scores['eval/accuracy']:.3f} "
-                             f"(the trainer's weights in bf16: {scores['eval/accuracy_bf16']:.3f})")
-                if (c.checkpoint_every and step % c.checkpoint_every == 0) or step in (c.steps, end):
-                    self.checkpoint(step, log, t_session)
-                bar.update(1)
-                bar.set_postfix(reward=f"{record['reward']:.3f}",
-                                gap=f"{record.get('sampling/sampling_logp_difference/mean', 0):.4f}",
-                                refresh=False)
-                if not on_terminal and c.progress:
-                    self.say(_line(record, c.steps))
-            return self.finish(step, log.records, t_session)
-        except KeyboardInterrupt:
-            raise TrainingInterrupted(interrupted_message(step, self.last_checkpoint_step,
-                                                          self.last_checkpoint)) from None
+            return RunLoop(self, self.folder, c, cadence, self.start, progress=c.progress).run()
         finally:
-            bar.close()
-            log.close()
             self.folder.release()
 
-    def one_step(self, step: int) -> dict:
+    def describe(self) -> str:
+        c = self.config
+        return (f"{sum(p.numel() for p in self.policy.parameters()) / 1e6:.2f}M parameters, task "
+                f"{self.task.name}, rollouts {c.setting}, {c.batch_size} completions/step")
+
+    def step(self, step: int) -> StepOutcome:
+        outcome = self.one_step(step)
+        record = self.last_record
+        if record.get("frac_reward_zero_std") == 1.0 and self.no_signal == step:
+            self.no_signal += 1   # steps 1..step+1 all without signal (a resume starts past them)
+        if step + 1 == NO_SIGNAL_STEPS and self.no_signal == step + 1:
+            self.warn(f"lowbit: warning: no learning signal: every group's rewards are "
+                      f"equal in each of the first {step + 1} steps (frac_reward_zero_std "
+                      f"1.0), so every advantage is 0 and the rewards teach nothing; try "
+                      f"more --warmstart-steps, an easier --task-size, a higher "
+                      f"--temperature or a larger --num-generations")
+        return outcome
+
+    def one_step(self, step: int) -> StepOutcome:
+        """Generate, score, train on and sync for RL step `step` (0-based); its record's
+        numbers in self.last_record."""
         t0 = time.perf_counter()
         problems, rollout = self.generate(step)
         t1 = time.perf_counter()
@@ -399,52 +372,76 @@ class GRPOTrainer:
         batch = self.batch(rollout)
         t2 = time.perf_counter()
         metrics = self.train_on(step, batch, rewards)
+        if metrics is None:
+            self.last_record = {}
+            return StepOutcome(nonfinite_in_a_row=1)
         t3 = time.perf_counter()
         self.sync()
         t4 = time.perf_counter()
         lengths = rollout.lengths.float()
         group_std = rewards.view(-1, self.config.num_generations).std(dim=1)
-        return {"event": "train", "reward": float(rewards.mean()),
-                "reward_std": float(group_std.mean()),
-                # TRL's name: groups whose rewards are all equal give zero advantages, no signal
-                "frac_reward_zero_std": float(torch.isclose(
-                    group_std, torch.zeros_like(group_std)).float().mean()),
-                "accuracy": float((rewards >= 1).float().mean()),
-                "completions/mean_length": float(lengths.mean()),
-                "completions/max_length": float(lengths.max()),
-                "completions/clipped_ratio": float((~rollout.stopped).float().mean()),
-                **metrics,
-                "rollout/tokens_per_s": rollout.generated_tokens / max(t1 - t0, 1e-9),
-                "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
-                "time/sync_s": t4 - t3}
+        self.last_record = record = {
+            "reward": float(rewards.mean()), "reward_std": float(group_std.mean()),
+            # TRL's name: groups whose rewards are all equal give zero advantages, no signal
+            "frac_reward_zero_std": float(torch.isclose(
+                group_std, torch.zeros_like(group_std)).float().mean()),
+            "accuracy": float((rewards >= 1).float().mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float((~rollout.stopped).float().mean()),
+            **metrics,
+            "rollout/tokens_per_s": rollout.generated_tokens / max(t1 - t0, 1e-9),
+            "time/generate_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
+            "time/sync_s": t4 - t3}
+        return StepOutcome(postfix={
+            "reward": f"{record['reward']:.3f}",
+            "gap": f"{record.get('sampling/sampling_logp_difference/mean', 0):.4f}"})
 
-    @property
-    def last_checkpoint(self) -> Path | None:
-        """The run's newest checkpoint file, None before the first."""
-        return self.folder.checkpoint if self.last_checkpoint_step is not None else None
+    def train_record(self, step: int, outcome: StepOutcome, step_time_s: float) -> dict:
+        return self.last_record
 
-    def checkpoint(self, step: int, log: MetricsLog, t_session: float) -> None:
-        state = {"version": CHECKPOINT_VERSION, "step": step, "config": self.config.to_dict(),
-                 "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "rng": rng_state(), "metrics": log.records,
-                 "wall_time_s": self.wall_before + time.perf_counter() - t_session,
-                 "data_fingerprint": self.data_fingerprint,
+    def train_line(self, record: dict, total: int) -> str:
+        gap = record.get("sampling/sampling_logp_difference/mean", float("nan"))
+        return (f"step {record['step']}/{total} | reward {record['reward']:.3f} | "
+                f"len {record['completions/mean_length']:.1f} | gap {gap:.4f} | "
+                f"{record['rollout/tokens_per_s']:,.0f} rollout tok/s")
+
+    def evaluate(self, step: int, records: list[dict]) -> tuple[dict, str]:
+        """The held-out accuracies (accuracies()) and, after step 0, the collapse flag."""
+        scores = self.accuracies()
+        if step > 0:
+            earlier = [r["eval/accuracy_bf16"] for r in records
+                       if r["event"] == "eval" and "eval/accuracy_bf16" in r]
+            scores["eval/collapsed"] = float(collapsed(earlier + [scores["eval/accuracy_bf16"]]))
+            if scores["eval/collapsed"] and not any(
+                    r.get("eval/collapsed") for r in records if r["event"] == "eval"):
+                self.warn(f"lowbit: warning: the policy collapsed at step {step}: held-out "
+                          f"accuracy (trainer's weights in bf16) below half its peak in "
+                          f"each of the last {COLLAPSE_EVALS} evaluations")
+        return scores, (f"step {step}: held-out accuracy {scores['eval/accuracy']:.3f} "
+                        f"(the trainer's weights in bf16: {scores['eval/accuracy_bf16']:.3f})")
+
+    def after_step(self, step: int) -> None:
+        return None
+
+    def state(self) -> dict:
+        c = self.config
+        state = {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "data_fingerprint": self.data_fingerprint, "consecutive_nonfinite": 0,
                  # what `lowbit export` needs to build the policy without RL's code
                  "model_config": dataclasses.asdict(self.model_config),
-                 "tokenizer_dir": self.config.model if is_model_folder(self.config.model) else None}
+                 "tokenizer_dir": c.model if is_model_folder(c.model) else None}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
-        self.folder.save_checkpoint(state)
-        self.last_checkpoint_step = step
-        self.plot(force=False)
+        return state
 
-    def plot(self, force: bool) -> None:
-        """rl.png, redrawn at a checkpoint at most once a minute (RunDir.plot), and at the end."""
+    def draw(self) -> None:
+        """rl.png."""
         from lowbit.rl.plot import plot_rl_runs
 
-        self.folder.plot(force, draw=lambda: plot_rl_runs([self.run_dir], self.run_dir / "rl.png"))
+        plot_rl_runs([self.run_dir], self.run_dir / "rl.png")
 
-    def finish(self, step: int, records: list[dict], t_session: float) -> RLResult:
+    def finish(self, step: int, records: list[dict], wall_time_s: float) -> tuple[RLResult, dict, str]:
         train = [r for r in records if r["event"] == "train"]
         evals = [r for r in records if r["event"] == "eval"]
         last = train[-10:]
@@ -452,18 +449,16 @@ class GRPOTrainer:
         accuracy = evals[-1]["eval/accuracy"] if evals else None
         summary = {"steps": step, "final_reward": final_reward, "eval_accuracy": accuracy,
                    "setting": self.config.setting, "device": str(self.device),
-                   "wall_time_s": self.wall_before + time.perf_counter() - t_session}
+                   "wall_time_s": wall_time_s}
         for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                     "sampling/kl_k3"):
             values = [r[key] for r in train if key in r]
             if values:
                 summary[key] = sum(values) / len(values)
-        if step >= self.config.steps:   # a session stopped by max_steps_per_session is not the end
-            self.folder.write_final(summary)
-        self.plot(force=True)
-        self.say(f"{'done' if step >= self.config.steps else 'stopped'}: step {step}/{self.config.steps}, reward {final_reward:.3f} (last 10 steps), "
-                 f"held-out accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
-        return RLResult(self.run_dir, step, final_reward, accuracy, records)
+        line = (f"{'done' if step >= self.config.steps else 'stopped'}: step {step}/"
+                f"{self.config.steps}, reward {final_reward:.3f} (last 10 steps), held-out "
+                f"accuracy {accuracy if accuracy is None else round(accuracy, 3)} -> {self.run_dir}")
+        return RLResult(self.run_dir, step, final_reward, accuracy, records), summary, line
 
 
 COLLAPSE_EVALS = 3
@@ -478,13 +473,6 @@ def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
         return False
     peak = max(accuracies[:-evals])
     return peak > 0 and all(a < peak / 2 for a in accuracies[-evals:])
-
-
-def _line(record: dict, total: int) -> str:
-    gap = record.get("sampling/sampling_logp_difference/mean", float("nan"))
-    return (f"step {record['step']}/{total} | reward {record['reward']:.3f} | "
-            f"len {record['completions/mean_length']:.1f} | gap {gap:.4f} | "
-            f"{record['rollout/tokens_per_s']:,.0f} rollout tok/s")
 
 
 def calibration_batches(sequences: list[list[int]]) -> list[torch.Tensor]:

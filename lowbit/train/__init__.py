@@ -14,9 +14,11 @@ from lowbit.train.config import TrainConfig
 from lowbit.train.loop import (NonFiniteLossError, RunResult, TrainingData, evaluate,
                                learning_rate_at, train)
 from lowbit.train.plot import plot_runs
+from lowbit.train.step import LossFn, StepConfig, TrainStep, next_token_loss
 
 __all__ = [
     "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
     "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
-    "compare_runs", "RunSpec", "RunOutcome", "ArmStats",
+    "compare_runs", "RunSpec", "RunOutcome", "ArmStats", "TrainStep", "StepConfig", "LossFn",
+    "next_token_loss",
 ]

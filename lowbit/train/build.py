@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from lowbit.train.config import TrainConfig
+from lowbit.train.step import StepConfig
 
 __all__ = ["Batch", "TrainingData", "CorpusData", "build_data", "model_config", "build_model",
            "resolve_recipe",
@@ -186,10 +187,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device,
+def build_optimizer(model: nn.Module, config: StepConfig | TrainConfig, device: torch.device,
                     sharded: bool = False) -> torch.optim.AdamW:
-    """AdamW over param_groups, at config.lr and config.betas: fused on CUDA, except over
-    FSDP's DTensor parameters (`sharded`), which take the foreach implementation."""
+    """AdamW over param_groups, at config's lr, betas and weight_decay (a StepConfig's, or a
+    TrainConfig's: the same fields): fused on CUDA, except over FSDP's DTensor parameters
+    (`sharded`), which take the foreach implementation."""
     return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
                              betas=config.betas, fused=device.type == "cuda" and not sharded)
 

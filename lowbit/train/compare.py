@@ -67,7 +67,8 @@ from lowbit.train.build import resolve_recipe
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import check_same_start, write_json_atomic
 from lowbit.train.config import TrainConfig
-from lowbit.train.loop import NonFiniteLossError, train
+from lowbit.train.loop import train
+from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.metrics import read_metrics
 from lowbit.train.plot import plot_gap_bands, plot_runs
 from lowbit.train.run_dir import RunDir

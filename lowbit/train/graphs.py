@@ -9,7 +9,7 @@ optimizer step stays eager (fused AdamW is a few launches), so the learning rate
 float and a step whose loss is not finite is skipped as before.
 
 What the capture needs, and how it is kept:
-- static tensors: the step's token rows are copied into one input buffer; the gradients are
+- static tensors: the step's batch is copied into buffers of its shapes; the gradients are
   the tensors the captured backward allocated (from the graph's pool), which every replay
   writes afresh; a caller that replaced a parameter's .grad (a diagnostic's own backward)
   gets it pointed back before each replay;
@@ -46,19 +46,37 @@ import torch.nn as nn
 
 from lowbit.dispatch.fold_check import deferred_fold_check
 
-__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal"]
+__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal", "map_batch",
+           "split_batch"]
 
 
-def accumulate_gradients(loss_fn, inputs: torch.Tensor, targets: torch.Tensor, accum: int,
-                         sync=None) -> torch.Tensor:
-    """Forward and backward of each of the step's `accum` micro-batches (the rows of
-    inputs/targets split in order), gradients accumulated in .grad; returns the step's mean
-    loss, a device scalar (no readback). sync(i), if given, is the context micro-batch i runs
-    in (DDP's no_sync until the last backward); a captured step passes none."""
-    step_loss = torch.zeros((), device=inputs.device)
-    for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+def map_batch(fn, batch: tuple) -> tuple:
+    """fn applied to every tensor of a step's batch (a tuple or NamedTuple of tensors sharing
+    their first dimension, the rows; None entries stay None), in the batch's own type."""
+    return _like(batch, [None if t is None else fn(t) for t in batch])
+
+
+def split_batch(batch: tuple, parts: int) -> list[tuple]:
+    """A step's batch as `parts` micro-batches of consecutive rows (torch.chunk's split)."""
+    chunks = [[None] * parts if t is None else t.chunk(parts) for t in batch]
+    return [_like(batch, [c[i] for c in chunks]) for i in range(parts)]
+
+
+def _like(batch: tuple, items: list) -> tuple:
+    """`items` as a batch of batch's type (a NamedTuple's fields by position)."""
+    return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
+
+
+def accumulate_gradients(loss_fn, batch: tuple, accum: int, sync=None) -> torch.Tensor:
+    """Forward and backward of each of the step's `accum` micro-batches (the batch's rows
+    split in order), gradients accumulated in .grad; returns the step's mean loss, a device
+    scalar (no readback). loss_fn(micro_batch) -> scalar. sync(i), if given, is the context
+    micro-batch i runs in (DDP's no_sync until the last backward); a captured step passes none."""
+    device = next(t for t in batch if t is not None).device
+    step_loss = torch.zeros((), device=device)
+    for i, micro_batch in enumerate(split_batch(batch, accum)):
         with sync(i) if sync is not None else contextlib.nullcontext():
-            loss = loss_fn(x, y) / accum   # mean over the step's tokens
+            loss = loss_fn(micro_batch) / accum   # mean over the step's tokens
             loss.backward()
         step_loss += loss.detach()
     return step_loss
@@ -80,22 +98,22 @@ def cuda_graph_refusal(device: torch.device, *, moe: bool = False,
 
 
 class GraphedGradients:
-    """`grads(inputs, targets) -> (loss, grad_norm, inexact)`, all device scalars: the mean
-    loss over the step's micro-batches, the gradient norm before clipping (gradients clipped
-    to `max_norm` in place), and the count of values the sync-free FP8 folds left inexact
-    (nonzero: redo the step's gradients eagerly with exact folds). inputs/targets: (rows, T)
-    int64 on the device, the whole step; rows split into `accum` micro-batches."""
+    """`grads(batch) -> (loss, grad_norm, inexact)`, all device scalars: the mean loss over
+    the step's micro-batches, the gradient norm before clipping (gradients clipped to
+    `max_norm` in place), and the count of values the sync-free FP8 folds left inexact
+    (nonzero: redo the step's gradients eagerly with exact folds). batch: the whole step's, on
+    the device (see map_batch); its rows split into `accum` micro-batches."""
 
-    def __init__(self, model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor,
-                 *, accum: int = 1, max_norm: float = math.inf, warmup: int = 2):
-        """loss_fn(x, y) -> the scalar loss of one micro-batch (x, y: (rows / accum, T)); any
-        autocast goes inside it, with cache_enabled=False. `inputs`/`targets` (a first step's)
-        shape the buffers and warm the kernels up (Triton compiles, cuBLAS picks) in `warmup`
-        eager runs (at least 2: the exact folds' kernels, then the sync-free ones); every
-        later step must have the same shapes."""
-        device = inputs.device
+    def __init__(self, model: nn.Module, loss_fn, batch: tuple, *, accum: int = 1,
+                 max_norm: float = math.inf, warmup: int = 2):
+        """loss_fn(micro_batch) -> the scalar loss of one micro-batch; any autocast goes inside
+        it, with cache_enabled=False. `batch` (a first step's) shapes the buffers and warms the
+        kernels up (Triton compiles, cuBLAS picks) in `warmup` eager runs (at least 2: the
+        exact folds' kernels, then the sync-free ones); every later step must have the same
+        shapes."""
+        device = next(t for t in batch if t is not None).device
         params = [p for p in model.parameters() if p.requires_grad]
-        self.inputs, self.targets = inputs.clone(), targets.clone()
+        self.batch = map_batch(torch.clone, batch)
         self.accum, self.max_norm, self.device = accum, max_norm, device
         self._loss_fn = loss_fn
         self.params: list[torch.Tensor] = []
@@ -124,13 +142,14 @@ class GraphedGradients:
                     "value back to the host or changes shape with the data (MoE routing, say); "
                     f"drop --cuda-graph ({type(e).__name__}: {str(e)[:300]})") from e
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        if inputs.shape != self.inputs.shape or targets.shape != self.targets.shape:
-            raise ValueError(f"a CUDA-graphed step takes batches of {tuple(self.inputs.shape)} "
-                             f"tokens, the shape it was captured with; got {tuple(inputs.shape)}")
+    def __call__(self, batch: tuple):
+        if _shapes(batch) != _shapes(self.batch):
+            raise ValueError(f"a CUDA-graphed step takes batches of {_shapes(self.batch)}, the "
+                             f"shapes it was captured with; got {_shapes(batch)}")
         with self._on_device():
-            self.inputs.copy_(inputs)
-            self.targets.copy_(targets)
+            for buffer, t in zip(self.batch, batch):
+                if buffer is not None:
+                    buffer.copy_(t)
             self._point_grads()
             if self.graph is None:
                 return self._body()
@@ -171,7 +190,7 @@ class GraphedGradients:
                 p.grad = g
 
     def _micro_batches(self) -> torch.Tensor:
-        return accumulate_gradients(self._loss_fn, self.inputs, self.targets, self.accum)
+        return accumulate_gradients(self._loss_fn, self.batch, self.accum)
 
     def _body(self):
         # The backward assigns each gradient afresh, as eager after zero_grad(set_to_none=True):
@@ -184,3 +203,7 @@ class GraphedGradients:
         self.grads = [p.grad for p in self.params]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         return step_loss, grad_norm, check.counter
+
+
+def _shapes(batch: tuple) -> list:
+    return [None if t is None else tuple(t.shape) for t in batch]

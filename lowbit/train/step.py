@@ -1,11 +1,15 @@
-"""One optimizer step, as every lowbit job runs it: `lowbit train`, `lowbit bench train`, and the
-QAT and RL trainers built on lowbit.train.
+"""One optimizer step, as every lowbit job runs it: `lowbit train`, `lowbit bench train`, QAT
+and RL.
 
-    step = TrainStep(model, optimizer, config, process)
-    result = step(i, inputs, targets)     # the global batch of optimizer step i (0-based)
+    step = TrainStep(model, optimizer, StepConfig.of(train_config), process, loss_fn=loss_fn)
+    result = step(i, batch)     # the global batch of optimizer step i (0-based)
 
-The loss is the model output's .loss (cross-entropy), or objective(output, inputs, targets)
-when one is given (QAT's distillation from the BF16 model: lowbit.qat.distill).
+A batch is a tuple of tensors whose first dimension is the rows (a NamedTuple reads better;
+entries may be None): `lowbit train`'s is (inputs, targets), RL's a GRPOBatch of token ids,
+old log-probs and advantages. loss_fn(model, micro_batch) gives one micro-batch's scalar loss,
+`model` being the model as the step runs it (DDP-wrapped, compiled); the default,
+next_token_loss, is the model output's .loss (cross-entropy). QAT's distillation
+(lowbit.qat.distill) and GRPO's clipped loss (lowbit.rl.trainer) are other loss functions.
 
 What one call does:
   lr = learning_rate_at(i)                     linear warmup, then cosine down to min_lr
@@ -16,8 +20,8 @@ What one call does:
   (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly, or as
    fold_inexact says: lowbit.train.fold_policy)
   if loss and grad_norm are finite: AdamW step; else skip it (a nonfinite_skip record)
-With config.cuda_graph the forwards, backwards and clip are one CUDA graph replay
-(lowbit.train.graphs), captured at the first call; with config.compile the model runs through
+With cuda_graph the forwards, backwards and clip are one CUDA graph replay
+(lowbit.train.graphs), captured at the first call; with compile the model runs through
 torch.compile. The loss, gradient norm and inexact-fold count come back in one readback.
 """
 
@@ -27,28 +31,76 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 
+from lowbit.config import require
 from lowbit.dispatch.fold_check import deferred_fold_check, watch_chunked_folds
-from lowbit.train.build import Batch
-from lowbit.train.config import TrainConfig
 from lowbit.train.distributed import Distributed
 from lowbit.train.fold_policy import FoldPolicy
-from lowbit.train.graphs import GraphedGradients, accumulate_gradients, cuda_graph_refusal
+from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, cuda_graph_refusal,
+                                 map_batch, split_batch)
 
-__all__ = ["TrainStep", "StepResult", "Objective", "learning_rate_at", "refuse_cuda_graph"]
+__all__ = ["TrainStep", "StepConfig", "StepResult", "LossFn", "next_token_loss",
+           "learning_rate_at", "refuse_cuda_graph"]
 
-Objective = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
-"""objective(output, inputs, targets) -> one micro-batch's scalar loss, from the model's output
-(with .logits, .loss and .aux_loss) and the micro-batch it saw."""
+LossFn = Callable[[Callable, tuple], torch.Tensor]
+"""loss_fn(model, micro_batch) -> one micro-batch's scalar loss; `model` is the step's forward
+(the model wrapped and compiled as the step runs it), `micro_batch` a slice of the step's batch
+in the batch's own type."""
 
 
-def learning_rate_at(step: int, config: TrainConfig) -> float:
+def next_token_loss(model: Callable, batch: tuple) -> torch.Tensor:
+    """The language-modelling loss: the model's own .loss on (inputs, targets) (cross-entropy,
+    plus an MoE model's load-balancing term)."""
+    inputs, targets = batch
+    return model(inputs, targets).loss
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What the optimizer step needs: the batch, the LR schedule, AdamW's settings, clipping,
+    and how the model runs. `lowbit train` and QAT take it from their TrainConfig
+    (StepConfig.of); RL builds its own (a constant LR, one micro-batch)."""
+
+    batch_size: int
+    """Rows per micro-batch, over all processes."""
+    lr: float
+    total_steps: int
+    """Optimizer steps the schedule spans (its cosine reaches min_lr on the last)."""
+    grad_accum_steps: int = 1
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0
+    """The cosine decay ends at lr * min_lr_ratio (1.0: a constant LR after the warmup)."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+    bf16_autocast: bool = True
+    """On CUDA, run the forward under bf16 autocast."""
+    compile: bool = False
+    cuda_graph: bool = False
+    fold_inexact: str = "redo"
+    """FP8-GEMM recipes' inexact one-chunk folds: redo, adapt or round (lowbit.train.fold_policy)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum_steps", "total_steps"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1 (got {getattr(self, name)})")
+        require(0 <= self.warmup_steps <= self.total_steps,
+                f"warmup_steps must be in [0, total_steps] (got {self.warmup_steps})")
+
+    @classmethod
+    def of(cls, config) -> StepConfig:
+        """The step settings of a TrainConfig (or any object with these fields' names)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+def learning_rate_at(step: int, config: StepConfig) -> float:
     """LR of optimizer step `step` (0-based): linear warmup to config.lr over warmup_steps
-    steps, then a cosine from config.lr to lr * min_lr_ratio, reached on the last step."""
+    steps, then a cosine from config.lr to lr * min_lr_ratio, reached on the last step.
+    (A TrainConfig has the same fields and gives the same schedule.)"""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     decay_steps = config.total_steps - 1 - config.warmup_steps
@@ -80,7 +132,7 @@ class StepResult:
     nonfinite_skip (each with "event" and "step")."""
     messages: list[str] = field(default_factory=list)
     """What to tell the user about them."""
-    first_micro_batch: Batch | None = None
+    first_micro_batch: tuple | None = None
     """This process's first micro-batch of the step, on the device (for diagnostics)."""
 
 
@@ -89,11 +141,11 @@ class TrainStep:
     under autocast, captured), the step's fold policy and its count of non-finite steps in a
     row; the caller owns the data, the schedule's position and everything around the step."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: StepConfig,
                  process: Distributed, fold_policy: FoldPolicy | None = None,
-                 objective: Objective | None = None) -> None:
+                 loss_fn: LossFn = next_token_loss) -> None:
         self.model, self.optimizer, self.config, self.process = model, optimizer, config, process
-        self.objective = objective
+        self.loss_fn = loss_fn
         self.device = process.device
         self.fold = fold_policy if fold_policy is not None else FoldPolicy(config.fold_inexact, model)
         # `model` stays the plain module: its state dict is what checkpoints hold.
@@ -107,29 +159,25 @@ class TrainStep:
         self.nonfinite_run = 0
         """Optimizer steps in a row whose loss or gradient norm was not finite."""
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, batch: tuple) -> torch.Tensor:
         """One micro-batch's loss, as the step computes it."""
         with self.autocast:
-            return self._objective(x, y)
+            return self.loss_fn(self.forward, batch)
 
-    def _objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        output = self.forward(x, y)
-        return output.loss if self.objective is None else self.objective(output, x, y)
-
-    def __call__(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def __call__(self, step: int, batch: tuple) -> StepResult:
         """Optimizer step `step` (0-based) on its global batch (batch_size * grad_accum_steps
-        rows of seq_len tokens)."""
+        rows)."""
         config, process, device = self.config, self.process, self.device
         accum = config.grad_accum_steps
-        if inputs.shape[0] != config.batch_size * accum:
-            raise ValueError(f"the data gave {inputs.shape[0]} sequences for step {step}; "
+        rows = next(t for t in batch if t is not None).shape[0]
+        if rows != config.batch_size * accum:
+            raise ValueError(f"the data gave {rows} sequences for step {step}; "
                              f"batch_size * grad_accum_steps = {config.batch_size * accum}")
         lr = learning_rate_at(step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = process.shard(inputs).to(device), process.shard(targets).to(device)
-        result = StepResult(0.0, 0.0, lr, False,
-                            first_micro_batch=(inputs.chunk(accum)[0], targets.chunk(accum)[0]))
+        batch = map_batch(lambda t: process.shard(t).to(device), batch)
+        result = StepResult(0.0, 0.0, lr, False, first_micro_batch=split_batch(batch, accum)[0])
 
         # FP8-path recipes fold their operands without host syncs (one K-chunk each) and count
         # on the device what that left inexact; the count is read with the step's loss (one
@@ -138,18 +186,18 @@ class TrainStep:
         if config.cuda_graph:
             if self.graphed is None:
                 t = time.perf_counter()
-                self.graphed = self._capture(inputs, targets)
+                self.graphed = self._capture(batch)
                 result.capture_s = time.perf_counter() - t
                 result.records.append({"event": "cuda_graph_captured", "step": step + 1,
                                        "seconds": result.capture_s})
                 result.messages.append(f"step {step + 1}: captured the step in a CUDA graph "
                                        f"({result.capture_s:.1f} s)")
-            step_loss, grad_norm, count = self.graphed(inputs, targets)
+            step_loss, grad_norm, count = self.graphed(batch)
             loss, grad_norm, inexact = torch.stack(
                 [step_loss.double(), grad_norm.double(), count[0].double()]).tolist()
         else:
             with deferred_fold_check(device) as check:
-                step_loss, grad_norm = self._gradients(inputs, targets)
+                step_loss, grad_norm = self._gradients(batch)
             loss, inexact = process.average(
                 torch.stack([step_loss.double(), check.counter[0].double()])).tolist()
         inexact = round(inexact * process.world_size)
@@ -159,7 +207,7 @@ class TrainStep:
         elif inexact:
             self._set_rng_state(rng_before)
             with watch_chunked_folds() as chunked:
-                step_loss, grad_norm = self._gradients(inputs, targets)
+                step_loss, grad_norm = self._gradients(batch)
             result.records.append({"event": "fold_redo", "step": step + 1,
                                    "inexact_values": inexact})
             loss = process.average(step_loss).item()
@@ -186,7 +234,7 @@ class TrainStep:
                                    f"{grad_norm}, update skipped ({self.nonfinite_run} in a row)")
         return result
 
-    def _gradients(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _gradients(self, batch: tuple) -> tuple[torch.Tensor, float]:
         """Forward and backward of every micro-batch, then clip: (loss, grad norm)."""
         accum, process = self.config.grad_accum_steps, self.process
         if self.graphed is not None:   # the graph's gradient buffers stay in place
@@ -194,25 +242,25 @@ class TrainStep:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         step_loss = accumulate_gradients(  # DDP/FSDP sync the last backward only
-            self.loss, inputs, targets, accum,
+            self.loss, batch, accum,
             sync=lambda i: process.sync_gradients(i == accum - 1, self.model))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
             grad_norm = grad_norm.full_tensor()
         return step_loss, grad_norm.item()
 
-    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> GraphedGradients:
+    def _capture(self, batch: tuple) -> GraphedGradients:
         """The step's gradients as one CUDA graph (lowbit.train.graphs), built on its first batch."""
         # a captured step must not use autocast's cast cache: it is cleared outside the graph
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False,
-                                  enabled=self.config.bf16_autocast and inputs.is_cuda)
+                                  enabled=self.config.bf16_autocast and self.device.type == "cuda")
 
-        def loss_fn(x, y):
+        def loss_fn(micro_batch):
             with autocast:
-                return self._objective(x, y)
+                return self.loss_fn(self.forward, micro_batch)
 
-        return GraphedGradients(self.model, loss_fn, inputs, targets,
-                                accum=self.config.grad_accum_steps, max_norm=self.max_norm)
+        return GraphedGradients(self.model, loss_fn, batch, accum=self.config.grad_accum_steps,
+                                max_norm=self.max_norm)
 
     def _rng_state(self) -> tuple:
         """What a training step draws from: torch's CPU generator and the device's. (Not
