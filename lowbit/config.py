@@ -1,6 +1,16 @@
-"""What every config shares: `require`, the one check a config's `__post_init__` makes, and
+"""What every config shares: `require`, the one check a config's `__post_init__` makes;
 `RunConfig`, the base of the jobs' run configs (`lowbit.train.TrainConfig`, `lowbit.rl.RLConfig`):
-their JSON round trip and the rule by which a resume is refused.
+their JSON round trip and the rule by which a resume is refused; and `flag`, the one way a
+config field declares its command-line flag (`add_flags`, `flag_values`).
+
+Flags. A field that the command line sets declares its flag where it is declared, as Hugging
+Face's HfArgumentParser reads them from the dataclass:
+    max_steps: int = field(default=300, metadata=flag("--steps", "optimizer steps (default: %(default)s)"))
+`add_flags(parser, TrainConfig)` adds one argparse flag per such field, in field order, with
+dest the field's name and default None: "not given, the field's default", so that the code can
+tell what the user set (a --resume that fills the rest from the saved run, --quick's values
+under the given ones); `flag_values(args, TrainConfig)` reads the given ones back. A help's
+%(default)s is the field's default.
 
 The resume rule. A run folder's checkpoint holds the config the run started with; a resume
 with a config that differs from it in a field that changes the run (its data, model, schedule,
@@ -14,16 +24,54 @@ one has.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import typing
 from typing import Any, ClassVar
 
-__all__ = ["RunConfig", "require"]
+__all__ = ["RunConfig", "require", "flag", "flag_fields", "add_flags", "flag_values"]
 
 
 def require(condition: bool, message: str) -> None:
     """A ValueError with `message` (one line: what was wrong and what to do) unless `condition`."""
     if not condition:
         raise ValueError(message)
+
+
+def flag(option: str, help: str, **argparse_options) -> dict:
+    """A field's `metadata` declaring its flag: the option, a one-line help (%(default)s: the
+    field's default), and add_argument's other options where needed (metavar, choices, action,
+    nargs, const, type). A flag with no action or type takes the field's type, which must then
+    be int, float or str (or one of them | None)."""
+    return {"flag": {"option": option, "help": help, **argparse_options}}
+
+
+def flag_fields(config_class) -> list[dataclasses.Field]:
+    """The fields of `config_class` that declare a flag, in declaration order."""
+    return [f for f in dataclasses.fields(config_class) if "flag" in f.metadata]
+
+
+def add_flags(parser: argparse.ArgumentParser, config_class) -> None:
+    """Add the flags `config_class`'s fields declare (see the module docstring)."""
+    hints = typing.get_type_hints(config_class)
+    for f in flag_fields(config_class):
+        options = dict(f.metadata["flag"])
+        option, text = options.pop("option"), options.pop("help")
+        if "action" not in options and "type" not in options:
+            hint = hints[f.name]   # `int | None` is int
+            kinds = [t for t in typing.get_args(hint) or [hint] if t is not type(None)]
+            if len(kinds) != 1 or kinds[0] not in (int, float, str):
+                raise TypeError(f"{config_class.__name__}.{f.name}'s flag needs a type=")
+            options["type"] = kinds[0]
+        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
+        parser.add_argument(option, dest=f.name, default=None,
+                            help=text.replace("%(default)s", default.replace("%", "%%")), **options)
+
+
+def flag_values(args: argparse.Namespace, config_class) -> dict:
+    """{field name: value} for the flags of `config_class` given on the command line."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(config_class)
+            if getattr(args, f.name, None) is not None}
 
 
 class RunConfig:

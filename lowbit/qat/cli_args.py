@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lowbit.config import add_flags, flag_fields, flag_values
 from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
 from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
 from lowbit.train.compare import parse_seeds
@@ -33,11 +34,8 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --model: tokens per sequence (default: 128)")
     p.add_argument("--corpus-max-bytes", type=int, default=None,
                    help="with --model: cut each split of the corpus to this many bytes")
-    p.add_argument("--weights", default=QATConfig.weights,
-                   help="weight format: int2|int3|int4|int8 with :gG, :row, :asym; ternary, "
-                        "binary, seq2 (with :gG or :row); nvfp4, mxfp4 (default: %(default)s)")
-    p.add_argument("--estimator", default=QATConfig.estimator, choices=ESTIMATORS,
-                   help="gradient estimator (default: %(default)s)")
+    # the flags QATConfig's fields declare (--weights, --estimator, --learn-scales, ...)
+    add_flags(p, QATConfig)
     p.add_argument("--compare", metavar="ARMS",
                    help="one run per comma-separated arm on the same data, steps and seed, "
                         "e.g. ste,lsq,jacquant; an arm is ESTIMATOR[/OPTION...] with a QAT "
@@ -45,10 +43,6 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                         "ste,ste/lrx0.7,jacquant,jacquant/shuffled; a table and one plot with "
                         "BF16, RTN and GPTQ")
     p.add_argument("--seeds", default="0", help="comma-separated seeds, one run each (default: 0)")
-    p.add_argument("--learn-scales", action=argparse.BooleanOptionalAction, default=None,
-                   help="learn the scales with LSQ's gradient (default: only for lsq)")
-    p.add_argument("--scale-init", default="absmax", choices=("absmax", "mse"),
-                   help="initial scales from the weights (default: %(default)s)")
     p.add_argument("--steps", type=int, default=QATJob.steps, help="QAT steps (default: %(default)s)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 2e-5 from a trained Hugging Face model, "
@@ -57,38 +51,9 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="default: the source run's")
     p.add_argument("--eval-every", type=int, default=QATJob.eval_every, help="default: %(default)s")
     p.add_argument("--checkpoint-every", type=int, default=QATJob.checkpoint_every, help="default: %(default)s")
-    # jacquant's flags default to None, "not given", so that job_from_args can refuse them
-    # with another estimator; JacQuantConfig's defaults apply
-    p.add_argument("--refresh-every", type=int, default=None,
-                   help=f"jacquant: refit B every N steps (default: {_JQ.refresh_every})")
-    p.add_argument("--b-max", type=float, default=None,
-                   help=f"jacquant: B's upper clamp (default: {_JQ.b_max})")
-    p.add_argument("--b-estimate", default=None, choices=("probe", "dither", "both"),
-                   help=f"jacquant: how B is fit (default: {_JQ.estimate})")
-    p.add_argument("--b-eps", type=float, default=None,
-                   help=f"jacquant: perturbation half-width in quantization steps (default: {_JQ.eps})")
-    p.add_argument("--b-samples", type=int, default=None,
-                   help=f"jacquant: probes per refresh (default: {_JQ.samples})")
-    p.add_argument("--b-ema", type=float, default=None,
-                   help=f"jacquant: EMA across refreshes (default: {_JQ.ema})")
-    p.add_argument("--b-per-element", action=argparse.BooleanOptionalAction, default=None,
-                   help="jacquant: one B per weight (the default), or with --no-b-per-element one "
-                        "per quantization group")
-    p.add_argument("--b-unweighted", action="store_true", default=None,
-                   help="jacquant: no input second-moment weighting of a per-group B "
-                        "(per element the weighting cancels, so it has none)")
-    p.add_argument("--b-on", default=None, choices=("grad", "update"),
-                   help="jacquant: B scales each optimizer step's change of the weight, with an "
-                        "STE backward (update), or the gradient in backward (grad; under AdamW "
-                        f"it measures as STE does) (default: {_JQ.b_on})")
-    p.add_argument("--b-shuffled", action="store_true", default=None,
-                   help="jacquant: a control; the B used is the fitted B permuted within each "
-                        "tensor at each refit (same values, no information about which weight)")
-    p.add_argument("--distill", type=float, nargs="?", const=1.0, default=0.0, metavar="ALPHA",
-                   help="distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
-                        "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)")
-    p.add_argument("--distill-temperature", type=float, default=QATConfig.distill_temperature,
-                   metavar="T", help="softmax temperature of the distillation KL (default: %(default)s)")
+    # the flags JacQuantConfig's fields declare (--refresh-every, --b-max, ...); None, not given,
+    # lets job_from_args refuse them with another estimator
+    add_flags(p, JacQuantConfig)
     p.add_argument("--base-steps", type=int, default=BASE_STEPS,
                    help="without --from: steps of the BF16 model trained first (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true", help="skip the BF16, RTN and GPTQ evaluations")
@@ -105,7 +70,8 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def job_from_args(args: argparse.Namespace) -> QATJob:
-    arms = [args.estimator] if args.compare is None else [a.strip() for a in args.compare.split(",")]
+    estimator = args.estimator or QATConfig.estimator
+    arms = [estimator] if args.compare is None else [a.strip() for a in args.compare.split(",")]
     estimators = [arm.split("/")[0].strip() for arm in arms]
     for e, arm in zip(estimators, arms):
         if e not in ESTIMATORS:
@@ -115,9 +81,8 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
         raise ValueError("--compare needs two or more comma-separated estimators, e.g. ste,jacquant")
     seeds = tuple(parse_seeds(args.seeds))
     # the flags' config; each arm's estimator and options go on top (parse_compare_arm)
-    base = QATConfig(weights=args.weights, estimator="ste", learn_scales=args.learn_scales,
-                     scale_init=args.scale_init, jacquant=jacquant_from_args(args, estimators),
-                     distill=args.distill, distill_temperature=args.distill_temperature)
+    base = QATConfig(**{**flag_values(args, QATConfig), "estimator": "ste"},
+                     jacquant=jacquant_from_args(args, estimators))
     configs, lr_multipliers = zip(*(parse_compare_arm(arm, base) for arm in arms))
     if args.allow_unfinished and args.source is None:
         raise ValueError("--allow-unfinished goes with --from RUN_DIR (a --model folder, or the "
@@ -134,59 +99,42 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                   resume=args.resume, overwrite=args.overwrite)
 
 
-# `lowbit qat`'s flags that set JacQuant's B (JacQuantConfig's field each): they mean something
-# to the jacquant estimator only
-JACQUANT_FLAGS = (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
-                  ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),
-                  ("--b-ema", "ema"), ("--b-per-element", "per_element"),
-                  ("--b-unweighted", "weighted"), ("--b-on", "b_on"), ("--b-shuffled", "shuffle_b"))
-
-
 def jacquant_from_args(args: argparse.Namespace, estimators: list[str]) -> JacQuantConfig:
     """The JacQuantConfig of the jacquant flags given; one given without jacquant among the
     estimators is refused, naming the flag and the estimators."""
-    values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in JACQUANT_FLAGS}
-    given = {field: value for field, value in values.items() if value is not None}
+    given = flag_values(args, JacQuantConfig)
     if given and "jacquant" not in estimators:
-        flag, field = next((flag, field) for flag, field in JACQUANT_FLAGS if field in given)
-        if given[field] is False:   # as typed: --no-b-per-element
-            flag = "--no-" + flag[2:]
+        first = next(f for f in flag_fields(JacQuantConfig) if f.name in given)
+        declared = first.metadata["flag"]
+        flag = declared["option"]
+        if declared.get("action") is argparse.BooleanOptionalAction and not given[first.name]:
+            flag = "--no-" + flag[2:]   # as typed: --no-b-per-element
         chosen = (f"--estimator {estimators[0]}" if len(estimators) == 1
                   else f"--compare {','.join(estimators)}")
         raise ValueError(f"{flag} sets jacquant's B, which {chosen} does not use; leave it out, "
                          f"or choose --estimator jacquant")
-    if "weighted" in given:   # the flag --b-unweighted
-        given["weighted"] = False
     return JacQuantConfig(**given)
 
 
 def config_flags(config: QATConfig) -> list[str]:
-    """The `lowbit qat` flags that make one run of `config` (defaults left out): how
-    benchmarks/qat_experiment.py turns a setting (lowbit.qat.parse_qat_spec) into a command."""
-    flags = ["--weights", config.weights, "--estimator", config.estimator]
-    if config.learn_scales is not None:
-        flags.append("--learn-scales" if config.learn_scales else "--no-learn-scales")
-    if config.scale_init != "absmax":
-        flags += ["--scale-init", config.scale_init]
-    if config.distill:
-        flags += ["--distill", str(config.distill)]
-    if config.distill_temperature != QATConfig.distill_temperature:
-        flags += ["--distill-temperature", str(config.distill_temperature)]
-    jq = config.jacquant
-    for flag, field in (("--refresh-every", "refresh_every"), ("--b-max", "b_max"),
-                        ("--b-estimate", "estimate"), ("--b-eps", "eps"), ("--b-samples", "samples"),
-                        ("--b-ema", "ema"), ("--b-on", "b_on")):
-        if getattr(jq, field) != getattr(_JQ, field):
-            flags += [flag, str(getattr(jq, field))]
-    if jq.per_element != _JQ.per_element:
-        flags.append("--b-per-element" if jq.per_element else "--no-b-per-element")
-    if not jq.weighted:
-        flags.append("--b-unweighted")
-    if jq.shuffle_b:
-        flags.append("--b-shuffled")
-    if jq.moment_decay != _JQ.moment_decay:
+    """The `lowbit qat` flags that make one run of `config` (--weights and --estimator, and the
+    others where they differ from the default): how benchmarks/qat_experiment.py turns a setting
+    (lowbit.qat.parse_qat_spec) into a command."""
+    if config.jacquant.moment_decay != _JQ.moment_decay:
         raise ValueError("lowbit qat has no flag for jacquant moment_decay; leave it at "
                          f"{_JQ.moment_decay}")
+    flags = ["--weights", config.weights, "--estimator", config.estimator]
+    for settings, defaults in ((config, QATConfig()), (config.jacquant, _JQ)):
+        for f in flag_fields(type(settings)):
+            value, declared = getattr(settings, f.name), f.metadata["flag"]
+            if f.name in ("weights", "estimator") or value == getattr(defaults, f.name):
+                continue
+            if declared.get("action") is argparse.BooleanOptionalAction:
+                flags.append(declared["option"] if value else "--no-" + declared["option"][2:])
+            elif declared.get("action") in ("store_true", "store_false"):
+                flags.append(declared["option"])   # a switch whose value is not the default
+            else:
+                flags += [declared["option"], str(value)]
     return flags
 
 

@@ -12,16 +12,18 @@ which QAT trains these (`qat_weight_format` refuses the rest in one line):
   1x32 E8M0), recomputed from the weight at every forward;
 - gG: one scale per G consecutive inputs of a row (G must divide the layer's in_features);
   `row`: one per output row. Default g128 (intK, ternary, binary, seq2).
-Every refusal is a ValueError with one line that says what to do.
+Every refusal is a ValueError with one line that says what to do. A field that `lowbit qat`
+sets declares its flag where it is declared (lowbit.config.flag).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lowbit.config import require
+from lowbit.config import flag, require
 from lowbit.formats.weight_format import WeightFormat, parse_weight_format
 
 __all__ = ["QATConfig", "JacQuantConfig", "ESTIMATORS", "QAT_FORMATS", "qat_weight_format",
@@ -59,23 +61,35 @@ def qat_weight_format(text: str) -> WeightFormat:
 class JacQuantConfig:
     """JacQuant's surrogate B of the quantizer's Jacobian (DESIGN.md section 3)."""
 
-    refresh_every: int = 100
+    refresh_every: int = field(default=100, metadata=flag(
+        "--refresh-every", "jacquant: refit B every N steps (default: %(default)s)"))
     """Refit B every this many optimizer steps (the first fit after step 1); never in between."""
-    b_max: float = 2.0
+    b_max: float = field(default=2.0, metadata=flag(
+        "--b-max", "jacquant: B's upper clamp (default: %(default)s)"))
     """B is clamped to [0, b_max]."""
-    estimate: str = "probe"
+    estimate: str = field(default="probe", metadata=flag(
+        "--b-estimate", "jacquant: how B is fit (default: %(default)s)",
+        choices=("probe", "dither", "both")))
     """"probe": random-sign perturbations of size eps * step; "dither": the slope of the
     uniformly dithered quantizer over a window of eps * step either side; "both": their mean."""
-    eps: float = 0.5
+    eps: float = field(default=0.5, metadata=flag(
+        "--b-eps", "jacquant: perturbation half-width in quantization steps (default: %(default)s)",
+        metavar="B_EPS"))
     """Perturbation half-width in units of the quantization step (0.5: one full step wide)."""
-    samples: int = 2
+    samples: int = field(default=2, metadata=flag(
+        "--b-samples", "jacquant: probes per refresh (default: %(default)s)", metavar="B_SAMPLES"))
     """Random-sign probes per refresh (probe only; dither is deterministic)."""
-    ema: float = 0.5
+    ema: float = field(default=0.5, metadata=flag(
+        "--b-ema", "jacquant: EMA across refreshes (default: %(default)s)", metavar="B_EMA"))
     """B <- ema * B + (1 - ema) * fit at each refresh after the first."""
-    per_element: bool = True
+    per_element: bool = field(default=True, metadata=flag(
+        "--b-per-element", "jacquant: one B per weight (the default), or with --no-b-per-element "
+        "one per quantization group", action=argparse.BooleanOptionalAction))
     """One B per weight; False: one per quantization group. Per group, on the update, measured
     worse than STE at W2 (1.085x its gap; docs/results/jacquant.md)."""
-    weighted: bool = True
+    weighted: bool = field(default=True, metadata=flag(
+        "--b-unweighted", "jacquant: no input second-moment weighting of a per-group B (per "
+        "element the weighting cancels, so it has none)", action="store_false"))
     """Weight the fit by the layer's input second moments diag(E[x x^T]) (an EMA the layer keeps).
     Per group only: per element the weight cancels from each weight's own ratio (up to
     rounding, and but for channels whose moment is 0), so no moments are kept; MoE experts'
@@ -83,13 +97,19 @@ class JacQuantConfig:
     moment_decay: float = 0.5
     """EMA decay of the input second moments across refits (each refit's moments come from the
     training step just before it: the steps in between record nothing)."""
-    b_on: str = "update"
+    b_on: str = field(default="update", metadata=flag(
+        "--b-on", "jacquant: B scales each optimizer step's change of the weight, with an STE "
+        "backward (update), or the gradient in backward (grad; under AdamW it measures as STE "
+        "does) (default: %(default)s)", choices=("grad", "update")))
     """Where B acts. "update" (the default): backward is the STE's, and each optimizer step's
     change of the latent weight is scaled by B (W <- W_prev + B * (W - W_prev)), which is what
     the gradient-side B does under plain SGD. "grad": B on the gradient, in backward
     dL/dW ~ B * dL/dW_hat; under Adam a B that holds still between refits is divided out again
     by the second-moment normalization, except where B is 0, and it measured as STE does."""
-    shuffle_b: bool = False
+    shuffle_b: bool = field(default=False, metadata=flag(
+        "--b-shuffled", "jacquant: a control; the B used is the fitted B permuted within each "
+        "tensor at each refit (same values, no information about which weight)",
+        action="store_true"))
     """A control: after each refit, the B used is the fitted (smoothed) B permuted at random
     within each tensor, so it keeps B's values and mean step size and loses which weight each
     belongs to. The permutation is drawn from (seed, refit index, tensor): resume-exact. The
@@ -114,21 +134,33 @@ class JacQuantConfig:
 
 @dataclass(frozen=True)
 class QATConfig:
-    weights: str = "int2:g32"
+    weights: str = field(default="int2:g32", metadata=flag(
+        "--weights", "weight format: int2|int3|int4|int8 with :gG, :row, :asym; ternary, binary, "
+        "seq2 (with :gG or :row); nvfp4, mxfp4 (default: %(default)s)"))
     """The weight format (see the module docstring)."""
-    estimator: str = "jacquant"
+    estimator: str = field(default="jacquant", metadata=flag(
+        "--estimator", "gradient estimator (default: %(default)s)", choices=ESTIMATORS))
     """How gradients pass the quantizer: ste, clipped-ste, lsq or jacquant."""
-    learn_scales: bool | None = None
+    learn_scales: bool | None = field(default=None, metadata=flag(
+        "--learn-scales", "learn the scales with LSQ's gradient (default: only for lsq)",
+        action=argparse.BooleanOptionalAction))
     """Learn the scales (LSQ's gradient); None: only for lsq. nvfp4/mxfp4 scales are never learned."""
-    scale_init: str = "absmax"
+    scale_init: str = field(default="absmax", metadata=flag(
+        "--scale-init", "initial scales from the weights (default: %(default)s)",
+        choices=("absmax", "mse")))
     """Initial scales from the trained weights: "absmax" (the format's own rule: absmax/qmax,
     absmean for ternary/binary, min-max for asym) or "mse" (the per-group clipping ratio that
     minimizes the squared rounding error)."""
     jacquant: JacQuantConfig = field(default_factory=JacQuantConfig)
-    distill: float = 0.0
+    distill: float = field(default=0.0, metadata=flag(
+        "--distill", "distill from the high-precision source model: loss = (1 - ALPHA) * CE + "
+        "ALPHA * KL(teacher || student) on the logits (ALPHA default 1 when given)",
+        nargs="?", const=1.0, metavar="ALPHA"))
     """Weight alpha of distillation from the high-precision source model (lowbit.qat.distill):
     loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student); 0: plain cross-entropy."""
-    distill_temperature: float = 1.0
+    distill_temperature: float = field(default=1.0, metadata=flag(
+        "--distill-temperature", "softmax temperature of the distillation KL (default: %(default)s)",
+        metavar="T"))
     """T, the softmax temperature of both sides of the KL."""
 
     def __post_init__(self) -> None:

@@ -1,13 +1,13 @@
 """RLConfig: everything that defines a GRPO run, validated where it is built (TRL's names
-where TRL has one)."""
+where TRL has one); a field `lowbit rl` sets declares its flag (lowbit.config.flag)."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lowbit.config import RunConfig, require
+from lowbit.config import RunConfig, flag, require
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from lowbit.rl.precision import ActivationScale, Precision
 
@@ -26,99 +26,153 @@ class RLConfig(RunConfig):
     FREE_ON_RESUME = FREE_ON_RESUME
 
     # --- policy ----------------------------------------------------------------------------
-    model: str = "tiny"
+    model: str = field(default="tiny", metadata=flag(
+        "--model", "policy: a preset of lowbit.models, or PATH of a Hugging Face model folder (its "
+        "weights and tokenizer; no warm start) (default: %(default)s)"))
     """lowbit.models preset of the policy (byte tokenizer: vocab 256), or the path of a Hugging
     Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE): the policy is its weights, prompts
     and completions go through its tokenizer.json, and there is no warm start."""
-    n_layers: int | None = None
+    n_layers: int | None = field(default=None, metadata=flag(
+        "--n-layers", "override the preset's depth"))
     """Override the preset's depth."""
-    dim: int | None = None
+    dim: int | None = field(default=None, metadata=flag("--dim", "override the preset's width"))
     """Override the preset's width (64-dim heads)."""
-    n_experts: int = 0
+    n_experts: int = field(default=0, metadata=flag(
+        "--n-experts", "MoE policy with this many experts (top-2); 0: dense"))
     """Experts per MoE layer (top-2); 0: dense."""
-    warmstart_steps: int | None = None
+    warmstart_steps: int | None = field(default=None, metadata=flag(
+        "--warmstart-steps", "supervised steps before RL, cached (default: 150; none for a Hugging "
+        "Face --model PATH)"))
     """Supervised steps on the task's reference solutions (lowbit.train) before RL, cached in
     <out_dir>/warmstart/; 0 starts RL from random weights. None: 150 for a preset, 0 for a
     Hugging Face folder (the only choice there: it starts RL from its own weights)."""
-    warmstart_lr: float = 3e-3
-    warmstart_seed: int | None = None
+    warmstart_lr: float = field(default=3e-3, metadata=flag(
+        "--warmstart-lr", "peak learning rate of the warm start (default: %(default)s)"))
+    warmstart_seed: int | None = field(default=None, metadata=flag(
+        "--warmstart-seed", "seed of the warm start (default: --seed)"))
     """Seed of the warm start's initialization and data; None: the run's seed. Runs that
     differ only in their RL seed share one warm start when this is set."""
-    warmstart_target: float | None = None
+    warmstart_target: float | None = field(default=None, metadata=flag(
+        "--warmstart-target", "stop the warm start once the bf16 engine's greedy accuracy on 256 "
+        "validation problems reaches this (e.g. 0.3; default: train all --warmstart-steps)"))
     """Stop the warm start once the bf16 engine's greedy accuracy on a validation set (the
     VALIDATION_PROBLEMS problems after the held-out set, left out of its training data, as the
     held-out set is) reaches this fraction, checked every 1/40 of warmstart_steps; None: train
     all warmstart_steps. The start RL gets is then about the same on any device."""
 
     # --- task ------------------------------------------------------------------------------
-    task: str = "add"
+    task: str = field(default="add", metadata=flag(
+        "--task", "add, mul, countdown or gsm8k (default: %(default)s)"))
     """lowbit.data.tasks: add, mul, countdown, gsm8k."""
-    task_size: int | None = 1
+    task_size: int | None = field(default=1, metadata=flag(
+        "--task-size", "digits (add, mul) or numbers (countdown) (default: %(default)s)"))
     """Digits (add, mul) or numbers (countdown); None: the task's default (2 digits, 3 numbers)."""
-    data_dir: str | None = None
+    data_dir: str | None = field(default=None, metadata=flag("--data-dir", "folder holding gsm8k/"))
     """Folder holding gsm8k/ (default: lowbit.data's)."""
 
     # --- rollouts --------------------------------------------------------------------------
-    rollout: str = "nvfp4"
+    rollout: str = field(default="nvfp4", metadata=flag(
+        "--rollout", f"engine precision: {', '.join(p.value for p in Precision)} (default: %(default)s)"))
     """Engine precision: bf16, fp8, nvfp4-w4a16, nvfp4."""
-    align: str = "quads"
+    align: str = field(default="quads", metadata=flag(
+        "--align", f"trainer/engine alignment: {', '.join(ALIGNMENTS)} (default: %(default)s)"))
     """none; qat: asymmetric QAT in the trainer (NVFP4 weights, BF16 activations); quads: qat
     plus RAC in the engine."""
-    rac_ratio: float | None = None
+    rac_ratio: float | None = field(default=None, metadata=flag(
+        "--rac-ratio", "fraction of input channels RAC compensates "
+        "(default: 0.25 under quads, else 0)"))
     """Fraction of input channels RAC compensates; None: 0.25 under quads, else 0."""
-    num_generations: int = 8
-    prompts_per_step: int = 8
-    max_completion_length: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    num_generations: int = field(default=8, metadata=flag(
+        "--num-generations", "completions per prompt (default: %(default)s)"))
+    prompts_per_step: int = field(default=8, metadata=flag(
+        "--prompts-per-step", "prompts per step (default: %(default)s)"))
+    max_completion_length: int = field(default=8, metadata=flag(
+        "--max-completion-length", "new tokens per completion at most (default: %(default)s)"))
+    temperature: float = field(default=1.0, metadata=flag(
+        "--temperature", "sampling temperature (default: %(default)s)"))
+    top_p: float = field(default=1.0, metadata=flag(
+        "--top-p", "nucleus sampling (default: %(default)s)"))
+    top_k: int = field(default=0, metadata=flag(
+        "--top-k", "top-k sampling, 0: off (default: %(default)s)"))
 
     # --- loss ------------------------------------------------------------------------------
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
-    beta: float = 0.0
-    scale_rewards: str = "group"
-    mask_truncated_completions: bool = False
-    num_iterations: int = 1
+    loss_type: str = field(default="dapo", metadata=flag(
+        "--loss-type", f"{', '.join(LOSS_TYPES)} (default: %(default)s)"))
+    epsilon: float = field(default=0.2, metadata=flag(
+        "--epsilon", "lower PPO clip (default: %(default)s)"))
+    epsilon_high: float = field(default=0.28, metadata=flag(
+        "--epsilon-high", "upper PPO clip (default: %(default)s)"))
+    beta: float = field(default=0.0, metadata=flag(
+        "--beta", "weight of the k3 KL to the warm-start policy (default: %(default)s)"))
+    scale_rewards: str = field(default="group", metadata=flag(
+        "--scale-rewards", f"{', '.join(SCALE_REWARDS)} (default: %(default)s)"))
+    mask_truncated_completions: bool = field(default=False, metadata=flag(
+        "--mask-truncated-completions", "leave completions that hit --max-completion-length out of "
+        "the loss", action="store_true"))
+    num_iterations: int = field(default=1, metadata=flag(
+        "--num-iterations", "optimizer steps per batch of rollouts (default: %(default)s)"))
     """Optimizer steps on each batch of rollouts (PPO epochs; the ratio departs from 1 after the first)."""
-    importance_sampling: str = "none"
+    importance_sampling: str = field(default="none", metadata=flag(
+        "--is", f"mismatch correction: {', '.join(IS_LEVELS)} (default: %(default)s)"))
     """Correction for the engine/trainer mismatch: none, token, sequence."""
-    is_mode: str = "truncate"
-    is_cap: float = 3.0
-    routing_replay: bool = False
+    is_mode: str = field(default="truncate", metadata=flag(
+        "--is-mode", f"{', '.join(IS_MODES)} (default: %(default)s)"))
+    is_cap: float = field(default=3.0, metadata=flag(
+        "--is-cap", "importance-weight cap C (default: %(default)s)"))
+    routing_replay: bool = field(default=False, metadata=flag(
+        "--routing-replay", "MoE: the trainer replays the engine's expert choices",
+        action="store_true"))
     """MoE: the trainer replays the engine's expert choices (verl's R3)."""
-    compile_decode: bool = False
+    compile_decode: bool = field(default=False, metadata=flag(
+        "--compile-decode", "compile the rollout engine's decode step (torch.compile; dense "
+        "policies): a minute of compiling per batch size, faster decode after",
+        action="store_true"))
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
-    rollout_activation_scale: str = "per-token"
+    rollout_activation_scale: str = field(default="per-token", metadata=flag(
+        "--rollout-activation-scale", "NVFP4 rollouts' activation scale: per-token (a power-of-two "
+        "scale per token) or static (a served NVFP4 checkpoint's: one calibrated FP32 scale per "
+        "linear, recalibrated at each weight sync) (default: %(default)s)"))
     """NVFP4 rollouts' activation scale (RolloutEngine's activation_scale): per-token, a
     power-of-two pre-scale from each token's amax; static, a served NVFP4 checkpoint's one FP32
     input scale per linear, calibrated on the policy at every weight sync, with dynamic 1x16
     E4M3 block scales under it."""
-    packed_gemm: bool = False
+    packed_gemm: bool = field(default=False, metadata=flag(
+        "--packed-gemm", "NVFP4 rollouts: multiply the packed weights on the tiled NVFP4 kernel "
+        "(faster than bf16 at 8-32 rows on an H200, slower at 1 and 128; 0.4x its memory) instead "
+        "of a dequantized bf16 copy", action="store_true"))
     """NVFP4 rollouts multiply the packed weights on the tiled kernel (exact NVFP4 values,
     0.37-0.47x bf16's GPU memory), not a dequantized bf16 copy (RolloutEngine's packed_gemm)."""
 
     # --- optimizer -------------------------------------------------------------------------
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata=flag(
+        "--lr", "AdamW learning rate, constant (default: %(default)s)"))
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 
     # --- run -------------------------------------------------------------------------------
-    steps: int = 40
-    eval_every: int = 10
-    eval_problems: int = 30
+    steps: int = field(default=40, metadata=flag("--steps", "RL steps (default: %(default)s)"))
+    eval_every: int = field(default=10, metadata=flag(
+        "--eval-every", "held-out accuracy every N steps (default: %(default)s)"))
+    eval_problems: int = field(default=30, metadata=flag(
+        "--eval-problems", "size of the held-out set (default: %(default)s)"))
     log_every: int = 1
-    checkpoint_every: int = 20
+    checkpoint_every: int = field(default=20, metadata=flag(
+        "--checkpoint-every", "checkpoint every N steps (default: %(default)s)"))
     max_steps_per_session: int | None = None
     """Stop after this many steps of this invocation (a later --resume continues the run); None: run to the end."""
-    seed: int = 0
-    device: str = "auto"
-    engine_device: str | None = None
+    seed: int = field(default=0, metadata=flag(
+        "--seed", "seed of prompts, sampling and (unless --warmstart-seed) the warm start (default: "
+        "%(default)s)"))
+    device: str = field(default="auto", metadata=flag(
+        "--device", "trainer device: auto, cpu, cuda, cuda:N (default: %(default)s)"))
+    engine_device: str | None = field(default=None, metadata=flag(
+        "--engine-device", "rollout engine's device (default: the trainer's)"))
     """Where the rollout engine runs; None: the trainer's device."""
     progress: bool = True
-    out_dir: str = "runs"
-    run_name: str = ""
+    out_dir: str = field(default="runs", metadata=flag(
+        "--out-dir", "parent folder of run folders (default: %(default)s)"))
+    run_name: str = field(default="", metadata=flag(
+        "--run-name", "run folder name (default: from the settings)"))
 
     def __post_init__(self) -> None:
         from lowbit.models import is_model_folder

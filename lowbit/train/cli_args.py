@@ -1,10 +1,11 @@
 """Command-line glue for `lowbit train` and `lowbit plot`.
 
 lowbit/cli.py owns the parser; these functions add the subcommands' flags and run them.
-Every flag maps to one TrainConfig field (the field's docstring is the long help). Flags
-default to None, meaning "TrainConfig's default", so that config_from_args can tell what the
-user actually set. Bad values raise ValueError with a one-line message, which cli.py prints
-as `lowbit: error: <message>` before exiting with code 2.
+Every value flag is declared with the TrainConfig field it sets (lowbit.config.flag; the
+field's docstring is the long help). Flags default to None, meaning "TrainConfig's default",
+so that config_from_args can tell what the user actually set. Bad values raise ValueError with
+a one-line message, which cli.py prints as `lowbit: error: <message>` before exiting with
+code 2.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import os
 import sys
 
+from lowbit.config import add_flags, flag_fields, flag_values
 from lowbit.train.compare import compare, format_table, parse_seeds
 from lowbit.train.config import FINE_TUNE_LR, TrainConfig
 from lowbit.train.loop import NonFiniteLossError, train
@@ -21,63 +23,9 @@ from lowbit.train.plot import plot_runs
 
 _DEFAULT = TrainConfig()
 
-# (flag, TrainConfig field, type, help), in the order `lowbit train --help` lists them.
-_VALUE_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model", str, "model preset (tiny, small, 100m, 1b) or PATH of a Hugging Face "
-     "model folder (Llama, Qwen2, Qwen3, Qwen3-MoE), trained with its own tokenizer"),
-    ("--n-layers", "n_layers", int, "override the preset's depth"),
-    ("--dim", "dim", int, "override the preset's width (64-dim heads)"),
-    ("--n-experts", "n_experts", int, "override the preset's MoE experts (0: dense)"),
-    ("--dropout", "dropout", float, "override the preset's dropout"),
-    ("--corpus", "corpus", str, "tinyshakespeare, wikitext2, gutenberg, english, pycode"),
-    ("--tokenizer", "tokenizer", str, "bytes or bpe"),
-    ("--bpe-vocab-size", "bpe_vocab_size", int, "vocabulary of the BPE tokenizer"),
-    ("--corpus-max-bytes", "corpus_max_bytes", int, "cut each split of the corpus to this many bytes"),
-    ("--data-dir", "data_dir", str, "folder of the corpora (default: lowbit.data's)"),
-    ("--seq-len", "seq_len", int, "tokens per training sequence"),
-    ("--batch-size", "batch_size", int, "sequences per micro-batch"),
-    ("--grad-accum-steps", "grad_accum_steps", int, "micro-batches per optimizer step"),
-    ("--steps", "max_steps", int, "optimizer steps to train for; a small number shortens the "
-     "run (e.g. --steps 20 for CI), the warmup shrinks to fit unless --warmup-steps is given"),
-    ("--tokens", "max_tokens", int, "train for this many tokens instead of --steps"),
-    ("--lr", "lr", float, "peak learning rate (default 2e-3; 2e-5 with --model PATH, which fine-tunes)"),
-    ("--min-lr-ratio", "min_lr_ratio", float, "final learning rate as a fraction of --lr"),
-    ("--warmup-steps", "warmup_steps", int, "linear warmup steps"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
-    ("--betas", "betas", str, "AdamW betas as two comma-separated numbers"),
-    ("--grad-clip", "grad_clip", float, "clip the gradient norm to this (0: no clipping)"),
-    ("--eval-every", "eval_every", int, "steps between evaluations (0: only at the end)"),
-    ("--eval-batches", "eval_batches", int, "validation micro-batches per evaluation"),
-    ("--log-every", "log_every", int, "steps between metrics records"),
-    ("--diag-every", "diag_every", int, "steps between diagnostics"),
-    ("--checkpoint-every", "checkpoint_every", int,
-     "steps between checkpoints (0: only at the end)"),
-    ("--keep-checkpoints", "keep_checkpoints", int,
-     "checkpoints kept, the newest and those before it (a damaged one falls back to the previous)"),
-    ("--max-consecutive-nonfinite", "max_consecutive_nonfinite", int,
-     "stop after this many NaN/Inf steps in a row"),
-    ("--seed", "seed", int, "seed of the init, dropout and data order"),
-    ("--device", "device", str, "auto, cpu, cuda or cuda:N"),
-    ("--parallel", "parallel", str, "under torchrun: ddp (replicate) or fsdp (shard with FSDP2)"),
-    ("--recipe", "recipe", str, "quantized-training recipe (bf16: none)"),
-    ("--fold-inexact", "fold_inexact", str,
-     "FP8-GEMM recipes, a step whose one-chunk folds rounded values: redo (exactly), adapt "
-     "(redo, and move the layers that needed it to the emulated path) or round (keep it, log "
-     "the count)"),
-    ("--out-dir", "out_dir", str, "parent folder of run folders"),
-    ("--run-name", "run_name", str, "run folder name (default: <model>-<corpus>-<recipe>)"),
-]
-
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, field, kind, text in _VALUE_FLAGS:
-        default = getattr(_DEFAULT, field)
-        if field == "betas":
-            default = ",".join(str(b) for b in default)
-        shown = f" (default: {default})" if default not in (None, "") else ""
-        metavar = "DIR" if field.endswith("dir") else {int: "N", float: "X"}.get(kind, "NAME")
-        parser.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar,
-                            help=text + shown)
+    add_flags(parser, TrainConfig)   # the value flags, declared with TrainConfig's fields
     parser.add_argument("--no-bf16-autocast", action="store_true",
                         help="on CUDA, compute in fp32 instead of under bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -106,15 +54,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "own (on one GPU, they share it; default: 1, one after another)")
 
 
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags describe (for --compare: the first recipe's). With --resume,
     what the run folder's config.json holds for every value flag not given (`lowbit train
     --steps 50` then `lowbit train --resume` continues that run, as TRL's and torchtitan's
     resumes take the saved run); the checkpoint's config is checked against it on load."""
-    fields = {field: getattr(args, field) for _, field, _, _ in _VALUE_FLAGS
-              if getattr(args, field) is not None}
+    fields = flag_values(args, TrainConfig)
     if getattr(args, "resume", False) and args.compare is None:
         fields = {**_saved_fields(fields), **fields}
     if "betas" in fields:
@@ -162,7 +107,7 @@ def _saved_fields(given: dict) -> dict:
         saved = json.loads(saved_file.read_text())
     except (OSError, ValueError):
         return {}   # unreadable: the resume's own checks say so
-    value_fields = {field for _, field, _, _ in _VALUE_FLAGS}
+    value_fields = {f.name for f in flag_fields(TrainConfig)}
     fields = {k: v for k, v in saved.items() if k in value_fields and v is not None}
     if isinstance(fields.get("betas"), list):      # as the flag spells it
         fields["betas"] = ",".join(str(b) for b in fields["betas"])

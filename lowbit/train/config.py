@@ -2,7 +2,8 @@
 
 One flat dataclass, because a run is one thing: the CLI fills it from flags, `train()` reads
 it, the checkpoint stores it, and `resume` compares it field by field. Every field is
-documented where it is declared; `__post_init__` rejects bad values with a one-line
+documented where it is declared, with its `lowbit train` flag if it has one (lowbit.config.flag);
+`__post_init__` rejects bad values with a one-line
 message that says what was wrong and what to do, so the CLI can print it as is.
 """
 
@@ -11,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lowbit.config import RunConfig, require
+from lowbit.config import RunConfig, flag, require
 
 # Fields that can change between a run and its resumption without changing the run itself:
 # they decide what is observed (logs, evals, diagnostics), where data is read from and files
@@ -62,97 +63,145 @@ class TrainConfig(RunConfig):
     ADDED_LATER = FIELDS_ADDED_LATER
 
     # --- model -----------------------------------------------------------------------------
-    model: str = "tiny"
+    model: str = field(default="tiny", metadata=flag(
+        "--model", "model preset (tiny, small, 100m, 1b) or PATH of a Hugging Face model folder "
+        "(Llama, Qwen2, Qwen3, Qwen3-MoE), trained with its own tokenizer (default: %(default)s)",
+        metavar="NAME"))
     """Preset of lowbit.models.ModelConfig ("tiny", "small", "100m", "1b", ...), or the path of
     a Hugging Face model folder (Llama, Qwen2, Qwen3, Qwen3-MoE; lowbit.models.load_model),
     trained from its weights (in float32) with its own tokenizer."""
-    n_layers: int | None = None
+    n_layers: int | None = field(default=None, metadata=flag(
+        "--n-layers", "override the preset's depth", metavar="N"))
     """Override the preset's depth; None keeps the preset's."""
-    dim: int | None = None
+    dim: int | None = field(default=None, metadata=flag(
+        "--dim", "override the preset's width (64-dim heads)", metavar="N"))
     """Override the preset's width (with 64-dim heads, as ModelConfig.from_size picks);
     None keeps the preset's width and heads."""
-    n_experts: int | None = None
+    n_experts: int | None = field(default=None, metadata=flag(
+        "--n-experts", "override the preset's MoE experts (0: dense)", metavar="N"))
     """Override the preset's number of MoE experts (0: dense); None keeps the preset's."""
-    dropout: float | None = None
+    dropout: float | None = field(default=None, metadata=flag(
+        "--dropout", "override the preset's dropout", metavar="X"))
     """Override the preset's dropout probability; None keeps the preset's."""
 
     # --- data ------------------------------------------------------------------------------
-    corpus: str = "tinyshakespeare"
+    corpus: str = field(default="tinyshakespeare", metadata=flag(
+        "--corpus", "tinyshakespeare, wikitext2, gutenberg, english, pycode (default: %(default)s)",
+        metavar="NAME"))
     """Corpus in lowbit.data.CORPORA: tinyshakespeare, wikitext2, gutenberg, english, pycode."""
-    tokenizer: str = "bytes"
+    tokenizer: str = field(default="bytes", metadata=flag(
+        "--tokenizer", "bytes or bpe (default: %(default)s)", metavar="NAME"))
     """Tokenizer understood by lowbit.data: "bytes" (256 symbols, nothing to train) or "bpe";
     "model": the model folder's tokenizer.json (the only choice, and the default, with a
     Hugging Face --model PATH)."""
-    bpe_vocab_size: int = 4096
+    bpe_vocab_size: int = field(default=4096, metadata=flag(
+        "--bpe-vocab-size", "vocabulary of the BPE tokenizer (default: %(default)s)", metavar="N"))
     """Vocabulary of the BPE tokenizer, trained on the corpus (the bytes tokenizer has 256)."""
-    corpus_max_bytes: int | None = None
+    corpus_max_bytes: int | None = field(default=None, metadata=flag(
+        "--corpus-max-bytes", "cut each split of the corpus to this many bytes", metavar="N"))
     """Cut each split of the corpus to this many bytes (pycode: of whole files); None: all of it."""
-    data_dir: str | None = None
+    data_dir: str | None = field(default=None, metadata=flag(
+        "--data-dir", "folder of the corpora (default: lowbit.data's)", metavar="DIR"))
     """Folder holding the corpora; None uses lowbit.data's default (env var, ../shared/data)."""
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=flag(
+        "--seq-len", "tokens per training sequence (default: %(default)s)", metavar="N"))
     """Tokens per training sequence (the model's context during training)."""
-    batch_size: int = 16
+    batch_size: int = field(default=16, metadata=flag(
+        "--batch-size", "sequences per micro-batch (default: %(default)s)", metavar="N"))
     """Sequences per micro-batch, i.e. per forward/backward pass."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = field(default=1, metadata=flag(
+        "--grad-accum-steps", "micro-batches per optimizer step (default: %(default)s)",
+        metavar="N"))
     """Micro-batches per optimizer step; tokens per step = batch_size * this * seq_len."""
 
     # --- run length ------------------------------------------------------------------------
-    max_steps: int = 300
+    max_steps: int = field(default=300, metadata=flag(
+        "--steps", "optimizer steps to train for; a small number shortens the run (e.g. --steps 20 "
+        "for CI), the warmup shrinks to fit unless --warmup-steps is given (default: %(default)s)",
+        metavar="N"))
     """Optimizer steps to train for (ignored when max_tokens is set). The defaults train the
     tiny preset on half of Tiny Shakespeare's bytes (300 steps of 2,048 tokens) with
     stable-fp4, on the CPU, where the quantizers run as the plain-PyTorch reference: a falling
     loss, a validation perplexity and the plot in about two minutes on 2 cores
     (docs/results/README.md has the measured time)."""
-    max_tokens: int | None = None
+    max_tokens: int | None = field(default=None, metadata=flag(
+        "--tokens", "train for this many tokens instead of --steps", metavar="N"))
     """If set, train for this many tokens instead, rounded up to whole optimizer steps."""
 
     # --- optimizer and schedule ------------------------------------------------------------
-    lr: float = 2e-3
+    lr: float = field(default=2e-3, metadata=flag(
+        "--lr", "peak learning rate (default 2e-3; 2e-5 with --model PATH, which fine-tunes) "
+        "(default: %(default)s)", metavar="X"))
     """Peak learning rate of AdamW, reached at the end of warmup."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata=flag(
+        "--min-lr-ratio", "final learning rate as a fraction of --lr (default: %(default)s)",
+        metavar="X"))
     """The cosine decay ends at lr * min_lr_ratio on the last step."""
-    warmup_steps: int = 30
+    warmup_steps: int = field(default=30, metadata=flag(
+        "--warmup-steps", "linear warmup steps (default: %(default)s)", metavar="N"))
     """Steps of linear warmup from lr/warmup_steps to lr."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata=flag(
+        "--weight-decay", "AdamW weight decay (matrices only) (default: %(default)s)", metavar="X"))
     """AdamW decoupled weight decay; applied to matrices only (lowbit.train.build.param_groups)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=flag(
+        "--betas", "AdamW betas as two comma-separated numbers (default: %(default)s)",
+        type=str, metavar="NAME"))
     """AdamW (beta1, beta2)."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata=flag(
+        "--grad-clip", "clip the gradient norm to this (0: no clipping) (default: %(default)s)",
+        metavar="X"))
     """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still logged)."""
 
     # --- observation -----------------------------------------------------------------------
-    eval_every: int = 100
+    eval_every: int = field(default=100, metadata=flag(
+        "--eval-every", "steps between evaluations (0: only at the end) (default: %(default)s)",
+        metavar="N"))
     """Evaluate the validation loss every this many steps and at the end; 0: only at the end."""
-    eval_batches: int = 10
+    eval_batches: int = field(default=10, metadata=flag(
+        "--eval-batches", "validation micro-batches per evaluation (default: %(default)s)",
+        metavar="N"))
     """Validation micro-batches per evaluation (the same ones every time)."""
-    log_every: int = 10
+    log_every: int = field(default=10, metadata=flag(
+        "--log-every", "steps between metrics records (default: %(default)s)", metavar="N"))
     """Write a training record (loss, lr, grad norm, throughput) every this many steps."""
-    diag_every: int = 100
+    diag_every: int = field(default=100, metadata=flag(
+        "--diag-every", "steps between diagnostics (default: %(default)s)", metavar="N"))
     """Run the diagnostics every this many steps."""
     diagnostics: bool = True
     """Log lowbit.diagnostics.training's operand consistency, gradient bias against BF16 and
     clipping for quantized recipes (train()'s diagnostics_fn, if given, replaces them)."""
-    checkpoint_every: int = 100
+    checkpoint_every: int = field(default=100, metadata=flag(
+        "--checkpoint-every", "steps between checkpoints (0: only at the end) "
+        "(default: %(default)s)", metavar="N"))
     """Save a checkpoint every this many steps (and always at the end); 0: only at the end."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = field(default=2, metadata=flag(
+        "--keep-checkpoints", "checkpoints kept, the newest and those before it (a damaged one "
+        "falls back to the previous) (default: %(default)s)", metavar="N"))
     """Checkpoints kept: the newest (checkpoints/latest.pt) and the keep_checkpoints - 1 before
     it (step-<N>.pt), so a resume falls back to the previous one if the newest is damaged."""
-    max_consecutive_nonfinite: int = 5
+    max_consecutive_nonfinite: int = field(default=5, metadata=flag(
+        "--max-consecutive-nonfinite", "stop after this many NaN/Inf steps in a row "
+        "(default: %(default)s)", metavar="N"))
     """Stop the run after this many optimizer steps in a row had a NaN/Inf loss or gradient."""
     progress: bool = True
     """Report progress on stderr: a tqdm bar on a terminal, else one line per log record."""
 
     # --- run -------------------------------------------------------------------------------
-    seed: int = 0
+    seed: int = field(default=0, metadata=flag(
+        "--seed", "seed of the init, dropout and data order (default: %(default)s)", metavar="N"))
     """Seeds the model's initialization, dropout and the data order."""
-    device: str = "auto"
+    device: str = field(default="auto", metadata=flag(
+        "--device", "auto, cpu, cuda or cuda:N (default: %(default)s)", metavar="NAME"))
     """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
     bf16_autocast: bool = True
     """On CUDA, run forward and loss under bf16 autocast (weights and AdamW stay fp32).
     The CPU always computes in fp32: CPU bf16 autocast is slow, and exact resume is tested there."""
     compile: bool = False
     """Wrap the model in torch.compile (needs a C++ compiler on the CPU; Triton on CUDA)."""
-    fold_inexact: str = "redo"
+    fold_inexact: str = field(default="redo", metadata=flag(
+        "--fold-inexact", "FP8-GEMM recipes, a step whose one-chunk folds rounded values: redo "
+        "(exactly), adapt (redo, and move the layers that needed it to the emulated path) or round "
+        "(keep it, log the count) (default: %(default)s)", metavar="NAME"))
     """FP8-GEMM recipes (stable-fp4-fp8): what a step does when its sync-free folds rounded
     values, i.e. some operand row's block scales spanned more than 14 binades, so E4M3 rounds
     its blocks that lie more than 14 binades below the row's largest (to its subnormals or
@@ -167,12 +216,16 @@ class TrainConfig(RunConfig):
     """Replay each step's forward, backward and gradient clip from one CUDA graph (one process
     on a CUDA GPU, dense model; with compile, the compiled model): no per-kernel host work, so
     a quantized step is not host-bound. The same numbers as eager (lowbit.train.graphs)."""
-    parallel: str = "ddp"
+    parallel: str = field(default="ddp", metadata=flag(
+        "--parallel", "under torchrun: ddp (replicate) or fsdp (shard with FSDP2) "
+        "(default: %(default)s)", metavar="NAME"))
     """Under torchrun: "ddp" replicates the model on every process; "fsdp" shards parameters,
     gradients and optimizer state over them (FSDP2's fully_shard, one unit per transformer
     block). Checkpoints hold the full state either way, so a run can resume under the other
     or on one process. Ignored without torchrun."""
-    recipe: str = "stable-fp4"
+    recipe: str = field(default="stable-fp4", metadata=flag(
+        "--recipe", "quantized-training recipe (bf16: none) (default: %(default)s)",
+        metavar="NAME"))
     """Quantized-training recipe from lowbit.recipes; "bf16" trains the model as built."""
     qat: dict | None = None
     """A QAT run's settings (lowbit.qat.QATConfig.to_dict(): weight format, estimator, ...);
@@ -184,9 +237,11 @@ class TrainConfig(RunConfig):
     """SHA-256 of the weights the run started from (lowbit.train.checkpoint.content_digest of
     init_from's); resume refuses other starting weights (check_same_start), so a moved source
     resumes and another one does not. None: not checked."""
-    out_dir: str = "runs"
+    out_dir: str = field(default="runs", metadata=flag(
+        "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
     """Parent folder of run folders."""
-    run_name: str = ""
+    run_name: str = field(default="", metadata=flag(
+        "--run-name", "run folder name (default: <model>-<corpus>-<recipe>)", metavar="NAME"))
     """Run folder name under out_dir; empty: "<model>-<corpus>-<recipe>"."""
 
     def __post_init__(self) -> None:
