@@ -1,7 +1,8 @@
-"""Every Python example in the README runs, CI runs the README's test command, and every shell
-command of the README's ```bash blocks (and of docs/*.md's) names flags that exist: `lowbit ...`
-commands parse with lowbit's own parser, `python benchmarks/<script>.py ...` name a script
-that exists and, where it defines `build_parser()`, parse with it. Parsing only: nothing runs."""
+"""Every Python example in the README and docs/python.md runs, CI runs the README's test
+command, and every shell command of the README's ```bash blocks (and of docs/*.md's) names
+flags that exist: `lowbit ...` commands parse with lowbit's own parser,
+`python benchmarks/<script>.py ...` name a script that exists and, where it defines
+`build_parser()`, parse with it. The shell commands are parsed only: nothing runs."""
 
 import argparse
 import ast
@@ -15,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 SHELL_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHON_DOCS = [ROOT / "README.md", ROOT / "docs" / "python.md"]   # their examples run as written
 _OPERATORS = {"&&", "||", ";", "|", "&"}
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _LAUNCHER = re.compile(r"python[0-9.]*|torchrun")
@@ -22,10 +24,11 @@ _LAUNCHER = re.compile(r"python[0-9.]*|torchrun")
 
 def test_python_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    blocks = [(doc.relative_to(ROOT), block) for doc in PYTHON_DOCS
+              for block in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)]
     assert blocks
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+    for doc, block in blocks:
+        exec(compile(block, str(doc), "exec"), {})
 
 
 def test_ci_runs_the_readme_test_command():
