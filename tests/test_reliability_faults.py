@@ -26,7 +26,7 @@ from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.trainer import GRPOTrainer
 from lowbit.train.checkpoint import (TEMP_SUFFIX, CheckpointStore, load_checkpoint,
                                      save_checkpoint, write_json_atomic)
-from lowbit.train.loop import TrainingInterrupted
+from lowbit.train.runner import TrainingInterrupted
 from lowbit.train.metrics import MetricsLog
 from lowbit.train.step import TrainStep
 

@@ -13,7 +13,7 @@ from lowbit.config import add_flags, flag_fields, flag_values
 from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
 from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
 from lowbit.train.compare import parse_seeds
-from lowbit.train.loop import NonFiniteLossError
+from lowbit.train.runner import NonFiniteLossError
 
 _JQ = JacQuantConfig()
 

@@ -57,7 +57,7 @@ def run_rl_command(args: argparse.Namespace) -> None:
     from lowbit.rl.compare import compare_settings, format_summary, summary_rows
     from lowbit.train.compare import parse_seeds
     from lowbit.rl.trainer import run_rl
-    from lowbit.train.loop import NonFiniteLossError
+    from lowbit.train.runner import NonFiniteLossError
 
     config = config_from_args(args)
     seeds = None

@@ -1,4 +1,7 @@
-"""Pretraining / QAT loop: config, checkpoint and exact resume, eval, logs, plots.
+"""Training, and what every job's run is made of: one optimizer step (step.TrainStep, a loss
+function of (model, batch)), one run loop (runner.RunLoop: cadence, evaluation, checkpoints and
+exact resume, logs, progress, final.json) that `lowbit train`, QAT and `lowbit rl` plug into,
+run folders, checkpoints, plots.
 
     from lowbit.train import TrainConfig, train
     result = train(TrainConfig(model="tiny", corpus="tinyshakespeare", max_steps=200))
@@ -11,14 +14,14 @@ loss.png and final.json. `train(config, resume=True)` continues it bit for bit.
 from lowbit.train.compare import (ArmStats, CompareRow, Comparison, RunOutcome, RunSpec,
                                   compare, compare_runs)
 from lowbit.train.config import TrainConfig
-from lowbit.train.loop import (NonFiniteLossError, RunResult, TrainingData, evaluate,
-                               learning_rate_at, train)
+from lowbit.train.loop import RunResult, TrainingData, evaluate, learning_rate_at, train
 from lowbit.train.plot import plot_runs
+from lowbit.train.runner import NonFiniteLossError, TrainingInterrupted
 from lowbit.train.step import LossFn, StepConfig, TrainStep, next_token_loss
 
 __all__ = [
     "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
     "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
     "compare_runs", "RunSpec", "RunOutcome", "ArmStats", "TrainStep", "StepConfig", "LossFn",
-    "next_token_loss",
+    "next_token_loss", "TrainingInterrupted",
 ]

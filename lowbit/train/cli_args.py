@@ -18,7 +18,8 @@ import sys
 from lowbit.config import add_flags, flag_fields, flag_values
 from lowbit.train.compare import compare, format_table, parse_seeds
 from lowbit.train.config import FINE_TUNE_LR, TrainConfig
-from lowbit.train.loop import NonFiniteLossError, train
+from lowbit.train.loop import train
+from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.plot import plot_runs
 
 _DEFAULT = TrainConfig()

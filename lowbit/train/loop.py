@@ -39,14 +39,12 @@ from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.fold_policy import FoldPolicy
 from lowbit.train.run_dir import RunDir
-from lowbit.train.runner import (Cadence, NonFiniteLossError, RunLoop, Start, StepOutcome,
-                                 TrainingInterrupted, interrupted_message, nonfinite_message)
+from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
 from lowbit.train.step import (LossFn, StepConfig, StepResult, TrainStep, learning_rate_at,
                                next_token_loss, refuse_cuda_graph)
 
-__all__ = ["train", "RunResult", "NonFiniteLossError", "TrainingInterrupted", "TrainingData",
-           "evaluate", "learning_rate_at", "data_fingerprint", "nonfinite_message",
-           "interrupted_message", "describe_numerics"]
+__all__ = ["train", "RunResult", "TrainingData", "evaluate", "learning_rate_at",
+           "data_fingerprint", "describe_numerics"]
 
 DiagnosticsFn = Callable[[nn.Module, Batch, int], dict]
 StepHook = Callable[[int], "dict | None"]
