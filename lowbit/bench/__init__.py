@@ -39,7 +39,15 @@ __all__ = ["bench_train", "bench_kernels", "format_rows", "format_kernel_rows",
 
 
 def add_arguments(parser) -> None:
+    """The `lowbit bench` subcommands, each added by its own function below."""
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    for add in (add_train_bench, add_kernels_bench, add_fp8_bench, add_folds_bench,
+                add_recipes_bench, add_rollout_bench):
+        add(sub)
+
+
+def add_train_bench(sub) -> None:
+    """`lowbit bench train`."""
     p = sub.add_parser("train", help="step time and peak memory of recipes, ratios to the first")
     p.add_argument("--model", default="tiny",
                    help="model preset, or PATH of a Hugging Face model folder (default: tiny)")
@@ -70,6 +78,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(bench_func=run_train)
 
+
+def add_kernels_bench(sub) -> None:
+    """`lowbit bench kernels`."""
     k = sub.add_parser("kernels", help="the quantize kernels' GB/s against copy and torchao (CUDA)")
     k.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in KERNEL_SHAPES),
                    help="comma-separated ROWSxCOLS bf16 inputs (default: %(default)s)")
@@ -81,6 +92,9 @@ def add_arguments(parser) -> None:
                    help="also write {meta, checks, timings} as JSON")
     k.set_defaults(bench_func=run_kernels)
 
+
+def add_fp8_bench(sub) -> None:
+    """`lowbit bench fp8`."""
     from lowbit.bench.fp8 import SECTIONS
     f = sub.add_parser("fp8", help="the exact MXFP4 GEMM on FP8 tensor cores: checks, error, "
                                    "timings (CUDA)")
@@ -92,6 +106,9 @@ def add_arguments(parser) -> None:
     f.add_argument("--json", metavar="PATH", help="also write {meta, section: rows} as JSON")
     f.set_defaults(bench_func=run_fp8)
 
+
+def add_folds_bench(sub) -> None:
+    """`lowbit bench folds`."""
     d = sub.add_parser("folds", help="per step, layer and operand, the values the sync-free "
                                      "FP8 folds round while training stable-fp4-fp8")
     d.add_argument("--model", default="1b", help="model preset (default: %(default)s)")
@@ -107,6 +124,9 @@ def add_arguments(parser) -> None:
     d.add_argument("--json", metavar="PATH", help="also write the steps as JSON")
     d.set_defaults(bench_func=run_folds)
 
+
+def add_recipes_bench(sub) -> None:
+    """`lowbit bench recipes`."""
     r = sub.add_parser("recipes", help="`lowbit train` runs of several recipes side by side "
                                        "(parallel processes, same tokens and seed), one table",
                        description="Everything after `--` is passed to every `lowbit train` "
@@ -129,6 +149,9 @@ def add_arguments(parser) -> None:
     r.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     r.set_defaults(bench_func=run_recipes)
 
+
+def add_rollout_bench(sub) -> None:
+    """`lowbit bench rollout`."""
     from lowbit.bench.rollout import MODELS, MODES
     o = sub.add_parser("rollout", help="the RL rollout engine's decode steps/s in every precision "
                                        "mode against the bandwidth limit and transformers' generate")
@@ -160,7 +183,6 @@ def add_arguments(parser) -> None:
     o.add_argument("--json", metavar="PATH",
                    help="also write {meta, rows, weight_bytes, bandwidth_bytes_per_s, ...} as JSON")
     o.set_defaults(bench_func=run_rollout)
-
 
 def run(args) -> None:
     check_json_path(getattr(args, "json", None))   # before the benchmark, not after it ran
