@@ -1,7 +1,8 @@
 """One way to declare a flag: in the config dataclass's field (lowbit.config.flag). The value
-flags of `lowbit train`, `lowbit rl` and `lowbit qat` are the fields' declarations, every
-declaration is in its command's parser, and what is left as a plain add_argument call is a
-job-level flag named here, so that a second style of declaring flags cannot creep back."""
+flags of `lowbit train`, `lowbit rl`, `lowbit qat` and `lowbit export` are the fields'
+declarations, every declaration is in its command's parser, and what is left as a plain
+add_argument call is a job-level flag named here, so that a second style of declaring flags
+cannot creep back."""
 
 import argparse
 from dataclasses import dataclass, field
@@ -10,7 +11,11 @@ import pytest
 
 from lowbit.cli import build_parser
 from lowbit.config import add_flags, flag, flag_fields, flag_values
+from lowbit.export.cli_args import config_from_args as export_config_from_args
+from lowbit.export.config import ExportConfig
+from lowbit.qat.cli_args import job_from_args
 from lowbit.qat.config import JacQuantConfig, QATConfig
+from lowbit.qat.run import QATJob
 from lowbit.rl.config import RLConfig
 from lowbit.train.config import TrainConfig
 
@@ -24,14 +29,15 @@ COMMANDS = {
         "--no-bf16-autocast", "--compile", "--cuda-graph", "--no-diagnostics", "--no-progress"}),
     "rl": ((RLConfig,), {"--compare", "--seeds", "--quick", "--resume", "--overwrite",
                          "--no-progress"}),
-    "qat": ((QATConfig, JacQuantConfig), {
-        "--compare", "--seeds", "--resume", "--overwrite", "--no-progress", "--allow-unfinished",
-        "--no-baselines", "--baselines-only",
-        # QATJob's fields (lowbit/qat/run.py), whose flags are not declared there yet
-        "--from", "--model", "--corpus", "--seq-len", "--corpus-max-bytes", "--steps", "--lr",
-        "--warmup-steps", "--batch-size", "--eval-every", "--checkpoint-every", "--base-steps",
-        "--device", "--out-dir", "--run-name"}),
+    "qat": ((QATJob, QATConfig, JacQuantConfig), {
+        "--compare",   # the arms: QATJob's configs and lr_multipliers, parsed from one text
+        # switches that set QATJob's booleans on every run (two of them the field's negation)
+        "--resume", "--overwrite", "--no-progress", "--allow-unfinished", "--no-baselines",
+        "--baselines-only"}),
+    "export": ((ExportConfig,), set()),   # its positional RUN_OR_MODEL is ExportConfig.source
 }
+# what a command needs to parse at all
+REQUIRED = {"export": ["model-folder", "--out", "out"]}
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -63,11 +69,11 @@ def test_every_flag_is_a_field_declaration_or_a_named_job_flag(command):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_no_flags_given_means_every_field_at_its_default(command):
-    args = subparser(command).parse_args([])
+    args = subparser(command).parse_args(REQUIRED.get(command, []))
     dests = [a.dest for a in flags_of(subparser(command))]
     assert len(dests) == len(set(dests)), "two flags share a dest"
-    for cls in COMMANDS[command][0]:
-        assert flag_values(args, cls) == {}
+    for cls in COMMANDS[command][0]:   # export's --out is required: given, to parse at all
+        assert flag_values(args, cls) == ({"out": "out"} if cls is ExportConfig else {})
 
 
 def test_help_shows_the_fields_default():
@@ -76,6 +82,18 @@ def test_help_shows_the_fields_default():
     assert help_of["--betas"].endswith("(default: 0.9,0.95)")   # as the flag spells it
     help_of = {a.option_strings[0]: a.help for a in flags_of(subparser("qat"))}
     assert help_of["--b-eps"].endswith(f"(default: {JacQuantConfig.eps})")
+
+
+def test_qat_and_export_build_the_fields_defaults_from_flags_not_given():
+    assert job_from_args(subparser("qat").parse_args([])) == QATJob(configs=[QATConfig()])
+    job = job_from_args(subparser("qat").parse_args(["--seeds", "2,0", "--run-name", "x",
+                                                     "--steps", "7", "--from", "run"]))
+    assert (job.seeds, job.name, job.steps, job.source) == ((2, 0), "x", 7, "run")
+    config = export_config_from_args(subparser("export").parse_args(REQUIRED["export"]))
+    assert config == ExportConfig(source="model-folder", out="out") and config.progress
+    config = export_config_from_args(subparser("export").parse_args(
+        [*REQUIRED["export"], "--no-progress", "--overwrite", "--calib-batches", "3"]))
+    assert (config.progress, config.overwrite, config.calib_batches) == (False, True, 3)
 
 
 @dataclass

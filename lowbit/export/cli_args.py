@@ -9,6 +9,9 @@ Hugging Face weight names: what a `lowbit qat` run writes) exports those packed 
 are; the rest of the model is quantized round to nearest. A QAT run exports in the format it
 trained (the default --format there); another --format is refused, since its weights would
 have to be quantized again.
+
+The flags are ExportConfig's fields (lowbit.export.config), which checks their values where the
+command line builds it; run_export checks the folders, then loads and writes.
 """
 
 from __future__ import annotations
@@ -19,41 +22,25 @@ import sys
 from pathlib import Path
 
 
-from lowbit.export.layouts import FORMAT_LAYOUTS, parse_export_format
+from lowbit.config import add_flags, flag_values
+from lowbit.export.config import ExportConfig
+from lowbit.export.layouts import FORMAT_LAYOUTS
 from lowbit.export.source import (check_apart, corpus_calibration_batches, export_format,
                                   load_source)
 
-__all__ = ["add_export_arguments", "run_export"]
+__all__ = ["add_export_arguments", "run_export", "config_from_args"]
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="RUN_OR_MODEL",
                    help="a Hugging Face model folder or a lowbit train run folder")
-    p.add_argument("--format", default=None,
-                   help="weight format: nvfp4, mxfp4, int4 or int8 (with :gG or :row, and :asym; "
-                        "int4's default g128, int8's row), or bf16: a plain Hugging Face folder, unquantized "
-                        "(default: a QAT run's own format, else nvfp4)")
-    p.add_argument("--layout", default=None, choices=("modelopt", "compressed-tensors"),
-                   help="checkpoint layout (default: modelopt for nvfp4, compressed-tensors "
-                        "for mxfp4, which ModelOpt has no layout for)")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder to write")
-    p.add_argument("--scale-rule", default="floor", choices=("floor", "rceil"),
-                   help="mxfp4 block scales for weights lowbit quantizes (default: floor)")
-    p.add_argument("--activations", default="bf16", choices=("bf16", "nvfp4"),
-                   help="bf16: weight-only (W4A16); nvfp4: W4A4 with static activation scales "
-                        "calibrated on --calib-corpus (default: bf16)")
-    p.add_argument("--calib-corpus", default="tinyshakespeare", metavar="NAME",
-                   help="corpus for --activations nvfp4 (default: tinyshakespeare)")
-    p.add_argument("--calib-batches", type=int, default=8, metavar="N",
-                   help="calibration batches of 4 x 256 tokens (default: 8)")
-    p.add_argument("--allow-unshared-scales", action="store_true",
-                   help="write given QTensors of a fused group (q/k/v, gate/up) that carry "
-                        "different tensor scales as they are (vLLM takes their max)")
-    p.add_argument("--overwrite", action="store_true", help="write into a folder that has files")
-    p.add_argument("--allow-unfinished", action="store_true",
-                   help="export a run folder that has no final.json (it stopped before its "
-                        "last step) from its last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # the flags ExportConfig's fields declare (--format, --layout, --out, ...)
+    add_flags(p, ExportConfig)
+
+
+def config_from_args(args: argparse.Namespace) -> ExportConfig:
+    """The ExportConfig of the command line: the flags given, the fields' defaults for the rest."""
+    return ExportConfig(source=args.source, **flag_values(args, ExportConfig))
 
 
 def run_export(args: argparse.Namespace) -> None:
@@ -61,56 +48,49 @@ def run_export(args: argparse.Namespace) -> None:
     from lowbit.export.writer import check_export_folder, write_text
     from lowbit.models.hf import load_tokenizer
 
-    out = Path(args.out)
+    config = config_from_args(args)
+    out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
-    check_apart(Path(args.source), out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
+    check_apart(Path(config.source), out)
+    if out.exists() and any(out.iterdir()) and not config.overwrite:
         raise ValueError(f"{out} is not empty; pass --overwrite or choose another --out")
     check_export_folder(out)
-    if args.calib_batches < 1:
-        raise ValueError("--calib-batches must be >= 1")
-    plain = args.format is not None and args.format.strip().lower() == "bf16"
-    if plain and (args.layout is not None or args.activations != "bf16"):
-        raise ValueError("--format bf16 writes a plain Hugging Face folder: it takes no --layout "
-                         "and no --activations nvfp4")
-    if args.format is not None and not plain:
-        parse_export_format(args.format)   # a bad format: refused before anything loads
-    model, weights, tokenizer, tokenizer_dir, trained = load_source(args.source,
-                                                                    args.allow_unfinished)
+    model, weights, tokenizer, tokenizer_dir, trained = load_source(config.source,
+                                                                    config.allow_unfinished)
     if tokenizer_dir is not None:   # a run trained from a model folder copies its tokenizer
         check_apart(Path(tokenizer_dir), out, "the run's model folder")
-    if plain:
+    if config.plain_bf16:
         if trained is not None:
-            raise ValueError(f"{args.source} trained {trained} weights (QAT), which export as they "
-                             f"are: use --format {trained} (or leave --format out); --format bf16 "
+            raise ValueError(f"{config.source} trained {trained} weights (QAT), which export as "
+                             f"they are: use --format {trained} (or leave --format out); --format bf16 "
                              f"writes a train run's or a model folder's weights")
         from lowbit.export.writer import export_bf16
         written = export_bf16(model, out, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir)
         write_text(out / "lowbit_export.json", json.dumps({
-            "source": str(args.source), "format": "bf16", "files": sorted(p.name for p in written)},
-            indent=2) + "\n")
-        print(f"lowbit export: {args.source} -> {out} as a plain Hugging Face folder in bf16 "
+            "source": str(config.source), "format": "bf16",
+            "files": sorted(p.name for p in written)}, indent=2) + "\n")
+        print(f"lowbit export: {config.source} -> {out} as a plain Hugging Face folder in bf16 "
               f"({len(written)} files)")
         return
-    fmt = export_format(args.format, trained, args.source)
-    layout = args.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
+    fmt = export_format(config.format, trained, config.source)
+    layout = config.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
     input_amax = None
-    if args.activations == "nvfp4":
+    if config.activations == "nvfp4":
         tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
-        input_amax = calibrate_input_amax(
-            model, corpus_calibration_batches(model, tok, args.calib_corpus, args.calib_batches))
+        batches = corpus_calibration_batches(model, tok, config.calib_corpus, config.calib_batches)
+        input_amax = calibrate_input_amax(model, batches)
     report = export_model(model, out, format=fmt, layout=layout, weights=weights,
-                          scale_rule=args.scale_rule, input_amax=input_amax,
+                          scale_rule=config.scale_rule, input_amax=input_amax,
                           tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                          allow_unshared_scales=args.allow_unshared_scales,
-                          progress=not args.no_progress)
+                          allow_unshared_scales=config.allow_unshared_scales,
+                          progress=config.progress)
     print(report)
     for note in report.notes:
         print(f"lowbit: warning: {note}", file=sys.stderr)
     write_text(out / "lowbit_export.json", json.dumps({
-        "source": str(args.source), "format": str(fmt), "layout": layout,
-        "activations": args.activations, "packed_weights": len(report.quantized),
+        "source": str(config.source), "format": str(fmt), "layout": layout,
+        "activations": config.activations, "packed_weights": len(report.quantized),
         "excluded": report.excluded, "quantized_bytes": report.quantized_bytes,
         "quantized_bf16_bytes": report.quantized_bf16_bytes, "weight_ratio": report.weight_ratio,
         "total_bytes": report.total_bytes, "bf16_total_bytes": report.bf16_total_bytes,

@@ -11,7 +11,7 @@ import sys
 
 from lowbit.config import add_flags, flag_fields, flag_values
 from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
-from lowbit.qat.run import BASE_STEPS, QATJob, run_qat
+from lowbit.qat.run import QATJob, run_qat
 from lowbit.train.compare import parse_seeds
 from lowbit.train.runner import NonFiniteLossError
 
@@ -19,21 +19,12 @@ _JQ = JacQuantConfig()
 
 
 def add_qat_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from", dest="source", metavar="RUN_DIR",
-                   help="a finished `lowbit train` run folder to quantize (default: train a BF16 "
-                        f"tiny model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)")
+    # the flags QATJob's fields declare (--from, --model, --seeds, --steps, --lr, --out-dir, ...);
+    # None, not given, is the field's default
+    add_flags(p, QATJob)
     p.add_argument("--allow-unfinished", action="store_true",
                    help="with --from: start from a run that has no final.json (it stopped "
                         "before its last step), from its last checkpoint")
-    p.add_argument("--model", metavar="PATH",
-                   help="a Hugging Face model folder to quantize (Llama, Qwen2, Qwen3, Qwen3-MoE): "
-                        "QAT starts from its weights, with its own tokenizer (instead of --from)")
-    p.add_argument("--corpus", default=None,
-                   help="with --model: the corpus to fine-tune on (default: tinyshakespeare)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="with --model: tokens per sequence (default: 128)")
-    p.add_argument("--corpus-max-bytes", type=int, default=None,
-                   help="with --model: cut each split of the corpus to this many bytes")
     # the flags QATConfig's fields declare (--weights, --estimator, --learn-scales, ...)
     add_flags(p, QATConfig)
     p.add_argument("--compare", metavar="ARMS",
@@ -42,26 +33,12 @@ def add_qat_arguments(p: argparse.ArgumentParser) -> None:
                         "setting's options and lrxM (M times --lr), e.g. "
                         "ste,ste/lrx0.7,jacquant,jacquant/shuffled; a table and one plot with "
                         "BF16, RTN and GPTQ")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds, one run each (default: 0)")
-    p.add_argument("--steps", type=int, default=QATJob.steps, help="QAT steps (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: 2e-5 from a trained Hugging Face model, "
-                        "--model or a --from run trained from one; else 1e-3)")
-    p.add_argument("--warmup-steps", type=int, default=QATJob.warmup_steps, help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the source run's")
-    p.add_argument("--eval-every", type=int, default=QATJob.eval_every, help="default: %(default)s")
-    p.add_argument("--checkpoint-every", type=int, default=QATJob.checkpoint_every, help="default: %(default)s")
     # the flags JacQuantConfig's fields declare (--refresh-every, --b-max, ...); None, not given,
     # lets job_from_args refuse them with another estimator
     add_flags(p, JacQuantConfig)
-    p.add_argument("--base-steps", type=int, default=BASE_STEPS,
-                   help="without --from: steps of the BF16 model trained first (default: %(default)s)")
     p.add_argument("--no-baselines", action="store_true", help="skip the BF16, RTN and GPTQ evaluations")
     p.add_argument("--baselines-only", action="store_true",
                    help="evaluate BF16, RTN and GPTQ only (no QAT run)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--out-dir", default="runs", metavar="DIR", help="parent folder of run folders (default: runs)")
-    p.add_argument("--run-name", default="", help="prefix of the run folders (default: qat-<source>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the runs: finished ones are kept as they are, unfinished ones "
                         "resume from their checkpoints, ones not begun start")
@@ -79,7 +56,9 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
                              f"{', '.join(ESTIMATORS)}, each with /OPTION...s, e.g. ste/lrx1.5")
     if args.compare is not None and len(arms) < 2:
         raise ValueError("--compare needs two or more comma-separated estimators, e.g. ste,jacquant")
-    seeds = tuple(parse_seeds(args.seeds))
+    job = flag_values(args, QATJob)   # the run-level flags given; QATJob's defaults for the rest
+    if "seeds" in job:
+        job["seeds"] = tuple(parse_seeds(job["seeds"]))
     # the flags' config; each arm's estimator and options go on top (parse_compare_arm)
     base = QATConfig(**{**flag_values(args, QATConfig), "estimator": "ste"},
                      jacquant=jacquant_from_args(args, estimators))
@@ -87,14 +66,8 @@ def job_from_args(args: argparse.Namespace) -> QATJob:
     if args.allow_unfinished and args.source is None:
         raise ValueError("--allow-unfinished goes with --from RUN_DIR (a --model folder, or the "
                          "cached base run, is never unfinished)")
-    return QATJob(configs=list(configs), lr_multipliers=lr_multipliers, source=args.source, model=args.model, corpus=args.corpus,
-                  seq_len=args.seq_len, corpus_max_bytes=args.corpus_max_bytes, seeds=seeds,
-                  steps=args.steps, lr=args.lr,
-                  warmup_steps=args.warmup_steps, batch_size=args.batch_size,
-                  eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
-                  device=args.device, out_dir=args.out_dir, name=args.run_name,
-                  base_steps=args.base_steps, baselines=not args.no_baselines,
-                  baselines_only=args.baselines_only,
+    return QATJob(configs=list(configs), lr_multipliers=lr_multipliers, **job,
+                  baselines=not args.no_baselines, baselines_only=args.baselines_only,
                   progress=not args.no_progress, allow_unfinished=args.allow_unfinished,
                   resume=args.resume, overwrite=args.overwrite)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.config import flag
 from lowbit.qat.config import QATConfig
 from lowbit.qat.distill import distillation
 from lowbit.qat.gptq import gptq
@@ -70,33 +71,50 @@ class QATJob:
     lr_multipliers: tuple[float, ...] = ()
     """Each entry of configs trains at lr times its multiplier (`--compare ste,ste/lrx1.5`);
     empty: 1 for all."""
-    source: str | None = None
+    source: str | None = field(default=None, metadata=flag(
+        "--from", "a finished `lowbit train` run folder to quantize (default: train a BF16 tiny "
+        f"model on Tiny Shakespeare first, {BASE_STEPS} steps, cached)", metavar="RUN_DIR"))
     """A `lowbit train` run folder; None (and no model): train (once, cached) a BF16 model on
     the defaults."""
-    model: str | None = None
+    model: str | None = field(default=None, metadata=flag(
+        "--model", "a Hugging Face model folder to quantize (Llama, Qwen2, Qwen3, Qwen3-MoE): QAT "
+        "starts from its weights, with its own tokenizer (instead of --from)", metavar="PATH"))
     """A Hugging Face model folder to quantize (its weights and tokenizer); excludes source."""
-    corpus: str | None = None
+    corpus: str | None = field(default=None, metadata=flag(
+        "--corpus", "with --model: the corpus to fine-tune on (default: tinyshakespeare)"))
     """With model: the corpus to fine-tune on (default: TrainConfig's)."""
-    seq_len: int | None = None
+    seq_len: int | None = field(default=None, metadata=flag(
+        "--seq-len", "with --model: tokens per sequence (default: 128)"))
     """With model: tokens per sequence (default: TrainConfig's, at most the model's context)."""
-    corpus_max_bytes: int | None = None
+    corpus_max_bytes: int | None = field(default=None, metadata=flag(
+        "--corpus-max-bytes", "with --model: cut each split of the corpus to this many bytes"))
     """With model: cut each split of the corpus to this many bytes."""
-    seeds: tuple[int, ...] = (0,)
-    steps: int = 200
-    lr: float | None = None
+    seeds: tuple[int, ...] = field(default=(0,), metadata=flag(
+        "--seeds", "comma-separated seeds, one run each (default: %(default)s)", type=str))
+    """One run per seed and config (the flag's text: lowbit.train.compare.parse_seeds)."""
+    steps: int = field(default=200, metadata=flag("--steps", "QAT steps (default: %(default)s)"))
+    lr: float | None = field(default=None, metadata=flag(
+        "--lr", "peak learning rate (default: 2e-5 from a trained Hugging Face model, --model or a "
+        "--from run trained from one; else 1e-3)"))
     """Peak learning rate; None: FINE_TUNE_LR (2e-5) when the source model is a trained Hugging
     Face model (--model, or a --from run trained from one), else PRETRAINED_BASE_LR (1e-3, the
     tiny bases lowbit trains itself, still learning)."""
-    warmup_steps: int = 10
+    warmup_steps: int = field(default=10, metadata=flag("--warmup-steps", "default: %(default)s"))
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    batch_size: int | None = None
-    eval_every: int = 50
-    checkpoint_every: int = 100
-    device: str = "auto"
-    out_dir: str = "runs"
-    name: str = ""
-    base_steps: int = BASE_STEPS
+    batch_size: int | None = field(default=None, metadata=flag(
+        "--batch-size", "default: the source run's"))
+    eval_every: int = field(default=50, metadata=flag("--eval-every", "default: %(default)s"))
+    checkpoint_every: int = field(default=100, metadata=flag(
+        "--checkpoint-every", "default: %(default)s"))
+    device: str = field(default="auto", metadata=flag("--device", "auto, cpu, cuda or cuda:N"))
+    out_dir: str = field(default="runs", metadata=flag(
+        "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
+    name: str = field(default="", metadata=flag(
+        "--run-name", "prefix of the run folders (default: qat-<source>)", metavar="RUN_NAME"))
+    base_steps: int = field(default=BASE_STEPS, metadata=flag(
+        "--base-steps", "without --from: steps of the BF16 model trained first "
+        "(default: %(default)s)"))
     baselines: bool = True
     baselines_only: bool = False
     """Evaluate BF16, RTN and GPTQ and train nothing."""
