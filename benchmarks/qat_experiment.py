@@ -83,7 +83,7 @@ def last_eval(run: Path, at_most: int | None = None) -> dict | None:
     path = run / "metrics.jsonl"
     if not path.is_file():
         return None
-    records = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     evals = [r for r in records if r["event"] == "eval" and (at_most is None or r["step"] <= at_most)]
     b = [r for r in records if r["event"] == "jacquant"]
     out = dict(evals[-1]) if evals else None
@@ -136,7 +136,8 @@ def main() -> None:
     bench_json = out / "bench-overhead.json"
     overhead = ("bf16,qat/int2:g32/ste,qat/int2:g32/jacquant/k2" if args.smoke
                 else args.overhead_settings)
-    bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead, "--steps", "4" if args.smoke else str(args.overhead_steps),
+    bench = ["bench", "train", "--model", "tiny" if args.smoke else "100m", "--recipes", overhead,
+             "--steps", "4" if args.smoke else str(args.overhead_steps),
              "--warmup", "1" if args.smoke else "5", "--seq-len", "64" if args.smoke else "1024",
              "--interleave", "2" if args.smoke else str(args.overhead_blocks),
              "--batch-size", "2" if args.smoke else "16", "--device", device, "--json", str(bench_json)]

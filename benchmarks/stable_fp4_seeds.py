@@ -8,7 +8,8 @@ parallel processes on one GPU, with per-layer diagnostics on one seed.
         --recipes bf16,nvfp4,stable-fp4,stable-nvfp4-16x16 --batch-size 8 --steps 800 --diag-seed -1
 
 --setup picks the model, corpus and schedule (SETUPS below: english-small, pycode-100m,
-pycode-1b); --steps and --batch-size override the setup's. With english-small each run is `lowbit train --model small --corpus english --tokenizer bpe --seq-len 512
+pycode-1b); --steps and --batch-size override the setup's. With english-small each run is
+`lowbit train --model small --corpus english --tokenizer bpe --seq-len 512
 --batch-size 32 --steps 450 --warmup-steps 30 --eval-every 50 --eval-batches 16` with one
 recipe and one seed (the seed fixes the init and the data order, so the runs of one seed are
 paired), run by lowbit.train.compare (`lowbit train --compare R1,... --seeds ...

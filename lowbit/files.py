@@ -26,7 +26,8 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO
+from collections.abc import Callable, Iterator
 
 __all__ = ["write_atomic", "write_stream_atomic", "write_bytes_atomic", "write_text_atomic",
            "write_safetensors", "naming_errors", "fsync_folder", "TEMP_NAME"]

@@ -519,7 +519,8 @@ def test_bench_rollout_profile_splits_each_decode_step_by_kernel_class(tmp_path,
     # on the CPU the times are one profiled call each, minus another: their sign is noise on a
     # busy 2-core machine (CI saw -6.6 ms), so only the counts and the sums are checked here
     assert prof["step_us"] > 0
-    assert sum(us for us, _ in prof["classes"].values()) == pytest.approx(prof["busy_us"], rel=1e-3, abs=0.1)   # classes round to 0.01 us
+    # the classes round to 0.01 us
+    assert sum(us for us, _ in prof["classes"].values()) == pytest.approx(prof["busy_us"], rel=1e-3, abs=0.1)
     assert prof["classes"]["gemm (bf16/fp32)"][1] == 2 * 4 + 1   # 2 layers x (qkv, o, gate_up, down) + head
     assert prof["kernels_per_step"] == pytest.approx(report["decode_step_ops"]["bf16"], abs=1)
 

@@ -1,5 +1,6 @@
-"""The code passes ruff's checks as pyproject.toml selects them (syntax errors and pyflakes: unused
-imports and names, undefined names): the linter runs with the suite, so CI keeps it."""
+"""The code passes ruff's checks as pyproject.toml selects them (pycodestyle with 120-character
+lines, pyflakes, pyupgrade; pyproject.toml says why `ruff format` and import sorting are not
+among them): the linter runs with the suite, so CI keeps it."""
 
 import shutil
 import subprocess

@@ -308,7 +308,8 @@ def test_quantize_dequantize_equals_dequantize_of_quantize(fmt, kw, dtype):
     for rounding in ("rne", "stochastic"):
         spec_r = QuantSpec.make(fmt, rounding=rounding, **kw)
         a = quantize_dequantize(x, spec_r, generator=torch.Generator().manual_seed(1))
-        b = lowbit.quantize(x, fmt, rounding=rounding, generator=torch.Generator().manual_seed(1) if rounding == "stochastic" else None,
+        generator = torch.Generator().manual_seed(1) if rounding == "stochastic" else None
+        b = lowbit.quantize(x, fmt, rounding=rounding, generator=generator,
                             **kw).dequantize()
         assert a.dtype == dtype and torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -333,7 +333,7 @@ def test_inspect_counts_and_names_nonfinite_values_instead_of_scoring_them(tmp_p
         assert rows[("clean", fmt)]["note"] == ""
     main(["inspect", path, "--formats", "nvfp4", "--no-progress"])
     table = capsys.readouterr().out
-    line = next(l for l in table.splitlines() if l.startswith("all_nan"))
+    line = next(row for row in table.splitlines() if row.startswith("all_nan"))
     assert " inf " not in f" {line} " and "nothing finite to measure" in line and " 64 " in line
 
 

@@ -195,7 +195,7 @@ class DecodeReads:
     experts_per_token: int = 0
 
     @classmethod
-    def of(cls, engine: RolloutEngine) -> "DecodeReads":
+    def of(cls, engine: RolloutEngine) -> DecodeReads:
         w = engine.weights
         moe = [layer for layer in w.layers if layer.experts is not None]
         experts = sum(layer.experts.nbytes for layer in moe)

@@ -21,7 +21,7 @@ import hashlib
 import io
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

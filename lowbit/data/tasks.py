@@ -15,7 +15,8 @@ problem's `solution` is the reference completion a supervised warm start trains 
   a random expression over the numbers, so every problem has a solution.
 - `gsm8k`: grade-school math word problems from `<data>/gsm8k/{train,test}.jsonl` (the shared
   data folder, lowbit.data.data_root); the reward matches the last number of the completion
-  against the answer after "####" (the reference solution's steps joined on one line). For models with a BPE tokenizer; the held-out set is test.
+  against the answer after "####" (the reference solution's steps joined on one line). For
+  models with a BPE tokenizer; the held-out set is test.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer

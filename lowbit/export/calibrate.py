@@ -4,7 +4,7 @@ linear, and of every expert's gate/up input (its routed tokens) and down input."
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -4,8 +4,9 @@ RUN_OR_MODEL is a Hugging Face model folder, or a finished `lowbit train` run fo
 checkpoint; a run without final.json, stopped or still running, only with --allow-unfinished,
 and never while another lowbit process holds it). A run whose tokenizer is BPE gets it trained
 again from its corpus, which must be the corpus the run trained on (the checkpoint's data
-fingerprint), or the token ids would not be the model's. A run folder holding `quantized.safetensors` (lowbit.save_qtensors, keys the
-Hugging Face weight names: what a `lowbit qat` run writes) exports those packed weights as they
+fingerprint), or the token ids would not be the model's. A run folder holding
+`quantized.safetensors` (lowbit.save_qtensors, keys the Hugging Face weight names: what a
+`lowbit qat` run writes) exports those packed weights as they
 are; the rest of the model is quantized round to nearest. A QAT run exports in the format it
 trained (the default --format there); another --format is refused, since its weights would
 have to be quantized again.

@@ -44,7 +44,7 @@ import re
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from tqdm import tqdm

@@ -15,4 +15,5 @@ from lowbit.formats.weight_format import WeightFormat, parse_weight_format
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "check_input", "QTensor",
            "save_qtensors", "load_qtensors", "QuantSpec", "ScaleRule", "Rounding", "ScaleKind",
-           "FORMATS", "get_format", "WeightFormat", "parse_weight_format", "ElementFormat", "E2M1", "E4M3", "E5M2", "random_hadamard"]
+           "FORMATS", "get_format", "WeightFormat", "parse_weight_format", "ElementFormat", "E2M1",
+           "E4M3", "E5M2", "random_hadamard"]

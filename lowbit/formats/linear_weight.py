@@ -79,12 +79,12 @@ class LinearWeight:
     # ---- building ------------------------------------------------------------------------
 
     @classmethod
-    def dense(cls, weight: torch.Tensor) -> "LinearWeight":
+    def dense(cls, weight: torch.Tensor) -> LinearWeight:
         """A weight kept in its own dtype (the bf16 mode)."""
         return cls(WeightStorage.DENSE, weight, None, None, weight.shape[-1], weight.dtype)
 
     @classmethod
-    def from_qtensors(cls, parts: list[QTensor], dtype: torch.dtype) -> "LinearWeight":
+    def from_qtensors(cls, parts: list[QTensor], dtype: torch.dtype) -> LinearWeight:
         """Parts (N_i, K) of one format (NVFP4 1x16 with a tensor scale, or FP8 with one E8M0
         block per row), fused along N in order."""
         first = parts[0]
@@ -106,7 +106,7 @@ class LinearWeight:
                          f"weights; got {first.format} with blocks {block}")
 
     @classmethod
-    def stack(cls, experts: list["LinearWeight"]) -> "LinearWeight":
+    def stack(cls, experts: list[LinearWeight]) -> LinearWeight:
         """Experts of one shape and format stacked along a new leading dim: (E, N, ...)."""
         first = experts[0]
         if any(e.format is not first.format or e.data.shape != first.data.shape for e in experts):
@@ -139,7 +139,7 @@ class LinearWeight:
         return sum(t.numel() * t.element_size() for t in (self.data, self.block_scales, self.row_scales)
                    if t is not None)
 
-    def expert(self, e: int) -> "LinearWeight":
+    def expert(self, e: int) -> LinearWeight:
         """Expert e of a stack (views)."""
         def pick(t):
             return None if t is None else t[e]
@@ -147,7 +147,7 @@ class LinearWeight:
                             pick(self.row_scales), self.in_features, self.dtype)
 
     @torch.no_grad()
-    def copy_(self, other: "LinearWeight") -> None:
+    def copy_(self, other: LinearWeight) -> None:
         """Take other's stored weight into this one's tensors, in place (the same format and
         shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
         valid. What was made from it -- reference_values(), tiles() -- is refreshed in place too."""

@@ -69,7 +69,7 @@ class NVFP4Tiles:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.row_scales))
 
     @torch.no_grad()
-    def copy_(self, other: "NVFP4Tiles") -> None:
+    def copy_(self, other: NVFP4Tiles) -> None:
         """other's tensors into this one's, in place (CUDA graphs reading these stay valid)."""
         if other.words.shape != self.words.shape or other.in_features != self.in_features:
             raise ValueError(f"copy_ needs tiles of one shape (got {tuple(other.words.shape)} for "

@@ -121,7 +121,7 @@ class QTensor:
         values = values * self.element_scales()
         return saturate_to(values, dtype).reshape(self.shape)
 
-    def t(self) -> "QTensor":
+    def t(self) -> QTensor:
         """The transpose of the last two dims, with the same bits (2D tiles only).
 
         For (b, b) tiles, quantize(x.mT) == quantize(x).t() bit for bit (with RNE), so one
@@ -147,10 +147,10 @@ class QTensor:
                        self.spec, shape, self.dtype, zeros=zeros)
 
     @property
-    def mT(self) -> "QTensor":
+    def mT(self) -> QTensor:
         return self.t()
 
-    def to(self, device) -> "QTensor":
+    def to(self, device) -> QTensor:
         return QTensor(self.codes.to(device), self.scales.to(device),
                        None if self.tensor_scale is None else self.tensor_scale.to(device),
                        self.spec, tuple(self.shape), self.dtype,

@@ -132,7 +132,7 @@ class QuantSpec:
     @classmethod
     def make(cls, format: str, block: tuple[int, int] | None = None,
              scale_rule: str | ScaleRule | None = None, rounding: str | Rounding = "rne",
-             tensor_scale: bool | None = None) -> "QuantSpec":
+             tensor_scale: bool | None = None) -> QuantSpec:
         """Fill per-format defaults: nvfp4 (1, 16) two-level; MX (1, 32) 'floor'; int (1, 128)."""
         info = get_format(format)
         if block is None:
@@ -162,7 +162,7 @@ class QuantSpec:
                 "rounding": self.rounding.value, "tensor_scale": self.tensor_scale}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantSpec":
+    def from_dict(cls, d: dict) -> QuantSpec:
         two_level = d.get("tensor_scale") if get_format(d["format"]).scale_kind is ScaleKind.E4M3 else None
         return cls.make(d["format"], tuple(d["block"]), d.get("scale_rule"),
                         d.get("rounding", "rne"), two_level)

@@ -20,7 +20,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,7 +32,8 @@ from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
-__all__ = ["QuantLinear", "QuantExperts", "convert_to_quantized_training", "convert", "gemm_modules", "GEMM_KINDS", "ConversionReport", "quantization_disabled",
+__all__ = ["QuantLinear", "QuantExperts", "convert_to_quantized_training", "convert", "gemm_modules",
+           "GEMM_KINDS", "ConversionReport", "quantization_disabled",
            "default_module_filter", "is_experts"]
 
 
@@ -54,7 +55,7 @@ class QuantLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None,
-                    layer_name: str = "") -> "QuantLinear":
+                    layer_name: str = "") -> QuantLinear:
         """A QuantLinear sharing `linear`'s parameters (no copy)."""
         q = cls.__new__(cls)
         nn.Module.__init__(q)

@@ -64,7 +64,7 @@ def op_key(r: LinearRecipe) -> str:
     return r.key
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def recipe_for_op_key(key: str) -> LinearRecipe:
     """The LinearRecipe whose op_key is `key` (the custom ops take the key)."""
     return LinearRecipe.from_key(key)

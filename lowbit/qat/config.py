@@ -197,7 +197,7 @@ class QATConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QATConfig":
+    def from_dict(cls, d: dict) -> QATConfig:
         d = dict(d)
         d["jacquant"] = JacQuantConfig(**d.get("jacquant", {}))
         return cls(**d)

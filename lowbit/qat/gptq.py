@@ -17,7 +17,7 @@ nvfp4/mxfp4 (whose scales follow the weights) keep RTN.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn

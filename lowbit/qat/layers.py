@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -434,7 +434,7 @@ class CodeFlips:
 
 
 @torch.no_grad()
-def scale_updates(pairs: list[tuple[torch.Tensor, "FakeQuantWeight"]]) -> None:
+def scale_updates(pairs: list[tuple[torch.Tensor, FakeQuantWeight]]) -> None:
     """FakeQuantWeight.scale_update for every (latent weight, its fake quantizer) pair after
     an optimizer step. The float32 weights with one B per element (the default) take four
     multi-tensor passes over all of them at once, W -= prev; W *= B; W += prev; prev = W:

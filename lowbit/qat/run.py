@@ -495,7 +495,8 @@ def plot_qat(summary: dict, path: Path) -> Path:
         color = colors[labels.index((r["estimator"], r["weights"]))]
         evals = val_curve(r["run"])
         if evals:
-            first = r is next(x for x in summary["runs"] if (x["estimator"], x["weights"]) == (r["estimator"], r["weights"]))
+            first = r is next(x for x in summary["runs"]
+                              if (x["estimator"], x["weights"]) == (r["estimator"], r["weights"]))
             ax.plot(*zip(*evals), color=color, marker="o", markersize=3, alpha=0.9,
                     label=f"{r['estimator']} {r['weights']}" if first else None)
     styles = {"bf16": ("black", "-"), "rtn": ("tab:red", ":"), "gptq": ("tab:purple", "-.")}

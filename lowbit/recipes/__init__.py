@@ -17,7 +17,7 @@ import fnmatch
 import json
 import re
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 from enum import Enum
 
@@ -111,7 +111,7 @@ class LinearRecipe:
         return out
 
     @classmethod
-    def from_dict(cls, fields: dict) -> "LinearRecipe":
+    def from_dict(cls, fields: dict) -> LinearRecipe:
         specs = {name: None if fields.get(name) is None else QuantSpec.from_dict(fields[name])
                  for name in OPERANDS}
         return cls(**specs, wgrad_hadamard=fields.get("wgrad_hadamard", False),
@@ -119,11 +119,11 @@ class LinearRecipe:
                    fast_accum=tuple(fields.get("fast_accum", ())))
 
     @classmethod
-    def from_key(cls, key: str) -> "LinearRecipe":
+    def from_key(cls, key: str) -> LinearRecipe:
         """The recipe whose `key` this is."""
         return cls.from_dict(json.loads(key))
 
-    def with_gemm(self, gemm: Gemm | str) -> "LinearRecipe":
+    def with_gemm(self, gemm: Gemm | str) -> LinearRecipe:
         """The same operands on other GEMMs (fast_accum kept on FP8 GEMMs, dropped elsewhere)."""
         gemm = parse_enum(Gemm, gemm, "gemm")
         return replace(self, gemm=gemm, fast_accum=self.fast_accum if gemm is Gemm.FP8 else ())

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from lowbit.rl.config import RLConfig
 from lowbit.rl.plot import plot_rl_runs

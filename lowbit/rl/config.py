@@ -204,7 +204,8 @@ class RLConfig(RunConfig):
         require(self.rollout_activation_scale == "per-token" or self.rollout == "nvfp4",
                  f"--rollout-activation-scale {self.rollout_activation_scale} scales NVFP4 "
                  f"activations (W4A4): use --rollout nvfp4 (got --rollout {self.rollout})")
-        require(self.loss_type in LOSS_TYPES, f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        require(self.loss_type in LOSS_TYPES,
+                f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
         require(self.scale_rewards in SCALE_REWARDS,
                  f"unknown --scale-rewards {self.scale_rewards!r}; use one of {', '.join(SCALE_REWARDS)}")
         require(self.importance_sampling in IS_LEVELS,

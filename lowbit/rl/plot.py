@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics

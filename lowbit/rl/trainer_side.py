@@ -61,7 +61,7 @@ class ReplayRouter(TopKRouter):
     own_index: torch.Tensor | None = None
 
     @classmethod
-    def from_router(cls, router: TopKRouter) -> "ReplayRouter":
+    def from_router(cls, router: TopKRouter) -> ReplayRouter:
         r = cls.__new__(cls)
         nn.Module.__init__(r)
         r.num_experts, r.hidden_dim, r.top_k = router.num_experts, router.hidden_dim, router.top_k

@@ -101,7 +101,7 @@ class EngineRollout:
 
     @classmethod
     def for_model(cls, model: nn.Module, precision: str = "nvfp4", rac_ratio: float = 0.0,
-                  **engine_kw) -> "EngineRollout":
+                  **engine_kw) -> EngineRollout:
         """An EngineRollout on `engine_for_model(model, precision, rac_ratio, **engine_kw)`."""
         return cls(engine_for_model(model, precision, rac_ratio, **engine_kw))
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Iterable, Protocol
+from typing import Protocol
+from collections.abc import Iterable
 
 import numpy as np
 import torch

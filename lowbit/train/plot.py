@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from lowbit.files import write_stream_atomic
 from lowbit.train.metrics import read_metrics

@@ -38,7 +38,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from lowbit.config import RunConfig
 from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
@@ -82,7 +82,7 @@ class RunDir:
         self._lock = None             # the open lock file, while this process holds the folder
         self._absent_at_check = False  # check() found no folder, so it could not lock it yet
 
-    def __enter__(self) -> "RunDir":
+    def __enter__(self) -> RunDir:
         return self
 
     def __exit__(self, *exc) -> None:

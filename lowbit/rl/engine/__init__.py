@@ -11,13 +11,15 @@ weights (by Hugging Face parameter names: lowbit's models, Llama, Qwen2, Qwen3, 
 never the trainer's modules or tensors, so it may sit on another device. It is built as the
 small inference engines are (nano-vllm, vLLM), a file per part:
 
-| part       | file          | what it holds                                                        |
-| ---------- | ------------- | -------------------------------------------------------------------- |
-| config     | `config.py`   | EngineConfig: precision mode, RAC ratio, activation scale, device, dtype, cache size, CUDA graphs, kernels |
-| KV cache   | `kv_cache.py` | keys and values per layer, indexed by position: each row its own length |
-| weights    | `weights.py`  | each linear stored as the mode says (packed NVFP4, FP8, bf16), experts stacked, weight sync |
-| decoder    | `decoder.py`  | prefill and the decode step, on lowbit.dispatch.inference's kernels  |
-| runner     | `runner.py`   | RolloutEngine: generate, score, CUDA graphs per batch-size bucket    |
+| part     | file          | what it holds                                                          |
+| -------- | ------------- | ---------------------------------------------------------------------- |
+| config   | `config.py`   | EngineConfig: mode, RAC ratio, activation scale, device, dtype, cache  |
+|          |               | size, CUDA graphs, kernels                                             |
+| KV cache | `kv_cache.py` | keys and values per layer, indexed by position: each row its length    |
+| weights  | `weights.py`  | each linear stored as the mode says (packed NVFP4, FP8, bf16), experts |
+|          |               | stacked, weight sync                                                   |
+| decoder  | `decoder.py`  | prefill and the decode step, on lowbit.dispatch.inference's kernels    |
+| runner   | `runner.py`   | RolloutEngine: generate, score, CUDA graphs per batch-size bucket      |
 
 Weights are stored as the precision mode says (lowbit.rl.precision: bf16, fp8, nvfp4-w4a16,
 nvfp4, nvfp4 + RAC) and the GEMMs read them as stored -- FP8 as E4M3 codes, NVFP4 packed

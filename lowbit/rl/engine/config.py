@@ -59,7 +59,7 @@ class EngineConfig:
     every weight sync), dynamic 1x16 E4M3 block scales under it, values beyond the calibrated
     range saturated."""
 
-    def resolve(self, model: ModelConfig) -> "EngineConfig":
+    def resolve(self, model: ModelConfig) -> EngineConfig:
         """Check every setting against the model, fill the defaults; refuses in one line."""
         self.precision = parse_enum(Precision, self.precision, "rollout precision")
         if not 0.0 <= self.rac_ratio <= 1.0:

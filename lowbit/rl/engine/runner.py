@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -272,7 +272,7 @@ class RolloutEngine:
             self._compiled_decode = torch.compile(self.decoder.decode, dynamic=False, mode=mode)
         return self._compiled_decode
 
-    def _graph(self, batch: int) -> "_DecodeGraph | None":
+    def _graph(self, batch: int) -> _DecodeGraph | None:
         bucket = batch_bucket(batch, self.max_batch_size)
         if bucket not in self._graphs:
             try:

@@ -24,7 +24,7 @@ and compute dtype first, so the trainer may step while the engine generates.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -62,7 +62,7 @@ class EngineLinear:
     @classmethod
     def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
               device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None = None,
-              packed_gemm: bool = False, input_amax: float | None = None) -> "EngineLinear":
+              packed_gemm: bool = False, input_amax: float | None = None) -> EngineLinear:
         """One GEMM for several weights (out_i, in) of the same in_features; its output is the
         parts' outputs side by side, in order. biases: one (out_i,) per part, or None;
         input_amax: nvfp4's static scale, the calibrated amax of the input (None: per token)."""
@@ -240,7 +240,7 @@ class EngineWeights:
     def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
              rac_ratio: float, device: torch.device, dtype: torch.dtype,
              packed_gemm: bool = False,
-             input_amax: Mapping[str, float] | None = None) -> "EngineWeights":
+             input_amax: Mapping[str, float] | None = None) -> EngineWeights:
         """From a state dict by Hugging Face parameter names; missing or unexpected keys, and
         tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs
         read the packed NVFP4 weights (else their dequantized values, kept beside them).
@@ -337,7 +337,7 @@ class EngineWeights:
         return cls(embed, layers, norm, lm_head)
 
     @torch.no_grad()
-    def copy_(self, other: "EngineWeights") -> bool:
+    def copy_(self, other: EngineWeights) -> bool:
         """Take other's weights into this object's tensors, in place, so that CUDA graphs
         captured on them stay valid (a weight sync every RL step would otherwise capture
         them again). Returns False, copying nothing, where the two differ in a way a
