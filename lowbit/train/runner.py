@@ -169,6 +169,10 @@ class Job(Protocol):
 
 
 class RunLoop:
+    """One session of a run: `job` driven at `cadence` from `start`, in `folder` (whose lock the
+    caller holds), `config` being what checkpoints store. With progress off only the start and
+    done lines print; is_main False (a torchrun rank other than 0) logs and writes nothing."""
+
     def __init__(self, job: Job, folder: RunDir, config: RunConfig, cadence: Cadence,
                  start: Start, *, progress: bool = True, is_main: bool = True) -> None:
         self.job, self.folder, self.config, self.cadence, self.start = (job, folder, config,
@@ -186,6 +190,7 @@ class RunLoop:
         return self.folder.checkpoint if self.last_checkpoint_step is not None else None
 
     def run(self):
+        """Run to the last step (or the session's), then return job.finish's result."""
         job, cadence, start, say = self.job, self.cadence, self.start, self.say
         total = cadence.total_steps
         end = total if cadence.session_steps is None else min(total, start.step + cadence.session_steps)
