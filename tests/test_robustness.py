@@ -529,7 +529,9 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_curve(tmp_
     """The real CLI in a forked process, SIGKILLed at seeded random moments (while stepping,
     writing metrics, or mid-checkpoint), resumed each time as the messages say (--resume; or
     --overwrite when no checkpoint was written yet): the final curve equals one run never
-    killed, every step logged once, no temp file left behind."""
+    killed, every step logged once, no temp file left behind. A kill waits for a seeded number
+    of new steps in the log, then a seeded fraction of a step: it lands however fast or loaded
+    the machine is."""
     import multiprocessing
     import os
     import random
@@ -539,15 +541,19 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_curve(tmp_
     argv = [*TRAIN, "--steps", "60", "--checkpoint-every", "5", "--log-every", "1"]
     code, err = cli(capsys, *argv, "--out-dir", str(tmp_path / "warm"))   # caches, imports
     assert code == 0, err
-    started = time.perf_counter()
     code, err = cli(capsys, *argv, "--out-dir", str(tmp_path / "whole"))
-    whole_s = time.perf_counter() - started
     assert code == 0, err
     whole = [json.loads(line) for line in (tmp_path / "whole" / "run" / "metrics.jsonl").open()]
 
     def child(extra):
         torch.set_num_threads(1)
         os._exit(main([*argv, "--out-dir", str(tmp_path / "killed"), *extra]))
+
+    def logged_steps() -> int:   # train records in the log now (a line being written is not)
+        try:
+            return (run / "metrics.jsonl").read_text().count('"event": "train"')
+        except FileNotFoundError:
+            return 0
 
     fork = multiprocessing.get_context("fork")
     rng, run = random.Random(0), tmp_path / "killed" / "run"
@@ -556,16 +562,24 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_curve(tmp_
         has_checkpoint = (run / "checkpoints" / "latest.pt").exists() or any(
             (run / "checkpoints").glob("step-*.pt"))
         extra = ["--resume"] if has_checkpoint else (["--overwrite"] if run.exists() else [])
+        before = logged_steps() if has_checkpoint else 0
         process = fork.Process(target=child, args=(extra,))
         process.start()
-        # Four kills, each within the first 20% of an uninterrupted run's time (a forked child
-        # runs single-threaded and no faster, so on any machine it cannot finish first).
-        process.join(rng.uniform(0.02, 0.2) * whole_s if kills < 4 else None)
-        if process.exitcode is None:
-            os.kill(process.pid, signal.SIGKILL)
-            process.join()
-            kills += 1
-            continue
+        if kills < 4:   # four kills, each some steps past where this start begins, then none
+            target, step_s = before + rng.randint(2, 9), 0.0
+            while process.is_alive() and logged_steps() < target:
+                time.sleep(0.002)
+            last = time.perf_counter()
+            while process.is_alive() and logged_steps() < target + 1 and step_s < 5:
+                time.sleep(0.002)       # one step's time, to kill at a fraction of the next
+                step_s = time.perf_counter() - last
+            time.sleep(rng.uniform(0, 1) * step_s)
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+                process.join()
+                kills += 1
+                continue
+        process.join()
         assert process.exitcode == 0, f"attempt {attempt} ({extra}) exited {process.exitcode}"
         if (run / "final.json").exists():
             break
