@@ -117,7 +117,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     from lowbit.models import is_model_folder
     from lowbit.train import TrainConfig
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
-                                    model_config, resolve_recipe)
+                                    resolve_recipe)
     from lowbit.diagnostics.training import quantized_weights
     from lowbit.train.step import StepConfig, TrainStep, next_token_loss, refuse_cuda_graph
 
@@ -132,8 +132,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     with process.main_first():   # rank 0 tokenizes and caches the corpus, the others read it
         data = build_data(base) if corpus is not None else None
     vocab_size = data.vocab_size if data is not None else None
-    if cuda_graph:
-        refuse_cuda_graph(process, moe=model_config(base).is_moe)
+    if cuda_graph:   # the device and processes; each model's MoE experts once it is built
+        refuse_cuda_graph(process)
     units = []
 
     def build(name: str) -> dict:
@@ -156,6 +156,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                 note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
                         f"training")
         net.to(dev).train()
+        if cuda_graph:
+            refuse_cuda_graph(process, net, base.bf16_autocast)
         if process.enabled and parallel == "fsdp":
             process.shard_model(net)   # before the optimizer takes the (sharded) parameters
         step_config = StepConfig.of(config)

@@ -24,6 +24,8 @@ the weighting stay here, written once.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,10 +79,21 @@ class Experts(nn.Module):
         return F.linear(x, weight[expert_idx])
 
     def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Every expert's GEMM may run as one torch._grouped_mm on these operands (see
+        """Every expert's GEMM may run as one grouped GEMM on these operands (see
         `grouped_mm_supported`); a subclass whose experts' GEMMs are not plain products says
-        no."""
+        whether its own grouped path takes them."""
         return grouped_mm_supported(x, weight)
+
+    def runs_grouped(self, device: torch.device, bf16_autocast: bool) -> bool:
+        """A step on `device` (under bf16 autocast, or in the weights' dtype) runs both
+        projections grouped, reading nothing back to the host, so it can be captured in a
+        CUDA graph; otherwise its experts run one at a time (`_per_expert_linear`). The
+        weights must be on `device`."""
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16_autocast
+                    else contextlib.nullcontext())
+        with autocast:
+            return all(self._can_group(torch.empty(0, w.shape[-1], dtype=w.dtype, device=device), w)
+                       for w in (self.gate_up_proj, self.down_proj))
 
     def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert's GEMM on its rows: x (R, in) sorted by expert, counts (E,) rows each on

@@ -105,14 +105,22 @@ class QuantExperts(Experts):
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
         return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None)
 
-    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _active_recipe(self) -> LinearRecipe | None:
+        recipe = self.linear_recipe if self.quantize else None
+        return recipe if recipe is not None and recipe.is_quantized else None
+
+    def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # unquantized: plain products (Experts' grouped GEMM); a recipe whose quantization of
         # the stacked experts is each expert's own: one grouped quantized GEMM
         # (lowbit.ops.grouped); any other (tensor scales, FP8 GEMMs): expert by expert
-        recipe = self.linear_recipe if self.quantize else None
-        if recipe is None or not recipe.is_quantized:
+        recipe = self._active_recipe()
+        return grouped_mm_supported(x, weight) and (recipe is None or groups_exactly(recipe))
+
+    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        recipe = self._active_recipe()
+        if recipe is None:
             return super()._experts_linear(x, weight, counts)
-        if groups_exactly(recipe) and grouped_mm_supported(x, weight):
+        if self._can_group(x, weight):
             return grouped_quant_linear(x, weight, counts, recipe)
         return self._per_expert_linear(x, weight, counts)
 

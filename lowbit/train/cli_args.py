@@ -31,7 +31,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on CUDA, compute in fp32 instead of under bf16 autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--cuda-graph", action="store_true",
-                        help="replay each step from one CUDA graph (one GPU, dense model; with "
+                        help="replay each step from one CUDA graph (one GPU; MoE experts on the "
+                             "grouped GEMM; with "
                              "--compile, the compiled model): a quantized step is then not "
                              "host-bound")
     parser.add_argument("--no-diagnostics", action="store_true",

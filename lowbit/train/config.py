@@ -214,7 +214,8 @@ class TrainConfig(RunConfig):
     (half of E4M3's smallest subnormal step at the row's factor)."""
     cuda_graph: bool = False
     """Replay each step's forward, backward and gradient clip from one CUDA graph (one process
-    on a CUDA GPU, dense model; with compile, the compiled model): no per-kernel host work, so
+    on a CUDA GPU; an MoE model's experts on the grouped GEMM, lowbit.train.graphs.
+    experts_refusal; with compile, the compiled model): no per-kernel host work, so
     a quantized step is not host-bound. The same numbers as eager (lowbit.train.graphs)."""
     parallel: str = field(default="ddp", metadata=flag(
         "--parallel", "under torchrun: ddp (replicate) or fsdp (shard with FSDP2) "

@@ -25,10 +25,11 @@ to the check opened inside the capture, which this class reads (torch.compile's 
 "reduce-overhead", is refused: see lowbit.ops.compiled). Compiled, the step has fewer and
 fused kernels; captured, none of its host work (dynamo's guards, the ops' Python) is left in
 the step.
-It cannot hold: work that reads values back to the host (MoE routing's counts), or DDP's and
-FSDP's collectives (one process only here). On the CPU nothing is captured and each call runs
-the same body (its gradients new tensors each time), so the bookkeeping around the graph is
-tested without a GPU.
+It cannot hold: work that reads values back to the host (MoE experts run one at a time,
+whose token counts are read back: experts_refusal says which; on the grouped GEMM they read
+nothing back), or DDP's and FSDP's collectives (one process only here). On the CPU nothing is
+captured and each call runs the same body (its gradients new tensors each time), so the
+bookkeeping around the graph is tested without a GPU.
 
 Memory: the graph keeps its forward and backward working set reserved between replays, and a
 step redone eagerly (an inexact FP8 fold under fold_inexact "redo" or "adapt"), an
@@ -45,9 +46,10 @@ import torch
 import torch.nn as nn
 
 from lowbit.dispatch.fold_check import deferred_fold_check
+from lowbit.models.moe import Experts
 
-__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal", "map_batch",
-           "split_batch"]
+__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal", "experts_refusal",
+           "map_batch", "split_batch"]
 
 
 def map_batch(fn, batch: tuple) -> tuple:
@@ -82,18 +84,30 @@ def accumulate_gradients(loss_fn, batch: tuple, accum: int, sync=None) -> torch.
     return step_loss
 
 
-def cuda_graph_refusal(device: torch.device, *, moe: bool = False,
-                       world_size: int = 1) -> str | None:
+def cuda_graph_refusal(device: torch.device, *, world_size: int = 1, model: nn.Module | None = None,
+                       bf16_autocast: bool = True) -> str | None:
     """Why a step on this setup cannot be captured (a message naming the flag to change), or
-    None when it can."""
-    if moe:
-        return ("--cuda-graph needs a dense model: MoE routing reads expert counts back to the "
-                "host, which a CUDA graph cannot hold; drop --n-experts or --cuda-graph")
+    None when it can. With `model` (on `device`, its recipe applied): also an MoE layer whose
+    experts would run one at a time, reading their token counts back to the host."""
     if device.type != "cuda":
         return f"--cuda-graph captures the step on a CUDA GPU; this run is on {device}"
     if world_size > 1:
         return (f"--cuda-graph runs one process; under torchrun ({world_size} processes) DDP's "
                 "and FSDP's collectives are not captured: drop --cuda-graph")
+    return None if model is None else experts_refusal(model, device, bf16_autocast)
+
+
+def experts_refusal(model: nn.Module, device: torch.device, bf16_autocast: bool) -> str | None:
+    """Why `model`'s MoE experts keep a step on `device` from being captured: the first expert
+    layer that would run expert by expert (lowbit.models.moe.Experts.runs_grouped), whose token
+    counts are read back to the host; None when every one runs grouped (or there is none)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and not module.runs_grouped(device, bf16_autocast):
+            return (f"--cuda-graph needs MoE experts on the grouped GEMM, which reads nothing "
+                    f"back to the host; {name} would run expert by expert (the grouped GEMM "
+                    f"takes bf16 autocast on a Hopper or later GPU, expert widths a multiple of "
+                    f"8, and no recipe or one that quantizes each expert alone without tensor "
+                    f"scales or FP8 GEMMs, e.g. mxfp4 or stable-fp4): drop --cuda-graph")
     return None
 
 

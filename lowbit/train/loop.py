@@ -137,8 +137,8 @@ class _TrainJob:
             saved = checkpoint["config"]
             check_same_start(saved.get("init_fingerprint"), config.init_fingerprint, run_dir.path,
                              saved.get("init_from"))
-        if config.cuda_graph:
-            refuse_cuda_graph(process, moe=bool(config.n_experts))
+        if config.cuda_graph:   # the device and processes; the model's experts once it is built
+            refuse_cuda_graph(process)
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
         if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
             diagnostics_fn = _recipe_diagnostics
@@ -163,8 +163,8 @@ class _TrainJob:
             say(apply_recipe(model, recipe))
         fold = FoldPolicy(config.fold_inexact, model)
         model.to(device)
-        if config.cuda_graph:   # again: a model passed in may be an MoE model
-            refuse_cuda_graph(process, getattr(getattr(model, "config", None), "is_moe", False))
+        if config.cuda_graph:   # an MoE model's experts, as the recipe made them, on the device
+            refuse_cuda_graph(process, model, config.bf16_autocast)
         if process.enabled and config.parallel == "fsdp":
             process.shard_model(model)  # before the optimizer takes its (now sharded) parameters
             if diagnostics_fn is not None:

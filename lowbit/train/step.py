@@ -109,9 +109,12 @@ def learning_rate_at(step: int, config: StepConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
 
 
-def refuse_cuda_graph(process: Distributed, moe: bool) -> None:
-    """Raise the one-line reason (ValueError) why --cuda-graph cannot run here, if there is one."""
-    refusal = cuda_graph_refusal(process.device, moe=moe, world_size=process.world_size)
+def refuse_cuda_graph(process: Distributed, model: nn.Module | None = None,
+                      bf16_autocast: bool = True) -> None:
+    """Raise the one-line reason (ValueError) why --cuda-graph cannot run here, if there is one
+    (with `model`, on the device with its recipe applied: its MoE experts' too)."""
+    refusal = cuda_graph_refusal(process.device, world_size=process.world_size, model=model,
+                                 bf16_autocast=bf16_autocast)
     if refusal:
         raise ValueError(refusal)
 
