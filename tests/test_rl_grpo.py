@@ -223,6 +223,30 @@ def test_warm_start_validation_set_is_held_out_and_distinct():
         warmstart.warm_start(config, small, warmstart.policy_config(config, small), "cpu", print)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batches_split_the_work_not_the_loss(tmp_path, loss_type):
+    """--micro-batch-size runs the trainer's passes on parts of a step's completions: the first
+    step (the same rollouts) has the loss, gradient norm, mismatch and clip metrics of the step
+    taken at once, to float rounding, for every loss type (dapo's token mean divides by the
+    whole step's count); micro-batches of the whole step are the step at once, bit for bit."""
+    kw = dict(steps=1, prompts_per_step=2, num_generations=4, loss_type=loss_type, beta=0.04,
+              importance_sampling="token", num_iterations=2, checkpoint_every=0)
+    whole = run_rl(_config(tmp_path, run_name="whole", **kw)).records
+    same = run_rl(_config(tmp_path, run_name="same", micro_batch_size=8, **kw)).records
+    parts = run_rl(_config(tmp_path, run_name="parts", micro_batch_size=2, **kw)).records
+    timing = ("time/", "rollout/tokens_per_s")
+    pick = lambda records: [{k: v for k, v in r.items() if not k.startswith(timing)}
+                            for r in records if r["event"] == "train"]
+    assert pick(same) == pick(whole)
+    (a,), (b,) = pick(whole), pick(parts)
+    assert a.keys() == b.keys() and a["reward"] == b["reward"]
+    for key in ("loss", "grad_norm", "kl", "sampling/sampling_logp_difference/mean", "entropy",
+                "clip_ratio/region_mean"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    with pytest.raises(ValueError, match="--micro-batch-size must divide a step's 8 completions"):
+        _config(tmp_path, micro_batch_size=3)
+
+
 def test_resume_is_exact(tmp_path):
     straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
     first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))

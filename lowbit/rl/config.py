@@ -112,6 +112,14 @@ class RLConfig(RunConfig):
     num_iterations: int = field(default=1, metadata=flag(
         "--num-iterations", "optimizer steps per batch of rollouts (default: %(default)s)"))
     """Optimizer steps on each batch of rollouts (PPO epochs; the ratio departs from 1 after the first)."""
+    micro_batch_size: int | None = field(default=None, metadata=flag(
+        "--micro-batch-size", "completions per forward and backward pass of the trainer (default: "
+        "a step's all at once)", metavar="N"))
+    """Completions per trainer pass (verl's micro batch): the no-grad log-prob passes run in
+    chunks of this many and each optimizer step accumulates its gradient over micro-batches of
+    this many, so a large model's step fits in memory; None: every completion of a step at once.
+    It must divide prompts_per_step * num_generations. The loss is the same mean (each loss type's
+    normalizer is the whole step's), to float rounding."""
     importance_sampling: str = field(default="none", metadata=flag(
         "--is", f"mismatch correction: {', '.join(IS_LEVELS)} (default: %(default)s)"))
     """Correction for the engine/trainer mismatch: none, token, sequence."""
@@ -226,6 +234,11 @@ class RLConfig(RunConfig):
             require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer (got {value!r})")
         require(self.num_generations >= 2, "num_generations must be >= 2: GRPO compares each "
                                             "completion with the others of its prompt")
+        require(self.micro_batch_size is None or (
+            isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1
+            and self.batch_size % self.micro_batch_size == 0),
+            f"--micro-batch-size must divide a step's {self.batch_size} completions "
+            f"(--prompts-per-step x --num-generations; got {self.micro_batch_size})")
         if self.warmstart_seed is None:
             self.warmstart_seed = self.seed
         require(self.warmstart_target is None or (0 < self.warmstart_target <= 1 and self.warmstart_steps > 0),

@@ -168,9 +168,12 @@ def mismatch_metrics(logp_rollout: torch.Tensor, logp_train: torch.Tensor,
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, config: LossConfig, *, ref_logp: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                is_weights: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO loss (module doc) and its metrics: kl (if beta > 0), clip_ratio/low_mean,
-    clip_ratio/high_mean, clip_ratio/region_mean (TRL's names)."""
+    clip_ratio/high_mean, clip_ratio/region_mean (TRL's names). tokens: what dapo's token mean
+    divides by (default: this batch's loss tokens); a micro-batch of a step passes the step's
+    count over its number of micro-batches, so that their mean loss is the step's."""
     maskf = mask.float()
     ratio = torch.exp(logp - logp_old.detach())
     a = advantages[:, None]
@@ -191,7 +194,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     elif config.loss_type == "dr_grpo":
         loss = (per_token * maskf).sum() / (maskf.shape[0] * config.max_completion_length)
     else:
-        loss = (per_token * maskf).sum() / maskf.sum().clamp(min=1)
+        loss = (per_token * maskf).sum() / (maskf.sum().clamp(min=1) if tokens is None else tokens)
     with torch.no_grad():
         low = ((ratio < 1 - config.epsilon) & (a < 0)).float()
         high = ((ratio > 1 + config.epsilon_high) & (a > 0)).float()

@@ -54,7 +54,7 @@ from lowbit.rl.config import RLConfig
 from lowbit.rl.engine import Rollout, RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 from lowbit.rl.trainer_side import (apply_asymmetric_qat, enable_routing_replay, replay_routing,
-                                    routing_agreement)
+                                    routing_agreement_counts)
 from lowbit.rl.warmstart import greedy_accuracy, policy_config, policy_tokenizer, warm_start
 from lowbit.train.build import build_optimizer
 from lowbit.train.checkpoint import check_same_data, set_rng_state
@@ -113,25 +113,28 @@ class GRPOBatch(NamedTuple):
     is_weights: torch.Tensor | None   # (B, Tc) truncated importance weights, or None
     ref_logp: torch.Tensor | None     # (B, Tc) the reference policy's log-probs (beta > 0)
     routed: torch.Tensor | None       # (B, T, layers, k) experts to replay, or None
+    loss_tokens: torch.Tensor         # (B,) every row: the step's loss tokens / micro-batches
 
 
 class GRPOLoss:
     """GRPO's clipped policy loss as the step's loss function (lowbit.train.step.LossFn):
     loss_fn(model, GRPOBatch). `policy` is the plain module whose routers replay the batch's
-    experts; the last call's metrics (clip ratios, KL, ...) stay in .metrics."""
+    experts; each call's metrics (clip ratios, KL, ...: means over its loss tokens) are
+    appended to .metrics with that token count, for the caller, which empties it."""
 
     def __init__(self, policy: torch.nn.Module, config: grpo.LossConfig, temperature: float) -> None:
         self.policy, self.config, self.temperature = policy, config, temperature
-        self.metrics: dict = {}
+        self.metrics: list[tuple[dict, float]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
         with replay_routing(self.policy, batch.routed):
             logits = model(batch.input_ids).logits
         logp, _ = grpo.completion_logprobs(logits, batch.prompt_lengths, batch.completions,
                                            self.temperature)
-        loss, self.metrics = grpo.policy_loss(logp, batch.logp_old, batch.advantages, batch.mask,
-                                              self.config, ref_logp=batch.ref_logp,
-                                              is_weights=batch.is_weights)
+        loss, metrics = grpo.policy_loss(logp, batch.logp_old, batch.advantages, batch.mask,
+                                         self.config, ref_logp=batch.ref_logp,
+                                         is_weights=batch.is_weights, tokens=batch.loss_tokens[0])
+        self.metrics.append((metrics, float(batch.mask.sum())))
         return loss
 
 
@@ -186,8 +189,9 @@ class GRPOTrainer:
             enable_routing_replay(self.policy)   # records own choices for routing agreement; replays nothing
         self.policy.to(self.device)
 
-        # a constant LR, one micro-batch of every completion of the step
-        step_config = StepConfig(batch_size=c.batch_size, lr=c.lr,
+        # a constant LR; the step's completions in micro-batches of micro_batch_size
+        micro = c.micro_batch_size or c.batch_size
+        step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
                                  weight_decay=c.weight_decay, grad_clip=c.grad_clip)
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
@@ -273,38 +277,59 @@ class GRPOTrainer:
         metrics: dict = {}
         advantages = grpo.group_advantages(rewards, c.num_generations, c.scale_rewards).to(self.device)
         replayed = batch.routed if c.routing_replay else None
-        with torch.no_grad():
-            with fn.autocast, replay_routing(self.policy, replayed):
-                logits = self.policy(batch.input_ids).logits
-            logp_old, entropy = grpo.completion_logprobs(logits, batch.prompt_lengths,
-                                                         batch.completions, c.temperature)
-            if batch.routed is not None:
-                metrics["routing/agreement"] = routing_agreement(self.policy, batch.routed)
-            ref_logp = None
-            if self.reference is not None:
-                ref_logits = self.reference(batch.input_ids).logits
-                ref_logp, _ = grpo.completion_logprobs(ref_logits, batch.prompt_lengths,
-                                                       batch.completions, c.temperature)
+        logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics)
         metrics.update(grpo.mismatch_metrics(batch.rollout_logprobs, logp_old, batch.mask))
         weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs,
                                                       batch.mask.float(), c.importance_sampling,
                                                       c.is_mode, c.is_cap)
         metrics.update(is_metrics)
         metrics["entropy"] = float((entropy * batch.mask).sum() / batch.mask.sum().clamp(min=1))
-        step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions,
-                               batch.mask.float(), logp_old, advantages, weights, ref_logp,
-                               replayed)
+        mask = batch.mask.float()
+        # dapo's token mean divides each micro-batch's sum by the step's count / micro-batches
+        tokens = mask.sum().clamp(min=1) / fn.config.grad_accum_steps
+        step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask,
+                               logp_old, advantages, weights, ref_logp, replayed,
+                               tokens.expand(mask.shape[0]))
         losses, grad_norms = [], []
         for i in range(c.num_iterations):
+            self.loss_fn.metrics = []
             result = fn(step * c.num_iterations + i, step_batch)
             if result.skipped:   # the update was not applied; a NaN policy loss does not heal
                 return None
             losses.append(result.loss), grad_norms.append(result.grad_norm)
             for message in result.messages:
                 self.say(message)
-        metrics.update({k: v for k, v in self.loss_fn.metrics.items() if k != "nonfinite_loss"})
+        metrics.update(token_mean(self.loss_fn.metrics))   # the last iteration's micro-batches
         metrics.update(loss=sum(losses) / len(losses), grad_norm=grad_norms[-1], lr=result.lr)
         return metrics
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: RLBatch, replayed: torch.Tensor | None,
+                     metrics: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The sampled tokens' log-probs and entropies under the policy before the update, and
+        the reference policy's log-probs (None without one), each (B, Tc), in passes of
+        micro_batch_size completions; routing/agreement into metrics (MoE)."""
+        c = self.config
+        micro = c.micro_batch_size or c.batch_size
+        logp, entropy, ref_logp, agreement = [], [], [], [0, 0]
+        for rows in (slice(i, i + micro) for i in range(0, batch.input_ids.shape[0], micro)):
+            with self.step_fn.autocast, replay_routing(
+                    self.policy, None if replayed is None else replayed[rows]):
+                logits = self.policy(batch.input_ids[rows]).logits
+            lp, ent = grpo.completion_logprobs(logits, batch.prompt_lengths[rows],
+                                               batch.completions[rows], c.temperature)
+            logp.append(lp), entropy.append(ent)
+            if batch.routed is not None:
+                counts = routing_agreement_counts(self.policy, batch.routed[rows])
+                agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
+            if self.reference is not None:
+                ref_logits = self.reference(batch.input_ids[rows]).logits
+                ref_logp.append(grpo.completion_logprobs(ref_logits, batch.prompt_lengths[rows],
+                                                         batch.completions[rows], c.temperature)[0])
+        if batch.routed is not None:
+            metrics["routing/agreement"] = (None if agreement is None or not agreement[1]
+                                            else agreement[0] / agreement[1])
+        return torch.cat(logp), torch.cat(entropy), torch.cat(ref_logp) if ref_logp else None
 
     def sync(self) -> None:
         """The trainer's weights to the engine (the engine copies and quantizes them); for
@@ -473,6 +498,15 @@ def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
         return False
     peak = max(accuracies[:-evals])
     return peak > 0 and all(a < peak / 2 for a in accuracies[-evals:])
+
+
+def token_mean(parts: list[tuple[dict, float]]) -> dict:
+    """Per-token means of several micro-batches' metrics, each (metrics, its token count): the
+    step's means (one micro-batch's, as they are)."""
+    if len(parts) == 1:
+        return {k: v for k, v in parts[0][0].items() if k != "nonfinite_loss"}
+    total = sum(n for _, n in parts) or 1.0
+    return {k: sum(m[k] * n for m, n in parts) / total for k in parts[0][0] if k != "nonfinite_loss"}
 
 
 def calibration_batches(sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -38,7 +38,7 @@ from lowbit.recipes import LinearRecipe, Recipe
 from lowbit.rl.precision import weight_spec
 
 __all__ = ["asymmetric_qat_recipe", "apply_asymmetric_qat", "ReplayRouter",
-           "enable_routing_replay", "replay_routing", "routing_agreement"]
+           "enable_routing_replay", "replay_routing", "routing_agreement", "routing_agreement_counts"]
 
 
 def asymmetric_qat_recipe() -> Recipe:
@@ -125,6 +125,13 @@ def replay_routing(model: nn.Module, routed: torch.Tensor | None):
 def routing_agreement(model: nn.Module, routed: torch.Tensor) -> float | None:
     """Fraction of (position, layer) pairs whose trainer top-k set (from the last forward)
     equals the engine's, over the positions the engine recorded; None without MoE routers."""
+    counts = routing_agreement_counts(model, routed)
+    return None if counts is None or not counts[1] else counts[0] / counts[1]
+
+
+def routing_agreement_counts(model: nn.Module, routed: torch.Tensor) -> tuple[int, int] | None:
+    """routing_agreement's (agreeing pairs, recorded pairs), to add up over a step's
+    micro-batches; None without MoE routers."""
     routers = _routers(model)
     if not routers or routers[0].own_index is None:
         return None
@@ -135,4 +142,4 @@ def routing_agreement(model: nn.Module, routed: torch.Tensor) -> float | None:
         same = (torch.sort(engine, -1).values == torch.sort(router.own_index, -1).values).all(-1)
         agree += int((same & valid).sum())
         total += int(valid.sum())
-    return agree / total if total else None
+    return agree, total
