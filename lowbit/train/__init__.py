@@ -13,6 +13,7 @@ loss.png and final.json. `train(config, resume=True)` continues it bit for bit.
 
 from lowbit.train.compare import (ArmStats, CompareRow, Comparison, RunOutcome, RunSpec,
                                   compare, compare_runs)
+from lowbit.train.build import build_optimizer
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import RunResult, TrainingData, evaluate, learning_rate_at, train
 from lowbit.train.plot import plot_runs
@@ -23,5 +24,5 @@ __all__ = [
     "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
     "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
     "compare_runs", "RunSpec", "RunOutcome", "ArmStats", "TrainStep", "StepConfig", "LossFn",
-    "next_token_loss", "TrainingInterrupted",
+    "next_token_loss", "TrainingInterrupted", "build_optimizer",
 ]

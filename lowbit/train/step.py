@@ -145,8 +145,12 @@ class TrainStep:
     row; the caller owns the data, the schedule's position and everything around the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: StepConfig,
-                 process: Distributed, fold_policy: FoldPolicy | None = None,
+                 process: Distributed | None = None, fold_policy: FoldPolicy | None = None,
                  loss_fn: LossFn = next_token_loss) -> None:
+        """process: this process's place under torchrun (lowbit.train.distributed); None: one
+        process, on the device of the model's parameters."""
+        if process is None:
+            process = Distributed(device=next(model.parameters()).device)
         self.model, self.optimizer, self.config, self.process = model, optimizer, config, process
         self.loss_fn = loss_fn
         self.device = process.device
