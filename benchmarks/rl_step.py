@@ -72,7 +72,11 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
            *shlex.split(flags), *(["--data-dir", args.data_dir] if args.data_dir else []),
            *(["--device", "cpu"] if args.smoke else [])]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:   # this mode fails; the others' rows are kept
+        return {"mode": label, "flags": flags, "returncode": None, "wall_s": round(time.perf_counter() - t0, 1),
+                "error": f"stopped after --timeout {args.timeout:g} s"}
     row = {"mode": label, "flags": flags, "returncode": proc.returncode,
            "wall_s": round(time.perf_counter() - t0, 1)}
     if proc.returncode != 0:

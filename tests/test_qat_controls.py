@@ -28,6 +28,7 @@ def test_code_flips_are_zero_without_a_code_change_and_one_over_n_for_one_weight
     with torch.no_grad():
         latent[0, 0] = 0.3 * step                # code 0 of int4's -7..7, 0.2 steps from a boundary
     hook = refresh_hook(layer, config, seed=0, record_every=1)
+    hook.attach(torch.optim.SGD(layer.parameters(), lr=0.0))   # B on the update: never steps here
     with torch.no_grad():                       # a change far smaller than that keeps every code
         latent.add_(1e-4 * step * torch.sign(latent))
     record = hook(1)

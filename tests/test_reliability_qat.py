@@ -312,14 +312,18 @@ def test_quantize_refuses_a_meta_tensor_for_every_format(entry):
 
 
 def test_a_qat_run_saved_before_a_field_existed_still_resumes():
-    # a JacQuant run from before the shuffled-B control: its saved config lacks shuffle_b,
-    # which then was off; a resume compares against that, not against "absent"
+    # a JacQuant run from before the shuffled-B control and B's storage option: its saved
+    # config lacks shuffle_b and b_dtype, which then were off and float32; a resume compares
+    # against those, not against "absent"
     from lowbit.qat import parse_qat_spec
 
     q = parse_qat_spec("int2:g64/jacquant").to_dict()
     config = TrainConfig(qat=q)
     old = config.to_dict()
-    old["qat"] = {**q, "jacquant": {k: v for k, v in q["jacquant"].items() if k != "shuffle_b"}}
+    old["qat"] = {**q, "jacquant": {k: v for k, v in q["jacquant"].items()
+                                    if k not in ("shuffle_b", "b_dtype")}}
     assert config.changed_fields(old) == []
     shuffled = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/shuffled").to_dict())
     assert shuffled.changed_fields(old) and "shuffle_b" in shuffled.changed_fields(old)[0]
+    bf16_b = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/bf16b").to_dict())
+    assert [c.split(":")[0] for c in bf16_b.changed_fields(old)] == ["qat"]

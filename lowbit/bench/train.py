@@ -162,6 +162,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
             process.shard_model(net)   # before the optimizer takes the (sharded) parameters
         step_config = StepConfig.of(config)
         optimizer = build_optimizer(net, step_config, dev, sharded=process.fsdp)
+        if hook is not None:
+            hook.attach(optimizer)
         step_fn = TrainStep(net, optimizer, step_config, process, loss_fn=loss_fn)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],

@@ -114,6 +114,11 @@ class JacQuantConfig:
     within each tensor, so it keeps B's values and mean step size and loses which weight each
     belongs to. The permutation is drawn from (seed, refit index, tensor): resume-exact. The
     unshuffled B is kept (FakeQuantWeight.b_unshuffled) so the EMA smooths the fits themselves."""
+    b_dtype: str = field(default="float32", metadata=flag(
+        "--b-dtype", "jacquant: how B is stored; bfloat16 halves its memory (per element, as "
+        "large as the weights) (default: %(default)s)", choices=("float32", "bfloat16")))
+    """B's storage (and the shuffled control's unshuffled B's). The EMA across refits is formed
+    in float32 and rounded to this; bfloat16 keeps B to about 3 significant digits."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
@@ -128,6 +133,8 @@ class JacQuantConfig:
                  f"samples must be a positive integer (got {self.samples!r})")
         require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
         require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
+        require(self.b_dtype in ("float32", "bfloat16"),
+                f"b_dtype must be float32 or bfloat16 (got {self.b_dtype!r})")
         require(self.b_on in ("grad", "update"),
                  f"jacquant b_on must be grad or update (got {self.b_on!r})")
 
@@ -205,7 +212,8 @@ class QATConfig:
 
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
                  "(per-element B, the default) or group, upd (B on the update, the default) or grad, "
-                 "shuffled (B permuted within each tensor: a control), learned (learned scales), "
+                 "shuffled (B permuted within each tensor: a control), bf16b (B stored in bfloat16), "
+                 "learned (learned scales), "
                  "mse (MSE scales), kd or kdA (distill from the BF16 model with weight A, default 1)")
 
 
@@ -213,7 +221,7 @@ def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
     int2:g64/jacquant/k100/mse. Options: kK, epsE, probe|dither|both, elem|group, upd|grad,
-    shuffled, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
+    shuffled, bf16b, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
@@ -267,6 +275,8 @@ def _setting_options(options: list[str], text: str, what: str) -> tuple[dict, di
             jq["b_on"] = "update" if option == "upd" else "grad"
         elif option == "shuffled":
             jq["shuffle_b"] = True
+        elif option == "bf16b":
+            jq["b_dtype"] = "bfloat16"
         elif option == "learned":
             qat["learn_scales"] = True
         elif option == "mse":

@@ -35,7 +35,8 @@ from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
 
 __all__ = ["FakeQuantWeight", "PackedWeight", "QATReport", "prepare", "check_model", "convert", "packed_weights",
-           "load_packed", "refresh", "refresh_hook", "fake_quantizers", "jacquant_metrics", "CodeFlips"]
+           "load_packed", "refresh", "refresh_hook", "QATHook", "UpdateScaling", "fake_quantizers",
+           "jacquant_metrics", "CodeFlips"]
 
 
 class FakeQuantWeight(nn.Module):
@@ -62,9 +63,10 @@ class FakeQuantWeight(nn.Module):
         if config.estimator == "jacquant":
             jq = config.jacquant
             b_shape = weight.shape if jq.per_element else self.quantizer.scale_shape
-            self.register_buffer("b", torch.ones(b_shape, device=weight.device))
+            b_dtype = getattr(torch, jq.b_dtype)
+            self.register_buffer("b", torch.ones(b_shape, dtype=b_dtype, device=weight.device))
             # the shuffled-B control: b is the B used (a permutation of this one, the smoothed fit)
-            self.register_buffer("b_unshuffled", torch.ones(b_shape, device=weight.device)
+            self.register_buffer("b_unshuffled", torch.ones(b_shape, dtype=b_dtype, device=weight.device)
                                  if jq.shuffle_b else None)
             self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
             # Per element, a channel's moment multiplies both sums of its weight's own ratio and
@@ -75,10 +77,10 @@ class FakeQuantWeight(nn.Module):
             # whether the next training forward records its input moments: only the step
             # before each refit does (refresh_hook sets it), so the steps in between pay nothing
             self.register_buffer("observing", torch.ones((), dtype=torch.bool, device=weight.device))
-            # B on the update: the latent weight after the last step, to scale the next step's change
-            self.register_buffer("prev", weight.detach().clone() if jq.b_on == "update" else None)
         else:
-            self.b = self.b_unshuffled = self.moments = self.observing = self.prev = None
+            self.b = self.b_unshuffled = self.moments = self.observing = None
+        # B on the update (UpdateScaling scales each optimizer step's change; backward is the STE's)
+        self.b_on_update = config.estimator == "jacquant" and config.jacquant.b_on == "update"
         self.observing_now = True  # a host-side copy of `observing` (no device sync per forward)
         # nvfp4: the (module, parameter name) of each member of this weight's fused group
         # (itself included), whose amax sets the shared tensor scale; plain references, not
@@ -86,6 +88,9 @@ class FakeQuantWeight(nn.Module):
         self.group: list[tuple[nn.Module, str]] = []
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before UpdateScaling held the weights after the last step as
+        # "prev": the weights themselves, so it is dropped
+        state_dict.pop(prefix + "prev", None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.observing is not None:
             self.observing_now = bool(self.observing)
@@ -97,18 +102,18 @@ class FakeQuantWeight(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         scales = None if self.scales is None else torch.clamp(self.scales, min=2.0 ** -120)
-        if self.prev is not None:   # B acts on the update (scale_update): the STE's backward
+        if self.b_on_update:   # B acts on the update (UpdateScaling): the STE's backward
             return fake_quantize(weight, scales, self.zeros, None, self.quantizer, "ste",
                                  self.learn, self.group_amax())
         return fake_quantize(weight, scales, self.zeros, self.b, self.quantizer,
                              self.config.estimator, self.learn, self.group_amax())
 
     @torch.no_grad()
-    def scale_update(self, weight: torch.Tensor) -> None:
-        """B on the update: W <- W_prev + B * (W - W_prev), after an optimizer step changed W."""
-        prev = self.prev.float()
-        weight.copy_(prev + times_b(weight.float() - prev, self.b))
-        self.prev.copy_(weight)
+    def scale_update(self, weight: torch.Tensor, before: torch.Tensor) -> None:
+        """B on the update: W <- W_before + B * (W - W_before), after an optimizer step changed
+        W from `before`."""
+        before = before.float()
+        weight.copy_(before + times_b(weight.float() - before, self.b))
 
     @torch.no_grad()
     def group_amax(self) -> torch.Tensor | None:
@@ -146,8 +151,8 @@ class FakeQuantWeight(nn.Module):
         smoothed = self.b if self.b_unshuffled is None else self.b_unshuffled
         if int(self.refreshes) == 0:
             smoothed.copy_(fit)
-        else:
-            smoothed.mul_(jq.ema).add_(fit, alpha=1 - jq.ema)
+        else:   # in float32 (in place where B is stored so), stored in B's dtype
+            smoothed.copy_(smoothed.float().mul_(jq.ema).add_(fit, alpha=1 - jq.ema))
         if self.b_unshuffled is not None:
             order = torch.randperm(smoothed.numel(), generator=shuffle_generator, device=smoothed.device)
             self.b.copy_(smoothed.flatten()[order].view_as(smoothed))
@@ -274,16 +279,15 @@ def prepare(model: nn.Module, config: QATConfig,
 
 def _unsynced_under_ddp(model: nn.Module) -> None:
     """Tell DDP (which broadcasts rank 0's buffers before every forward) to leave out the
-    buffers that are the same on every rank by construction and as large as the weights: B on
-    the update's `prev` (the weight after the last step), and B itself where no rank-local
-    input moments feed its fit (seeded probes of identical weights). A per-group weighted B
-    keeps the broadcast: its moments come from each rank's own rows."""
+    buffers that are the same on every rank by construction: B where no rank-local input
+    moments feed its fit (seeded probes of identical weights), as large as the weights per
+    element. A per-group weighted B keeps the broadcast: its moments come from each rank's own
+    rows."""
     from torch.nn.parallel import DistributedDataParallel
 
     names = []
     for name, module in model.named_modules():
         if isinstance(module, FakeQuantWeight) and module.b is not None:
-            names += [f"{name}.prev"] if module.prev is not None else []
             names += [f"{name}.b"] if module.moments is None else []
             names += ([f"{name}.b_unshuffled"] if module.moments is None and module.b_unshuffled
                       is not None else [])
@@ -352,40 +356,99 @@ def refresh(model: nn.Module, seed: int, step: int) -> None:
         fq.refresh(original, generator, shuffle_generator)
 
 
-def refresh_hook(model: nn.Module, config: QATConfig, seed: int, record_every: int | None = None):
-    """The training loop's on_step hook of a QAT run. With jacquant it refits B after steps
-    1, 1 + K, 1 + 2K, ... and returns B's statistics as a "jacquant" record (with B on the
-    update it first scales the step just taken by B, every step). With `record_every`, every
-    estimator also returns a "qat" record after every that many steps. Each record the hook
-    returns holds the code flips since its previous one (code_flips). None: nothing to do (no
-    jacquant, no record_every)."""
-    jacquant = config.estimator == "jacquant"
-    if not jacquant and record_every is None:
+def refresh_hook(model: nn.Module, config: QATConfig, seed: int,
+                 record_every: int | None = None) -> QATHook | None:
+    """The training loop's on_step hook of a QAT run (`QATHook`). With jacquant it refits B
+    after steps 1, 1 + K, 1 + 2K, ... and returns B's statistics as a "jacquant" record; with
+    B on the update it must also be attached to the optimizer (`QATHook.attach`), which scales
+    each step's change by B. With `record_every`, every estimator also returns a "qat" record
+    after every that many steps. Each record the hook returns holds the code flips since its
+    previous one (code_flips). None: nothing to do (no jacquant, no record_every)."""
+    if config.estimator != "jacquant" and record_every is None:
         return None
-    every = config.jacquant.refresh_every
-    # B on the update: each prepared weight and its fake quantizer, found once, not every step
-    scaled = ([(module.parametrizations[pname].original, fq)
-               for _, module, pname, fq in fake_quantizers(model)]
-              if jacquant and config.jacquant.b_on == "update" else [])
-    flips = CodeFlips(model)
+    return QATHook(model, config, seed, record_every)
 
-    def hook(step: int):
-        scale_updates(scaled)
-        refit = jacquant and (step - 1) % every == 0
-        if jacquant:
+
+class QATHook:
+    """What a QAT run does around each optimizer step (made by `refresh_hook`):
+
+        hook = refresh_hook(model, config, seed)
+        hook.attach(optimizer)      # B on the update (JacQuant's default); harmless otherwise
+        for step in range(1, steps + 1):
+            ...forward, backward, optimizer.step()...
+            hook(step)              # refits B after steps 1, 1 + K, ...; a record or None
+    """
+
+    def __init__(self, model: nn.Module, config: QATConfig, seed: int, record_every: int | None) -> None:
+        self.model, self.seed, self.record_every = model, seed, record_every
+        self.jacquant = config.estimator == "jacquant"
+        self.every = config.jacquant.refresh_every
+        self.scaling = (UpdateScaling(model) if self.jacquant and config.jacquant.b_on == "update"
+                        else None)
+        self.flips = CodeFlips(model)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Scale `optimizer`'s steps by B, where B acts on the update (UpdateScaling)."""
+        if self.scaling is not None:
+            self.scaling.attach(optimizer)
+
+    def __call__(self, step: int) -> dict | None:
+        if self.scaling is not None and not self.scaling.attached:
+            raise RuntimeError("JacQuant with B on the update scales the optimizer's steps: call "
+                               "hook.attach(optimizer) once before the first step")
+        model = self.model
+        refit = self.jacquant and (step - 1) % self.every == 0
+        if self.jacquant:
             # refit after steps 1, 1 + K, ...; record input moments only during the step before
-            if step % every == 0 or every == 1:
+            if step % self.every == 0 or self.every == 1:
                 _set_observing(model, True)
             if refit:
-                refresh(model, seed, step)
-                if every > 1:
+                refresh(model, self.seed, step)
+                if self.every > 1:
                     _set_observing(model, False)
-        if not refit and (record_every is None or step % record_every):
-            flips.stepped(step)
+        if not refit and (self.record_every is None or step % self.record_every):
+            self.flips.stepped(step)
             return None
         record = {"event": "jacquant", **jacquant_metrics(model)} if refit else {"event": "qat"}
-        return {**record, **flips.since_last(step)}
-    return hook
+        return {**record, **self.flips.since_last(step)}
+
+
+class UpdateScaling:
+    """JacQuant's B on the update: each optimizer step's change of a prepared weight scaled by
+    its B, W <- W_before + B * (W - W_before). `attach(optimizer)` registers two of the
+    optimizer's step hooks: before its step, a copy of the prepared weights (W_before); after
+    it, the scaling (`scale_updates`), which frees the copy. The copy lives only while the
+    optimizer steps, when the activations are gone, so B on the update adds B's own storage to
+    a run's peak memory and nothing else (a copy kept from step to step would add a second set
+    of float32 weights)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.pairs: list[tuple[torch.Tensor, FakeQuantWeight]] = []
+        self.before: list[torch.Tensor] | None = None
+        self.attached = False
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        # each prepared weight (as the optimizer holds it: after any sharding) and its fake
+        # quantizer, found once, not every step
+        self.pairs = [(module.parametrizations[pname].original, fq)
+                      for _, module, pname, fq in fake_quantizers(self.model)]
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if missing := [fq.name for w, fq in self.pairs if id(w) not in stepped]:
+            raise ValueError(f"the optimizer does not step the prepared weight(s) {missing[:3]}; "
+                             "build it on the model after lowbit.qat.prepare")
+        optimizer.register_step_pre_hook(self._copy)
+        optimizer.register_step_post_hook(self._scale)
+        self.attached = True
+
+    @torch.no_grad()
+    def _copy(self, optimizer, args, kwargs) -> None:
+        # a copy of every weight in one multi-tensor pass (x * 1.0 is x, bit for bit)
+        self.before = torch._foreach_mul([w for w, _ in self.pairs], 1.0) if self.pairs else []
+
+    def _scale(self, optimizer, args, kwargs) -> None:
+        before, self.before = self.before, None
+        scale_updates(self.pairs, before)
 
 
 class CodeFlips:
@@ -434,23 +497,21 @@ class CodeFlips:
 
 
 @torch.no_grad()
-def scale_updates(pairs: list[tuple[torch.Tensor, FakeQuantWeight]]) -> None:
-    """FakeQuantWeight.scale_update for every (latent weight, its fake quantizer) pair after
-    an optimizer step. The float32 weights with one B per element (the default) take four
-    multi-tensor passes over all of them at once, W -= prev; W *= B; W += prev; prev = W:
-    the float32 operations of scale_update in its order, so the same bits in a few launches
-    instead of several per weight. The others go one at a time."""
-    fast, rest = [], []
-    for w, fq in pairs:
-        (fast if w.dtype == fq.prev.dtype == torch.float32 and fq.b.shape == w.shape else rest).append((w, fq))
+def scale_updates(pairs: list[tuple[torch.Tensor, FakeQuantWeight]], before: list[torch.Tensor]) -> None:
+    """FakeQuantWeight.scale_update for every (latent weight, its fake quantizer) pair after an
+    optimizer step, `before` holding each weight as it was before the step. The float32 weights
+    with one B per element (the default) take three multi-tensor passes over all of them at
+    once, W -= W_before; W *= B; W += W_before: the float32 operations of scale_update in its
+    order, so the same bits in a few launches instead of several per weight. The others go one
+    at a time."""
+    fast = [i for i, (w, fq) in enumerate(pairs) if w.dtype == torch.float32 and fq.b.shape == w.shape]
     if fast:
-        weights, prevs, bs = [w for w, _ in fast], [fq.prev for _, fq in fast], [fq.b for _, fq in fast]
-        torch._foreach_sub_(weights, prevs)
-        torch._foreach_mul_(weights, bs)
-        torch._foreach_add_(weights, prevs)
-        torch._foreach_copy_(prevs, weights)
-    for weight, fq in rest:
-        fq.scale_update(weight)
+        weights, befores = [pairs[i][0] for i in fast], [before[i] for i in fast]
+        torch._foreach_sub_(weights, befores)
+        torch._foreach_mul_(weights, [pairs[i][1].b for i in fast])
+        torch._foreach_add_(weights, befores)
+    for i in sorted(set(range(len(pairs))) - set(fast)):
+        pairs[i][1].scale_update(pairs[i][0], before[i])
 
 
 def _set_observing(model: nn.Module, on: bool) -> None:

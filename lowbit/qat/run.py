@@ -323,6 +323,7 @@ def _label(qat: QATConfig, lr_multiplier: float = 1.0) -> str:
     if qat.estimator == "jacquant":
         label += ("" if qat.jacquant.per_element else "+group") + ("+grad" if qat.jacquant.b_on == "grad" else "")
         label += "+shuffled" if qat.jacquant.shuffle_b else ""
+        label += "+bf16b" if qat.jacquant.b_dtype == "bfloat16" else ""
     return label + suffix
 
 
@@ -381,7 +382,8 @@ def run_qat(job: QATJob) -> dict:
         if qat.distill:   # the teacher: the source model, as it was before QAT
             loss_fn = distillation(fresh_model(), qat)
         result = train(config, resume=state_of_run != "start", overwrite=job.overwrite, model=model,
-                       data=build_data(config), on_step=hook, loss_fn=loss_fn)
+                       data=build_data(config), on_step=hook, on_optimizer=hook.attach if hook else None,
+                       loss_fn=loss_fn)
         del loss_fn   # the teacher
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)

@@ -46,7 +46,8 @@ FIELDS_FREE_ON_RESUME = frozenset(
 # Fields added after checkpoints were first written whose declared default is not how a run
 # saved before them behaved: such a run resumes with the value here, and only with it
 # (lowbit.config.RunConfig.changed_fields; nested ones inside a dict-valued field too).
-FIELDS_ADDED_LATER = {"fold_inexact": "redo", "qat": {"jacquant": {"shuffle_b": False}}}
+FIELDS_ADDED_LATER = {"fold_inexact": "redo",
+                     "qat": {"jacquant": {"shuffle_b": False, "b_dtype": "float32"}}}
 
 FINE_TUNE_LR = 2e-5
 """The learning rate a trained model (a Hugging Face folder, or a run trained from one) is

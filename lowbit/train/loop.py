@@ -75,6 +75,7 @@ def train(
     data: TrainingData | None = None,
     diagnostics_fn: DiagnosticsFn | None = None,
     on_step: StepHook | None = None,
+    on_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
     loss_fn: LossFn = next_token_loss,
 ) -> RunResult:
     """Train as `config` says, in `<out_dir>/<name>/`, and return the final numbers.
@@ -92,6 +93,9 @@ def train(
         JacQuant's B here. It must draw randomness only from its own seeded generators. A
         returned "stop": True (the same on every rank) ends the run after this step, evaluated
         and checkpointed as its last; the LR schedule stays the one config.max_steps draws.
+    on_optimizer: called once with the run's optimizer, once it is built and any checkpoint's
+        state is in it, before the first step: a QAT run's hook attaches to it here
+        (lowbit.qat.QATHook.attach).
     loss_fn: the training loss, fn(model, (inputs, targets)) (lowbit.train.step.LossFn),
         instead of the model output's .loss; QAT's --distill passes one. Evaluation stays
         cross-entropy.
@@ -108,6 +112,8 @@ def train(
             job = _TrainJob(config, process, run_dir, resume, overwrite, model, data,
                             diagnostics_fn, loss_fn)
             job.on_step = on_step
+            if on_optimizer is not None:
+                on_optimizer(job.optimizer)
             result = job.run()
         # Every rank has finished (rank 0 has written final.json and the plot) before any
         # process group is torn down: a gloo rank that destroys its group while the other
