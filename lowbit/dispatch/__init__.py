@@ -2,6 +2,7 @@
 
     q = dispatch.quantize(x, "nvfp4")                   # what lowbit.quantize is
     x_hat = dispatch.quantize_dequantize(x, spec)       # fake quantization (emulated GEMMs)
+    w_hat, _ = dispatch.grid_fake_quantize(w, s, None, element, 64)   # QAT's, under given scales
     r = dispatch.rotated_fake_quantize(t, spec, signs)  # nvfp4's wgrad operands (RHT + quantize)
     a, a_t = dispatch.quantize_fold(x, spec, transpose_too=True)   # FP8-GEMM operands
 
@@ -29,13 +30,15 @@ from lowbit import kernels
 from lowbit.dispatch import fold_check
 from lowbit.formats import quantize_dequantize as reference_quantize_dequantize
 from lowbit.formats import quantize_with_spec as reference_quantize
+from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.quantize import check_generator, check_input
+from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "rotated_fake_quantize",
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "grid_fake_quantize", "rotated_fake_quantize",
            "quantize_fold", "use_kernels", "force_reference", "reference_forced"]
 
 _force_depth = 0
@@ -93,6 +96,19 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
     if use_kernels(x, spec, codes=False):
         return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
     return reference_quantize_dequantize(x, spec, generator, dtype)
+
+
+def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       element: ElementFormat, group: int, inside: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """QAT's fake-quantized weight under given group scales, (Ŵ in w's dtype, the in-range
+    mask where `inside`): one fused kernel on CUDA (lowbit/kernels/grid_fake_quant.py) for the
+    integer-like grids, else the reference (lowbit.formats.quantize.grid_fake_quantize)."""
+    if (w.is_cuda and not reference_forced() and not element.is_float
+            and kernels.kernels_available(w)):
+        from lowbit.kernels.grid_fake_quant import grid_fake_quantize as kernel
+        return kernel(w, scales, zeros, element, group, inside)
+    return reference_grid_fake_quantize(w, scales, zeros, element, group, inside)
 
 
 def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,

@@ -44,7 +44,8 @@ from lowbit.formats.elements import (
 from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "blocked",
+__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "grid_values",
+           "grid_fake_quantize", "blocked",
            "unblocked", "tensor_scale_of", "tensor_scale_from_amax", "check_input", "check_generator",
            "NVFP4_TENSOR_SCALE_MIN"]
 
@@ -212,6 +213,33 @@ def round_asymmetric(data: torch.Tensor, zeros: torch.Tensor, qmax: float,
     NaN stays NaN; no -0."""
     steps = torch.round(data) if noise is None else torch.floor(data + noise)
     return torch.minimum(torch.maximum(steps, -zeros), qmax - zeros) + 0.0
+
+
+def grid_values(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                element: ElementFormat, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight under given scales, as QAT's forward takes it (scales learned or searched, not
+    each block's own): (v, inside), both float32 / bool shaped like w (..., K). v is the grid
+    value of w / s, s one scale per `group` consecutive inputs (scales (..., K / group)):
+    round_to_grid's (symmetric, `element`) or, with zeros, round_asymmetric's (q - z); inside
+    says whether w / s lies in the grid's range, where clipped STE passes the gradient."""
+    data = w.float().view(*w.shape[:-1], w.shape[-1] // group, group) / scales[..., None]
+    if zeros is None:
+        v, inside = round_to_grid(data, element), data.abs() <= element.max_value
+    else:
+        z = zeros[..., None]
+        v = round_asymmetric(data, z, element.max_value)
+        inside = (data >= -z) & (data <= element.max_value - z)
+    return v.reshape(w.shape), inside.reshape(w.shape)
+
+
+def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       element: ElementFormat, group: int, inside: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(v * s in w's dtype, grid_values' inside or None): QAT's fake-quantized weight, the
+    product in float32 rounded once to w's dtype."""
+    v, in_range = grid_values(w, scales, zeros, element, group)
+    out = (v.view(*w.shape[:-1], w.shape[-1] // group, group) * scales[..., None]).reshape(w.shape)
+    return out.to(w.dtype), (in_range if inside else None)
 
 
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from lowbit.formats.quantize import grid_values
 from lowbit.qat.layers import fake_quantizers
 
 __all__ = ["gptq"]
@@ -110,8 +111,9 @@ def _gptq_matrix(w: torch.Tensor, h: torch.Tensor, fq, damp: float, block: int) 
             g = col // group
             s = scales[:, g]
             z = None if zeros is None else zeros[:, g]
-            v, _ = quantizer.round(w1[:, i] / s, z)
-            q = v * s
+            v, _ = grid_values(w1[:, i, None], s[:, None], None if z is None else z[:, None],
+                               quantizer.element, 1)
+            q = v[:, 0] * s
             q_out[:, col] = q
             err = (w1[:, i] - q) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]

@@ -26,8 +26,8 @@ import torch
 
 from lowbit import dispatch
 from lowbit.formats import QTensor, ScaleKind
-from lowbit.formats.elements import encode, pack_codes, round_to_grid
-from lowbit.formats.quantize import round_asymmetric
+from lowbit.formats.elements import encode, pack_codes
+from lowbit.formats.quantize import grid_values
 from lowbit.formats.weight_format import WeightFormat
 
 __all__ = ["GroupQuantizer", "fake_quantize", "times_b", "MSE_RATIOS"]
@@ -88,16 +88,7 @@ class GroupQuantizer:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(v, inside), both shaped like w: the grid values of w / s (float32; q or q - z) and
         whether w lies in the grid's range (where clipped STE passes the gradient)."""
-        data = self._grouped(w.float()) / scales[..., None]
-        v, inside = self.round(data, None if zeros is None else zeros[..., None])
-        return v.reshape(w.shape), inside.reshape(w.shape)
-
-    def round(self, data: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scaled weights w / s onto the grid: (values, inside the range); zeros broadcast."""
-        if zeros is None:
-            return round_to_grid(data, self.element), data.abs() <= self.qmax
-        return (round_asymmetric(data, zeros, self.qmax),
-                (data >= -zeros) & (data <= self.qmax - zeros))
+        return grid_values(w, scales, zeros, self.element, self.group)
 
     def dequantize(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
         """Ŵ in float32 (grid formats) -- the forward, without its gradient."""
@@ -152,13 +143,18 @@ class _FakeQuantize(torch.autograd.Function):
             inside = w.detach().float().abs() <= q.block_max() if estimator == "clipped-ste" else None
             ctx.save_for_backward(inside, b)
             ctx.grid = None
-        else:
+        elif learn:   # LSQ's gradient needs the grid values too
             v, inside = quantizer.values(w.detach(), scales.detach(), zeros)
-            out = (quantizer._grouped(v) * scales.detach()[..., None]).reshape(w.shape)
-            ctx.save_for_backward(inside, b, v if learn else None, w if learn else None, scales)
+            out = (quantizer._grouped(v) * scales.detach()[..., None]).reshape(w.shape).to(w.dtype)
+            ctx.save_for_backward(inside, b, v, w, scales)
+            ctx.grid = True
+        else:         # one fused pass on a GPU (lowbit.dispatch.grid_fake_quantize)
+            out, inside = dispatch.grid_fake_quantize(w.detach(), scales.detach(), zeros, quantizer.element,
+                                                      quantizer.group, inside=estimator in ("clipped-ste", "lsq"))
+            ctx.save_for_backward(inside, b)
             ctx.grid = True
         ctx.quantizer, ctx.estimator, ctx.learn = quantizer, estimator, learn
-        return out.to(w.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
