@@ -107,7 +107,8 @@ def test_dispatch_runs_the_kernel_on_cuda_only_and_qat_matches_the_reference():
     w, scales = weights((4, 64), 32, element, seed=6)
     out, inside = dispatch.grid_fake_quantize(w, scales, None, element, 32, inside=True)
     ref, ref_inside = grid_fake_quantize(w, scales, None, element, 32, inside=True)
-    assert_bits_equal(out, ref) and torch.equal(inside, ref_inside)
+    assert_bits_equal(out, ref)
+    assert torch.equal(inside, ref_inside)
     # QAT's forward (clipped STE: the mask passes the gradient) on the kernel's path
     q = GroupQuantizer(QATConfig(weights="int2:g32").format, w.shape)
     latent = torch.where(torch.isfinite(w), w, 0.0).to(DEVICE).requires_grad_()
