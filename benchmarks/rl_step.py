@@ -69,7 +69,8 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
            "--max-completion-length", str(args.tokens), "--steps", str(args.steps),
            "--eval-every", "0", "--eval-problems", "8", "--checkpoint-every", str(args.steps),
            "--out-dir", str(runs), "--run-name", name, "--overwrite", "--no-progress",
-           *shlex.split(flags), *(["--data-dir", args.data_dir] if args.data_dir else []),
+           *shlex.split(flags), *shlex.split(args.extra_flags),
+           *(["--data-dir", args.data_dir] if args.data_dir else []),
            *(["--device", "cpu"] if args.smoke else [])]
     t0 = time.perf_counter()
     try:
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4000, help="the BPE tokenizer's entries")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mode")
+    p.add_argument("--extra-flags", default="", help="lowbit rl flags added to every mode, e.g. "
+                   "'--micro-batch-size 32'")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (checks the script)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -146,6 +149,7 @@ def main(argv=None) -> int:
     (out / "rl-step.json").write_text(json.dumps({"meta": meta, "results": {
         "model": args.model, "task": args.task, "prompts": args.prompts,
         "generations": args.generations, "tokens": args.tokens, "steps": args.steps,
+        "extra_flags": args.extra_flags,
         "rows": rows}}, indent=1) + "\n")
     (out / "rl-step.md").write_text(table(rows))
     print(table(rows), end="")
