@@ -88,11 +88,12 @@ def _qat_model(run):
     from lowbit.train.build import build_model
     from lowbit.train.checkpoint import load_checkpoint
     from lowbit.train.config import TrainConfig
+    from lowbit.train.job_record import JobRecord
 
     checkpoint = load_checkpoint(run / "checkpoints" / "latest.pt")
     config = TrainConfig.from_dict(checkpoint["config"])
     model = build_model(config)
-    prepare(model, QATConfig.from_dict(config.qat))
+    prepare(model, QATConfig.from_dict(JobRecord.of_checkpoint(checkpoint).qat))
     model.load_state_dict(checkpoint["model"])
     with torch.no_grad():   # the export stores everything but the packed weights in BF16
         for name, p in model.named_parameters():
@@ -127,7 +128,8 @@ def test_qat_from_a_folder_exports_its_nvfp4_weights_bit_for_bit(llama_folder, t
                  "--out-dir", str(runs)]) == 0, capsys.readouterr().err
     run = runs / f"qat-{llama_folder.name}-nvfp4-ste"
     config = json.loads((run / "config.json").read_text())
-    assert config["init_from"] == str(llama_folder) and config["tokenizer"] == "model"
+    assert json.loads((run / "job.json").read_text())["init_from"] == str(llama_folder)
+    assert config["tokenizer"] == "model"
     assert config["lr"] == 2e-5   # a trained Hugging Face model: fine-tuning's rate, no --lr given
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out), "--no-progress"]) == 0   # nvfp4, modelopt

@@ -532,7 +532,7 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
                  "--out-dir", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
     assert "| ste+kd0.5 |" in capsys.readouterr().out
     (run,) = tmp_path.glob("qat-*-ste+kd0.5")
-    qat = json.loads((run / "config.json").read_text())["qat"]
+    qat = json.loads((run / "job.json").read_text())["qat"]
     assert (qat["distill"], qat["distill_temperature"]) == (0.5, 2.0)
 
 

@@ -107,7 +107,7 @@ def test_two_arms_of_one_comparison_train_at_their_own_learning_rates(tmp_path, 
            for run in tmp_path.glob("qat-*-int2*") if not run.name.endswith("-summary")}
     assert lrs == {"ste": 1e-3, "ste+lrx2": 2e-3, "jacquant+shuffled": 1e-3}
     (run,) = tmp_path.glob("qat-*-jacquant+shuffled")
-    assert json.loads((run / "config.json").read_text())["qat"]["jacquant"]["shuffle_b"] is True
+    assert json.loads((run / "job.json").read_text())["qat"]["jacquant"]["shuffle_b"] is True
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     flips = [(r["event"], r["step"]) for r in records if "qat/code_flips" in r]
     assert flips == [("jacquant", 1), ("jacquant", 3)]   # each refit record (K = 2) holds them
@@ -119,9 +119,9 @@ def test_two_arms_of_one_comparison_train_at_their_own_learning_rates(tmp_path, 
 
 
 def test_a_qat_runs_start_line_names_its_weights_not_bf16():
-    from lowbit.train.config import TrainConfig
+    from lowbit.train import JobRecord, TrainConfig
     from lowbit.train.loop import describe_numerics
 
-    qat = TrainConfig(qat={"weights": "int2:g64", "estimator": "jacquant"})
-    assert describe_numerics(qat) == "QAT int2:g64 with jacquant"
-    assert describe_numerics(TrainConfig(recipe="nvfp4")) == "recipe nvfp4"
+    qat = JobRecord(kind="qat", qat={"weights": "int2:g64", "estimator": "jacquant"})
+    assert describe_numerics(TrainConfig(), qat) == "QAT int2:g64 with jacquant"
+    assert describe_numerics(TrainConfig(recipe="nvfp4"), JobRecord()) == "recipe nvfp4"

@@ -2,8 +2,8 @@
 from a run that stopped or is still running, a source whose config.json was edited, an export
 whose corpus changed since the run, a `lowbit qat` killed while training its cached base run,
 jacquant flags with another estimator, a second qat.convert, lowbit.convert on a model prepared
-for QAT, quantize of a tensor that requires grad or of a meta tensor. docs/reliability.md
-tabulates them.
+for QAT, quantize of a tensor that requires grad or of a meta tensor, a QAT run written before
+job records (job.json). docs/reliability.md tabulates them.
 
 Runs are tiny: stand-in data (tests/pattern_data.py) or a few KB of text, one-layer models, a
 few steps on the CPU.
@@ -12,6 +12,7 @@ few steps on the CPU.
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ from lowbit.cli import build_parser
 from lowbit.formats import FORMATS
 from lowbit.qat import QATConfig, convert, packed_weights, prepare
 from lowbit.qat.cli_args import job_from_args
-from lowbit.train import TrainConfig
-from lowbit.train.checkpoint import load_checkpoint
+from lowbit.train import JobRecord, TrainConfig
+from lowbit.train.checkpoint import load_checkpoint, save_checkpoint
+from lowbit.train.job_record import OLD_CONFIG_KEYS
 from lowbit.train.run_dir import RunDir
 
 
@@ -81,6 +83,7 @@ def test_every_reader_opens_a_run_through_run_dir_open(tmp_path, capsys, pattern
     source = finished_run(tmp_path, "src", 0)
     saved = RunDir(source).open()
     assert saved.config == TrainConfig.from_dict(json.loads((source / "config.json").read_text()))
+    assert saved.job == JobRecord() == JobRecord.from_dict(json.loads((source / "job.json").read_text()))
     assert saved.final == json.loads((source / "final.json").read_text())
     assert saved.state["step"] == 2 and "model.embed_tokens.weight" in saved.state["model"]
     assert RunDir(source).finished and not RunDir(tmp_path / "none").finished
@@ -313,17 +316,138 @@ def test_quantize_refuses_a_meta_tensor_for_every_format(entry):
 
 def test_a_qat_run_saved_before_a_field_existed_still_resumes():
     # a JacQuant run from before the shuffled-B control and B's storage option: its saved
-    # config lacks shuffle_b and b_dtype, which then were off and float32; a resume compares
-    # against those, not against "absent"
+    # job record lacks shuffle_b and b_dtype, which then were off and float32; a resume
+    # compares against those, not against "absent"
     from lowbit.qat import parse_qat_spec
 
     q = parse_qat_spec("int2:g64/jacquant").to_dict()
-    config = TrainConfig(qat=q)
-    old = config.to_dict()
+    job = JobRecord(kind="qat", qat=q)
+    old = job.to_dict()
     old["qat"] = {**q, "jacquant": {k: v for k, v in q["jacquant"].items()
                                     if k not in ("shuffle_b", "b_dtype")}}
-    assert config.changed_fields(old) == []
-    shuffled = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/shuffled").to_dict())
+    assert job.changed_fields(old) == []
+    shuffled = JobRecord(kind="qat", qat=parse_qat_spec("int2:g64/jacquant/shuffled").to_dict())
     assert shuffled.changed_fields(old) and "shuffle_b" in shuffled.changed_fields(old)[0]
-    bf16_b = TrainConfig(qat=parse_qat_spec("int2:g64/jacquant/bf16b").to_dict())
+    bf16_b = JobRecord(kind="qat", qat=parse_qat_spec("int2:g64/jacquant/bf16b").to_dict())
     assert [c.split(":")[0] for c in bf16_b.changed_fields(old)] == ["qat"]
+    # a run saved before job records: the same settings inside its config
+    config = TrainConfig()
+    old_config = {**config.to_dict(), "qat": old["qat"], "init_from": "runs/src",
+                  "init_fingerprint": "ab" * 32}
+    assert TrainConfig.from_dict(old_config) == config and config.changed_fields(old_config) == []
+    assert job.changed_fields(JobRecord.of_checkpoint({"config": old_config}).to_dict()) == []
+    assert bf16_b.changed_fields(JobRecord.of_checkpoint({"config": old_config}).to_dict())
+    plain = {**config.to_dict(), "qat": None, "init_from": None, "init_fingerprint": None}
+    assert JobRecord.of_checkpoint({"config": plain}) == JobRecord()
+    assert JobRecord.of_checkpoint({"config": config.to_dict()}) == JobRecord()   # older still
+
+
+def test_a_job_record_refuses_unknown_fields_and_a_kind_that_does_not_fit_in_one_line():
+    for make, words in ((lambda: JobRecord.from_dict({"kind": "train", "recipe": "bf16"}),
+                         "unknown JobRecord field(s): recipe"),
+                        (lambda: JobRecord(kind="rl"), "job kind must be one of train, qat"),
+                        (lambda: JobRecord(kind="qat"), "QAT settings exactly when its kind is qat"),
+                        (lambda: JobRecord(qat={"weights": "int4"}), "kind 'train' with qat set")):
+        with pytest.raises(ValueError, match=re.escape(words)) as e:
+            make()
+        assert "\n" not in str(e.value)
+
+
+# --- 10. a QAT run written before job records (job.json) ----------------------------------------
+
+def _as_before_job_records(run):
+    """Rewrite a QAT run folder as lowbit wrote it before job records: the job's fields inside
+    config.json and every checkpoint's config (after "recipe", where TrainConfig declared them),
+    no job.json and no "job" in the checkpoints; its QAT settings without the JacQuant options
+    added later, as runs older than those saved them."""
+    job = json.loads((run / "job.json").read_text())
+    job["qat"]["jacquant"] = {k: v for k, v in job["qat"]["jacquant"].items()
+                              if k not in ("shuffle_b", "b_dtype")}
+
+    def old(config):
+        out = {}
+        for key, value in config.items():
+            out[key] = value
+            if key == "recipe":
+                out.update({k: job[k] for k in OLD_CONFIG_KEYS})
+        return out
+
+    (run / "job.json").unlink()
+    (run / "config.json").write_text(json.dumps(old(json.loads((run / "config.json").read_text()))))
+    for path in (run / "checkpoints").glob("*.pt"):
+        state = load_checkpoint(path)
+        del state["job"]
+        state["config"] = old(state["config"])
+        save_checkpoint(state, path)
+
+
+def _assert_same_export(a, b):
+    """The same files; the same tensors, bit for bit, and metadata in the safetensors (whose
+    header's key order varies from one write to the next), the same bytes in the others."""
+    from safetensors import safe_open
+
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and "model.safetensors" in names
+    for name in names:
+        if not name.endswith(".safetensors"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+            continue
+        with safe_open(str(a / name), framework="pt") as x, safe_open(str(b / name), framework="pt") as y:
+            assert x.metadata() == y.metadata() and sorted(x.keys()) == sorted(y.keys())
+            for key in x.keys():   # as bytes: the packed codes, the scales, the BF16 weights
+                assert torch.equal(x.get_tensor(key).view(torch.uint8), y.get_tensor(key).view(torch.uint8)), key
+
+
+def test_a_qat_run_written_before_job_records_opens_exports_and_resumes_exactly(
+        tmp_path, capsys, pattern_data):
+    source = finished_run(tmp_path, "src", 0)
+    qat = [*QAT, "--out-dir", tmp_path / "qat", "--from", source]
+    assert cli(capsys, *qat)[0] == 0
+    run = tmp_path / "qat" / "q-int4-g32-ste"
+    job = JobRecord.from_dict(json.loads((run / "job.json").read_text()))
+    assert (job.kind, job.qat["weights"], job.init_from) == ("qat", "int4:g32", str(source))
+    assert job.init_fingerprint == qat_run.source_fingerprint(source, RunDir(source).open().state["model"])
+    assert not {"qat", "init_from", "init_fingerprint"} & json.loads((run / "config.json").read_text()).keys()
+    whole = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert JobRecord.of_checkpoint(whole) == job and whole["step"] == 4
+    assert _export(capsys, run, tmp_path / "today")[0] == 0
+    _as_before_job_records(run)
+
+    # it opens, its job record read from its config
+    saved = RunDir(run).open()
+    assert saved.config == TrainConfig.from_dict(whole["config"])
+    assert (saved.job.kind, saved.job.init_from, saved.job.init_fingerprint) == (
+        "qat", job.init_from, job.init_fingerprint)
+    assert job.changed_fields(saved.job.to_dict()) == []
+    # it exports as it did, bit for bit
+    assert _export(capsys, run, tmp_path / "before")[0] == 0
+    _assert_same_export(tmp_path / "today", tmp_path / "before")
+    # QAT from it is refused, as from any QAT run
+    code, err = cli(capsys, *QAT, "--out-dir", tmp_path / "qat2", "--from", run)
+    one_line_error(code, err, f"{run} is a QAT run", f"came from ({source})")
+
+    # it resumes from its step-2 checkpoint to the same step 4, bit for bit
+    (step_2,) = (run / "checkpoints").glob("step-*.pt")
+    step_2.replace(run / "checkpoints" / "latest.pt")
+    (run / "final.json").unlink()
+    (run / "quantized.safetensors").unlink()
+    code, err = cli(capsys, *qat, "--resume", "--distill-temperature", "2")
+    one_line_error(code, err, f"cannot resume {run}: the config differs from the checkpoint's in "
+                   f"qat: ", "'distill_temperature': 1.0", f"(see {run / 'config.json'})")
+    code, err = cli(capsys, *QAT, "--out-dir", tmp_path / "qat", "--resume",
+                    "--from", finished_run(tmp_path, "other", 1))
+    one_line_error(code, err, f"cannot resume {run}", "started from other weights", str(source))
+    assert cli(capsys, *qat, "--resume")[0] == 0
+    resumed = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert resumed["step"] == 4 and resumed["train_losses"] == whole["train_losses"]
+    assert resumed["model"].keys() == whole["model"].keys()
+    assert all(torch.equal(resumed["model"][k], whole["model"][k]) for k in whole["model"])
+    # from then on in today's layout
+    assert JobRecord.of_checkpoint(resumed) == job == JobRecord.from_dict(
+        json.loads((run / "job.json").read_text()))
+    assert TrainConfig.from_dict(resumed["config"]).to_dict() == resumed["config"]
+    code, err = cli(capsys, *qat, "--resume", "--distill-temperature", "2")
+    one_line_error(code, err, f"cannot resume {run}: the config differs from the checkpoint's in "
+                   f"qat: ", f"(see {run / 'job.json'})")
+    assert _export(capsys, run, tmp_path / "resumed")[0] == 0
+    _assert_same_export(tmp_path / "today", tmp_path / "resumed")

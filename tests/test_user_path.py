@@ -84,9 +84,10 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
     assert code == 0, err
     qat_run = runs / f"qat-{train_run.name}-{weights.replace(':', '-')}-ste"
     config = json.loads((qat_run / "config.json").read_text())
-    assert config["init_from"] == str(train_run) and config["qat"]["weights"] == weights
+    job = json.loads((qat_run / "job.json").read_text())
+    assert job["init_from"] == str(train_run) and job["qat"]["weights"] == weights
     source = load_checkpoint(train_run / "checkpoints" / "latest.pt")["model"]
-    assert config["init_fingerprint"] == source_fingerprint(train_run, source)
+    assert job["init_fingerprint"] == source_fingerprint(train_run, source)
     assert config["lr"] == 2e-5   # a run trained from a Hugging Face folder: fine-tuning's rate
     qat_losses = [r["loss"] for r in records(qat_run) if r["event"] == "train"]
     assert qat_losses and all(math.isfinite(x) for x in qat_losses)

@@ -52,8 +52,8 @@ def _load_run(saved):
     if (path / "quantized.safetensors").is_file():
         weights = load_qtensors(path / "quantized.safetensors")
     trained = None
-    if config.qat is not None:
-        trained = config.qat["weights"]
+    if saved.job.qat is not None:
+        trained = saved.job.qat["weights"]
         if weights is None:
             raise ValueError(f"{path} is a QAT run without quantized.safetensors (its packed "
                              f"weights, written when the run finishes); finish it with "

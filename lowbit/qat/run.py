@@ -2,8 +2,9 @@
 
 A QAT run is a `lowbit.train` run (the same loop, run folder, checkpoints, exact resume,
 JSONL/TensorBoard logs and plots) whose model starts from a trained run's weights with
-`lowbit.qat.prepare` applied, and whose config records the QAT settings (`TrainConfig.qat`)
-so that resume refuses a change. JacQuant's B is refit in the loop's `on_step` hook.
+`lowbit.qat.prepare` applied, and whose job record (job.json, lowbit.train.job_record.JobRecord)
+holds the QAT settings and the source it started from, so that resume refuses a change of
+either. JacQuant's B is refit in the loop's `on_step` hook.
 
 The source is a finished `lowbit train` run folder (`--from`: its checkpoint's model and config,
 both checksummed; a run without final.json only with `--allow-unfinished`, and never one another
@@ -49,6 +50,7 @@ from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
 from lowbit.train.config import FINE_TUNE_LR, TrainConfig, resolve_device
+from lowbit.train.job_record import JobRecord
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
 from lowbit.train.step import next_token_loss
@@ -234,9 +236,9 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
     saved = RunDir(path).open_train_run(allow_unfinished=True, use="start QAT from")
     checkpoint, config = saved.state, saved.config
     check_config_file(path, checkpoint["config"])
-    if config.qat is not None:
+    if saved.job.kind == "qat":
         raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
-                         f"from ({config.init_from})")
+                         f"from ({saved.job.init_from})")
     if config.recipe != "bf16":
         print(f"lowbit qat: note: {path} was trained with recipe {config.recipe}; QAT starts "
               "from its high-precision master weights")
@@ -286,19 +288,17 @@ def source_fingerprint(path: Path, state: dict | None) -> str:
     return digest.hexdigest()
 
 
-def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int, job: QATJob,
-               name: str, fingerprint: str | None = None, lr_multiplier: float = 1.0) -> TrainConfig:
+def run_config(source: TrainConfig, seed: int, job: QATJob, name: str,
+               lr_multiplier: float = 1.0) -> TrainConfig:
     """The TrainConfig of one QAT run: the source's model and data, QAT's schedule at
-    job.lr (or its default for this source) * lr_multiplier; fingerprint: the source weights'
-    (source_fingerprint)."""
+    job.lr (or its default for this source) * lr_multiplier. (Its QAT settings and source are
+    its job record's: job_record.)"""
     lr = job.lr
     if lr is None:
         # a Hugging Face model's tokenizer is "model" (TrainConfig checks it), saved with the run
         lr = FINE_TUNE_LR if source.tokenizer == "model" else PRETRAINED_BASE_LR
     fields = dict(
-        recipe="bf16", qat=qat.to_dict(), init_from=str(source_path),
-        init_fingerprint=fingerprint, seed=seed,
-        max_steps=job.steps, max_tokens=None, lr=lr * lr_multiplier,
+        recipe="bf16", seed=seed, max_steps=job.steps, max_tokens=None, lr=lr * lr_multiplier,
         warmup_steps=min(job.warmup_steps, job.steps),
         min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
@@ -307,6 +307,13 @@ def run_config(source: TrainConfig, source_path: Path, qat: QATConfig, seed: int
     if job.batch_size is not None:
         fields["batch_size"] = job.batch_size
     return dataclasses.replace(source, **fields)
+
+
+def job_record(qat: QATConfig, source_path: Path, fingerprint: str | None) -> JobRecord:
+    """What made one QAT run: its settings, and the source it starts from with that source's
+    weights' fingerprint (source_fingerprint), which a resume checks."""
+    return JobRecord(kind="qat", qat=qat.to_dict(), init_from=str(source_path),
+                     init_fingerprint=fingerprint)
 
 
 def _label(qat: QATConfig, lr_multiplier: float = 1.0) -> str:
@@ -343,15 +350,15 @@ def run_qat(job: QATJob) -> dict:
         label = _label(qat, multiplier)
         for seed in job.seeds:
             name = _slug(f"{base_name}-{qat.weights}-{label}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
-            plans.append((qat, seed, run_config(source, source_path, qat, seed, job, name,
-                                                fingerprint, multiplier), label))
+            plans.append((qat, seed, run_config(source, seed, job, name, multiplier), label))
     specs = [RunSpec(label, seed, config.name) for _, seed, config, label in plans]
     if len(job.configs) > 1:
         check_specs(specs)   # two estimators of one label would not pair: refused before training
     # every run's folder is checked before the first run trains; with resume, a finished run
     # is taken as it is, an unfinished one resumes, one not begun starts (lowbit.train.compare)
     todo = [] if job.baselines_only else check_run_folders(
-        [(RunDir(Path(c.out_dir) / c.name), c) for _, _, c, _ in plans],
+        [(RunDir(Path(c.out_dir) / c.name), c, job_record(qat, source_path, fingerprint))
+         for qat, _, c, _ in plans],
         resume=job.resume, overwrite=job.overwrite)
     device = resolve_device(job.device)
     data = build_data(source)
@@ -383,7 +390,7 @@ def run_qat(job: QATJob) -> dict:
             loss_fn = distillation(fresh_model(), qat)
         result = train(config, resume=state_of_run != "start", overwrite=job.overwrite, model=model,
                        data=build_data(config), on_step=hook, on_optimizer=hook.attach if hook else None,
-                       loss_fn=loss_fn)
+                       loss_fn=loss_fn, job=job_record(qat, source_path, fingerprint))
         del loss_fn   # the teacher
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)

@@ -7,21 +7,23 @@ run folders, checkpoints, plots.
     result = train(TrainConfig(model="tiny", corpus="tinyshakespeare", max_steps=200))
     print(result.val_loss, result.run_dir)   # runs/tiny-tinyshakespeare-bf16/
 
-A run folder holds config.json, metrics.jsonl, TensorBoard events, checkpoints/latest.pt,
-loss.png and final.json. `train(config, resume=True)` continues it bit for bit.
+A run folder holds config.json, job.json (what made the run: JobRecord), metrics.jsonl,
+TensorBoard events, checkpoints/latest.pt, loss.png and final.json. `train(config,
+resume=True)` continues it bit for bit.
 """
 
 from lowbit.train.compare import (ArmStats, CompareRow, Comparison, RunOutcome, RunSpec,
                                   compare, compare_runs)
 from lowbit.train.build import build_optimizer
 from lowbit.train.config import TrainConfig
+from lowbit.train.job_record import JobRecord
 from lowbit.train.loop import RunResult, TrainingData, evaluate, learning_rate_at, train
 from lowbit.train.plot import plot_runs
 from lowbit.train.runner import NonFiniteLossError, TrainingInterrupted
 from lowbit.train.step import LossFn, StepConfig, TrainStep, next_token_loss
 
 __all__ = [
-    "TrainConfig", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
+    "TrainConfig", "JobRecord", "train", "RunResult", "NonFiniteLossError", "TrainingData", "evaluate",
     "learning_rate_at", "plot_runs", "compare", "Comparison", "CompareRow",
     "compare_runs", "RunSpec", "RunOutcome", "ArmStats", "TrainStep", "StepConfig", "LossFn",
     "next_token_loss", "TrainingInterrupted", "build_optimizer",

@@ -288,7 +288,7 @@ def check_same_data(saved: str | None, current: str | None, where: str | Path) -
 
 def check_same_start(saved: str | None, current: str | None, where: str | Path,
                      source: str | None = None) -> None:
-    """Refuse to resume a run that started from given weights (TrainConfig.init_from: QAT's
+    """Refuse to resume a run that started from given weights (JobRecord.init_from: QAT's
     --from or --model) from other weights: `saved` and `current` are the fingerprints of the
     weights it started from and of those given now (None where unknown); `source` is where the
     run's came from. The same weights moved elsewhere resume."""

@@ -66,8 +66,9 @@ from tqdm import tqdm
 
 from lowbit.train.build import resolve_recipe
 from lowbit.files import write_text_atomic
-from lowbit.train.checkpoint import check_same_start, write_json_atomic
+from lowbit.train.checkpoint import write_json_atomic
 from lowbit.train.config import TrainConfig
+from lowbit.train.job_record import JobRecord
 from lowbit.train.loop import train
 from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.metrics import read_metrics
@@ -526,7 +527,7 @@ def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False,
     answer it returns)."""
     for config in configs:
         resolve_recipe(config.recipe)
-    return check_run_folders([(RunDir(Path(c.out_dir) / c.name), c) for c in configs],
+    return check_run_folders([(RunDir(Path(c.out_dir) / c.name), c, JobRecord()) for c in configs],
                              resume=resume, overwrite=overwrite)
 
 
@@ -539,11 +540,11 @@ def continue_state(run_dir: RunDir) -> str:
     return "resume" if run_dir.checkpoints.exists() else "start"
 
 
-def check_run_folders(folders: Sequence[tuple[RunDir, Any]], *, resume: bool = False,
-                      overwrite: bool = False) -> list[str]:
-    """Check the folder of every run of a comparison, (RunDir, the run's config) each, before
-    the first run starts; returns what each run does: continue_state's answer with resume,
-    else "start".
+def check_run_folders(folders: Sequence[tuple[RunDir, Any] | tuple[RunDir, Any, JobRecord]], *,
+                      resume: bool = False, overwrite: bool = False) -> list[str]:
+    """Check the folder of every run of a comparison, (RunDir, the run's config) each, and its
+    JobRecord third for runs of train() (RunDir.check's job), before the first run starts;
+    returns what each run does: continue_state's answer with resume, else "start".
 
     Refused (one line, naming the folder): a folder another process is writing; without
     resume, one that holds a run (unless overwrite); with resume, a run whose checkpoint has
@@ -551,16 +552,13 @@ def check_run_folders(folders: Sequence[tuple[RunDir, Any]], *, resume: bool = F
     for the config asked for), or one that stopped before its first checkpoint (which offers
     --overwrite). A resume of a comparison none of whose runs has begun is refused as a
     resume of its first run is: a mistyped name must not start afresh."""
-    states = [continue_state(run_dir) if resume else "start" for run_dir, _ in folders]
+    states = [continue_state(run_dir) if resume else "start" for run_dir, *_ in folders]
     if resume and all(state == "start" for state in states):
         states[0] = "resume"   # refused below, with RunDir's words
-    for (run_dir, config), state in zip(folders, states):
+    for (run_dir, config, *job), state in zip(folders, states):
         with run_dir:   # locked only to look
-            checkpoint = run_dir.check(config, resume=state != "start", overwrite=overwrite)
-        if checkpoint is not None:
-            saved = checkpoint["config"]
-            check_same_start(saved.get("init_fingerprint"), getattr(config, "init_fingerprint", None),
-                             run_dir.path, saved.get("init_from"))
+            run_dir.check(config, resume=state != "start", overwrite=overwrite,
+                          job=job[0] if job else None)
     return states
 
 

@@ -4,7 +4,9 @@ One flat dataclass, because a run is one thing: the CLI fills it from flags, `tr
 it, the checkpoint stores it, and `resume` compares it field by field. Every field is
 documented where it is declared, with its `lowbit train` flag if it has one (lowbit.config.flag);
 `__post_init__` rejects bad values with a one-line
-message that says what was wrong and what to do, so the CLI can print it as is.
+message that says what was wrong and what to do, so the CLI can print it as is. What made the
+run rather than how it trains (`lowbit qat`'s settings, the weights it started from) is the
+run's job record beside it (lowbit.train.job_record.JobRecord, job.json).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from lowbit.config import RunConfig, flag, require
+from lowbit.train.job_record import OLD_CONFIG_KEYS
 
 # Fields that can change between a run and its resumption without changing the run itself:
 # they decide what is observed (logs, evals, diagnostics), where data is read from and files
@@ -38,16 +41,14 @@ FIELDS_FREE_ON_RESUME = frozenset(
         "cuda_graph",
         "out_dir",
         "run_name",
-        "init_from",
-        "init_fingerprint",   # checked on its own, with its own message (check_same_start)
     }
 )
 
 # Fields added after checkpoints were first written whose declared default is not how a run
 # saved before them behaved: such a run resumes with the value here, and only with it
-# (lowbit.config.RunConfig.changed_fields; nested ones inside a dict-valued field too).
-FIELDS_ADDED_LATER = {"fold_inexact": "redo",
-                     "qat": {"jacquant": {"shuffle_b": False, "b_dtype": "float32"}}}
+# (lowbit.config.RunConfig.changed_fields). What made the run (QAT's settings, the weights it
+# started from) is not here but in its job record, with its own rules (lowbit.train.job_record).
+FIELDS_ADDED_LATER = {"fold_inexact": "redo"}
 
 FINE_TUNE_LR = 2e-5
 """The learning rate a trained model (a Hugging Face folder, or a run trained from one) is
@@ -229,16 +230,6 @@ class TrainConfig(RunConfig):
         "--recipe", "quantized-training recipe (bf16: none) (default: %(default)s)",
         metavar="NAME"))
     """Quantized-training recipe from lowbit.recipes; "bf16" trains the model as built."""
-    qat: dict | None = None
-    """A QAT run's settings (lowbit.qat.QATConfig.to_dict(): weight format, estimator, ...);
-    None for pretraining. Part of the run: resume refuses a change."""
-    init_from: str | None = None
-    """The run folder whose final weights this run started from (QAT); None: a random init.
-    Only recorded (the weights come from the checkpoint once the run has one)."""
-    init_fingerprint: str | None = None
-    """SHA-256 of the weights the run started from (lowbit.train.checkpoint.content_digest of
-    init_from's); resume refuses other starting weights (check_same_start), so a moved source
-    resumes and another one does not. None: not checked."""
     out_dir: str = field(default="runs", metadata=flag(
         "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
     """Parent folder of run folders."""
@@ -315,6 +306,16 @@ class TrainConfig(RunConfig):
                  f"run_name {self.run_name!r} must be a plain folder name "
                  f"(letters, digits, . _ + -; no slashes)")
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> TrainConfig:
+        """RunConfig.from_dict; a config saved before job records also holds its job's fields
+        (OLD_CONFIG_KEYS), which JobRecord.of_checkpoint reads, so they are left out here."""
+        return super().from_dict(_without_job_fields(fields))
+
+    def changed_fields(self, saved: dict) -> list[str]:
+        """RunConfig.changed_fields, the job's old fields left to the job record's own check."""
+        return super().changed_fields(_without_job_fields(saved))
+
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum_steps * self.seq_len
@@ -346,6 +347,10 @@ def resolve_device(name: str):
     require(not name.startswith("cuda") or torch.cuda.is_available(),
              f"device {name!r} asked for, but CUDA is not available; use --device cpu (or auto)")
     return torch.device(name)
+
+
+def _without_job_fields(saved: dict) -> dict:
+    return {k: v for k, v in saved.items() if k not in OLD_CONFIG_KEYS}
 
 
 def _check_device_name(name: str) -> None:

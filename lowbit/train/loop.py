@@ -34,10 +34,11 @@ from tqdm import tqdm
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
                                 build_optimizer, context_warning, epochs, resolve_recipe,
                                 seed_everything)
-from lowbit.train.checkpoint import check_same_data, check_same_start, set_rng_state
+from lowbit.train.checkpoint import check_same_data, set_rng_state
 from lowbit.train.config import TrainConfig, resolve_device
 from lowbit.train.distributed import Distributed, set_own_cuda_rng_state, setup
 from lowbit.train.fold_policy import FoldPolicy
+from lowbit.train.job_record import JobRecord
 from lowbit.train.run_dir import RunDir
 from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
 from lowbit.train.step import (LossFn, StepConfig, StepResult, TrainStep, learning_rate_at,
@@ -77,11 +78,13 @@ def train(
     on_step: StepHook | None = None,
     on_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
     loss_fn: LossFn = next_token_loss,
+    job: JobRecord | None = None,
 ) -> RunResult:
     """Train as `config` says, in `<out_dir>/<name>/`, and return the final numbers.
 
-    resume: continue the run folder's checkpoint (refused if the folder has none, or if the
-        saved config differs in a field that changes the run).
+    resume: continue the run folder's checkpoint (refused if the folder has none, if the
+        saved config or job record differs in a field that changes the run, or if the run
+        started from other weights).
     overwrite: start over in a run folder that already holds a run (otherwise refused).
     model, data: use these instead of building config.model / config.corpus; the model must
         map (idx, targets) to an output with .loss and .logits, like lowbit.models', and is
@@ -99,6 +102,9 @@ def train(
     loss_fn: the training loss, fn(model, (inputs, targets)) (lowbit.train.step.LossFn),
         instead of the model output's .loss; QAT's --distill passes one. Evaluation stays
         cross-entropy.
+    job: what made the run (lowbit.train.job_record.JobRecord: `lowbit qat`'s settings, the
+        weights it started from), written to the run folder as job.json and into every
+        checkpoint; None: JobRecord(), a training run.
 
     Launched by torchrun, every process calls this: see lowbit.train.distributed.
     """
@@ -109,12 +115,12 @@ def train(
                              f"{process.world_size} processes, which split each micro-batch")
         # the run folder's lock (RunDir.lock) is held from its check to the end of the run
         with RunDir(Path(config.out_dir) / config.name, config.keep_checkpoints) as run_dir:
-            job = _TrainJob(config, process, run_dir, resume, overwrite, model, data,
-                            diagnostics_fn, loss_fn)
-            job.on_step = on_step
+            training = _TrainJob(config, job or JobRecord(), process, run_dir, resume, overwrite,
+                                 model, data, diagnostics_fn, loss_fn)
+            training.on_step = on_step
             if on_optimizer is not None:
-                on_optimizer(job.optimizer)
-            result = job.run()
+                on_optimizer(training.optimizer)
+            result = training.run()
         # Every rank has finished (rank 0 has written final.json and the plot) before any
         # process group is torn down: a gloo rank that destroys its group while the other
         # still works could abort ("terminate called without an active exception", about one
@@ -129,20 +135,16 @@ class _TrainJob:
     """One train() call: built (and resumed) by __init__, trained by run() through the run
     loop (lowbit.train.runner), to which it is the job."""
 
-    def __init__(self, config: TrainConfig, process: Distributed, run_dir: RunDir, resume: bool,
-                 overwrite: bool, model: nn.Module | None, data: TrainingData | None,
+    def __init__(self, config: TrainConfig, job: JobRecord, process: Distributed, run_dir: RunDir,
+                 resume: bool, overwrite: bool, model: nn.Module | None, data: TrainingData | None,
                  diagnostics_fn: DiagnosticsFn | None, loss_fn: LossFn = next_token_loss) -> None:
         # Everything that can refuse the run does so before the run folder is touched.
-        self.config, self.process = config, process
+        self.config, self.job_record, self.process = config, job, process
         device, main = process.device, process.is_main
         recipe = resolve_recipe(config.recipe)
         self.run_dir = run_dir
         warn = (lambda message: print(message, file=sys.stderr)) if main else (lambda message: None)
-        checkpoint = run_dir.check(config, resume, overwrite, warn=warn, lock=main)
-        if checkpoint is not None:
-            saved = checkpoint["config"]
-            check_same_start(saved.get("init_fingerprint"), config.init_fingerprint, run_dir.path,
-                             saved.get("init_from"))
+        checkpoint = run_dir.check(config, resume, overwrite, warn=warn, lock=main, job=job)
         if config.cuda_graph:   # the device and processes; the model's experts once it is built
             refuse_cuda_graph(process)
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
@@ -182,7 +184,7 @@ class _TrainJob:
         self.n_params = sum(p.numel() for p in model.parameters())
         process.barrier()  # every rank has checked the run folder before rank 0 changes it
         if main:
-            removed = self.run_dir.start(config, fresh=checkpoint is None)
+            removed = self.run_dir.start(config, fresh=checkpoint is None, job=job)
             if removed:
                 say(f"removed {len(removed)} temporary file(s) ({sum(n for _, n in removed):,} "
                     f"bytes) left by an interrupted write in {self.run_dir.path}")
@@ -220,8 +222,9 @@ class _TrainJob:
     # ---- the job the run loop drives (lowbit.train.runner.Job) ---------------------------
 
     def describe(self) -> str:
-        return (f"{self.n_params / 1e6:.2f}M parameters, {describe_numerics(self.config)}, "
-                f"{self.process.device}, {self.config.tokens_per_step} tokens/step")
+        numerics = describe_numerics(self.config, self.job_record)
+        return (f"{self.n_params / 1e6:.2f}M parameters, {numerics}, {self.process.device}, "
+                f"{self.config.tokens_per_step} tokens/step")
 
     def step(self, step: int) -> StepOutcome:
         result = self.step_fn(step, self.data.train_batch(step))
@@ -269,7 +272,7 @@ class _TrainJob:
         if not self.process.is_main:   # every rank takes part in gathering; rank 0 writes
             return None
         return {"model": model_state, "optimizer": optimizer_state,
-                "data_fingerprint": self.data_fingerprint,
+                "data_fingerprint": self.data_fingerprint, "job": self.job_record.to_dict(),
                 "consecutive_nonfinite": self.step_fn.nonfinite_run,
                 "train_losses": self.losses,
                 "fold_emulated_layers": self.step_fn.fold.emulated_layers}
@@ -294,11 +297,11 @@ class _TrainJob:
     draw = None   # RunDir.plot's own figure: loss.png
 
 
-def describe_numerics(config: TrainConfig) -> str:
+def describe_numerics(config: TrainConfig, job: JobRecord) -> str:
     """The start line's word on the numerics: the recipe, or a QAT run's weights and estimator
     (its recipe is bf16: QAT fake-quantizes the weights itself)."""
-    if config.qat:
-        return f"QAT {config.qat.get('weights')} with {config.qat.get('estimator')}"
+    if job.qat:
+        return f"QAT {job.qat.get('weights')} with {job.qat.get('estimator')}"
     return f"recipe {config.recipe}"
 
 

@@ -1,6 +1,8 @@
 """A run folder, `<out_dir>/<name>/`: what it holds, and what may be done in it.
 
     config.json          the TrainConfig (written at the start)
+    job.json             what made the run: the job, QAT's settings, the weights it started
+                         from (lowbit.train.job_record.JobRecord; written at the start)
     metrics.jsonl        one record per line (lowbit.train.metrics), TensorBoard events beside
     checkpoints/latest.pt  the last checkpoint, and the ones before it as step-<N>.pt
                          (lowbit.train.checkpoint.CheckpointStore: checksummed, written, then renamed)
@@ -11,7 +13,8 @@
 
 `RunDir.check` refuses, before anything is written, what cannot be done there: a new run in a
 folder that holds one (without overwrite), a resume without a usable checkpoint, or one whose
-saved config differs in a field that changes the run. `RunDir.start` removes the temporary
+saved config or job record differs in a field that changes the run, or whose job started from
+other weights. `RunDir.start` removes the temporary
 files of writes a killed run left behind. Nothing else in the folder is ever touched.
 
 One writer at a time. The process that runs (or resumes, or overwrites) a folder holds an
@@ -22,11 +25,12 @@ killed or not, so a folder is never left locked; the file stays (removing it wou
 processes lock two different files of one name). A process that only reads a finished run
 (`lowbit qat --from`, `lowbit export`) calls `check_free` first: a folder a live run holds is
 refused (its last checkpoint is not the model the run will end with). Such a reader opens the
-run with `RunDir.open`, the one place that reads a run back (config, checkpoint, final record).
+run with `RunDir.open`, the one place that reads a run back (config, job record, checkpoint,
+final record).
 
 Other jobs (lowbit.rl) keep their runs in a RunDir too: they name the files they write, their
 config (a lowbit.config.RunConfig) says which fields a resume may change, and they get the same
-checks and checkpoints.
+checks and checkpoints (they write no job record).
 """
 
 from __future__ import annotations
@@ -41,16 +45,18 @@ from pathlib import Path
 from collections.abc import Callable
 
 from lowbit.config import RunConfig
-from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, checkpoint_path,
-                                     load_checkpoint, remove_temp_files, write_json_atomic)
+from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, check_same_start,
+                                     checkpoint_path, load_checkpoint, remove_temp_files,
+                                     write_json_atomic)
 from lowbit.train.config import TrainConfig
+from lowbit.train.job_record import JOB_FILE, JobRecord
 
 __all__ = ["RunDir", "SavedRun", "PLOT_EVERY_S", "LOCK_FILE"]
 
 PLOT_EVERY_S = 60.0
 LOCK_FILE = ".lowbit.lock"
 
-_FILES = ("config.json", "metrics.jsonl", "final.json", "loss.png")
+_FILES = ("config.json", JOB_FILE, "metrics.jsonl", "final.json", "loss.png")
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class SavedRun:
     """From the checkpoint (checksummed), not from config.json; None for another job's run
     (lowbit rl's), whose checkpoint holds its policy's ModelConfig as "model_config" and its
     tokenizer folder (or None: bytes) as "tokenizer_dir"."""
+    job: JobRecord | None
+    """What made the run (QAT's settings, the weights it started from), from the checkpoint
+    (JobRecord.of_checkpoint: a run saved before job records too); None for another job's run."""
     state: dict           # the newest checkpoint: "model", "optimizer", "step", "config", ...
     final: dict | None    # final.json; None for a run that stopped before its last step
 
@@ -141,14 +150,15 @@ class RunDir:
         self.check_readable(allow_unfinished, use)
         state = load_checkpoint(self.checkpoint)
         if "model_config" in state:   # a lowbit rl run
-            return SavedRun(self.path, None, state, self.final_record())
+            return SavedRun(self.path, None, None, state, self.final_record())
         try:
             config = TrainConfig.from_dict(state["config"])
         except ValueError as e:   # e.g. an RL run saved before its checkpoints held model_config
             raise ValueError(f"{self.path} is not a lowbit train run ({e}); if it is a lowbit rl "
                              f"run from an older lowbit, its checkpoint lacks the policy's "
                              f"model_config, which reading it back needs") from None
-        return SavedRun(self.path, config, state, self.final_record())
+        return SavedRun(self.path, config, JobRecord.of_checkpoint(state), state,
+                        self.final_record())
 
     def check_readable(self, allow_unfinished: bool = False, use: str = "read") -> None:
         """Refuse in one line (ValueError) a folder that holds no run, one a live process holds,
@@ -198,12 +208,15 @@ class RunDir:
                 *self.path.glob("events.out.tfevents.*")]
 
     def check(self, config: RunConfig, resume: bool, overwrite: bool,
-              warn: Callable[[str], None] | None = None, lock: bool = True) -> dict | None:
+              warn: Callable[[str], None] | None = None, lock: bool = True,
+              job: JobRecord | None = None) -> dict | None:
         """Refuse what cannot be done here; return the checkpoint to resume from, or None.
 
         warn(message) hears about each newer checkpoint that was damaged and skipped. lock:
         take the folder's lock first, if the folder exists (start() takes it otherwise); False
-        for the processes of a distributed run that only read it."""
+        for the processes of a distributed run that only read it. job: the run's job record
+        (train()'s runs), which a resume checks as it checks the config, and whose starting
+        weights must be the checkpoint's (check_same_start); None for jobs that keep none."""
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other; pick one")
         for folder in (self.path.parent, self.path, self.checkpoints.folder):
@@ -217,13 +230,13 @@ class RunDir:
             if not self._absent_at_check:
                 self.lock()
         try:
-            return self._checkpoint_to_resume(config, resume, overwrite, warn)
+            return self._checkpoint_to_resume(config, job, resume, overwrite, warn)
         except BaseException:
             self.release()   # a refused run holds no folder
             raise
 
-    def _checkpoint_to_resume(self, config: RunConfig, resume: bool, overwrite: bool,
-                              warn: Callable[[str], None] | None) -> dict | None:
+    def _checkpoint_to_resume(self, config: RunConfig, job: JobRecord | None, resume: bool,
+                              overwrite: bool, warn: Callable[[str], None] | None) -> dict | None:
         if not resume:
             if not overwrite and any(p.exists() for p in self.produced_files()):
                 if not self.checkpoints.exists():
@@ -250,14 +263,25 @@ class RunDir:
                  f"the newest checkpoint that verified")
         checkpoint = loaded.state
         changes = config.changed_fields(checkpoint["config"])
-        if changes:
+        saved_job = None if job is None else JobRecord.of_checkpoint(checkpoint)
+        job_changes = [] if job is None else job.changed_fields(saved_job.to_dict())
+        if changes or job_changes:
+            # a run saved before job records keeps its job's fields in config.json
+            job_file = JOB_FILE if (self.path / JOB_FILE).is_file() else "config.json"
+            files = (["config.json"] if changes else []) + ([job_file] if job_changes else [])
+            see = " and ".join(str(self.path / name) for name in dict.fromkeys(files))
             raise ValueError(f"cannot resume {self.path}: the config differs from the checkpoint's "
-                             f"in {'; '.join(changes)}; use the saved values (see "
-                             f"{self.path / 'config.json'}) or start a new run with --run-name")
+                             f"in {'; '.join(sorted(changes + job_changes))}; use the saved values "
+                             f"(see {see}) or start a new run with --run-name")
+        if job is not None:
+            check_same_start(saved_job.init_fingerprint, job.init_fingerprint, self.path,
+                             saved_job.init_from)
         return checkpoint
 
-    def start(self, config: RunConfig, fresh: bool) -> list[tuple[Path, int]]:
-        """Create the folder and write config.json; a fresh run first removes what an
+    def start(self, config: RunConfig, fresh: bool,
+              job: JobRecord | None = None) -> list[tuple[Path, int]]:
+        """Create the folder and write config.json (and job.json, given the run's job record:
+        a run resumed from before job records gets one too); a fresh run first removes what an
         overwritten one left behind. Every start removes the temporary files of writes a
         killed run left (returned as (path, bytes), for the caller to report). Takes the
         folder's lock if check() could not (the folder did not exist then)."""
@@ -272,6 +296,8 @@ class RunDir:
             for path in self.produced_files():
                 path.unlink(missing_ok=True)
         write_json_atomic(self.path / "config.json", config.to_dict())
+        if job is not None:
+            write_json_atomic(self.path / JOB_FILE, job.to_dict())
         return removed
 
     def save_checkpoint(self, state: dict) -> Path:
