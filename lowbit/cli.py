@@ -236,7 +236,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # lowbit.train's says the step, checkpoint and --resume
         print(f"lowbit: interrupted {e}".rstrip(), file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        if type(e).__name__ != "OutOfMemoryError" or os.environ.get("LOWBIT_DEBUG"):
+            raise
+        print(f"lowbit: error: {out_of_memory_message(args.command, str(e))}", file=sys.stderr)
+        return 1
     return 0
+
+
+OUT_OF_MEMORY_ADVICE = {
+    "rl": "lower --micro-batch-size (the trainer's passes run on that many completions at a "
+          "time, e.g. 16) or --prompts-per-step",
+    "train": "lower --batch-size and raise --grad-accum-steps by the same factor (the same "
+             "tokens per step)",
+    "qat": "lower --batch-size and raise --grad-accum-steps by the same factor (the same "
+           "tokens per step)",
+}
+
+
+def out_of_memory_message(command: str, error: str) -> str:
+    """One line for torch.OutOfMemoryError: what ran out (the error's first two sentences,
+    e.g. "CUDA out of memory. Tried to allocate 10.29 GiB") and what to change."""
+    what = ". ".join(error.split(". ")[:2]).rstrip(".")
+    return f"out of memory ({what}): {OUT_OF_MEMORY_ADVICE.get(command, 'use a smaller --batch-size')}"
 
 
 if __name__ == "__main__":

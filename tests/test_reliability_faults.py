@@ -323,3 +323,22 @@ def test_the_rollout_engine_refuses_a_weight_of_the_wrong_shape_naming_it(moe):
     with pytest.raises(ValueError) as raised:
         engine.load_state_dict({**state, name: torch.zeros(wrong)})
     assert f"{name!r} has shape {wrong}, not the {expected}" in str(raised.value)
+
+
+@pytest.mark.parametrize("command, advice", [("rl", "lower --micro-batch-size"),
+                                             ("train", "raise --grad-accum-steps")])
+def test_out_of_gpu_memory_is_one_line_with_what_to_lower(command, advice, tmp_path, monkeypatch,
+                                                            capsys):
+    # what a 128-completion RL step of a 152k-vocabulary policy met on one H200 (2026-12-05)
+    message = ("CUDA out of memory. Tried to allocate 10.29 GiB. GPU 0 has a total capacity of "
+               "139.80 GiB of which 5.92 GiB is free. Including non-PyTorch memory, ...")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(message)
+
+    monkeypatch.setattr("lowbit.rl.trainer.run_rl", out_of_memory)
+    monkeypatch.setattr("lowbit.train.cli_args.train", out_of_memory)
+    code, err = cli(capsys, command, "--out-dir", tmp_path, "--no-progress")
+    line = one_line_error(code, err, "out of memory (CUDA out of memory. Tried to allocate 10.29 GiB)",
+                          advice, exit_code=1)
+    assert "GPU 0 has" not in line
