@@ -247,6 +247,25 @@ def test_micro_batches_split_the_work_not_the_loss(tmp_path, loss_type):
         _config(tmp_path, micro_batch_size=3)
 
 
+def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path, monkeypatch):
+    """No --micro-batch-size: the largest divisor of the step's completions whose micro-batch
+    holds at most MICRO_BATCH_TOKENS tokens (longest held-out prompt + completion each); a
+    small step runs at once, a budget below it splits it, and the step is the same to float
+    rounding (the split itself is tested above)."""
+    import lowbit.rl.trainer as trainer
+    from lowbit.rl.trainer import GRPOTrainer, auto_micro_batch
+
+    assert auto_micro_batch(128, 284) == 32            # a 0.6B GSM8K step of 128 (16,384 tokens)
+    assert auto_micro_batch(128, 100) == 128 and auto_micro_batch(8, 10**6) == 1
+    assert auto_micro_batch(12, 16_384 // 5) == 4      # 5 fit; 4 is the largest divisor that does
+    kw = dict(steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0)
+    assert GRPOTrainer(_config(tmp_path, run_name="whole", **kw)).micro_batch_size == 8
+    monkeypatch.setattr(trainer, "MICRO_BATCH_TOKENS", 1)           # every completion alone
+    split = GRPOTrainer(_config(tmp_path, run_name="split", **kw))
+    assert split.micro_batch_size == 1 and split.step_fn.config.grad_accum_steps == 8
+    assert "in micro-batches of 1" in split.describe()
+
+
 def test_resume_is_exact(tmp_path):
     straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
     first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))

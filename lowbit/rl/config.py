@@ -114,12 +114,14 @@ class RLConfig(RunConfig):
     """Optimizer steps on each batch of rollouts (PPO epochs; the ratio departs from 1 after the first)."""
     micro_batch_size: int | None = field(default=None, metadata=flag(
         "--micro-batch-size", "completions per forward and backward pass of the trainer (default: "
-        "a step's all at once)", metavar="N"))
+        "as many as hold 16,384 tokens, prompt and completion)", metavar="N"))
     """Completions per trainer pass (verl's micro batch): the no-grad log-prob passes run in
     chunks of this many and each optimizer step accumulates its gradient over micro-batches of
-    this many, so a large model's step fits in memory; None: every completion of a step at once.
-    It must divide prompts_per_step * num_generations. The loss is the same mean (each loss type's
-    normalizer is the whole step's), to float rounding."""
+    this many, so a large model's step fits in memory; None: the largest divisor of the step's
+    completions whose micro-batch holds at most lowbit.rl.trainer.MICRO_BATCH_TOKENS tokens
+    (each counted as the longest held-out prompt plus max_completion_length), which is the
+    whole step for small ones. It must divide prompts_per_step * num_generations. The loss is
+    the same mean (each loss type's normalizer is the whole step's), to float rounding."""
     importance_sampling: str = field(default="none", metadata=flag(
         "--is", f"mismatch correction: {', '.join(IS_LEVELS)} (default: %(default)s)"))
     """Correction for the engine/trainer mismatch: none, token, sequence."""

@@ -70,6 +70,12 @@ __all__ = ["GRPOTrainer", "GRPOLoss", "GRPOBatch", "RLResult", "run_rl", "RLBatc
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 CALIBRATION_PROBLEMS = 32
+MICRO_BATCH_TOKENS = 16_384
+"""Without --micro-batch-size, the trainer's passes take as many completions as hold at most
+this many tokens, each counted as the longest held-out prompt plus --max-completion-length
+(verl's default ppo_max_token_len_per_gpu): a step of few or short completions runs at once,
+and a 0.6B policy's 128 completions of GSM8K run in micro-batches of 32 instead of running out
+of an H200's memory."""
 """Training problems (prompt and reference solution; the warm start's first draw, never the
 held-out set) whose forward through the policy calibrates static activation scales at every
 sync (lowbit.export.calibrate_input_amax)."""
@@ -190,7 +196,9 @@ class GRPOTrainer:
         self.policy.to(self.device)
 
         # a constant LR; the step's completions in micro-batches of micro_batch_size
-        micro = c.micro_batch_size or c.batch_size
+        longest = max(len(self.tokenizer.encode(p.prompt)) for p in self.eval_set)
+        self.micro_batch_size = micro = c.micro_batch_size or auto_micro_batch(
+            c.batch_size, longest + c.max_completion_length)
         step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
                                  weight_decay=c.weight_decay, grad_clip=c.grad_clip)
@@ -310,7 +318,7 @@ class GRPOTrainer:
         the reference policy's log-probs (None without one), each (B, Tc), in passes of
         micro_batch_size completions; routing/agreement into metrics (MoE)."""
         c = self.config
-        micro = c.micro_batch_size or c.batch_size
+        micro = self.micro_batch_size
         logp, entropy, ref_logp, agreement = [], [], [], [0, 0]
         for rows in (slice(i, i + micro) for i in range(0, batch.input_ids.shape[0], micro)):
             with self.step_fn.autocast, replay_routing(
@@ -371,8 +379,10 @@ class GRPOTrainer:
 
     def describe(self) -> str:
         c = self.config
+        micro = ("" if self.micro_batch_size == c.batch_size else
+                 f" in micro-batches of {self.micro_batch_size}")
         return (f"{sum(p.numel() for p in self.policy.parameters()) / 1e6:.2f}M parameters, task "
-                f"{self.task.name}, rollouts {c.setting}, {c.batch_size} completions/step")
+                f"{self.task.name}, rollouts {c.setting}, {c.batch_size} completions/step{micro}")
 
     def step(self, step: int) -> StepOutcome:
         outcome = self.one_step(step)
@@ -488,6 +498,15 @@ class GRPOTrainer:
 
 COLLAPSE_EVALS = 3
 """Evaluations in a row below half the running peak that flag a collapse."""
+
+
+def auto_micro_batch(batch_size: int, tokens_per_completion: int, budget: int | None = None) -> int:
+    """The largest divisor of batch_size whose completions hold at most `budget` tokens
+    (MICRO_BATCH_TOKENS by default; tokens_per_completion each), at least 1: the micro-batch
+    when none is given."""
+    budget = MICRO_BATCH_TOKENS if budget is None else budget
+    fits = max(1, budget // max(1, tokens_per_completion))
+    return max(d for d in range(1, min(batch_size, fits) + 1) if batch_size % d == 0)
 
 
 def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
