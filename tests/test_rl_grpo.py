@@ -255,9 +255,9 @@ def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path
     import lowbit.rl.trainer as trainer
     from lowbit.rl.trainer import GRPOTrainer, auto_micro_batch
 
-    assert auto_micro_batch(128, 284) == 32            # a 0.6B GSM8K step of 128 (16,384 tokens)
-    assert auto_micro_batch(128, 100) == 128 and auto_micro_batch(8, 10**6) == 1
-    assert auto_micro_batch(12, 16_384 // 5) == 4      # 5 fit; 4 is the largest divisor that does
+    assert auto_micro_batch(128, 122 + 128) == 32      # a 0.6B GSM8K step of 128 (8,192 tokens)
+    assert auto_micro_batch(128, 64) == 128 and auto_micro_batch(8, 10**6) == 1
+    assert auto_micro_batch(12, 8_192 // 5) == 4       # 5 fit; 4 is the largest divisor that does
     kw = dict(steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0)
     assert GRPOTrainer(_config(tmp_path, run_name="whole", **kw)).micro_batch_size == 8
     monkeypatch.setattr(trainer, "MICRO_BATCH_TOKENS", 1)           # every completion alone

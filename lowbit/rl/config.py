@@ -114,7 +114,7 @@ class RLConfig(RunConfig):
     """Optimizer steps on each batch of rollouts (PPO epochs; the ratio departs from 1 after the first)."""
     micro_batch_size: int | None = field(default=None, metadata=flag(
         "--micro-batch-size", "completions per forward and backward pass of the trainer (default: "
-        "as many as hold 16,384 tokens, prompt and completion)", metavar="N"))
+        "as many as hold 8,192 tokens, prompt and completion)", metavar="N"))
     """Completions per trainer pass (verl's micro batch): the no-grad log-prob passes run in
     chunks of this many and each optimizer step accumulates its gradient over micro-batches of
     this many, so a large model's step fits in memory; None: the largest divisor of the step's

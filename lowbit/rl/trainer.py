@@ -70,12 +70,12 @@ __all__ = ["GRPOTrainer", "GRPOLoss", "GRPOBatch", "RLResult", "run_rl", "RLBatc
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 CALIBRATION_PROBLEMS = 32
-MICRO_BATCH_TOKENS = 16_384
+MICRO_BATCH_TOKENS = 8_192
 """Without --micro-batch-size, the trainer's passes take as many completions as hold at most
 this many tokens, each counted as the longest held-out prompt plus --max-completion-length
-(verl's default ppo_max_token_len_per_gpu): a step of few or short completions runs at once,
-and a 0.6B policy's 128 completions of GSM8K run in micro-batches of 32 instead of running out
-of an H200's memory."""
+(half verl's default ppo_max_token_len_per_gpu): a step of few or short completions runs at
+once, and a Qwen3-0.6B-sized policy's 128 GSM8K completions of 128 tokens run in micro-batches
+of 32, which fit an H200 where the whole step ran out of memory (2026-12-05)."""
 """Training problems (prompt and reference solution; the warm start's first draw, never the
 held-out set) whose forward through the policy calibrates static activation scales at every
 sync (lowbit.export.calibrate_input_amax)."""
