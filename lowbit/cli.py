@@ -249,8 +249,8 @@ OUT_OF_MEMORY_ADVICE = {
           "time, e.g. 16) or --prompts-per-step",
     "train": "lower --batch-size and raise --grad-accum-steps by the same factor (the same "
              "tokens per step)",
-    "qat": "lower --batch-size and raise --grad-accum-steps by the same factor (the same "
-           "tokens per step)",
+    "qat": "lower --batch-size",
+    "bench": "lower --batch-size, --seq-len or the shapes measured",
 }
 
 
@@ -258,7 +258,7 @@ def out_of_memory_message(command: str, error: str) -> str:
     """One line for torch.OutOfMemoryError: what ran out (the error's first two sentences,
     e.g. "CUDA out of memory. Tried to allocate 10.29 GiB") and what to change."""
     what = ". ".join(error.split(". ")[:2]).rstrip(".")
-    return f"out of memory ({what}): {OUT_OF_MEMORY_ADVICE.get(command, 'use a smaller --batch-size')}"
+    return f"out of memory ({what}): {OUT_OF_MEMORY_ADVICE.get(command, 'free GPU memory, or run on a larger GPU')}"
 
 
 if __name__ == "__main__":

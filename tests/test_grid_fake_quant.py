@@ -69,6 +69,9 @@ def test_asymmetric_grids_take_their_zero_points(bits, dtype):
     ref, ref_inside = grid_fake_quantize(w, scales, zeros, element, 16, inside=True)
     assert_bits_equal(out, ref)
     assert torch.equal(inside.cpu(), ref_inside)
+    # zero points as a QTensor stores them (uint8): the same grid, -z taken in float
+    as_stored, _ = grid_fake_quantize(w, scales, zeros.to(torch.uint8), element, 16)
+    assert_bits_equal(as_stored, ref)
 
 
 def test_three_dimensional_and_non_contiguous_weights():
@@ -99,10 +102,14 @@ def test_the_reference_is_pytorchs_fake_quantizer_under_power_of_two_scales():
     assert torch.equal(ours, theirs.view_as(w))
 
 
-def test_dispatch_runs_the_kernel_on_cuda_only_and_qat_matches_the_reference():
+def test_dispatch_runs_the_kernel_on_cuda_only_and_qat_matches_the_reference(monkeypatch):
+    import lowbit.kernels.grid_fake_quant as module
     from lowbit.qat import QATConfig, fake_quantize
     from lowbit.qat.quantizer import GroupQuantizer
 
+    calls = []
+    monkeypatch.setattr(module, "grid_fake_quantize",
+                        lambda *a, **k: calls.append(a[0].device.type) or kernel(*a, **k))
     element = int_format(2)
     w, scales = weights((4, 64), 32, element, seed=6)
     out, inside = dispatch.grid_fake_quantize(w, scales, None, element, 32, inside=True)
@@ -117,6 +124,7 @@ def test_dispatch_runs_the_kernel_on_cuda_only_and_qat_matches_the_reference():
     ref, ref_inside = grid_fake_quantize(latent.detach().cpu(), scales, None, element, 32, inside=True)
     assert_bits_equal(out.detach(), ref)
     assert torch.equal(latent.grad.cpu(), ref_inside.float())
+    assert calls == (["cuda"] if DEVICE == "cuda" else [])   # the kernel on CUDA, never on the CPU
 
 
 def test_refusals():

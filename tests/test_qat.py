@@ -264,6 +264,18 @@ def test_b_on_the_update_keeps_no_copy_of_the_weights_and_bf16_b_halves_b():
     weights = (64 * 32 + 32 * 64) * 4                        # a and b, float32
     assert persistent_bytes(JacQuantConfig()) == weights     # B per element, float32
     assert persistent_bytes(JacQuantConfig(b_dtype="bfloat16")) == weights // 2
+    torch.manual_seed(1)
+    net = Net()
+    prepare(net, QATConfig(weights="int2:g32", estimator="jacquant"))
+    weight_sized = [n for n, b in net.named_buffers() if b.numel() >= 32 * 64]
+    assert sorted(weight_sized) == ["a.parametrizations.weight.0.b", "b.parametrizations.weight.0.b"]
+    with pytest.raises(ValueError, match="would stop moving"):
+        JacQuantConfig(b_dtype="bfloat16", ema=0.9)
+    hook = refresh_hook(net, QATConfig(weights="int2:g32", estimator="jacquant"), seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    hook.attach(opt)
+    with pytest.raises(ValueError, match="attached to an optimizer already"):
+        hook.attach(opt)
 
 
 def test_bf16_b_is_the_float32_fit_rounded_and_trains_alike():

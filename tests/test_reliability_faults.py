@@ -326,7 +326,8 @@ def test_the_rollout_engine_refuses_a_weight_of_the_wrong_shape_naming_it(moe):
 
 
 @pytest.mark.parametrize("command, advice", [("rl", "lower --micro-batch-size"),
-                                             ("train", "raise --grad-accum-steps")])
+                                             ("train", "raise --grad-accum-steps"),
+                                             ("qat", "lower --batch-size")])
 def test_out_of_gpu_memory_is_one_line_with_what_to_lower(command, advice, tmp_path, monkeypatch,
                                                             capsys):
     # what a 128-completion RL step of a 152k-vocabulary policy met on one H200 (2026-12-05)
@@ -338,6 +339,7 @@ def test_out_of_gpu_memory_is_one_line_with_what_to_lower(command, advice, tmp_p
 
     monkeypatch.setattr("lowbit.rl.trainer.run_rl", out_of_memory)
     monkeypatch.setattr("lowbit.train.cli_args.train", out_of_memory)
+    monkeypatch.setattr("lowbit.qat.cli_args.run_qat", out_of_memory)
     code, err = cli(capsys, command, "--out-dir", tmp_path, "--no-progress")
     line = one_line_error(code, err, "out of memory (CUDA out of memory. Tried to allocate 10.29 GiB)",
                           advice, exit_code=1)

@@ -264,6 +264,11 @@ def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path
     split = GRPOTrainer(_config(tmp_path, run_name="split", **kw))
     assert split.micro_batch_size == 1 and split.step_fn.config.grad_accum_steps == 8
     assert "in micro-batches of 1" in split.describe()
+    # the size chosen is the run's: a resume under another budget keeps it
+    kw.update(steps=2, run_name="kept")
+    run_rl(_config(tmp_path, max_steps_per_session=1, **kw))
+    monkeypatch.setattr(trainer, "MICRO_BATCH_TOKENS", 10**6)
+    assert GRPOTrainer(_config(tmp_path, **kw), resume=True).micro_batch_size == 1
 
 
 def test_resume_is_exact(tmp_path):

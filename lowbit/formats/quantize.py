@@ -226,7 +226,7 @@ def grid_values(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     if zeros is None:
         v, inside = round_to_grid(data, element), data.abs() <= element.max_value
     else:
-        z = zeros[..., None]
+        z = zeros.float()[..., None]        # stored zero points are uint8: -z must not wrap
         v = round_asymmetric(data, z, element.max_value)
         inside = (data >= -z) & (data <= element.max_value - z)
     return v.reshape(w.shape), inside.reshape(w.shape)

@@ -118,7 +118,9 @@ class JacQuantConfig:
         "--b-dtype", "jacquant: how B is stored; bfloat16 halves its memory (per element, as "
         "large as the weights) (default: %(default)s)", choices=("float32", "bfloat16")))
     """B's storage (and the shuffled control's unshuffled B's). The EMA across refits is formed
-    in float32 and rounded to this; bfloat16 keeps B to about 3 significant digits."""
+    in float32 and rounded to this; bfloat16 keeps B to about 3 significant digits, and is
+    refused with an ema above 0.5, where a refit's step of (1 - ema) of the change would round
+    away (B stalls short of the fits: toward 0.8 from 1, at 0.816 for ema 0.9, 0.992 for 0.99)."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
@@ -135,6 +137,10 @@ class JacQuantConfig:
         require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
         require(self.b_dtype in ("float32", "bfloat16"),
                 f"b_dtype must be float32 or bfloat16 (got {self.b_dtype!r})")
+        require(self.b_dtype == "float32" or self.ema <= 0.5,
+                f"a bfloat16 B with --b-ema {self.ema} would stop moving (each refit's step, "
+                f"(1 - ema) of the change, rounds away below half a bfloat16 step); use "
+                f"--b-ema 0.5 or less, or --b-dtype float32")
         require(self.b_on in ("grad", "update"),
                  f"jacquant b_on must be grad or update (got {self.b_on!r})")
 

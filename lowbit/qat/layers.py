@@ -417,10 +417,11 @@ class UpdateScaling:
     """JacQuant's B on the update: each optimizer step's change of a prepared weight scaled by
     its B, W <- W_before + B * (W - W_before). `attach(optimizer)` registers two of the
     optimizer's step hooks: before its step, a copy of the prepared weights (W_before); after
-    it, the scaling (`scale_updates`), which frees the copy. The copy lives only while the
-    optimizer steps, when the activations are gone, so B on the update adds B's own storage to
-    a run's peak memory and nothing else (a copy kept from step to step would add a second set
-    of float32 weights)."""
+    it, the scaling (`scale_updates`), which frees the copy. Between steps B on the update keeps
+    only B; the copy lives while the optimizer steps, when the activations are gone, so it
+    raises a run's peak only where the optimizer step's own memory (weights, gradients, the
+    copy) is above the forward and backward's (a copy kept from step to step, as before, added
+    a second set of float32 weights everywhere)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -429,6 +430,9 @@ class UpdateScaling:
         self.attached = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.attached:
+            raise ValueError("this QAT hook is attached to an optimizer already; attach it once "
+                             "(a second pair of step hooks would scale each step twice)")
         # each prepared weight (as the optimizer holds it: after any sharding) and its fake
         # quantizer, found once, not every step
         self.pairs = [(module.parametrizations[pname].original, fq)

@@ -70,15 +70,17 @@ __all__ = ["GRPOTrainer", "GRPOLoss", "GRPOBatch", "RLResult", "run_rl", "RLBatc
 
 RUN_FILES = ("config.json", "metrics.jsonl", "final.json", "rl.png")   # beside checkpoints/
 CALIBRATION_PROBLEMS = 32
+"""Training problems (prompt and reference solution; the warm start's first draw, never the
+held-out set) whose forward through the policy calibrates static activation scales at every
+sync (lowbit.export.calibrate_input_amax)."""
 MICRO_BATCH_TOKENS = 8_192
 """Without --micro-batch-size, the trainer's passes take as many completions as hold at most
 this many tokens, each counted as the longest held-out prompt plus --max-completion-length
 (half verl's default ppo_max_token_len_per_gpu): a step of few or short completions runs at
 once, and a Qwen3-0.6B-sized policy's 128 GSM8K completions of 128 tokens run in micro-batches
-of 32, which fit an H200 where the whole step ran out of memory (2026-12-05)."""
-"""Training problems (prompt and reference solution; the warm start's first draw, never the
-held-out set) whose forward through the policy calibrates static activation scales at every
-sync (lowbit.export.calibrate_input_amax)."""
+of 32, which fit an H200 where the whole step ran out of memory (2026-12-05). The size chosen
+is saved in the checkpoint, and a resumed run keeps it (one saved before it had none and ran
+whole steps)."""
 NO_SIGNAL_STEPS = 5
 """A run whose first this many steps had equal rewards in every group says so (one warning):
 every advantage was 0, so the rewards have taught the policy nothing."""
@@ -196,9 +198,14 @@ class GRPOTrainer:
         self.policy.to(self.device)
 
         # a constant LR; the step's completions in micro-batches of micro_batch_size
-        longest = max(len(self.tokenizer.encode(p.prompt)) for p in self.eval_set)
-        self.micro_batch_size = micro = c.micro_batch_size or auto_micro_batch(
-            c.batch_size, longest + c.max_completion_length)
+        if c.micro_batch_size is not None:
+            micro = c.micro_batch_size
+        elif checkpoint is not None:   # the size the run chose at its start (none: whole steps)
+            micro = checkpoint.get("micro_batch_size", c.batch_size)
+        else:
+            longest = max(len(self.tokenizer.encode(p.prompt)) for p in self.eval_set)
+            micro = auto_micro_batch(c.batch_size, longest + c.max_completion_length)
+        self.micro_batch_size = micro
         step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
                                  weight_decay=c.weight_decay, grad_clip=c.grad_clip)
@@ -463,6 +470,7 @@ class GRPOTrainer:
         c = self.config
         state = {"model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "data_fingerprint": self.data_fingerprint, "consecutive_nonfinite": 0,
+                 "micro_batch_size": self.micro_batch_size,
                  # what `lowbit export` needs to build the policy without RL's code
                  "model_config": dataclasses.asdict(self.model_config),
                  "tokenizer_dir": c.model if is_model_folder(c.model) else None}
