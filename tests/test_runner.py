@@ -1,6 +1,6 @@
 """The run loop every job plugs into (lowbit.train.runner), driven by a toy job: when it
 evaluates, checkpoints, logs and stops; what a checkpoint holds and how a run resumes from one;
-a session that stops early; a job's stop; NaN/Inf steps; Ctrl-C. `lowbit train` and `lowbit rl`
+a call that stops early; a job's stop; NaN/Inf steps; Ctrl-C. `lowbit train` and `lowbit rl`
 are its two real jobs (tests/test_train.py, tests/test_rl_grpo.py run them)."""
 
 from __future__ import annotations
@@ -104,11 +104,11 @@ def test_the_cadence_and_what_a_run_writes(tmp_path):
 
 def test_a_resume_starts_where_the_checkpoint_left_and_does_not_evaluate_again(tmp_path):
     job = ToyJob()
-    loop, folder = _loop(tmp_path, job, eval_every=2, checkpoint_every=2, session_steps=3)
+    loop, folder = _loop(tmp_path, job, eval_every=2, checkpoint_every=2, steps_this_call=3)
     assert loop.run() == ("result", 3)
-    assert not (folder.path / "final.json").exists()       # a session's end is not the run's
+    assert not (folder.path / "final.json").exists()       # this call's end is not the run's
     checkpoint = load_checkpoint(folder.checkpoint)
-    assert checkpoint["step"] == 3                          # checkpointed at the session's end
+    assert checkpoint["step"] == 3                          # checkpointed at this call's end
     folder.release()
 
     start = Start.of(checkpoint)

@@ -6,9 +6,9 @@ what a step, an evaluation, a checkpoint's contents and the final record are.
 
 What run() does:
   say the start line (resuming or starting, where, at which step, job.describe())
-  until the last step (or the session's last, cadence.session_steps):
+  until the last step (or this call's last, cadence.steps_this_call):
     evaluate when due: every eval_every steps, at a fresh run's step 0, at the last step
-    checkpoint when due: every checkpoint_every steps, at the last, at the session's end
+    checkpoint when due: every checkpoint_every steps, at the last, at this call's end
     outcome = job.step(i)              its events and messages go to the log and the user
     NaN/Inf steps in a row reaching cadence.max_nonfinite: NonFiniteLossError, naming the
       last checkpoint, which is from before them
@@ -92,8 +92,9 @@ class Cadence:
     log_every: int = 1
     max_nonfinite: int = 1
     """NaN/Inf steps in a row that stop the run."""
-    session_steps: int | None = None
-    """Steps this session runs before it stops, checkpointed but not finished (None: to the end)."""
+    steps_this_call: int | None = None
+    """Steps one call of RunLoop.run takes before it returns, the run checkpointed but not
+    finished, for a later --resume (lowbit rl --max-steps-per-session); None: to the end."""
     after_step_every: int = 0
     """Steps between job.after_step calls (0: never)."""
     eval_cost_steps: float = 1.0
@@ -107,7 +108,7 @@ class Start:
     step: int = 0
     records: list[dict] = field(default_factory=list)
     wall_before: float = 0.0
-    """Wall time of the earlier sessions."""
+    """Wall time of the run before this resume."""
     resumed: bool = False
 
     @classmethod
@@ -169,8 +170,9 @@ class Job(Protocol):
 
 
 class RunLoop:
-    """One session of a run: `job` driven at `cadence` from `start`, in `folder` (whose lock the
-    caller holds), `config` being what checkpoints store. With progress off only the start and
+    """A run, or the part of it one call takes (cadence.steps_this_call): `job` driven at
+    `cadence` from `start`, in `folder` (whose lock the caller holds), `config` being what
+    checkpoints store. With progress off only the start and
     done lines print; is_main False (a torchrun rank other than 0) logs and writes nothing."""
 
     def __init__(self, job: Job, folder: RunDir, config: RunConfig, cadence: Cadence,
@@ -190,17 +192,17 @@ class RunLoop:
         return self.folder.checkpoint if self.last_checkpoint_step is not None else None
 
     def run(self):
-        """Run to the last step (or the session's), then return job.finish's result."""
+        """Run to the last step (or this call's last), then return job.finish's result."""
         job, cadence, start, say = self.job, self.cadence, self.start, self.say
         total = cadence.total_steps
-        end = total if cadence.session_steps is None else min(total, start.step + cadence.session_steps)
+        end = total if cadence.steps_this_call is None else min(total, start.step + cadence.steps_this_call)
         self.tell(f"{'resuming' if start.resumed else 'starting'} {self.folder.path} at step "
                   f"{start.step}/{total}: {job.describe()}")
         log = MetricsLog(self.folder.path, start.records, start.step, say) if self.is_main else _NoLog()
         on_terminal = self.progress and sys.stderr.isatty()
         bar = tqdm(total=total, initial=start.step, disable=not on_terminal, unit="step",
                    dynamic_ncols=True)
-        self.t_session = time.perf_counter()
+        self.t_start_call = time.perf_counter()
         window = [0.0, 0]   # step time and steps since the last train record
         clock = _Clock(cadence, start.step)
         step = start.step   # steps completed
@@ -256,15 +258,15 @@ class RunLoop:
             log.close()
         result, final, line = job.finish(step, log.records, self.wall_time_s())
         if self.is_main:
-            if step >= total:   # a session stopped by session_steps is not the end
+            if step >= total:   # a call stopped by steps_this_call is not the end
                 self.folder.write_final(final)
             self.folder.plot(force=True, draw=job.draw)
         self.tell(line)
         return result
 
     def wall_time_s(self) -> float:
-        """The run's wall time, its earlier sessions included."""
-        return self.start.wall_before + time.perf_counter() - self.t_session
+        """The run's wall time, its time before this resume included."""
+        return self.start.wall_before + time.perf_counter() - self.t_start_call
 
     def _checkpoint(self, step: int, log) -> None:
         state = self.job.state()   # on every rank: gathering FSDP's shards is collective
