@@ -60,6 +60,7 @@ from lowbit.train.build import build_optimizer
 from lowbit.train.checkpoint import check_same_data, set_rng_state
 from lowbit.train.config import resolve_device
 from lowbit.train.distributed import Distributed
+from lowbit.train.graphs import split_batch
 from lowbit.train.run_dir import RunDir
 from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
 from lowbit.train.step import StepConfig, TrainStep
@@ -325,22 +326,22 @@ class GRPOTrainer:
         the reference policy's log-probs (None without one), each (B, Tc), in passes of
         micro_batch_size completions; routing/agreement into metrics (MoE)."""
         c = self.config
-        micro = self.micro_batch_size
         logp, entropy, ref_logp, agreement = [], [], [], [0, 0]
-        for rows in (slice(i, i + micro) for i in range(0, batch.input_ids.shape[0], micro)):
-            with self.step_fn.autocast, replay_routing(
-                    self.policy, None if replayed is None else replayed[rows]):
-                logits = self.policy(batch.input_ids[rows]).logits
-            lp, ent = grpo.completion_logprobs(logits, batch.prompt_lengths[rows],
-                                               batch.completions[rows], c.temperature)
+        # the step's micro-batches, as TrainStep splits its batch (lowbit.train.graphs)
+        parts = split_batch((batch.input_ids, batch.prompt_lengths, batch.completions, batch.routed,
+                             replayed), self.step_fn.config.grad_accum_steps)
+        for input_ids, prompt_lengths, completions, routed, replay in parts:
+            with self.step_fn.autocast, replay_routing(self.policy, replay):
+                logits = self.policy(input_ids).logits
+            lp, ent = grpo.completion_logprobs(logits, prompt_lengths, completions, c.temperature)
             logp.append(lp), entropy.append(ent)
-            if batch.routed is not None:
-                counts = routing_agreement_counts(self.policy, batch.routed[rows])
+            if routed is not None:
+                counts = routing_agreement_counts(self.policy, routed)
                 agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
             if self.reference is not None:
-                ref_logits = self.reference(batch.input_ids[rows]).logits
-                ref_logp.append(grpo.completion_logprobs(ref_logits, batch.prompt_lengths[rows],
-                                                         batch.completions[rows], c.temperature)[0])
+                ref_logits = self.reference(input_ids).logits
+                ref_logp.append(grpo.completion_logprobs(ref_logits, prompt_lengths, completions,
+                                                         c.temperature)[0])
         if batch.routed is not None:
             metrics["routing/agreement"] = (None if agreement is None or not agreement[1]
                                             else agreement[0] / agreement[1])
@@ -378,7 +379,7 @@ class GRPOTrainer:
     def run(self) -> RLResult:
         c = self.config
         cadence = Cadence(c.steps, c.eval_every, c.checkpoint_every, c.log_every, max_nonfinite=1,
-                          session_steps=c.max_steps_per_session)
+                          steps_this_call=c.max_steps_per_session)
         try:
             return RunLoop(self, self.folder, c, cadence, self.start, progress=c.progress).run()
         finally:
