@@ -94,8 +94,7 @@ class GroupQuantizer:
         """Ŵ in float32 (grid formats) -- the forward, without its gradient."""
         if self.fmt.data_scaled:
             return dispatch.quantize_dequantize(w.float(), self.spec, dtype=torch.float32)
-        v, _ = self.values(w, scales, zeros)
-        return (self._grouped(v) * scales[..., None]).reshape(w.shape)
+        return dispatch.grid_fake_quantize(w.float(), scales, zeros, self.element, self.group)[0]
 
     def quantize_blocks(self, w: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> QTensor:
         """nvfp4 / mxfp4: w's own block scales, packed. With `tensor_amax` (nvfp4), the

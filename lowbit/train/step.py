@@ -63,7 +63,7 @@ def next_token_loss(model: Callable, batch: tuple) -> torch.Tensor:
 class StepConfig:
     """What the optimizer step needs: the batch, the LR schedule, AdamW's settings, clipping,
     and how the model runs. `lowbit train` and QAT take it from their TrainConfig
-    (StepConfig.of); RL builds its own (a constant LR, one micro-batch)."""
+    (StepConfig.of); RL builds its own (a constant LR, its micro-batches)."""
 
     batch_size: int
     """Rows per micro-batch, over all processes."""
