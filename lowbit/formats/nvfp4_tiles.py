@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from lowbit.formats.elements import E2M1, decode
 
@@ -100,30 +101,42 @@ class NVFP4Tiles:
         return values[..., :n, :k] * (self.row_scales / ROW_BIAS)[..., None]
 
 
+def _slot_table() -> torch.Tensor:
+    """(8, 16) int32: for plane j and code c, the bits c sets in its word (SLOT_BITS' slot
+    j // 2, in lane j % 2; bit 31 is the int32 sign). The planes' bits are disjoint, so a word
+    is the OR of its 8 entries."""
+    table = torch.zeros(8, 16, dtype=torch.int64)
+    for j in range(8):
+        sign_bit, mag_bits = SLOT_BITS[j // 2]
+        for c in range(16):
+            bits = ((c >> 3) & 1) << sign_bit
+            for m, bit in zip((2, 1, 0), mag_bits):
+                bits |= ((c >> m) & 1) << bit
+            table[j, c] = bits << (16 * (j % 2))
+    return torch.where(table >= 2 ** 31, table - 2 ** 32, table).to(torch.int32)
+
+
+_SLOT_TABLE = _slot_table()
+
+
 @torch.no_grad()
 def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: torch.Tensor,
                 in_features: int) -> NVFP4Tiles:
     """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
     block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
-    (on their device, a few elementwise passes)."""
+    on their device: a table lookup a plane, about 30 launches whatever the shape (a weight
+    sync re-lays every layer, so launches are what it costs), and 3 bytes a weight of scratch."""
     lead, n = codes.shape[:-2], codes.shape[-2]
     kp = codes.shape[-1] * 2
     T = -(-kp // TILE_K)
     n_pad = -(-n // ROW_PAD) * ROW_PAD
-    dev = codes.device
-    nib = torch.zeros(*lead, n_pad, T * TILE_K, dtype=torch.int32, device=dev)
-    nib[..., :n, 0:kp:2] = (codes & 15).to(torch.int32)
-    nib[..., :n, 1:kp:2] = (codes >> 4).to(torch.int32)
-    nib = nib.view(*lead, n_pad, T, 8, 16)
-    words = torch.zeros(*lead, n_pad, T, 16, dtype=torch.int32, device=dev)
+    nib = torch.stack((codes & 15, codes >> 4), dim=-1).view(*lead, n, kp)        # uint8 codes
+    nib = F.pad(nib, (0, T * TILE_K - kp, 0, n_pad - n)).view(*lead, n_pad, T, 8, 16)
+    table = _SLOT_TABLE.to(codes.device)
+    words = torch.zeros(*lead, n_pad, T, 16, dtype=torch.int32, device=codes.device)
     for j in range(8):
-        c = nib[..., j, :]
-        base = 16 * (j % 2)
-        sign_bit, mag_bits = SLOT_BITS[j // 2]
-        words |= ((c >> 3) & 1) << (base + sign_bit)      # bit 31 wraps to the int32 sign: fine
-        for m, bit in zip((2, 1, 0), mag_bits):
-            words |= ((c >> m) & 1) << (base + bit)
-    scales = torch.zeros(*lead, n_pad, T * 8, dtype=torch.bfloat16, device=dev)
-    scales[..., :n, :block_scales.shape[-1]] = (block_scales.to(torch.float32) * SCALE_BIAS).to(torch.bfloat16)
+        words |= table[j][nib[..., j, :].long()]
+    scales = F.pad((block_scales.to(torch.float32) * SCALE_BIAS).to(torch.bfloat16),
+                   (0, T * 8 - block_scales.shape[-1], 0, n_pad - n))
     return NVFP4Tiles(words.view(*lead, n_pad, T * 16), scales,
                       row_scales.to(torch.float32) * ROW_BIAS, n, in_features)
