@@ -1,5 +1,7 @@
 """Quantized linear layers, recipes and the converter."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,8 @@ import lowbit
 from lowbit.diagnostics import sqnr_db
 from lowbit.formats import QuantSpec
 from lowbit.models import ModelConfig, build_model
-from lowbit.nn import QuantExperts, QuantLinear, convert_to_quantized_training, quantization_disabled
+from lowbit.nn import (QuantExperts, QuantLinear, convert_to_quantized_training, quantization_disabled,
+                       reuse_weight_operands)
 from lowbit.ops import fake_quantize, gemm_operands, operand, quant_linear, random_hadamard
 from lowbit.ops.compiled import op_key
 from lowbit.recipes import LinearRecipe, get_recipe, recipe_names
@@ -198,6 +201,49 @@ def test_every_parameter_gets_a_gradient(recipe, n_experts):
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "asymmetric", "stable-fp4"])
+def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recipe):
+    # two micro-batches, a no-grad pass and two optimizer steps with the cache and without:
+    # the same losses, gradients and weights; each weight quantized once per update
+    import copy
+
+    from lowbit.rl.trainer_side import asymmetric_qat_recipe
+    base = tiny_model(4)
+    convert_to_quantized_training(base, asymmetric_qat_recipe() if recipe == "asymmetric" else recipe)
+    idx = torch.randint(0, 128, (3, 4, 32), generator=torch.Generator().manual_seed(1))
+    results = []
+    for reuse in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, seen = [], []
+        torch.manual_seed(5)   # stable-fp4's stochastic rounding: the same draws in both
+        with reuse_weight_operands(model) if reuse else contextlib.nullcontext() as cache:
+            for _ in range(2):
+                with torch.no_grad():
+                    losses.append(model(idx[0], idx[0]).loss)
+                for b in (1, 2):
+                    loss = model(idx[b], idx[b]).loss
+                    loss.backward()
+                    losses.append(loss.detach())
+                if cache is not None:
+                    seen.append({k: v[1] for k, v in cache.entries.items()})
+                opt.step()
+                opt.zero_grad()
+        results.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+        if reuse:
+            assert all(m.weight_cache is None for m in model.modules() if hasattr(m, "weight_cache"))
+            assert not cache.entries
+            if recipe == "stable-fp4":   # its forward weight rounds to nearest, reused
+                assert seen[0]
+            # one entry a weight (experts: one an expert), each a new tensor after the update
+            weights = sum(1 if isinstance(m, QuantLinear) else 2 * m.num_experts
+                          for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts)))
+            assert len(seen[0]) == weights and seen[0].keys() == seen[1].keys()
+            assert all(seen[0][k] is not seen[1][k] for k in seen[0])
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
 def test_convert_reports_and_disabling_restores_the_model():

@@ -11,7 +11,8 @@ lowbit.qat.prepare. Both walk the model with `gemm_modules`.)
 stored as 3D tensors (lowbit's models and Hugging Face Qwen3-MoE in transformers 5.x).
 Both keep their parameters in high precision (the master weights); quantization happens in
 each GEMM. `quantization_disabled(model)` turns it off temporarily (to compare against BF16
-on the same weights).
+on the same weights); `reuse_weight_operands(model)` quantizes each forward weight once while
+it is unchanged (passes between optimizer steps: the RL trainer's).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lowbit.models.moe import Experts, grouped_mm_supported
-from lowbit.ops.gemms import compilable
+from lowbit.ops.gemms import WeightOperandCache, compilable
 from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
 __all__ = ["QuantLinear", "QuantExperts", "convert_to_quantized_training", "convert", "gemm_modules",
            "GEMM_KINDS", "ConversionReport", "quantization_disabled",
-           "default_module_filter", "is_experts"]
+           "default_module_filter", "is_experts", "reuse_weight_operands"]
 
 
 class QuantLinear(nn.Linear):
@@ -52,6 +53,7 @@ class QuantLinear(nn.Linear):
         self.linear_recipe = linear_recipe
         self.quantize = True
         self.layer_name = layer_name
+        self.weight_cache: WeightOperandCache | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None,
@@ -65,6 +67,7 @@ class QuantLinear(nn.Linear):
         q.linear_recipe = linear_recipe
         q.quantize = True
         q.layer_name = layer_name
+        q.weight_cache = None
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +75,7 @@ class QuantLinear(nn.Linear):
         if (torch.compiler.is_compiling() and recipe is not None and recipe.is_quantized
                 and not compilable(recipe)):
             return self._forward_eagerly(x)
-        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name)
+        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name, self.weight_cache)
 
     # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
     # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make
@@ -101,9 +104,11 @@ class QuantExperts(Experts):
         self.down_proj = source.down_proj         # (E, C, F)
         self.linear_recipe = linear_recipe
         self.quantize = True
+        self.weight_cache: WeightOperandCache | None = None
 
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
-        return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None)
+        return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None,
+                            cache=self.weight_cache)
 
     def _active_recipe(self) -> LinearRecipe | None:
         recipe = self.linear_recipe if self.quantize else None
@@ -333,3 +338,22 @@ def quantization_disabled(model: nn.Module):
         for m, p in zip(modules, previous):
             m.quantize = p
 
+
+
+@contextlib.contextmanager
+def reuse_weight_operands(model: nn.Module):
+    """Inside, each QuantLinear and QuantExperts of `model` quantizes its forward weight once
+    per version of the weight (lowbit.ops.gemms.WeightOperandCache: an optimizer step or a
+    load makes a new one) instead of once per forward: the same values, fewer launches, one
+    quantized copy of each weight held until the block ends. Eager forwards with
+    round-to-nearest weight specs only; others quantize as usual. Yields the cache."""
+    cache = WeightOperandCache()
+    modules = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
+    for m in modules:
+        m.weight_cache = cache
+    try:
+        yield cache
+    finally:
+        for m in modules:
+            m.weight_cache = None
+        cache.clear()

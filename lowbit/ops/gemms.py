@@ -34,7 +34,8 @@ from lowbit.recipes import LinearRecipe
 
 __all__ = ["fake_quantize", "operand", "shared", "saved_operands", "dgrad_weight",
            "wgrad_operands", "gemm_operands", "kept_operands", "emulated_forward",
-           "emulated_backward", "fp8_forward", "fp8_backward", "compilable", "autocast_operands"]
+           "emulated_backward", "fp8_forward", "fp8_backward", "compilable", "autocast_operands",
+           "WeightOperandCache"]
 
 
 def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
@@ -110,10 +111,12 @@ def kept_operands(r: LinearRecipe, grad_x: bool, grad_w: bool) -> tuple[bool, bo
     return grad_w and shared(r.fprop_x, r.wgrad_x), grad_x and shared(r.fprop_w, r.dgrad_w)
 
 
-def emulated_forward(x, weight, r: LinearRecipe, bias=None):
-    """(Y, the quantized X, the quantized W) of the emulated fprop GEMM. x (N, in)."""
+def emulated_forward(x, weight, r: LinearRecipe, bias=None, w_f=None):
+    """(Y, the quantized X, the quantized W) of the emulated fprop GEMM. x (N, in); w_f: the
+    quantized W where the caller holds it already (WeightOperandCache)."""
     x_f = operand(x, r.fprop_x, reduce_dim=1)                   # (N, in), blocks along in
-    w_f = operand(weight, r.fprop_w, reduce_dim=1)              # (out, in), blocks along in
+    if w_f is None:
+        w_f = operand(weight, r.fprop_w, reduce_dim=1)          # (out, in), blocks along in
     return F.linear(x_f, w_f, bias), x_f, w_f                   # (N, out)
 
 
@@ -193,3 +196,35 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     return x, weight, bias
+
+
+class WeightOperandCache:
+    """Layers' quantized forward weights, each kept while its weight is unchanged, so that the
+    micro-batches and no-grad passes between two optimizer steps quantize it once (the RL
+    trainer's log-prob passes and gradient accumulation: lowbit.nn.reuse_weight_operands).
+
+    `get(master, weight, spec, quantize)` returns quantize(weight), computed once per version
+    of `master` (the parameter, or an expert's view of it: its storage, shape and autograd
+    version counter, which every in-place update bumps -- an optimizer step, load_state_dict)
+    and per dtype of `weight` (master as autocast casts it). Only round-to-nearest specs are
+    reusable (`reusable`): a stochastically rounded operand is drawn afresh each forward. The
+    cached value is detached: gradients go through the layer's straight-through rule, which
+    never reads it."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    @staticmethod
+    def reusable(spec: QuantSpec | None) -> bool:
+        return spec is not None and spec.rounding is Rounding.RNE
+
+    def get(self, master: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, quantize) -> torch.Tensor:
+        where = (master.data_ptr(), tuple(master.shape), master.stride(), weight.dtype, spec)
+        held = self.entries.get(where)
+        if held is None or held[0] != master._version:
+            with torch.no_grad():
+                held = self.entries[where] = (master._version, quantize(weight.detach()))
+        return held[1]
+
+    def clear(self) -> None:
+        self.entries.clear()

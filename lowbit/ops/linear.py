@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from lowbit.dispatch.fold_check import (active_fold_check, active_observer, active_watch,
                                         folding_for)
 from lowbit.ops.compiled import quant_linear_compiled
-from lowbit.ops.gemms import (autocast_operands, compilable, emulated_backward,
-                              emulated_forward, fp8_backward, fp8_forward, kept_operands,
-                              saved_operands)
+from lowbit.ops.gemms import (WeightOperandCache, autocast_operands, compilable,
+                              emulated_backward, emulated_forward, fp8_backward, fp8_forward,
+                              kept_operands, operand, saved_operands)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "QuantLinearFunction", "QuantLinearFP8Function"]
@@ -30,9 +30,10 @@ class QuantLinearFunction(torch.autograd.Function):
     reduction dim, multiplied in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: LinearRecipe):
-        # x: (N, in); weight: (out, in); bias: (out,) or None
-        y, x_f, w_f = emulated_forward(x, weight, recipe, bias)
+    def forward(ctx, x, weight, bias, recipe: LinearRecipe, w_f=None):
+        # x: (N, in); weight: (out, in); bias: (out,) or None; w_f: the quantized weight, if
+        # held already (lowbit.ops.gemms.WeightOperandCache)
+        y, x_f, w_f = emulated_forward(x, weight, recipe, bias, w_f)
         ctx.save_for_backward(*saved_operands(x, weight, recipe, x_f, w_f))
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
@@ -43,7 +44,7 @@ class QuantLinearFunction(torch.autograd.Function):
         x_saved, w_saved = ctx.saved_tensors
         dx, dw = emulated_backward(dy, x_saved, w_saved, ctx.recipe, *ctx.needs_input_grad[:2])
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class QuantLinearFP8Function(torch.autograd.Function):
@@ -87,7 +88,8 @@ class QuantLinearFP8Function(torch.autograd.Function):
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 recipe: LinearRecipe | None, layer: str = "") -> torch.Tensor:
+                 recipe: LinearRecipe | None, layer: str = "",
+                 cache: WeightOperandCache | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
 
     layer: the name watch_chunked_folds() reports when an exact FP8 fold of this layer needs
@@ -100,23 +102,30 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     values it quantized). Under torch.compile the layer is two custom ops, its forward and its
     backward (lowbit.ops.compiled), which the compiler keeps in one graph and fuses around; a
     recipe whose forward operands round stochastically runs eagerly instead, a graph break.
+
+    cache: where an emulated recipe's round-to-nearest forward weight is kept while `weight`
+    is unchanged (lowbit.ops.gemms.WeightOperandCache); eager only, the same values.
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and compilable(recipe):
         return quant_linear_compiled(x, weight, bias, recipe, layer)
-    return _quant_linear(x, weight, bias, recipe, layer)
+    return _quant_linear(x, weight, bias, recipe, layer, cache)
 
 
 @torch.compiler.disable
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  recipe: LinearRecipe, layer: str) -> torch.Tensor:
+                  recipe: LinearRecipe, layer: str, cache: WeightOperandCache | None) -> torch.Tensor:
+    master = weight
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     args = (x.reshape(-1, x.shape[-1]), weight, bias, recipe)
     with torch.autocast(x.device.type, enabled=False):
         if recipe.gemm is Gemm.FP8:
             y = QuantLinearFP8Function.apply(*args, torch.is_grad_enabled(), layer)
+        elif cache is not None and cache.reusable(recipe.fprop_w):
+            w_f = cache.get(master, weight, recipe.fprop_w, lambda w: operand(w, recipe.fprop_w, reduce_dim=1))
+            y = QuantLinearFunction.apply(*args, w_f)
         else:
             y = QuantLinearFunction.apply(*args)
     return y.reshape(*lead, weight.shape[0])

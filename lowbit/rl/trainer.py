@@ -49,6 +49,7 @@ from tqdm import tqdm
 from lowbit.data.tasks import Problem, get_task
 from lowbit.export import calibrate_input_amax
 from lowbit.models import build_model, is_model_folder
+from lowbit.nn import reuse_weight_operands
 from lowbit.rl import grpo
 from lowbit.rl.config import RLConfig
 from lowbit.rl.engine import Rollout, RolloutEngine
@@ -414,7 +415,8 @@ class GRPOTrainer:
         rewards = self.score(problems, rollout)
         batch = self.batch(rollout)
         t2 = time.perf_counter()
-        metrics = self.train_on(step, batch, rewards)
+        with reuse_weight_operands(self.policy):   # QAT's weights quantized once an update
+            metrics = self.train_on(step, batch, rewards)
         if metrics is None:
             self.last_record = {}
             return StepOutcome(nonfinite_in_a_row=1)
