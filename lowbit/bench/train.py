@@ -140,14 +140,14 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         qat = qat_setting(name)
         config = dataclasses.replace(base, recipe="bf16" if qat else name)
         torch.manual_seed(0)
-        net = build_model(config, vocab_size)
+        net = build_model(config, vocab_size).to(dev)   # QAT's first fit of scales runs there
         hook = note = None
         loss_fn = next_token_loss
         if qat is not None:
             from lowbit.qat import distillation, prepare, refresh_hook
 
-            if qat.distill:   # the teacher: the model as it was before QAT, on the device
-                loss_fn = distillation(copy.deepcopy(net).to(dev), qat)
+            if qat.distill:   # the teacher: the model as it was before QAT
+                loss_fn = distillation(copy.deepcopy(net), qat)
             prepare(net, qat)
             hook = refresh_hook(net, qat, seed=0)
         else:
@@ -155,7 +155,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
             if name != "bf16" and not quantized_weights(net):
                 note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
                         f"training")
-        net.to(dev).train()
+        net.train()
         if cuda_graph:
             refuse_cuda_graph(process, net, base.bf16_autocast)
         if process.enabled and parallel == "fsdp":
