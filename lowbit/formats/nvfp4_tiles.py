@@ -117,6 +117,7 @@ def _slot_table() -> torch.Tensor:
 
 
 _SLOT_TABLE = _slot_table()
+_TABLES: dict[torch.device, torch.Tensor] = {}   # the table on each device (no copy a call)
 
 
 @torch.no_grad()
@@ -125,17 +126,19 @@ def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: tor
     """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
     block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
     on their device: a table lookup a plane, about 30 launches whatever the shape (a weight
-    sync re-lays every layer, so launches are what it costs), and 3 bytes a weight of scratch."""
+    sync re-lays every layer, so launches are what it costs), and under 3 bytes a weight of scratch."""
     lead, n = codes.shape[:-2], codes.shape[-2]
     kp = codes.shape[-1] * 2
     T = -(-kp // TILE_K)
     n_pad = -(-n // ROW_PAD) * ROW_PAD
     nib = torch.stack((codes & 15, codes >> 4), dim=-1).view(*lead, n, kp)        # uint8 codes
     nib = F.pad(nib, (0, T * TILE_K - kp, 0, n_pad - n)).view(*lead, n_pad, T, 8, 16)
-    table = _SLOT_TABLE.to(codes.device)
+    table = _TABLES.get(codes.device)
+    if table is None:
+        table = _TABLES[codes.device] = _SLOT_TABLE.to(codes.device)
     words = torch.zeros(*lead, n_pad, T, 16, dtype=torch.int32, device=codes.device)
     for j in range(8):
-        words |= table[j][nib[..., j, :].long()]
+        words |= table[j][nib[..., j, :].int()]
     scales = F.pad((block_scales.to(torch.float32) * SCALE_BIAS).to(torch.bfloat16),
                    (0, T * 8 - block_scales.shape[-1], 0, n_pad - n))
     return NVFP4Tiles(words.view(*lead, n_pad, T * 16), scales,

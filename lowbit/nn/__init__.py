@@ -11,8 +11,8 @@ lowbit.qat.prepare. Both walk the model with `gemm_modules`.)
 stored as 3D tensors (lowbit's models and Hugging Face Qwen3-MoE in transformers 5.x).
 Both keep their parameters in high precision (the master weights); quantization happens in
 each GEMM. `quantization_disabled(model)` turns it off temporarily (to compare against BF16
-on the same weights); `reuse_weight_operands(model)` quantizes each forward weight once while
-it is unchanged (passes between optimizer steps: the RL trainer's).
+on the same weights); `reuse_weight_operands(model, optimizer)` quantizes each forward weight once
+between optimizer steps (the RL trainer's log-prob passes and micro-batches).
 """
 
 from __future__ import annotations
@@ -341,19 +341,23 @@ def quantization_disabled(model: nn.Module):
 
 
 @contextlib.contextmanager
-def reuse_weight_operands(model: nn.Module):
+def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
     """Inside, each QuantLinear and QuantExperts of `model` quantizes its forward weight once
-    per version of the weight (lowbit.ops.gemms.WeightOperandCache: an optimizer step or a
-    load makes a new one) instead of once per forward: the same values, fewer launches, one
-    quantized copy of each weight held until the block ends. Eager forwards with
-    round-to-nearest weight specs only; others quantize as usual. Yields the cache."""
+    between two steps of `optimizer` (lowbit.ops.gemms.WeightOperandCache, cleared by a hook
+    on the optimizer's step) instead of once per forward: the same values, fewer launches, one
+    quantized copy of each weight held until the block ends (2 bytes a parameter under bf16
+    autocast). Eager forwards with round-to-nearest weight specs only; others quantize as
+    usual. Weights must change only through `optimizer` or in-place ops inside the block
+    (load_state_dict); a write through .data goes unseen. Yields the cache."""
     cache = WeightOperandCache()
     modules = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
+    hook = optimizer.register_step_post_hook(lambda *_: cache.clear())
     for m in modules:
         m.weight_cache = cache
     try:
         yield cache
     finally:
+        hook.remove()
         for m in modules:
             m.weight_cache = None
         cache.clear()

@@ -201,25 +201,29 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 class WeightOperandCache:
     """Layers' quantized forward weights, each kept while its weight is unchanged, so that the
     micro-batches and no-grad passes between two optimizer steps quantize it once (the RL
-    trainer's log-prob passes and gradient accumulation: lowbit.nn.reuse_weight_operands).
+    trainer's log-prob passes and gradient accumulation: lowbit.nn.reuse_weight_operands, which
+    clears it at every step of the optimizer it is given).
 
-    `get(master, weight, spec, quantize)` returns quantize(weight), computed once per version
-    of `master` (the parameter, or an expert's view of it: its storage, shape and autograd
-    version counter, which every in-place update bumps -- an optimizer step, load_state_dict)
-    and per dtype of `weight` (master as autocast casts it). Only round-to-nearest specs are
-    reusable (`reusable`): a stochastically rounded operand is drawn afresh each forward. The
-    cached value is detached: gradients go through the layer's straight-through rule, which
-    never reads it."""
+    `get(master, weight, spec, quantize)` returns quantize(weight), computed once per `master`
+    (the parameter, or an expert's view of it: its device, storage, shape and stride) and dtype
+    of `weight` (master as autocast casts it) until `clear()`, or until master's autograd
+    version counter moves (an in-place op outside the optimizer: load_state_dict; fused
+    optimizers and writes through .data do not move it, hence the clearing). Only
+    round-to-nearest specs are reusable (`reusable`): a stochastically rounded operand is drawn
+    afresh each forward; nothing is kept while a CUDA graph is captured (its replays would read
+    a tensor the cache frees). The cached value is detached: gradients go through the layer's
+    straight-through rule, which never reads it."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[int, torch.Tensor]] = {}
 
     @staticmethod
     def reusable(spec: QuantSpec | None) -> bool:
-        return spec is not None and spec.rounding is Rounding.RNE
+        return (spec is not None and spec.rounding is Rounding.RNE
+                and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
     def get(self, master: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, quantize) -> torch.Tensor:
-        where = (master.data_ptr(), tuple(master.shape), master.stride(), weight.dtype, spec)
+        where = (master.device, master.data_ptr(), tuple(master.shape), master.stride(), weight.dtype, spec)
         held = self.entries.get(where)
         if held is None or held[0] != master._version:
             with torch.no_grad():

@@ -415,7 +415,7 @@ class GRPOTrainer:
         rewards = self.score(problems, rollout)
         batch = self.batch(rollout)
         t2 = time.perf_counter()
-        with reuse_weight_operands(self.policy):   # QAT's weights quantized once an update
+        with reuse_weight_operands(self.policy, self.optimizer):   # QAT's weights: once an update
             metrics = self.train_on(step, batch, rewards)
         if metrics is None:
             self.last_record = {}
