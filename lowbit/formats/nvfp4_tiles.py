@@ -125,7 +125,7 @@ def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: tor
                 in_features: int) -> NVFP4Tiles:
     """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
     block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
-    on their device: a table lookup a plane, about 30 launches whatever the shape (a weight
+    on their device: a table lookup a plane, about 50 launches whatever the shape (a weight
     sync re-lays every layer, so launches are what it costs), and under 3 bytes a weight of scratch."""
     lead, n = codes.shape[:-2], codes.shape[-2]
     kp = codes.shape[-1] * 2
