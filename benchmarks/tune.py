@@ -5,7 +5,8 @@ from, to re-run when a kernel, Triton or the GPU changes.
     python benchmarks/tune.py fold [--operands X,dY]        # the one-chunk FP8 fold's two passes
     python benchmarks/tune.py nvfp4 [--rotated] [--amax]    # nvfp4's quantize and RHT kernels
     python benchmarks/tune.py fp8-gemm                      # torch._scaled_mm's scaling modes
-    python benchmarks/tune.py decode                        # the rollout engine's decode GEMV
+    python benchmarks/tune.py engine-gemm                   # the rollout engine's GEMM tiles
+    python benchmarks/tune.py activation                    # its activation pass's warps, RAC on/off
     python benchmarks/tune.py host-overhead [--profile R]   # lowbit's host time per linear
     python benchmarks/tune.py compile-sm90                  # every kernel variant, for sm_90
     python benchmarks/tune.py SWEEP --smoke                 # tiny shapes on the CPU
@@ -31,8 +32,8 @@ import sys
 import time
 import traceback
 
-SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "engine-sass", "host-overhead",
-          "compile-sm90")
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "activation", "engine-sass",
+          "host-overhead", "compile-sm90")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
              "engine-gemm": "tiles of the rollout engine's GEMM (lowbit.kernels.engine_linear) on "
                             "packed NVFP4 weights, 1-256 rows of 1.1B and 8B projections, weights "
                             "streamed from HBM, against cuBLAS bf16 and torch._scaled_mm FP8",
+             "activation": "warps per row of the rollout engine's activation pass "
+                           "(lowbit.kernels.activation_quant: per-token NVFP4, RAC on and off) at "
+                           "decode row counts of 0.6B-8B layers' inputs",
              "host-overhead": "host time of one quantized linear's forward + backward per recipe",
              "engine-sass": "the rollout engine GEMM's sm_90 machine code, compiled on this CPU: "
                             "instructions per weight in each tile's main loop, and its loads",
@@ -76,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--stages", default="3,4", help="num_stages values (default: %(default)s)")
             p.add_argument("--block-ms", default=None,
                            help="BLOCK_M values (default: the default tile's, and 128 from 128 rows)")
+        if name == "activation":
+            p.add_argument("--rows", default="1,16,128,256",
+                           help="comma-separated row counts M (default: %(default)s)")
+            p.add_argument("--warps", default="2,4,8,16,32",
+                           help="num_warps values (default: %(default)s)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -111,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
             device = smoke_or_gpu(args.smoke, f"tune.py {args.sweep}")
             run = {"amax": sweep_amax, "fold": sweep_fold, "nvfp4": sweep_nvfp4,
-                   "fp8-gemm": sweep_fp8_gemm, "engine-gemm": sweep_engine_gemm}[args.sweep]
+                   "fp8-gemm": sweep_fp8_gemm, "engine-gemm": sweep_engine_gemm,
+                   "activation": sweep_activation}[args.sweep]
             results = run(args, device)
     except ValueError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
@@ -551,6 +561,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
         dense_copies = master[:max(2, math.ceil(300e6 / dense_bytes))] if device == "cuda" else master
         for m in rows:
             x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+            x2 = torch.randn(m, k, device=dev, generator=g).to(dtype)   # RAC's residual operand
 
             def per_call(fn, count):
                 ms = gpu_ms(fn, device)
@@ -561,6 +572,8 @@ def sweep_engine_gemm(args, device: str) -> dict:
                    "dense_kernel_ms": per_call(lambda: [engine_linear.linear(x, LinearWeight.dense(w))
                                                         for w in dense_copies], len(dense_copies)),
                    "default_ms": per_call(lambda: [engine_linear.linear(x, w) for w in packed], copies),
+                   "default_x2_ms": per_call(lambda: [engine_linear.linear(x, w, x2=x2) for w in packed],
+                                             copies),
                    "default": str(nvfp4_gemm.nvfp4_tile(m, n, tiles_k))}
             if fp8 is not None and k % 16 == 0 and n % 16 == 0:
                 xq = x.to(torch.float8_e4m3fn)
@@ -583,9 +596,49 @@ def sweep_engine_gemm(args, device: str) -> dict:
             print(f"{name:12} M={m:3}: cuBLAS bf16 {us(row['cublas_ms'])}{gbps(row['cublas_ms'], dense_bytes)}, "
                   f"kernel bf16 {us(row['dense_kernel_ms'])}, nvfp4 default {us(row['default_ms'])}"
                   f"{gbps(row['default_ms'], row['nvfp4_bytes'])}"
+                  + f", with RAC's x2 {us(row['default_x2_ms'])}"
                   + (f", fp8 scaled_mm {us(row['scaled_mm_fp8_ms'])}" if row.get("scaled_mm_fp8_ms") else "")
                   + f"; fastest nvfp4: {top_text(fastest(timings), 2)}", flush=True)
             results[f"{name} M={m}"] = row
+    return results
+
+
+def sweep_activation(args, device: str) -> dict:
+    """lowbit.kernels.activation_quant.quantize_activations (per-token NVFP4 of a linear's input,
+    RAC 25% on and off; one program a row) at each --warps against the default's, on the inputs
+    of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
+    per call (CUDA-graph replay) and whether every count gives the default's bits."""
+    import torch
+
+    from lowbit.kernels.activation_quant import quantize_activations
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ks, rows = (1024, 2048, 3072, 4096, 14336), tuple(int(r) for r in args.rows.split(","))
+    warps = tuple(int(w) for w in args.warps.split(","))
+    if args.smoke:
+        ks, rows, warps = (48,), (1, 3), (2, 4)
+    g = torch.Generator(device=dev).manual_seed(0)
+    results = {}
+    for k in ks:
+        for m in rows:
+            x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+            x[:, ::97] *= 30   # outlier channels, as real activations have
+            for ratio in (0.0, 0.25):
+                ref = quantize_activations(x, "nvfp4", ratio)
+                row = {"K": k, "M": m, "rac": ratio,
+                       "default_ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio), device),
+                       "warps": {}}
+                for w in warps:
+                    def run(w=w):
+                        out = quantize_activations(x, "nvfp4", ratio, num_warps=w)
+                        same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
+                        return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio, num_warps=w),
+                                             device), "same": same}
+                    row["warps"][str(w)] = attempt(run)
+                print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
+                      f"{top_text(fastest(row['warps']), 3)}", flush=True)
+                results[f"K={k} M={m} rac={ratio}"] = row
     return results
 
 

@@ -71,6 +71,14 @@ def test_engine_gemm_sweep_smoke(tune, tmp_path, capsys):
     assert capsys.readouterr().out.count("fastest nvfp4: untimed") == 2
 
 
+def test_activation_sweep_smoke(tune, tmp_path, capsys):
+    results = smoke(tune, tmp_path, "activation")
+    assert set(results) == {f"K=48 M={m} rac={r}" for m in (1, 3) for r in (0.0, 0.25)}
+    for row in results.values():   # every warp count gives the default's bits
+        assert set(row["warps"]) == {"2", "4"} and all(v["same"] for v in row["warps"].values()), row
+    assert capsys.readouterr().out.count("fastest: untimed") == 4
+
+
 def test_nvfp4_sweep_smoke(tune, tmp_path, capsys):
     results = smoke(tune, tmp_path, "nvfp4", "--amax")
     rotated = results["dY^T rht 32x64"]

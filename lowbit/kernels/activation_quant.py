@@ -312,7 +312,8 @@ def _num_warps(block_k: int) -> int:
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
-                         silu_mul: bool = False, input_amax: torch.Tensor | None = None):
+                         silu_mul: bool = False, input_amax: torch.Tensor | None = None,
+                         num_warps: int | None = None):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -327,6 +328,8 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     rac_ratio: RAC's channel fraction in [0, 1] (nvfp4 only).
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
+    num_warps: warps per row instead of the default's (benchmarks/tune.py activation sweeps
+        it; the same bits at any count).
     The prologues round where the engine's eager ops do (see the module doc for how close
     RMSNorm's rsqrt and SiLU's exp come to torch's)."""
     if mode not in ("nvfp4", "fp8", "none"):
@@ -390,6 +393,6 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=RADIX_BITS,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
-            num_warps=_num_warps(block_k),
+            num_warps=num_warps or _num_warps(block_k),
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
