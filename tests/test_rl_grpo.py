@@ -247,6 +247,41 @@ def test_micro_batches_split_the_work_not_the_loss(tmp_path, loss_type):
         _config(tmp_path, micro_batch_size=3)
 
 
+def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(tmp_path, monkeypatch):
+    """With one iteration the update's own forward gives the old log-probs (no no-grad pass):
+    the same loss, gradient and weights as taking them from a separate pass, bit for bit, and
+    the same mismatch, entropy, importance-sampling and routing metrics (to rounding; minima
+    and maxima exactly), over micro-batches, with a reference model and routing replay."""
+    from lowbit.rl.trainer import GRPOTrainer
+
+    kw = dict(steps=2, prompts_per_step=2, num_generations=4, checkpoint_every=0, n_experts=4,
+              warmstart_steps=4, routing_replay=True, micro_batch_size=2, beta=0.04,
+              importance_sampling="token", is_cap=1.2)
+    calls = []
+    original = GRPOTrainer.old_logprobs
+    monkeypatch.setattr(GRPOTrainer, "old_logprobs",
+                        lambda self, *a, **k: calls.append(k.get("policy", True)) or original(self, *a, **k))
+    short = GRPOTrainer(_config(tmp_path, run_name="short", **kw))
+    short_records = [r for r in short.run().records if r["event"] == "train"]
+    monkeypatch.setattr(GRPOTrainer, "separate_old_pass", True)
+    apart = GRPOTrainer(_config(tmp_path, run_name="apart", **kw))
+    apart_records = [r for r in apart.run().records if r["event"] == "train"]
+    assert calls == [False, False, True, True]   # the shortcut's passes: the reference's only
+    for a, b in zip(apart_records, short_records):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key.startswith(("time/", "rollout/tokens_per_s")):
+                continue
+            if (key in ("loss", "grad_norm", "reward") or key.endswith(("/min", "/max"))
+                    or not isinstance(a[key], float)):
+                assert b[key] == a[key], key
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert "routing/agreement" in a and "sampling/importance_sampling_ratio/capped_frac" in a
+    for p, q in zip(apart.policy.parameters(), short.policy.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path, monkeypatch):
     """No --micro-batch-size: the largest divisor of the step's completions whose micro-batch
     holds at most MICRO_BATCH_TOKENS tokens (longest held-out prompt + completion each); a

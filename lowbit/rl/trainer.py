@@ -118,37 +118,65 @@ class GRPOBatch(NamedTuple):
     prompt_lengths: torch.Tensor      # (B,)
     completions: torch.Tensor         # (B, Tc)
     mask: torch.Tensor                # (B, Tc) float: 1 for the tokens in the loss
-    logp_old: torch.Tensor            # (B, Tc) the trainer's log-probs before the update
+    logp_old: torch.Tensor | None     # (B, Tc) the trainer's log-probs before the update; None:
+                                      #   on-policy, the loss's own forward gives them (detached)
     advantages: torch.Tensor          # (B,)
-    is_weights: torch.Tensor | None   # (B, Tc) truncated importance weights, or None
+    is_weights: torch.Tensor | None   # (B, Tc) truncated importance weights, or None (on-policy:
+                                      #   made by the loss from its log-probs)
     ref_logp: torch.Tensor | None     # (B, Tc) the reference policy's log-probs (beta > 0)
     routed: torch.Tensor | None       # (B, T, layers, k) experts to replay, or None
     loss_tokens: torch.Tensor         # (B,) every row: the step's loss tokens / micro-batches
+    rollout_logp: torch.Tensor        # (B, Tc) the engine's log-probs of the sampled tokens
+    engine_routed: torch.Tensor | None   # (B, T, layers, k) the engine's experts (MoE), or None
 
 
 class GRPOLoss:
     """GRPO's clipped policy loss as the step's loss function (lowbit.train.step.LossFn):
     loss_fn(model, GRPOBatch). `policy` is the plain module whose routers replay the batch's
     experts; each call's metrics (clip ratios, KL, ...: means over its loss tokens) are
-    appended to .metrics with that token count, for the caller, which empties it."""
+    appended to .metrics with that token count, for the caller, which empties it
+    (`reduce_metrics`).
 
-    def __init__(self, policy: torch.nn.Module, config: grpo.LossConfig, temperature: float) -> None:
+    On-policy (batch.logp_old None: one optimizer step per rollout batch, num_iterations 1)
+    the policy before the update is the one this forward runs, so its log-probs, detached,
+    are the old ones (as TRL takes them): the importance weights (`importance`: level, mode,
+    cap of grpo.importance_weights), the engine/trainer mismatch, the entropy and the routing
+    agreement are then measured here, per micro-batch, and no separate no-grad pass is run."""
+
+    def __init__(self, policy: torch.nn.Module, config: grpo.LossConfig, temperature: float,
+                 importance: tuple[str, str, float] = ("none", "truncate", 3.0)) -> None:
         self.policy, self.config, self.temperature = policy, config, temperature
+        self.importance = importance
         self.metrics: list[tuple[dict, float]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
         with replay_routing(self.policy, batch.routed):
             logits = model(batch.input_ids).logits
-        logp, _ = grpo.completion_logprobs(logits, batch.prompt_lengths, batch.completions,
-                                           self.temperature)
-        loss, metrics = grpo.policy_loss(logp, batch.logp_old, batch.advantages, batch.mask,
+        logp, entropy = grpo.completion_logprobs(logits, batch.prompt_lengths, batch.completions,
+                                                 self.temperature)
+        logp_old, is_weights, measured = batch.logp_old, batch.is_weights, {}
+        if logp_old is None:
+            logp_old = logp.detach()
+            measured = old_policy_metrics(logp_old, entropy, batch.rollout_logp, batch.mask)
+            is_weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logp, batch.mask,
+                                                             *self.importance)
+            measured.update(is_metrics)
+            if batch.engine_routed is not None:
+                counts = routing_agreement_counts(self.policy, batch.engine_routed)
+                if counts is not None:
+                    measured["routing/agreeing_pairs"], measured["routing/recorded_pairs"] = counts
+        loss, metrics = grpo.policy_loss(logp, logp_old, batch.advantages, batch.mask,
                                          self.config, ref_logp=batch.ref_logp,
-                                         is_weights=batch.is_weights, tokens=batch.loss_tokens[0])
-        self.metrics.append((metrics, float(batch.mask.sum())))
+                                         is_weights=is_weights, tokens=batch.loss_tokens[0])
+        self.metrics.append(({**measured, **metrics}, float(batch.mask.sum())))
         return loss
 
 
 class GRPOTrainer:
+    separate_old_pass = False
+    """True: the no-grad pass for the old log-probs even on-policy (the path with more than one
+    iteration; the on-policy shortcut is tested against it)."""
+
     def __init__(self, config: RLConfig, *, resume: bool = False, overwrite: bool = False) -> None:
         self.config = c = config
         self.run_dir = Path(c.out_dir) / c.name
@@ -214,7 +242,7 @@ class GRPOTrainer:
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
         self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
             c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
-            c.temperature)
+            c.temperature, (c.importance_sampling, c.is_mode, c.is_cap))
         self.step_fn = TrainStep(self.policy, self.optimizer, step_config,
                                  Distributed(device=self.device), loss_fn=self.loss_fn)
 
@@ -289,24 +317,28 @@ class GRPOTrainer:
 
     def train_on(self, step: int, batch: RLBatch, rewards: torch.Tensor) -> dict | None:
         """num_iterations optimizer steps on the step's rollouts: their metrics, or None when
-        one was skipped for a NaN/Inf loss or gradient norm (the run stops there)."""
+        one was skipped for a NaN/Inf loss or gradient norm (the run stops there). With one
+        iteration (on-policy) the old log-probs come from the update's own forward (GRPOLoss);
+        with more, from a no-grad pass first (`old_logprobs`), as every iteration needs them."""
         c, fn = self.config, self.step_fn
         metrics: dict = {}
         advantages = grpo.group_advantages(rewards, c.num_generations, c.scale_rewards).to(self.device)
         replayed = batch.routed if c.routing_replay else None
-        logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics)
-        metrics.update(grpo.mismatch_metrics(batch.rollout_logprobs, logp_old, batch.mask))
-        weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs,
-                                                      batch.mask.float(), c.importance_sampling,
-                                                      c.is_mode, c.is_cap)
-        metrics.update(is_metrics)
-        metrics["entropy"] = float((entropy * batch.mask).sum() / batch.mask.sum().clamp(min=1))
         mask = batch.mask.float()
+        on_policy = c.num_iterations == 1 and not self.separate_old_pass
+        logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics, policy=not on_policy)
+        weights = None
+        if not on_policy:
+            metrics.update(old_policy_metrics(logp_old, entropy, batch.rollout_logprobs, mask))
+            weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs, mask,
+                                                          c.importance_sampling, c.is_mode, c.is_cap)
+            metrics.update(is_metrics)
         # dapo's token mean divides each micro-batch's sum by the step's count / micro-batches
         tokens = mask.sum().clamp(min=1) / fn.config.grad_accum_steps
         step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask,
                                logp_old, advantages, weights, ref_logp, replayed,
-                               tokens.expand(mask.shape[0]))
+                               tokens.expand(mask.shape[0]), batch.rollout_logprobs,
+                               batch.routed if on_policy else None)
         losses, grad_norms = [], []
         for i in range(c.num_iterations):
             self.loss_fn.metrics = []
@@ -316,37 +348,45 @@ class GRPOTrainer:
             losses.append(result.loss), grad_norms.append(result.grad_norm)
             for message in result.messages:
                 self.say(message)
-        metrics.update(token_mean(self.loss_fn.metrics))   # the last iteration's micro-batches
+        metrics.update(reduce_metrics(self.loss_fn.metrics))   # the last iteration's micro-batches
         metrics.update(loss=sum(losses) / len(losses), grad_norm=grad_norms[-1], lr=result.lr)
         return metrics
 
     @torch.no_grad()
-    def old_logprobs(self, batch: RLBatch, replayed: torch.Tensor | None,
-                     metrics: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The sampled tokens' log-probs and entropies under the policy before the update, and
-        the reference policy's log-probs (None without one), each (B, Tc), in passes of
-        micro_batch_size completions; routing/agreement into metrics (MoE)."""
+    def old_logprobs(self, batch: RLBatch, replayed: torch.Tensor | None, metrics: dict,
+                     policy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                   torch.Tensor | None]:
+        """The sampled tokens' log-probs and entropies under the policy before the update
+        (None, None without `policy`), and the reference policy's log-probs (None without
+        one), each (B, Tc), in passes of micro_batch_size completions; routing agreement into
+        metrics (MoE, with `policy`)."""
         c = self.config
+        if not policy and self.reference is None:
+            return None, None, None
         logp, entropy, ref_logp, agreement = [], [], [], [0, 0]
         # the step's micro-batches, as TrainStep splits its batch (lowbit.train.graphs)
         parts = split_batch((batch.input_ids, batch.prompt_lengths, batch.completions, batch.routed,
                              replayed), self.step_fn.config.grad_accum_steps)
         for input_ids, prompt_lengths, completions, routed, replay in parts:
-            with self.step_fn.autocast, replay_routing(self.policy, replay):
-                logits = self.policy(input_ids).logits
-            lp, ent = grpo.completion_logprobs(logits, prompt_lengths, completions, c.temperature)
-            logp.append(lp), entropy.append(ent)
-            if routed is not None:
-                counts = routing_agreement_counts(self.policy, routed)
-                agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
+            if policy:
+                with self.step_fn.autocast, replay_routing(self.policy, replay):
+                    logits = self.policy(input_ids).logits
+                lp, ent = grpo.completion_logprobs(logits, prompt_lengths, completions, c.temperature)
+                logp.append(lp), entropy.append(ent)
+                if routed is not None:
+                    counts = routing_agreement_counts(self.policy, routed)
+                    agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
             if self.reference is not None:
                 ref_logits = self.reference(input_ids).logits
                 ref_logp.append(grpo.completion_logprobs(ref_logits, prompt_lengths, completions,
                                                          c.temperature)[0])
-        if batch.routed is not None:
+        if policy and batch.routed is not None:
             metrics["routing/agreement"] = (None if agreement is None or not agreement[1]
                                             else agreement[0] / agreement[1])
-        return torch.cat(logp), torch.cat(entropy), torch.cat(ref_logp) if ref_logp else None
+        ref = torch.cat(ref_logp) if ref_logp else None
+        if not policy:
+            return None, None, ref
+        return torch.cat(logp), torch.cat(entropy), ref
 
     def sync(self) -> None:
         """The trainer's weights to the engine (the engine copies and quantizes them); for
@@ -530,13 +570,40 @@ def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
     return peak > 0 and all(a < peak / 2 for a in accuracies[-evals:])
 
 
-def token_mean(parts: list[tuple[dict, float]]) -> dict:
-    """Per-token means of several micro-batches' metrics, each (metrics, its token count): the
-    step's means (one micro-batch's, as they are)."""
-    if len(parts) == 1:
-        return {k: v for k, v in parts[0][0].items() if k != "nonfinite_loss"}
-    total = sum(n for _, n in parts) or 1.0
-    return {k: sum(m[k] * n for m, n in parts) / total for k in parts[0][0] if k != "nonfinite_loss"}
+def old_policy_metrics(logp_old: torch.Tensor, entropy: torch.Tensor, rollout_logp: torch.Tensor,
+                       mask: torch.Tensor) -> dict:
+    """The engine/trainer mismatch (grpo.mismatch_metrics) and the mean entropy of the policy
+    before the update, over the loss tokens of `mask`."""
+    metrics = grpo.mismatch_metrics(rollout_logp, logp_old, mask)
+    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+def reduce_metrics(parts: list[tuple[dict, float]]) -> dict:
+    """Several micro-batches' metrics, each (metrics, its loss-token count), as the step's:
+    `/min` and `/max` keys their min and max (over micro-batches with tokens), the routing
+    pair counts summed into `routing/agreement`, every other key its per-token mean. One
+    micro-batch's are returned as they are."""
+    parts = [(dict(m), n) for m, n in parts]
+    for m, _ in parts:
+        m.pop("nonfinite_loss", None)
+    out: dict = {}
+    keys = dict.fromkeys(k for m, _ in parts for k in m)
+    for k in keys:
+        having = [(m[k], n) for m, n in parts if k in m]
+        if k.endswith(("/min", "/max")):
+            values = [v for v, n in having if n > 0] or [v for v, _ in having]
+            out[k] = min(values) if k.endswith("/min") else max(values)
+        elif k.startswith("routing/") and k.endswith("_pairs"):
+            out[k] = sum(v for v, _ in having)
+        else:
+            total = sum(n for _, n in having)
+            out[k] = (sum(v * n for v, n in having) / total if total else
+                      sum(v for v, _ in having) / len(having))
+    if "routing/recorded_pairs" in out:
+        agree, recorded = out.pop("routing/agreeing_pairs"), out.pop("routing/recorded_pairs")
+        out["routing/agreement"] = agree / recorded if recorded else None
+    return out
 
 
 def calibration_batches(sequences: list[list[int]]) -> list[torch.Tensor]:
