@@ -339,7 +339,6 @@ def quantization_disabled(model: nn.Module):
             m.quantize = p
 
 
-
 @contextlib.contextmanager
 def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
     """Inside, each QuantLinear and QuantExperts of `model` quantizes its forward weight once

@@ -596,6 +596,8 @@ def reduce_metrics(parts: list[tuple[dict, float]]) -> dict:
             out[k] = min(values) if k.endswith("/min") else max(values)
         elif k.startswith("routing/") and k.endswith("_pairs"):
             out[k] = sum(v for v, _ in having)
+        elif len(having) == 1:
+            out[k] = having[0][0]
         else:
             total = sum(n for _, n in having)
             out[k] = (sum(v * n for v, n in having) / total if total else
