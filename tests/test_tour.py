@@ -1,29 +1,15 @@
 """README's tour, run as written and in its order on the CPU, each command shortened by flags
-appended to it (argparse takes the last value): a command that needs the run an earlier one
-left (`--resume`, `lowbit plot`, `lowbit export`) finds it where the tour says. The commands
-marked "one GPU" are skipped; the tour's placeholders (model.safetensors, path/to/hf-model) are
-made first: a random tensor and a tiny random Llama folder."""
+appended to it (tests/doc_commands.py; argparse takes the last value): a command that needs the
+run an earlier one left (`--resume`, `lowbit plot`, `lowbit export`) finds it where the tour
+says. The commands marked "one GPU" are skipped; the tour's placeholders (model.safetensors,
+path/to/hf-model) are made first: a random tensor and a tiny random Llama folder."""
 
-import glob
 import re
 
 import torch
+from doc_commands import run_documented
 from hf_models import save_hf_model
-from run_helpers import cli
 from test_readme import README, lowbit_arguments, shell_commands
-
-# per command: what shortens it (the tour's own flags stay; these come after them)
-SHORT = {
-    "train": ["--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every",
-              "2", "--corpus-max-bytes", "30000", "--bpe-vocab-size", "300", "--no-diagnostics",
-              "--no-progress"],
-    "qat": ["--steps", "2", "--base-steps", "4", "--eval-every", "2", "--no-baselines",
-            "--no-progress"],
-    "rl": ["--quick", "--no-progress"],
-    "export": ["--no-progress"],
-    "inspect": ["--no-progress"],
-    "plot": [],
-}
 
 
 def tour() -> list[str]:
@@ -46,11 +32,7 @@ def test_the_readme_tour_runs_in_order_on_the_cpu(tmp_path, monkeypatch, capsys,
         (argv,) = shell_commands(f"```bash\n{line}\n```")
         arguments = lowbit_arguments(argv)
         assert arguments is not None, line
-        # the shell's part: a pattern becomes the paths it matches
-        arguments = [path for a in arguments
-                     for path in (sorted(glob.glob(a)) if "*" in a else [a])]
-        code, err = cli(capsys, *arguments, *SHORT[arguments[0]])
-        assert code == 0, f"{line}\n{err}"
+        run_documented(capsys, arguments, line)
         ran.append(arguments[0])
     assert ran.count("train") >= 4 and {"qat", "rl", "export", "plot", "inspect"} <= set(ran)
     assert len(skipped) == 3
