@@ -248,6 +248,25 @@ def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recip
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
+def test_reused_weight_operands_refuse_sharded_parameters():
+    # FSDP2's gathered weights reuse freed memory, which the cache's keys cannot tell apart
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer = QuantLinear.from_linear(nn.Linear(8, 8), get_recipe("nvfp4").linear)
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.data, init_device_mesh("cpu", (1,)),
+                                                      [Replicate()]))
+        with pytest.raises(ValueError, match="FSDP-sharded"):
+            with reuse_weight_operands(layer, torch.optim.SGD(layer.parameters(), lr=0.1)):
+                pass
+        assert layer.weight_cache is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_convert_reports_and_disabling_restores_the_model():
     model = tiny_model(4)
     idx = torch.randint(0, 128, (2, 32))

@@ -247,39 +247,61 @@ def test_micro_batches_split_the_work_not_the_loss(tmp_path, loss_type):
         _config(tmp_path, micro_batch_size=3)
 
 
-def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(tmp_path, monkeypatch):
-    """With one iteration the update's own forward gives the old log-probs (no no-grad pass):
-    the same loss, gradient and weights as taking them from a separate pass, bit for bit, and
-    the same mismatch, entropy, importance-sampling and routing metrics (to rounding; minima
-    and maxima exactly), over micro-batches, with a reference model and routing replay."""
-    from lowbit.rl.trainer import GRPOTrainer
+@pytest.mark.parametrize("is_level,is_mode", [("token", "truncate"), ("sequence", "mask")])
+def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(tmp_path, is_level,
+                                                                               is_mode):
+    """With one iteration the update's own forward gives the old log-probs (GRPOBatch.logp_old
+    None): over a step's micro-batches, with a reference model, routing replay and importance
+    sampling, the same losses and gradients bit for bit as old log-probs from a separate no-grad
+    pass (the path of more iterations), and the same mismatch, entropy, importance-sampling and
+    routing metrics (to rounding; minima and maxima exactly); a run takes that pass only for
+    its reference model."""
+    from lowbit.rl.trainer import GRPOBatch, GRPOTrainer, old_policy_metrics, reduce_metrics
+    from lowbit.train.graphs import accumulate_gradients, split_batch
 
-    kw = dict(steps=2, prompts_per_step=2, num_generations=4, checkpoint_every=0, n_experts=4,
-              warmstart_steps=4, routing_replay=True, micro_batch_size=2, beta=0.04,
-              importance_sampling="token", is_cap=1.2)
+    cfg = _config(tmp_path, steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0,
+                  n_experts=4, warmstart_steps=4, routing_replay=True, micro_batch_size=2,
+                  beta=0.04, importance_sampling=is_level, is_mode=is_mode, is_cap=1.2)
+    trainer = GRPOTrainer(cfg)
+    problems, rollout = trainer.generate(0)
+    batch = trainer.batch(rollout)
+    advantages = grpo.group_advantages(trainer.score(problems, rollout), 4, cfg.scale_rewards)
+    mask = batch.mask.float()
+    separate: dict = {}
+    logp_old, entropy, ref_logp = trainer.old_logprobs(batch, batch.routed, separate)
+    separate.update(old_policy_metrics(logp_old, entropy, batch.rollout_logprobs, mask))
+    weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs, mask, is_level,
+                                                  is_mode, 1.2)
+    separate.update(is_metrics)
+    apart = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask, logp_old,
+                      advantages, weights, ref_logp, batch.routed, (mask.sum() / 4).expand(8))
+    short = apart._replace(logp_old=None, is_weights=None, rollout_logp=batch.rollout_logprobs,
+                           engine_routed=batch.routed)
+    results = []
+    for step_batch in (apart, short):
+        trainer.policy.zero_grad()
+        trainer.loss_fn.metrics = []
+        with trainer.step_fn.autocast:
+            loss = accumulate_gradients(lambda mb: trainer.loss_fn(trainer.policy, mb), step_batch, 4)
+        results.append((loss, [p.grad.clone() for p in trainer.policy.parameters() if p.grad is not None],
+                        reduce_metrics(trainer.loss_fn.metrics)))
+    (loss_a, grads_a, metrics_a), (loss_s, grads_s, metrics_s) = results
+    assert torch.equal(loss_a, loss_s) and len(grads_a) == len(grads_s)
+    assert all(torch.equal(g, h) for g, h in zip(grads_a, grads_s))
+    measured = {**separate, **metrics_a}
+    assert measured.keys() == metrics_s.keys() and "routing/agreement" in metrics_s
+    for key, value in measured.items():
+        if key.endswith(("/min", "/max")):
+            assert metrics_s[key] == value, key
+        else:
+            assert metrics_s[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    with pytest.raises(ValueError, match="needs rollout_logp"):
+        trainer.loss_fn(trainer.policy, split_batch(short._replace(rollout_logp=None), 4)[0])
     calls = []
-    original = GRPOTrainer.old_logprobs
-    monkeypatch.setattr(GRPOTrainer, "old_logprobs",
-                        lambda self, *a, **k: calls.append(k.get("policy", True)) or original(self, *a, **k))
-    short = GRPOTrainer(_config(tmp_path, run_name="short", **kw))
-    short_records = [r for r in short.run().records if r["event"] == "train"]
-    monkeypatch.setattr(GRPOTrainer, "separate_old_pass", True)
-    apart = GRPOTrainer(_config(tmp_path, run_name="apart", **kw))
-    apart_records = [r for r in apart.run().records if r["event"] == "train"]
-    assert calls == [False, False, True, True]   # the shortcut's passes: the reference's only
-    for a, b in zip(apart_records, short_records):
-        assert a.keys() == b.keys()
-        for key in a:
-            if key.startswith(("time/", "rollout/tokens_per_s")):
-                continue
-            if (key in ("loss", "grad_norm", "reward") or key.endswith(("/min", "/max"))
-                    or not isinstance(a[key], float)):
-                assert b[key] == a[key], key
-            else:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    assert "routing/agreement" in a and "sampling/importance_sampling_ratio/capped_frac" in a
-    for p, q in zip(apart.policy.parameters(), short.policy.parameters()):
-        assert torch.equal(p, q)
+    original = trainer.old_logprobs
+    trainer.old_logprobs = lambda *a, **k: calls.append(k.get("policy", True)) or original(*a, **k)
+    trainer.run()
+    assert calls == [False]   # the run's one step: the reference's pass only
 
 
 def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path, monkeypatch):

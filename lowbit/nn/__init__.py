@@ -341,16 +341,23 @@ def quantization_disabled(model: nn.Module):
 
 @contextlib.contextmanager
 def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """Inside, each QuantLinear and QuantExperts of `model` quantizes its forward weight once
-    between two steps of `optimizer` (lowbit.ops.gemms.WeightOperandCache, cleared by a hook
-    on the optimizer's step) instead of once per forward: the same values, fewer launches, one
-    quantized copy of each weight held until the block ends (2 bytes a parameter under bf16
-    autocast). Eager forwards with round-to-nearest weight specs only; others quantize as
-    usual. Weights must change only through `optimizer` or in-place ops inside the block
-    (load_state_dict); a write through .data goes unseen. Yields the cache."""
+    """Inside, each QuantLinear of `model`, and each QuantExperts that runs its experts one at a
+    time, quantizes its forward weight once between two steps of `optimizer` instead of once
+    per forward (lowbit.ops.gemms.WeightOperandCache, emptied by a hook as each optimizer step
+    begins): the same values, fewer launches, one quantized copy of each weight held between
+    steps (2 bytes a parameter under bf16 autocast). Eager forwards with round-to-nearest
+    weight specs only; others quantize as usual. Weights must change only through `optimizer`
+    or in-place ops inside the block (load_state_dict); a write through .data goes unseen.
+    FSDP-sharded models are refused: their gathered weights reuse freed memory, which the
+    cache's keys (a weight's storage) cannot tell apart. Yields the cache."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("reuse_weight_operands does not take FSDP-sharded (DTensor) parameters: "
+                         "their gathered weights reuse freed memory; quantize per forward instead")
     cache = WeightOperandCache()
     modules = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
-    hook = optimizer.register_step_post_hook(lambda *_: cache.clear())
+    hook = optimizer.register_step_pre_hook(lambda *_: cache.clear())
     for m in modules:
         m.weight_cache = cache
     try:

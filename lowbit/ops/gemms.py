@@ -202,7 +202,7 @@ class WeightOperandCache:
     """Layers' quantized forward weights, each kept while its weight is unchanged, so that the
     micro-batches and no-grad passes between two optimizer steps quantize it once (the RL
     trainer's log-prob passes and gradient accumulation: lowbit.nn.reuse_weight_operands, which
-    clears it at every step of the optimizer it is given).
+    clears it as each step of the optimizer it is given begins).
 
     `get(master, weight, spec, quantize)` returns quantize(weight), computed once per `master`
     (the parameter, or an expert's view of it: its device, storage, shape and stride) and dtype

@@ -126,8 +126,10 @@ class GRPOBatch(NamedTuple):
     ref_logp: torch.Tensor | None     # (B, Tc) the reference policy's log-probs (beta > 0)
     routed: torch.Tensor | None       # (B, T, layers, k) experts to replay, or None
     loss_tokens: torch.Tensor         # (B,) every row: the step's loss tokens / micro-batches
-    rollout_logp: torch.Tensor        # (B, Tc) the engine's log-probs of the sampled tokens
-    engine_routed: torch.Tensor | None   # (B, T, layers, k) the engine's experts (MoE), or None
+    rollout_logp: torch.Tensor | None = None    # (B, Tc) the engine's log-probs of the sampled
+                                                #   tokens (needed on-policy)
+    engine_routed: torch.Tensor | None = None   # (B, T, layers, k) the engine's experts (MoE),
+                                                #   for the routing agreement on-policy
 
 
 class GRPOLoss:
@@ -156,6 +158,9 @@ class GRPOLoss:
                                                  self.temperature)
         logp_old, is_weights, measured = batch.logp_old, batch.is_weights, {}
         if logp_old is None:
+            if batch.rollout_logp is None:
+                raise ValueError("an on-policy GRPOBatch (logp_old None) needs rollout_logp, the "
+                                 "engine's log-probs, for its importance weights and mismatch")
             logp_old = logp.detach()
             measured = old_policy_metrics(logp_old, entropy, batch.rollout_logp, batch.mask)
             is_weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logp, batch.mask,
@@ -173,10 +178,6 @@ class GRPOLoss:
 
 
 class GRPOTrainer:
-    separate_old_pass = False
-    """True: the no-grad pass for the old log-probs even on-policy (the path with more than one
-    iteration; the on-policy shortcut is tested against it)."""
-
     def __init__(self, config: RLConfig, *, resume: bool = False, overwrite: bool = False) -> None:
         self.config = c = config
         self.run_dir = Path(c.out_dir) / c.name
@@ -325,7 +326,7 @@ class GRPOTrainer:
         advantages = grpo.group_advantages(rewards, c.num_generations, c.scale_rewards).to(self.device)
         replayed = batch.routed if c.routing_replay else None
         mask = batch.mask.float()
-        on_policy = c.num_iterations == 1 and not self.separate_old_pass
+        on_policy = c.num_iterations == 1
         logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics, policy=not on_policy)
         weights = None
         if not on_policy:

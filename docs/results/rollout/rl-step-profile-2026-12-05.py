@@ -1,5 +1,5 @@
 """Profile one lowbit rl step per phase (generate / train_on / sync): wall, GPU kernel time, top kernels.
-usage: python prof_rl.py OUT.json MODEL_DIR STEP -- <lowbit rl flags>"""
+usage: python rl-step-profile-2026-12-05.py OUT.json STEP -- <lowbit rl arguments>"""
 import json, sys, time, collections
 import torch
 from torch.profiler import profile, ProfilerActivity
