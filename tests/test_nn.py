@@ -203,9 +203,10 @@ def test_every_parameter_gets_a_gradient(recipe, n_experts):
         assert p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("recipe,fused", [("nvfp4", False), ("nvfp4", True), ("asymmetric", True),
-                                          ("stable-fp4", False)])
-def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recipe, fused):
+@pytest.mark.parametrize("recipe,fused,grouped", [("nvfp4", False, False), ("nvfp4", True, False),
+                                                  ("asymmetric", True, False), ("asymmetric", True, True),
+                                                  ("stable-fp4", False, True)])
+def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recipe, fused, grouped):
     # two micro-batches, a no-grad pass and two optimizer steps with the cache and without:
     # the same losses, gradients and weights; each weight quantized once per update
     import copy
@@ -214,6 +215,8 @@ def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recip
     base = tiny_model(4)
     convert_to_quantized_training(base, asymmetric_qat_recipe() if recipe == "asymmetric" else recipe)
     idx = torch.randint(0, 128, (3, 4, 32), generator=torch.Generator().manual_seed(1))
+    # grouped: bf16 autocast, where the experts run on one grouped GEMM (lowbit.ops.grouped)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=grouped)
     results = []
     for reuse in (False, True):
         model = copy.deepcopy(base)
@@ -223,10 +226,11 @@ def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recip
         torch.manual_seed(5)   # stable-fp4's stochastic rounding: the same draws in both
         with reuse_weight_operands(model, opt) if reuse else contextlib.nullcontext() as cache:
             for _ in range(2):
-                with torch.no_grad():
+                with torch.no_grad(), autocast:
                     losses.append(model(idx[0], idx[0]).loss)
                 for b in (1, 2):
-                    loss = model(idx[b], idx[b]).loss
+                    with autocast:
+                        loss = model(idx[b], idx[b]).loss
                     loss.backward()
                     losses.append(loss.detach())
                 if cache is not None:
@@ -240,7 +244,7 @@ def test_reused_weight_operands_give_the_same_steps_and_follow_each_update(recip
             if recipe == "stable-fp4":   # its forward weight rounds to nearest, reused
                 assert seen[0]
             # one entry a weight (experts: one an expert), each a new tensor after the update
-            weights = sum(1 if isinstance(m, QuantLinear) else 2 * m.num_experts
+            weights = sum(1 if isinstance(m, QuantLinear) else 2 if grouped else 2 * m.num_experts
                           for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts)))
             assert len(seen[0]) == weights and seen[0].keys() == seen[1].keys()
             assert all(seen[0][k] is not seen[1][k] for k in seen[0])

@@ -126,7 +126,7 @@ class QuantExperts(Experts):
         if recipe is None:
             return super()._experts_linear(x, weight, counts)
         if self._can_group(x, weight):
-            return grouped_quant_linear(x, weight, counts, recipe)
+            return grouped_quant_linear(x, weight, counts, recipe, self.weight_cache)
         return self._per_expert_linear(x, weight, counts)
 
     def extra_repr(self) -> str:
@@ -341,15 +341,15 @@ def quantization_disabled(model: nn.Module):
 
 @contextlib.contextmanager
 def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """Inside, each QuantLinear of `model`, and each QuantExperts that runs its experts one at a
-    time, quantizes its forward weight once between two steps of `optimizer` instead of once
-    per forward (lowbit.ops.gemms.WeightOperandCache, emptied by a hook as each optimizer step
-    begins): the same values, fewer launches, one quantized copy of each weight held between
-    steps (2 bytes a parameter under bf16 autocast). Eager forwards with round-to-nearest
-    weight specs only; others quantize as usual. Weights must change only through `optimizer`
-    or in-place ops inside the block (load_state_dict); a write through .data goes unseen.
-    FSDP-sharded models are refused: their gathered weights reuse freed memory, which the
-    cache's keys (a weight's storage) cannot tell apart. Yields the cache."""
+    """Inside, each QuantLinear and QuantExperts of `model` quantizes its forward weight once
+    between two steps of `optimizer` instead of once per forward (lowbit.ops.gemms.
+    WeightOperandCache, emptied by a hook as each optimizer step begins): the same values, fewer
+    launches, one quantized copy of each weight held between steps (2 bytes a parameter under
+    bf16 autocast). Eager forwards with round-to-nearest weight specs only; others quantize as
+    usual. Weights must change only through `optimizer` or in-place ops inside the block
+    (load_state_dict); a write through .data goes unseen. FSDP-sharded models are refused:
+    their gathered weights reuse freed memory, which the cache's keys (a weight's storage)
+    cannot tell apart. Yields the cache."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):

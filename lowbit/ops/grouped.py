@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.ops.gemms import autocast_operands, operand, shared
+from lowbit.ops.gemms import WeightOperandCache, autocast_operands, operand, shared
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
@@ -91,12 +91,14 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
     """The three emulated GEMMs of every expert (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe: LinearRecipe):
-        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert
+    def forward(ctx, x, weight, counts, recipe: LinearRecipe, w_f=None):
+        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert; w_f:
+        # the quantized weight, if held already (lowbit.ops.gemms.WeightOperandCache)
         position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
         xp = _spread(x, position, size)
         x_f = operand(xp, recipe.fprop_x, reduce_dim=1)                  # blocks along in
-        w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)             # blocks along in
+        if w_f is None:
+            w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)         # blocks along in
         dropped = (position == size - 1)[:, None]
         y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)[position].masked_fill(dropped, 0)
         # what the backward reuses: the quantized copies where 2D tiles share them
@@ -120,20 +122,25 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
             dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dyp, r.wgrad_dy, reduce_dim=0)
             x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
             dw = torch._grouped_mm(dy_w.mT, x_w, offs=ends)               # (E, out, in)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 @torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
 def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                         recipe: LinearRecipe) -> torch.Tensor:
+                         recipe: LinearRecipe, cache: WeightOperandCache | None = None) -> torch.Tensor:
     """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (R, in) sorted
     by expert (counts[e] rows each, on the device; rows past their sum, zeros out and in), weight
     (E, out, in) -> (R, out). The recipe must group exactly (`groups_exactly`); under autocast
     the operands are cast to its dtype first, as quant_linear casts them. torch._grouped_mm
-    takes bf16 with in and out multiples of 8."""
+    takes bf16 with in and out multiples of 8. cache: where a round-to-nearest forward weight is
+    kept while `weight` is unchanged (lowbit.ops.gemms.WeightOperandCache; the same values)."""
     if not groups_exactly(recipe):
         raise ValueError(f"recipe {recipe.describe()} does not group exactly (a tensor scale, the "
                          "Hadamard transform or FP8 GEMMs): run its experts one by one")
+    master = weight
     x, weight, _ = autocast_operands(x, weight, None)
+    w_f = None
+    if cache is not None and cache.reusable(recipe.fprop_w):
+        w_f = cache.get(master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):
-        return GroupedQuantLinearFunction.apply(x, weight, counts, recipe)
+        return GroupedQuantLinearFunction.apply(x, weight, counts, recipe, w_f)
