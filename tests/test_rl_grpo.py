@@ -256,7 +256,7 @@ def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(t
     pass (the path of more iterations), and the same mismatch, entropy, importance-sampling and
     routing metrics (to rounding; minima and maxima exactly); a run takes that pass only for
     its reference model."""
-    from lowbit.rl.trainer import GRPOBatch, GRPOTrainer, old_policy_metrics, reduce_metrics
+    from lowbit.rl.trainer import GRPOBatch, GRPOTrainer, measure_old_policy, reduce_metrics
     from lowbit.train.graphs import accumulate_gradients, split_batch
 
     cfg = _config(tmp_path, steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0,
@@ -269,10 +269,9 @@ def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(t
     mask = batch.mask.float()
     separate: dict = {}
     logp_old, entropy, ref_logp = trainer.old_logprobs(batch, batch.routed, separate)
-    separate.update(old_policy_metrics(logp_old, entropy, batch.rollout_logprobs, mask))
-    weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs, mask, is_level,
-                                                  is_mode, 1.2)
-    separate.update(is_metrics)
+    weights, measured = measure_old_policy(logp_old, entropy, batch.rollout_logprobs, mask,
+                                           (is_level, is_mode, 1.2))
+    separate.update(measured)
     apart = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask, logp_old,
                       advantages, weights, ref_logp, batch.routed, (mask.sum() / 4).expand(8))
     short = apart._replace(logp_old=None, is_weights=None, rollout_logp=batch.rollout_logprobs,

@@ -208,21 +208,20 @@ class WeightOperandCache:
     (the parameter, or an expert's view of it: its device, storage, shape and stride) and dtype
     of `weight` (master as autocast casts it) until `clear()`, or until master's autograd
     version counter moves (an in-place op outside the optimizer: load_state_dict; fused
-    optimizers and writes through .data do not move it, hence the clearing). Only
-    round-to-nearest specs are reusable (`reusable`): a stochastically rounded operand is drawn
-    afresh each forward; nothing is kept while a CUDA graph is captured (its replays would read
-    a tensor the cache frees). The cached value is detached: gradients go through the layer's
+    optimizers and writes through .data do not move it, hence the clearing). It returns None
+    (the caller quantizes as usual) for a spec that rounds stochastically (drawn afresh each
+    forward) or none, and while a CUDA graph is captured (its replays would read a tensor the
+    cache frees). The cached value is detached: gradients go through the layer's
     straight-through rule, which never reads it."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[int, torch.Tensor]] = {}
 
-    @staticmethod
-    def reusable(spec: QuantSpec | None) -> bool:
-        return (spec is not None and spec.rounding is Rounding.RNE
-                and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
-
-    def get(self, master: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, quantize) -> torch.Tensor:
+    def get(self, master: torch.Tensor, weight: torch.Tensor, spec: QuantSpec | None,
+            quantize) -> torch.Tensor | None:
+        if (spec is None or spec.rounding is not Rounding.RNE
+                or (master.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None
         where = (master.device, master.data_ptr(), tuple(master.shape), master.stride(), weight.dtype, spec)
         held = self.entries.get(where)
         if held is None or held[0] != master._version:

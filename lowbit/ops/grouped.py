@@ -139,8 +139,7 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
                          "Hadamard transform or FP8 GEMMs): run its experts one by one")
     master = weight
     x, weight, _ = autocast_operands(x, weight, None)
-    w_f = None
-    if cache is not None and cache.reusable(recipe.fprop_w):
-        w_f = cache.get(master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
+    w_f = None if cache is None else cache.get(
+        master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):
         return GroupedQuantLinearFunction.apply(x, weight, counts, recipe, w_f)

@@ -123,9 +123,8 @@ def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     with torch.autocast(x.device.type, enabled=False):
         if recipe.gemm is Gemm.FP8:
             y = QuantLinearFP8Function.apply(*args, torch.is_grad_enabled(), layer)
-        elif cache is not None and cache.reusable(recipe.fprop_w):
-            w_f = cache.get(master, weight, recipe.fprop_w, lambda w: operand(w, recipe.fprop_w, reduce_dim=1))
-            y = QuantLinearFunction.apply(*args, w_f)
         else:
-            y = QuantLinearFunction.apply(*args)
+            w_f = None if cache is None else cache.get(
+                master, weight, recipe.fprop_w, lambda w: operand(w, recipe.fprop_w, reduce_dim=1))
+            y = QuantLinearFunction.apply(*args, w_f)
     return y.reshape(*lead, weight.shape[0])

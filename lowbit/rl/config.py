@@ -115,10 +115,11 @@ class RLConfig(RunConfig):
     micro_batch_size: int | None = field(default=None, metadata=flag(
         "--micro-batch-size", "completions per forward and backward pass of the trainer (default: "
         "as many as hold 8,192 tokens, prompt and completion)", metavar="N"))
-    """Completions per trainer pass (verl's micro batch): the no-grad log-prob passes run in
-    chunks of this many and each optimizer step accumulates its gradient over micro-batches of
-    this many, so a large model's step fits in memory; None: the largest divisor of the step's
-    completions whose micro-batch holds at most lowbit.rl.trainer.MICRO_BATCH_TOKENS tokens
+    """Completions per trainer pass (verl's micro batch): each optimizer step accumulates its
+    gradient over micro-batches of this many, and the no-grad log-prob passes (the reference
+    model's, and the old policy's with more than one iteration) run in chunks of as many, so a
+    large model's step fits in memory; None: the largest divisor of the step's completions
+    whose micro-batch holds at most lowbit.rl.trainer.MICRO_BATCH_TOKENS tokens
     (each counted as the longest held-out prompt plus max_completion_length), which is the
     whole step for small ones. It must divide prompts_per_step * num_generations. The loss is
     the same mean (each loss type's normalizer is the whole step's), to float rounding."""

@@ -162,10 +162,8 @@ class GRPOLoss:
                 raise ValueError("an on-policy GRPOBatch (logp_old None) needs rollout_logp, the "
                                  "engine's log-probs, for its importance weights and mismatch")
             logp_old = logp.detach()
-            measured = old_policy_metrics(logp_old, entropy, batch.rollout_logp, batch.mask)
-            is_weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logp, batch.mask,
-                                                             *self.importance)
-            measured.update(is_metrics)
+            is_weights, measured = measure_old_policy(logp_old, entropy, batch.rollout_logp,
+                                                      batch.mask, self.importance)
             if batch.engine_routed is not None:
                 counts = routing_agreement_counts(self.policy, batch.engine_routed)
                 if counts is not None:
@@ -330,10 +328,9 @@ class GRPOTrainer:
         logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics, policy=not on_policy)
         weights = None
         if not on_policy:
-            metrics.update(old_policy_metrics(logp_old, entropy, batch.rollout_logprobs, mask))
-            weights, is_metrics = grpo.importance_weights(logp_old, batch.rollout_logprobs, mask,
-                                                          c.importance_sampling, c.is_mode, c.is_cap)
-            metrics.update(is_metrics)
+            weights, measured = measure_old_policy(logp_old, entropy, batch.rollout_logprobs, mask,
+                                                   self.loss_fn.importance)
+            metrics.update(measured)
         # dapo's token mean divides each micro-batch's sum by the step's count / micro-batches
         tokens = mask.sum().clamp(min=1) / fn.config.grad_accum_steps
         step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask,
@@ -571,13 +568,17 @@ def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
     return peak > 0 and all(a < peak / 2 for a in accuracies[-evals:])
 
 
-def old_policy_metrics(logp_old: torch.Tensor, entropy: torch.Tensor, rollout_logp: torch.Tensor,
-                       mask: torch.Tensor) -> dict:
-    """The engine/trainer mismatch (grpo.mismatch_metrics) and the mean entropy of the policy
-    before the update, over the loss tokens of `mask`."""
+def measure_old_policy(logp_old: torch.Tensor, entropy: torch.Tensor, rollout_logp: torch.Tensor,
+                       mask: torch.Tensor, importance: tuple[str, str, float]) -> tuple[torch.Tensor | None, dict]:
+    """What the policy before the update says of the engine's samples, over the loss tokens of
+    `mask`: the truncated importance weights (grpo.importance_weights with `importance`: level,
+    mode, cap) and the metrics -- the engine/trainer mismatch (grpo.mismatch_metrics), the mean
+    entropy and the importance-sampling ratios."""
     metrics = grpo.mismatch_metrics(rollout_logp, logp_old, mask)
     metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-    return metrics
+    weights, is_metrics = grpo.importance_weights(logp_old, rollout_logp, mask, *importance)
+    metrics.update(is_metrics)
+    return weights, metrics
 
 
 def reduce_metrics(parts: list[tuple[dict, float]]) -> dict:
