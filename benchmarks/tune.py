@@ -42,6 +42,17 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive integers (row counts, splits, warps...)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tune.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="sweep", metavar="SWEEP", required=True, parser_class=_Parser)
@@ -69,22 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
                            else "tiny shapes on the CPU under Triton's interpreter, untimed")
         p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
         if name == "engine-gemm":
-            p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256",
+            p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", type=counts,
                            help="comma-separated row counts M (default: %(default)s)")
             p.add_argument("--default-tiles", action="store_true",
                            help="time the default tile only, not the sweep")
             p.add_argument("--shapes", default=None,
                            help="comma-separated shape names to keep (e.g. '1.1b gate|up,8b down'; "
                                 "default: all)")
-            p.add_argument("--splits", default="1,2,4,8", help="SPLIT_K values (default: %(default)s)")
-            p.add_argument("--stages", default="3,4", help="num_stages values (default: %(default)s)")
-            p.add_argument("--block-ms", default=None,
+            p.add_argument("--splits", default="1,2,4,8", type=counts,
+                           help="SPLIT_K values (default: %(default)s)")
+            p.add_argument("--stages", default="3,4", type=counts,
+                           help="num_stages values (default: %(default)s)")
+            p.add_argument("--block-ms", default=None, type=counts,
                            help="BLOCK_M values (default: the default tile's, and 128 from 128 rows)")
         if name == "activation":
-            p.add_argument("--rows", default="1,16,128,256",
+            p.add_argument("--rows", default="1,16,128,256", type=counts,
                            help="comma-separated row counts M (default: %(default)s)")
-            p.add_argument("--warps", default="2,4,8,16,32",
-                           help="num_warps values (default: %(default)s)")
+            p.add_argument("--warps", default="2,4,8,16,32", type=counts,
+                           help="num_warps values, powers of two up to 32 (default: %(default)s)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -526,17 +539,15 @@ def sweep_engine_gemm(args, device: str) -> dict:
     shapes = [("1.1b q|k|v", 2560, 2048), ("1.1b o", 2048, 2048), ("1.1b gate|up", 11264, 2048),
               ("1.1b down", 2048, 5632), ("0.6b q|k|v", 4096, 1024), ("0.6b down", 1024, 3072),
               ("8b gate|up", 28672, 4096), ("8b down", 4096, 14336)]
-    rows = tuple(int(r) for r in args.rows.split(","))
+    rows = args.rows
     if args.shapes:
         keep = [n.strip() for n in args.shapes.split(",")]
         if unknown := [n for n in keep if n not in {name for name, _, _ in shapes}]:
             raise ValueError(f"--shapes: unknown {unknown}; the shapes are "
                              f"{', '.join(name for name, _, _ in shapes)}")
         shapes = [s for s in shapes if s[0] in keep]
-    ints = lambda text: tuple(int(v) for v in text.split(","))
     sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
-             for bn, sk, w, st in itertools.product((64, 128), ints(args.splits), (4, 8),
-                                                    ints(args.stages))]
+             for bn, sk, w, st in itertools.product((64, 128), args.splits, (4, 8), args.stages)]
     if args.default_tiles:
         sweep = []
     if args.smoke:
@@ -582,7 +593,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
                     xq, w.data.view(torch.float8_e4m3fn).t(), scale_a=scale_a,
                     scale_b=w.row_scales[None, :], out_dtype=dtype) for w in fp8], copies)
             timings = {}
-            block_ms = ([bm for bm in ints(args.block_ms) if bm <= max(16, 2 * m)] if args.block_ms
+            block_ms = ([bm for bm in args.block_ms if bm <= max(16, 2 * m)] if args.block_ms
                         else [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m >= 128 else []))
             for tile in [dict(t, BLOCK_M=bm) for t in sweep for bm in block_ms]:
                 def run(tile=tile):
@@ -614,8 +625,9 @@ def sweep_activation(args, device: str) -> dict:
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    ks, rows = (1024, 2048, 3072, 4096, 14336), tuple(int(r) for r in args.rows.split(","))
-    warps = tuple(int(w) for w in args.warps.split(","))
+    ks, rows, warps = (1024, 2048, 3072, 4096, 14336), args.rows, args.warps
+    if bad := [w for w in warps if w not in (1, 2, 4, 8, 16, 32)]:
+        raise ValueError(f"--warps takes powers of two from 1 to 32; got {bad}")
     if args.smoke:
         ks, rows, warps = (48,), (1, 3), (2, 4)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -198,5 +198,8 @@ def test_refusals():
         quantize_activations(x[0], "nvfp4")
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         quantize_activations(x, "nvfp4", 1.5)
+    for warps in (0, 3, 64):
+        with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32"):
+            quantize_activations(x, "nvfp4", 0.25, num_warps=warps)
     empty_x, empty_r = quantize_activations(x[:0], "nvfp4", 0.5)
     assert empty_x.shape == (0, 32) and empty_r.shape == (0, 32)

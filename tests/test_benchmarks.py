@@ -77,6 +77,14 @@ def test_activation_sweep_smoke(tune, tmp_path, capsys):
     for row in results.values():   # every warp count gives the default's bits
         assert set(row["warps"]) == {"2", "4"} and all(v["same"] for v in row["warps"].values()), row
     assert capsys.readouterr().out.count("fastest: untimed") == 4
+    # bad lists are refused in one line, exit 2, before anything runs
+    for flag, value in (("--rows", "x"), ("--warps", "0")):
+        with pytest.raises(SystemExit) as stop:
+            tune.main(["activation", "--smoke", flag, value])
+        assert stop.value.code == 2
+        assert f"{flag}: expected comma-separated positive integers, got '{value}'" in capsys.readouterr().err
+    assert tune.main(["activation", "--smoke", "--warps", "2,3"]) == 2
+    assert "--warps takes powers of two from 1 to 32; got [3]" in capsys.readouterr().err
 
 
 def test_nvfp4_sweep_smoke(tune, tmp_path, capsys):

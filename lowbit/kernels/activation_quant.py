@@ -361,6 +361,8 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         raise ValueError(f"input_amax is a static NVFP4 scale's calibrated amax: one float32 on "
                          f"x's device, with mode 'nvfp4' (got mode {mode!r}, shape "
                          f"{tuple(input_amax.shape)}, {input_amax.dtype}, {input_amax.device})")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
     kq.require_kernel_tensor(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -393,6 +395,6 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=RADIX_BITS,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
-            num_warps=num_warps or _num_warps(block_k),
+            num_warps=_num_warps(block_k) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
