@@ -20,7 +20,7 @@ from lowbit.formats.fold import (
     SHIFT_MAX, SHIFT_MIN, WINDOW_SPAN, FoldedOperand, fold, fold_operand, fold_report,
     shift_table, weight_operands,
 )
-from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, gemm_pieces
+from lowbit.kernels.fp8_gemm import fp4_gemm_fp8, gemm_pieces, grouped_fp4_gemm_fp8
 
 RULES = ["floor", "rceil"]
 BLOCKS = [(1, 32), (32, 32), (16, 16)]
@@ -498,3 +498,125 @@ def test_fp8_linear_folds_transposed_copies_only_for_a_backward(monkeypatch):
     calls.clear()
     quant_linear(x, w.detach(), None, lin)
     assert calls == [False, True]          # dX needs W^T; no dW, so no X^T
+
+
+# ---- every expert at once: grouped_fp4_gemm_fp8 --------------------------------------------
+
+def grouped_operands(seed=0, binades=30):
+    """(A rows (P, K) with 4 groups, one empty, B stacked (4 * 48, K); A^T-style (M, P) and
+    (N, P) for groups along K), MXFP4 with exponents spread so that folds need K-chunks."""
+    q = lambda rows, cols, s: quantize(spread(rows, cols, binades, s), "mxfp4", block=(1, 32))  # noqa: E731
+    ends = torch.tensor([32, 32, 96, 128], dtype=torch.int32)      # group 1 empty
+    return q(128, 96, seed), q(4 * 48, 96, seed + 1), q(40, 128, seed + 2), q(48, 128, seed + 3), ends
+
+
+def test_folded_operand_rows_and_columns_are_the_same_values():
+    a = fold_operand(quantize(spread(40, 200, 30, 3), "mxfp4", block=(1, 32)))
+    assert len(a.bounds) > 2
+    whole = folded_float64(a)
+    assert torch.equal(folded_float64(a.rows(8, 20)), whole[8:20])
+    for start, stop in [(0, 200), (10, 75), (64, 65), (150, 200)]:
+        part = a.columns(start, stop)
+        assert part.bounds[0] == 0 and part.bounds[-1] == stop - start
+        assert part.factors.shape[1] == len(part.bounds) - 1
+        assert torch.equal(folded_float64(part), whole[:, start:stop])
+
+
+def float64_gemm(a64, b64):
+    """a64 @ b64.T and the float32-accumulation bound gamma_K * (|A| |B|^T)."""
+    k = a64.shape[1]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    return a64 @ b64.T, gamma * (a64.abs() @ b64.abs().T)
+
+
+@pytest.mark.parametrize("backend", [None, "loop"])
+def test_grouped_gemm_is_each_groups_gemm(backend):
+    qa, qb, qm, qn, ends = grouped_operands()
+    fa, fb, fm, fn = map(fold_operand, (qa, qb, qm, qn))
+    assert len(fa.bounds) > 2 and len(fm.bounds) > 2             # chunked operands
+    a64, b64, m64, n64 = map(folded_float64, (fa, fb, fm, fn))
+    starts = [0, *ends.tolist()]
+    out = grouped_fp4_gemm_fp8(fa, fb, ends, "rows", torch.float64, backend=backend)
+    out_k = grouped_fp4_gemm_fp8(fm, fn, ends, "k", torch.float64, backend=backend)
+    assert out.shape == (128, 48) and out_k.shape == (4, 40, 48)
+    assert torch.equal(out_k[1], torch.zeros(40, 48, dtype=torch.float64))   # the empty group
+    for e in range(4):
+        lo, hi = starts[e], starts[e + 1]
+        want, bound = float64_gemm(a64[lo:hi], b64[e * 48:(e + 1) * 48])
+        assert ((out[lo:hi] - want).abs() <= bound).all()
+        want, bound = float64_gemm(m64[:, lo:hi], n64[:, lo:hi])
+        assert ((out_k[e] - want).abs() <= bound).all()
+        if hi > lo:   # each group is exactly fp4_gemm_fp8 on its own slices
+            assert torch.equal(out_k[e], fp4_gemm_fp8(fm.columns(lo, hi), fn.columns(lo, hi), torch.float64))
+            assert torch.equal(out[lo:hi], fp4_gemm_fp8(fa.rows(lo, hi), fb.rows(e * 48, (e + 1) * 48),
+                                                        torch.float64))
+
+
+def fake_scaled_grouped_mm(calls):
+    """torch._scaled_grouped_mm on the CPU: its argument checks (torch's meta kernel, the CUDA
+    kernel's rules) on meta copies, then what it computes -- row-wise scales, group-major for
+    groups along K -- in float64, cast to bf16."""
+    def run(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        meta = [t.to("meta") if t is not None else None for t in (a, b, scale_a, scale_b, offs)]
+        torch.ops.aten._scaled_grouped_mm(*meta, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        calls.append((a.dim(), b.dim()))
+        a64, b64, starts = a.double(), b.double(), [0, *offs.tolist()]
+        if b.dim() == 3:                                          # (P, K) x (E, K, N): rows
+            out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+            for e in range(b.shape[0]):
+                r0, r1 = starts[e], starts[e + 1]
+                out[r0:r1] = (a64[r0:r1] * scale_a[r0:r1, None]) @ (b64[e] * scale_b[e][None, :])
+        else:                                                     # (M, P) x (P, N): along K
+            m, n, groups = a.shape[0], b.shape[1], offs.shape[0]
+            out = torch.empty(groups, m, n, dtype=torch.float64)
+            for e in range(groups):
+                k0, k1 = starts[e], starts[e + 1]
+                out[e] = ((a64[:, k0:k1] * scale_a[e * m:(e + 1) * m, None])
+                          @ (b64[k0:k1] * scale_b[e * n:(e + 1) * n][None, :]))
+        return out.to(out_dtype)
+    return run
+
+
+def test_scaled_grouped_mm_call_conventions_on_cpu(monkeypatch):
+    """The CUDA path's arguments (layouts, scale shapes and order, offsets) checked by torch's
+    own meta kernel and run through a float64 model of the op: equal to the loop's result."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm(calls), raising=False)
+    qa, qb, qm, qn, ends = grouped_operands(binades=3)
+    fa, fb, fm, fn = map(fold_operand, (qa, qb, qm, qn))
+    assert all(len(f.bounds) == 2 for f in (fa, fb, fm, fn))     # one chunk each
+    for along, a, b in [("rows", fa, fb), ("k", fm, fn)]:
+        got = grouped_fp4_gemm_fp8(a, b, ends, along, backend="scaled_grouped_mm")
+        want = grouped_fp4_gemm_fp8(a, b, ends, along, torch.float64, backend="loop")
+        if along == "k":
+            assert torch.equal(got[1], torch.zeros_like(got[1]))  # the empty group
+        torch.testing.assert_close(got.double(), want.bfloat16().double(), rtol=2**-7, atol=0)
+    assert calls == [(2, 3), (2, 2)]
+
+
+def test_grouped_gemm_refuses_what_it_cannot_do():
+    qa, qb, _, _, ends = grouped_operands()
+    fa, fb = fold_operand(qa), fold_operand(qb)
+    with pytest.raises(ValueError, match="along must be"):
+        grouped_fp4_gemm_fp8(fa, fb, ends, "cols")
+    with pytest.raises(ValueError, match="backend must be"):
+        grouped_fp4_gemm_fp8(fa, fb, ends, "rows", backend="cublas")
+    with pytest.raises(ValueError, match="same K"):
+        grouped_fp4_gemm_fp8(fa, fb.rows(0, 190), ends, "rows")
+    with pytest.raises(ValueError, match="one K-chunk"):
+        grouped_fp4_gemm_fp8(fa, fb, ends, "rows", backend="scaled_grouped_mm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("binades", [3, 30])
+def test_scaled_grouped_mm_equals_the_group_by_group_gemms(binades):
+    qa, qb, qm, qn, ends = grouped_operands(binades=binades)
+    fa, fb, fm, fn = (fold_operand(q.to("cuda")) for q in (qa, qb, qm, qn))
+    ends = ends.cuda()
+    for along, a, b in [("rows", fa, fb), ("k", fm, fn)]:
+        want = grouped_fp4_gemm_fp8(a, b, ends, along, torch.float32, backend="loop").cpu().double()
+        got = grouped_fp4_gemm_fp8(a, b, ends, along)   # the grouped GEMM where one chunk each
+        rows = ends[-1].item() if along == "rows" else got.shape[0]
+        got, want = got[:rows].cpu().double(), want[:rows]
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= 2**-8 + GPU_REL_BOUND[False], (along, rel)

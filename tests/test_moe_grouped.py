@@ -1,7 +1,10 @@
 """lowbit.models.moe's grouped expert GEMMs (torch._grouped_mm over all experts) against the
 per-expert loop they replace: the same outputs and gradients (uneven groups, an empty expert,
 one expert taking every token, dropped slots), no host read-back (a full-graph compile), and
-quantized experts kept on the per-expert path."""
+quantized experts grouped where that is the per-expert numerics (emulated and FP8 GEMMs), kept
+on the per-expert path where it is not. GPU tests (marked gpu): the grouped FP8 GEMM on CUDA
+(torch._scaled_grouped_mm) against the group-by-group GEMMs, and the experts on it against
+the per-expert loop."""
 
 import pytest
 import torch
@@ -181,3 +184,93 @@ def test_training_flops_count_the_active_experts_only():
         routers = sum(m.mlp.gate.weight.numel() for m in net.model.layers) if cfg.is_moe else 0
         assert active == linears + experts + routers
         assert flops == 6 * active + 6 * cfg.n_layers * 64 * cfg.n_heads * cfg.head_dim
+
+
+# ---- FP8 GEMMs (stable-fp4-fp8): one grouped FP8 GEMM per pass ------------------------------
+
+def _fp8_pair(name, E=6, C=64, F=32):
+    base, _ = _experts(E=E, C=C, F=F)
+    recipe = get_recipe(name).linear_for("model.layers.1.mlp.experts", 4)
+    if recipe.gemm.value != "fp8":
+        recipe = recipe.with_gemm("fp8")
+    return base, QuantExperts(base, recipe), QuantPerExpert(base, recipe), recipe
+
+
+@pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4"])
+@pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
+def test_fp8_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, monkeypatch):
+    # round-to-nearest MXFP4 on FP8 GEMMs: the same quantized operands as each expert's own
+    # QuantLinearFP8Function, multiplied exactly (on the CPU the FP32-accumulating emulation,
+    # group by group): equal bit for bit, forward and both gradients
+    import lowbit.ops.grouped as grouped_ops
+    calls = []
+    real = grouped_ops.grouped_fp4_gemm_fp8
+    monkeypatch.setattr(grouped_ops, "grouped_fp4_gemm_fp8",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    base, grouped, reference, recipe = _fp8_pair(name)
+    assert groups_exactly(recipe, tuple(base.gate_up_proj.shape)) and not groups_exactly(recipe)
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, case, g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
+    assert calls == ["rows", "rows", "rows", "k", "rows", "k"]     # 2 projections x 3 GEMMs
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_fp8_stochastic_rounding_and_tiles_that_straddle_experts():
+    g = torch.Generator().manual_seed(8)
+    base, grouped, reference, recipe = _fp8_pair("stable-fp4-fp8")
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
+    assert torch.equal(got[0], want[0])                  # the forward rounds to nearest
+    for a, b in zip(got[1:], want[1:]):                  # dY's stochastic rounding: other draws
+        assert a.isfinite().all() and abs(a.float().norm() / b.float().norm() - 1) < 0.2
+    # experts 48 wide: a 32x32 tile of the stacked (E * 48, 64) weight holds two experts' rows,
+    # so these run expert by expert, and the grouped call refuses them
+    base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr", F=24)
+    assert not groups_exactly(recipe, tuple(base.gate_up_proj.shape))
+    assert not grouped._can_group(x, base.gate_up_proj)
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="straddle two experts"):
+        grouped_quant_linear(x, base.gate_up_proj, torch.tensor([40, 0, 0, 0, 0, 0]), recipe)
+
+
+def test_fp8_grouped_nan_and_extreme_magnitudes():
+    # huge and tiny rows, and a row spanning more binades than one factor holds (folded in
+    # K-chunks): exact and equal; a NaN token: NaN where the per-expert loop has it (its own
+    # rows and those sharing its 32x32 tiles)
+    g = torch.Generator().manual_seed(9)
+    base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr")
+    x = torch.randn(40, 64, generator=g)
+    x[3] *= 2.0 ** 60
+    x[5] *= 2.0 ** -60
+    x[7, :32] *= 2.0 ** 40
+    x = x.to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    got = grouped(x, index, w)
+    assert got.isfinite().all() and torch.equal(got, reference(x, index, w))
+    assert got[3].abs().max() > 2.0 ** 40
+    x[9, 4] = float("nan")
+    got, want = grouped(x, index, w), reference(x, index, w)
+    assert got[9].isnan().all() and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.where(got.isnan(), 0, got), torch.where(want.isnan(), 0, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
+def test_fp8_grouped_experts_on_cuda_equal_the_per_expert_loop(case):
+    # the grouped FP8 GEMM (torch._scaled_grouped_mm) against each expert's torch._scaled_mm:
+    # the same operands, other accumulation orders (and fprop's fast accumulation)
+    g = torch.Generator().manual_seed(10)
+    base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr", E=8, C=256, F=128)
+    base.cuda()
+    x = torch.randn(512, 256, generator=g).to(torch.bfloat16).cuda()
+    index = _routing(512, 8, 2, case, g).cuda()
+    w = torch.rand(512, 2, generator=g).to(torch.bfloat16).cuda()
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert a.isfinite().all()
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, rel

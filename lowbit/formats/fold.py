@@ -115,6 +115,20 @@ class FoldedOperand:
         per_column = self.factors.repeat_interleave(lengths, dim=1)          # (R, K)
         return self.fp8.to(torch.float32) * per_column
 
+    def rows(self, start: int, stop: int) -> FoldedOperand:
+        """Rows start:stop, the same values (views; one expert's rows of a stacked operand)."""
+        return FoldedOperand(self.fp8[start:stop], self.factors[start:stop], self.bounds,
+                             self.nan_rows[start:stop])
+
+    def columns(self, start: int, stop: int) -> FoldedOperand:
+        """K-columns start:stop (start < stop), the same values: the chunks that meet them,
+        their bounds cut to the slice (one expert's tokens of a wgrad operand). nan_rows stays
+        the whole row's: a NaN block anywhere in a row makes every slice's GEMM row NaN."""
+        inside = [c for c in range(len(self.bounds) - 1)
+                  if self.bounds[c] < stop and self.bounds[c + 1] > start]
+        bounds = tuple([0] + [self.bounds[c + 1] - start for c in inside[:-1]] + [stop - start])
+        return FoldedOperand(self.fp8[:, start:stop], self.factors[:, inside], bounds, self.nan_rows)
+
 
 @dataclass(frozen=True)
 class FoldReport:

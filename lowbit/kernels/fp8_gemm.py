@@ -19,6 +19,18 @@ The GEMM, C = A B^T (A (M, K), B (N, K), both blocked along K):
 
 NVFP4 does not fold: its E4M3 block scales have mantissas, so the products need more bits
 than E4M3 has. It stays on the emulated (dequantize + BF16 GEMM) path.
+
+Every MoE expert's GEMM at once (`grouped_fp4_gemm_fp8`), on operands folded as one stacked
+tensor, in two layouts:
+- along="rows" (fprop, dgrad): A (P, K) holds each expert's rows in turn, group e ending at
+  ends[e]; B (E * N, K) stacks the experts' (N, K) operands; C (P, N), row r of group e =
+  A[r] B_e^T. Rows past ends[-1] are left unwritten (undefined) on CUDA, zero elsewhere.
+- along="k" (wgrad): A (M, P) and B (N, P) hold the tokens along K, group e ending at ends[e];
+  C (E, M, N), C_e = A[:, group e] B[:, group e]^T.
+CUDA, one K-chunk per operand, bf16 output and every width a multiple of 16:
+torch._scaled_grouped_mm (one grouped FP8 GEMM, row-wise float32 factors; along="k" takes
+each row's one factor for every group). Otherwise group by group through fp4_gemm_fp8, the
+group bounds read back to the host (one sync; on CUDA only for several chunks or odd widths).
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ import torch.nn.functional as F
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.qtensor import QTensor
 
-__all__ = ["fp4_gemm_fp8", "gemm_pieces"]
+__all__ = ["fp4_gemm_fp8", "gemm_pieces", "grouped_fp4_gemm_fp8"]
 
 
 def fp4_gemm_fp8(a: QTensor | FoldedOperand, b: QTensor | FoldedOperand,
@@ -136,3 +148,86 @@ def _gemm_scaled_mm(fa: FoldedOperand, fb: FoldedOperand, pieces, out_dtype,
                                   use_fast_accum)
     return out.to(out_dtype)
 
+
+
+def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
+                         out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
+                         backend: str | None = None) -> torch.Tensor:
+    """Every expert's A_e B_e^T on folded MXFP4 operands (see the module doc for the two
+    layouts): along="rows" -> (P, N), along="k" -> (E, M, N), in out_dtype. ends: (E,) int32,
+    each group's end along the grouped dim (non-decreasing; the last at most its length).
+
+    backend: None picks (see the module doc); "scaled_grouped_mm" forces the grouped GEMM
+    (CUDA, one chunk per operand), "loop" the group-by-group GEMMs (fp4_gemm_fp8 on each)."""
+    if along not in ("rows", "k"):
+        raise ValueError(f"along must be 'rows' or 'k', got {along!r}")
+    if backend not in (None, "scaled_grouped_mm", "loop"):
+        raise ValueError(f"backend must be None, 'scaled_grouped_mm' or 'loop', got {backend!r}")
+    experts = ends.shape[0]
+    if a.shape[1] != b.shape[1] or (along == "rows" and b.shape[0] % max(experts, 1)):
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)} for {experts} groups "
+                         f"along {along}: both need the same K, and along='rows' b stacks "
+                         "the groups' equal row blocks")
+    if backend is None:
+        backend = "scaled_grouped_mm" if _grouped_mm_fits(a, b, experts, along, out_dtype) else "loop"
+    if backend == "scaled_grouped_mm":
+        return _gemm_scaled_grouped(a, b, ends, along, use_fast_accum)
+    return _gemm_groups(a, b, ends, along, out_dtype, use_fast_accum)
+
+
+def _grouped_mm_fits(a: FoldedOperand, b: FoldedOperand, experts: int, along: str,
+                     out_dtype: torch.dtype) -> bool:
+    """torch._scaled_grouped_mm takes these operands as they are: CUDA, one chunk each, a bf16
+    output (its only one) and widths a multiple of 16 (its stride rule)."""
+    widths = (a.shape[1], b.shape[0] // experts if along == "rows" else b.shape[0]) + (
+        (a.shape[0],) if along == "k" else ())
+    return (a.fp8.is_cuda and hasattr(torch, "_scaled_grouped_mm") and experts > 0
+            and len(a.bounds) == len(b.bounds) == 2 and out_dtype == torch.bfloat16
+            and all(w % 16 == 0 for w in widths))
+
+
+def _gemm_scaled_grouped(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
+                         use_fast_accum: bool) -> torch.Tensor:
+    if len(a.bounds) != 2 or len(b.bounds) != 2:
+        raise ValueError("the grouped FP8 GEMM takes operands folded in one K-chunk; these have "
+                         f"{len(a.bounds) - 1} and {len(b.bounds) - 1}: use backend='loop'")
+    experts = ends.shape[0]
+    sa = _with_nan(a.factors[:, 0], a.nan_rows)
+    sb = _with_nan(b.factors[:, 0], b.nan_rows)
+    if along == "rows":
+        n, k = b.shape[0] // experts, b.shape[1]
+        # A (P, K) row-major, B_e^T (K, N) column-major: the stacked rows seen as (E, K, N)
+        return torch._scaled_grouped_mm(a.fp8, b.fp8.view(experts, n, k).transpose(-2, -1),
+                                        sa.contiguous(), sb.view(experts, n).contiguous(),
+                                        offs=ends, out_dtype=torch.bfloat16,
+                                        use_fast_accum=use_fast_accum)
+    # groups along K: the scales are per group and row, group-major; each row's one factor
+    # serves every group. A group with no tokens gives zeros, whatever the GEMM leaves there.
+    out = torch._scaled_grouped_mm(a.fp8, b.fp8.t(), sa.repeat(experts), sb.repeat(experts),
+                                   offs=ends, out_dtype=torch.bfloat16,
+                                   use_fast_accum=use_fast_accum)
+    empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+    return out.masked_fill(empty[:, None, None], 0)
+
+
+def _gemm_groups(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
+                 out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+    experts = ends.shape[0]
+    bounds = [0, *ends.tolist()]                                  # one host read
+    backend = None if a.fp8.is_cuda else "emulated"
+    if along == "rows":
+        n = b.shape[0] // max(experts, 1)
+        out = torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.fp8.device)
+        for e in range(experts):
+            if bounds[e + 1] > bounds[e]:
+                out[bounds[e]:bounds[e + 1]] = fp4_gemm_fp8(
+                    a.rows(bounds[e], bounds[e + 1]), b.rows(e * n, (e + 1) * n), out_dtype,
+                    use_fast_accum, backend)
+        return out
+    out = torch.zeros(experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.fp8.device)
+    for e in range(experts):
+        if bounds[e + 1] > bounds[e]:
+            out[e] = fp4_gemm_fp8(a.columns(bounds[e], bounds[e + 1]),
+                                  b.columns(bounds[e], bounds[e + 1]), out_dtype, use_fast_accum,
+                                  backend)
+    return out

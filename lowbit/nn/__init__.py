@@ -116,10 +116,12 @@ class QuantExperts(Experts):
 
     def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # unquantized: plain products (Experts' grouped GEMM); a recipe whose quantization of
-        # the stacked experts is each expert's own: one grouped quantized GEMM
-        # (lowbit.ops.grouped); any other (tensor scales, FP8 GEMMs): expert by expert
+        # the stacked experts is each expert's own: one grouped quantized GEMM, emulated or on
+        # FP8 tensor cores (lowbit.ops.grouped); any other (tensor scales on X or dY): expert by
+        # expert
         recipe = self._active_recipe()
-        return grouped_mm_supported(x, weight) and (recipe is None or groups_exactly(recipe))
+        return grouped_mm_supported(x, weight) and (recipe is None
+                                                    or groups_exactly(recipe, tuple(weight.shape)))
 
     def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()

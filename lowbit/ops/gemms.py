@@ -35,7 +35,7 @@ from lowbit.recipes import LinearRecipe
 __all__ = ["fake_quantize", "operand", "shared", "saved_operands", "dgrad_weight",
            "wgrad_operands", "gemm_operands", "kept_operands", "emulated_forward",
            "emulated_backward", "fp8_forward", "fp8_backward", "compilable", "autocast_operands",
-           "WeightOperandCache"]
+           "WeightOperandCache", "fold_for_gemm", "fold_transposed"]
 
 
 def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
@@ -133,7 +133,7 @@ def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need
     return dx, dw
 
 
-def _fold(operand: str, t, spec, transpose_too: bool = False, check=None, rows: bool = True):
+def fold_for_gemm(operand: str, t, spec, transpose_too: bool = False, check=None, rows: bool = True):
     """dispatch.quantize_fold of one of the layer's operands, named by its role ("X", "W" or
     "dY") for the fold observer in force (lowbit.dispatch.fold_check.observe_folds)."""
     with folding_operand(operand):
@@ -142,12 +142,21 @@ def _fold(operand: str, t, spec, transpose_too: bool = False, check=None, rows: 
         return dispatch.quantize_fold(t, spec, transpose_too, check, rows=False)
 
 
+def fold_transposed(operand: str, t, forward_spec, spec, check):
+    """The folded operand of t^T blocked along t's rows, for a backward GEMM: from t's own
+    quantization where square tiles share it (forward_spec == spec; the same bits as the
+    forward's copy under round-to-nearest), else t^T quantized with `spec`."""
+    if shared(forward_spec, spec):
+        return fold_for_gemm(operand, t, spec, True, check, rows=False)[1]
+    return fold_for_gemm(operand, t.mT, spec, check=check)[0]
+
+
 def fp8_forward(x, weight, r: LinearRecipe, keep_x_t: bool, keep_w_t: bool, check):
     """(Y (N, out), X^T's folded operand or None, W^T's or None) on FP8 tensor cores: one
     quantization of each operand gives its fprop operand and, where kept (kept_operands), the
     transposed one for the backward. check: the deferred fold check, or None (exact folds)."""
-    fx, fx_t = _fold("X", x, r.fprop_x, keep_x_t, check)
-    fw, fw_t = _fold("W", weight, r.fprop_w, keep_w_t, check)
+    fx, fx_t = fold_for_gemm("X", x, r.fprop_x, keep_x_t, check)
+    fw, fw_t = fold_for_gemm("W", weight, r.fprop_w, keep_w_t, check)
     y = fp4_gemm_fp8(fx, fw, out_dtype=x.dtype, use_fast_accum="fprop" in r.fast_accum)
     return y, fx_t, fw_t
 
@@ -158,23 +167,18 @@ def fp8_backward(dy, x, weight, x_w, w_d, r: LinearRecipe, check, need_dx: bool,
     made here from x / weight (shared tiles: x^T's operand of the forward's quantization, the
     same bits under round-to-nearest; 1D blocks: quantized along the other dim). check: the
     forward's deferred fold check."""
-    def transposed(operand, t, forward_spec, spec):
-        if shared(forward_spec, spec):
-            return _fold(operand, t, spec, True, check, rows=False)[1]
-        return _fold(operand, t.mT, spec, check=check)[0]
-
     dx = dw = None
     shared_dy = shared(r.dgrad_dy, r.wgrad_dy) and need_dw
-    fdy, fdy_t = _fold("dY", dy, r.dgrad_dy, shared_dy, check)             # (N, out), along out
+    fdy, fdy_t = fold_for_gemm("dY", dy, r.dgrad_dy, shared_dy, check)     # (N, out), along out
     if need_dx:
         # dX = dY W: B = W^T (in, out), blocks along out
-        w_d = w_d if w_d is not None else transposed("W", weight, r.fprop_w, r.dgrad_w)
+        w_d = w_d if w_d is not None else fold_transposed("W", weight, r.fprop_w, r.dgrad_w, check)
         dx = fp4_gemm_fp8(fdy, w_d, out_dtype=dy.dtype,                              # (N, in)
                           use_fast_accum="dgrad" in r.fast_accum)
     if need_dw:
         # dW = dY^T X: A = dY^T (out, N), B = X^T (in, N), both blocked along N
-        dy_w = fdy_t if fdy_t is not None else _fold("dY", dy.mT, r.wgrad_dy, check=check)[0]
-        x_w = x_w if x_w is not None else transposed("X", x, r.fprop_x, r.wgrad_x)
+        dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dy.mT, r.wgrad_dy, check=check)[0]
+        x_w = x_w if x_w is not None else fold_transposed("X", x, r.fprop_x, r.wgrad_x, check)
         dw = fp4_gemm_fp8(dy_w, x_w, out_dtype=dy.dtype,                            # (out, in)
                           use_fast_accum="wgrad" in r.fast_accum)
     return dx, dw

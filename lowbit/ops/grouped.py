@@ -26,28 +26,49 @@ distribution as the per-expert path, not the same draws. The three GEMMs:
     wgrad  dW_e = dY_e^T X_e one grouped GEMM, 2D x 2D, the groups along the tokens
 
 The group sizes stay on the device (no host read-back) and the padded layout has a fixed size
-(R + E * (row_tile - 1) rows, rounded up to 8), so nothing in the layer waits on the host;
+(R + E * (row_tile - 1) rows, rounded up to 16), so nothing in the layer waits on the host;
 under torch.compile it runs eagerly (a graph break), as lowbit.ops.linear's stochastically
 rounding recipes do.
+
+FP8 recipes (stable-fp4-fp8: MXFP4 operands folded into E4M3, lowbit.formats.fold) group the
+same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_gemm_fp8,
+torch._scaled_grouped_mm on CUDA): X and dY folded in the padded layout, the stacked weight
+(E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
+dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
+expert (out and in multiples of the tile side). The values multiplied are the per-expert
+path's; a row's fold factor, and so the GEMM's rounding, may differ. A NaN anywhere in a
+row of dY^T or X^T (the wgrad operands, tokens along K) makes that row of every expert's dW
+NaN, where the per-expert path makes only its own expert's: the step is non-finite either way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowbit.ops.gemms import WeightOperandCache, autocast_operands, operand, shared
+from lowbit.dispatch.fold_check import active_fold_check, active_observer, active_watch, folding_for
+from lowbit.kernels.fp8_gemm import grouped_fp4_gemm_fp8
+from lowbit.ops.gemms import (WeightOperandCache, autocast_operands, fold_for_gemm, fold_transposed,
+                              kept_operands, operand, shared)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
 
 
-def groups_exactly(r: LinearRecipe) -> bool:
-    """The recipe's GEMMs on stacked experts equal its per-expert GEMMs in every quantized
-    operand (see the module doc): emulated GEMMs, no tensor scale on an operand that spans
-    tokens (X, dY), no Hadamard rotation."""
-    return (r.gemm is Gemm.EMULATED and not r.wgrad_hadamard
-            and all(s is None or not s.tensor_scale
-                    for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x)))
+def groups_exactly(r: LinearRecipe, weight_shape: tuple[int, ...] | None = None) -> bool:
+    """The recipe's GEMMs on stacked experts (weight (E, out, in)) equal its per-expert GEMMs
+    in every quantized operand (see the module doc): no tensor scale on an operand that spans
+    tokens (X, dY), no Hadamard rotation; FP8 GEMMs also need the weight's square tiles to lie
+    within an expert and the grouped FP8 GEMM's 16-byte strides (weight_shape given, out and in
+    multiples of the tile side and of 16)."""
+    if r.wgrad_hadamard or any(s is not None and s.tensor_scale
+                               for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x)):
+        return False
+    if r.gemm is Gemm.EMULATED:
+        return True
+    if weight_shape is None:
+        return False
+    sides = [16] + [s.block[0] for s in (r.fprop_w, r.dgrad_w) if s is not None and s.is_2d]
+    return all(width % side == 0 for width in weight_shape[-2:] for side in sides)
 
 
 def _weights(weight: torch.Tensor, spec, reduce_dim: int) -> torch.Tensor:
@@ -76,7 +97,7 @@ def _layout(counts: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, t
     expert = torch.searchsorted(ends, i, right=True)                     # (R,), E for dropped
     kept = expert < counts.shape[0]
     e = expert.clamp(max=counts.shape[0] - 1)
-    size = (rows + counts.shape[0] * (tile - 1) + 1 + 7) // 8 * 8   # 16-byte strides in bf16
+    size = (rows + counts.shape[0] * (tile - 1) + 1 + 15) // 16 * 16   # 16-byte strides in FP8
     position = torch.where(kept, (padded_ends - padded)[e] + i - (ends - counts)[e], size - 1)
     return position, padded_ends.to(torch.int32), size
 
@@ -125,6 +146,61 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+class GroupedQuantLinearFP8Function(torch.autograd.Function):
+    """The three GEMMs of every expert on FP8 tensor cores (see the module doc), as
+    lowbit.ops.linear.QuantLinearFP8Function runs one layer's: the same deferred fold check,
+    watch and observer (the folds are the layer's, unnamed), X^T's folded copy kept from the
+    forward where square tiles share it and a backward will use it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, recipe: LinearRecipe, grad: bool):
+        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert
+        experts, out_features, in_features = weight.shape
+        position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
+        keep_x_t, _ = kept_operands(recipe, False, grad and ctx.needs_input_grad[1])
+        check = ctx.fold_check = active_fold_check(x.device)
+        ctx.watch, ctx.observer = active_watch(), active_observer()
+        with folding_for("", ctx.watch, ctx.observer):
+            fx, fx_t = fold_for_gemm("X", _spread(x, position, size), recipe.fprop_x, keep_x_t, check)
+            fw, _ = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
+                                  recipe.fprop_w, check=check)                 # blocks along in
+            y = grouped_fp4_gemm_fp8(fx, fw, ends, "rows", out_dtype=x.dtype,
+                                     use_fast_accum="fprop" in recipe.fast_accum)
+        dropped = (position == size - 1)[:, None]
+        ctx.x_w = fx_t
+        ctx.save_for_backward(x if fx_t is None else None, weight, position, ends, dropped)
+        ctx.recipe, ctx.size = recipe, size
+        return y[position].masked_fill(dropped, 0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, position, ends, dropped = ctx.saved_tensors
+        r, check = ctx.recipe, ctx.fold_check
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        experts, out_features, in_features = weight.shape
+        dx = dw = None
+        with folding_for("", ctx.watch, ctx.observer):
+            dyp = _spread(dy, position, ctx.size)
+            fdy, fdy_t = fold_for_gemm("dY", dyp, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
+                                       check)                                   # blocks along out
+            if need_dx:
+                # dX = dY W_e: B = W_e^T (in, out) stacked, blocks along out
+                w_t = weight.transpose(1, 2).reshape(experts * in_features, out_features)
+                fw_d, _ = fold_for_gemm("W", w_t, r.dgrad_w, check=check)
+                dx = grouped_fp4_gemm_fp8(fdy, fw_d, ends, "rows", out_dtype=dy.dtype,
+                                          use_fast_accum="dgrad" in r.fast_accum)
+                dx = dx[position].masked_fill(dropped, 0)
+            if need_dw:
+                # dW_e = dY_e^T X_e: A = dY^T (out, P), B = X^T (in, P), blocked along the tokens
+                dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dyp.mT, r.wgrad_dy, check=check)[0]
+                x_w = ctx.x_w if ctx.x_w is not None else fold_transposed(
+                    "X", _spread(x, position, ctx.size), r.fprop_x, r.wgrad_x, check)
+                dw = grouped_fp4_gemm_fp8(dy_w, x_w, ends, "k", out_dtype=dy.dtype,
+                                          use_fast_accum="wgrad" in r.fast_accum)
+        ctx.x_w = ctx.fold_check = ctx.watch = ctx.observer = None
+        return dx, dw, None, None, None
+
+
 @torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
 def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                          recipe: LinearRecipe, cache: WeightOperandCache | None = None) -> torch.Tensor:
@@ -132,13 +208,18 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     by expert (counts[e] rows each, on the device; rows past their sum, zeros out and in), weight
     (E, out, in) -> (R, out). The recipe must group exactly (`groups_exactly`); under autocast
     the operands are cast to its dtype first, as quant_linear casts them. torch._grouped_mm
-    takes bf16 with in and out multiples of 8. cache: where a round-to-nearest forward weight is
-    kept while `weight` is unchanged (lowbit.ops.gemms.WeightOperandCache; the same values)."""
-    if not groups_exactly(recipe):
-        raise ValueError(f"recipe {recipe.describe()} does not group exactly (a tensor scale, the "
-                         "Hadamard transform or FP8 GEMMs): run its experts one by one")
+    takes bf16 with in and out multiples of 8. cache: where an emulated recipe's round-to-nearest
+    forward weight is kept while `weight` is unchanged (lowbit.ops.gemms.WeightOperandCache; the
+    same values); FP8 recipes fold their weights afresh, as quant_linear's do."""
+    if not groups_exactly(recipe, tuple(weight.shape)):
+        raise ValueError(f"recipe {recipe.describe()} does not group exactly on a {tuple(weight.shape)} "
+                         "weight (a tensor scale, the Hadamard transform, or FP8 GEMMs with tiles "
+                         "that straddle two experts): run its experts one by one")
     master = weight
     x, weight, _ = autocast_operands(x, weight, None)
+    if recipe.gemm is Gemm.FP8:
+        with torch.autocast(x.device.type, enabled=False):
+            return GroupedQuantLinearFP8Function.apply(x, weight, counts, recipe, torch.is_grad_enabled())
     w_f = None if cache is None else cache.get(
         master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):

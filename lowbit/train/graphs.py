@@ -106,8 +106,9 @@ def experts_refusal(model: nn.Module, device: torch.device, bf16_autocast: bool)
             return (f"--cuda-graph needs MoE experts on the grouped GEMM, which reads nothing "
                     f"back to the host; {name} would run expert by expert (the grouped GEMM "
                     f"takes bf16 autocast on a Hopper or later GPU, expert widths a multiple of "
-                    f"8, and no recipe or one that quantizes each expert alone without tensor "
-                    f"scales or FP8 GEMMs, e.g. mxfp4 or stable-fp4): drop --cuda-graph")
+                    f"8 (16 on FP8 GEMMs), and no recipe or one that quantizes each expert "
+                    f"alone without tensor scales, e.g. mxfp4, stable-fp4 or stable-fp4-fp8): "
+                    f"drop --cuda-graph")
     return None
 
 
