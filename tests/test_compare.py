@@ -150,3 +150,28 @@ def test_cli_compare_over_seeds_in_parallel_pairs_the_data_order(tmp_path, corpu
         run_train(parser.parse_args([*common, "--compare", "bf16,mxfp4", "--seeds", "0,1",
                                      "--seed", "2"]))
 
+
+
+def test_cli_compare_stopped_by_its_time_limit_resumes_to_the_end(tmp_path, corpus_env, capsys):
+    # --stop-after-minutes: each run stops at the end of its first step (a limit shorter than
+    # a step), checkpointed and not finished; the table says so and compares what they reached;
+    # the same command with --resume (and no limit) finishes them
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    common = ["--steps", "3", "--seq-len", "16", "--batch-size", "2", "--eval-every", "1",
+              "--eval-batches", "1", "--checkpoint-every", "0", "--no-diagnostics",
+              "--no-progress", "--device", "cpu", "--out-dir", str(tmp_path), "--compare",
+              "bf16,mxfp4", "--run-name", "lim"]
+    run_train(parser.parse_args([*common, "--stop-after-minutes", "1e-9"]))
+    out = capsys.readouterr().out
+    assert out.count("stopped at step 1 by its time limit (--resume continues it)") == 2, out
+    for run in ("lim-bf16", "lim-mxfp4"):
+        assert not (tmp_path / run / "final.json").exists()
+    run_train(parser.parse_args([*common, "--resume"]))
+    out = capsys.readouterr().out
+    assert "stopped at" not in out and out.count("| ok |") == 2, out
+    assert json.loads((tmp_path / "lim-mxfp4" / "final.json").read_text())["steps"] == 3
+    with pytest.raises(ValueError, match="stop_after_minutes must be a positive number"):
+        run_train(parser.parse_args([*common, "--stop-after-minutes", "0"]))

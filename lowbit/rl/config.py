@@ -17,7 +17,8 @@ ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
 # observation and placement only: a resumed run may change them
 FREE_ON_RESUME = frozenset({"eval_every", "log_every", "checkpoint_every",
-                            "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session"})
+                            "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session",
+                            "stop_after_minutes"})
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
 
 
@@ -171,6 +172,11 @@ class RLConfig(RunConfig):
         "--checkpoint-every", "checkpoint every N steps (default: %(default)s)"))
     max_steps_per_session: int | None = None
     """Stop after this many steps of this invocation (a later --resume continues the run); None: run to the end."""
+    stop_after_minutes: float | None = field(default=None, metadata=flag(
+        "--stop-after-minutes", "stop this call after M minutes, at a step's end, checkpointed; "
+        "--resume continues the run (default: no limit)", metavar="M"))
+    """Wall-clock minutes after which this call stops at the end of its step and checkpoints,
+    without finishing the run, so that a later --resume continues it. None: no limit."""
     seed: int = field(default=0, metadata=flag(
         "--seed", "seed of prompts, sampling and (unless --warmstart-seed) the warm start (default: "
         "%(default)s)"))
@@ -263,6 +269,11 @@ class RLConfig(RunConfig):
         require(self.grad_clip >= 0 and self.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
         require(self.max_steps_per_session is None or self.max_steps_per_session >= 1,
                  "max_steps_per_session must be a positive integer")
+        require(self.stop_after_minutes is None or (
+            isinstance(self.stop_after_minutes, (int, float)) and math.isfinite(self.stop_after_minutes)
+            and self.stop_after_minutes > 0),
+                f"stop_after_minutes must be a positive number of minutes (got "
+                f"{self.stop_after_minutes!r}); e.g. --stop-after-minutes 50")
         require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
                  f"run_name {self.run_name!r} must be a plain folder name")
         require(self.out_dir != "", "out_dir must be a folder")

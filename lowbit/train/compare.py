@@ -472,6 +472,10 @@ class TrainRunner:
             outcome = self.partial(config)
             outcome.status = f"diverged at step {e.step} (non-finite loss)"
             return outcome
+        if not RunDir(result.run_dir).finished:   # --stop-after-minutes ended this call
+            return RunOutcome(val_curve(result.run_dir),
+                              f"stopped at step {result.steps} by its time limit "
+                              f"(--resume continues it)", str(result.run_dir))
         return RunOutcome(val_curve(result.run_dir), "ok", str(result.run_dir))
 
     def partial(self, config: TrainConfig) -> RunOutcome:

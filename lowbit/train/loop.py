@@ -214,7 +214,9 @@ class _TrainJob:
             config.total_steps, config.eval_every, config.checkpoint_every, config.log_every,
             config.max_consecutive_nonfinite,
             after_step_every=config.diag_every if self.diagnostics_fn is not None else 0,
-            eval_cost_steps=config.eval_batches / 3)
+            eval_cost_steps=config.eval_batches / 3,
+            seconds_this_call=(None if config.stop_after_minutes is None
+                               else config.stop_after_minutes * 60))
         self.model.train()
         return RunLoop(self, self.run_dir, config, cadence, self.start, progress=config.progress,
                        is_main=self.process.is_main).run()

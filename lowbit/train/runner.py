@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Protocol
 from collections.abc import Callable
 
+import torch
 from tqdm import tqdm
 
 from lowbit.config import RunConfig
@@ -95,6 +96,11 @@ class Cadence:
     steps_this_call: int | None = None
     """Steps one call of RunLoop.run takes before it returns, the run checkpointed but not
     finished, for a later --resume (lowbit rl --max-steps-per-session); None: to the end."""
+    seconds_this_call: float | None = None
+    """Wall-clock seconds after which a call stops at the end of its step, checkpointed but
+    not finished, for a later --resume (--stop-after-minutes: a job's time limit on a cluster,
+    as Megatron's --exit-duration-in-mins); None: no limit. Under torchrun the ranks agree
+    (rank 0's clock decides)."""
     after_step_every: int = 0
     """Steps between job.after_step calls (0: never)."""
     eval_cost_steps: float = 1.0
@@ -185,6 +191,8 @@ class RunLoop:
         self.tell = tqdm.write if is_main else (lambda message: None)
         """The run's start and done lines, which print with progress off too."""
         self.last_checkpoint_step = start.step if start.resumed else None
+        self.stopped_for_time = False
+        """The last call of run() stopped at cadence.seconds_this_call, before the run's end."""
 
     @property
     def last_checkpoint(self) -> Path | None:
@@ -250,6 +258,9 @@ class RunLoop:
                         values = job.after_step(step)
                     if values is not None:
                         log.write({"event": "diagnostics", "step": step, **values})
+                if step < end and self._out_of_time():
+                    end = step   # checkpointed at the top of the loop, then returned
+                    self.stopped_for_time = True
         except KeyboardInterrupt:
             raise TrainingInterrupted(interrupted_message(step, self.last_checkpoint_step,
                                                           self.last_checkpoint)) from None
@@ -261,8 +272,28 @@ class RunLoop:
             if step >= total:   # a call stopped by steps_this_call is not the end
                 self.folder.write_final(final)
             self.folder.plot(force=True, draw=job.draw)
+        if self.stopped_for_time:   # not done: said so instead of the done line
+            line = (f"stopped at step {step}/{total}, {cadence.seconds_this_call / 60:g} minutes "
+                    f"after this call started (--stop-after-minutes), checkpointed: run the same "
+                    f"command with --resume to continue -> {self.folder.path}")
         self.tell(line)
         return result
+
+    def _out_of_time(self) -> bool:
+        """This call has run its seconds_this_call; under torchrun, as rank 0 reads its clock
+        (one all-reduce a step, only with a limit), so that every rank stops at the same step."""
+        limit = self.cadence.seconds_this_call
+        if limit is None:
+            return False
+        over = time.perf_counter() - self.t_start_call >= limit
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
+                torch.distributed.get_world_size() > 1):
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.distributed.get_backend() == "nccl" else torch.device("cpu"))
+            flag = torch.tensor([float(over and torch.distributed.get_rank() == 0)], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        return over
 
     def wall_time_s(self) -> float:
         """The run's wall time, its time before this resume included."""
