@@ -13,8 +13,10 @@ from lowbit.dispatch import quantize
 from lowbit.formats import FORMATS, QTensor, QuantSpec, load_qtensors, save_qtensors
 
 __version__ = "0.1.0"
+# lowbit.convert, the deprecated name of quantize_(model, recipe), still resolves (with a
+# DeprecationWarning) but is no longer listed
 __all__ = ["quantize", "quantize_", "QTensor", "QuantSpec", "save_qtensors", "load_qtensors",
-           "FORMATS", "get_recipe", "convert"]
+           "FORMATS", "get_recipe"]
 
 
 def quantize_(model, config, filter_fn=None):
