@@ -20,6 +20,7 @@ HISTORY = RESULTS / "history.md"
 
 META_FIELDS = ("date", "commit", "machine", "command")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+_REFERENCE = re.compile(r"^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)   # [label]: target
 _FORBIDDEN = re.compile(
     r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth)\s+(device\s+)?session"
     r"|\bsession\s*\d"
@@ -35,14 +36,32 @@ def _result_jsons() -> list[Path]:
     return sorted(RESULTS.rglob("*.json"))
 
 
+def _targets(page: Path) -> list[str]:
+    """A markdown page's link targets: inline `[text](target)` and reference `[label]: target`."""
+    text = page.read_text()
+    return _LINK.findall(text) + _REFERENCE.findall(text)
+
+
 def _links(page: Path) -> set[Path]:
     """The files a markdown page links to (relative links; anchors and URLs left out)."""
     found = set()
-    for target in _LINK.findall(page.read_text()):
+    for target in _targets(page):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         found.add((page.parent / target.split("#", 1)[0]).resolve())
     return found
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, punctuation but hyphens and
+    underscores dropped, spaces as hyphens (a repeated heading's -1, -2 too)."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", page.read_text(), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
 
 
 def test_every_result_json_carries_the_same_meta():
@@ -106,6 +125,29 @@ def test_relative_links_in_the_docs_resolve():
             if not target.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_links_to_a_section_name_a_heading_of_that_page():
+    # the results index points at topic pages' sections: a renamed heading must not leave a
+    # link that lands at the top of the page
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for target in _targets(page):
+            if re.match(r"[a-z]+:", target) or "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            linked = (page.parent / path).resolve() if path else page
+            if linked.suffix == ".md" and linked.is_file() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, "links to sections that are not there:\n" + "\n".join(broken)
+
+
+def test_heading_anchors_follow_githubs_rule(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Results\n## MoE: experts on grouped GEMMs (2026-12-05)\n"
+                    "## Not compiled: `--cuda-graph` alone, and eager\n## Results\n")
+    assert _anchors(page) == {"results", "moe-experts-on-grouped-gemms-2026-12-05",
+                              "not-compiled---cuda-graph-alone-and-eager", "results-1"}
 
 
 def test_docs_say_dates_and_machines_not_work_periods_or_tools():
