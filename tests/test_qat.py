@@ -546,6 +546,23 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     (run,) = tmp_path.glob("qat-*-ste+kd0.5")
     qat = json.loads((run / "job.json").read_text())["qat"]
     assert (qat["distill"], qat["distill_temperature"]) == (0.5, 2.0)
+    # --stop-after-minutes: the first run stops at its first step's end, checkpointed, the second
+    # never starts, no table; the same command with --resume (no limit) finishes both
+    limited = ["qat", "--compare", "ste,jacquant", "--steps", "3", "--base-steps", "6", "--eval-every",
+               "1", "--no-baselines", "--run-name", "lim", "--out-dir", str(tmp_path),
+               "--no-progress", "--device", "cpu"]
+    assert main([*limited, "--stop-after-minutes", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped after 1e-09 minutes (--stop-after-minutes)" in out
+    assert "lim-int2-g32-ste stopped at step 1, checkpointed" in out
+    assert "| ste |" not in out and not list(tmp_path.glob("lim-*summary"))
+    assert (tmp_path / "lim-int2-g32-ste" / "checkpoints").is_dir()
+    assert not (tmp_path / "lim-int2-g32-ste" / "final.json").exists()
+    assert not (tmp_path / "lim-int2-g32-jacquant").exists()
+    assert main([*limited, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "| ste |" in out and "| jacquant |" in out and "stopped" not in out
+    assert json.loads((tmp_path / "lim-int2-g32-jacquant" / "final.json").read_text())["steps"] == 3
 
 
 def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():

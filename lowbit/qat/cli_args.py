@@ -119,6 +119,9 @@ def run_qat_command(args: argparse.Namespace) -> None:
     except NonFiniteLossError as e:
         print(f"lowbit: error: {e} Try a lower --lr or a longer --warmup-steps", file=sys.stderr)
         raise SystemExit(1) from None
+    if "stopped" in summary:
+        print(summary["stopped"])
+        return
     print(summary["table"], end="")
     print(f"figure: {summary['figure']}\ntable: {summary['dir']}/table.md")
     if "comparison" in summary:

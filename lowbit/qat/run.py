@@ -33,6 +33,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,12 @@ class QATJob:
         "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
     name: str = field(default="", metadata=flag(
         "--run-name", "prefix of the run folders (default: qat-<source>)", metavar="RUN_NAME"))
+    stop_after_minutes: float | None = field(default=None, metadata=flag(
+        "--stop-after-minutes", "stop the job after M minutes, at a step's end, checkpointed; "
+        "--resume continues it (default: no limit)", metavar="M"))
+    """Wall-clock minutes after which the job stops: the run training then stops at its step's
+    end, checkpointed (lowbit train's --stop-after-minutes), no later run starts, and no table
+    is written; the same command with --resume continues. None: no limit."""
     base_steps: int = field(default=BASE_STEPS, metadata=flag(
         "--base-steps", "without --from: steps of the BF16 model trained first "
         "(default: %(default)s)"))
@@ -149,6 +156,10 @@ class QATJob:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number (got {self.lr})")
+        if self.stop_after_minutes is not None and not (
+                math.isfinite(self.stop_after_minutes) and self.stop_after_minutes > 0):
+            raise ValueError(f"--stop-after-minutes must be a positive number (got "
+                             f"{self.stop_after_minutes})")
         if self.baselines_only and not self.baselines:
             raise ValueError("--baselines-only and --no-baselines exclude each other")
         if self.resume and self.overwrite:
@@ -339,7 +350,8 @@ def _slug(text: str) -> str:
 
 
 def run_qat(job: QATJob) -> dict:
-    """Run the job (see the module docstring); returns the summary it writes."""
+    """Run the job (see the module docstring); returns the summary it writes (a job stopped by
+    stop_after_minutes writes none: its summary says where it stopped, under "stopped")."""
     source_path = source_run(job)
     source, state = load_source(source_path, job)
     fingerprint = source_fingerprint(source_path, state)
@@ -370,6 +382,9 @@ def run_qat(job: QATJob) -> dict:
             model.load_state_dict(state)
         return model.to(device)
 
+    deadline = (None if job.stop_after_minutes is None
+                else time.monotonic() + 60 * job.stop_after_minutes)
+    trained = False   # a run trained in this call
     summary = {"source": str(source_path), "baselines": {}, "notes": [], "runs": []}
     if job.baselines:
         summary["baselines"] = _baselines(job, fresh_model, data, device, summary["notes"])
@@ -378,6 +393,13 @@ def run_qat(job: QATJob) -> dict:
         if state_of_run == "done" and (qat.format.grid == "bf16" or (run_dir / PACKED_FILE).is_file()):
             summary["runs"].append(_finished_row(qat, seed, run_dir, label))
             continue
+        if deadline is not None:   # this run gets what is left of the job's minutes
+            left = (deadline - time.monotonic()) / 60
+            if left <= 0 and trained:
+                return _stopped(summary, job, f"{run_dir} is next, not started")
+            # the first run of a call takes at least a step, so every call moves the job on
+            config = dataclasses.replace(config, stop_after_minutes=max(left, 1e-9))
+        trained = True
         model = fresh_model()
         hook = None
         if qat.format.grid != "bf16":   # bf16: the control, fine-tuned the same way unquantized
@@ -392,6 +414,9 @@ def run_qat(job: QATJob) -> dict:
                        data=build_data(config), on_step=hook, on_optimizer=hook.attach if hook else None,
                        loss_fn=loss_fn, job=job_record(qat, source_path, fingerprint))
         del loss_fn   # the teacher
+        if not RunDir(result.run_dir).finished:   # stopped at the job's time limit
+            return _stopped(summary, job, f"{result.run_dir} stopped at step {result.steps}, "
+                                          f"checkpointed")
         if qat.format.grid != "bf16":   # the control has nothing to pack
             save_packed(model, result.run_dir)
         summary["runs"].append({"run": str(result.run_dir), "weights": qat.weights,
@@ -421,6 +446,14 @@ def run_qat(job: QATJob) -> dict:
     write_text_atomic(out / "table.md", summary["table"])
     summary["figure"] = str(plot_qat(summary, out / "qat.png"))
     summary["dir"] = str(out)
+    return summary
+
+
+def _stopped(summary: dict, job: QATJob, where: str) -> dict:
+    """The summary of a job stopped by --stop-after-minutes: no table (its runs are not all
+    done), the line that says where it stopped and how to go on."""
+    summary["stopped"] = (f"stopped after {job.stop_after_minutes:g} minutes (--stop-after-minutes): "
+                          f"{where}; run the same command with --resume to continue")
     return summary
 
 
