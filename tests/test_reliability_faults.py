@@ -344,3 +344,30 @@ def test_out_of_gpu_memory_is_one_line_with_what_to_lower(command, advice, tmp_p
     line = one_line_error(code, err, "out of memory (CUDA out of memory. Tried to allocate 10.29 GiB)",
                           advice, exit_code=1)
     assert "GPU 0 has" not in line
+
+
+def test_rl_compare_in_parallel_processes_gives_the_sequential_runs(tmp_path, capsys):
+    # --parallel-runs 2: each run in a process of its own; the warm start they share is trained
+    # by one while the other waits for it (two trainings at once would collide on its folder);
+    # a run is the one `lowbit rl` makes alone (rewards equal, losses to the threads' rounding)
+    from lowbit.cli import main
+    from lowbit.train.metrics import read_metrics
+
+    assert main(["rl", "--quick", "--rollout", "bf16", "--align", "none", "--no-progress",
+                 "--out-dir", str(tmp_path / "alone")]) == 0
+    assert main(["rl", "--quick", "--compare", "bf16,nvfp4", "--no-progress", "--parallel-runs", "2",
+                 "--out-dir", str(tmp_path / "par")]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 |" in out and "| nvfp4 |" in out
+    assert len([p for p in (tmp_path / "par" / "warmstart").iterdir() if p.is_dir()]) == 1
+    (alone,) = [p for p in (tmp_path / "alone").iterdir() if p.name.startswith("rl-")]
+    runs = [[r for r in read_metrics(folder) if r["event"] in ("train", "eval")]
+            for folder in (alone, tmp_path / "par" / alone.name)]
+    assert [r["step"] for r in runs[0]] == [r["step"] for r in runs[1]] and runs[0]
+    for a, b in zip(*runs):
+        assert a.get("reward") == b.get("reward") and a.get("eval/accuracy") == b.get("eval/accuracy")
+        if "loss" in a:
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert (tmp_path / "par" / "rl-tiny-add-nvfp4" / "final.json").is_file()
+    assert main(["rl", "--quick", "--parallel-runs", "2", "--out-dir", str(tmp_path)]) == 2
+    assert "--parallel-runs goes with --compare" in capsys.readouterr().err

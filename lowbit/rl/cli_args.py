@@ -31,6 +31,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                         "fixes the prompts, sampling and warm start), and the change in the bf16 "
                         "evaluator's held-out accuracy from step 0 against the first setting, "
                         "paired by seed (mean, sd, 95%% CI, verdict) in <folder>/seeds/")
+    p.add_argument("--parallel-runs", metavar="N", type=int, default=1,
+                   help="with --compare: run N runs at once, each in a process of its own (on "
+                        "one GPU they share it; default: 1, one after another)")
     p.add_argument("--quick", action="store_true",
                    help="a few seconds' version of the same run (for CI): " +
                         ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -67,11 +70,14 @@ def run_rl_command(args: argparse.Namespace) -> None:
         if args.seed is not None:
             raise ValueError("--seeds names the seeds of the comparison; drop --seed")
         seeds = parse_seeds(args.seeds)
+    if args.parallel_runs != 1 and not args.compare:
+        raise ValueError("--parallel-runs goes with --compare SETTINGS (the runs of the comparison)")
     try:
         if args.compare:
             settings = [s for s in args.compare.split(",") if s.strip()]
             results, folder = compare_settings(config, settings, overwrite=args.overwrite,
-                                               resume=args.resume, seeds=seeds)
+                                               resume=args.resume, seeds=seeds,
+                                               parallel_runs=args.parallel_runs)
         else:
             results = [run_rl(config, resume=args.resume, overwrite=args.overwrite)]
     except NonFiniteLossError as e:   # one line and exit code 1, as `lowbit train`'s

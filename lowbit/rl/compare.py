@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
 
@@ -29,12 +30,14 @@ from lowbit.rl.plot import plot_rl_runs
 from lowbit.rl.trainer import RUN_FILES, RLResult, run_rl
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import write_json_atomic
-from lowbit.train.compare import RunOutcome, RunSpec, check_run_folders, write_comparison
+from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, continue_state, run_all,
+                                  write_comparison)
+from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary",
-           "accuracy_change_curve", "PAIRED_METRIC"]
+           "accuracy_change_curve", "PAIRED_METRIC", "RLRunner"]
 
 PAIRED_METRIC = "held-out accuracy change from step 0 (bf16 evaluator)"
 
@@ -68,12 +71,49 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
                          f"[@RATIO][+is[-LEVEL]][+static-act], e.g. nvfp4+quads@0.25)") from None
 
 
+@dataclass(frozen=True)
+class RLRunner:
+    """Runs an RLConfig with run_rl, for lowbit.train.compare.run_all (a module-level class,
+    so that it pickles for parallel runs): the curve is the common evaluator's held-out accuracy
+    change from step 0 (accuracy_change_curve)."""
+
+    overwrite: bool = False
+    resume: bool = False
+    """Continue the run (continue_state): a finished one is taken as it is."""
+
+    def __call__(self, config: RLConfig) -> RunOutcome:
+        folder = RunDir(Path(config.out_dir) / config.name, files=RUN_FILES)
+        state = continue_state(folder) if self.resume else "start"
+        if state != "done":
+            try:
+                run_rl(config, resume=state == "resume", overwrite=self.overwrite)
+            except NonFiniteLossError as e:   # a collapse is a result of the comparison
+                outcome = self.partial(config)
+                outcome.status = f"diverged at step {e.step} (non-finite loss)"
+                return outcome
+        outcome = self.partial(config)
+        if folder.finished:
+            outcome.status = "ok"
+        else:   # --stop-after-minutes ended this call
+            outcome.status = (f"stopped at step {_result(folder.path).steps} by its time limit "
+                              f"(--resume continues it)")
+        return outcome
+
+    def partial(self, config: RLConfig) -> RunOutcome:
+        run_dir = Path(config.out_dir) / config.name
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        return RunOutcome(accuracy_change_curve(records), "ended early", str(run_dir))
+
+
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
                      resume: bool = False, name: str | None = None,
-                     seeds: Sequence[int] | None = None) -> tuple[list[RLResult], Path]:
-    """Run each setting in turn (at each of `seeds`, else at base.seed); returns the results
-    and the summary folder. resume: continue an interrupted comparison (finished runs are taken
-    as they are)."""
+                     seeds: Sequence[int] | None = None,
+                     parallel_runs: int = 1) -> tuple[list[RLResult], Path]:
+    """Run each setting (at each of `seeds`, else at base.seed), one after another or
+    `parallel_runs` at a time, each in a process of its own (lowbit.train.compare.run_all; a
+    shared warm start is trained by one of them while the others wait); returns the results
+    (a run that stopped early: what it reached) and the summary folder. resume: continue an
+    interrupted comparison (finished runs are taken as they are)."""
     plan = []                                                   # (setting, seed, config)
     for seed in (seeds if seeds else [base.seed]):
         for setting in settings:     # every config is made (and refused) before any runs
@@ -87,15 +127,14 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
         raise ValueError(f"--compare needs two or more distinct settings, got {', '.join(settings)}")
     # the folders as GRPOTrainer keeps them: its files
     folders = [(RunDir(Path(c.out_dir) / c.name, files=RUN_FILES), c) for c in configs]
-    states = check_run_folders(folders, resume=resume, overwrite=overwrite)
-    results = [_finished(c) if state == "done" else
-               run_rl(c, resume=state == "resume", overwrite=overwrite)
-               for c, state in zip(configs, states)]
+    check_run_folders(folders, resume=resume, overwrite=overwrite)
     folder = Path(base.out_dir) / (name or f"compare-{base.task}")
+    specs = [RunSpec(setting, seed, c.name, c) for setting, seed, c in plan]
+    outcomes = run_all(specs, RLRunner(overwrite, resume), parallel_runs=parallel_runs,
+                       log_dir=folder / "logs", progress=base.progress and parallel_runs > 1)
+    results = [_result(Path(c.out_dir) / c.name) for c in configs
+               if (Path(c.out_dir) / c.name / "metrics.jsonl").is_file()]
     write_summary([r.run_dir for r in results], folder)
-    specs = [RunSpec(setting, seed, c.name) for setting, seed, c in plan]
-    outcomes = {c.name: RunOutcome(accuracy_change_curve(r.records), "ok", str(r.run_dir))
-                for (_, _, c), r in zip(plan, results)}
     count = len(seeds) if seeds else 1
     write_comparison(specs, outcomes, folder / "seeds", metric=PAIRED_METRIC, relative=False,
                      higher_is_better=True, title=f"{base.task}, {count} seed{'s' * (count > 1)}")
@@ -114,13 +153,22 @@ def accuracy_change_curve(records: Sequence[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/accuracy_bf16"] - start) for r in evals]
 
 
-def _finished(config: RLConfig) -> RLResult:
-    """A finished run, as its folder holds it (final.json, metrics.jsonl)."""
-    run_dir = Path(config.out_dir) / config.name
+def _result(run_dir: Path) -> RLResult:
+    """A run as its folder holds it: final.json's numbers, or, for a run that has not finished,
+    the steps, the mean reward of the last (up to) 10 and the held-out accuracy it reached."""
+    records = read_metrics(run_dir)
     final = RunDir(run_dir).final_record()
-    accuracy = final.get("eval_accuracy")
-    return RLResult(run_dir, final["steps"], float(final["final_reward"]),
-                    None if accuracy is None else float(accuracy), read_metrics(run_dir))
+    if final is not None:
+        accuracy = final.get("eval_accuracy")
+        return RLResult(run_dir, final["steps"], float(final["final_reward"]),
+                        None if accuracy is None else float(accuracy), records)
+    train = [r for r in records if r["event"] == "train"]
+    rewards = [r["reward"] for r in train[-10:] if isinstance(r.get("reward"), (int, float))]
+    accuracy = [r["eval/accuracy"] for r in records
+                if r["event"] == "eval" and isinstance(r.get("eval/accuracy"), (int, float))]
+    return RLResult(run_dir, train[-1]["step"] if train else 0,
+                    sum(rewards) / len(rewards) if rewards else math.nan,
+                    accuracy[-1] if accuracy else None, records)
 
 
 def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:

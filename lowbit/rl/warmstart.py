@@ -11,6 +11,7 @@ warm-start settings loads that folder's checkpoint instead of training again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from pathlib import Path
@@ -149,6 +150,22 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{task.name}-{config.model}{'-moe' + str(config.n_experts) if config.n_experts else ''}-{key}"
     run = Path(config.out_dir) / "warmstart" / name
+    run.parent.mkdir(parents=True, exist_ok=True)
+    # one process trains a warm start and the others (parallel runs of a comparison) wait for
+    # it, then read it: a blocking lock beside the folder, dropped when this returns (or dies)
+    with open(run.parent / f".{name}.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"warm start: another process is training {run}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_or_trained(config, task, model_config, device, say, run)
+
+
+def _cached_or_trained(config, task: Task, model_config: ModelConfig, device: str, say,
+                       run: Path) -> dict:
+    """The warm start's state dict, read from `run` if finished there, else trained into it."""
+    name = run.name
     if RunDir(run).finished:
         say(f"warm start: reading {run}")
         return RunDir(run).open().state["model"]
