@@ -1,0 +1,137 @@
+"""The quantized modules: `QuantLinear` (an nn.Linear whose forward runs the recipe's three
+quantized GEMMs, lowbit.ops.quant_linear) and `QuantExperts` (the same per expert for MoE expert
+weights stored as 3D tensors, grouped where that is the per-expert numerics). Public through
+lowbit.nn."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.models.moe import Experts, grouped_mm_supported
+from lowbit.ops.gemms import WeightOperandCache, compilable
+from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
+from lowbit.ops.linear import quant_linear
+from lowbit.recipes import LinearRecipe
+
+__all__ = ["QuantLinear", "QuantExperts", "is_experts", "expert_dims"]
+
+
+class QuantLinear(nn.Linear):
+    """nn.Linear with quantized GEMMs. With `linear_recipe=None` it is exactly nn.Linear.
+
+    layer_name: the name lowbit.dispatch.fold_check.watch_chunked_folds() reports for this layer;
+    "" (the default) is not reported. lowbit.train sets the module names under --fold-inexact
+    adapt only: torch.compile reads the name as a constant, so blocks compiled one by one (the
+    same code, other names) would each compile again."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 linear_recipe: LinearRecipe | None = None, device=None, dtype=None,
+                 layer_name: str = ""):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.linear_recipe = linear_recipe
+        self.quantize = True
+        self.layer_name = layer_name
+        self.weight_cache: WeightOperandCache | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None,
+                    layer_name: str = "") -> QuantLinear:
+        """A QuantLinear sharing `linear`'s parameters (no copy)."""
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.in_features, q.out_features = linear.in_features, linear.out_features
+        q.weight = linear.weight
+        q.bias = linear.bias
+        q.linear_recipe = linear_recipe
+        q.quantize = True
+        q.layer_name = layer_name
+        q.weight_cache = None
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = self.linear_recipe if self.quantize else None
+        if (torch.compiler.is_compiling() and recipe is not None and recipe.is_quantized
+                and not compilable(recipe)):
+            return self._forward_eagerly(x)
+        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name, self.weight_cache)
+
+    # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
+    # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make
+    # dynamo compile the frame on its own, again for every recipe, shape and dtype it meets.
+    @torch.compiler.disable
+    def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.weight, self.bias, self.linear_recipe, self.layer_name)
+
+    def extra_repr(self) -> str:
+        recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
+        return f"{super().extra_repr()}, {recipe}"
+
+
+class QuantExperts(Experts):
+    """MoE experts (3D weights) whose per-expert GEMMs are quantized like a QuantLinear's.
+
+    Routing, token gather/scatter and weighting are lowbit.models.moe.Experts' (the semantics
+    of Hugging Face's Qwen3MoeExperts); only `_expert_linear` changes. Each expert's weight
+    matrix is quantized on its own (NVFP4: its own tensor scale, as per-expert ModelOpt scales).
+    """
+
+    def __init__(self, source: nn.Module, linear_recipe: LinearRecipe | None):
+        nn.Module.__init__(self)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = expert_dims(source)
+        self.gate_up_proj = source.gate_up_proj   # (E, 2F, C), shared, not copied
+        self.down_proj = source.down_proj         # (E, C, F)
+        self.linear_recipe = linear_recipe
+        self.quantize = True
+        self.weight_cache: WeightOperandCache | None = None
+
+    def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
+        return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None,
+                            cache=self.weight_cache)
+
+    def _active_recipe(self) -> LinearRecipe | None:
+        recipe = self.linear_recipe if self.quantize else None
+        return recipe if recipe is not None and recipe.is_quantized else None
+
+    def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # unquantized: plain products (Experts' grouped GEMM); a recipe whose quantization of
+        # the stacked experts is each expert's own: one grouped quantized GEMM, emulated or on
+        # FP8 tensor cores (lowbit.ops.grouped); any other (tensor scales on X or dY): expert by
+        # expert
+        recipe = self._active_recipe()
+        return grouped_mm_supported(x, weight) and (recipe is None
+                                                    or groups_exactly(recipe, tuple(weight.shape)))
+
+    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        recipe = self._active_recipe()
+        if recipe is None:
+            return super()._experts_linear(x, weight, counts)
+        if self._can_group(x, weight):
+            return grouped_quant_linear(x, weight, counts, recipe, self.weight_cache)
+        return self._per_expert_linear(x, weight, counts)
+
+    def extra_repr(self) -> str:
+        recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"
+        return f"{super().extra_repr()}, {recipe}"
+
+
+def expert_dims(module: nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a SwiGLU experts module in Qwen3-MoE's layout; a
+    ValueError, one line, for another layout or activation."""
+    e, two_f, c = module.gate_up_proj.shape
+    if module.down_proj.shape != (e, c, two_f // 2):
+        raise ValueError(f"experts module has gate_up_proj {tuple(module.gate_up_proj.shape)} and "
+                         f"down_proj {tuple(module.down_proj.shape)}; expected (E, 2F, C) and (E, C, F)")
+    act = getattr(module, "act_fn", None)
+    probe = torch.linspace(-6, 6, 97)
+    if act is not None and not torch.allclose(act(probe), torch.nn.functional.silu(probe)):
+        raise ValueError(f"experts module uses activation {type(act).__name__}; QuantExperts "
+                         "implements SwiGLU (SiLU) experts only")
+    return e, c, two_f // 2
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Fused 3D expert weights in Hugging Face's Qwen3-MoE layout (or lowbit's, the same)."""
+    weight = getattr(module, "gate_up_proj", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() == 3
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter))
