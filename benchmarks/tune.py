@@ -746,7 +746,7 @@ def host_overhead(args, device: str) -> dict:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
-    import lowbit.dispatch as dispatch
+    import lowbit.dispatch._quantizers as quantizers   # where each dispatched quantizer reads use_kernels
     import lowbit.ops.gemms as gemms
     from lowbit import kernels
     from lowbit.dispatch.fold_check import deferred_fold_check
@@ -763,10 +763,10 @@ def host_overhead(args, device: str) -> dict:
 
     @contextlib.contextmanager
     def stubbed():
-        saved = (InterpretedFunction.__getitem__, dispatch.use_kernels, gemms.fp4_gemm_fp8,
+        saved = (InterpretedFunction.__getitem__, quantizers.use_kernels, gemms.fp4_gemm_fp8,
                  torch._scaled_mm, torch.get_num_threads())
         InterpretedFunction.__getitem__ = lambda fn, grid: (lambda *a, **k: None)
-        dispatch.use_kernels = lambda t, spec, codes=True: kernels.supports(spec, codes)
+        quantizers.use_kernels = lambda t, spec, codes=True: kernels.supports(spec, codes)
         gemms.fp4_gemm_fp8 = functools.partial(saved[2], backend="scaled_mm")
         torch._scaled_mm = lambda a, b, **kw: torch.empty(a.shape[0], b.shape[1],
                                                           dtype=kw["out_dtype"])
@@ -774,7 +774,7 @@ def host_overhead(args, device: str) -> dict:
         try:
             yield
         finally:
-            (InterpretedFunction.__getitem__, dispatch.use_kernels, gemms.fp4_gemm_fp8,
+            (InterpretedFunction.__getitem__, quantizers.use_kernels, gemms.fp4_gemm_fp8,
              torch._scaled_mm) = saved[:4]
             torch.set_num_threads(saved[4])
 

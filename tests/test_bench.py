@@ -318,7 +318,6 @@ def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compil
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    import lowbit.dispatch as dispatch
     from lowbit.bench.folds import FoldCounts
     from lowbit.dispatch.fold_check import deferred_fold_check, observe_folds
     from lowbit.formats.spec import Rounding
@@ -326,7 +325,7 @@ def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compil
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
-    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
     lin = get_recipe("stable-fp4-fp8").linear
     dy_spec = replace(lin.dgrad_dy, rounding=Rounding.RNE)   # the reference's bits: countable
     lin = replace(lin, dgrad_dy=dy_spec, wgrad_dy=dy_spec)
@@ -379,13 +378,12 @@ def test_bench_folds_credits_a_layers_wide_gradient_to_it(monkeypatch, corpus_en
     pytest.importorskip("triton")
     import dataclasses
 
-    import lowbit.dispatch as dispatch
     import lowbit.train.build as build
     from lowbit.bench.folds import count_inexact_folds
     from lowbit.kernels import supports
 
     # the folds (codes=True) on the kernels; fake quantization stays on the reference
-    monkeypatch.setattr(dispatch, "use_kernels",
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
                         lambda x, spec, codes=True: codes and supports(spec, codes))
     build_model, apply_recipe = build.build_model, build.apply_recipe
     monkeypatch.setattr(build, "build_model", lambda config, vocab_size=None: build_model(

@@ -30,7 +30,7 @@ from lowbit.kernels.fp8_fold import (  # noqa: E402
 
 def kernels_on_cpu(monkeypatch):
     """lowbit.dispatch hands CPU tensors to the kernels too (under the interpreter here)."""
-    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULES = ["floor", "rceil"]

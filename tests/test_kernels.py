@@ -605,7 +605,7 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
 
     import lowbit.kernels.hadamard as hadamard
 
-    monkeypatch.setattr(dispatch, "use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
     fused_calls = []
     fake_quantize = hadamard.fake_quantize_rht_rows
 

@@ -464,10 +464,10 @@ def re_escape(text: str) -> str:
 
 def test_bench_json_pointing_at_a_folder_is_refused_before_the_benchmark_runs(tmp_path, capsys,
                                                                               monkeypatch):
-    import lowbit.bench as bench
+    import lowbit.bench.train as bench_train_module   # where `lowbit bench train` looks it up
 
     ran = []
-    monkeypatch.setattr(bench, "bench_train", lambda *a, **k: ran.append(1) or [])
+    monkeypatch.setattr(bench_train_module, "bench_train", lambda *a, **k: ran.append(1) or [])
     one_line_error(*cli(capsys, "bench", "train", "--json", str(tmp_path)), "is a folder")
     (tmp_path / "file").write_text("x")
     one_line_error(*cli(capsys, "bench", "train", "--json", str(tmp_path / "file" / "b.json")),

@@ -528,7 +528,7 @@ def pass_timings(device: str, progress=print) -> list[dict]:
 
 # ---- the command -------------------------------------------------------------------------------
 
-def bench_fp8(sections=SECTIONS, device: str = "cuda", save=lambda report: None,
+def bench_fp8(sections=SECTIONS, *, device: str = "cuda", save=lambda report: None,
               progress=print) -> dict:
     """Run the sections in order on `device` ("cuda", or "cpu" under Triton's interpreter:
     small shapes), printing each one's table, and return {section: rows}; save(report) after

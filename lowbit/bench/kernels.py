@@ -128,7 +128,7 @@ def torchao_baselines() -> dict:
     return {k: (f, torch.compile(f, dynamic=False)) for k, f in fns.items()}
 
 
-def bench_kernels(shapes=KERNEL_SHAPES, device: str = "cuda", torchao: bool = True,
+def bench_kernels(shapes=KERNEL_SHAPES, *, device: str = "cuda", torchao: bool = True,
                   progress=print) -> list[dict]:
     """Time every kernel of timed_kernels() on bf16 inputs of each shape: microseconds and GB/s
     eager (do_bench) and replayed from a CUDA graph, each as a fraction of a device-to-device

@@ -65,7 +65,7 @@ def check_train_args(train_args: list[str]):
     return config_from_args(parser.parse_args(train_args))
 
 
-def compare_recipes(name: str, recipes: str, train_args: list[str], out: str = "runs",
+def compare_recipes(name: str, recipes: str, train_args: list[str], *, out: str = "runs",
                     deadline_min: float = 8.0, fit_min: float | None = None,
                     probe_s: float = 75.0, probe_window_s: float = 30.0,
                     progress=print) -> dict:
@@ -92,8 +92,9 @@ def compare_recipes(name: str, recipes: str, train_args: list[str], out: str = "
     data = build_data(config)          # tokenized (and the BPE trained) once, then cached
     progress(f"data ready in {time.time() - t0:.0f} s")
     if fit_min is not None:
-        steps = fit_steps(config, names, train_args, root, name, fit_min, probe_s,
-                          probe_window_s, data.tokens_per_epoch, progress)
+        steps = fit_steps(config, names, train_args, out=root, name=name, minutes=fit_min,
+                          probe_s=probe_s, window_s=probe_window_s,
+                          epoch_tokens=data.tokens_per_epoch, progress=progress)
         train_args = [*train_args, "--steps", str(steps)]
     run_parallel({r: f"{name}-{r}" for r in names}, train_args, root, t0 + deadline_min * 60,
                  progress)
@@ -132,7 +133,7 @@ def _train_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r.get("event") == "train"]
 
 
-def fit_steps(config, recipes: list[str], train_args: list[str], out: Path, name: str,
+def fit_steps(config, recipes: list[str], train_args: list[str], *, out: Path, name: str,
               minutes: float, probe_s: float, window_s: float, epoch_tokens: int,
               progress=print) -> int:
     """Train every recipe in parallel for probe_s seconds and return the --steps that lets the
