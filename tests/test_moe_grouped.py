@@ -153,15 +153,23 @@ def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, c
         assert torch.equal(a, b)
 
 
-def test_stochastic_rounding_draws_differently_but_alike_and_tensor_scales_stay_per_expert():
-    g = torch.Generator().manual_seed(6)
-    base, grouped, reference, recipe = _quantized_pair("stable-fp4")
+def _draws_alike(base, grouped, reference, seed):
+    """A stochastically rounding recipe (dY): grouped and per-expert forwards equal (they
+    round to nearest), gradients from other draws of the same distribution. Returns the
+    inputs (x, index, w)."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
     got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
     assert torch.equal(got[0], want[0])                  # the forward rounds to nearest
     for a, b in zip(got[1:], want[1:]):                  # dY's stochastic rounding: other draws
         assert a.isfinite().all() and abs(a.float().norm() / b.float().norm() - 1) < 0.2
+    return x, index, w
+
+
+def test_stochastic_rounding_draws_differently_but_alike_and_tensor_scales_stay_per_expert():
+    base, grouped, reference, recipe = _quantized_pair("stable-fp4")
+    x, index, w = _draws_alike(base, grouped, reference, 6)
     # NVFP4's per-expert tensor scales span an expert's rows: its experts run one by one
     nvfp4 = get_recipe("nvfp4").linear_for("model.layers.1.mlp.experts", 4)
     assert not groups_exactly(nvfp4)
@@ -219,14 +227,8 @@ def test_fp8_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, m
 
 
 def test_fp8_stochastic_rounding_and_tiles_that_straddle_experts():
-    g = torch.Generator().manual_seed(8)
     base, grouped, reference, recipe = _fp8_pair("stable-fp4-fp8")
-    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
-    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
-    got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
-    assert torch.equal(got[0], want[0])                  # the forward rounds to nearest
-    for a, b in zip(got[1:], want[1:]):                  # dY's stochastic rounding: other draws
-        assert a.isfinite().all() and abs(a.float().norm() / b.float().norm() - 1) < 0.2
+    x, index, w = _draws_alike(base, grouped, reference, 8)
     # experts 48 wide: a 32x32 tile of the stacked (E * 48, 64) weight holds two experts' rows,
     # so these run expert by expert, and the grouped call refuses them
     base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr", F=24)
