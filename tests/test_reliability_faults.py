@@ -371,3 +371,21 @@ def test_rl_compare_in_parallel_processes_gives_the_sequential_runs(tmp_path, ca
     assert (tmp_path / "par" / "rl-tiny-add-nvfp4" / "final.json").is_file()
     assert main(["rl", "--quick", "--parallel-runs", "2", "--out-dir", str(tmp_path)]) == 2
     assert "--parallel-runs goes with --compare" in capsys.readouterr().err
+
+
+def test_rl_stop_after_minutes_stops_checkpointed_and_resume_finishes(tmp_path, capsys):
+    # a limit shorter than a step: the call stops at step 1's end, checkpointed, no final.json;
+    # the same command with --resume (no limit) finishes the run
+    from lowbit.cli import main
+
+    flags = ["rl", "--quick", "--rollout", "bf16", "--align", "none", "--no-progress",
+             "--out-dir", str(tmp_path)]
+    assert main([*flags, "--stop-after-minutes", "1e-9"]) == 0
+    (run,) = [p for p in tmp_path.iterdir() if p.name.startswith("rl-")]
+    assert not (run / "final.json").exists() and (run / "checkpoints").is_dir()
+    said = capsys.readouterr()
+    assert "stopped at step 1/3" in said.out + said.err and "--resume to continue" in said.out + said.err
+    assert main([*flags, "--resume"]) == 0
+    assert json.loads((run / "final.json").read_text())["steps"] == 3
+    assert main([*flags, "--stop-after-minutes", "-1", "--overwrite"]) == 2
+    assert "stop_after_minutes must be a positive number" in capsys.readouterr().err

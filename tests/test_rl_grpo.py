@@ -3,10 +3,14 @@ engine and the trainer, exact resume, and `lowbit rl` in CI."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import lowbit
 from lowbit.data.tasks import get_task
 from lowbit.models import ModelConfig, build_model
 from lowbit.rl import grpo
@@ -43,7 +47,7 @@ def test_policy_loss_clipping_and_reductions_by_hand():
     tok = torch.tensor([[-1.28, -0.5], [2.2, 0.0]])
     loss, m = grpo.policy_loss(logp, old, adv, mask, cfg)
     torch.testing.assert_close(loss, ((tok[0].sum() / 2) + tok[1, 0]) / 2)
-    assert m["clip_ratio/high_mean"] == pytest.approx(1 / 3) and m["clip_ratio/low_mean"] == 0
+    assert float(m["clip_ratio/high_mean"]) == pytest.approx(1 / 3) and float(m["clip_ratio/low_mean"]) == 0
     loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossConfig("dapo", max_completion_length=4))
     torch.testing.assert_close(loss, (tok * mask).sum() / 3)
     loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossConfig("dr_grpo", max_completion_length=4))
@@ -58,7 +62,7 @@ def test_policy_loss_clipping_and_reductions_by_hand():
                                is_weights=torch.tensor([[0.5, 1.0], [2.0, 0.0]]))
     expected = ((tok + 0.1 * kl) * torch.tensor([[0.5, 1.0], [2.0, 0.0]]) * mask).sum() / 3
     torch.testing.assert_close(loss, expected)
-    assert m["kl"] == pytest.approx(float((kl * mask).sum() / 3))
+    assert float(m["kl"]) == pytest.approx(float((kl * mask).sum() / 3))
 
 
 def test_completion_logprobs_in_chunks_equal_the_whole_batch_with_their_gradients():
@@ -102,19 +106,19 @@ def test_importance_weights_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0]])
     w, m = grpo.importance_weights(old, rollout, mask, "token", "truncate", cap=1.5)
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, 0.25]]))
-    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(2.0)
-    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(0.25)
-    assert m["sampling/importance_sampling_ratio/capped_frac"] == pytest.approx(1 / 3)
+    assert float(m["sampling/importance_sampling_ratio/max"]) == pytest.approx(2.0)
+    assert float(m["sampling/importance_sampling_ratio/min"]) == pytest.approx(0.25)
+    assert float(m["sampling/importance_sampling_ratio/capped_frac"]) == pytest.approx(1 / 3)
     w, _ = grpo.importance_weights(old, rollout, mask, "token", "mask", cap=1.5)
     torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.25]]))
     w, _ = grpo.importance_weights(old, rollout, mask, "sequence", "truncate", cap=3.0)
     torch.testing.assert_close(w, torch.full((1, 3), 0.5))       # 2 * 1 * 0.25
     m = grpo.mismatch_metrics(rollout, old, mask)
     diffs = torch.tensor([math.log(2), 0, math.log(4)])
-    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(float(diffs.mean()))
-    assert m["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(4))
+    assert float(m["sampling/sampling_logp_difference/mean"]) == pytest.approx(float(diffs.mean()))
+    assert float(m["sampling/sampling_logp_difference/max"]) == pytest.approx(math.log(4))
     d = old - rollout
-    assert m["sampling/kl_k3"] == pytest.approx(float((torch.exp(d) - d - 1).mean()))
+    assert float(m["sampling/kl_k3"]) == pytest.approx(float((torch.exp(d) - d - 1).mean()))
 
 
 def test_routing_replay_makes_the_trainers_experts_the_engines():
@@ -196,7 +200,7 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
     state = warmstart.warm_start(config, task, warmstart.policy_config(config, task), "cpu",
                                  lambda message: None)
     assert checks == [warmstart.VALIDATION_PROBLEMS] * 3        # checked every 80 // 40 steps
-    [run] = (tmp_path / "warmstart").iterdir()
+    [run] = [p for p in (tmp_path / "warmstart").iterdir() if p.is_dir()]   # beside it: its lock
     final = json.loads((run / "final.json").read_text())
     assert final["steps"] == 6
     hooks = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -207,7 +211,7 @@ def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
     # the target is part of the cache key: without it the warm start is another run
     plain = _config(tmp_path, warmstart_steps=80, task_size=2, steps=1)
     warmstart.warm_start(plain, task, warmstart.policy_config(plain, task), "cpu", lambda m: None)
-    assert len(list((tmp_path / "warmstart").iterdir())) == 2 and len(checks) == 3
+    assert len([p for p in (tmp_path / "warmstart").iterdir() if p.is_dir()]) == 2 and len(checks) == 3
 
 
 def test_warm_start_validation_set_is_held_out_and_distinct():
@@ -283,11 +287,12 @@ def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(t
         with trainer.step_fn.autocast:
             loss = accumulate_gradients(lambda mb: trainer.loss_fn(trainer.policy, mb), step_batch, 4)
         results.append((loss, [p.grad.clone() for p in trainer.policy.parameters() if p.grad is not None],
-                        reduce_metrics(trainer.loss_fn.metrics)))
-    (loss_a, grads_a, metrics_a), (loss_s, grads_s, metrics_s) = results
+                        trainer.loss_fn.metrics))
+    (loss_a, grads_a, parts_a), (loss_s, grads_s, parts_s) = results
     assert torch.equal(loss_a, loss_s) and len(grads_a) == len(grads_s)
     assert all(torch.equal(g, h) for g, h in zip(grads_a, grads_s))
-    measured = {**separate, **metrics_a}
+    measured = reduce_metrics([(separate, mask.sum()), *parts_a])   # as train_on reduces them
+    metrics_s = reduce_metrics(parts_s)
     assert measured.keys() == metrics_s.keys() and "routing/agreement" in metrics_s
     for key, value in measured.items():
         if key.endswith(("/min", "/max")):
@@ -301,6 +306,86 @@ def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(t
     trainer.old_logprobs = lambda *a, **k: calls.append(k.get("policy", True)) or original(*a, **k)
     trainer.run()
     assert calls == [False]   # the run's one step: the reference's pass only
+
+
+def test_a_micro_batch_without_loss_tokens_measures_nothing():
+    """Metrics over no loss tokens (every completion masked out, e.g. all truncated under
+    --mask-truncated-completions) stay out of the step's: a step one of whose micro-batches has
+    none gives its other's numbers exactly, and a step with none has no mismatch metrics (its
+    importance ratio's min and max are 1)."""
+    from lowbit.rl.trainer import measure_old_policy, reduce_metrics
+
+    g = torch.Generator().manual_seed(0)
+    old, rollout, entropy = (torch.randn(2, 3, generator=g) for _ in range(3))
+    some, none = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]), torch.zeros(2, 3)
+    part = lambda mask: (measure_old_policy(old, entropy, rollout, mask, ("token", "truncate", 1.5))[1],
+                         mask.sum())
+    alone = reduce_metrics([part(some)])
+    assert reduce_metrics([part(some), part(none)]) == alone == reduce_metrics([part(none), part(some)])
+    assert {"sampling/sampling_logp_difference/max", "entropy"} <= alone.keys()
+    empty = reduce_metrics([part(none), part(none)])
+    assert not any(k.startswith(("sampling/sampling_logp", "sampling/kl")) for k in empty), empty
+    assert empty["sampling/importance_sampling_ratio/min"] == empty["sampling/importance_sampling_ratio/max"] == 1.0
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what makes the host wait for the device, among the ops below autograd (the
+    backward's too): a value read back (.item(), float(), int(), `if tensor`: all
+    aten._local_scalar_dense) and a result whose shape the values decide (nonzero, indexing
+    with a boolean mask); .tolist() of a CPU tensor runs no op, so the test counts it by
+    `read()`. Not counted: the model's forward (lowbit.models) reading on the CPU what a GPU
+    does not (F.one_hot's check of its indices, the MoE reference's expert token counts)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default)
+    PACKAGE, MODELS = (str(Path(module.__file__).parent) for module in (lowbit, lowbit.models))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def read(self) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith(self.PACKAGE):
+            frame = frame.f_back   # to the innermost frame in lowbit: who asked for the read
+        self.count += frame is None or not frame.f_code.co_filename.startswith(self.MODELS)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS or (func is torch.ops.aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool for i in args[1])):
+            self.read()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_a_step_reads_its_metrics_back_once_whatever_its_micro_batches(tmp_path, monkeypatch,
+                                                                       num_iterations):
+    """train_on leaves each micro-batch's metrics on the device and reads them all back after
+    the last (on a GPU every read waits for the launch queue to drain, and the RL step is
+    launch-bound): the step in 4 micro-batches reads as often as the step at once, on-policy
+    and with a no-grad pass first, with a reference model, routing replay, importance sampling
+    and asymmetric QAT. What remains is the step's own: the gradient norm, TrainStep's loss,
+    the metrics' one read (and on the CPU the optimizer's step counts)."""
+    from lowbit.rl.trainer import GRPOTrainer
+
+    tolist, host = torch.Tensor.tolist, HostReads()   # host: the count of the train_on under way
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: host.read() or tolist(t))
+    reads = {}
+    for micro in (8, 2):
+        trainer = GRPOTrainer(_config(tmp_path, run_name=f"micro-{micro}", steps=1, checkpoint_every=0,
+                                      n_experts=4, warmstart_steps=4, routing_replay=True, beta=0.04,
+                                      importance_sampling="token", num_iterations=num_iterations,
+                                      micro_batch_size=micro))
+        try:
+            problems, rollout = trainer.generate(0)
+            rewards, batch = trainer.score(problems, rollout), trainer.batch(rollout)
+            with HostReads() as host:
+                metrics = trainer.train_on(0, batch, rewards)
+            reads[micro] = host.count
+        finally:
+            trainer.folder.release()
+        assert metrics is not None and {"routing/agreement", "kl", "entropy"} <= metrics.keys()
+    assert reads[2] == reads[8] > 0, reads
 
 
 def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path, monkeypatch):

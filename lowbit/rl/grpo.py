@@ -17,6 +17,10 @@ Loss types (TRL's GRPOTrainer): per-token loss -min(r A, clip(r, 1 - epsilon, 1 
 - "grpo": mean over each sequence's tokens, then over sequences (the GRPO paper);
 - "dr_grpo": sum over all tokens / (B * max_completion_length) (Dr. GRPO, no length bias);
 - "dapo": sum over all tokens / number of tokens in the batch (DAPO's token-level mean).
+
+Metrics are 0-d tensors left on the device: a step of micro-batches reads them back once, after
+the last (lowbit.rl.trainer.reduce_metrics), since on a GPU every read, and every boolean-mask
+index (its length is a count on the device), waits for the launch queue to drain.
 """
 
 from __future__ import annotations
@@ -121,6 +125,14 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _masked_min_max(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's min and max over the positions of the boolean m, exactly (NaN if one is NaN), as
+    device scalars; inf and -inf where m holds none."""
+    if x.numel() == 0:
+        return x.new_full((), math.inf), x.new_full((), -math.inf)
+    return torch.where(m, x, math.inf).amin(), torch.where(m, x, -math.inf).amax()
+
+
 def importance_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
                        level: str = "token", mode: str = "truncate",
                        cap: float = 3.0) -> tuple[torch.Tensor | None, dict]:
@@ -128,7 +140,8 @@ def importance_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask:
     and training another (the trainer's): w = pi_train_old / pi_rollout per token ("token") or
     per sequence (the product over its tokens, "sequence"), then capped at `cap` ("truncate",
     TIS) or zeroed above it ("mask"), as TRL's vllm_importance_sampling_* and verl's
-    rollout_is. Returns (weights (B, Tc) or None for level "none", metrics)."""
+    rollout_is. Returns (weights (B, Tc) or None for level "none", metrics; a ratio min and max
+    of 1 where mask holds no tokens)."""
     if level not in IS_LEVELS or mode not in IS_MODES:
         raise ValueError(f"importance sampling: level in {IS_LEVELS}, mode in {IS_MODES}")
     if not cap > 0:
@@ -138,11 +151,11 @@ def importance_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask:
         log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(mask)
     ratio = torch.exp(log_ratio.clamp(max=80.0))
     m = mask.bool()
-    metrics = {"sampling/importance_sampling_ratio/min": float(ratio[m].min()) if m.any() else 1.0,
-               "sampling/importance_sampling_ratio/mean": float(_masked_mean(ratio, mask)),
-               "sampling/importance_sampling_ratio/max": float(ratio[m].max()) if m.any() else 1.0,
-               "sampling/importance_sampling_ratio/capped_frac": float(_masked_mean(
-                   (ratio > cap).float(), mask))}
+    (low, high), some = _masked_min_max(ratio, m), m.any()
+    metrics = {"sampling/importance_sampling_ratio/min": torch.where(some, low, 1.0),
+               "sampling/importance_sampling_ratio/mean": _masked_mean(ratio, mask),
+               "sampling/importance_sampling_ratio/max": torch.where(some, high, 1.0),
+               "sampling/importance_sampling_ratio/capped_frac": _masked_mean((ratio > cap).float(), mask)}
     if level == "none":
         return None, metrics
     weights = ratio.clamp(max=cap) if mode == "truncate" else ratio.masked_fill(ratio > cap, 0.0)
@@ -154,16 +167,16 @@ def mismatch_metrics(logp_rollout: torch.Tensor, logp_train: torch.Tensor,
     """How far the engine's log-probs are from the trainer's on the sampled tokens: mean and
     max |log pi_rollout - log pi_train| (TRL's sampling_logp_difference), and the k3
     estimate of KL(pi_rollout || pi_train), exp(d) - d - 1 with d = log pi_train - log pi_rollout,
-    averaged over tokens (an unbiased, non-negative estimator under rollout samples)."""
+    averaged over tokens (an unbiased, non-negative estimator under rollout samples). Each is
+    NaN where mask holds no tokens (nothing measured, as the mean of nothing is)."""
     m = mask.bool()
-    if not m.any():
-        return {}
-    diff = (logp_rollout - logp_train).detach()
-    d = -diff
+    d = (logp_train - logp_rollout).detach()
     k3 = torch.expm1(d.clamp(max=80.0)) - d   # expm1: no cancellation for small d
-    return {"sampling/sampling_logp_difference/mean": float(diff[m].abs().mean()),
-            "sampling/sampling_logp_difference/max": float(diff[m].abs().max()),
-            "sampling/kl_k3": float(k3[m].mean())}
+    gap, tokens = d.abs(), m.sum()
+    gap_max = torch.where(tokens > 0, _masked_min_max(gap, m)[1], math.nan)
+    return {"sampling/sampling_logp_difference/mean": torch.where(m, gap, 0.0).sum() / tokens,
+            "sampling/sampling_logp_difference/max": gap_max,
+            "sampling/kl_k3": torch.where(m, k3, 0.0).sum() / tokens}
 
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
@@ -186,7 +199,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
         d = ref_logp.detach() - logp
         kl = torch.expm1(d) - d
         per_token = per_token + config.beta * kl
-        metrics["kl"] = float(_masked_mean(kl.detach(), maskf))
+        metrics["kl"] = _masked_mean(kl.detach(), maskf)
     if is_weights is not None:
         per_token = per_token * is_weights
     if config.loss_type == "grpo":
@@ -198,9 +211,7 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     with torch.no_grad():
         low = ((ratio < 1 - config.epsilon) & (a < 0)).float()
         high = ((ratio > 1 + config.epsilon_high) & (a > 0)).float()
-        metrics["clip_ratio/low_mean"] = float(_masked_mean(low, maskf))
-        metrics["clip_ratio/high_mean"] = float(_masked_mean(high, maskf))
-        metrics["clip_ratio/region_mean"] = float(_masked_mean(torch.maximum(low, high), maskf))
-    if not math.isfinite(float(loss.detach())):
-        metrics["nonfinite_loss"] = True
+        metrics["clip_ratio/low_mean"] = _masked_mean(low, maskf)
+        metrics["clip_ratio/high_mean"] = _masked_mean(high, maskf)
+        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), maskf)
     return loss, metrics

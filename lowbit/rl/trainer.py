@@ -136,8 +136,8 @@ class GRPOLoss:
     """GRPO's clipped policy loss as the step's loss function (lowbit.train.step.LossFn):
     loss_fn(model, GRPOBatch). `policy` is the plain module whose routers replay the batch's
     experts; each call's metrics (clip ratios, KL, ...: means over its loss tokens) are
-    appended to .metrics with that token count, for the caller, which empties it
-    (`reduce_metrics`).
+    appended to .metrics with that token count, all left on the device, for the caller, which
+    empties it and reads them back once for the step (`reduce_metrics`).
 
     On-policy (batch.logp_old None: one optimizer step per rollout batch, num_iterations 1)
     the policy before the update is the one this forward runs, so its log-probs, detached,
@@ -149,7 +149,7 @@ class GRPOLoss:
                  importance: tuple[str, str, float] = ("none", "truncate", 3.0)) -> None:
         self.policy, self.config, self.temperature = policy, config, temperature
         self.importance = importance
-        self.metrics: list[tuple[dict, float]] = []
+        self.metrics: list[tuple[dict, torch.Tensor]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
         with replay_routing(self.policy, batch.routed):
@@ -171,7 +171,7 @@ class GRPOLoss:
         loss, metrics = grpo.policy_loss(logp, logp_old, batch.advantages, batch.mask,
                                          self.config, ref_logp=batch.ref_logp,
                                          is_weights=is_weights, tokens=batch.loss_tokens[0])
-        self.metrics.append(({**measured, **metrics}, float(batch.mask.sum())))
+        self.metrics.append(({**measured, **metrics}, batch.mask.sum()))
         return loss
 
 
@@ -318,19 +318,21 @@ class GRPOTrainer:
         """num_iterations optimizer steps on the step's rollouts: their metrics, or None when
         one was skipped for a NaN/Inf loss or gradient norm (the run stops there). With one
         iteration (on-policy) the old log-probs come from the update's own forward (GRPOLoss);
-        with more, from a no-grad pass first (`old_logprobs`), as every iteration needs them."""
+        with more, from a no-grad pass first (`old_logprobs`), as every iteration needs them.
+        The metrics stay on the device until the last micro-batch is done, then come back in
+        one read (`reduce_metrics`): on a GPU each read waits for the queue to drain."""
         c, fn = self.config, self.step_fn
-        metrics: dict = {}
         advantages = grpo.group_advantages(rewards, c.num_generations, c.scale_rewards).to(self.device)
         replayed = batch.routed if c.routing_replay else None
         mask = batch.mask.float()
         on_policy = c.num_iterations == 1
-        logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, metrics, policy=not on_policy)
+        measured: dict = {}   # the no-grad pass's, over the whole step
+        logp_old, entropy, ref_logp = self.old_logprobs(batch, replayed, measured, policy=not on_policy)
         weights = None
         if not on_policy:
-            weights, measured = measure_old_policy(logp_old, entropy, batch.rollout_logprobs, mask,
-                                                   self.loss_fn.importance)
-            metrics.update(measured)
+            weights, old_policy = measure_old_policy(logp_old, entropy, batch.rollout_logprobs, mask,
+                                                     self.loss_fn.importance)
+            measured.update(old_policy)
         # dapo's token mean divides each micro-batch's sum by the step's count / micro-batches
         tokens = mask.sum().clamp(min=1) / fn.config.grad_accum_steps
         step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask,
@@ -346,7 +348,8 @@ class GRPOTrainer:
             losses.append(result.loss), grad_norms.append(result.grad_norm)
             for message in result.messages:
                 self.say(message)
-        metrics.update(reduce_metrics(self.loss_fn.metrics))   # the last iteration's micro-batches
+        # the no-grad pass's measurements and the last iteration's micro-batches'
+        metrics = reduce_metrics([(measured, mask.sum()), *self.loss_fn.metrics])
         metrics.update(loss=sum(losses) / len(losses), grad_norm=grad_norms[-1], lr=result.lr)
         return metrics
 
@@ -356,8 +359,9 @@ class GRPOTrainer:
                                                    torch.Tensor | None]:
         """The sampled tokens' log-probs and entropies under the policy before the update
         (None, None without `policy`), and the reference policy's log-probs (None without
-        one), each (B, Tc), in passes of micro_batch_size completions; routing agreement into
-        metrics (MoE, with `policy`)."""
+        one), each (B, Tc), in passes of micro_batch_size completions; the routing agreement's
+        pair counts into metrics (MoE, with `policy`; `reduce_metrics` divides them), left on
+        the device."""
         c = self.config
         if not policy and self.reference is None:
             return None, None, None
@@ -378,9 +382,8 @@ class GRPOTrainer:
                 ref_logits = self.reference(input_ids).logits
                 ref_logp.append(grpo.completion_logprobs(ref_logits, prompt_lengths, completions,
                                                          c.temperature)[0])
-        if policy and batch.routed is not None:
-            metrics["routing/agreement"] = (None if agreement is None or not agreement[1]
-                                            else agreement[0] / agreement[1])
+        if policy and batch.routed is not None:   # no MoE routers: 0 of 0 pairs, agreement None
+            metrics["routing/agreeing_pairs"], metrics["routing/recorded_pairs"] = agreement or (0, 0)
         ref = torch.cat(ref_logp) if ref_logp else None
         if not policy:
             return None, None, ref
@@ -418,7 +421,9 @@ class GRPOTrainer:
     def run(self) -> RLResult:
         c = self.config
         cadence = Cadence(c.steps, c.eval_every, c.checkpoint_every, c.log_every, max_nonfinite=1,
-                          steps_this_call=c.max_steps_per_session)
+                          steps_this_call=c.max_steps_per_session,
+                          seconds_this_call=(None if c.stop_after_minutes is None
+                                             else 60 * c.stop_after_minutes))
         try:
             return RunLoop(self, self.folder, c, cadence, self.start, progress=c.progress).run()
         finally:
@@ -573,26 +578,35 @@ def measure_old_policy(logp_old: torch.Tensor, entropy: torch.Tensor, rollout_lo
     """What the policy before the update says of the engine's samples, over the loss tokens of
     `mask`: the truncated importance weights (grpo.importance_weights with `importance`: level,
     mode, cap) and the metrics -- the engine/trainer mismatch (grpo.mismatch_metrics), the mean
-    entropy and the importance-sampling ratios."""
+    entropy and the importance-sampling ratios -- as 0-d tensors on the device."""
     metrics = grpo.mismatch_metrics(rollout_logp, logp_old, mask)
-    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+    metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
     weights, is_metrics = grpo.importance_weights(logp_old, rollout_logp, mask, *importance)
     metrics.update(is_metrics)
     return weights, metrics
 
 
-def reduce_metrics(parts: list[tuple[dict, float]]) -> dict:
-    """Several micro-batches' metrics, each (metrics, its loss-token count), as the step's:
-    `/min` and `/max` keys their min and max (over micro-batches with tokens), the routing
-    pair counts summed into `routing/agreement`, every other key its per-token mean. One
-    micro-batch's are returned as they are."""
-    parts = [(dict(m), n) for m, n in parts]
-    for m, _ in parts:
-        m.pop("nonfinite_loss", None)
+def reduce_metrics(parts: list[tuple[dict, torch.Tensor | float]]) -> dict:
+    """Measurements over loss tokens, each (metrics, its loss-token count) -- a step's
+    micro-batches, and the whole step's no-grad pass -- as the step's: `/min` and `/max` keys
+    their min and max (over the parts with tokens), the routing pair counts summed into
+    `routing/agreement`, every other key its per-token mean; a key one part measured is
+    returned as it is. A NaN of a part without loss tokens is nothing measured (as
+    grpo.mismatch_metrics gives it), left out as a missing key is. Values and counts may be
+    0-d device tensors: they are read back first, all of them in one transfer (on a GPU every
+    read is a sync that drains the launch queue, so a read per micro-batch would stall each
+    one), as float64: float32 values and integer counts come back exact, the numbers float()
+    of each gave."""
+    tensors = [v for m, n in parts for v in (*m.values(), n) if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
+    host = lambda v: next(read) if isinstance(v, torch.Tensor) else v   # in the order gathered
+    parts = [({k: host(v) for k, v in m.items()}, host(n)) for m, n in parts]
     out: dict = {}
     keys = dict.fromkeys(k for m, _ in parts for k in m)
     for k in keys:
-        having = [(m[k], n) for m, n in parts if k in m]
+        having = [(m[k], n) for m, n in parts if k in m and (n > 0 or not _is_nan(m[k]))]
+        if not having:
+            continue
         if k.endswith(("/min", "/max")):
             values = [v for v, n in having if n > 0] or [v for v, _ in having]
             out[k] = min(values) if k.endswith("/min") else max(values)
@@ -608,6 +622,10 @@ def reduce_metrics(parts: list[tuple[dict, float]]) -> dict:
         agree, recorded = out.pop("routing/agreeing_pairs"), out.pop("routing/recorded_pairs")
         out["routing/agreement"] = agree / recorded if recorded else None
     return out
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 def calibration_batches(sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -126,12 +126,15 @@ def routing_agreement(model: nn.Module, routed: torch.Tensor) -> float | None:
     """Fraction of (position, layer) pairs whose trainer top-k set (from the last forward)
     equals the engine's, over the positions the engine recorded; None without MoE routers."""
     counts = routing_agreement_counts(model, routed)
-    return None if counts is None or not counts[1] else counts[0] / counts[1]
+    if counts is None:
+        return None
+    agree, total = (int(c) for c in counts)
+    return agree / total if total else None
 
 
-def routing_agreement_counts(model: nn.Module, routed: torch.Tensor) -> tuple[int, int] | None:
-    """routing_agreement's (agreeing pairs, recorded pairs), to add up over a step's
-    micro-batches; None without MoE routers."""
+def routing_agreement_counts(model: nn.Module, routed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """routing_agreement's (agreeing pairs, recorded pairs) as device scalars, to add up over a
+    step's micro-batches and read back once; None without MoE routers."""
     routers = _routers(model)
     if not routers or routers[0].own_index is None:
         return None
@@ -140,6 +143,6 @@ def routing_agreement_counts(model: nn.Module, routed: torch.Tensor) -> tuple[in
         engine = routed[:, :, i].reshape(-1, routed.shape[-1]).to(router.own_index.device)
         valid = (engine >= 0).all(dim=-1)
         same = (torch.sort(engine, -1).values == torch.sort(router.own_index, -1).values).all(-1)
-        agree += int((same & valid).sum())
-        total += int(valid.sum())
+        agree = agree + (same & valid).sum()
+        total = total + valid.sum()
     return agree, total
