@@ -430,6 +430,21 @@ def test_plot_runs_writes_one_png_for_several_runs(tmp_path):
         plot_runs([tmp_path / "missing"], tmp_path / "x.png")
 
 
+def test_a_long_plot_title_is_wrapped_not_cut(tmp_path, monkeypatch):
+    # a title naming many runs breaks into lines that fit the figure (it was cut at its edge)
+    import matplotlib.axes
+
+    run(make_config(tmp_path, run_name="a"))
+    titles = []
+    real = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: titles.append(label) or real(self, label, *a, **k))
+    title = ", ".join(f"tiny-tinyshakespeare-stable-fp4-seed-{i}" for i in range(6))
+    plot_runs([tmp_path / "a"], tmp_path / "t.png", title=title)
+    (shown,) = titles
+    assert shown.replace("\n", " ") == title and max(map(len, shown.splitlines())) <= 80
+
+
 @pytest.fixture
 def stand_in_builders(monkeypatch):
     """Make train() build the stand-ins, as it builds lowbit.models / lowbit.data for real."""

@@ -77,8 +77,16 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
         per_step = tokens_per_step.pop()
         top = ax.secondary_xaxis("top", functions=(lambda t: t / per_step, lambda s: s * per_step))
         top.set_xlabel("step")
-    ax.set_title(title or ", ".join(run["label"] for run in runs), fontsize="medium")
+    ax.set_title(_wrapped(title or ", ".join(run["label"] for run in runs)), fontsize="medium")
     return save_figure(fig, out_path)
+
+
+def _wrapped(title: str, width: int = 80) -> str:
+    """A figure title broken into lines of at most `width` characters (at ", " and spaces),
+    so that a long list of runs is not cut at the figure's edge."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, width, break_long_words=False, break_on_hyphens=False))
 
 
 def _check_out_path(out_path: Path) -> Path:
@@ -153,7 +161,7 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    fig.suptitle(title or ", ".join(arms), fontsize="medium")
+    fig.suptitle(_wrapped(title or ", ".join(arms), 120), fontsize="medium")
     return save_figure(fig, out_path)
 
 
