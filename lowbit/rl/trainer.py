@@ -442,11 +442,13 @@ class GRPOTrainer:
         if record.get("frac_reward_zero_std") == 1.0 and self.no_signal == step:
             self.no_signal += 1   # steps 1..step+1 all without signal (a resume starts past them)
         if step + 1 == NO_SIGNAL_STEPS and self.no_signal == step + 1:
+            # a Hugging Face policy has no warm start to lengthen
+            warm = "" if is_model_folder(self.config.model) else "more --warmstart-steps, "
             self.warn(f"lowbit: warning: no learning signal: every group's rewards are "
                       f"equal in each of the first {step + 1} steps (frac_reward_zero_std "
                       f"1.0), so every advantage is 0 and the rewards teach nothing; try "
-                      f"more --warmstart-steps, an easier --task-size, a higher "
-                      f"--temperature or a larger --num-generations")
+                      f"{warm}an easier --task-size, a higher --temperature or a larger "
+                      f"--num-generations")
         return outcome
 
     def one_step(self, step: int) -> StepOutcome:

@@ -133,8 +133,8 @@ class TrainConfig(RunConfig):
 
     # --- optimizer and schedule ------------------------------------------------------------
     lr: float = field(default=2e-3, metadata=flag(
-        "--lr", "peak learning rate (default 2e-3; 2e-5 with --model PATH, which fine-tunes) "
-        "(default: %(default)s)", metavar="X"))
+        "--lr", "peak learning rate (default: %(default)s; 2e-5 with --model PATH, which "
+        "fine-tunes)", metavar="X"))
     """Peak learning rate of AdamW, reached at the end of warmup."""
     min_lr_ratio: float = field(default=0.1, metadata=flag(
         "--min-lr-ratio", "final learning rate as a fraction of --lr (default: %(default)s)",
