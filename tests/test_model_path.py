@@ -214,7 +214,8 @@ def test_rl_takes_a_model_folder_and_bad_folders_are_one_line_errors(llama_folde
     run = runs / f"rl-{llama_folder.name}-add-nvfp4+quads"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("event") == "train" or "loss" in r for r in records)
-    assert json.loads((run / "config.json").read_text())["warmstart_steps"] == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["warmstart_steps"] == 0 and saved["lr"] == 1e-6   # a trained model: TRL's rate
     capsys.readouterr()
     for argv, words in [
             (["rl", "--model", str(tmp_path / "none")], "no such model folder"),

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from lowbit.config import add_flags, flag_values
-from lowbit.rl.config import RLConfig
+from lowbit.rl.config import MODEL_FOLDER_LR, RLConfig
 
 __all__ = ["add_rl_arguments", "run_rl_command", "config_from_args", "QUICK"]
 
@@ -45,12 +45,16 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RLConfig:
     """The RLConfig the flags describe: those given, then --quick's values for the others,
     then RLConfig's defaults."""
+    from lowbit.models import is_model_folder
+
     fields = flag_values(args, RLConfig)
     fields["progress"] = not args.no_progress
+    folder = is_model_folder(fields.get("model") or RLConfig.model)
+    if folder:   # a trained model: RL's gentle rate, not the presets'
+        fields.setdefault("lr", MODEL_FOLDER_LR)
     if args.quick:
-        from lowbit.models import is_model_folder
         quick = {k: v for k, v in QUICK.items() if k not in fields}
-        if is_model_folder(fields.get("model") or RLConfig.model):
+        if folder:
             quick.pop("warmstart_steps", None)   # a Hugging Face policy has no warm start
         fields.update(quick)
     return RLConfig(**fields)

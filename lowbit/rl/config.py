@@ -11,7 +11,11 @@ from lowbit.config import RunConfig, flag, require
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from lowbit.rl.precision import ActivationScale, Precision
 
-__all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME"]
+__all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME", "MODEL_FOLDER_LR"]
+
+MODEL_FOLDER_LR = 1e-6
+"""lowbit rl's learning rate for a Hugging Face policy when --lr is not given (TRL's GRPOConfig
+default), not the 3e-4 the small presets, warm-started from scratch, take."""
 
 ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
@@ -157,7 +161,10 @@ class RLConfig(RunConfig):
 
     # --- optimizer -------------------------------------------------------------------------
     lr: float = field(default=3e-4, metadata=flag(
-        "--lr", "AdamW learning rate, constant (default: %(default)s)"))
+        "--lr", "AdamW learning rate, constant (default: %(default)s for a preset policy; "
+        "1e-6, TRL's GRPO default, for a --model PATH one)"))
+    """AdamW's learning rate, constant. `lowbit rl --model PATH` without --lr takes
+    MODEL_FOLDER_LR: a trained model is updated gently, as TRL's GRPOTrainer does by default."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 
