@@ -125,3 +125,20 @@ def test_a_qat_runs_start_line_names_its_weights_not_bf16():
     qat = JobRecord(kind="qat", qat={"weights": "int2:g64", "estimator": "jacquant"})
     assert describe_numerics(TrainConfig(), qat) == "QAT int2:g64 with jacquant"
     assert describe_numerics(TrainConfig(recipe="nvfp4"), JobRecord()) == "recipe nvfp4"
+
+
+def test_lowbit_qat_notes_mse_scales_at_two_and_three_bits(monkeypatch, capsys):
+    # the default stays absmax (documented commands keep their meaning); at 2-3 integer bits the
+    # command says mse usually starts closer, once, unless --scale-init or --no-progress is given
+    import lowbit.qat.cli_args as qat_cli
+    from lowbit.cli import build_parser
+
+    monkeypatch.setattr(qat_cli, "run_qat", lambda job: {"stopped": "stub"})
+    for flags, noted in ((["--weights", "int2:g64"], True), (["--weights", "int3:g64:asym"], True),
+                         (["--weights", "int2:g64", "--scale-init", "mse"], False),
+                         (["--weights", "int2:g64", "--scale-init", "absmax"], False),
+                         (["--weights", "int4:g128"], False),
+                         (["--weights", "int2:g64", "--no-progress"], False)):
+        qat_cli.run_qat_command(build_parser().parse_args(["qat", *flags]))
+        err = capsys.readouterr().err
+        assert ("--scale-init mse usually starts closer" in err) == noted, (flags, err)
