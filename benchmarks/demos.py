@@ -4,8 +4,11 @@ into docs/results/demos/demos-<date>.json (tests/test_results.py checks the docs
 
     python benchmarks/demos.py --out docs/results/demos [--work DIR]
 
-CPU-sized: a few minutes on a 2-core CPU. The values are deterministic (seeded); the wall
-times are what this machine took.
+CPU-sized: a few minutes on a 2-core CPU. The values are seeded, and each command runs with
+THREADS CPU threads (OMP_NUM_THREADS, recorded in the file): float sums split over another
+number of threads round differently, and over hundreds of steps that moves the third decimal.
+So the same values come back on this machine at this thread count; elsewhere, nearby ones. The
+wall times are what this machine took.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ sys.path.insert(0, str(ROOT))
 from lowbit.bench import git_commit  # noqa: E402
 
 
+THREADS = 2   # the CI machine's cores; pinned, since other counts round sums differently
+
+
 def run(command: list[str], cwd: Path) -> float:
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "lowbit", *command, "--no-progress"], cwd=cwd,
-                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                    "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)})
     return time.perf_counter() - started
 
 
@@ -77,7 +84,7 @@ def main() -> None:
         results = {"qat": qat_demo(work), "rl": rl_demo(work)}
     date = datetime.date.today().isoformat()
     meta = {"date": date, "commit": git_commit(), "machine": args.machine,
-            "command": "python benchmarks/demos.py --out docs/results/demos"}
+            "command": "python benchmarks/demos.py --out docs/results/demos", "threads": THREADS}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"demos-{date}.json"
