@@ -522,6 +522,8 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
         assert f"| {method} |" in out
     (folder,) = tmp_path.glob("qat-*/qat.png")
+    # named by the setting: another format or comparison on the same source keeps this one
+    assert folder.parent.name.endswith("-int2-g32-ste+jacquant-summary"), folder
     # the paired-seed statistics of `lowbit train --compare`, on the QAT runs' own curves
     assert "| arm | gap vs ste: mean ± sd |" in out and (folder.parent / "seeds" / "seeds.png").is_file()
     stats = json.loads((folder.parent / "seeds" / "summary.json").read_text())
