@@ -40,7 +40,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 STRICT_VARIABLE = "LOWBIT_TEST_STRICT"
 STRICT = os.environ.get(STRICT_VARIABLE, "") not in ("", "0")
 # The importable names of what `pip install -e ".[test]"` adds to lowbit's own dependencies.
-TEST_EXTRA = ("torchao", "triton", "transformers", "tensorboard", "ml_dtypes")
+TEST_EXTRA = ("torchao", "triton", "transformers", "tensorboard", "ml_dtypes", "compressed_tensors",
+              "trl", "datasets")
 DATA_MISSING = "shared data missing: "
 _IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")  # pytest.importorskip's default reason
 
