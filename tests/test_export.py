@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from hf_models import TEXT, load_decompressed, save_hf_model, tokenizer
 from lowbit.export import calibrate_input_amax, export_model, load_exported, quantize_group, weight_groups
-from lowbit.formats import QuantSpec, quantize, quantize_dequantize
+from lowbit.formats import QTensor, QuantSpec, quantize, quantize_dequantize
 from lowbit.models import load_model
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -143,12 +143,25 @@ def test_compressed_tensors_decompresses_to_lowbits_dequantized_weights(models, 
     "(docs/models.md, 'MoE exports in transformers'); when this passes, drop the export's "
     "reader note and the docs' warning"))
 def test_transformers_loads_the_experts_of_an_moe_nvfp4_export_exactly(models, tmp_path):
+    _assert_transformers_loads_the_experts_exactly(models, tmp_path, layout="compressed-tensors")
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason=(
+    "transformers 5.25 decompresses fused experts without weight_zero_point, which "
+    "compressed-tensors refuses ('Asymmetric quant requires zero-point values'; docs/models.md, "
+    "'MoE exports in transformers'); when this passes, drop the export's reader note and the "
+    "docs' warning"))
+def test_transformers_loads_the_experts_of_an_moe_asym_int_export_exactly(models, tmp_path):
+    _assert_transformers_loads_the_experts_exactly(models, tmp_path, format="int4:g32:asym")
+
+
+def _assert_transformers_loads_the_experts_exactly(models, folder, **export):
     pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     path, model = models["qwen3-moe"]
-    export_model(model, tmp_path, layout="compressed-tensors", tokenizer_dir=path, progress=False)
-    exported = load_exported(tmp_path)
-    hf = load_decompressed(tmp_path)
+    export_model(model, folder, tokenizer_dir=path, progress=False, **export)
+    exported = load_exported(folder)
+    hf = load_decompressed(folder)
     state, ref = hf.state_dict(), exported.weights       # (dense layers: exact, tested above)
     experts = "model.layers.0.mlp.experts"
     down = torch.stack([ref[f"{experts}.{e}.down_proj.weight"].dequantize(torch.bfloat16)
@@ -270,6 +283,65 @@ def test_int_exports_load_in_transformers_with_lowbits_values(models, format, tm
     state = hf.state_dict()   # decompressed in float32 (our scales' dtype), then cast to the model's BF16
     for name, q in exported.weights.items():
         assert torch.equal(state[name], q.dequantize(torch.bfloat16)), name
+
+
+# Without CompressedTensorsConfig(dequantize=True) transformers leaves the weights compressed
+# and compressed-tensors decompresses them on the first forward pass, here in the export's BF16.
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4", "int4:g32", "int8:row"])
+def test_transformers_runs_a_dense_export_as_lowbit_does_without_dequantize(models, format, tmp_path):
+    export_model(models["llama"][1], tmp_path, format=format, layout="compressed-tensors",
+                 progress=False)
+    _assert_plain_transformers_runs_it_as_lowbit(tmp_path)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason=(
+    "transformers 5.25 builds the compressed model on the meta device with unpacked (R, G) zero "
+    "points, and the export's packed (R/8, G) ones fail its size check (docs/models.md, 'Loading "
+    "an export in transformers'); when this passes, correct the docs"))
+def test_transformers_runs_a_dense_asym_int_export_without_dequantize(models, tmp_path):
+    export_model(models["llama"][1], tmp_path, format="int4:g32:asym", progress=False)
+    _assert_plain_transformers_runs_it_as_lowbit(tmp_path)
+
+
+def _assert_plain_transformers_runs_it_as_lowbit(folder):
+    """`from_pretrained(folder)` decompresses every weight to lowbit's BF16 values and gives
+    lowbit's logits, bit for bit. transformers casts the int formats' float32 scales to the
+    model's BF16 before it decompresses (as a BF16 server does, docs/models.md), so lowbit's
+    reference takes its scales rounded the same way."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    exported = load_exported(folder)
+    lowbit = exported.model.to(torch.bfloat16)
+    params = dict(lowbit.named_parameters())
+    ids = _tokens()
+    with torch.no_grad():
+        logits = hf(ids).logits
+        for name, q in exported.weights.items():
+            if q.scales.dtype == torch.float32:
+                q = QTensor(q.codes, q.scales.to(torch.bfloat16).float(), q.tensor_scale, q.spec,
+                            q.shape, q.dtype, q.zeros)
+            expected = q.dequantize(torch.bfloat16)
+            assert torch.equal(hf.get_submodule(name.removesuffix(".weight")).weight, expected), name
+            params[name].copy_(expected)
+        torch.testing.assert_close(logits, lowbit(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason=(
+    "compressed-tensors 0.20.1 decompresses FP4 weights to BF16 whatever the model's dtype, and "
+    "the first float32 forward multiplies float32 activations by them (docs/models.md, 'Loading "
+    "an export in transformers'); when this passes, correct the docs"))
+@pytest.mark.parametrize("format", ["nvfp4", "mxfp4"])
+def test_transformers_runs_an_fp4_export_in_float32_without_dequantize(models, format, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    export_model(models["llama"][1], tmp_path, format=format, layout="compressed-tensors",
+                 progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = _tokens()[:2]
+    with torch.no_grad():   # lowbit's float32 products, or their BF16 roundings widened
+        torch.testing.assert_close(hf(ids).logits, load_exported(tmp_path).model(ids).logits,
+                                   atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
