@@ -30,7 +30,8 @@ tensor, in two layouts:
 CUDA, one K-chunk per operand, bf16 output and every width a multiple of 16:
 torch._scaled_grouped_mm (one grouped FP8 GEMM, row-wise float32 factors; along="k" takes
 each row's one factor for every group). Otherwise group by group through fp4_gemm_fp8, the
-group bounds read back to the host (one sync; on CUDA only for several chunks or odd widths).
+group bounds read back to the host (one sync; on CUDA only for several chunks, odd widths, a
+float32 output or another GPU).
 """
 
 from __future__ import annotations
@@ -177,11 +178,13 @@ def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
 
 def _grouped_mm_fits(a: FoldedOperand, b: FoldedOperand, experts: int, along: str,
                      out_dtype: torch.dtype) -> bool:
-    """torch._scaled_grouped_mm takes these operands as they are: CUDA, one chunk each, a bf16
-    output (its only one) and widths a multiple of 16 (its stride rule)."""
+    """torch._scaled_grouped_mm takes these operands as they are: a CUDA GPU it has kernels for
+    (Hopper, Blackwell datacenter), one chunk each, a bf16 output (its only one) and widths a
+    multiple of 16 (its stride rule)."""
     widths = (a.shape[1], b.shape[0] // experts if along == "rows" else b.shape[0]) + (
         (a.shape[0],) if along == "k" else ())
     return (a.fp8.is_cuda and hasattr(torch, "_scaled_grouped_mm") and experts > 0
+            and torch.cuda.get_device_capability(a.fp8.device) in ((9, 0), (10, 0))
             and len(a.bounds) == len(b.bounds) == 2 and out_dtype == torch.bfloat16
             and all(w % 16 == 0 for w in widths))
 

@@ -103,9 +103,12 @@ def _layout(counts: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, t
 
 
 def _spread(t: torch.Tensor, position: torch.Tensor, size: int) -> torch.Tensor:
-    """t's rows at their padded positions, zeros elsewhere."""
-    out = t.new_zeros(size, t.shape[1])
-    return out.index_copy(0, position, t)
+    """t's rows at their padded positions, zeros elsewhere: the dropped rows, all sent to the
+    last row, are zeroed there, so that whatever they hold never reaches a quantization that
+    spans tokens (a fold factor or NaN flag of the wgrad operands)."""
+    out = t.new_zeros(size, t.shape[1]).index_copy(0, position, t)
+    out[-1] = 0
+    return out
 
 
 class GroupedQuantLinearFunction(torch.autograd.Function):
