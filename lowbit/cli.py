@@ -10,6 +10,9 @@ import argparse
 import errno
 import os
 import sys
+import time
+
+from lowbit.config import CALL_STARTED
 
 __all__ = ["main"]
 
@@ -210,6 +213,20 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the command's start, which --stop-after-minutes counts from (lowbit.train.runner.
+    # call_started); the processes of parallel runs inherit it; put back on return
+    before = os.environ.get(CALL_STARTED)
+    os.environ[CALL_STARTED] = repr(time.time())
+    try:
+        return _main(argv)
+    finally:
+        if before is None:
+            os.environ.pop(CALL_STARTED, None)
+        else:
+            os.environ[CALL_STARTED] = before
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

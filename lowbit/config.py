@@ -26,10 +26,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import time
 import typing
 from typing import Any, ClassVar
 
-__all__ = ["RunConfig", "require", "flag", "flag_fields", "add_flags", "flag_values"]
+__all__ = ["RunConfig", "require", "flag", "flag_fields", "add_flags", "flag_values",
+           "CALL_STARTED", "call_started"]
+
+CALL_STARTED = "LOWBIT_CALL_STARTED"
+"""The environment variable holding when the running lowbit command started (time.time()):
+set by lowbit.cli.main at its entry, inherited by the processes of parallel runs."""
+
+_IMPORTED = time.time()
+
+
+def call_started() -> float:
+    """When this lowbit command started, wall-clock seconds (what a run's --stop-after-minutes
+    counts from, as Megatron's --exit-duration-in-mins counts from the job's start): CALL_STARTED
+    where the CLI set it, else when lowbit.config was first imported (lowbit used as a library:
+    the process's start, near enough)."""
+    try:
+        return float(os.environ[CALL_STARTED])
+    except (KeyError, ValueError):
+        return _IMPORTED
 
 
 def require(condition: bool, message: str) -> None:

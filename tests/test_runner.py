@@ -155,11 +155,15 @@ def test_ctrl_c_says_the_step_and_the_checkpoint_to_resume_from(tmp_path):
 
 def test_a_time_limit_stops_the_call_at_a_step_end_checkpointed_and_a_resume_finishes(
         tmp_path, monkeypatch, capsys):
-    # a clock that moves 10 s a step: with a 25 s limit the call stops after step 3
+    # a clock that moves 10 s a step, the command started at 0: with a 25 s limit the call
+    # stops after step 3
     import lowbit.train.runner as runner
+    from lowbit.config import CALL_STARTED
 
     clock = [0.0]
     monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runner.time, "time", lambda: clock[0])
+    monkeypatch.setenv(CALL_STARTED, "0")
 
     class Slow(ToyJob):
         def step(self, step):
@@ -173,16 +177,21 @@ def test_a_time_limit_stops_the_call_at_a_step_end_checkpointed_and_a_resume_fin
     assert job.calls == [("eval", 0), ("step", 0), ("step", 1), ("eval", 2), ("step", 2)]
     assert load_checkpoint(folder.checkpoint)["step"] == 3 and not (folder.path / "final.json").exists()
     out = capsys.readouterr().out
-    assert "stopped at step 3/6, 0.416667 minutes after this call started (--stop-after-minutes)" in out
+    assert "stopped at step 3/6, 0.416667 minutes after the command started (--stop-after-minutes)" in out
     assert "--resume to continue" in out and "done at" not in out
     folder.release()
 
     resumed = Slow(done=3)
+    monkeypatch.setenv(CALL_STARTED, str(clock[0]))   # a new command
     loop, folder = _loop(tmp_path, resumed, start=Start.of(load_checkpoint(folder.checkpoint)),
                          eval_every=2, checkpoint_every=0, seconds_this_call=1000.0)
     assert loop.run() == ("result", 6) and not loop.stopped_for_time
     assert json.loads((folder.path / "final.json").read_text()) == {"steps": 6}
-    # the last step is the run's end, not a stop, however late it comes
+    # the last step is the run's end, not a stop, however late it comes; and a call that
+    # starts past its limit (setup took it all) still takes a step
     loop, folder = _loop(tmp_path / "late", Slow(), seconds_this_call=1.0, total_steps=1)
     assert loop.run() == ("result", 1) and not loop.stopped_for_time
     assert (folder.path / "final.json").exists()
+    monkeypatch.setenv(CALL_STARTED, str(clock[0] - 100.0))   # setup took the whole limit
+    loop, folder = _loop(tmp_path / "past", Slow(), seconds_this_call=1.0)
+    assert loop.run() == ("result", 1) and loop.stopped_for_time

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.config import flag
+from lowbit.config import call_started, flag
 from lowbit.qat.config import QATConfig
 from lowbit.qat.distill import distillation
 from lowbit.qat.gptq import gptq
@@ -382,8 +382,8 @@ def run_qat(job: QATJob) -> dict:
             model.load_state_dict(state)
         return model.to(device)
 
-    deadline = (None if job.stop_after_minutes is None
-                else time.monotonic() + 60 * job.stop_after_minutes)
+    deadline = (None if job.stop_after_minutes is None   # from the command's start, as each run's
+                else call_started() + 60 * job.stop_after_minutes)
     trained = False   # a run trained in this call
     summary = {"source": str(source_path), "baselines": {}, "notes": [], "runs": []}
     if job.baselines:
@@ -393,12 +393,11 @@ def run_qat(job: QATJob) -> dict:
         if state_of_run == "done" and (qat.format.grid == "bf16" or (run_dir / PACKED_FILE).is_file()):
             summary["runs"].append(_finished_row(qat, seed, run_dir, label))
             continue
-        if deadline is not None:   # this run gets what is left of the job's minutes
-            left = (deadline - time.monotonic()) / 60
-            if left <= 0 and trained:
+        if deadline is not None:   # every run stops at the job's deadline (lowbit.train's limit)
+            if trained and time.time() >= deadline:
                 return _stopped(summary, job, f"{run_dir} is next, not started")
             # the first run of a call takes at least a step, so every call moves the job on
-            config = dataclasses.replace(config, stop_after_minutes=max(left, 1e-9))
+            config = dataclasses.replace(config, stop_after_minutes=job.stop_after_minutes)
         trained = True
         model = fresh_model()
         hook = None

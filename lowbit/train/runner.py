@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from lowbit.config import RunConfig
+from lowbit.config import RunConfig, call_started
 from lowbit.train.checkpoint import CHECKPOINT_VERSION, rng_state
 from lowbit.train.metrics import MetricsLog
 from lowbit.train.run_dir import RunDir
@@ -97,10 +97,11 @@ class Cadence:
     """Steps one call of RunLoop.run takes before it returns, the run checkpointed but not
     finished, for a later --resume (lowbit rl --max-steps-per-session); None: to the end."""
     seconds_this_call: float | None = None
-    """Wall-clock seconds after which a call stops at the end of its step, checkpointed but
-    not finished, for a later --resume (--stop-after-minutes: a job's time limit on a cluster,
-    as Megatron's --exit-duration-in-mins); None: no limit. Under torchrun the ranks agree
-    (rank 0's clock decides)."""
+    """Wall-clock seconds, counted from the lowbit command's start (lowbit.config.call_started:
+    its setup included), after which a call stops at the end of its step, checkpointed but not
+    finished, for a later --resume (--stop-after-minutes: a job's time limit on a cluster, as
+    Megatron's --exit-duration-in-mins); None: no limit. Every call takes at least one step.
+    Under torchrun the ranks agree (rank 0's clock decides)."""
     after_step_every: int = 0
     """Steps between job.after_step calls (0: never)."""
     eval_cost_steps: float = 1.0
@@ -274,18 +275,19 @@ class RunLoop:
             self.folder.plot(force=True, draw=job.draw)
         if self.stopped_for_time:   # not done: said so instead of the done line
             line = (f"stopped at step {step}/{total}, {cadence.seconds_this_call / 60:g} minutes "
-                    f"after this call started (--stop-after-minutes), checkpointed: run the same "
+                    f"after the command started (--stop-after-minutes), checkpointed: run the same "
                     f"command with --resume to continue -> {self.folder.path}")
         self.tell(line)
         return result
 
     def _out_of_time(self) -> bool:
-        """This call has run its seconds_this_call; under torchrun, as rank 0 reads its clock
-        (one all-reduce a step, only with a limit), so that every rank stops at the same step."""
+        """seconds_this_call have passed since the command started; under torchrun, as rank 0
+        reads its clock (one all-reduce a step, only with a limit), so that every rank stops at
+        the same step."""
         limit = self.cadence.seconds_this_call
         if limit is None:
             return False
-        over = time.perf_counter() - self.t_start_call >= limit
+        over = time.time() - call_started() >= limit
         if torch.distributed.is_available() and torch.distributed.is_initialized() and (
                 torch.distributed.get_world_size() > 1):
             device = (torch.device("cuda", torch.cuda.current_device())
