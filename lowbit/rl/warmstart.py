@@ -157,7 +157,7 @@ def warm_start(config, task: Task, model_config: ModelConfig, device: str, say) 
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            say(f"warm start: another process is training {run}; waiting for it")
+            say(f"warm start: another process holds {run} (training or reading it); waiting")
             fcntl.flock(lock, fcntl.LOCK_EX)
         return _cached_or_trained(config, task, model_config, device, say, run)
 
