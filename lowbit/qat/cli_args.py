@@ -115,16 +115,17 @@ def run_qat_command(args: argparse.Namespace) -> None:
     """`lowbit qat`. A run stopped by non-finite losses ends the process with one line and exit
     code 1, as `lowbit train`'s does, its advice in `lowbit qat`'s flags."""
     job = job_from_args(args)
-    if job.progress and args.scale_init is None and any(
-            c.format.is_int and c.format.bits <= 3 and c.scale_init == "absmax" for c in job.configs):
-        # the default stays absmax (every documented command keeps its meaning); say the better one
-        print(f"lowbit: note: {job.configs[0].weights} with absmax scales (the default); at 2-3 "
-              f"bits --scale-init mse usually starts closer (docs/qat.md)", file=sys.stderr)
     try:
         summary = run_qat(job)
     except NonFiniteLossError as e:
         print(f"lowbit: error: {e} Try a lower --lr or a longer --warmup-steps", file=sys.stderr)
         raise SystemExit(1) from None
+    if job.progress and args.scale_init is None and any(
+            c.format.is_int and c.format.bits <= 3 and c.scale_init == "absmax" for c in job.configs):
+        # the default stays absmax (every documented command keeps its meaning); after the run,
+        # so that a refused command still says one line, the better choice
+        print(f"lowbit: note: {job.configs[0].weights} with absmax scales (the default); at 2-3 "
+              f"bits --scale-init mse usually starts closer (docs/qat.md)", file=sys.stderr)
     if "stopped" in summary:
         print(summary["stopped"])
         return
