@@ -26,19 +26,38 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 import typing
 from typing import Any, ClassVar
 
 __all__ = ["RunConfig", "require", "flag", "flag_fields", "add_flags", "flag_values",
-           "CALL_STARTED", "call_started"]
+           "CALL_STARTED", "call_started", "stop_after_minutes_field",
+           "check_stop_after_minutes"]
 
 CALL_STARTED = "LOWBIT_CALL_STARTED"
 """The environment variable holding when the running lowbit command started (time.time()):
 set by lowbit.cli.main at its entry, inherited by the processes of parallel runs."""
 
 _IMPORTED = time.time()
+
+
+def stop_after_minutes_field():
+    """The `stop_after_minutes` field every job's config declares (train, QAT, RL), with its
+    flag: wall-clock minutes from the command's start (call_started) after which the run stops
+    at the end of its step, checkpointed and not finished, for a later --resume; None: no
+    limit. Check it with check_stop_after_minutes."""
+    return dataclasses.field(default=None, metadata=flag(
+        "--stop-after-minutes", "stop M minutes after the command started, at a step's end, "
+        "checkpointed; --resume continues (default: no limit)", metavar="M"))
+
+
+def check_stop_after_minutes(value) -> None:
+    """Refuse a time limit that is not a positive number of minutes (None: no limit)."""
+    require(value is None or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0),
+            f"stop_after_minutes must be a positive number of minutes (got {value!r}); e.g. "
+            f"--stop-after-minutes 50")
 
 
 def call_started() -> float:

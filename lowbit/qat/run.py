@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.config import call_started, flag
+from lowbit.config import call_started, check_stop_after_minutes, flag, stop_after_minutes_field
 from lowbit.qat.config import QATConfig
 from lowbit.qat.distill import distillation
 from lowbit.qat.gptq import gptq
@@ -115,9 +115,7 @@ class QATJob:
         "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
     name: str = field(default="", metadata=flag(
         "--run-name", "prefix of the run folders (default: qat-<source>)", metavar="RUN_NAME"))
-    stop_after_minutes: float | None = field(default=None, metadata=flag(
-        "--stop-after-minutes", "stop the job after M minutes, at a step's end, checkpointed; "
-        "--resume continues it (default: no limit)", metavar="M"))
+    stop_after_minutes: float | None = stop_after_minutes_field()
     """Wall-clock minutes after which the job stops: the run training then stops at its step's
     end, checkpointed (lowbit train's --stop-after-minutes), no later run starts, and no table
     is written; the same command with --resume continues. None: no limit."""
@@ -156,10 +154,7 @@ class QATJob:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (got {value!r})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a positive number (got {self.lr})")
-        if self.stop_after_minutes is not None and not (
-                math.isfinite(self.stop_after_minutes) and self.stop_after_minutes > 0):
-            raise ValueError(f"--stop-after-minutes must be a positive number (got "
-                             f"{self.stop_after_minutes})")
+        check_stop_after_minutes(self.stop_after_minutes)
         if self.baselines_only and not self.baselines:
             raise ValueError("--baselines-only and --no-baselines exclude each other")
         if self.resume and self.overwrite:

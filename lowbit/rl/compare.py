@@ -31,7 +31,7 @@ from lowbit.rl.trainer import RUN_FILES, RLResult, run_rl
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import write_json_atomic
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, continue_state, run_all,
-                                  write_comparison)
+                                  stopped_status, write_comparison)
 from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
@@ -91,13 +91,9 @@ class RLRunner:
                 outcome = self.partial(config)
                 outcome.status = f"diverged at step {e.step} (non-finite loss)"
                 return outcome
-        outcome = self.partial(config)
-        if folder.finished:
-            outcome.status = "ok"
-        else:   # --stop-after-minutes ended this call
-            outcome.status = (f"stopped at step {_result(folder.path).steps} by its time limit "
-                              f"(--resume continues it)")
-        return outcome
+        result = _result(folder.path)   # --stop-after-minutes may have ended it unfinished
+        status = "ok" if folder.finished else stopped_status(result.steps)
+        return RunOutcome(accuracy_change_curve(result.records), status, str(folder.path))
 
     def partial(self, config: RLConfig) -> RunOutcome:
         run_dir = Path(config.out_dir) / config.name

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from lowbit.config import RunConfig, flag, require
+from lowbit.config import RunConfig, check_stop_after_minutes, flag, require, stop_after_minutes_field
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from lowbit.rl.precision import ActivationScale, Precision
 
@@ -179,11 +179,9 @@ class RLConfig(RunConfig):
         "--checkpoint-every", "checkpoint every N steps (default: %(default)s)"))
     max_steps_per_session: int | None = None
     """Stop after this many steps of this invocation (a later --resume continues the run); None: run to the end."""
-    stop_after_minutes: float | None = field(default=None, metadata=flag(
-        "--stop-after-minutes", "stop this call after M minutes, at a step's end, checkpointed; "
-        "--resume continues the run (default: no limit)", metavar="M"))
-    """Wall-clock minutes after which this call stops at the end of its step and checkpoints,
-    without finishing the run, so that a later --resume continues it. None: no limit."""
+    stop_after_minutes: float | None = stop_after_minutes_field()
+    """Stop this call M minutes after the command started (the warm start included), at the
+    end of its step, checkpointed, so that a later --resume continues the run. None: no limit."""
     seed: int = field(default=0, metadata=flag(
         "--seed", "seed of prompts, sampling and (unless --warmstart-seed) the warm start (default: "
         "%(default)s)"))
@@ -276,11 +274,7 @@ class RLConfig(RunConfig):
         require(self.grad_clip >= 0 and self.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
         require(self.max_steps_per_session is None or self.max_steps_per_session >= 1,
                  "max_steps_per_session must be a positive integer")
-        require(self.stop_after_minutes is None or (
-            isinstance(self.stop_after_minutes, (int, float)) and math.isfinite(self.stop_after_minutes)
-            and self.stop_after_minutes > 0),
-                f"stop_after_minutes must be a positive number of minutes (got "
-                f"{self.stop_after_minutes!r}); e.g. --stop-after-minutes 50")
+        check_stop_after_minutes(self.stop_after_minutes)
         require(self.run_name == "" or _RUN_NAME.match(self.run_name) is not None,
                  f"run_name {self.run_name!r} must be a plain folder name")
         require(self.out_dir != "", "out_dir must be a folder")

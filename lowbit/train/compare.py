@@ -78,7 +78,7 @@ from lowbit.train.run_dir import RunDir
 __all__ = ["RunSpec", "RunOutcome", "ArmStats", "CompareRow", "Comparison", "compare_runs",
            "write_comparison", "run_all", "seed_statistics", "format_table", "TrainRunner", "compare",
            "t_critical", "val_curve", "check_runs", "check_run_folders", "continue_state",
-           "parse_seeds"]
+           "parse_seeds", "stopped_status"]
 
 # What may differ between the training runs of a comparison; everything else must match, or the
 # curves would differ for reasons other than the recipe (the seed pairs the runs).
@@ -472,16 +472,19 @@ class TrainRunner:
             outcome = self.partial(config)
             outcome.status = f"diverged at step {e.step} (non-finite loss)"
             return outcome
-        if not RunDir(result.run_dir).finished:   # --stop-after-minutes ended this call
-            return RunOutcome(val_curve(result.run_dir),
-                              f"stopped at step {result.steps} by its time limit "
-                              f"(--resume continues it)", str(result.run_dir))
-        return RunOutcome(val_curve(result.run_dir), "ok", str(result.run_dir))
+        status = "ok" if RunDir(result.run_dir).finished else stopped_status(result.steps)
+        return RunOutcome(val_curve(result.run_dir), status, str(result.run_dir))
 
     def partial(self, config: TrainConfig) -> RunOutcome:
         run_dir = Path(config.out_dir) / config.name
         curve = val_curve(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         return RunOutcome(curve, "ended early", str(run_dir))
+
+
+def stopped_status(step: int) -> str:
+    """The status of a run whose call --stop-after-minutes ended at `step` (not finished); it
+    starts "stopped at", so seed_statistics compares it where the runs all reached."""
+    return f"stopped at step {step} by its time limit (--resume continues it)"
 
 
 def val_curve(run_dir) -> list[tuple[int, float]]:

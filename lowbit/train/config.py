@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from lowbit.config import RunConfig, flag, require
+from lowbit.config import RunConfig, check_stop_after_minutes, flag, require, stop_after_minutes_field
 from lowbit.train.job_record import OLD_CONFIG_KEYS
 
 # Fields that can change between a run and its resumption without changing the run itself:
@@ -182,12 +182,10 @@ class TrainConfig(RunConfig):
         "falls back to the previous) (default: %(default)s)", metavar="N"))
     """Checkpoints kept: the newest (checkpoints/latest.pt) and the keep_checkpoints - 1 before
     it (step-<N>.pt), so a resume falls back to the previous one if the newest is damaged."""
-    stop_after_minutes: float | None = field(default=None, metadata=flag(
-        "--stop-after-minutes", "stop this call after M minutes, at a step's end, checkpointed; "
-        "--resume continues the run (default: no limit)", metavar="M"))
-    """Wall-clock minutes after which this call stops at the end of its step and checkpoints,
-    without finishing the run (no final.json), so that a later --resume continues it: a run
-    longer than a job's time limit on a cluster, split over several jobs. None: no limit."""
+    stop_after_minutes: float | None = stop_after_minutes_field()
+    """Stop this call M minutes after the command started, at the end of its step, checkpointed
+    and without final.json, so that a later --resume continues it: a run longer than a job's
+    time limit on a cluster, split over several jobs. None: no limit."""
     max_consecutive_nonfinite: int = field(default=5, metadata=flag(
         "--max-consecutive-nonfinite", "stop after this many NaN/Inf steps in a row "
         "(default: %(default)s)", metavar="N"))
@@ -289,11 +287,7 @@ class TrainConfig(RunConfig):
                  f"corpus_max_bytes must be a positive integer (got {self.corpus_max_bytes})")
         require(self.max_tokens is None or self.max_tokens >= 1,
                  f"max_tokens must be a positive integer (got {self.max_tokens})")
-        require(self.stop_after_minutes is None or (
-            isinstance(self.stop_after_minutes, (int, float)) and math.isfinite(self.stop_after_minutes)
-            and self.stop_after_minutes > 0),
-                f"stop_after_minutes must be a positive number of minutes (got "
-                f"{self.stop_after_minutes!r}); e.g. --stop-after-minutes 50")
+        check_stop_after_minutes(self.stop_after_minutes)
         require(math.isfinite(self.lr) and self.lr > 0,
                  f"lr must be a positive number (got {self.lr}); e.g. --lr 1e-3")
         require(0.0 <= self.min_lr_ratio <= 1.0,
