@@ -213,7 +213,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # the command's start, which --stop-after-minutes counts from (lowbit.train.runner.
+    # the command's start, which --stop-after-minutes counts from (lowbit.config.
     # call_started); the processes of parallel runs inherit it; put back on return
     before = os.environ.get(CALL_STARTED)
     os.environ[CALL_STARTED] = repr(time.time())
