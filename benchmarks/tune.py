@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated row counts M (default: %(default)s)")
             p.add_argument("--warps", default="2,4,8,16,32", type=counts,
                            help="num_warps values, powers of two up to 32 (default: %(default)s)")
+            p.add_argument("--digits", default="4,8", type=counts,
+                           help="RAC threshold's bits per radix step (RADIX_BITS: 1, 2, 4, 8), "
+                                "at the default warps, RAC on (default: %(default)s)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -616,20 +619,24 @@ def sweep_engine_gemm(args, device: str) -> dict:
 
 def sweep_activation(args, device: str) -> dict:
     """lowbit.kernels.activation_quant.quantize_activations (per-token NVFP4 of a linear's input,
-    RAC 25% on and off; one program a row) at each --warps against the default's, on the inputs
+    RAC 25% on and off; one program a row) at each --warps against the default's, and RAC's
+    threshold at each --digits bits per radix step, on the inputs
     of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
     per call (CUDA-graph replay) and whether every count gives the default's bits."""
     import torch
 
+    from lowbit.kernels import activation_quant
     from lowbit.kernels.activation_quant import quantize_activations
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    ks, rows, warps = (1024, 2048, 3072, 4096, 14336), args.rows, args.warps
+    ks, rows, warps, digits = (1024, 2048, 3072, 4096, 14336), args.rows, args.warps, args.digits
     if bad := [w for w in warps if w not in (1, 2, 4, 8, 16, 32)]:
         raise ValueError(f"--warps takes powers of two from 1 to 32; got {bad}")
+    if bad := [d for d in digits if d not in (1, 2, 4, 8)]:
+        raise ValueError(f"--digits takes 1, 2, 4 or 8; got {bad}")
     if args.smoke:
-        ks, rows, warps = (48,), (1, 3), (2, 4)
+        ks, rows, warps, digits = (48,), (1, 3), (2, 4), (4, 8)
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for k in ks:
@@ -648,8 +655,25 @@ def sweep_activation(args, device: str) -> dict:
                         return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio, num_warps=w),
                                              device), "same": same}
                     row["warps"][str(w)] = attempt(run)
+                if ratio:
+                    row["digits"] = {}
+                    for d in digits:
+                        def run_digit(d=d):
+                            default_digit = activation_quant.RADIX_BITS
+                            activation_quant.RADIX_BITS = d
+                            try:
+                                out = quantize_activations(x, "nvfp4", ratio)
+                                same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
+                                return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio), device),
+                                        "same": same}
+                            finally:
+                                activation_quant.RADIX_BITS = default_digit
+                        row["digits"][str(d)] = attempt(run_digit)
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
+                if ratio:
+                    print(f"    RAC threshold bits per step: {top_text(fastest(row['digits']), 4)}",
+                          flush=True)
                 results[f"K={k} M={m} rac={ratio}"] = row
     return results
 

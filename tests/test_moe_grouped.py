@@ -261,6 +261,29 @@ def test_fp8_grouped_nan_and_extreme_magnitudes():
     assert torch.equal(torch.where(got.isnan(), 0, got), torch.where(want.isnan(), 0, want))
 
 
+def test_fp8_grouped_folds_are_observed_under_the_experts_names():
+    # lowbit bench folds names each QuantExperts module; its grouped FP8 GEMMs then report
+    # every fold, forward and backward, under "<module>.gate_up_proj" / ".down_proj", and an
+    # unnamed module's as "" (what the fold observer is told; on the CPU every count is 0)
+    from lowbit.dispatch.fold_check import observe_folds
+    g = torch.Generator().manual_seed(12)
+    base, grouped, _, _ = _fp8_pair("stable-fp4-nosr")
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    for name, layers in (("model.layers.1.mlp.experts", ["model.layers.1.mlp.experts.gate_up_proj",
+                                                         "model.layers.1.mlp.experts.down_proj"]),
+                         ("", [""])):
+        grouped.layer_name = name
+        seen = []
+        with observe_folds(lambda layer, operand, count: seen.append((layer, operand, int(count)))):
+            _run(grouped, base, x, index, w, 0)
+        assert sorted({layer for layer, _, _ in seen}) == sorted(layers)
+        for layer in layers:   # X, W and dY in the forward; dY and W^T in the backward, X^T kept
+            ops = [op for lay, op, _ in seen if lay == layer]
+            assert sorted(set(ops)) == ["W", "X", "dY"] and len(ops) >= 4, ops
+        assert all(count == 0 for _, _, count in seen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
 def test_fp8_grouped_experts_on_cuda_equal_the_per_expert_loop(case):

@@ -13,7 +13,8 @@ along features and, transposed, wgrad along tokens), W (fprop; dgrad transposed)
 (dgrad along output features and, transposed, wgrad along tokens). --v-proj-fp8 puts the v
 projections, which the recipe keeps emulated, on the FP8 path as well.
 
-How the counts are attributed: each QuantLinear is given its module name as its `layer`, and
+How the counts are attributed: each QuantLinear is given its module name as its `layer` (MoE
+experts on the grouped FP8 GEMM: "<module>.gate_up_proj" and "<module>.down_proj"), and
 lowbit.ops.gemms names each operand it folds; an observer (lowbit.dispatch.fold_check.
 observe_folds) is told (layer, operand, count) for every fold, in the forward and in the
 backward alike (the layer's Function carries the observer to autograd's thread). The counts
@@ -62,7 +63,7 @@ def count_inexact_folds(model: str = "1b", *, seq_len: int = 2048, batch_size: i
     check's), "redone": whether the step was redone with exact folds, "by_operand": {"<layer>
     <operand>": count} for every FP8 layer and operand, zeros included, "device"}."""
     from lowbit.dispatch.fold_check import observe_folds
-    from lowbit.nn import QuantLinear
+    from lowbit.nn import QuantExperts, QuantLinear
     from lowbit.recipes import Gemm
     from lowbit.train import TrainConfig
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
@@ -90,6 +91,10 @@ def count_inexact_folds(model: str = "1b", *, seq_len: int = 2048, batch_size: i
                 module.linear_recipe = module.linear_recipe.with_gemm(Gemm.FP8)
             if module.linear_recipe.gemm is Gemm.FP8:
                 fp8_layers.append(name)
+        elif isinstance(module, QuantExperts) and module.linear_recipe is not None:
+            module.layer_name = name   # its grouped FP8 GEMMs' folds: name.gate_up_proj, .down_proj
+            if module.linear_recipe.gemm is Gemm.FP8:
+                fp8_layers += [f"{name}.gate_up_proj", f"{name}.down_proj"]
     net.to(dev).train()
     step_config = StepConfig.of(config)
     step = TrainStep(net, build_optimizer(net, step_config, dev), step_config,

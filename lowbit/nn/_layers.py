@@ -74,6 +74,9 @@ class QuantExperts(Experts):
     Routing, token gather/scatter and weighting are lowbit.models.moe.Experts' (the semantics
     of Hugging Face's Qwen3MoeExperts); only `_expert_linear` changes. Each expert's weight
     matrix is quantized on its own (NVFP4: its own tensor scale, as per-expert ModelOpt scales).
+
+    layer_name: as QuantLinear's, for the grouped FP8 path's folds, which are reported as
+    "<layer_name>.gate_up_proj" and "<layer_name>.down_proj"; "" (the default) is not reported.
     """
 
     def __init__(self, source: nn.Module, linear_recipe: LinearRecipe | None):
@@ -83,6 +86,7 @@ class QuantExperts(Experts):
         self.down_proj = source.down_proj         # (E, C, F)
         self.linear_recipe = linear_recipe
         self.quantize = True
+        self.layer_name = ""
         self.weight_cache: WeightOperandCache | None = None
 
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
@@ -107,7 +111,9 @@ class QuantExperts(Experts):
         if recipe is None:
             return super()._experts_linear(x, weight, counts)
         if self._can_group(x, weight):
-            return grouped_quant_linear(x, weight, counts, recipe, self.weight_cache)
+            which = "gate_up_proj" if weight is self.gate_up_proj else "down_proj"
+            layer = f"{self.layer_name}.{which}" if self.layer_name else ""
+            return grouped_quant_linear(x, weight, counts, recipe, self.weight_cache, layer)
         return self._per_expert_linear(x, weight, counts)
 
     def extra_repr(self) -> str:

@@ -152,18 +152,20 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
 class GroupedQuantLinearFP8Function(torch.autograd.Function):
     """The three GEMMs of every expert on FP8 tensor cores (see the module doc), as
     lowbit.ops.linear.QuantLinearFP8Function runs one layer's: the same deferred fold check,
-    watch and observer (the folds are the layer's, unnamed), X^T's folded copy kept from the
+    watch and observer (the folds are the layer's, named `layer`), X^T's folded copy kept from the
     forward where square tiles share it and a backward will use it."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe: LinearRecipe, grad: bool):
-        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert
+    def forward(ctx, x, weight, counts, recipe: LinearRecipe, grad: bool, layer: str = ""):
+        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert;
+        # layer: the name its folds are watched and observed under ("": unnamed)
         experts, out_features, in_features = weight.shape
         position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
         keep_x_t, _ = kept_operands(recipe, False, grad and ctx.needs_input_grad[1])
         check = ctx.fold_check = active_fold_check(x.device)
         ctx.watch, ctx.observer = active_watch(), active_observer()
-        with folding_for("", ctx.watch, ctx.observer):
+        ctx.layer = layer
+        with folding_for(layer, ctx.watch, ctx.observer):
             fx, fx_t = fold_for_gemm("X", _spread(x, position, size), recipe.fprop_x, keep_x_t, check)
             fw, _ = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
                                   recipe.fprop_w, check=check)                 # blocks along in
@@ -182,7 +184,7 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         experts, out_features, in_features = weight.shape
         dx = dw = None
-        with folding_for("", ctx.watch, ctx.observer):
+        with folding_for(ctx.layer, ctx.watch, ctx.observer):
             dyp = _spread(dy, position, ctx.size)
             fdy, fdy_t = fold_for_gemm("dY", dyp, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
                                        check)                                   # blocks along out
@@ -201,12 +203,13 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                 dw = grouped_fp4_gemm_fp8(dy_w, x_w, ends, "k", out_dtype=dy.dtype,
                                           use_fast_accum="wgrad" in r.fast_accum)
         ctx.x_w = ctx.fold_check = ctx.watch = ctx.observer = None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 @torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
 def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                         recipe: LinearRecipe, cache: WeightOperandCache | None = None) -> torch.Tensor:
+                         recipe: LinearRecipe, cache: WeightOperandCache | None = None,
+                         layer: str = "") -> torch.Tensor:
     """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (R, in) sorted
     by expert (counts[e] rows each, on the device; rows past their sum, zeros out and in), weight
     (E, out, in) -> (R, out). The recipe must group exactly (`groups_exactly`); under autocast
@@ -222,7 +225,8 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     x, weight, _ = autocast_operands(x, weight, None)
     if recipe.gemm is Gemm.FP8:
         with torch.autocast(x.device.type, enabled=False):
-            return GroupedQuantLinearFP8Function.apply(x, weight, counts, recipe, torch.is_grad_enabled())
+            return GroupedQuantLinearFP8Function.apply(x, weight, counts, recipe, torch.is_grad_enabled(),
+                                                       layer)
     w_f = None if cache is None else cache.get(
         master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):
