@@ -7,7 +7,8 @@ safetensors file, a run to start from) is made first; where a page writes a plac
 QAT_RUN), the command gets the path an earlier command of the page made. Commands that need a
 GPU (a line marked "one GPU", --device cuda, --compile, --cuda-graph) or several processes
 (torchrun) are skipped, and each page's skipped commands are checked, so a new one is noticed;
-shell lines that are not lowbit (python benchmarks/..., pip) are not run."""
+shell lines that are not lowbit (python benchmarks/..., pip) are not run. A page's ```python
+blocks run after its commands where PYTHON says what they need here (a path, the CPU)."""
 
 import re
 import shlex
@@ -79,6 +80,14 @@ PLACEHOLDERS = {
                "RUN": "runs/Qwen3-0.6B-wikitext2-stable-fp4"},     # its `lowbit train --model`
 }
 
+# per page: what its ```python blocks name that this machine lacks -> what they run with here;
+# the blocks run after the page's commands, in its order (a page without an entry runs none:
+# docs/python.md's and the README's run in tests/test_readme.py; docs/rl.md's is a sketch of a
+# TRL script, whose running form is examples/trl_grpo.py)
+PYTHON = {
+    "models": {'"path/to/folder"': repr(HF), 'device="cuda"': 'device="cpu"'},
+}
+
 # per page: the commands skipped, "why: the start of lowbit's arguments", in the page's order
 SKIPPED = {
     "training": ["a GPU: train --compare bf16,nvfp4,stable-fp4 --seeds 0,1,2 --parallel-runs 9",
@@ -140,6 +149,14 @@ def test_docs_page_commands_run_in_order_on_the_cpu(page, tmp_path, monkeypatch,
             run_documented(capsys, arguments, f"docs/{page}.md: {shlex.join(argv)}")
             ran += 1
     assert ran, f"docs/{page}.md runs no `lowbit ...` command"
+    markdown = (ROOT / "docs" / f"{page}.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", markdown, flags=re.S | re.M)
+    if page in PYTHON:
+        assert blocks, f"docs/{page}.md has no python block left to run"
+        for block in blocks:
+            for name, here in PYTHON[page].items():
+                block = block.replace(name, here)
+            exec(compile(block, f"docs/{page}.md", "exec"), {})
     assert len(skipped) == len(SKIPPED[page]) and all(
         command.startswith(start) for command, start in zip(skipped, SKIPPED[page])), skipped
     assert [path for path in OUTPUTS[page] if not Path(path).exists()] == []
