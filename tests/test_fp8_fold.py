@@ -531,3 +531,87 @@ def test_compiled_fp8_linear_keeps_the_forwards_transposed_folds_for_the_backwar
     torch.library.opcheck(torch.ops.lowbit.quant_linear_fp8_backward.default,
                           (dy, None, None, kept[1:], op_key(lin), "l", True, True),
                           test_utils=("test_faketensor",))
+
+
+# ---- x^T with one factor per row and segment of x's rows (a grouped GEMM's wgrad operand) ----
+
+def segmented_input(ends, cols, seed, dtype=torch.bfloat16):
+    """Rows in segments ending at `ends` (multiples of 32), each segment's values at its own
+    magnitude 2^(+-18 apart), so a column spans ~36 binades over all rows but at most ~8
+    within one segment; the zero rows past each segment's tokens (the padded layout's)."""
+    x = torch.zeros(ends[-1] + 32, cols, dtype=torch.float64)
+    start = 0
+    for s, end in enumerate(ends):
+        tokens = max(end - start - 7, 0)   # a partial last tile: zero rows, as the layout pads
+        x[start:start + tokens] = spread(tokens, cols, 4, seed=seed + s, tile=(32, 32)).double() \
+            * 2.0 ** (18 * (s % 3) - 18)
+        start = end
+    return x.to(dtype)
+
+
+def per_segment_reference(x, spec, ends):
+    """Each segment's rows quantized and folded on their own (x^T's operand): what each
+    expert's own fold gives."""
+    refs, start = [], 0
+    for end in ends:
+        refs.append(fold_operand(quantize_with_spec(x[start:end].cpu(), spec), transpose=True)
+                    if end > start else None)
+        start = end
+    return refs
+
+
+@pytest.mark.parametrize("ends", [[64, 64, 160, 224], [96], [0, 32, 32, 128]])
+def test_segmented_transpose_equals_each_segments_own_fold(ends):
+    # the factors of every row in every segment, and the E4M3 bytes, are those of the segment
+    # folded alone; the rows operand of the same call is the unsegmented one; nothing is read
+    # back, and the check counts nothing although every column spans ~36 binades over all rows
+    spec = QuantSpec.make("mxfp4", (32, 32), "floor")
+    x = segmented_input(ends, 96, seed=len(ends)).to(DEVICE)
+    seg = torch.tensor(ends, dtype=torch.int32, device=x.device)
+    with no_host_reads(), deferred_fold_check(x.device) as chk:
+        got = quantize_fold_mxfp4(x, spec, transpose=True, counter=chk.counter, segment_ends=seg)
+        a, a_t = quantize_fold_mxfp4_with_transpose(x, spec, counter=chk.counter, segment_ends=seg)
+    assert chk.inexact_values() == 0
+    whole = torch.zeros(1, dtype=torch.int64, device=x.device)   # x^T with one factor a row
+    quantize_fold_mxfp4(x, spec, transpose=True, path="one_chunk", counter=whole)
+    spans = ends != [96]                     # every list but the one-segment one mixes magnitudes
+    assert (int(whole.item()) > 0) == spans
+    assert_same(a, fold_operand(quantize_with_spec(x.cpu(), spec)))
+    for op in (got, a_t):
+        assert op.segment_ends is seg and op.bounds == (0, x.shape[0])
+        assert op.factors.shape == op.nan_rows.shape == (96, len(ends))
+        assert torch.equal(op.fp8.view(torch.uint8), got.fp8.view(torch.uint8))
+        start = 0
+        for s, (end, ref) in enumerate(zip(ends, per_segment_reference(x, spec, ends))):
+            if ref is not None:
+                assert ref.bounds == (0, end - start)   # each segment folds in one chunk
+                assert torch.equal(op.fp8[:, start:end].view(torch.uint8).cpu(), ref.fp8.view(torch.uint8))
+                assert torch.equal(op.factors[:, s].cpu(), ref.factors[:, 0])
+                assert torch.equal(op.columns(start, end).unfold().cpu(), ref.unfold())
+            start = end
+        assert not op.nan_rows.any()
+    # the same values as the whole x^T's exact fold, which needs K-chunks
+    assert (len(fold_operand(quantize_with_spec(x.cpu(), spec), transpose=True).bounds) > 2) == spans
+    assert torch.equal(got.unfold().cpu(), quantize_with_spec(x.cpu(), spec).dequantize(torch.float32).t())
+
+
+def test_segmented_transpose_nan_and_empty_segments_and_refusals():
+    spec = QuantSpec.make("mxfp4", (32, 32), "rceil")
+    ends = [32, 32, 128]
+    x = segmented_input(ends, 64, seed=3)
+    x[40, 5] = float("nan")          # segment 2, column 5's tile (columns 0..31)
+    x = x.to(DEVICE)
+    seg = torch.tensor(ends, dtype=torch.int64, device=x.device)
+    op = quantize_fold_mxfp4(x, spec, transpose=True, segment_ends=seg,
+                             counter=torch.zeros(1, dtype=torch.int64, device=x.device))
+    nan = op.nan_rows.cpu()
+    assert nan[:32, 2].all() and not nan[32:, 2].any() and not nan[:, :2].any()
+    assert torch.equal(op.factors[:, 1].cpu(), torch.ones(64))   # the empty segment: factor 1
+    ref = per_segment_reference(x, spec, ends)[2]
+    assert torch.equal(op.columns(32, 128).nan_rows.cpu(), ref.nan_rows)
+    with pytest.raises(ValueError, match="square 2D tiles"):
+        quantize_fold_mxfp4(x, QuantSpec.make("mxfp4", (1, 32), "floor"), segment_ends=seg)
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        quantize_fold_mxfp4(x, spec, transpose=True, segment_ends=seg.float())
+    with pytest.raises(ValueError, match="cross the end of segment"):
+        op.columns(0, 64)

@@ -623,3 +623,64 @@ def test_scaled_grouped_mm_equals_the_group_by_group_gemms(binades):
         got, want = got[:rows].cpu().double(), want[:rows]
         rel = ((got - want).norm() / want.norm()).item()
         assert rel <= 2**-8 + GPU_REL_BOUND[False], (along, rel)
+
+
+@pytest.mark.gpu
+def test_scaled_grouped_mm_takes_factors_per_row_and_group():
+    # wgrad operands whose tokens (K) come from groups at magnitudes 2^36 apart, folded by the
+    # kernels with one factor per row and group (segment_ends): the grouped GEMM on them equals
+    # the group-by-group GEMMs on the same operands, and each group's exact GEMM
+    from lowbit.formats import QuantSpec, quantize_with_spec
+    from lowbit.kernels.fp8_fold import quantize_fold_mxfp4
+    spec = QuantSpec.make("mxfp4", (32, 32), "floor")
+    g = torch.Generator().manual_seed(21)
+    ends = torch.tensor([64, 64, 192, 256], dtype=torch.int32, device="cuda")
+    xs = []
+    for start, end, e in ((0, 64, 18), (64, 192, -18), (192, 256, 0)):
+        xs.append(torch.randn(end - start, 96 + 48, generator=g) * 2.0 ** e)
+    x = torch.cat(xs).to(torch.bfloat16).cuda()
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    a = quantize_fold_mxfp4(x[:, :96].contiguous(), spec, transpose=True, counter=counter,
+                            segment_ends=ends)
+    b = quantize_fold_mxfp4(x[:, 96:].contiguous(), spec, transpose=True, counter=counter,
+                            segment_ends=ends)
+    assert counter.item() == 0 and a.segment_ends is ends
+    got = grouped_fp4_gemm_fp8(a, b, ends, "k", backend="scaled_grouped_mm").cpu().double()
+    loop = grouped_fp4_gemm_fp8(a, b, ends, "k", torch.float32, backend="loop").cpu().double()
+    qa = quantize_with_spec(x[:, :96].cpu().float(), spec).dequantize(torch.float64)
+    qb = quantize_with_spec(x[:, 96:].cpu().float(), spec).dequantize(torch.float64)
+    assert not got[1].any()                       # the empty group
+    for e, (start, end) in enumerate(((0, 64), (64, 64), (64, 192), (192, 256))):
+        if end == start:
+            continue
+        exact = qa[start:end].T @ qb[start:end]
+        for c in (got[e], loop[e]):
+            rel = ((c - exact).norm() / exact.norm()).item()
+            assert rel <= 2**-8 + GPU_REL_BOUND[False], (e, rel)
+
+
+def test_operands_with_factors_per_group_run_group_by_group_and_nowhere_else():
+    # on the CPU (the fold kernels under Triton's interpreter) the group-by-group path takes
+    # each group's factors; a plain GEMM and the rows layout refuse such an operand
+    pytest.importorskip("triton")
+    from lowbit.formats import quantize_with_spec
+    from lowbit.kernels.fp8_fold import quantize_fold_mxfp4
+    spec = QuantSpec.make("mxfp4", (32, 32), "floor")
+    g = torch.Generator().manual_seed(22)
+    x = torch.cat([torch.randn(32, 64, generator=g) * 2.0 ** 20,
+                   torch.randn(64, 64, generator=g) * 2.0 ** -20])
+    ends = torch.tensor([32, 96], dtype=torch.int32)
+    a = quantize_fold_mxfp4(x[:, :32].contiguous(), spec, transpose=True, segment_ends=ends,
+                            counter=torch.zeros(1, dtype=torch.int64))
+    b = quantize_fold_mxfp4(x[:, 32:].contiguous(), spec, transpose=True, segment_ends=ends,
+                            counter=torch.zeros(1, dtype=torch.int64))
+    got = grouped_fp4_gemm_fp8(a, b, ends, "k", torch.float64).double()
+    qa = quantize_with_spec(x[:, :32], spec).dequantize(torch.float64)
+    qb = quantize_with_spec(x[:, 32:], spec).dequantize(torch.float64)
+    for e, (start, end) in enumerate(((0, 32), (32, 96))):
+        exact = qa[start:end].T @ qb[start:end]
+        assert ((got[e] - exact).norm() / exact.norm()).item() < 1e-6
+    with pytest.raises(ValueError, match="grouped_fp4_gemm_fp8"):
+        fp4_gemm_fp8(a, b)
+    with pytest.raises(ValueError, match="along='k'"):
+        grouped_fp4_gemm_fp8(a, b, ends, "rows")

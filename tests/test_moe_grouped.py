@@ -284,6 +284,40 @@ def test_fp8_grouped_folds_are_observed_under_the_experts_names():
         assert all(count == 0 for _, _, count in seen)
 
 
+def test_fp8_grouped_wgrad_folds_one_factor_per_row_and_expert(monkeypatch):
+    # the fused fold kernels (here under Triton's interpreter) inside a deferred fold check:
+    # tokens routed to experts 0-1 are 2^15 times the rest, routed to 2-3, so a row of X^T or
+    # dY^T spans ~40 binades over every expert's tokens, but few within one. The grouped
+    # wgrad operands take a factor per row and expert, as each expert's own fold does: no
+    # value is inexact and the gradients equal the per-expert loop's bit for bit. A NaN in one
+    # token's input makes only its experts' dW rows NaN, as in the loop.
+    from lowbit.dispatch.fold_check import deferred_fold_check
+    from lowbit.kernels import supports
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
+                        lambda x, spec, codes=True: supports(spec, codes))
+    g = torch.Generator().manual_seed(13)
+    base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr")
+    x = torch.randn(40, 64, generator=g)
+    x[:20] *= 2.0 ** 15
+    x = x.to(torch.bfloat16)
+    index = torch.tensor([[0, 1]] * 20 + [[2, 3]] * 20)
+    w = torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    results = []
+    for module in (grouped, reference):
+        with deferred_fold_check(x.device) as check:
+            results.append(_run(module, base, x, index, w, 0))
+        assert check.inexact_values() == 0
+    for a, b in zip(*results):
+        assert a.isfinite().all() and torch.equal(a, b)
+    x[30, 7] = float("nan")                   # a token of experts 2 and 3
+    (_, _, dw_up, dw_down), (_, _, ref_up, ref_down) = [_run(m, base, x, index, w, 0)
+                                                        for m in (grouped, reference)]
+    for got, want in ((dw_up, ref_up), (dw_down, ref_down)):
+        assert torch.equal(got.isnan(), want.isnan()) and got[:2].isfinite().all()
+        assert got[2:4].isnan().any()
+        assert torch.equal(torch.where(got.isnan(), 0, got), torch.where(want.isnan(), 0, want))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
 def test_fp8_grouped_experts_on_cuda_equal_the_per_expert_loop(case):

@@ -115,8 +115,9 @@ def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
 
 
 def quantize_fold(x: torch.Tensor, spec: QuantSpec, transpose_too: bool = False,
-                  check=fold_check.ACTIVE,
-                  rows: bool = True) -> tuple[FoldedOperand | None, FoldedOperand | None]:
+                  check=fold_check.ACTIVE, rows: bool = True,
+                  segment_ends: torch.Tensor | None = None
+                  ) -> tuple[FoldedOperand | None, FoldedOperand | None]:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it: (x's operand, x^T's
     operand or None). x^T's comes from the same FP4 values (square 2D tiles only).
     rows=False (with transpose_too) makes x^T's alone, from one row-major read of x: (None,
@@ -130,7 +131,12 @@ def quantize_fold(x: torch.Tensor, spec: QuantSpec, transpose_too: bool = False,
     fold in one K-chunk and a row that needs more is counted in the check instead. A fold
     that needed K-chunks is noted for the watch in force (fold_check.folding_for), and the
     fold observer in force (fold_check.observe_folds) is told the fold's layer, operand and
-    inexact count."""
+    inexact count.
+
+    segment_ends (with transpose_too, square tiles): x's rows are the tokens of a grouped GEMM's
+    groups ending there (multiples of the tile's rows), and the kernels fold x^T with one factor
+    per row and group (lowbit.kernels.fp8_fold.quantize_fold_mxfp4), as each group's own fold
+    would; the reference, exact anyway, folds x^T as a whole in K-chunks."""
     if not (rows or transpose_too):
         raise ValueError("quantize_fold with rows=False makes x^T's operand alone: pass "
                          "transpose_too=True too")
@@ -144,9 +150,11 @@ def quantize_fold(x: torch.Tensor, spec: QuantSpec, transpose_too: bool = False,
         if observation is not None and counter is not None:
             counter = own = torch.zeros_like(counter)   # added to the check's below
         if transpose_too and not rows:
-            out = None, quantize_fold_mxfp4(x, spec, transpose=True, counter=counter)
+            out = None, quantize_fold_mxfp4(x, spec, transpose=True, counter=counter,
+                                            segment_ends=segment_ends)
         elif transpose_too:
-            out = quantize_fold_mxfp4_with_transpose(x, spec, counter=counter)
+            out = quantize_fold_mxfp4_with_transpose(x, spec, counter=counter,
+                                                     segment_ends=segment_ends)
         else:
             out = quantize_fold_mxfp4(x, spec, counter=counter), None
         if own is not None:

@@ -64,7 +64,8 @@ from lowbit.formats.spec import ScaleKind
 
 __all__ = ["SHIFT_MIN", "SHIFT_MAX", "WINDOW_SPAN", "FACTOR_EXP_MIN", "NAN_ROW", "NONE_HI",
            "NONE_LO", "FoldedOperand", "FoldReport", "BlockExponents", "check_foldable",
-           "shift_table", "fold", "fold_operand", "fold_report", "weight_operands"]
+           "shift_table", "factor_exponent", "power_of_two", "fold", "fold_operand", "fold_report",
+           "weight_operands"]
 
 SHIFT_MIN, SHIFT_MAX = -8, 6          # E2M1 * 2^t is exact in E4M3 iff SHIFT_MIN <= t <= SHIFT_MAX
 WINDOW_SPAN = SHIFT_MAX - SHIFT_MIN   # 14: block exponents one factor can cover (max - min)
@@ -73,6 +74,17 @@ NAN_ROW = SHIFT_MAX - SHIFT_MIN + 1   # table row 15: E4M3 NaN for every code
 E4M3_NAN = 0x7F                       # E4M3 'fn' NaN (S.1111.111, either sign)
 NONE_HI, NONE_LO = -(1 << 20), 1 << 20   # running max / min of a row with no live block yet
 _TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def factor_exponent(top: torch.Tensor) -> torch.Tensor:
+    """f = max(s_max - SHIFT_MAX, -126) of rows whose largest finite block exponent is `top`
+    (int32), 0 where a row has none (top == NONE_HI)."""
+    return torch.where(top > NONE_HI, torch.clamp(top - SHIFT_MAX, min=FACTOR_EXP_MIN), 0)
+
+
+def power_of_two(f: torch.Tensor) -> torch.Tensor:
+    """2^f as float32 from its bits (int32 f in [-126, 127])."""
+    return ((f + 127) << 23).view(torch.float32)
 
 
 def shift_table(device: torch.device) -> torch.Tensor:
@@ -96,20 +108,35 @@ def shift_table(device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True)
 class FoldedOperand:
     """One GEMM operand, rows x K, as E4M3 values and one power-of-two factor per row per
-    K-chunk: value[r, k] = fp8[r, k] * factors[r, c] for bounds[c] <= k < bounds[c + 1]."""
+    K-chunk: value[r, k] = fp8[r, k] * factors[r, c] for bounds[c] <= k < bounds[c + 1].
+
+    Segmented (segment_ends set; made by the fused kernels for a grouped GEMM whose groups
+    split K, lowbit.kernels.fp8_fold): one chunk (bounds (0, K)) but one factor per row and
+    segment, factors (R, S), segment s spanning [segment_ends[s - 1], segment_ends[s]) (the
+    first from 0; columns past the last end take the last segment's), an (S,) int tensor on the
+    device; nan_rows is then (R, S), per segment."""
 
     fp8: torch.Tensor           # (R, K) float8_e4m3fn, row-major
-    factors: torch.Tensor       # (R, n_chunks) float32 powers of two
+    factors: torch.Tensor       # (R, n_chunks) float32 powers of two; segmented: (R, S)
     bounds: tuple[int, ...]     # chunk boundaries along K: 0 = bounds[0] < ... < bounds[-1] = K
-    nan_rows: torch.Tensor      # (R,) bool: the row holds a NaN block
+    nan_rows: torch.Tensor      # (R,) bool: the row holds a NaN block; segmented: (R, S)
+    segment_ends: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.fp8.shape
 
+    def _segment_of_columns(self) -> torch.Tensor:
+        """Segmented: each column's segment, (K,) int64 (no host read)."""
+        k = torch.arange(self.fp8.shape[1], device=self.fp8.device)
+        return torch.searchsorted(self.segment_ends.to(torch.int64), k, right=True).clamp_(
+            max=self.segment_ends.shape[0] - 1)
+
     def unfold(self) -> torch.Tensor:
         """The represented values, float32 (R, K): fp8 * factor (equal to the QTensor's
         dequantize(torch.float32) wherever float32 can hold the value)."""
+        if self.segment_ends is not None:
+            return self.fp8.to(torch.float32) * self.factors[:, self._segment_of_columns()]
         lengths = torch.tensor([b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])],
                                device=self.fp8.device)
         per_column = self.factors.repeat_interleave(lengths, dim=1)          # (R, K)
@@ -118,16 +145,29 @@ class FoldedOperand:
     def rows(self, start: int, stop: int) -> FoldedOperand:
         """Rows start:stop, the same values (views; one expert's rows of a stacked operand)."""
         return FoldedOperand(self.fp8[start:stop], self.factors[start:stop], self.bounds,
-                             self.nan_rows[start:stop])
+                             self.nan_rows[start:stop], self.segment_ends)
 
     def columns(self, start: int, stop: int) -> FoldedOperand:
         """K-columns start:stop (start < stop), the same values: the chunks that meet them,
-        their bounds cut to the slice (one expert's tokens of a wgrad operand). nan_rows stays
-        the whole row's: a NaN block anywhere in a row makes every slice's GEMM row NaN."""
+        their bounds cut to the slice (one expert's tokens of a wgrad operand), and the slice's
+        own NaN rows (a NaN block folds to E4M3 NaN, so a row of the slice holding one is a
+        NaN row of its GEMM; a NaN elsewhere in the row does not reach it, as a fold of the
+        slice alone would have it). Segmented: the slice must lie in one segment (it reads
+        segment_ends back), and it is an ordinary one-chunk operand with that segment's
+        factors and NaN rows."""
+        if self.segment_ends is not None:
+            ends = self.segment_ends.tolist()
+            s = min(sum(e <= start for e in ends), len(ends) - 1)
+            if s < len(ends) - 1 and stop > ends[s]:
+                raise ValueError(f"columns {start}:{stop} cross the end of segment {s} ({ends[s]})")
+            return FoldedOperand(self.fp8[:, start:stop], self.factors[:, s:s + 1],
+                                 (0, stop - start), self.nan_rows[:, s])
         inside = [c for c in range(len(self.bounds) - 1)
                   if self.bounds[c] < stop and self.bounds[c + 1] > start]
         bounds = tuple([0] + [self.bounds[c + 1] - start for c in inside[:-1]] + [stop - start])
-        return FoldedOperand(self.fp8[:, start:stop], self.factors[:, inside], bounds, self.nan_rows)
+        fp8 = self.fp8[:, start:stop]
+        nan_rows = ((fp8.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1)    # E4M3 NaN: S.1111.111
+        return FoldedOperand(fp8, self.factors[:, inside], bounds, nan_rows)
 
 
 @dataclass(frozen=True)
@@ -204,12 +244,8 @@ class BlockExponents:
         """(R, n_chunks) int32: f = max(s_max - SHIFT_MAX, -126) over each chunk's finite
         blocks (0 where a row has none)."""
         hi, _ = self.hi_lo()
-        out = []
-        for a, b in zip(block_bounds[:-1], block_bounds[1:]):
-            top = hi[:, a:b].amax(dim=1)
-            out.append(torch.where(top > NONE_HI,
-                                   torch.clamp(top - SHIFT_MAX, min=FACTOR_EXP_MIN), 0))
-        return torch.stack(out, dim=1)
+        return torch.stack([factor_exponent(hi[:, a:b].amax(dim=1))
+                            for a, b in zip(block_bounds[:-1], block_bounds[1:])], dim=1)
 
     def plan(self, block_bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         """The fold of these K-chunks (in blocks): (each block's row of the shift table,
@@ -221,7 +257,7 @@ class BlockExponents:
         shift = self.exps - f.repeat_interleave(lengths, dim=1)              # (R, nb)
         row = torch.where(self.live, shift - SHIFT_MIN, -SHIFT_MIN)           # zeros: any row
         row = torch.where(self.nan, NAN_ROW, row).to(torch.uint8)
-        factors = ((f + 127) << 23).view(torch.float32)     # 2^f from its bits: f in [-126, 121]
+        factors = power_of_two(f)                           # f in [-126, 121]
         bounds = tuple(min(u * self.b, self.k) for u in block_bounds)
         return row, factors, bounds
 

@@ -138,18 +138,20 @@ def _factor_exponent(hi):
 
 @triton.jit
 def _band_max_kernel(
-    x_ptr, scales_ptr, stats_ptr, stats_t_ptr,
-    R, C, stride_r, stride_c, n_bands, n_bands_t,
+    x_ptr, scales_ptr, stats_ptr, stats_t_ptr, segment_ptr,
+    R, C, stride_r, stride_c, n_bands, n_bands_t, n_segments,
     RCEIL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr,
     TILE_C: tl.constexpr, ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     # Pass 1 of the one-chunk fold. scales: (n_bands, n_bands_t) uint8, each block's E8M0 code
     # (255: NaN/Inf), for pass 2. stats: (2, n_bands) int32, per band of rows (a row for 1D
     # blocks, BR rows for 2D tiles, which share every block exponent) the largest exponent of
     # a finite block and whether it holds a NaN/Inf block, initialised to NONE and raised with
-    # atomic max across the band's tiles; stats_t (2, n_bands_t) the same per band of columns
-    # (rows of x^T). The scales alone decide the factor, so no element is rounded here.
+    # atomic max across the band's tiles; stats_t (2, n_segments, n_bands_t) the same per band
+    # of columns (rows of x^T) and segment of x's rows (SEGMENTED: segment_ptr holds each row
+    # band's segment, and a tile is one band; else one segment). The scales alone decide the
+    # factor, so no element is rounded here.
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     x, _, _, _ = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c, TILE_R, TILE_C,
@@ -170,9 +172,20 @@ def _band_max_kernel(
     if TRANSPOSE:
         hi_t = tl.max(e, axis=0)
         any_nan_t = tl.max(nan, axis=0)
-        tl.atomic_max(stats_t_ptr + bands_t, hi_t, mask=(bands_t < n_bands_t) & (hi_t > NONE_C))
-        tl.atomic_max(stats_t_ptr + n_bands_t + bands_t, any_nan_t,
+        at = _segment_stats(stats_t_ptr, segment_ptr, pid_r, n_bands_t, SEGMENTED) + bands_t
+        tl.atomic_max(at, hi_t, mask=(bands_t < n_bands_t) & (hi_t > NONE_C))
+        tl.atomic_max(at + n_segments * n_bands_t, any_nan_t,
                       mask=(bands_t < n_bands_t) & (any_nan_t > 0))
+
+
+@triton.jit
+def _segment_stats(stats_t_ptr, segment_ptr, pid_r, n_bands_t, SEGMENTED: tl.constexpr):
+    """Where the x^T stats of row tile pid_r's segment start (SEGMENTED: a tile is one band of
+    rows, whose segment segment_ptr holds)."""
+    if SEGMENTED:
+        return stats_t_ptr + tl.load(segment_ptr + pid_r).to(tl.int64) * n_bands_t
+    else:
+        return stats_t_ptr
 
 
 @triton.jit
@@ -186,17 +199,19 @@ def _store_factors(stats_ptr, n_bands, factors_ptr, nan_ptr, idx, n, B: tl.const
 
 @triton.jit
 def _fold_one_chunk_kernel(
-    x_ptr, seed_ptr, scales_ptr, stats_ptr, stats_t_ptr, fp8_ptr, fp8_t_ptr,
+    x_ptr, seed_ptr, scales_ptr, stats_ptr, stats_t_ptr, segment_ptr, fp8_ptr, fp8_t_ptr,
     factors_ptr, factors_t_ptr, nan_ptr, nan_t_ptr, over_ptr,
     R, C, stride_r, stride_c, n_bands, n_bands_t,
     RCEIL: tl.constexpr, STOCHASTIC: tl.constexpr, GROUP4: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, NATIVE_CAST: tl.constexpr, EVEN: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):
     # Pass 2 of the one-chunk fold: the block scales pass 1 wrote, one factor per band from its
     # stats, one shift per block, the E4M3 bytes of x (and x^T from the same registers); the
-    # first tile column (row) writes the factors and NaN flags of x's (x^T's) rows. over: int64
-    # counter of the nonzero values in blocks below their row's window (left inexact).
+    # first tile column (row) writes the factors and NaN flags of x's (x^T's) rows (SEGMENTED:
+    # x^T's factor of each tile is its row segment's, and the host writes x^T's factors). over:
+    # int64 counter of the nonzero values in blocks below their row's window (left inexact).
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     x, rows, cols, in_bounds = _load_tile(x_ptr, R, C, stride_r, stride_c, pid_r, pid_c,
@@ -225,8 +240,8 @@ def _fold_one_chunk_kernel(
         if pid_c == 0:
             _store_factors(stats_ptr, n_bands, factors_ptr, nan_ptr, rows, R, BR)
     if TRANSPOSE:
-        f_t = _factor_exponent(tl.load(stats_t_ptr + bands_t, mask=bands_t < n_bands_t,
-                                       other=NONE_C))
+        at = _segment_stats(stats_t_ptr, segment_ptr, pid_r, n_bands_t, SEGMENTED) + bands_t
+        f_t = _factor_exponent(tl.load(at, mask=bands_t < n_bands_t, other=NONE_C))
         shift_t = e - f_t[None, :]
         bits_t = encode_shifted(values, shift_t, bad, BR, BC, TILE_R, TILE_C, NATIVE_CAST)
         if EVEN:
@@ -235,7 +250,7 @@ def _fold_one_chunk_kernel(
             tl.store(fp8_t_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(bits_t),
                      mask=tl.trans(in_bounds))
         below += (shift_t < SHIFT_MIN_C).to(tl.int32)
-        if pid_r == 0:
+        if pid_r == 0 and not SEGMENTED:
             _store_factors(stats_t_ptr, n_bands_t, factors_t_ptr, nan_t_ptr, cols, C, BC)
     real = (bands[:, None] < n_bands) & (bands_t[None, :] < n_bands_t)   # not the tile's padding
     below = tl.where(bad | ~real, 0, below)
@@ -424,40 +439,68 @@ class _Launch:
         return dict(STOCHASTIC=self.stochastic, GROUP4=tiles.group4)
 
 
-def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Tensor):
+def _band_segments(ends: torch.Tensor, n_bands: int, br: int) -> torch.Tensor:
+    """(n_bands,) int32 on ends' device: the segment of each band of br rows, the first
+    segment whose end lies past the band's first row (bands past the last end: the last
+    segment). No host sync."""
+    starts = torch.arange(n_bands, device=ends.device, dtype=torch.int64) * br
+    return torch.searchsorted(ends.to(torch.int64), starts, right=True).clamp_(
+        max=max(ends.shape[0] - 1, 0)).to(torch.int32)
+
+
+def _segment_factors(stats_t: torch.Tensor, n_segments: int, k: int, bc: int):
+    """x^T's (k, n_segments) factors from the per-segment stats pass 1 raised (2^f of each row
+    in each segment) and NaN flags (the row's segment holds a NaN block). Torch ops on the
+    device, no host sync."""
+    hi, nan = stats_t.view(2, n_segments, -1)
+    factors = fold.power_of_two(fold.factor_exponent(hi))
+    return (factors.repeat_interleave(bc, dim=1)[:, :k].t().contiguous(),
+            (nan > 0).repeat_interleave(bc, dim=1)[:, :k].t().contiguous())
+
+
+def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Tensor,
+                    segment_ends: torch.Tensor | None = None):
     """Both passes with ONE factor per row and no host sync: exact iff no live block falls
     outside its row's window; `over` (int64, 1 element) is raised by the count of the nonzero
-    values in blocks that do, and the operand is then not to be used."""
+    values in blocks that do, and the operand is then not to be used. segment_ends: x^T's
+    factors per row and segment of x's rows instead (see quantize_fold_mxfp4)."""
     x, dev, u8 = L.x, L.x.device, torch.uint8
     n_rows, k = L.rows, L.k
     n_bands, n_bands_t = L.n_scale_rows, L.n_scale_cols   # bands of BR rows (1D: rows), of BC cols
-    stats = torch.full((2 * n_bands + (2 * n_bands_t if transpose else 0),), fold.NONE_HI,
-                       dtype=torch.int32, device=dev)
+    segmented = segment_ends is not None
+    n_segments = segment_ends.shape[0] if segmented else 1
+    stats = torch.full((2 * n_bands + (2 * n_segments * n_bands_t if transpose else 0),),
+                       fold.NONE_HI, dtype=torch.int32, device=dev)
     stats_rows, stats_t = stats[:2 * n_bands], stats[2 * n_bands:]
+    segments = _band_segments(segment_ends, n_bands, L.spec.block[0]) if segmented else L.empty
     f32 = torch.float32
     fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else L.empty
     fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else L.empty
     factors = torch.empty(n_rows, 1, device=dev, dtype=f32) if rows_out else L.empty
-    factors_t = torch.empty(k, 1, device=dev, dtype=f32) if transpose else L.empty
+    factors_t = torch.empty(k, 1, device=dev, dtype=f32) if transpose and not segmented else L.empty
     nan = torch.empty(n_rows, device=dev, dtype=u8) if rows_out else L.empty
-    nan_t = torch.empty(k, device=dev, dtype=u8) if transpose else L.empty
+    nan_t = torch.empty(k, device=dev, dtype=u8) if transpose and not segmented else L.empty
     scales = torch.empty(n_bands, n_bands_t, device=dev, dtype=u8)
-    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, **L.common)
+    flags = dict(ROWS=rows_out, TRANSPOSE=transpose, SEGMENTED=segmented, **L.common)
     p1, p2 = L.pass1, L.pass2
     with kq.on_device(L.x):
-        _band_max_kernel[p1.grid](x, scales, stats_rows, stats_t, n_rows, k, *x.stride(),
-                                  n_bands, n_bands_t, EVEN=p1.even, **p1.kw, **flags)
+        _band_max_kernel[p1.grid](x, scales, stats_rows, stats_t, segments, n_rows, k,
+                                  *x.stride(), n_bands, n_bands_t, n_segments, EVEN=p1.even,
+                                  **p1.kw, **flags)
         _fold_one_chunk_kernel[p2.grid](
-            x, L.seed, scales, stats_rows, stats_t, fp8, fp8_t, factors, factors_t, nan, nan_t,
-            over, n_rows, k, *x.stride(), n_bands, n_bands_t, EVEN=p2.even, **p2.kw, **flags,
-            **L.rounding(p2))
+            x, L.seed, scales, stats_rows, stats_t, segments, fp8, fp8_t, factors, factors_t,
+            nan, nan_t, over, n_rows, k, *x.stride(), n_bands, n_bands_t, EVEN=p2.even,
+            **p2.kw, **flags, **L.rounding(p2))
+        if segmented:
+            factors_t, nan_t = _segment_factors(stats_t, n_segments, k, L.spec.block[1])
     out = []
     if rows_out:
         out.append(FoldedOperand(fp8.view(torch.float8_e4m3fn), factors, (0, k),
                                  nan.view(torch.bool)))
     if transpose:
         out.append(FoldedOperand(fp8_t.view(torch.float8_e4m3fn), factors_t, (0, n_rows),
-                                 nan_t.view(torch.bool)))
+                                 nan_t if segmented else nan_t.view(torch.bool),
+                                 segment_ends if segmented else None))
     return out
 
 
@@ -504,8 +547,23 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
 _PATHS = ("auto", "one_chunk", "planned")
 
 
+def _check_segments(L: _Launch, ends: torch.Tensor) -> None:
+    """segment_ends' contract, as far as it can be checked without reading it back."""
+    if not L.spec.is_2d:
+        raise ValueError("segment_ends gives x^T per-segment factors: it needs square 2D tiles "
+                         f"(x^T's operand from x's quantization), got block {L.spec.block}")
+    if (not isinstance(ends, torch.Tensor) or ends.dim() != 1 or ends.numel() == 0
+            or ends.dtype not in (torch.int32, torch.int64) or ends.device != L.x.device):
+        raise ValueError(f"segment_ends must be a non-empty 1-D int32/int64 tensor on {L.x.device}, "
+                         f"got {getattr(ends, 'dtype', type(ends).__name__)} "
+                         f"{tuple(getattr(ends, 'shape', ()))}")
+    if L.pass1.kw["TILE_R"] != L.spec.block[0] or L.pass2.kw["TILE_R"] != L.spec.block[0]:
+        raise ValueError(f"segment_ends needs tiles of one band of rows ({L.spec.block[0]}), got "
+                         f"{L.pass1.kw['TILE_R']} and {L.pass2.kw['TILE_R']} rows")
+
+
 def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, counter,
-                   path: str = "auto", configs=None):
+                   path: str = "auto", configs=None, segment_ends=None):
     """The one-chunk fold first. With a `counter` (a deferred fold check's) it is the answer,
     and the counter says afterwards whether any block fell outside its window (then the work
     is to be redone without one). Without, its count is read back (one host sync) and, if
@@ -513,7 +571,13 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
     that fold alone (tests, tuning and the sm_90 compile check reach each path this way)."""
     if path not in _PATHS:
         raise ValueError(f"path must be one of {', '.join(_PATHS)}, got {path!r}")
+    if segment_ends is not None and configs is None and x.dim() == 2:
+        # one band of rows a tile, so that each tile lies in one segment
+        configs = tuple(kq.TileConfig(spec.block[0], c[1], 4 if spec.block[0] * c[1] <= 4096 else 8)
+                        for c in fold_configs(*x.shape, spec.block))
     L = _Launch(x, spec, seed, generator, transpose, configs)
+    if segment_ends is not None:
+        _check_segments(L, segment_ends)
     if x.numel() == 0 or path == "planned":
         return _fold_planned(L, rows_out, transpose)
     if counter is not None and (counter.dtype != torch.int64 or counter.numel() != 1
@@ -521,7 +585,7 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
         raise ValueError(f"counter must be one int64 on {x.device}, got {counter.dtype} "
                          f"{tuple(counter.shape)} on {counter.device}")
     over = counter if counter is not None else torch.zeros(1, dtype=torch.int64, device=x.device)
-    out = _fold_one_chunk(L, rows_out, transpose, over)
+    out = _fold_one_chunk(L, rows_out, transpose, over, segment_ends)
     if counter is not None or path == "one_chunk" or int(over.item()) == 0:
         return out
     return _fold_planned(L, rows_out, transpose)
@@ -530,7 +594,7 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
 def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = False, seed=None, *,
                         generator: torch.Generator | None = None,
                         counter: torch.Tensor | None = None, path: str = "auto",
-                        configs=None) -> FoldedOperand:
+                        configs=None, segment_ends: torch.Tensor | None = None) -> FoldedOperand:
     """Quantize a 2-D x (rows, K) to MXFP4 with `spec` and fold it into FP8: equal bit for bit
     to `fold_operand(quantize_with_spec(x, spec), transpose)` (RNE), or, for stochastic
     rounding, to `fold_operand(quantize_triton(x, spec, seed), transpose)` (the seed contract of
@@ -546,20 +610,34 @@ def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = Fals
     path: "auto" (the above), "one_chunk" (that fold alone, never falling back: rows past the
     window are inexact and counted in `counter` if given) or "planned" (the K-chunked fold,
     exact, one host sync per chunk). configs: (pass 1, pass 2) TileConfigs of the one-chunk
-    fold (default `fold_configs`)."""
+    fold (default `fold_configs`).
+    segment_ends: with transpose (square tiles), x's rows fall into segments ending at these
+    rows (an (S,) int32/int64 tensor on x's device, non-decreasing, each a multiple of the tile's
+    rows; the last at most x's rows; rows past it count in the last segment), and x^T's
+    one-chunk operand takes one factor per row AND segment: factors and nan_rows (K, S), and
+    `segment_ends` set (the operand of a grouped
+    GEMM whose groups split K: each expert's tokens, lowbit.kernels.fp8_gemm.
+    grouped_fp4_gemm_fp8). Nothing is read back. Each segment's window is its own, so values
+    are inexact only where a segment spans more than the window; where the planned fold is
+    taken (path "planned", or "auto" without a counter after an inexact one-chunk fold), the
+    operand is the usual K-chunked one."""
     return _quantize_fold(x, spec, seed, generator, rows_out=not transpose,
-                          transpose=transpose, counter=counter, path=path, configs=configs)[0]
+                          transpose=transpose, counter=counter, path=path, configs=configs,
+                          segment_ends=segment_ends)[0]
 
 
 def quantize_fold_mxfp4_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                                        generator: torch.Generator | None = None,
                                        counter: torch.Tensor | None = None, path: str = "auto",
-                                       configs=None) -> tuple[FoldedOperand, FoldedOperand]:
+                                       configs=None, segment_ends: torch.Tensor | None = None
+                                       ) -> tuple[FoldedOperand, FoldedOperand]:
     """(x's operand, x^T's operand) from the same two passes (square 2D tiles only): the
     fprop and wgrad operands of an activation, or the fprop and dgrad operands of a weight.
-    Arguments as quantize_fold_mxfp4's."""
+    Arguments as quantize_fold_mxfp4's (segment_ends: x^T's factors per segment; x's are
+    per row as ever)."""
     a, a_t = _quantize_fold(x, spec, seed, generator, rows_out=True, transpose=True,
-                            counter=counter, path=path, configs=configs)
+                            counter=counter, path=path, configs=configs,
+                            segment_ends=segment_ends)
     return a, a_t
 
 
@@ -575,7 +653,8 @@ def fold_pass_one(x: torch.Tensor, spec: QuantSpec, transpose: bool = True,
     scales = torch.empty(n_bands, n_bands_t, dtype=torch.uint8, device=x.device)
     p1 = L.pass1
     with kq.on_device(x):
-        _band_max_kernel[p1.grid](x, scales, stats[:2 * n_bands], stats[2 * n_bands:],
-                                  L.rows, L.k, *x.stride(), n_bands, n_bands_t, ROWS=True,
-                                  TRANSPOSE=transpose, EVEN=p1.even, **p1.kw, **L.common)
+        _band_max_kernel[p1.grid](x, scales, stats[:2 * n_bands], stats[2 * n_bands:], L.empty,
+                                  L.rows, L.k, *x.stride(), n_bands, n_bands_t, 1, ROWS=True,
+                                  TRANSPOSE=transpose, EVEN=p1.even, SEGMENTED=False, **p1.kw,
+                                  **L.common)
     return scales, stats

@@ -26,10 +26,12 @@ tensor, in two layouts:
   ends[e]; B (E * N, K) stacks the experts' (N, K) operands; C (P, N), row r of group e =
   A[r] B_e^T. Rows past ends[-1] are left unwritten (undefined) on CUDA, zero elsewhere.
 - along="k" (wgrad): A (M, P) and B (N, P) hold the tokens along K, group e ending at ends[e];
-  C (E, M, N), C_e = A[:, group e] B[:, group e]^T.
+  C (E, M, N), C_e = A[:, group e] B[:, group e]^T. An operand folded with factors per row and
+  segment of K (FoldedOperand.segment_ends: the groups) takes its own factor in each group,
+  as each expert's own fold would.
 CUDA, one K-chunk per operand, bf16 output and every width a multiple of 16:
-torch._scaled_grouped_mm (one grouped FP8 GEMM, row-wise float32 factors; along="k" takes
-each row's one factor for every group). Otherwise group by group through fp4_gemm_fp8, the
+torch._scaled_grouped_mm (one grouped FP8 GEMM, row-wise float32 factors per group; along="k"
+takes each row's one factor for every group, or its segment's). Otherwise group by group through fp4_gemm_fp8, the
 group bounds read back to the host (one sync; on CUDA only for several chunks, odd widths, a
 float32 output or another GPU).
 """
@@ -61,6 +63,9 @@ def fp4_gemm_fp8(a: QTensor | FoldedOperand, b: QTensor | FoldedOperand,
         with torch._scaled_mm can run the former, which is how the CPU tests reach it)."""
     fa = a if isinstance(a, FoldedOperand) else fold_operand(a)
     fb = b if isinstance(b, FoldedOperand) else fold_operand(b)
+    if fa.segment_ends is not None or fb.segment_ends is not None:
+        raise ValueError("an operand with factors per segment of K is a grouped GEMM's: use "
+                         "grouped_fp4_gemm_fp8, or its columns(...) of one segment")
     if fa.shape[1] != fb.shape[1]:
         raise ValueError(f"a is {tuple(fa.shape)} and b is {tuple(fb.shape)}: for a @ b.T both "
                          "need the same K (last dim)")
@@ -169,6 +174,11 @@ def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)} for {experts} groups "
                          f"along {along}: both need the same K, and along='rows' b stacks "
                          "the groups' equal row blocks")
+    for name, op in (("a", a), ("b", b)):
+        if op.segment_ends is not None and (along == "rows" or op.segment_ends.shape != ends.shape):
+            raise ValueError(f"{name} has factors per segment of K ({op.segment_ends.shape[0]} "
+                             f"segments): it takes along='k' with as many groups, got "
+                             f"along={along!r} and {experts} groups")
     if backend is None:
         backend = "scaled_grouped_mm" if _grouped_mm_fits(a, b, experts, along, out_dtype) else "loop"
     if backend == "scaled_grouped_mm":
@@ -195,22 +205,30 @@ def _gemm_scaled_grouped(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
         raise ValueError("the grouped FP8 GEMM takes operands folded in one K-chunk; these have "
                          f"{len(a.bounds) - 1} and {len(b.bounds) - 1}: use backend='loop'")
     experts = ends.shape[0]
-    sa = _with_nan(a.factors[:, 0], a.nan_rows)
-    sb = _with_nan(b.factors[:, 0], b.nan_rows)
     if along == "rows":
+        sa = _with_nan(a.factors[:, 0], a.nan_rows)
+        sb = _with_nan(b.factors[:, 0], b.nan_rows)
         n, k = b.shape[0] // experts, b.shape[1]
         # A (P, K) row-major, B_e^T (K, N) column-major: the stacked rows seen as (E, K, N)
         return torch._scaled_grouped_mm(a.fp8, b.fp8.view(experts, n, k).transpose(-2, -1),
                                         sa.contiguous(), sb.view(experts, n).contiguous(),
                                         offs=ends, out_dtype=torch.bfloat16,
                                         use_fast_accum=use_fast_accum)
-    # groups along K: the scales are per group and row, group-major; each row's one factor
-    # serves every group. A group with no tokens gives zeros, whatever the GEMM leaves there.
-    out = torch._scaled_grouped_mm(a.fp8, b.fp8.t(), sa.repeat(experts), sb.repeat(experts),
-                                   offs=ends, out_dtype=torch.bfloat16,
-                                   use_fast_accum=use_fast_accum)
+    # groups along K: the scales are per group and row, group-major: a segmented operand's
+    # factor of each row in each group, else each row's one factor for every group. A group
+    # with no tokens gives zeros, whatever the GEMM leaves there.
+    out = torch._scaled_grouped_mm(a.fp8, b.fp8.t(), _per_group(a, experts),
+                                   _per_group(b, experts), offs=ends,
+                                   out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
     empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
     return out.masked_fill(empty[:, None, None], 0)
+
+
+def _per_group(op: FoldedOperand, experts: int) -> torch.Tensor:
+    """An along="k" operand's row scales for every group, group-major ((E * R,) float32)."""
+    if op.segment_ends is not None:
+        return _with_nan(op.factors, op.nan_rows).t().reshape(-1).contiguous()
+    return _with_nan(op.factors[:, 0], op.nan_rows).repeat(experts)
 
 
 def _gemm_groups(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,

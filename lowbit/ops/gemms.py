@@ -133,21 +133,25 @@ def emulated_backward(dy, x_saved, w_saved, r: LinearRecipe, need_dx: bool, need
     return dx, dw
 
 
-def fold_for_gemm(operand: str, t, spec, transpose_too: bool = False, check=None, rows: bool = True):
+def fold_for_gemm(operand: str, t, spec, transpose_too: bool = False, check=None, rows: bool = True,
+                  segment_ends=None):
     """dispatch.quantize_fold of one of the layer's operands, named by its role ("X", "W" or
-    "dY") for the fold observer in force (lowbit.dispatch.fold_check.observe_folds)."""
+    "dY") for the fold observer in force (lowbit.dispatch.fold_check.observe_folds).
+    segment_ends: t's rows are grouped (a grouped GEMM's tokens): t^T's factors per group."""
     with folding_operand(operand):
-        if rows:
+        if rows and segment_ends is None:
             return dispatch.quantize_fold(t, spec, transpose_too, check)
-        return dispatch.quantize_fold(t, spec, transpose_too, check, rows=False)
+        return dispatch.quantize_fold(t, spec, transpose_too, check, rows=rows,
+                                      segment_ends=segment_ends if transpose_too else None)
 
 
-def fold_transposed(operand: str, t, forward_spec, spec, check):
+def fold_transposed(operand: str, t, forward_spec, spec, check, segment_ends=None):
     """The folded operand of t^T blocked along t's rows, for a backward GEMM: from t's own
     quantization where square tiles share it (forward_spec == spec; the same bits as the
-    forward's copy under round-to-nearest), else t^T quantized with `spec`."""
+    forward's copy under round-to-nearest; segment_ends: factors per group of t's rows, as
+    fold_for_gemm's), else t^T quantized with `spec`."""
     if shared(forward_spec, spec):
-        return fold_for_gemm(operand, t, spec, True, check, rows=False)[1]
+        return fold_for_gemm(operand, t, spec, True, check, rows=False, segment_ends=segment_ends)[1]
     return fold_for_gemm(operand, t.mT, spec, check=check)[0]
 
 

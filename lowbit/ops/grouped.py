@@ -35,10 +35,12 @@ same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_
 torch._scaled_grouped_mm on CUDA): X and dY folded in the padded layout, the stacked weight
 (E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
 dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
-expert (out and in multiples of the tile side). The values multiplied are the per-expert
-path's; a row's fold factor, and so the GEMM's rounding, may differ. A NaN anywhere in a
-row of dY^T or X^T (the wgrad operands, tokens along K) makes that row of every expert's dW
-NaN, where the per-expert path makes only its own expert's: the step is non-finite either way.
+expert (out and in multiples of the tile side). The weight-gradient operands dY^T and X^T
+(tokens along K) are folded with one factor per row and expert (the fused kernels' segmented
+fold, `segment_ends`), as each expert's own fold is: a row spans only its expert's tokens'
+binades, and a NaN block makes only its own expert's dW row NaN, as on the per-expert path.
+The values multiplied are the per-expert path's; a fprop or dgrad row's fold factor, and so
+the GEMM's rounding, may differ.
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
         ctx.watch, ctx.observer = active_watch(), active_observer()
         ctx.layer = layer
         with folding_for(layer, ctx.watch, ctx.observer):
-            fx, fx_t = fold_for_gemm("X", _spread(x, position, size), recipe.fprop_x, keep_x_t, check)
+            fx, fx_t = fold_for_gemm("X", _spread(x, position, size), recipe.fprop_x, keep_x_t, check,
+                                     segment_ends=ends)
             fw, _ = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
                                   recipe.fprop_w, check=check)                 # blocks along in
             y = grouped_fp4_gemm_fp8(fx, fw, ends, "rows", out_dtype=x.dtype,
@@ -187,7 +190,7 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
         with folding_for(ctx.layer, ctx.watch, ctx.observer):
             dyp = _spread(dy, position, ctx.size)
             fdy, fdy_t = fold_for_gemm("dY", dyp, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
-                                       check)                                   # blocks along out
+                                       check, segment_ends=ends)                # blocks along out
             if need_dx:
                 # dX = dY W_e: B = W_e^T (in, out) stacked, blocks along out
                 w_t = weight.transpose(1, 2).reshape(experts * in_features, out_features)
@@ -199,7 +202,7 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                 # dW_e = dY_e^T X_e: A = dY^T (out, P), B = X^T (in, P), blocked along the tokens
                 dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dyp.mT, r.wgrad_dy, check=check)[0]
                 x_w = ctx.x_w if ctx.x_w is not None else fold_transposed(
-                    "X", _spread(x, position, ctx.size), r.fprop_x, r.wgrad_x, check)
+                    "X", _spread(x, position, ctx.size), r.fprop_x, r.wgrad_x, check, ends)
                 dw = grouped_fp4_gemm_fp8(dy_w, x_w, ends, "k", out_dtype=dy.dtype,
                                           use_fast_accum="wgrad" in r.fast_accum)
         ctx.x_w = ctx.fold_check = ctx.watch = ctx.observer = None
