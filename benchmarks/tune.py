@@ -1012,6 +1012,11 @@ def _exercise_kernels() -> None:
                                            seed=seed, counter=counter, path=path)
                             attempt_launch(quantize_fold_mxfp4_with_transpose, x, spec, seed=seed,
                                            counter=counter, path=path)
+                    if spec.is_2d:   # a grouped GEMM's wgrad operand: factors per segment
+                        ends = torch.tensor([0, x.shape[0] // 2 // spec.block[0] * spec.block[0],
+                                             x.shape[0]], dtype=torch.int32)
+                        attempt_launch(quantize_fold_mxfp4_with_transpose, x, spec, seed=seed,
+                                       counter=counter, path="one_chunk", segment_ends=ends)
                     attempt_launch(fold_pass_one, x, spec, transpose=spec.is_2d)
     attempt_launch(stochastic_uniforms, (64, 256), 3, device="cpu")
     exercise_engine_kernels(attempt_launch)
