@@ -87,6 +87,33 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(preci
         torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25)])
+def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, rac, moe, monkeypatch):
+    # GRPO's num_generations copies of a prompt: one prefill row each distinct prompt, its
+    # cache rows (and MoE routing record) copied to the repeats; the same tokens, log-probs and
+    # routing as prefilling every row, and decode still equals a re-score
+    cfg, model = _model(moe, seed=6)
+    engine = _engine(cfg, model, precision, rac, device="cpu")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    rows = []
+    real = engine.decoder.prefill
+    monkeypatch.setattr(engine.decoder, "prefill", lambda t, n, **k: rows.append(t.shape[0]) or real(t, n, **k))
+    deduplicated = engine.generate(prompts, params)
+    monkeypatch.setattr(engine, "_prefill_distinct", lambda p, t, n: real(t, n))
+    every_row = engine.generate(prompts, params)
+    assert rows == [3]
+    assert torch.equal(deduplicated.completions, every_row.completions)
+    assert torch.equal(deduplicated.logprobs, every_row.logprobs)
+    if moe:
+        assert torch.equal(deduplicated.routed_experts, every_row.routed_experts)
+        assert (deduplicated.routed_experts[:, :4] >= 0).all()   # the prompts' positions
+    sequences = [p + c for p, c in zip(prompts, deduplicated.completion_lists())]
+    for b, (prompt, scored) in enumerate(zip(prompts, engine.score(sequences))):
+        torch.testing.assert_close(scored[len(prompt) - 1:], deduplicated.logprobs[b], atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25), ("nvfp4+static", 0.25)])
 def test_a_weight_sync_lands_in_place_and_equals_a_fresh_engine(precision, rac):
     cfg, model = _model(True, seed=4)

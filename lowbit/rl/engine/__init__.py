@@ -29,7 +29,9 @@ embeddings, the output head and the KV cache stay in the compute dtype (bf16 on 
 float32 on the CPU).
 
 Batching. Prompts are right-padded for their one prefill forward (causal attention: a row's
-real tokens see only real tokens), and each row's cache holds its tokens at their positions,
+real tokens see only real tokens); a prompt given several times (GRPO's num_generations) is
+prefilled once and its cache rows copied to the rows that repeat it. Each row's cache holds
+its tokens at their positions,
 so a decode step attends over each row's own length and reads nothing else. On CUDA the decode
 step (the forward from token ids to logits, positions advanced) replays from a CUDA graph
 captured per batch-size bucket (1, 2, 4, 8, then multiples of 16); sampling runs eagerly

@@ -73,6 +73,16 @@ class KVCache:
         self.k[layer][:B, :, :T] = k
         self.v[layer][:B, :, :T] = v
 
+    def repeat_rows(self, source: torch.Tensor, columns: int) -> None:
+        """Rows 0..B-1, columns 0..columns-1, become copies of rows source[b] (source: (B,)
+        int64 on the device, each < B): a prompt prefilled once lands in every row that
+        generates from it. The routing record is copied with the keys and values."""
+        for layer in range(self.n_layers):
+            for t in (self.k[layer], self.v[layer]):
+                t[:source.shape[0], :, :columns] = t[source, :, :columns]   # gathers a copy first
+        if self.routed is not None:
+            self.routed[:, :source.shape[0], :columns] = self.routed[:, source, :columns]
+
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes across the layers (keys and values)."""
         k = self.k[0]

@@ -192,7 +192,7 @@ class RolloutEngine:
         tokens, lengths = self._prepare(prompts, params.max_new_tokens)
         B = tokens.shape[0]
         graph = self._graph(B) if self.cuda_graph and params.max_new_tokens > 1 else None
-        logits = self.decoder.prefill(tokens, lengths)
+        logits = self._prefill_distinct(prompts, tokens, lengths)
         positions = lengths.clone()                  # where each row's next token goes
         if graph is not None:
             graph.start(positions)
@@ -235,6 +235,23 @@ class RolloutEngine:
         routed = None if self.cache.routed is None else self._routed_by_position(lengths, mask)
         return Rollout([list(p) for p in prompts], completions, mask, logprobs, ~alive, routed,
                        time.perf_counter() - t0)
+
+    def _prefill_distinct(self, prompts: list[list[int]], tokens: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
+        """The prefill's last-token logits (B, V), each distinct prompt forwarded once (GRPO
+        samples every prompt num_generations times: vLLM's prefix caching, for whole prompts)
+        and its cache rows copied to the rows that repeat it. A row's prefill is what it is
+        alone (the engine's numerics are per row), so this changes no value."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(p), b) for b, p in enumerate(prompts)]
+        if len(first) == len(prompts):
+            return self.decoder.prefill(tokens, lengths)
+        distinct = list(first.values())                  # rows of first occurrences, in order
+        slot = {b: i for i, b in enumerate(distinct)}
+        logits = self.decoder.prefill(tokens[distinct], lengths[distinct])   # cache rows 0..U-1
+        index = torch.tensor([slot[b] for b in source], device=self.device)
+        self.cache.repeat_rows(index, tokens.shape[1])
+        return logits[index]
 
     def _routed_by_position(self, lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The routing record (layers, B, positions, k) as (B, T, layers, k), -1 from each row's
