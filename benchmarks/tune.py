@@ -625,7 +625,6 @@ def sweep_activation(args, device: str) -> dict:
     per call (CUDA-graph replay) and whether every count gives the default's bits."""
     import torch
 
-    from lowbit.kernels import activation_quant
     from lowbit.kernels.activation_quant import quantize_activations
 
     dev = torch.device(device)
@@ -659,15 +658,11 @@ def sweep_activation(args, device: str) -> dict:
                     row["digits"] = {}
                     for d in digits:
                         def run_digit(d=d):
-                            default_digit = activation_quant.RADIX_BITS
-                            activation_quant.RADIX_BITS = d
-                            try:
-                                out = quantize_activations(x, "nvfp4", ratio)
-                                same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
-                                return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio), device),
-                                        "same": same}
-                            finally:
-                                activation_quant.RADIX_BITS = default_digit
+                            out = quantize_activations(x, "nvfp4", ratio, radix_bits=d)
+                            same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
+                            return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio,
+                                                                              radix_bits=d), device),
+                                    "same": same}
                         row["digits"][str(d)] = attempt(run_digit)
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
@@ -1016,6 +1011,8 @@ def _exercise_kernels() -> None:
                         ends = torch.tensor([0, x.shape[0] // 2 // spec.block[0] * spec.block[0],
                                              x.shape[0]], dtype=torch.int32)
                         attempt_launch(quantize_fold_mxfp4_with_transpose, x, spec, seed=seed,
+                                       counter=counter, path="one_chunk", segment_ends=ends)
+                        attempt_launch(quantize_fold_mxfp4, x, spec, transpose=True, seed=seed,
                                        counter=counter, path="one_chunk", segment_ends=ends)
                     attempt_launch(fold_pass_one, x, spec, transpose=spec.is_2d)
     attempt_launch(stochastic_uniforms, (64, 256), 3, device="cpu")

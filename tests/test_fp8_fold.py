@@ -610,7 +610,19 @@ def test_segmented_transpose_nan_and_empty_segments_and_refusals():
     ref = per_segment_reference(x, spec, ends)[2]
     assert torch.equal(op.columns(32, 128).nan_rows.cpu(), ref.nan_rows)
     with pytest.raises(ValueError, match="square 2D tiles"):
-        quantize_fold_mxfp4(x, QuantSpec.make("mxfp4", (1, 32), "floor"), segment_ends=seg)
+        quantize_fold_mxfp4(x, QuantSpec.make("mxfp4", (1, 32), "floor"), transpose=True,
+                            segment_ends=seg)
+    with pytest.raises(ValueError, match="pass transpose=True"):
+        quantize_fold_mxfp4(x, spec, segment_ends=seg)
+    # an end inside a band of 32 rows would share one factor between two segments: counted as
+    # inexact (so a deferred check redoes the work), and without a counter the exact fold
+    off = torch.tensor([48, 128], device=x.device)
+    counter = torch.zeros(1, dtype=torch.int64, device=x.device)
+    quantize_fold_mxfp4(x, spec, transpose=True, segment_ends=off, counter=counter)
+    assert counter.item() > 0
+    exact = quantize_fold_mxfp4(x, spec, transpose=True, segment_ends=off)
+    assert exact.segment_ends is None
+    torch.testing.assert_close(exact.unfold().cpu(), op.unfold().cpu(), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         quantize_fold_mxfp4(x, spec, transpose=True, segment_ends=seg.float())
     with pytest.raises(ValueError, match="cross the end of segment"):

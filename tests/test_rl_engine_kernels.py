@@ -91,8 +91,9 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(preci
 @pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25)])
 def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, rac, moe, monkeypatch):
     # GRPO's num_generations copies of a prompt: one prefill row each distinct prompt, its
-    # cache rows (and MoE routing record) copied to the repeats; the same tokens, log-probs and
-    # routing as prefilling every row, and decode still equals a re-score
+    # cache rows (and MoE routing record) copied to the repeats; the same log-probs as
+    # prefilling every row up to accumulation order (here the same tokens and routing, and,
+    # at this size, equal bits), and decode still equals a re-score
     cfg, model = _model(moe, seed=6)
     engine = _engine(cfg, model, precision, rac, device="cpu")
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
@@ -105,7 +106,7 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, ra
     every_row = engine.generate(prompts, params)
     assert rows == [3]
     assert torch.equal(deduplicated.completions, every_row.completions)
-    assert torch.equal(deduplicated.logprobs, every_row.logprobs)
+    torch.testing.assert_close(deduplicated.logprobs, every_row.logprobs, atol=2e-5, rtol=0)
     if moe:
         assert torch.equal(deduplicated.routed_experts, every_row.routed_experts)
         assert (deduplicated.routed_experts[:, :4] >= 0).all()   # the prompts' positions

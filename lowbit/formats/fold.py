@@ -147,6 +147,15 @@ class FoldedOperand:
         return FoldedOperand(self.fp8[start:stop], self.factors[start:stop], self.bounds,
                              self.nan_rows[start:stop], self.segment_ends)
 
+    def group(self, index: int, start: int, stop: int) -> FoldedOperand:
+        """Group `index` of a grouped GEMM, K-columns start:stop (its bounds, read by the
+        caller): a segmented operand's segment `index` with its factors and NaN rows (no read
+        of segment_ends), else `columns(start, stop)`."""
+        if self.segment_ends is None:
+            return self.columns(start, stop)
+        return FoldedOperand(self.fp8[:, start:stop], self.factors[:, index:index + 1],
+                             (0, stop - start), self.nan_rows[:, index])
+
     def columns(self, start: int, stop: int) -> FoldedOperand:
         """K-columns start:stop (start < stop), the same values: the chunks that meet them,
         their bounds cut to the slice (one expert's tokens of a wgrad operand), and the slice's

@@ -313,7 +313,7 @@ def _num_warps(block_k: int) -> int:
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
-                         num_warps: int | None = None):
+                         num_warps: int | None = None, radix_bits: int = RADIX_BITS):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -328,8 +328,9 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     rac_ratio: RAC's channel fraction in [0, 1] (nvfp4 only).
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
-    num_warps: warps per row instead of the default's (benchmarks/tune.py activation sweeps
-        it; the same bits at any count).
+    num_warps: warps per row instead of the default's; radix_bits: RAC's threshold bits per
+        radix step (1, 2, 4 or 8); benchmarks/tune.py activation sweeps both (the same bits
+        at any setting).
     The prologues round where the engine's eager ops do (see the module doc for how close
     RMSNorm's rsqrt and SiLU's exp come to torch's)."""
     if mode not in ("nvfp4", "fp8", "none"):
@@ -363,6 +364,8 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          f"{tuple(input_amax.shape)}, {input_amax.dtype}, {input_amax.device})")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
+    if radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     kq.require_kernel_tensor(x)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -393,7 +396,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             x, norm if norm is not None else x, **buffers, amax_ptr=amax_bits, K=K,
             stride_xm=x.stride(0), count=count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
-            PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=RADIX_BITS,
+            PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
             num_warps=_num_warps(block_k) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings

@@ -472,7 +472,13 @@ def _fold_one_chunk(L: _Launch, rows_out: bool, transpose: bool, over: torch.Ten
     stats = torch.full((2 * n_bands + (2 * n_segments * n_bands_t if transpose else 0),),
                        fold.NONE_HI, dtype=torch.int32, device=dev)
     stats_rows, stats_t = stats[:2 * n_bands], stats[2 * n_bands:]
-    segments = _band_segments(segment_ends, n_bands, L.spec.block[0]) if segmented else L.empty
+    segments = L.empty
+    if segmented:
+        br = L.spec.block[0]
+        segments = _band_segments(segment_ends, n_bands, br)
+        # an end inside a band of rows would put two segments under one factor: such a fold
+        # is not to be used, so the ends off a tile boundary count as inexact (no host read)
+        over += ((segment_ends % br != 0) & (segment_ends < n_rows)).sum()
     f32 = torch.float32
     fp8 = torch.empty(n_rows, k, device=dev, dtype=u8) if rows_out else L.empty
     fp8_t = torch.empty(k, n_rows, device=dev, dtype=u8) if transpose else L.empty
@@ -547,8 +553,12 @@ def _fold_planned(L: _Launch, rows_out: bool, transpose: bool):
 _PATHS = ("auto", "one_chunk", "planned")
 
 
-def _check_segments(L: _Launch, ends: torch.Tensor) -> None:
-    """segment_ends' contract, as far as it can be checked without reading it back."""
+def _check_segments(L: _Launch, ends: torch.Tensor, transpose: bool) -> None:
+    """segment_ends' contract, as far as it can be checked without reading it back (an end
+    off a tile boundary is counted as inexact by the one-chunk fold)."""
+    if not transpose:
+        raise ValueError("segment_ends gives x^T's operand factors per segment: pass "
+                         "transpose=True (or use quantize_fold_mxfp4_with_transpose)")
     if not L.spec.is_2d:
         raise ValueError("segment_ends gives x^T per-segment factors: it needs square 2D tiles "
                          f"(x^T's operand from x's quantization), got block {L.spec.block}")
@@ -577,7 +587,7 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
                         for c in fold_configs(*x.shape, spec.block))
     L = _Launch(x, spec, seed, generator, transpose, configs)
     if segment_ends is not None:
-        _check_segments(L, segment_ends)
+        _check_segments(L, segment_ends, transpose)
     if x.numel() == 0 or path == "planned":
         return _fold_planned(L, rows_out, transpose)
     if counter is not None and (counter.dtype != torch.int64 or counter.numel() != 1
@@ -615,9 +625,9 @@ def quantize_fold_mxfp4(x: torch.Tensor, spec: QuantSpec, transpose: bool = Fals
     rows (an (S,) int32/int64 tensor on x's device, non-decreasing, each a multiple of the tile's
     rows; the last at most x's rows; rows past it count in the last segment), and x^T's
     one-chunk operand takes one factor per row AND segment: factors and nan_rows (K, S), and
-    `segment_ends` set (the operand of a grouped
-    GEMM whose groups split K: each expert's tokens, lowbit.kernels.fp8_gemm.
-    grouped_fp4_gemm_fp8). Nothing is read back. Each segment's window is its own, so values
+    `segment_ends` set (the operand of a grouped GEMM whose groups split K, each expert's
+    tokens: lowbit.kernels.fp8_gemm.grouped_fp4_gemm_fp8). Nothing is read back; an end off
+    a tile boundary is counted as inexact, like a value the window loses. Each segment's window is its own, so values
     are inexact only where a segment spans more than the window; where the planned fold is
     taken (path "planned", or "auto" without a counter after an inexact one-chunk fold), the
     operand is the usual K-chunked one."""

@@ -31,9 +31,9 @@ tensor, in two layouts:
   as each expert's own fold would.
 CUDA, one K-chunk per operand, bf16 output and every width a multiple of 16:
 torch._scaled_grouped_mm (one grouped FP8 GEMM, row-wise float32 factors per group; along="k"
-takes each row's one factor for every group, or its segment's). Otherwise group by group through fp4_gemm_fp8, the
-group bounds read back to the host (one sync; on CUDA only for several chunks, odd widths, a
-float32 output or another GPU).
+takes each row's one factor for every group, or its segment's). Otherwise group by group
+through fp4_gemm_fp8, the group bounds read back to the host (one sync; on CUDA only for
+several chunks, odd widths, a float32 output or another GPU).
 """
 
 from __future__ import annotations
@@ -175,10 +175,12 @@ def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
                          f"along {along}: both need the same K, and along='rows' b stacks "
                          "the groups' equal row blocks")
     for name, op in (("a", a), ("b", b)):
-        if op.segment_ends is not None and (along == "rows" or op.segment_ends.shape != ends.shape):
+        # the same tensor as the GEMM's ends (as lowbit.ops.grouped passes it), else compared
+        if op.segment_ends is not None and (along == "rows" or op.segment_ends.shape != ends.shape or (
+                op.segment_ends is not ends and not torch.equal(op.segment_ends.to(ends), ends))):
             raise ValueError(f"{name} has factors per segment of K ({op.segment_ends.shape[0]} "
-                             f"segments): it takes along='k' with as many groups, got "
-                             f"along={along!r} and {experts} groups")
+                             f"segments): it takes along='k' with those segments as the groups, "
+                             f"got along={along!r} and {experts} groups ending elsewhere")
     if backend is None:
         backend = "scaled_grouped_mm" if _grouped_mm_fits(a, b, experts, along, out_dtype) else "loop"
     if backend == "scaled_grouped_mm":
@@ -248,7 +250,7 @@ def _gemm_groups(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: 
     out = torch.zeros(experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.fp8.device)
     for e in range(experts):
         if bounds[e + 1] > bounds[e]:
-            out[e] = fp4_gemm_fp8(a.columns(bounds[e], bounds[e + 1]),
-                                  b.columns(bounds[e], bounds[e + 1]), out_dtype, use_fast_accum,
+            out[e] = fp4_gemm_fp8(a.group(e, bounds[e], bounds[e + 1]),
+                                  b.group(e, bounds[e], bounds[e + 1]), out_dtype, use_fast_accum,
                                   backend)
     return out

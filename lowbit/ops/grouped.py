@@ -35,12 +35,15 @@ same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_
 torch._scaled_grouped_mm on CUDA): X and dY folded in the padded layout, the stacked weight
 (E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
 dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
-expert (out and in multiples of the tile side). The weight-gradient operands dY^T and X^T
-(tokens along K) are folded with one factor per row and expert (the fused kernels' segmented
-fold, `segment_ends`), as each expert's own fold is: a row spans only its expert's tokens'
-binades, and a NaN block makes only its own expert's dW row NaN, as on the per-expert path.
-The values multiplied are the per-expert path's; a fprop or dgrad row's fold factor, and so
-the GEMM's rounding, may differ.
+expert (out and in multiples of the tile side). Where square tiles give the weight-gradient
+operands dY^T and X^T (tokens along K) from the same quantization as dY and X (stable-fp4-fp8),
+the fused kernels fold them with one factor per row and expert (`segment_ends`), as each
+expert's own fold: a row spans only its expert's tokens' binades, and a NaN block makes only
+its own expert's dW row NaN, as on the per-expert path. Recipes with 1D blocks along the tokens
+(mxfp4 on FP8 GEMMs) fold those operands with one factor per row over every expert's tokens:
+more of their steps fold inexactly (and are redone), and on the grouped CUDA GEMM a NaN token
+makes its dW rows NaN in every expert. The values multiplied are the per-expert path's; a
+row's fold factor, and so the GEMM's rounding, may differ.
 """
 
 from __future__ import annotations

@@ -240,8 +240,9 @@ class RolloutEngine:
                           lengths: torch.Tensor) -> torch.Tensor:
         """The prefill's last-token logits (B, V), each distinct prompt forwarded once (GRPO
         samples every prompt num_generations times: vLLM's prefix caching, for whole prompts)
-        and its cache rows copied to the rows that repeat it. A row's prefill is what it is
-        alone (the engine's numerics are per row), so this changes no value."""
+        and its cache rows copied to the rows that repeat it. The engine's numerics are per
+        row, so a row's values are those of the full batch's prefill up to accumulation order
+        (GEMMs over fewer rows may sum in another order, as a row alone does)."""
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p), b) for b, p in enumerate(prompts)]
         if len(first) == len(prompts):
