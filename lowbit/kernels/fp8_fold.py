@@ -583,7 +583,7 @@ def _quantize_fold(x, spec, seed, generator, rows_out: bool, transpose: bool, co
         raise ValueError(f"path must be one of {', '.join(_PATHS)}, got {path!r}")
     if segment_ends is not None and configs is None and x.dim() == 2:
         # one band of rows a tile, so that each tile lies in one segment
-        configs = tuple(kq.TileConfig(spec.block[0], c[1], 4 if spec.block[0] * c[1] <= 4096 else 8)
+        configs = tuple(kq.TileConfig(spec.block[0], c[1], c[2])
                         for c in fold_configs(*x.shape, spec.block))
     L = _Launch(x, spec, seed, generator, transpose, configs)
     if segment_ends is not None:
