@@ -149,9 +149,8 @@ def test_static_scales_are_the_references_bit_for_bit(dtype, prologue):
 
 
 @pytest.mark.parametrize("radix_bits", [1, 4, 8])
-def test_ties_nan_and_layouts(radix_bits, monkeypatch):
-    from lowbit.kernels import activation_quant
-    monkeypatch.setattr(activation_quant, "RADIX_BITS", radix_bits)   # every step width selects alike
+def test_ties_nan_and_layouts(radix_bits):
+    # every radix step width selects alike
     k = 40
     g = torch.Generator().manual_seed(1)
     x = torch.stack([_ties(k, g) for _ in range(4)] + [torch.randn(k, generator=g)])
@@ -165,7 +164,7 @@ def test_ties_nan_and_layouts(radix_bits, monkeypatch):
     assert strided.stride() == (3 * k, 3)
     for xs in (wide[:, :k], strided):                     # rows 3K apart; K strided (copied)
         for ratio in (0.1, 0.25, 0.5):
-            got_x, got_r = quantize_activations(xs, "nvfp4", ratio)
+            got_x, got_r = quantize_activations(xs, "nvfp4", ratio, radix_bits=radix_bits)
             x_hat = per_token_nvfp4(x.to(DEV))
             assert same_bits(got_x, x_hat) and same_bits(got_r, rac_residual(x.to(DEV), x_hat, ratio))
             count = rac_channel_count(k, ratio)
@@ -201,5 +200,8 @@ def test_refusals():
     for warps in (0, 3, 64):
         with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32"):
             quantize_activations(x, "nvfp4", 0.25, num_warps=warps)
+    for bits in (0, 3, 16):
+        with pytest.raises(ValueError, match="radix_bits must be 1, 2, 4 or 8"):
+            quantize_activations(x, "nvfp4", 0.25, radix_bits=bits)
     empty_x, empty_r = quantize_activations(x[:0], "nvfp4", 0.5)
     assert empty_x.shape == (0, 32) and empty_r.shape == (0, 32)

@@ -48,7 +48,7 @@ channel is the int32 bit pattern of |r|, which orders like the magnitude; every 
 0x7FFFFFFF, above Inf's 0x7F800000, so NaNs are the largest and equal among themselves.
 
 - Threshold: T, the c-th largest key, is the largest t with count(key >= t) >= c. It is found
-  RADIX_BITS bits at a time from the top (a radix select: 4 steps of 8 bits): a histogram of
+  RADIX_BITS bits at a time from the top (a radix select: 8 steps of 4 bits): a histogram of
   the next digit over the keys that share the bits chosen so far gives count(key >= T | d) for
   every digit d at once, and the largest d where that is >= c is kept. A step is one histogram
   of the row in registers, where one bit a step took 31 counts, each a reduction over the row.
@@ -99,8 +99,10 @@ __all__ = ["quantize_activations", "MAX_K"]
 MAX_K = 16384
 """The longest row one program holds in registers; longer rows take the reference."""
 
-RADIX_BITS = 8
-"""Bits of RAC's threshold found per histogram step (1, 2, 4 or 8: 32, 16, 8 or 4 steps)."""
+RADIX_BITS = 4
+"""Bits of RAC's threshold found per histogram step (1, 2, 4 or 8: 32, 16, 8 or 4 steps). 4:
+the fastest of 2, 4 and 8 at every K (1024-4096) and row count (1, 128, 256) timed on one H200
+(2026-12-05, benchmarks/tune.py activation): 8 steps of 16 bins beat 4 of 256 by 5-14%."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -304,10 +306,15 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
         tl.store(scale_ptr + row, scale)
 
 
-def _num_warps(block_k: int) -> int:
-    """Warps per row (program): the fastest of 2..32 for one row of K = 4096 (8) and of
-    K = 14336 (16) on an H200, RAC on."""
-    return 4 if block_k <= 2048 else 8 if block_k <= 8192 else 16
+def _num_warps(block_k: int, rac: bool) -> int:
+    """Warps per row (program). With RAC, 8 up to K = 8192: on one H200 (2026-12-05,
+    `benchmarks/tune.py activation --rows 1,128,256`) the fastest or within 8% of it at K =
+    1024, 2048, 3072 and 4096 for 1, 128 and 256 rows (at K = 2048 and 128 rows 11.8 us against
+    4 warps' 15.3). Without, 4 up to K = 2048 (1.6-2.2 us, every count within 0.1 us); 16 at
+    K = 14336."""
+    if block_k > 8192:
+        return 16
+    return 8 if rac or block_k > 2048 else 4
 
 
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
@@ -398,6 +405,6 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
-            num_warps=_num_warps(block_k) if num_warps is None else num_warps,
+            num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
