@@ -261,16 +261,23 @@ def test_fp8_grouped_nan_and_extreme_magnitudes():
     assert torch.equal(torch.where(got.isnan(), 0, got), torch.where(want.isnan(), 0, want))
 
 
-def test_fp8_grouped_folds_are_observed_under_the_experts_names(monkeypatch):
+@pytest.fixture
+def fold_kernels():
+    """lowbit.dispatch hands CPU tensors to the fused fold kernels too (Triton's interpreter)."""
+    from lowbit.kernels import supports
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("lowbit.dispatch._quantizers.use_kernels",
+                   lambda x, spec, codes=True: supports(spec, codes))
+        yield
+
+
+def test_fp8_grouped_folds_are_observed_under_the_experts_names(fold_kernels):
     # lowbit bench folds names each QuantExperts module; its grouped FP8 GEMMs then report
     # every fold, forward and backward, under "<module>.gate_up_proj" / ".down_proj", and an
     # unnamed module's as "" (what the fold observer is told). The fused fold kernels (here
     # under Triton's interpreter, in a deferred check) count what they leave inexact: a
     # token 2^40 above the rest leaves its row's other blocks out of the fprop fold's window
     from lowbit.dispatch.fold_check import deferred_fold_check, observe_folds
-    from lowbit.kernels import supports
-    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
-                        lambda x, spec, codes=True: supports(spec, codes))
     g = torch.Generator().manual_seed(12)
     base, grouped, _, _ = _fp8_pair("stable-fp4-nosr")
     x = torch.randn(40, 64, generator=g)
@@ -296,7 +303,7 @@ def test_fp8_grouped_folds_are_observed_under_the_experts_names(monkeypatch):
         assert counts[(layers[0], "X")] > 0             # the gate_up projection's input
 
 
-def test_fp8_grouped_wgrad_folds_one_factor_per_row_and_expert(monkeypatch):
+def test_fp8_grouped_wgrad_folds_one_factor_per_row_and_expert(fold_kernels):
     # the fused fold kernels (here under Triton's interpreter) inside a deferred fold check:
     # tokens routed to experts 0-1 are 2^15 times the rest, routed to 2-3, so a row of X^T or
     # dY^T spans ~40 binades over every expert's tokens, but few within one. The grouped
@@ -304,9 +311,6 @@ def test_fp8_grouped_wgrad_folds_one_factor_per_row_and_expert(monkeypatch):
     # value is inexact and the gradients equal the per-expert loop's bit for bit. A NaN in one
     # token's input makes only its experts' dW rows NaN, as in the loop.
     from lowbit.dispatch.fold_check import deferred_fold_check
-    from lowbit.kernels import supports
-    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
-                        lambda x, spec, codes=True: supports(spec, codes))
     g = torch.Generator().manual_seed(13)
     base, grouped, reference, recipe = _fp8_pair("stable-fp4-nosr")
     x = torch.randn(40, 64, generator=g)
