@@ -371,3 +371,35 @@ def test_dropped_rows_take_no_part_whatever_they_hold(gemm):
     (y, dx, dw), (y_clean, dx_clean, dw_clean) = grads
     assert torch.equal(y, y_clean) and torch.equal(dw, dw_clean) and dw.isfinite().all()
     assert torch.equal(dx, dx_clean) and not y[36:].any()
+
+
+def test_fold_inexact_adapt_moves_an_experts_module_off_the_fp8_path(fold_kernels):
+    # --fold-inexact adapt names each QuantExperts module; a grouped projection whose exact folds
+    # needed K-chunks is reported as "<module>.gate_up_proj" and moves the whole module (one
+    # recipe for both projections) to the emulated GEMMs; a checkpoint's module name moves it too
+    from torch import nn
+
+    from lowbit.dispatch.fold_check import watch_chunked_folds
+    from lowbit.recipes import Gemm
+    from lowbit.train.fold_policy import FoldPolicy
+
+    base, grouped, _, recipe = _fp8_pair("stable-fp4-nosr")
+    model = nn.Module()
+    model.experts = grouped
+    policy = FoldPolicy("adapt", model)
+    assert grouped.layer_name == "experts"
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(40, 64, generator=g)
+    x[7, :32] *= 2.0 ** 40                    # a row of X past one factor's window: K-chunks
+    x = x.to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    with watch_chunked_folds() as chunked:
+        grouped(x, index, w)
+    assert "experts.gate_up_proj" in chunked
+    assert policy.adapt(sorted(chunked)) == ["experts"]
+    assert grouped.linear_recipe.gemm is Gemm.EMULATED and policy.emulated_layers == ["experts"]
+    again = _fp8_pair("stable-fp4-nosr")[1]
+    model.experts = again
+    FoldPolicy("adapt", model).restore(["experts"])
+    assert again.linear_recipe.gemm is Gemm.EMULATED
+

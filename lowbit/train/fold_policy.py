@@ -8,7 +8,9 @@ loss. When it is nonzero:
   exact, K-chunked folds, so the step is the one an all-exact run takes;
 - "adapt": redo, and move the layers whose exact folds needed K-chunks to the emulated path
   for the rest of the run (the same FP4 values, a bf16 GEMM), so they stop costing redos;
-  the moved layers are kept in checkpoints;
+  the moved layers are kept in checkpoints. An MoE layer's experts (lowbit.nn.QuantExperts,
+  whose grouped GEMMs report their folds as "<module>.gate_up_proj" / ".down_proj") move as
+  one module, both projections: they share one recipe;
 - "round": keep the step, and log the count.
 """
 
@@ -52,14 +54,21 @@ class FoldPolicy:
         return moved
 
     def emulate(self, names: list[str]) -> list[str]:
-        """Move these quantized linears from the FP8 GEMMs to the emulated ones (the same FP4
-        operands); returns the names that were on the FP8 path."""
+        """Move these quantized linears (or experts modules: a projection's name stands for its
+        module) from the FP8 GEMMs to the emulated ones (the same FP4 operands); returns the
+        module names that were on the FP8 path."""
+        from lowbit.nn import QuantExperts
         from lowbit.recipes import Gemm
 
         moved = []
         for name in names:
+            parent, _, leaf = name.rpartition(".")
+            if leaf in ("gate_up_proj", "down_proj") and isinstance(
+                    self.model.get_submodule(parent), QuantExperts):
+                name = parent
             module = self.model.get_submodule(name)
-            if module.linear_recipe is not None and module.linear_recipe.gemm is Gemm.FP8:
+            if (name not in moved and module.linear_recipe is not None
+                    and module.linear_recipe.gemm is Gemm.FP8):
                 module.linear_recipe = module.linear_recipe.with_gemm(Gemm.EMULATED)
                 moved.append(name)
         return moved
@@ -68,8 +77,8 @@ class FoldPolicy:
         """Each quantized linear reports its chunked FP8 folds under its name in this model,
         the name emulate() and checkpoints use. Only under adapt: torch.compile reads the name
         as a constant, so blocks with other names would each compile again."""
-        from lowbit.nn import QuantLinear
+        from lowbit.nn import QuantExperts, QuantLinear
 
         for name, m in self.model.named_modules():
-            if isinstance(m, QuantLinear):
+            if isinstance(m, (QuantLinear, QuantExperts)):
                 m.layer_name = name
