@@ -102,7 +102,7 @@ MAX_K = 16384
 RADIX_BITS = 4
 """Bits of RAC's threshold found per histogram step (1, 2, 4 or 8: 32, 16, 8 or 4 steps). 4:
 the fastest of 2, 4 and 8 at every K (1024-4096) and row count (1, 128, 256) timed on one H200
-(2026-12-05, benchmarks/tune.py activation): 8 steps of 16 bins beat 4 of 256 by 5-14%."""
+(2026-12-05, benchmarks/tune.py activation): 8 steps of 16 bins beat 4 of 256 by 10-15%."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
@@ -308,7 +308,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
 
 def _num_warps(block_k: int, rac: bool) -> int:
     """Warps per row (program). With RAC, 8 up to K = 8192: on one H200 (2026-12-05,
-    `benchmarks/tune.py activation --rows 1,128,256`) the fastest or within 8% of it at K =
+    `benchmarks/tune.py activation --rows 1,128,256`) the fastest or within 9% of it at K =
     1024, 2048, 3072 and 4096 for 1, 128 and 256 rows (at K = 2048 and 128 rows 11.8 us against
     4 warps' 15.3). Without, 4 up to K = 2048 (1.6-2.2 us, every count within 0.1 us); 16 at
     K = 14336."""
