@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -443,6 +444,28 @@ def test_a_long_plot_title_is_wrapped_not_cut(tmp_path, monkeypatch):
     plot_runs([tmp_path / "a"], tmp_path / "t.png", title=title)
     (shown,) = titles
     assert shown.replace("\n", " ") == title and max(map(len, shown.splitlines())) <= 80
+
+
+def test_the_legend_of_many_runs_is_beside_the_curves(tmp_path, monkeypatch):
+    # two entries a run: past three runs the legend goes to the right of the axes (it covered
+    # the curves of an 8-run comparison); up to three it stays inside
+    import matplotlib.figure
+
+    run(make_config(tmp_path, run_name="a"))
+    for name in "bcd":
+        shutil.copytree(tmp_path / "a", tmp_path / name)
+    boxes = []
+    real = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        legend = ax.get_legend().get_window_extent(fig.canvas.get_renderer())
+        boxes.append((legend.x0 >= ax.get_window_extent().x1, len(ax.get_legend().get_texts())))
+        return real(fig, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_runs([tmp_path / n for n in "abcd"], tmp_path / "four.png")
+    plot_runs([tmp_path / n for n in "abc"], tmp_path / "three.png")
+    assert boxes == [(True, 8), (False, 6)]
 
 
 @pytest.fixture

@@ -55,7 +55,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
         raise ValueError("plot needs at least one run folder")
     out_path = _check_out_path(Path(out_path))
     runs = [_load_run(Path(d)) for d in run_dirs]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    # past a few runs the legend (two entries a run) would cover the curves: it goes beside them
+    beside = len(runs) > 3
+    fig, ax = plt.subplots(figsize=(11.5, 5) if beside else (8, 5))
     for run, color in zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10):
         train = [(r["tokens"], r["loss"]) for r in run["metrics"]
                  if r["event"] == "train" and isinstance(r["loss"], (int, float))]
@@ -71,7 +73,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path,
     ax.xaxis.set_major_formatter(EngFormatter())  # 1.5M rather than 1.5 with a 1e6 offset
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if beside:
+        ax.legend(fontsize="x-small" if len(runs) > 8 else "small", loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize="small")
     tokens_per_step = {run["tokens_per_step"] for run in runs}
     if len(tokens_per_step) == 1 and None not in tokens_per_step:
         per_step = tokens_per_step.pop()
