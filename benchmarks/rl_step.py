@@ -141,9 +141,8 @@ def main(argv=None) -> int:
     for label in modes:
         rows.append(run_mode(label, MODES[label], model, args, out / "runs"))
         print(json.dumps(rows[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    meta = {"date": date.today().isoformat(), "commit": commit,
+    from lowbit.bench import git_commit
+    meta = {"date": date.today().isoformat(), "commit": git_commit(),
             "machine": os.environ.get("LOWBIT_MACHINE", "unknown"),
             "command": "python benchmarks/rl_step.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "rl-step.json").write_text(json.dumps({"meta": meta, "results": {

@@ -211,14 +211,17 @@ def test_multi_gpu_scaling_smoke(tmp_path):
     assert multi_gpu.main(["--out", str(tmp_path), "--smoke", "--modes", "tp"]) == 2
 
 
-def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path):
+def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
     # benchmarks/rl_step.py on a tiny Hugging Face folder on the CPU: a `lowbit rl` process per
-    # mode, each mode's median step times, the table against bf16's
+    # mode, each mode's median step times, the table against bf16's; the commit a results file
+    # names is LOWBIT_COMMIT's where it is set (code run without its git history)
     pytest.importorskip("tokenizers")
+    monkeypatch.setenv("LOWBIT_COMMIT", "0123abc")
     rl_step = script_module(ROOT / "benchmarks" / "rl_step.py")
     assert rl_step.main(["--smoke", "--out", str(tmp_path), "--modes", "bf16,quads"]) == 0
     result = json.loads((tmp_path / "rl-step.json").read_text())
     assert set(result["meta"]) >= {"date", "commit", "machine", "command"}
+    assert result["meta"]["commit"] == "0123abc"
     rows = {r["mode"]: r for r in result["results"]["rows"]}
     assert set(rows) == {"bf16", "quads"} and all(r["steps_timed"] == 1 for r in rows.values())
     for r in rows.values():

@@ -36,9 +36,13 @@ def write_json(path: str | None, rows) -> None:
 
 def git_commit() -> str:
     """The checkout's short commit, or "unknown" outside a git checkout: what a results file
-    names as the code that ran."""
+    names as the code that ran. LOWBIT_COMMIT, where set, names it instead (a copy of the code
+    run on a machine without its git history, e.g. an exported snapshot)."""
+    import os
     import subprocess
 
+    if os.environ.get("LOWBIT_COMMIT"):
+        return os.environ["LOWBIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, check=True).stdout.strip()
