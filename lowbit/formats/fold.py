@@ -169,8 +169,7 @@ class FoldedOperand:
             s = min(sum(e <= start for e in ends), len(ends) - 1)
             if s < len(ends) - 1 and stop > ends[s]:
                 raise ValueError(f"columns {start}:{stop} cross the end of segment {s} ({ends[s]})")
-            return FoldedOperand(self.fp8[:, start:stop], self.factors[:, s:s + 1],
-                                 (0, stop - start), self.nan_rows[:, s])
+            return self.group(s, start, stop)
         inside = [c for c in range(len(self.bounds) - 1)
                   if self.bounds[c] < stop and self.bounds[c + 1] > start]
         bounds = tuple([0] + [self.bounds[c + 1] - start for c in inside[:-1]] + [stop - start])
