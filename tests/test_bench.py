@@ -320,12 +320,12 @@ def test_fold_observer_credits_the_backward_to_its_own_layer(monkeypatch, compil
 
     from lowbit.bench.folds import FoldCounts
     from lowbit.dispatch.fold_check import deferred_fold_check, observe_folds
+    from kernel_paths import kernels_on_cpu
     from lowbit.formats.spec import Rounding
-    from lowbit.kernels import supports
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
-    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    kernels_on_cpu(monkeypatch)
     lin = get_recipe("stable-fp4-fp8").linear
     dy_spec = replace(lin.dgrad_dy, rounding=Rounding.RNE)   # the reference's bits: countable
     lin = replace(lin, dgrad_dy=dy_spec, wgrad_dy=dy_spec)

@@ -12,13 +12,14 @@ import threading
 
 import pytest
 import torch
+from kernel_paths import kernels_on_cpu
 
 import lowbit.dispatch as dispatch
 from lowbit.dispatch.fold_check import ACTIVE, deferred_fold_check, watch_chunked_folds
 from lowbit.formats import QuantSpec, quantize_with_spec
 from lowbit.formats.fold import NAN_ROW, SHIFT_MAX, SHIFT_MIN, BlockExponents, shift_table
 from lowbit.formats.fold import fold_operand
-from lowbit.kernels import quantize_triton, supports
+from lowbit.kernels import quantize_triton
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -27,10 +28,6 @@ from lowbit.kernels.fp8_fold import (  # noqa: E402
     encode_shifted, quantize_fold_mxfp4, quantize_fold_mxfp4_with_transpose,
 )
 
-
-def kernels_on_cpu(monkeypatch):
-    """lowbit.dispatch hands CPU tensors to the kernels too (under the interpreter here)."""
-    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RULES = ["floor", "rceil"]

@@ -599,13 +599,14 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     gradients, bit for bit, as the rotation followed by the quantize kernel (kernels forced on the
     interpreter, or on the GPU; the same draws from torch's generator either way)."""
     import lowbit.dispatch as dispatch
+    from kernel_paths import kernels_on_cpu
     from lowbit.formats import random_hadamard
     from lowbit.ops import quant_linear
     from lowbit.recipes import get_recipe
 
     import lowbit.kernels.hadamard as hadamard
 
-    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda x, spec, codes=True: supports(spec, codes))
+    kernels_on_cpu(monkeypatch)
     fused_calls = []
     fake_quantize = hadamard.fake_quantize_rht_rows
 

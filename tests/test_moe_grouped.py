@@ -8,6 +8,7 @@ the per-expert loop."""
 
 import pytest
 import torch
+from kernel_paths import kernels_on_cpu
 
 from lowbit.models.moe import Experts, grouped_mm_supported
 from lowbit.nn import QuantExperts
@@ -262,13 +263,9 @@ def test_fp8_grouped_nan_and_extreme_magnitudes():
 
 
 @pytest.fixture
-def fold_kernels():
+def fold_kernels(monkeypatch):
     """lowbit.dispatch hands CPU tensors to the fused fold kernels too (Triton's interpreter)."""
-    from lowbit.kernels import supports
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("lowbit.dispatch._quantizers.use_kernels",
-                   lambda x, spec, codes=True: supports(spec, codes))
-        yield
+    kernels_on_cpu(monkeypatch)
 
 
 def test_fp8_grouped_folds_are_observed_under_the_experts_names(fold_kernels):
