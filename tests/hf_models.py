@@ -79,3 +79,24 @@ def load_decompressed(path: Path, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True),
         **kw).eval()
+
+
+def compressed_tensors_weights(path: Path) -> dict:
+    """Every quantized weight of a compressed-tensors export as compressed-tensors' own
+    compressor decompresses it (no transformers in between): {"<module>.weight": dense}."""
+    import json
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    config = QuantizationConfig.model_validate(
+        json.loads((path / "config.json").read_text())["quantization_config"])
+    (scheme,) = config.config_groups.values()
+    compressor = BaseCompressor.load_from_registry(config.format)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    modules = {k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")}
+    return {f"{m}.weight": compressor.decompress(
+        {k.removeprefix(m + "."): v for k, v in tensors.items() if k.startswith(m + ".")},
+        scheme)["weight"] for m in sorted(modules)}

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from hf_models import TEXT, load_decompressed, save_hf_model, tokenizer
+from safetensors.torch import load_file
+
+from hf_models import TEXT, compressed_tensors_weights, load_decompressed, save_hf_model, tokenizer
 from run_helpers import cli
 
 # What each stage runs on: a few steps of short sequences on a slice of Tiny Shakespeare.
@@ -123,6 +125,9 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
     ids = token_ids()
     torch.testing.assert_close(logits(hf, ids), logits(exported.model.to(dtype), ids), rtol=0, atol=0)
 
+    # 4b. the FP4 run in every other format and layout a user can export
+    export_every_format(kind, train_run, tmp_path / "formats", capsys)
+
     # 5. the FP4 run's master weights as a plain Hugging Face folder
     plain = tmp_path / "plain"
     code, err = cli(capsys, "export", train_run, "--format", "bf16", "--out", plain, "--no-progress")
@@ -153,6 +158,63 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
     assert policy.keys() == ours.state_dict().keys()
     for name, value in ours.state_dict().items():
         assert torch.equal(policy[name], value), name
+
+
+# Every quantized format `lowbit export` writes: (--format, --layout, --activations).
+EXPORTS = [("nvfp4", "modelopt", "bf16"), ("nvfp4", "compressed-tensors", "bf16"),
+           ("nvfp4", "compressed-tensors", "nvfp4"), ("mxfp4", "compressed-tensors", "bf16"),
+           ("int4:g32", "compressed-tensors", "bf16"), ("int4:g32:asym", "compressed-tensors", "bf16"),
+           ("int8:row", "compressed-tensors", "bf16")]
+
+
+def export_every_format(kind, run, out, capsys):
+    """`lowbit export RUN` in each of EXPORTS: compressed-tensors' own compressor decompresses
+    every weight to lowbit's reading of the folder; transformers loads the folder to lowbit's
+    logits wherever the export names no reader that loads it wrong (docs/models.md, "MoE
+    exports in transformers": an MoE model in NVFP4 or `:asym` integers), and the export says
+    so where it does; the ModelOpt layout holds the compressed-tensors one's values; a W4A4
+    export holds the W4A16 one's weights and a static input scale for each of them."""
+    from lowbit.export import load_exported
+
+    ids = token_ids()
+    read = {}
+    for format, layout, activations in EXPORTS:
+        folder = out / f"{format}-{layout}-{activations}".replace(":", "-")
+        code, err = cli(capsys, "export", run, "--format", format, "--layout", layout,
+                        "--activations", activations, "--calib-batches", "1", "--out", folder,
+                        "--no-progress")
+        assert code == 0, (format, layout, activations, err)
+        exported = read[format, layout, activations] = load_exported(folder)
+        assert exported.weights, folder
+        notes = json.loads((folder / "lowbit_export.json").read_text())["reader_notes"]
+        known_wrong = kind == "qwen3-moe" and (format == "nvfp4" and layout == "compressed-tensors"
+                                               or format.endswith(":asym"))
+        assert bool(notes) == known_wrong, (folder, notes)
+        if layout == "modelopt":
+            continue
+        dense = compressed_tensors_weights(folder)
+        assert dense.keys() == exported.weights.keys(), folder
+        for name, value in dense.items():
+            assert torch.equal(value, exported.weights[name].dequantize(value.dtype)), (folder, name)
+        if known_wrong or activations == "nvfp4":
+            continue
+        # FP4 decompresses to BF16, the int formats to float32 (their scales' dtype)
+        dtype = torch.bfloat16 if format.endswith("fp4") else torch.float32
+        hf = load_decompressed(folder, dtype=dtype)
+        torch.testing.assert_close(logits(hf, ids), logits(exported.model.to(dtype), ids),
+                                   rtol=0, atol=0, msg=str(folder))
+    modelopt, w4a16, w4a4 = (read["nvfp4", layout, act] for layout, act in
+                             (("modelopt", "bf16"), ("compressed-tensors", "bf16"),
+                              ("compressed-tensors", "nvfp4")))
+    for name, q in w4a16.weights.items():
+        for other in (modelopt, w4a4):
+            assert torch.equal(other.weights[name].dequantize(torch.float32),
+                               q.dequantize(torch.float32)), name
+    scales = load_file(out / "nvfp4-compressed-tensors-nvfp4" / "model.safetensors")
+    inputs = {k.removesuffix(".input_global_scale") for k in scales if k.endswith(".input_global_scale")}
+    assert {n.removesuffix(".weight") for n in w4a16.weights} <= inputs
+    assert all(torch.isfinite(scales[f"{m}.input_global_scale"]).all()
+               and (scales[f"{m}.input_global_scale"] > 0).all() for m in inputs)
 
 
 # --- the hand-offs between jobs: RL from a QAT run, and an RL run out ------------------------------
