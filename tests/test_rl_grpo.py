@@ -483,6 +483,41 @@ def test_tasks_are_seeded_and_held_out():
         get_task("add", digits=1).problems(0, 0, 4, exclude={f"{a}+{b}=" for a in range(10) for b in range(10)})
 
 
+def test_worked_addition_shows_each_column_and_rewards_the_sum():
+    task = get_task("add-worked", digits=4)
+    plain = get_task("add", digits=4)
+    held = task.eval_problems(200)
+    assert [(p.prompt, p.answer) for p in held] == [(p.prompt, p.answer) for p in plain.eval_problems(200)]
+    for p in held:
+        a, b = map(int, p.prompt.removesuffix("=").split("+"))
+        *columns, last = p.solution.removesuffix("\n").split(" ")
+        assert last == f"={a + b}" and len(columns) == 4 and task.reward(p, p.solution) == 1.0
+        carry = 0
+        for i, column in enumerate(columns):           # from the right, each with its carry in
+            x, y = a // 10 ** i % 10, b // 10 ** i % 10
+            assert column == f"{x}+{y}{'+1' if carry else ''}={x + y + carry}", (p, column)
+            carry = (x + y + carry) // 10
+        assert 30 <= len(p.solution) <= 41
+    p = held[0]
+    assert task.reward(p, f"wrong work ={p.answer}\nmore") == 1.0      # the answer after the last "="
+    assert task.reward(p, f"{p.solution[:-1]}0\n") == 0.0
+    assert task.reward(p, p.answer + "\n") == 0.0                       # no "=": no answer
+    assert task.name == "addw4"
+
+
+def test_a_completion_limit_below_the_solutions_is_warned(tmp_path, capsys):
+    from lowbit.cli import main
+
+    flags = ["rl", "--task", "add-worked", "--task-size", "3", "--steps", "1", "--warmstart-steps", "1",
+             "--eval-problems", "4", "--eval-every", "0", "--prompts-per-step", "1", "--num-generations", "2",
+             "--rollout", "bf16", "--align", "none", "--no-progress", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert main([*flags, "--max-completion-length", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-completion-length 8 is shorter than 4 of the 4 held-out problems' reference" in err
+    assert main([*flags, "--max-completion-length", "40", "--overwrite"]) == 0
+    assert "max-completion-length" not in capsys.readouterr().err
+
+
 def test_gsm8k_loads_and_its_reward_reads_the_final_number(corpus_env):
     task = get_task("gsm8k")
     assert (len(task.train), len(task.test)) == (7473, 1319)        # shared/data/gsm8k's splits

@@ -9,6 +9,8 @@ Every completion ends with a newline (the stop token of the byte tokenizer, id 1
 problem's `solution` is the reference completion a supervised warm start trains on.
 
 - `add`: "a+b=" with a, b of `digits` digits; the answer is the sum.
+- `add-worked`: the same problems, the completion adding the columns from the right with their
+  carries before the sum ("47+85=" -> "7+5=12 4+8+1=13 =132"): long completions.
 - `mul`: "a*b=" with a of `digits` digits and b of one digit.
 - `countdown`: "countdown 3 7 5 -> 26:" -- combine all the numbers, each once, with + - *
   (usual precedence) to reach the target; any correct expression scores 1. Targets come from
@@ -109,6 +111,33 @@ class Multiplication(Addition):
         return Problem(f"{a}*{b}=", str(a * b), f"{a * b}{STOP_TEXT}")
 
 
+class WorkedAddition(Addition):
+    """`add` with its work shown: the completion adds the columns from the right, each with
+    the carry into it, then gives the sum after a last "=", so a completion is several times
+    longer than the answer (30-41 tokens at 4 digits, against 5-6) and an error in any column
+    carries into the answer. The reward checks the answer after the last "=" only, as GSM8K's
+    checks its last number."""
+
+    def __init__(self, digits: int = 2) -> None:
+        super().__init__(digits)
+        self.name = f"addw{digits}"
+
+    def sample(self, rng: random.Random) -> Problem:
+        a, b = self._number(rng), self._number(rng)
+        width = max(len(str(a)), len(str(b)))
+        xs, ys = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]
+        steps, carry = [], 0
+        for x, y in zip(xs, ys):
+            total = int(x) + int(y) + carry
+            steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+            carry = total // 10
+        return Problem(f"{a}+{b}=", str(a + b), f"{' '.join(steps)} ={a + b}{STOP_TEXT}")
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        text = completion.split(STOP_TEXT, 1)[0]
+        return float("=" in text and text.rsplit("=", 1)[1].strip() == problem.answer)
+
+
 class Countdown(Task):
     def __init__(self, numbers: int = 3, largest: int = 9) -> None:
         if not 2 <= numbers <= 5:
@@ -205,11 +234,12 @@ def _read_gsm8k(path) -> list[Problem]:
     return out
 
 
-TASKS = {"add": Addition, "mul": Multiplication, "countdown": Countdown, "gsm8k": GSM8K}
+TASKS = {"add": Addition, "add-worked": WorkedAddition, "mul": Multiplication, "countdown": Countdown,
+         "gsm8k": GSM8K}
 
 
 def get_task(name: str, **options) -> Task:
-    """A task by name ("add", "mul", "countdown", "gsm8k") with its options (digits=,
+    """A task by name ("add", "add-worked", "mul", "countdown", "gsm8k") with its options (digits=,
     numbers=, data_dir=)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")

@@ -25,7 +25,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, RLConfig)
     p.add_argument("--compare", metavar="SETTINGS",
                    help="run these settings on the same seeds and plot them together, e.g. "
-                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is])")
+                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is][+static-act])")
     p.add_argument("--seeds", metavar="SEEDS",
                    help="with --compare: every setting at each of these seeds (e.g. 0,1,2; a seed "
                         "fixes the prompts, sampling and warm start), and the change in the bf16 "

@@ -67,11 +67,11 @@ class RLConfig(RunConfig):
 
     # --- task ------------------------------------------------------------------------------
     task: str = field(default="add", metadata=flag(
-        "--task", "add, mul, countdown or gsm8k (default: %(default)s)"))
-    """lowbit.data.tasks: add, mul, countdown, gsm8k."""
+        "--task", "add, add-worked, mul, countdown or gsm8k (default: %(default)s)"))
+    """lowbit.data.tasks: add, add-worked, mul, countdown, gsm8k."""
     task_size: int | None = field(default=1, metadata=flag(
-        "--task-size", "digits (add, mul) or numbers (countdown) (default: %(default)s)"))
-    """Digits (add, mul) or numbers (countdown); None: the task's default (2 digits, 3 numbers)."""
+        "--task-size", "digits (add, add-worked, mul) or numbers (countdown) (default: %(default)s)"))
+    """Digits (add, add-worked, mul) or numbers (countdown); None: the task's default (2 digits, 3 numbers)."""
     data_dir: str | None = field(default=None, metadata=flag("--data-dir", "folder holding gsm8k/"))
     """Folder holding gsm8k/ (default: lowbit.data's)."""
 

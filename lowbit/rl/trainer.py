@@ -208,6 +208,13 @@ class GRPOTrainer:
                             self.run_dir)
         self.model_config = policy_config(c, self.task)
         self.tokenizer, self.stop_ids = policy_tokenizer(c)
+        solutions = [len(self.tokenizer.encode(p.solution)) for p in self.eval_set]
+        cut = sum(n > c.max_completion_length for n in solutions)
+        if cut:
+            self.warn(f"lowbit: warning: --max-completion-length {c.max_completion_length} is shorter "
+                      f"than {cut} of the {len(solutions)} held-out problems' reference solutions "
+                      f"(up to {max(solutions)} tokens): completions that long are cut before their "
+                      f"answer; raise it to at least {max(solutions)}")
         if c.routing_replay and not self.model_config.is_moe:
             raise ValueError("--routing-replay needs an MoE policy")
 
