@@ -2,6 +2,7 @@
 not in unit tests: this checks the table, not the numbers)."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -99,6 +100,10 @@ def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "timings mean nothing" in text and "fq+t mxfp4 rceil 32x32 rne" in text
     report = json.loads(out.read_text())
+    # what docs/results needs of a results file (tests/test_results.py), written by the command
+    meta = report["meta"]
+    assert {"date", "commit", "machine", "command"} <= meta.keys()
+    assert meta["machine"] == f"{os.cpu_count()}-core CPU" and meta["commit"]
     rows = report["timings"]
     assert [r["kernel"] for r in rows] == [label for label, _, _ in timed_kernels()]
     assert not [r for r in rows if "error" in r]

@@ -51,11 +51,32 @@ def git_commit() -> str:
     return out or "unknown"
 
 
+def machine_words(device: str) -> str:
+    """The machine in a reader's words ("one H200", "2 H100s", "2-core CPU"); LOWBIT_MACHINE,
+    where set, instead."""
+    import os
+    import re
+
+    import torch
+
+    if os.environ.get("LOWBIT_MACHINE"):
+        return os.environ["LOWBIT_MACHINE"]
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        short = re.search(r"\b([A-Z]\d{2,4})\b", name)
+        name = short[1] if short else name
+        count = torch.cuda.device_count()
+        return f"one {name}" if count == 1 else f"{count} {name}s"
+    return f"{os.cpu_count()}-core CPU"
+
+
 def run_meta(device: str) -> dict:
-    """What a results file records beside its numbers: date, machine, versions, command."""
+    """What a results file records beside its numbers: date, commit, machine, versions,
+    command."""
     import torch
 
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "machine": machine_words(device),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(),

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from lowbit.config import add_flags, flag_values
 from lowbit.export.config import ExportConfig
-from lowbit.export.layouts import FORMAT_LAYOUTS
 from lowbit.export.source import (check_apart, corpus_calibration_batches, export_format,
                                   load_source)
 
@@ -74,14 +73,13 @@ def run_export(args: argparse.Namespace) -> None:
         print(f"lowbit export: {config.source} -> {out} as a plain Hugging Face folder in bf16 "
               f"({len(written)} files)")
         return
-    fmt = export_format(config.format, trained, config.source)
-    layout = config.layout or FORMAT_LAYOUTS[fmt.name][0]   # export_model checks the pair
+    fmt = export_format(config.weight_format, trained, config.source, names_block=config.names_block)
     input_amax = None
     if config.activations == "nvfp4":
         tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
         batches = corpus_calibration_batches(model, tok, config.calib_corpus, config.calib_batches)
         input_amax = calibrate_input_amax(model, batches)
-    report = export_model(model, out, format=fmt, layout=layout, weights=weights,
+    report = export_model(model, out, format=fmt, layout=config.layout, weights=weights,
                           scale_rule=config.scale_rule, input_amax=input_amax,
                           tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                           allow_unshared_scales=config.allow_unshared_scales,
@@ -90,7 +88,7 @@ def run_export(args: argparse.Namespace) -> None:
     for note in report.notes:
         print(f"lowbit: warning: {note}", file=sys.stderr)
     write_text(out / "lowbit_export.json", json.dumps({
-        "source": str(config.source), "format": str(fmt), "layout": layout,
+        "source": str(config.source), "format": str(fmt), "layout": report.layout,
         "activations": config.activations, "packed_weights": len(report.quantized),
         "excluded": report.excluded, "quantized_bytes": report.quantized_bytes,
         "quantized_bf16_bytes": report.quantized_bf16_bytes, "weight_ratio": report.weight_ratio,

@@ -6,10 +6,12 @@ source) is the state of the disk, checked by lowbit.export.cli_args.run_export w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from lowbit.config import flag, require
 from lowbit.export.layouts import parse_export_format
+from lowbit.formats.weight_format import WeightFormat, names_block
 
 __all__ = ["ExportConfig"]
 
@@ -68,10 +70,19 @@ class ExportConfig:
         require(not self.plain_bf16 or (self.layout is None and self.activations == "bf16"),
                 "--format bf16 writes a plain Hugging Face folder: it takes no --layout "
                 "and no --activations nvfp4")
-        if self.format is not None and not self.plain_bf16:
-            parse_export_format(self.format)   # a bad format: refused before anything loads
+        self.weight_format   # a bad format: refused before anything loads
 
     @property
     def plain_bf16(self) -> bool:
         """--format bf16: a plain Hugging Face folder, nothing quantized."""
         return self.format is not None and self.format.strip().lower() == "bf16"
+
+    @functools.cached_property
+    def weight_format(self) -> WeightFormat | None:
+        """--format parsed once (parse_export_format); None when left out or bf16."""
+        return None if self.format is None or self.plain_bf16 else parse_export_format(self.format)
+
+    @property
+    def names_block(self) -> bool:
+        """Whether --format gave the block (gG or row), which a QAT run's must then match."""
+        return self.format is not None and names_block(self.format)

@@ -59,18 +59,20 @@ def parse_export_format(text: str) -> WeightFormat:
     WeightFormat to export (defaults: int4 in groups of 128, as GPTQ / AWQ checkpoints are; int8
     per output channel, `:row`, as W8A16 ones are). What no server kernel reads is refused with
     a line saying which exports there are."""
-    head = str(text).strip().lower().split(":")[0]
-    if head in ("int2", "int3", "ternary", "binary", "seq2") or head in ("int2_asym", "int3_asym"):
-        raise ValueError(f"{head} weights have no serving layout: vLLM's and SGLang's integer "
-                         f"kernels (compressed-tensors pack-quantized, WNA16) take 4- and 8-bit "
-                         f"integers only, and no server reads 1-3-bit or ternary codes; lowbit "
-                         f"exports {EXPORTS}")
     try:
         fmt = parse_weight_format(text)
     except ValueError as e:
         raise ValueError(f"--format {text}: {e}; lowbit exports {EXPORTS}") from None
+    if fmt.name in ("int2", "int3", "ternary", "binary", "seq2"):
+        raise ValueError(f"{fmt.format_name} weights have no serving layout: vLLM's and SGLang's "
+                         f"integer kernels (compressed-tensors pack-quantized, WNA16) take 4- and "
+                         f"8-bit integers only, and no server reads 1-3-bit or ternary codes; "
+                         f"lowbit exports {EXPORTS}")
     if fmt.name not in FORMAT_LAYOUTS:
         raise ValueError(f"unknown --format {text!r}; lowbit exports {EXPORTS}")
+    if fmt.scale_rule is not None:
+        raise ValueError(f"--format {text}: the MX scale rule is its own flag; write --format "
+                         f"{fmt.name} --scale-rule {fmt.scale_rule}")
     if fmt.data_scaled:
         fmt.refuse(f"--format {fmt.name}", set(), f"{fmt.name} has its own blocks; write plain "
                    f"--format {fmt.name}")

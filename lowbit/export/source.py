@@ -98,24 +98,23 @@ def master_weights(state: dict) -> dict:
     return out
 
 
-def export_format(requested: str | None, trained: str | None, source) -> WeightFormat:
-    """The format to write: the requested one, or a QAT run's own; a QAT run asked for another
-    format (which would quantize its trained weights again) is refused. For a QAT run, `int4`
-    names its int4 weights whatever their groups; `int4:g64` or `int4:asym` must be theirs."""
+def export_format(requested: WeightFormat | None, trained: str | None, source, *,
+                  names_block: bool = False) -> WeightFormat:
+    """The format to write: the requested one (ExportConfig.weight_format), or a QAT run's own;
+    a QAT run asked for another format (which would quantize its trained weights again) is
+    refused. For a QAT run, `int4` names its int4 weights whatever their groups; `int4:g64`
+    (`names_block`: the text gave the block) or `int4:asym` must be theirs."""
     if trained is None:
-        return parse_export_format(requested or "nvfp4")
+        return requested or parse_export_format("nvfp4")
     try:
         own = parse_export_format(trained)
     except ValueError as e:
         raise ValueError(f"{source} trained {trained} weights (QAT): {e}") from None
     if requested is None:
         return own
-    asked = parse_export_format(requested)
     # options left out (int4 for an int4:g32:asym run) are the run's; options named must match
-    options = [o.strip() for o in requested.lower().split(":")[1:]]
-    group_named = any(o == "row" or o.startswith("g") for o in options)
-    if (asked.name != own.name or ("asym" in options and not own.asym)
-            or (group_named and asked.group != own.group)):
+    if (requested.name != own.name or (requested.asym and not own.asym)
+            or (names_block and requested.group != own.group)):
         raise ValueError(f"{source} trained {trained} weights (QAT), which export as they are; "
                          f"--format {requested} would quantize them again: use --format {own} "
                          f"(or leave --format out)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -37,10 +38,10 @@ QAT_FORMATS = ("int2", "int3", "int4", "int8", "ternary", "binary", "seq2", "nvf
 def qat_weight_format(text: str) -> WeightFormat:
     """A `--weights` value (lowbit.formats' grammar) as the WeightFormat QAT trains: the
     formats and options in the module docstring; anything else is refused in one line."""
-    head = str(text).strip().lower().split(":")[0]
-    if head.startswith("int") and head[3:].isdigit() and head not in QAT_FORMATS:
-        raise ValueError(f"{head}: QAT takes int2, int3, int4 or int8 weights")
-    fmt = parse_weight_format(text, check_block=False)
+    try:
+        fmt = parse_weight_format(text, check_block=False)
+    except ValueError as e:   # int5, int16: not a lowbit format at all; say which ints QAT trains
+        raise ValueError(f"{e} (QAT's integers: int2, int3, int4, int8)") from None
     if fmt.name not in QAT_FORMATS:
         raise ValueError(f"QAT takes no {fmt.name} weights; use one of "
                          f"{', '.join(QAT_FORMATS)}, e.g. int2:g64")
@@ -196,8 +197,9 @@ class QATConfig:
         if isinstance(self.jacquant, dict):
             object.__setattr__(self, "jacquant", JacQuantConfig(**self.jacquant))
 
-    @property
+    @functools.cached_property   # parsed once per config (frozen: cached in its __dict__)
     def format(self) -> WeightFormat:
+        """`weights` as the WeightFormat QAT trains (qat_weight_format)."""
         return qat_weight_format(self.weights)
 
     @property

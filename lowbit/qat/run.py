@@ -453,7 +453,7 @@ def _stopped(summary: dict, job: QATJob, where: str) -> dict:
 
 def _finished_row(qat: QATConfig, seed: int, run_dir: Path, label: str) -> dict:
     """summary["runs"]'s entry for a run finished before (a resumed job), from its final.json."""
-    final = json.loads((run_dir / "final.json").read_text())
+    final = RunDir(run_dir).final_record()
     return {"run": str(run_dir), "weights": qat.weights, "estimator": label, "seed": seed,
             "val_loss": float(final["val_loss"]), "val_ppl": float(final["val_ppl"]),
             "steps": final["steps"], "tokens": final["tokens_seen"],

@@ -20,7 +20,6 @@ evaluation. The gap to the first setting is in accuracy points (not %), higher i
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +173,7 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
     rows = []
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
-        config = json.loads((Path(run_dir) / "config.json").read_text())
+        config = RunDir(run_dir).config_record() or {}
         train = [r for r in records if r["event"] == "train"]
         evals = [r for r in records if r["event"] == "eval"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from lowbit.config import RunConfig, check_stop_after_minutes, flag, require, stop_after_minutes_field
 from lowbit.rl.grpo import IS_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
-from lowbit.rl.precision import ActivationScale, Precision
+from lowbit.rl.precision import Precision, RolloutMode
 
 __all__ = ["RLConfig", "ALIGNMENTS", "FREE_ON_RESUME", "MODEL_FOLDER_LR"]
 
@@ -19,6 +19,9 @@ default), not the 3e-4 the small presets, warm-started from scratch, take."""
 
 ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
+# RolloutMode's refusals, in `lowbit rl`'s words
+FLAG_NAMES = {"precision": "--rollout", "rac_ratio": "--rac-ratio",
+              "activation_scale": "--rollout-activation-scale", "packed_gemm": "--packed-gemm"}
 # observation and placement only: a resumed run may change them
 FREE_ON_RESUME = frozenset({"eval_every", "log_every", "checkpoint_every",
                             "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session",
@@ -209,23 +212,14 @@ class RLConfig(RunConfig):
             require(self.n_layers is None and self.dim is None and self.n_experts == 0,
                      "--n-layers, --dim and --n-experts change a preset; a Hugging Face "
                      "policy's shape is its config.json's")
-        require(self.rollout in {p.value for p in Precision},
-                 f"unknown --rollout {self.rollout!r}; use one of {', '.join(p.value for p in Precision)}")
         require(self.align in ALIGNMENTS, f"unknown --align {self.align!r}; use one of {', '.join(ALIGNMENTS)}")
-        require(self.align == "none" or self.rollout == "nvfp4",
+        # the engine's rules (RolloutMode) in our flags' words; then the trainer's alignment
+        mode = RolloutMode.make(self.rollout, 0.0 if self.rac_ratio is None else self.rac_ratio,
+                                self.rollout_activation_scale, self.packed_gemm, names=FLAG_NAMES)
+        require(self.align == "none" or mode.precision is Precision.NVFP4,
                  f"--align {self.align} aligns the trainer with NVFP4 rollouts: use --rollout nvfp4")
         if self.rac_ratio is None:
             self.rac_ratio = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
-        require(0.0 <= self.rac_ratio <= 1.0, f"--rac-ratio must be in [0, 1] (got {self.rac_ratio})")
-        require(self.rac_ratio == 0 or self.rollout == "nvfp4",
-                 "--rac-ratio compensates NVFP4 activations: use --rollout nvfp4")
-        scales = [a.value for a in ActivationScale]
-        require(self.rollout_activation_scale in scales,
-                 f"unknown --rollout-activation-scale {self.rollout_activation_scale!r}; use one of "
-                 f"{', '.join(scales)}")
-        require(self.rollout_activation_scale == "per-token" or self.rollout == "nvfp4",
-                 f"--rollout-activation-scale {self.rollout_activation_scale} scales NVFP4 "
-                 f"activations (W4A4): use --rollout nvfp4 (got --rollout {self.rollout})")
         require(self.loss_type in LOSS_TYPES,
                 f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
         require(self.scale_rewards in SCALE_REWARDS,
@@ -236,9 +230,6 @@ class RLConfig(RunConfig):
         require(math.isfinite(self.is_cap) and self.is_cap > 0, f"--is-cap must be > 0 (got {self.is_cap})")
         require(not self.routing_replay or self.n_experts > 0 or folder,   # folder: the trainer checks
                  "--routing-replay needs an MoE policy: add --n-experts 8")
-        require(not self.packed_gemm or self.rollout in ("nvfp4", "nvfp4-w4a16"),
-                 f"--packed-gemm multiplies packed NVFP4 weights: use it with --rollout nvfp4 or "
-                 f"nvfp4-w4a16 (got --rollout {self.rollout})")
         require(not self.compile_decode or self.n_experts == 0 or folder,
                  "--compile-decode needs a dense policy (MoE decode reads expert counts back "
                  "to the host); drop --n-experts or the flag")

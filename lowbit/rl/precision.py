@@ -64,6 +64,7 @@ for both terms. Ratio 0 is naive W4A4; ratio 1 compensates every channel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -71,10 +72,12 @@ import torch
 from lowbit import dispatch
 from lowbit.dispatch import inference
 from lowbit.formats import QTensor, QuantSpec
+from lowbit.formats.spec import parse_enum
 from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4, static_nvfp4
 from lowbit.formats.linear_weight import LinearWeight
 
-__all__ = ["Precision", "ActivationScale", "weight_spec", "quantize_weight", "quantize_activation", "rac_linear"]
+__all__ = ["Precision", "ActivationScale", "RolloutMode", "weight_spec", "quantize_weight",
+           "quantize_activation", "rac_linear"]
 
 
 class Precision(str, Enum):
@@ -96,6 +99,47 @@ class ActivationScale(str, Enum):
     """How `nvfp4` scales a linear's input (the module doc's second table)."""
     PER_TOKEN = "per-token"
     STATIC = "static"
+
+
+# how RolloutMode's refusals name each setting: the engine's keywords, or `lowbit rl`'s flags
+ENGINE_NAMES = {"precision": "precision", "rac_ratio": "rac_ratio",
+                "activation_scale": "activation scale", "packed_gemm": "packed_gemm"}
+
+
+@dataclass(frozen=True)
+class RolloutMode:
+    """A rollout precision with the settings that apply to it, checked together in one place:
+    RAC and a static activation scale need `nvfp4` (they act on its W4A4 activations), the
+    packed GEMM an NVFP4 mode. Both the engine (lowbit.rl.engine.EngineConfig) and `lowbit rl`
+    (lowbit.rl.RLConfig, its refusals naming the flags) build one; `names` maps each field to
+    how a refusal writes it."""
+
+    precision: Precision
+    rac_ratio: float = 0.0
+    activation_scale: ActivationScale = ActivationScale.PER_TOKEN
+    packed_gemm: bool = False
+
+    @classmethod
+    def make(cls, precision, rac_ratio=0.0, activation_scale="per-token", packed_gemm=False,
+             names: dict[str, str] = ENGINE_NAMES) -> RolloutMode:
+        """Each value checked alone and against the others; one-line ValueErrors."""
+        p, r, a, g = (names[k] for k in ("precision", "rac_ratio", "activation_scale", "packed_gemm"))
+        precision = parse_enum(Precision, precision, p)
+        activation_scale = parse_enum(ActivationScale, activation_scale, a)
+        if not (isinstance(rac_ratio, (int, float)) and 0.0 <= rac_ratio <= 1.0):
+            raise ValueError(f"{r} must be in [0, 1] (got {rac_ratio}); e.g. 0.25 compensates a "
+                             "quarter of the input channels")
+        if rac_ratio and precision is not Precision.NVFP4:
+            raise ValueError(f"{r} compensates NVFP4 activations (RAC), so it needs {p} nvfp4 "
+                             f"(got {precision.value})")
+        if activation_scale is ActivationScale.STATIC and precision is not Precision.NVFP4:
+            raise ValueError(f"{a} static is a served NVFP4 checkpoint's activation scale (W4A4), "
+                             f"so it needs {p} nvfp4 (got {precision.value})")
+        if packed_gemm and precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
+            raise ValueError(f"{g} multiplies packed NVFP4 weights, so it needs {p} nvfp4 or "
+                             f"nvfp4-w4a16 (got {precision.value}: bf16 weights are dense, FP8 "
+                             f"runs torch._scaled_mm)")
+        return cls(precision, float(rac_ratio), activation_scale, bool(packed_gemm))
 
 
 _NVFP4_WEIGHT = QuantSpec.make("nvfp4", (1, 16))                       # + FP32 tensor scale

@@ -21,6 +21,7 @@ from lowbit.train.config import FINE_TUNE_LR, TrainConfig
 from lowbit.train.loop import train
 from lowbit.train.runner import NonFiniteLossError
 from lowbit.train.plot import plot_runs
+from lowbit.train.run_dir import RunDir
 
 _DEFAULT = TrainConfig()
 
@@ -97,16 +98,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _saved_fields(given: dict) -> dict:
     """The value-flag fields of the run folder the given flags name (its config.json), or {}
     where there is none (a resume of nothing is refused later, with its own message)."""
-    import json
     from pathlib import Path
 
     naming = TrainConfig(**{k: v for k, v in given.items()
                             if k in ("model", "corpus", "recipe", "run_name", "out_dir")})
-    saved_file = Path(naming.out_dir) / naming.name / "config.json"
-    if not saved_file.is_file():
-        return {}
     try:
-        saved = json.loads(saved_file.read_text())
+        saved = RunDir(Path(naming.out_dir) / naming.name).config_record() or {}
     except (OSError, ValueError):
         return {}   # unreadable: the resume's own checks say so
     value_fields = {f.name for f in flag_fields(TrainConfig)}

@@ -187,15 +187,21 @@ class RunDir:
 
     def final_record(self) -> dict | None:
         """final.json's record, or None if the run has not written it."""
-        file = self.path / "final.json"
+        return self._record("final.json", "remove it and finish the run with --resume")
+
+    def config_record(self) -> dict | None:
+        """config.json's record (the run's config as it was written), or None if there is none."""
+        return self._record("config.json", "start the run again with --overwrite")
+
+    def _record(self, name: str, fix: str) -> dict | None:
+        file = self.path / name
         if not file.is_file():
             return None
         try:
             return json.loads(file.read_text())
         except (ValueError, UnicodeDecodeError):
             raise ValueError(f"{file} is not JSON (a run writes it atomically, so something "
-                             f"else changed it); restore it, or remove it and finish the run "
-                             f"with --resume") from None
+                             f"else changed it); restore it, or {fix}") from None
 
     @property
     def checkpoint(self) -> Path:

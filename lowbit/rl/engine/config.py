@@ -8,8 +8,7 @@ import torch
 
 from lowbit import kernels
 from lowbit.models.config import ModelConfig
-from lowbit.formats.spec import parse_enum
-from lowbit.rl.precision import ActivationScale, Precision
+from lowbit.rl.precision import ActivationScale, Precision, RolloutMode
 
 __all__ = ["EngineConfig", "COMPILE_MODES"]
 
@@ -61,19 +60,10 @@ class EngineConfig:
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Check every setting against the model, fill the defaults; refuses in one line."""
-        self.precision = parse_enum(Precision, self.precision, "rollout precision")
-        if not 0.0 <= self.rac_ratio <= 1.0:
-            raise ValueError(f"rac_ratio must be in [0, 1] (got {self.rac_ratio}); e.g. 0.25 "
-                             "compensates a quarter of the input channels")
-        if self.rac_ratio and self.precision is not Precision.NVFP4:
-            raise ValueError(f"RAC compensates NVFP4 activations, so rac_ratio needs precision "
-                             f"nvfp4 (got {self.precision.value})")
-        self.rac_ratio = float(self.rac_ratio)
-        self.activation_scale = parse_enum(ActivationScale, self.activation_scale,
-                                           "activation scale")
-        if self.activation_scale is ActivationScale.STATIC and self.precision is not Precision.NVFP4:
-            raise ValueError(f"a static activation scale is a served NVFP4 checkpoint's (W4A4), so "
-                             f"it needs precision nvfp4 (got {self.precision.value})")
+        mode = RolloutMode.make(self.precision, self.rac_ratio, self.activation_scale,
+                                self.packed_gemm)
+        self.precision, self.rac_ratio, self.activation_scale = (
+            mode.precision, mode.rac_ratio, mode.activation_scale)
         self.device = torch.device(self.device)
         self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -99,9 +89,6 @@ class EngineConfig:
         if self.decode_kernels and not available:
             raise ValueError("decode_kernels needs triton and a CUDA device (or TRITON_INTERPRET=1 "
                              "on the CPU, which is slow)")
-        if self.packed_gemm and self.precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
-            raise ValueError(f"packed_gemm applies to the NVFP4 modes (got {self.precision.value}: "
-                             "bf16 weights are dense, FP8 runs torch._scaled_mm)")
         if self.decode_kernels is None:
             self.decode_kernels = self.device.type == "cuda" and available and not self.compile_decode
         if self.compile_decode and self.decode_kernels:
