@@ -296,7 +296,7 @@ def test_static_activation_scales_are_calibrated_and_checked():
     with pytest.raises(ValueError, match="activation_scale='static'"):
         _engine(cfg, model, precision="nvfp4").load_state_dict(model.state_dict(), input_amax=amax)
     for precision in ("fp8", "nvfp4-w4a16"):
-        with pytest.raises(ValueError, match="needs precision nvfp4"):
+        with pytest.raises(ValueError, match="use precision nvfp4"):
             RolloutEngine(cfg, precision, activation_scale="static")
     with pytest.raises(ValueError, match="unknown activation scale 'dynamic'"):
         RolloutEngine(cfg, "nvfp4", activation_scale="dynamic")

@@ -40,8 +40,11 @@ def qat_weight_format(text: str) -> WeightFormat:
     formats and options in the module docstring; anything else is refused in one line."""
     try:
         fmt = parse_weight_format(text, check_block=False)
-    except ValueError as e:   # int5, int16: not a lowbit format at all; say which ints QAT trains
-        raise ValueError(f"{e} (QAT's integers: int2, int3, int4, int8)") from None
+    except ValueError:
+        head = str(text).strip().lower().split(":")[0]
+        if head.startswith("int") and head[3:].isdigit():   # int5, int9: say which ints QAT trains
+            raise ValueError(f"{head}: QAT takes int2, int3, int4 or int8 weights") from None
+        raise
     if fmt.name not in QAT_FORMATS:
         raise ValueError(f"QAT takes no {fmt.name} weights; use one of "
                          f"{', '.join(QAT_FORMATS)}, e.g. int2:g64")

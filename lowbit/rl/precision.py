@@ -72,7 +72,6 @@ import torch
 from lowbit import dispatch
 from lowbit.dispatch import inference
 from lowbit.formats import QTensor, QuantSpec
-from lowbit.formats.spec import parse_enum
 from lowbit.formats.activations import fp8_row_spec, per_token_nvfp4, static_nvfp4
 from lowbit.formats.linear_weight import LinearWeight
 
@@ -124,17 +123,19 @@ class RolloutMode:
              names: dict[str, str] = ENGINE_NAMES) -> RolloutMode:
         """Each value checked alone and against the others; one-line ValueErrors."""
         p, r, a, g = (names[k] for k in ("precision", "rac_ratio", "activation_scale", "packed_gemm"))
-        precision = parse_enum(Precision, precision, p)
-        activation_scale = parse_enum(ActivationScale, activation_scale, a)
+        for kind, value, name in ((Precision, precision, p), (ActivationScale, activation_scale, a)):
+            if value not in {m.value for m in kind}:
+                raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(m.value for m in kind)}")
+        precision, activation_scale = Precision(precision), ActivationScale(activation_scale)
         if not (isinstance(rac_ratio, (int, float)) and 0.0 <= rac_ratio <= 1.0):
             raise ValueError(f"{r} must be in [0, 1] (got {rac_ratio}); e.g. 0.25 compensates a "
                              "quarter of the input channels")
         if rac_ratio and precision is not Precision.NVFP4:
-            raise ValueError(f"{r} compensates NVFP4 activations (RAC), so it needs {p} nvfp4 "
-                             f"(got {precision.value})")
+            raise ValueError(f"{r} compensates NVFP4 activations: use {p} nvfp4 (RAC needs it; got "
+                             f"{precision.value})")
         if activation_scale is ActivationScale.STATIC and precision is not Precision.NVFP4:
-            raise ValueError(f"{a} static is a served NVFP4 checkpoint's activation scale (W4A4), "
-                             f"so it needs {p} nvfp4 (got {precision.value})")
+            raise ValueError(f"{a} static scales NVFP4 activations as a served W4A4 checkpoint "
+                             f"does: use {p} nvfp4 (got {precision.value})")
         if packed_gemm and precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
             raise ValueError(f"{g} multiplies packed NVFP4 weights, so it needs {p} nvfp4 or "
                              f"nvfp4-w4a16 (got {precision.value}: bf16 weights are dense, FP8 "
