@@ -758,3 +758,5 @@ def test_bench_train_says_when_a_recipe_quantized_nothing(monkeypatch):
     text = format_rows(rows)
     assert rows[0]["note"] is None and "nvfp4 quantized no module" in rows[1]["note"]
     assert "nvfp4: nvfp4 quantized no module of this model" in text
+    row = next(line for line in text.splitlines() if line.startswith("nvfp4 (bf16: nothing quantized)"))
+    assert "x" not in row.split("quantized)")[1]       # no ratio against bf16 for it

@@ -518,12 +518,14 @@ def test_lowbit_qat_runs_and_compares(tmp_path, capsys, corpus_env):
     assert main(["qat", "--compare", "ste,jacquant", "--seeds", "0,1", "--steps", "4",
                  "--base-steps", "6", "--eval-every", "2", "--refresh-every", "2",
                  "--out-dir", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # int2 on the default absmax scales: the better choice is named, progress bars or not
+    assert "lowbit: note: int2:g32 with absmax scales (the default)" in err
     for method in ("bf16", "rtn", "gptq", "ste", "jacquant"):
         assert f"| {method} |" in out
     (folder,) = tmp_path.glob("qat-*/qat.png")
-    # named by the setting: another format or comparison on the same source keeps this one
-    assert folder.parent.name.endswith("-int2-g32-ste+jacquant-summary"), folder
+    # named by the setting: another format, comparison or set of seeds keeps this one
+    assert folder.parent.name.endswith("-int2-g32-ste+jacquant-s0-1-summary"), folder
     # the paired-seed statistics of `lowbit train --compare`, on the QAT runs' own curves
     assert "| arm | gap vs ste: mean ± sd |" in out and (folder.parent / "seeds" / "seeds.png").is_file()
     stats = json.loads((folder.parent / "seeds" / "summary.json").read_text())

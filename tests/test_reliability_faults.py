@@ -284,6 +284,10 @@ def test_rl_logs_the_fraction_of_groups_without_reward_variance_and_warns_once(
     records = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["frac_reward_zero_std"] for r in records if r["event"] == "train"] == [1.0] * 6
 
+    # a run shorter than that says so at its last step
+    code, err = cli(capsys, *RL, "--out-dir", tmp_path, "--steps", "3", "--run-name", "short")
+    assert code == 0 and err.count("no learning signal") == 1 and "first 3 steps" in err, err
+
     # one group of two with a signal: half the groups, no warning
     monkeypatch.setattr(GRPOTrainer, "score", lambda self, problems, rollout:
                         torch.tensor([0.0, 1.0] + [0.0] * (len(problems) - 2)))

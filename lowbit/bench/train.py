@@ -294,10 +294,14 @@ def format_rows(rows: list[dict]) -> str:
             "peak GiB", f"mem vs {base}", "TFLOP/s", "MFU"]
     lines = [head]
     for r in rows:
-        lines.append([r["recipe"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['time_vs_base']:.2f}x", f"{r['mean_ms']:.1f}", f"{r['mean_vs_base']:.3f}x",
+        # a recipe that quantized nothing trained bf16: its ratios would read as the recipe's
+        bf16 = bool(r.get("note"))
+        lines.append([r["recipe"] + (" (bf16: nothing quantized)" if bf16 else ""),
+                      f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                      "-" if bf16 else f"{r['time_vs_base']:.2f}x", f"{r['mean_ms']:.1f}",
+                      "-" if bf16 else f"{r['mean_vs_base']:.3f}x",
                       "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}",
-                      "-" if r["mem_vs_base"] is None else f"{r['mem_vs_base']:.2f}x",
+                      "-" if r["mem_vs_base"] is None or bf16 else f"{r['mem_vs_base']:.2f}x",
                       f"{r['model_tflops']:.1f}",
                       "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -120,7 +120,7 @@ def run_qat_command(args: argparse.Namespace) -> None:
     except NonFiniteLossError as e:
         print(f"lowbit: error: {e} Try a lower --lr or a longer --warmup-steps", file=sys.stderr)
         raise SystemExit(1) from None
-    if job.progress and args.scale_init is None and any(
+    if args.scale_init is None and any(
             c.format.is_int and c.format.bits <= 3 and c.scale_init == "absmax" for c in job.configs):
         # the default stays absmax (every documented command keeps its meaning); after the run,
         # so that a refused command still says one line, the better choice

@@ -16,9 +16,10 @@ is resumed or trained again).
 `run_qat(job)` runs one QAT run per (estimator, seed) on the same data order, steps and
 tokens, evaluates BF16 (the source model), RTN and GPTQ on the same validation batches, and
 writes a table (`table.md`), `summary.json` and one figure of validation loss over steps with
-the baselines as horizontal lines into `<out_dir>/<name>-<weights>-<arms>-summary/` (named by
-the setting, so another format or comparison on the same source does not overwrite it; <name>
-is --run-name, default qat-<source>); with several estimators, also the
+the baselines as horizontal lines into `<out_dir>/<name>-<weights>-<arms>[-s<seeds>]-summary/`
+(named by the setting, so another format, comparison or set of seeds on the same source does
+not overwrite it; <name> is --run-name, default qat-<source>; -s0-1-2 for --seeds 0,1,2, none
+for the default seed 0); with several estimators, also the
 paired-seed statistics of `lowbit train --compare` against the first one (`seeds/summary.md`,
 `seeds/seeds.png`: lowbit.train.compare.write_comparison). Each QAT run folder also gets
 `quantized.safetensors`: its trained weights packed (`convert` + `packed_weights`, keyed by
@@ -420,8 +421,9 @@ def run_qat(job: QATJob) -> dict:
                                 "wall_time_s": result.wall_time_s})
     # named by the setting, so another format or --compare on the same source keeps this one
     labels = list(dict.fromkeys(label for _, _, _, label in plans))
+    seeds = "" if job.seeds == (0,) else "-s" + "-".join(map(str, job.seeds))   # (0,): the default
     out = Path(job.out_dir) / _slug(f"{base_name}-{job.configs[0].weights}-{'+'.join(labels)}"
-                                    f"-summary")
+                                    f"{seeds}-summary")
     out.mkdir(parents=True, exist_ok=True)
     summary["table"] = format_table(summary)
     if len(job.configs) > 1 and summary["runs"]:

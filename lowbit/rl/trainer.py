@@ -84,7 +84,8 @@ of 32, which fit an H200 where the whole step ran out of memory (2026-12-05). Th
 is saved in the checkpoint, and a resumed run keeps it (one saved before it had none and ran
 whole steps)."""
 NO_SIGNAL_STEPS = 5
-"""A run whose first this many steps had equal rewards in every group says so (one warning):
+"""A run whose first this many steps (all of them, in a shorter run) had equal rewards in every
+group says so (one warning):
 every advantage was 0, so the rewards have taught the policy nothing."""
 
 
@@ -448,7 +449,7 @@ class GRPOTrainer:
         record = self.last_record
         if record.get("frac_reward_zero_std") == 1.0 and self.no_signal == step:
             self.no_signal += 1   # steps 1..step+1 all without signal (a resume starts past them)
-        if step + 1 == NO_SIGNAL_STEPS and self.no_signal == step + 1:
+        if step + 1 == min(NO_SIGNAL_STEPS, self.config.steps) and self.no_signal == step + 1:
             # a Hugging Face policy has no warm start to lengthen
             warm = "" if is_model_folder(self.config.model) else "more --warmstart-steps, "
             self.warn(f"lowbit: warning: no learning signal: every group's rewards are "
