@@ -596,3 +596,17 @@ def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():
     attn = "model.layers.0.self_attn"
     assert scales[f"{attn}.q_proj.weight"] == scales[f"{attn}.k_proj.weight"] == scales[f"{attn}.v_proj.weight"]
     assert len(set(scales.values())) == 4      # q/k/v, o, gate/up, down: one each
+
+
+def test_lowbit_qat_says_which_block_a_bare_weight_format_means(monkeypatch, capsys):
+    """`--weights int8` trains int8:g128 (the grammar's default block), where `lowbit export`'s
+    int8 is per row: the command says which, before it trains."""
+    import lowbit.qat.cli_args as qat_cli
+    from lowbit.cli import main
+
+    monkeypatch.setattr(qat_cli, "run_qat", lambda job: {"stopped": "(not run)"})
+    assert main(["qat", "--weights", "int8", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "lowbit qat: --weights int8 is int8:g128 (int8:row for one scale per output row" in out
+    assert main(["qat", "--weights", "int2:g64", "--no-progress"]) == 0
+    assert "is int2" not in capsys.readouterr().out        # given in full: nothing to say
