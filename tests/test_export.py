@@ -4,6 +4,7 @@ compressed-tensors (through transformers' loader)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,26 @@ def test_compressed_tensors_decompresses_to_lowbits_dequantized_weights(models, 
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, exported.model.to(torch.bfloat16)(ids).logits,
                                    rtol=0, atol=0)
+
+
+def test_the_upstream_reproducer_shows_the_fused_experts_bug_without_lowbit(tmp_path):
+    """docs/upstream/transformers_fused_experts_nvfp4_repro.py, the reproducer for transformers:
+    a checkpoint compressed-tensors' own compressor writes loads its experts wrong (exit 1) and
+    its attention exactly. When transformers is fixed it exits 0, and this test says so."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    script = Path(__file__).parents[1] / "docs" / "upstream" / "transformers_fused_experts_nvfp4_repro.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("plain:", "dequantize=True:"))]
+    assert len(lines) == 2 and all("attention 0," in line for line in lines), done.stdout + done.stderr
+    assert done.returncode == 1 and "the fused experts load wrong" in done.stdout, (
+        "transformers now loads NVFP4 fused experts exactly: drop the export's reader note, the "
+        "docs' warning and the strict xfails (docs/models.md, 'MoE exports in transformers')\n"
+        + done.stdout + done.stderr)
 
 
 @pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
