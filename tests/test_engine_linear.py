@@ -270,3 +270,34 @@ def test_an_outgrown_split_k_workspace_stays_alive_for_the_graphs_that_captured_
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
     el.linear(torch.randn(200, 128, generator=g).to(DEV), lw, tile=tile)
     assert nvfp4_gemm.WORKSPACES[dev][0] is grown
+
+
+def test_settle_fixes_every_weights_saturation_flag_with_one_read(monkeypatch):
+    """LinearWeight.settle reads the saturation flags of many weights at once (a weight sync's
+    hundreds): the same flags each weight reads alone (a float16 weight past 65504 saturates, a
+    NaN row scale does, a dense weight never); one stacked read from the device for all."""
+    spec = QuantSpec.make("nvfp4")
+
+    def weights():
+        torch.manual_seed(0)
+        made = []
+        for peak, dtype in ((1.0, torch.bfloat16), (7e4, torch.float16), (1e4, torch.float16),
+                            (float("inf"), torch.bfloat16)):   # Inf: its block is NaN, the scale finite
+            w = torch.randn(16, 32)
+            w[0, 0] = peak
+            made.append(LinearWeight.from_qtensors([quantize_with_spec(w, spec)], dtype))
+        nan = made[0]
+        made.append(LinearWeight(nan.format, nan.data, nan.block_scales,
+                                 torch.full_like(nan.row_scales, float("nan")), nan.in_features, nan.dtype))
+        return made + [LinearWeight.dense(torch.randn(4, 8))]
+
+    expected = [w.may_saturate for w in weights()]      # each read alone, on first use
+    assert expected == [False, True, False, False, True, False]
+    settled, reads = weights(), []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: reads.append(len(ts)) or real_stack(ts, *a, **k))
+    LinearWeight.settle(settled)
+    monkeypatch.setattr(torch, "stack", real_stack)
+    assert reads == [5]                                  # the five with row scales, in one read
+    assert all(w.settled for w in settled)               # not read again on use
+    assert [w.may_saturate for w in settled] == expected

@@ -360,6 +360,9 @@ def test_weight_sync_copies_and_changes_outputs():
             p.add_(torch.randn_like(p) * 0.05)
     assert torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
     engine.load_state_dict(model.state_dict())            # the next sync
+    layer = engine.weights.layers[0]                      # saturation flags: one read at the sync
+    assert all(w.settled for w in (layer.qkv_proj.weight, layer.o_proj.weight, layer.experts.gate_up,
+                                   layer.experts.down))
     assert not torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
     with pytest.raises(ValueError, match="no 'model.norm.weight'"):
         engine.load_state_dict({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})

@@ -61,20 +61,43 @@ class LinearWeight:
     in_features: int
     dtype: torch.dtype
     """The compute dtype: what dequantize() and a GEMM on this weight give."""
-    may_saturate: bool = field(init=False)
-    """Some value may reach the compute dtype's largest finite value, where dequantize()
-    saturates (False when every row scale times the format's largest element is below it, so
-    a kernel may skip the clamp)."""
-
+    _saturates: bool | None = field(init=False, default=None, repr=False)
     _values: torch.Tensor | None = field(init=False, default=None, repr=False)
     _tiles: NVFP4Tiles | None = field(init=False, default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        self.may_saturate = False
-        if self.row_scales is not None and self.row_scales.numel():
-            element_max = 448.0 * 6.0 if self.format is WeightStorage.NVFP4 else 448.0
-            largest = float(self.row_scales.abs().max())                    # one read, at sync
-            self.may_saturate = not largest * element_max < torch.finfo(self.dtype).max
+    @property
+    def may_saturate(self) -> bool:
+        """Some value may reach the compute dtype's largest finite value, where dequantize()
+        saturates (False when every row scale times the format's largest element is below it,
+        so a kernel may skip the clamp). Read from the device on first use; `settle` reads it
+        for many weights at once."""
+        if self._saturates is None:
+            LinearWeight.settle([self])
+        return self._saturates
+
+    @property
+    def settled(self) -> bool:
+        """Whether may_saturate is known (read from the device) already."""
+        return self._saturates is not None
+
+    @staticmethod
+    def settle(weights: list[LinearWeight]) -> None:
+        """Fix may_saturate for every weight not yet settled, with one read from each device
+        for all of them (a weight sync makes hundreds of weights; one read each would stall
+        the GPU's queue as many times)."""
+        todo: dict[torch.device, list[LinearWeight]] = {}
+        for w in weights:
+            if w._saturates is not None:
+                continue
+            if w.row_scales is None or not w.row_scales.numel():
+                w._saturates = False
+            else:
+                todo.setdefault(w.row_scales.device, []).append(w)
+        for group in todo.values():
+            largest = torch.stack([w.row_scales.abs().max().float() for w in group]).tolist()
+            for w, top in zip(group, largest):
+                element_max = 448.0 * 6.0 if w.format is WeightStorage.NVFP4 else 448.0
+                w._saturates = not top * element_max < torch.finfo(w.dtype).max   # NaN: True
 
     # ---- building ------------------------------------------------------------------------
 

@@ -334,7 +334,10 @@ class EngineWeights:
         if unexpected:
             raise ValueError(f"state dict has keys the engine's model does not: "
                              f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
-        return cls(embed, layers, norm, lm_head)
+        weights = cls(embed, layers, norm, lm_head)
+        # each weight's saturation flag, read from the device once for all of them
+        LinearWeight.settle([p for p in weights._parts() if isinstance(p, LinearWeight)])
+        return weights
 
     @torch.no_grad()
     def copy_(self, other: EngineWeights) -> bool:
