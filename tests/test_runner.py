@@ -195,3 +195,29 @@ def test_a_time_limit_stops_the_call_at_a_step_end_checkpointed_and_a_resume_fin
     monkeypatch.setenv(CALL_STARTED, str(clock[0] - 100.0))   # setup took the whole limit
     loop, folder = _loop(tmp_path / "past", Slow(), seconds_this_call=1.0)
     assert loop.run() == ("result", 1) and loop.stopped_for_time
+
+
+def test_a_long_run_says_how_long_after_its_first_steps_with_progress_off(tmp_path, monkeypatch, capsys):
+    # a clock that moves 10 s a step: after 5 steps, 95 steps of 10 s are left (15 min 50 s, and
+    # 11 s guessed for the last evaluation and checkpoint),
+    # said with progress bars off (a short run's estimate is not)
+    import lowbit.train.runner as runner
+
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+
+    class Slow(ToyJob):
+        def step(self, step):
+            clock[0] += 10.0
+            return super().step(step)
+
+    loop, folder = _loop(tmp_path, Slow(), total_steps=100, eval_every=0, checkpoint_every=0)
+    loop.tell = print
+    loop.run()
+    out = capsys.readouterr().out
+    assert out.count("to go") == 1 and "about 16 min 01 s to go (10.00 s a step for 95 steps" in out
+    folder.release()
+    loop, folder = _loop(tmp_path / "short", Slow(), total_steps=20, eval_every=0, checkpoint_every=0)
+    loop.tell = print
+    loop.run()
+    assert "to go" not in capsys.readouterr().out       # 2 min 30 s: only with progress bars

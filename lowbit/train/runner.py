@@ -231,7 +231,7 @@ class RunLoop:
                 outcome = job.step(step)
                 step += 1
                 seconds = time.perf_counter() - t0 - outcome.untimed_s
-                clock.stepped(step, seconds, say)
+                clock.stepped(step, seconds, say, self.tell)
                 for record in outcome.events:
                     log.write(record)
                 for message in outcome.messages:
@@ -314,7 +314,8 @@ class RunLoop:
 
 
 class _Clock:
-    """The run's expected duration, said once after its first few steps: their time a step
+    """The run's expected duration, said once after its first few steps (with progress bars
+    off too when it is LONG_S or more, so a long CPU run says so early): their time a step
     (the first, which warms up caches and kernels, left out) and that of the evaluations,
     checkpoints and after-step work timed so far, times how many of each are left."""
 
@@ -331,7 +332,10 @@ class _Clock:
         yield
         self.spent[what].append(time.perf_counter() - t)
 
-    def stepped(self, step: int, seconds: float, say: Callable[[str], None]) -> None:
+    LONG_S = 600   # a run expected to take longer says so with progress bars off too
+
+    def stepped(self, step: int, seconds: float, say: Callable[[str], None],
+                tell: Callable[[str], None]) -> None:
         self.step_times.append(seconds)
         c = self.cadence
         left = c.total_steps - step
@@ -348,7 +352,8 @@ class _Clock:
         extra = sum(n * (sum(self.spent[k]) / len(self.spent[k]) if self.spent[k] else guess[k])
                     for k, n in counts.items())
         eta = left * per_step + extra
-        say(f"about {_duration(eta)} to go ({per_step:.2f} s a step for {left} steps"
+        (tell if eta >= self.LONG_S else say)(
+            f"about {_duration(eta)} to go ({per_step:.2f} s a step for {left} steps"
             f"{f', {_duration(extra)} of evaluations, checkpoints and diagnostics' if extra >= 1 else ''})")
 
 
