@@ -229,3 +229,22 @@ def test_rl_takes_a_model_folder_and_bad_folders_are_one_line_errors(llama_folde
         assert words in err and err.count("\n") == 1, (argv, err)
     with pytest.raises(ValueError, match="int2 weights have no serving layout"):
         export_format(None, "int2:g32", "runs/x")
+
+
+def test_a_qat_runs_export_takes_its_own_format_and_refuses_another_in_the_users_words():
+    """A QAT run exports its trained weights as they are: `--format int4` (options left out) is
+    the run's int4:g16, the run's own text is accepted, and a block or `asym` the run did not
+    train is refused, the message quoting the --format as typed."""
+    from lowbit.export.layouts import parse_export_format
+    from lowbit.export.source import export_format
+
+    def asked(text):
+        return export_format(parse_export_format(text), "int4:g16", "runs/q", text=text)
+
+    assert str(export_format(None, "int4:g16", "runs/q")) == "int4:g16"
+    assert str(asked("int4")) == "int4:g16" and str(asked("int4:g16")) == "int4:g16"
+    assert str(export_format(parse_export_format("int4"), "int4:g16:asym", "runs/q", text="int4")) == "int4:g16:asym"
+    for text in ("int4:g32", "int4:asym", "int4:row", "int8", "nvfp4"):
+        with pytest.raises(ValueError, match=f"--format {text} would quantize them again: use "
+                                             f"--format int4:g16"):
+            asked(text)

@@ -598,15 +598,15 @@ def test_nvfp4_fused_groups_share_a_tensor_scale_as_the_export_quantizes_them():
     assert len(set(scales.values())) == 4      # q/k/v, o, gate/up, down: one each
 
 
-def test_lowbit_qat_says_which_block_a_bare_weight_format_means(monkeypatch, capsys):
+def test_a_qat_runs_start_line_names_the_block_a_bare_weight_format_means():
     """`--weights int8` trains int8:g128 (the grammar's default block), where `lowbit export`'s
-    int8 is per row: the command says which, before it trains."""
-    import lowbit.qat.cli_args as qat_cli
-    from lowbit.cli import main
+    int8 is per row: the run's start line says which it trains."""
+    from lowbit.train import TrainConfig
+    from lowbit.train.job_record import JobRecord
+    from lowbit.train.loop import describe_numerics
 
-    monkeypatch.setattr(qat_cli, "run_qat", lambda job: {"stopped": "(not run)"})
-    assert main(["qat", "--weights", "int8", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    assert "lowbit qat: --weights int8 is int8:g128 (int8:row for one scale per output row" in out
-    assert main(["qat", "--weights", "int2:g64", "--no-progress"]) == 0
-    assert "is int2" not in capsys.readouterr().out        # given in full: nothing to say
+    config = TrainConfig()
+    for given, said in (("int8", "QAT int8:g128 with ste"), ("int2:g64:asym", "QAT int2:g64:asym with ste"),
+                        ("nvfp4", "QAT nvfp4 with ste"), ("INT4:ROW", "QAT int4:row with ste")):
+        job = JobRecord(kind="qat", qat={"weights": given, "estimator": "ste"})
+        assert describe_numerics(config, job) == said

@@ -14,7 +14,7 @@ from lowbit.models import ModelConfig, build_model
 from lowbit.ops import operand
 from lowbit.rl.engine import RolloutEngine
 from lowbit.formats.activations import per_token_nvfp4, rac_residual
-from lowbit.rl.engine.weights import EngineLinear
+from lowbit.rl.engine.weights import EngineLinear, EngineWeights
 from lowbit.rl.precision import Precision, quantize_activation, rac_linear, weight_spec
 from lowbit.rl.sampling import SamplingParams, truncated_logprobs
 from lowbit.rl.trainer_side import apply_asymmetric_qat
@@ -359,10 +359,14 @@ def test_weight_sync_copies_and_changes_outputs():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     assert torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
-    engine.load_state_dict(model.state_dict())            # the next sync
-    layer = engine.weights.layers[0]                      # saturation flags: one read at the sync
+    # a sync's fresh weights know their saturation flags before anything reads them (one read
+    # from the device for all, at load; the engine's copy_ compares them next)
+    fresh = EngineWeights.load(model.state_dict(), cfg, Precision.NVFP4, 0.0, torch.device("cpu"),
+                               torch.float32)
+    layer = fresh.layers[0]
     assert all(w.settled for w in (layer.qkv_proj.weight, layer.o_proj.weight, layer.experts.gate_up,
                                    layer.experts.down))
+    engine.load_state_dict(model.state_dict())            # the next sync
     assert not torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
     with pytest.raises(ValueError, match="no 'model.norm.weight'"):
         engine.load_state_dict({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})

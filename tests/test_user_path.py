@@ -164,7 +164,7 @@ def test_hf_folder_to_fp4_training_to_qat_to_exports_to_rl(kind, tmp_path, corpu
 EXPORTS = [("nvfp4", "modelopt", "bf16"), ("nvfp4", "compressed-tensors", "bf16"),
            ("nvfp4", "compressed-tensors", "nvfp4"), ("mxfp4", "compressed-tensors", "bf16"),
            ("int4:g32", "compressed-tensors", "bf16"), ("int4:g32:asym", "compressed-tensors", "bf16"),
-           ("int8:row", "compressed-tensors", "bf16")]
+           ("int8:row", "compressed-tensors", "bf16"), ("int8:g32:asym", "compressed-tensors", "bf16")]
 
 
 def export_every_format(kind, run, out, capsys):

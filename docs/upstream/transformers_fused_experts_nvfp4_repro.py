@@ -15,8 +15,9 @@ of weight; exits 1 while the fused experts load wrong, 0 once they load exactly.
 
 Seen with transformers 5.25.0 and compressed-tensors 0.20.1 (2026-12-05, 2-core CPU): the
 attention projections load exactly, the experts (fused into `experts.gate_up_proj` /
-`experts.down_proj` at load) come out multiplied by their global scale, up to 448 * 6 = 2,688
-times too large. transformers' fused-experts decompression
+`experts.down_proj` at load) come out multiplied by their global scale (448 * 6 / amax(W), about
+30,000 for these random weights), so their values reach 448 * 6 = 2,688 where the checkpoint's
+are below 0.09. transformers' fused-experts decompression
 (`integrations/compressed_tensors.py`, `CompressedTensorsDequantize.convert`) passes each
 expert's weight_packed, weight_scale and weight_shape to the compressor but not its
 weight_global_scale; transformers-compressed-tensors-fused-experts.diff beside this file passes

@@ -52,8 +52,8 @@ def git_commit() -> str:
 
 
 def machine_words(device: str) -> str:
-    """The machine in a reader's words ("one H200", "2 H100s", "2-core CPU"); LOWBIT_MACHINE,
-    where set, instead."""
+    """The machine in a reader's words ("one H200", "2 H100s": the GPUs the job runs on, one
+    per process under torchrun; "2-core CPU"); LOWBIT_MACHINE, where set, instead."""
     import os
     import re
 
@@ -65,7 +65,8 @@ def machine_words(device: str) -> str:
         name = torch.cuda.get_device_name()
         short = re.search(r"\b([A-Z]\d{2,4})\b", name)
         name = short[1] if short else name
-        count = torch.cuda.device_count()
+        dist = torch.distributed
+        count = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return f"one {name}" if count == 1 else f"{count} {name}s"
     return f"{os.cpu_count()}-core CPU"
 

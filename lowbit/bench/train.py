@@ -142,6 +142,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         torch.manual_seed(0)
         net = build_model(config, vocab_size).to(dev)   # QAT's first fit of scales runs there
         hook = note = None
+        quantized_nothing = False
         loss_fn = next_token_loss
         if qat is not None:
             from lowbit.qat import distillation, prepare, refresh_hook
@@ -153,6 +154,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         else:
             summary = apply_recipe(net, resolve_recipe(name))
             if name != "bf16" and not quantized_weights(net):
+                quantized_nothing = True
                 note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
                         f"training")
         net.train()
@@ -167,7 +169,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         step_fn = TrainStep(net, optimizer, step_config, process, loss_fn=loss_fn)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],
-                "note": note}
+                "note": note, "quantized_nothing": quantized_nothing}
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
@@ -218,6 +220,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                "loss": results[-1].loss, "device": str(dev), "model": model,
                "params": sum(p.numel() for p in net.parameters()), "compile": compile,
                "cuda_graph": cuda_graph, "corpus": corpus, "note": unit["note"],
+               "quantized_nothing": unit["quantized_nothing"],
                "fold_redo_steps": len(redone), "steps_run": len(results),
                "fold_redo_at": redone, "block_ms": unit["blocks"]}
         if profile and dev.type == "cuda":
@@ -295,7 +298,7 @@ def format_rows(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         # a recipe that quantized nothing trained bf16: its ratios would read as the recipe's
-        bf16 = bool(r.get("note"))
+        bf16 = bool(r.get("quantized_nothing"))
         lines.append([r["recipe"] + (" (bf16: nothing quantized)" if bf16 else ""),
                       f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
                       "-" if bf16 else f"{r['time_vs_base']:.2f}x", f"{r['mean_ms']:.1f}",

@@ -73,7 +73,7 @@ def run_export(args: argparse.Namespace) -> None:
         print(f"lowbit export: {config.source} -> {out} as a plain Hugging Face folder in bf16 "
               f"({len(written)} files)")
         return
-    fmt = export_format(config.weight_format, trained, config.source, names_block=config.names_block)
+    fmt = export_format(config.weight_format, trained, config.source, text=config.format)
     input_amax = None
     if config.activations == "nvfp4":
         tok = tokenizer or (load_tokenizer(tokenizer_dir) if tokenizer_dir else None)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from lowbit.config import flag, require
 from lowbit.export.layouts import parse_export_format
-from lowbit.formats.weight_format import WeightFormat, names_block
+from lowbit.formats.weight_format import WeightFormat
 
 __all__ = ["ExportConfig"]
 
@@ -81,8 +81,3 @@ class ExportConfig:
     def weight_format(self) -> WeightFormat | None:
         """--format parsed once (parse_export_format); None when left out or bf16."""
         return None if self.format is None or self.plain_bf16 else parse_export_format(self.format)
-
-    @property
-    def names_block(self) -> bool:
-        """Whether --format gave the block (gG or row), which a QAT run's must then match."""
-        return self.format is not None and names_block(self.format)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lowbit.export.layouts import parse_export_format
-from lowbit.formats.weight_format import WeightFormat
+from lowbit.formats.weight_format import WeightFormat, names_block
 
 __all__ = ["load_source", "master_weights", "export_format", "corpus_calibration_batches",
            "check_apart"]
@@ -99,11 +99,12 @@ def master_weights(state: dict) -> dict:
 
 
 def export_format(requested: WeightFormat | None, trained: str | None, source, *,
-                  names_block: bool = False) -> WeightFormat:
-    """The format to write: the requested one (ExportConfig.weight_format), or a QAT run's own;
-    a QAT run asked for another format (which would quantize its trained weights again) is
-    refused. For a QAT run, `int4` names its int4 weights whatever their groups; `int4:g64`
-    (`names_block`: the text gave the block) or `int4:asym` must be theirs."""
+                  text: str | None = None) -> WeightFormat:
+    """The format to write: the requested one (ExportConfig.weight_format, parsed from `text`,
+    the --format the user wrote), or a QAT run's own; a QAT run asked for another format (which
+    would quantize its trained weights again) is refused. For a QAT run, `int4` names its int4
+    weights whatever their groups; `int4:g64` (a block the text gives) or `int4:asym` must be
+    theirs."""
     if trained is None:
         return requested or parse_export_format("nvfp4")
     try:
@@ -113,11 +114,12 @@ def export_format(requested: WeightFormat | None, trained: str | None, source, *
     if requested is None:
         return own
     # options left out (int4 for an int4:g32:asym run) are the run's; options named must match
+    block_given = text is not None and names_block(text)
     if (requested.name != own.name or (requested.asym and not own.asym)
-            or (names_block and requested.group != own.group)):
+            or (block_given and requested.group != own.group)):
         raise ValueError(f"{source} trained {trained} weights (QAT), which export as they are; "
-                         f"--format {requested} would quantize them again: use --format {own} "
-                         f"(or leave --format out)")
+                         f"--format {text or requested} would quantize them again: use --format "
+                         f"{own} (or leave --format out)")
     return own
 
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from lowbit.config import add_flags, flag_fields, flag_values
-from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm, qat_weight_format
+from lowbit.qat.config import ESTIMATORS, JacQuantConfig, QATConfig, parse_compare_arm
 from lowbit.qat.run import QATJob, run_qat
 from lowbit.train.compare import parse_seeds
 from lowbit.train.runner import NonFiniteLossError
@@ -115,12 +115,6 @@ def run_qat_command(args: argparse.Namespace) -> None:
     """`lowbit qat`. A run stopped by non-finite losses ends the process with one line and exit
     code 1, as `lowbit train`'s does, its advice in `lowbit qat`'s flags."""
     job = job_from_args(args)
-    for text in dict.fromkeys(c.weights for c in job.configs):
-        fmt = qat_weight_format(text)
-        if str(fmt) != text.strip().lower():   # a block left to its default: say which
-            print(f"lowbit qat: --weights {text} is {fmt}"
-                  + (" (int8:row for one scale per output row, as lowbit export's int8)"
-                     if fmt.name == "int8" and not fmt.row else ""))
     try:
         summary = run_qat(job)
     except NonFiniteLossError as e:

@@ -357,7 +357,8 @@ def run_qat(job: QATJob) -> dict:
     for qat, multiplier in zip(job.configs, job.lr_multipliers):
         label = _label(qat, multiplier)
         for seed in job.seeds:
-            name = _slug(f"{base_name}-{qat.weights}-{label}") + (f"-s{seed}" if len(job.seeds) > 1 else "")
+            # a seed other than the default names its run (two commands' seeds keep their folders)
+            name = _slug(f"{base_name}-{qat.weights}-{label}") + (f"-s{seed}" if tuple(job.seeds) != (0,) else "")
             plans.append((qat, seed, run_config(source, seed, job, name, multiplier), label))
     specs = [RunSpec(label, seed, config.name) for _, seed, config, label in plans]
     if len(job.configs) > 1:
@@ -421,7 +422,7 @@ def run_qat(job: QATJob) -> dict:
                                 "wall_time_s": result.wall_time_s})
     # named by the setting, so another format or --compare on the same source keeps this one
     labels = list(dict.fromkeys(label for _, _, _, label in plans))
-    seeds = "" if job.seeds == (0,) else "-s" + "-".join(map(str, job.seeds))   # (0,): the default
+    seeds = "" if tuple(job.seeds) == (0,) else "-s" + "-".join(map(str, job.seeds))   # (0,): the default
     out = Path(job.out_dir) / _slug(f"{base_name}-{job.configs[0].weights}-{'+'.join(labels)}"
                                     f"{seeds}-summary")
     out.mkdir(parents=True, exist_ok=True)

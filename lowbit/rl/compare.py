@@ -173,7 +173,9 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
     rows = []
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
-        config = RunDir(run_dir).config_record() or {}
+        config = RunDir(run_dir).config_record()
+        if config is None:
+            raise ValueError(f"{run_dir} has no config.json: it is not a lowbit rl run folder")
         train = [r for r in records if r["event"] == "train"]
         evals = [r for r in records if r["event"] == "eval"]
 

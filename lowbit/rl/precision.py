@@ -64,6 +64,7 @@ for both terms. Ratio 0 is naive W4A4; ratio 1 compensates every channel.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 
@@ -111,7 +112,9 @@ class RolloutMode:
     RAC and a static activation scale need `nvfp4` (they act on its W4A4 activations), the
     packed GEMM an NVFP4 mode. Both the engine (lowbit.rl.engine.EngineConfig) and `lowbit rl`
     (lowbit.rl.RLConfig, its refusals naming the flags) build one; `names` maps each field to
-    how a refusal writes it."""
+    how a refusal writes it. (The engine's lower-level builders, EngineLinear and
+    EngineWeights.load, still refuse RAC or a static scale on another precision in their own
+    words, for callers that build weights without an EngineConfig.)"""
 
     precision: Precision
     rac_ratio: float = 0.0
@@ -127,7 +130,7 @@ class RolloutMode:
             if value not in {m.value for m in kind}:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(m.value for m in kind)}")
         precision, activation_scale = Precision(precision), ActivationScale(activation_scale)
-        if not (isinstance(rac_ratio, (int, float)) and 0.0 <= rac_ratio <= 1.0):
+        if isinstance(rac_ratio, bool) or not (isinstance(rac_ratio, numbers.Real) and 0.0 <= rac_ratio <= 1.0):
             raise ValueError(f"{r} must be in [0, 1] (got {rac_ratio}); e.g. 0.25 compensates a "
                              "quarter of the input channels")
         if rac_ratio and precision is not Precision.NVFP4:

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lowbit.formats.weight_format import parse_weight_format
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
                                 build_optimizer, context_warning, epochs, resolve_recipe,
                                 seed_everything)
@@ -302,8 +303,12 @@ class _TrainJob:
 def describe_numerics(config: TrainConfig, job: JobRecord) -> str:
     """The start line's word on the numerics: the recipe, or a QAT run's weights and estimator
     (its recipe is bf16: QAT fake-quantizes the weights itself)."""
-    if job.qat:
-        return f"QAT {job.qat.get('weights')} with {job.qat.get('estimator')}"
+    if job.qat:   # the weights as they train: a block left to its default named (int8 -> int8:g128)
+        try:
+            weights = str(parse_weight_format(job.qat.get("weights"), check_block=False))
+        except ValueError:   # a record from other code: as written
+            weights = job.qat.get("weights")
+        return f"QAT {weights} with {job.qat.get('estimator')}"
     return f"recipe {config.recipe}"
 
 
