@@ -125,11 +125,17 @@ def _inspect_gradients(args) -> None:
     idx, targets = (t.to(device) for t in data.train_batch(0))
     report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
                                     operands=args.operands, seed=args.seed)
-    print(json.dumps([dataclasses.asdict(r) for r in report.rows], indent=1) if args.json
-          else format_report(report, layers=args.layers))
+    if args.json:   # a results file as docs/results keeps them: meta (date, commit, machine, command)
+        from lowbit.bench import run_meta
+
+        print(json.dumps({"meta": run_meta(device.type), "results": {
+            "run": str(run), "draws": args.draws, "rows": [dataclasses.asdict(r) for r in report.rows]}},
+            indent=1))
+    else:
+        print(format_report(report, layers=args.layers))
     if args.plot:
         plot_report(report, args.plot)
-        print(f"plot: {args.plot}")
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _command(sub, name: str, add_arguments, run, help: str, description: str | None = None) -> None:

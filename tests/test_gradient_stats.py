@@ -2,6 +2,8 @@
 estimator on draws of known bias and noise, then recipes on a tiny model (a recipe that rounds
 only to nearest has no variance; a stochastic operand has)."""
 
+import json
+
 import pytest
 import torch
 
@@ -69,6 +71,13 @@ def test_lowbit_inspect_gradients_reads_a_run(tmp_path, corpus_env, capsys):
                  "mxfp4,stable-fp4", "--draws", "2", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "mxfp4" in text and "stable-fp4" in text and png.stat().st_size > 0
+    # --json: one JSON document on stdout (the plot's line on stderr), with a results file's meta
+    assert main(["inspect", "--gradients", str(tmp_path / "runs" / "r"), "--recipes", "mxfp4",
+                 "--draws", "2", "--json", "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert {"date", "commit", "machine", "command"} <= report["meta"].keys()
+    assert {r["recipe"] for r in report["results"]["rows"]} == {"mxfp4"} and "plot:" in err
     assert main(["inspect", "--gradients", str(tmp_path / "nothing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     assert main(["inspect", "model.safetensors", "--gradients", str(tmp_path / "runs" / "r")]) == 2

@@ -190,8 +190,9 @@ def format_report(report: GradientReport, layers: bool = False) -> str:
 
 
 def plot_report(report: GradientReport, path: str) -> None:
-    """Bars of each recipe's bias (with the error bar of bias² carried to bias) and
-    √variance over the model, one group per operand set."""
+    """Bars of each recipe's bias (its error bar: √(bias² ∓ se), the interval of bias² carried
+    to bias, floored at 0) and √variance over the model, one group per operand set; both axes
+    linear, so that a bias of zero reads as zero."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -199,13 +200,15 @@ def plot_report(report: GradientReport, path: str) -> None:
     rows = report.model_rows()
     recipes = list(dict.fromkeys(r.recipe for r in rows))
     sets = list(dict.fromkeys(r.operands for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(sets) * len(recipes) / 2), 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(min(16, max(8, 0.35 * len(sets) * len(recipes))), 4.2))
     width = 0.8 / max(len(recipes), 1)
     for k, recipe in enumerate(recipes):
         own = {r.operands: r for r in rows if r.recipe == recipe}
         xs = [i + k * width for i in range(len(sets))]
         bias = [own[s].bias if s in own else 0 for s in sets]
-        err = [own[s].bias2_se / (2 * max(own[s].bias, 1e-12)) if s in own else 0 for s in sets]
+        low = [max(own[s].bias2 - own[s].bias2_se, 0) ** 0.5 if s in own else 0 for s in sets]
+        high = [max(own[s].bias2 + own[s].bias2_se, 0) ** 0.5 if s in own else 0 for s in sets]
+        err = [[b - lo for b, lo in zip(bias, low)], [hi - b for b, hi in zip(bias, high)]]
         axes[0].bar(xs, bias, width, yerr=err, label=recipe, capsize=2)
         axes[1].bar(xs, [own[s].variance ** 0.5 if s in own else 0 for s in sets], width,
                     label=recipe)
@@ -213,7 +216,7 @@ def plot_report(report: GradientReport, path: str) -> None:
         ax.set_xticks([i + width * (len(recipes) - 1) / 2 for i in range(len(sets))], sets,
                       rotation=30, ha="right")
         ax.set_title(title)
-        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"weight-gradient error, {report.draws} draws")
     fig.tight_layout()
