@@ -129,7 +129,8 @@ def test_a_qat_runs_start_line_names_its_weights_not_bf16():
 
 def test_lowbit_qat_notes_mse_scales_at_two_and_three_bits(monkeypatch, capsys):
     # the default stays absmax (documented commands keep their meaning); at 2-3 integer bits the
-    # command says mse usually starts closer, once, unless --scale-init or --no-progress is given
+    # command says mse usually starts closer, once, unless --scale-init is given (progress bars
+    # or not: --no-progress turns off bars, not advice)
     import lowbit.qat.cli_args as qat_cli
     from lowbit.cli import build_parser
 
@@ -138,7 +139,7 @@ def test_lowbit_qat_notes_mse_scales_at_two_and_three_bits(monkeypatch, capsys):
                          (["--weights", "int2:g64", "--scale-init", "mse"], False),
                          (["--weights", "int2:g64", "--scale-init", "absmax"], False),
                          (["--weights", "int4:g128"], False),
-                         (["--weights", "int2:g64", "--no-progress"], False)):
+                         (["--weights", "int2:g64", "--no-progress"], True)):
         qat_cli.run_qat_command(build_parser().parse_args(["qat", *flags]))
         err = capsys.readouterr().err
         assert ("--scale-init mse usually starts closer" in err) == noted, (flags, err)

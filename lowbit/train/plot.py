@@ -8,13 +8,13 @@ a thin solid line, validation loss a dashed line with markers, one colour per ru
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from collections.abc import Sequence
 
 from lowbit.files import write_stream_atomic
 from lowbit.train.metrics import read_metrics
-from lowbit.train.run_dir import RunDir
 
 
 def pyplot():
@@ -110,7 +110,9 @@ def _check_out_path(out_path: Path) -> Path:
 
 def _load_run(run_dir: Path) -> dict:
     metrics = read_metrics(run_dir)
-    config = RunDir(run_dir).config_record() or {}
+    # config.json read here, not through RunDir (which imports this module to draw loss.png)
+    config_file = run_dir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     recipe = config.get("recipe")
     label = run_dir.name
     if recipe is not None and recipe not in run_dir.name:
