@@ -652,6 +652,10 @@ def test_every_run_is_scored_by_its_own_engine_and_by_a_common_bf16_one(tmp_path
     rows = summary_rows([nvfp4.run_dir, bf16.run_dir])
     assert all(0 <= r["eval_accuracy_bf16_first"] <= 1 for r in rows)
     assert "held-out acc, bf16 (first -> last, change)" in format_summary(rows)
+    # a folder that lost its config.json is refused, not labelled with a default setting
+    (bf16.run_dir / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json: it is not a lowbit rl run folder"):
+        summary_rows([nvfp4.run_dir, bf16.run_dir])
 
 
 def test_collapse_is_three_evaluations_below_half_the_peak():

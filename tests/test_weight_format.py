@@ -78,7 +78,8 @@ def test_each_job_keeps_what_it_supports():
     assert str(parse_export_format("int4:asym")) == "int4:g128:asym"
     for bad, says in [("int2:g64", "no serving layout"), ("nvfp4:16x16", "write plain --format"),
                       ("int4:16x16", "takes no `16x16`"), ("ternary", "no serving layout"),
-                      ("mxfp8_e4m3", "unknown --format")]:
+                      ("mxfp8_e4m3", "unknown --format"),
+                      ("mxfp4:rceil", "write --format mxfp4 --scale-rule rceil")]:
         with pytest.raises(ValueError, match=says):
             parse_export_format(bad)
     # inspect: everything quantized, under its own error type
