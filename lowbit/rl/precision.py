@@ -112,9 +112,8 @@ class RolloutMode:
     RAC and a static activation scale need `nvfp4` (they act on its W4A4 activations), the
     packed GEMM an NVFP4 mode. Both the engine (lowbit.rl.engine.EngineConfig) and `lowbit rl`
     (lowbit.rl.RLConfig, its refusals naming the flags) build one; `names` maps each field to
-    how a refusal writes it. (The engine's lower-level builders, EngineLinear and
-    EngineWeights.load, still refuse RAC or a static scale on another precision in their own
-    words, for callers that build weights without an EngineConfig.)"""
+    how a refusal writes it. The engine's lower-level builders (EngineLinear, a static input
+    amax) check the same rules through it, for callers without an EngineConfig."""
 
     precision: Precision
     rac_ratio: float = 0.0

@@ -32,7 +32,7 @@ from lowbit.dispatch import inference
 from lowbit.formats.activations import fp8_values
 from lowbit.formats.linear_weight import LinearWeight
 from lowbit.models.config import ModelConfig
-from lowbit.rl.precision import Precision, quantize_weight
+from lowbit.rl.precision import Precision, RolloutMode, quantize_weight
 
 __all__ = ["EngineLinear", "EngineExperts", "EngineLayer", "EngineWeights"]
 
@@ -73,8 +73,7 @@ class EngineLinear:
 
     def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm,
                input_amax) -> None:
-        if rac_ratio and precision is not Precision.NVFP4:
-            raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs precision nvfp4")
+        RolloutMode.make(precision, rac_ratio)   # RAC needs nvfp4: the engine's one rule for it
         self.input_amax = _static_amax(input_amax, precision, device)
         """nvfp4 with static scales: (1,) float32, the input's calibrated amax; else None."""
         if len({w.shape[-1] for w in weights}) != 1:
@@ -140,8 +139,7 @@ def _static_amax(amax: float | None, precision: Precision, device: torch.device)
     """A calibrated input amax as the (1,) float32 tensor the quantizers read, or None."""
     if amax is None:
         return None
-    if precision is not Precision.NVFP4:
-        raise ValueError(f"a static activation scale is nvfp4's (got {precision.value})")
+    RolloutMode.make(precision, activation_scale="static")   # a static scale needs nvfp4
     return torch.tensor([amax], dtype=torch.float32, device=device)
 
 
