@@ -215,6 +215,74 @@ def test_nvfp4_tiles_hold_the_exact_weight_and_follow_a_sync_in_place():
     assert torch.equal(tiles.values(), other.reference_values())
 
 
+def _same_tiles(a, b):
+    # bit patterns, but for a NaN's payload (a NaN scale is a NaN in both)
+    def bits(t, view):
+        return torch.where(t.isnan(), 0, t.view(view))
+    return (torch.equal(a.words, b.words) and torch.equal(a.scales.isnan(), b.scales.isnan())
+            and torch.equal(bits(a.scales, torch.int16), bits(b.scales, torch.int16))
+            and torch.equal(a.row_scales.isnan(), b.row_scales.isnan())
+            and torch.equal(bits(a.row_scales, torch.int32), bits(b.row_scales, torch.int32))
+            and (a.out_features, a.in_features) == (b.out_features, b.in_features))
+
+
+@pytest.mark.parametrize("N,K", [(200, 300), (1, 16), (130, 40), (7, 1000)])
+def test_the_tiles_kernel_writes_the_references_bits_in_one_launch(N, K):
+    # adversarial weights (zero block, rows at 1e30 and 1e-30: E4M3 subnormal scales, ties),
+    # a NaN and an Inf, shapes off the tile and row padding, experts stacked, and in place
+    from lowbit.formats.nvfp4_tiles import nvfp4_tiles
+    from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
+    g = torch.Generator().manual_seed(N + K)
+    w = _adversarial(max(N, 4), K, g)[:N]
+    if N > 7:
+        w[5, K // 2] = float("nan")
+        w[6, 0] = float("inf")
+    for dtype in (torch.bfloat16, torch.float32):
+        lw = _weight("nvfp4", w, dtype) if N > 1 else LinearWeight.from_qtensors(
+            [quantize_with_spec(w.to(DEV, dtype), QuantSpec.make("nvfp4", (1, 16)))], dtype)
+        ref = nvfp4_tiles(lw.data, lw.block_scales, lw.row_scales, lw.in_features)
+        mine = nvfp4_tiles_triton(lw.data, lw.block_scales, lw.row_scales, lw.in_features)
+        assert _same_tiles(mine, ref)
+    if N > 7:
+        assert ref.scales[5].isnan().any() and ref.row_scales.isfinite().all()
+        # every E4M3 byte as a block scale (the quantizer floors scales at 2^-6, so its own
+        # never reach the subnormals, zero, negatives or 0x7F): the layout decodes each alike
+        every = torch.arange(lw.block_scales.numel(), device=DEV) % 256
+        lw.block_scales.view(torch.uint8).copy_(every.view(lw.block_scales.shape).to(torch.uint8))
+        args = (lw.data, lw.block_scales, lw.row_scales, lw.in_features)
+        assert _same_tiles(nvfp4_tiles_triton(*args), nvfp4_tiles(*args))
+    stacked = LinearWeight.stack([lw, _weight("nvfp4", torch.randn(N, K, generator=g) * 1e-3, dtype)
+                                  if N > 1 else lw])
+    args = (stacked.data, stacked.block_scales, stacked.row_scales, stacked.in_features)
+    ref = nvfp4_tiles(*args)
+    assert _same_tiles(nvfp4_tiles_triton(*args), ref)
+    # in place, over garbage: the same tensors hold the reference's bits
+    out = nvfp4_tiles(*args)
+    for t in (out.words, out.scales, out.row_scales):
+        t.view(torch.uint8).fill_(0xA5)
+    ptrs = [t.data_ptr() for t in (out.words, out.scales, out.row_scales)]
+    assert nvfp4_tiles_triton(*args, out=out) is out and _same_tiles(out, ref)
+    assert ptrs == [t.data_ptr() for t in (out.words, out.scales, out.row_scales)]
+    with pytest.raises(ValueError, match="out holds tiles"):
+        nvfp4_tiles_triton(lw.data, lw.block_scales, lw.row_scales, lw.in_features, out=out)
+
+
+def test_a_weight_made_by_the_tiles_kernel_is_re_laid_by_it_at_a_sync():
+    from lowbit.kernels import nvfp4_tiles as kt
+    g = torch.Generator().manual_seed(3)
+    lw = _weight("nvfp4", torch.randn(40, 96, generator=g), torch.bfloat16)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(kw.get("out") is not None)
+        return kt.nvfp4_tiles_triton(*args, **kw)
+    tiles = lw.tiles(counted)
+    other = _weight("nvfp4", torch.randn(40, 96, generator=g), torch.bfloat16)
+    lw.copy_(other)
+    assert calls == [False, True] and lw.tiles() is tiles
+    assert torch.equal(tiles.values(), other.reference_values())
+
+
 @pytest.mark.parametrize("M", [1, 6])
 def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
     # K of 3 tiles: split over K (the interpreter's tile splits in two, the GPU's default from

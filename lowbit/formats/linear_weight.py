@@ -36,7 +36,7 @@ from enum import Enum
 import torch
 
 from lowbit.formats.elements import E2M1, E4M3, decode, e8m0_to_float, unpack_codes
-from lowbit.formats.nvfp4_tiles import NVFP4Tiles, nvfp4_tiles
+from lowbit.formats.nvfp4_tiles import NVFP4Tiles, TilesMaker, nvfp4_tiles
 from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import ScaleKind
 
@@ -64,6 +64,7 @@ class LinearWeight:
     _saturates: bool | None = field(init=False, default=None, repr=False)
     _values: torch.Tensor | None = field(init=False, default=None, repr=False)
     _tiles: NVFP4Tiles | None = field(init=False, default=None, repr=False)
+    _make_tiles: TilesMaker | None = field(init=False, default=None, repr=False)
 
     @property
     def may_saturate(self) -> bool:
@@ -187,8 +188,9 @@ class LinearWeight:
                 mine.copy_(theirs)
         if self._values is not None:   # other's, where it made them already
             self._values.copy_(other._values if other._values is not None else other._gemm_values())
-        if self._tiles is not None:
-            self._tiles.copy_(other._tiles if other._tiles is not None else other._make_tiles())
+        if self._tiles is not None:   # re-laid from the new bytes, into the same tensors
+            self._make_tiles(self.data, self.block_scales, self.row_scales, self.in_features,
+                             out=self._tiles)
 
     def reference_values(self) -> torch.Tensor:
         """What a GEMM on this weight multiplies (the module doc): dequantize(), or for NVFP4
@@ -214,17 +216,17 @@ class LinearWeight:
         codes = unpack_codes(self.data, E2M1.code_bits)[..., :k]
         return decode(codes, E2M1), block_scales.repeat_interleave(16, dim=-1)[..., :k]
 
-    def tiles(self) -> NVFP4Tiles:
+    def tiles(self, make: TilesMaker = nvfp4_tiles) -> NVFP4Tiles:
         """An NVFP4 weight re-laid for the tensor-core GEMM (lowbit.formats.nvfp4_tiles), made
-        on the first call and refreshed in place by copy_."""
+        on the first call by `make` -- the reference, or a kernel that writes the same bits
+        (lowbit.kernels.nvfp4_tiles_triton, which the GEMM's kernel passes) -- and re-laid in
+        place by the same `make` at each copy_ (a weight sync)."""
         if self.format is not WeightStorage.NVFP4:
             raise ValueError(f"tiles() re-lays NVFP4 weights (this one is {self.format.value})")
         if self._tiles is None:
-            self._tiles = self._make_tiles()
+            self._tiles = make(self.data, self.block_scales, self.row_scales, self.in_features)
+            self._make_tiles = make
         return self._tiles
-
-    def _make_tiles(self) -> NVFP4Tiles:
-        return nvfp4_tiles(self.data, self.block_scales, self.row_scales, self.in_features)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(.., N, K) in `dtype` (default the compute dtype), rounded once from float32 (see the

@@ -29,6 +29,7 @@ LinearWeight.dequantize() gives (a relative 2^-9 apart at most).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 
 from lowbit.formats.elements import E2M1, decode
 
-__all__ = ["NVFP4Tiles", "nvfp4_tiles", "TILE_K", "ROW_PAD", "SLOT_BITS", "SCALE_BIAS", "ROW_BIAS"]
+__all__ = ["NVFP4Tiles", "TilesMaker", "nvfp4_tiles", "slot_table", "TILE_K", "ROW_PAD", "SLOT_BITS", "SCALE_BIAS",
+           "ROW_BIAS"]
 
 TILE_K = 128
 ROW_PAD = 128
@@ -101,7 +103,12 @@ class NVFP4Tiles:
         return values[..., :n, :k] * (self.row_scales / ROW_BIAS)[..., None]
 
 
-def _slot_table() -> torch.Tensor:
+TilesMaker = Callable[..., "NVFP4Tiles"]
+"""(codes, block_scales, row_scales, in_features, out=None) -> NVFP4Tiles: `nvfp4_tiles`, or a
+kernel that writes the same bits (lowbit.kernels.nvfp4_tiles_triton)."""
+
+
+def slot_table() -> torch.Tensor:
     """(8, 16) int32: for plane j and code c, the bits c sets in its word (SLOT_BITS' slot
     j // 2, in lane j % 2; bit 31 is the int32 sign). The planes' bits are disjoint, so a word
     is the OR of its 8 entries."""
@@ -116,17 +123,18 @@ def _slot_table() -> torch.Tensor:
     return torch.where(table >= 2 ** 31, table - 2 ** 32, table).to(torch.int32)
 
 
-_SLOT_TABLE = _slot_table()
+_SLOT_TABLE = slot_table()
 _TABLES: dict[torch.device, torch.Tensor] = {}   # the table on each device (no copy a call)
 
 
 @torch.no_grad()
 def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: torch.Tensor,
-                in_features: int) -> NVFP4Tiles:
+                in_features: int, out: NVFP4Tiles | None = None) -> NVFP4Tiles:
     """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
     block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
-    on their device: a table lookup a plane, about 50 launches whatever the shape (a weight
-    sync re-lays every layer, so launches are what it costs), and under 3 bytes a weight of scratch."""
+    on their device: a table lookup a plane, about 50 launches whatever the shape, and under
+    3 bytes a weight of scratch (lowbit.kernels.nvfp4_tiles_triton writes the same bits in one
+    launch). out: tiles of this shape to copy the result into (returned); None: new ones."""
     lead, n = codes.shape[:-2], codes.shape[-2]
     kp = codes.shape[-1] * 2
     T = -(-kp // TILE_K)
@@ -141,5 +149,9 @@ def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: tor
         words |= table[j][nib[..., j, :].int()]
     scales = F.pad((block_scales.to(torch.float32) * SCALE_BIAS).to(torch.bfloat16),
                    (0, T * 8 - block_scales.shape[-1], 0, n_pad - n))
-    return NVFP4Tiles(words.view(*lead, n_pad, T * 16), scales,
-                      row_scales.to(torch.float32) * ROW_BIAS, n, in_features)
+    tiles = NVFP4Tiles(words.view(*lead, n_pad, T * 16), scales,
+                       row_scales.to(torch.float32) * ROW_BIAS, n, in_features)
+    if out is None:
+        return tiles
+    out.copy_(tiles)
+    return out

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
+from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
 
 __all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel", "split_k_workspace",
            "WORKSPACES", "RETIRED_WORKSPACES"]
@@ -273,7 +274,7 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
                  block_m=None) -> None:
     """The NVFP4 kernel on weight's tiles (LinearWeight.tiles) for `rows` output rows; grouped
     where tile_expert is given (row tiles of block_m rows)."""
-    tiles = weight.tiles()
+    tiles = weight.tiles(nvfp4_tiles_triton)
     N, K = tiles.out_features, tiles.in_features
     grouped = tile_expert is not None
     row_tiles = tile_expert.numel() if grouped else None
