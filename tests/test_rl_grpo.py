@@ -574,34 +574,51 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     # every setting at every seed, named -s<seed>; the paired table of lowbit train --compare
     # on the bf16 evaluator's accuracy change from step 0, in points, higher is better
     from lowbit.cli import main
-    from lowbit.rl.compare import PAIRED_METRIC, accuracy_change_curve
+    from lowbit.rl.compare import accuracy_change_curve, paired_metric
     from lowbit.train.metrics import read_metrics
 
     assert main(["rl", "--quick", "--compare", "bf16,nvfp4", "--seeds", "0,1", "--no-progress",
-                 "--out-dir", str(tmp_path)]) == 0
+                 "--compare-window", "2", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     folder = tmp_path / "compare-add"
     runs = {p.name for p in tmp_path.iterdir() if p.name.startswith("rl-")}
     assert runs == {f"rl-tiny-add-{s}-s{seed}" for s in ("bf16", "nvfp4") for seed in (0, 1)}
     paired = json.loads((folder / "seeds" / "summary.json").read_text())
-    assert paired["metric"] == PAIRED_METRIC and paired["relative"] is False
+    metric = paired_metric(2)
+    assert paired["metric"] == metric and "mean of the last 2 evaluations" in metric
+    assert paired["relative"] is False
     assert paired["higher_is_better"] is True and paired["baseline"] == "bf16"
     (arm,) = paired["arms"]
     assert arm["arm"] == "nvfp4" and arm["seeds"] == [0, 1]
     for seed, gap in zip((0, 1), arm["gaps_pct"]):   # each gap is the two runs' changes apart
-        changes = [dict(accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-{s}-s{seed}")))[paired["step"]]
-                   for s in ("nvfp4", "bf16")]
+        changes = [dict(accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-{s}-s{seed}"),
+                                              2))[paired["step"]] for s in ("nvfp4", "bf16")]
         assert gap == pytest.approx(changes[0] - changes[1])
         assert accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-bf16-s{seed}"))[0] == (0, 0.0)
-    assert f"{PAIRED_METRIC} at step {paired['step']}" in out and "%" not in arm["verdict"]
+    assert f"{metric} at step {paired['step']}" in out and "%" not in arm["verdict"]
     assert (folder / "seeds" / "seeds.png").is_file()
     # refused in one line: --seeds without --compare, or with --seed, or not seeds
     for flags, message in ((["--seeds", "0,1"], "--seeds goes with --compare"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),
-                           (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative")):
+                           (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative"),
+                           (["--compare", "bf16,nvfp4", "--compare-window", "3"], "--compare-window goes with"),
+                           (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--compare-window", "0"],
+                            "window is a number of evaluations")):
         code = main(["rl", "--quick", *flags, "--out-dir", str(tmp_path)])
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_paired_curve_averages_the_last_evaluations():
+    from lowbit.rl.compare import accuracy_change_curve
+    records = [{"event": "train", "step": 1}] + [
+        {"event": "eval", "step": s, "eval/accuracy_bf16": a}
+        for s, a in ((0, 0.5), (10, 0.75), (20, 0.25), (30, 1.0))] + [
+        {"event": "eval", "step": 40, "eval/accuracy": 0.1}]   # no common evaluator: left out
+    assert accuracy_change_curve(records) == [(0, 0.0), (10, 0.25), (20, -0.25), (30, 0.5)]
+    assert accuracy_change_curve(records, 3) == [(0, 0.0), (10, 0.125), (20, 0.0), (30, 0.5 / 3)]
+    assert accuracy_change_curve(records, 100)[-1] == (30, 0.5 / 4)
+    assert accuracy_change_curve([]) == []
 
 
 def test_compile_decode_gives_the_eager_rollouts(tmp_path):

@@ -34,6 +34,9 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel-runs", metavar="N", type=int, default=1,
                    help="with --compare: run N runs at once, each in a process of its own (on "
                         "one GPU they share it; default: 1, one after another)")
+    p.add_argument("--compare-window", metavar="N", type=int, default=None,
+                   help="with --seeds: the paired statistics take each run's mean over its last N "
+                        "evaluations (default: 5; 1: the compared evaluation alone)")
     p.add_argument("--quick", action="store_true",
                    help="a few seconds' version of the same run (for CI): " +
                         ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -61,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
 
 
 def run_rl_command(args: argparse.Namespace) -> None:
-    from lowbit.rl.compare import compare_settings, format_summary, summary_rows
+    from lowbit.rl.compare import EVAL_WINDOW, compare_settings, format_summary, summary_rows
     from lowbit.train.compare import parse_seeds
     from lowbit.rl.trainer import run_rl
     from lowbit.train.runner import NonFiniteLossError
@@ -74,6 +77,9 @@ def run_rl_command(args: argparse.Namespace) -> None:
         if args.seed is not None:
             raise ValueError("--seeds names the seeds of the comparison; drop --seed")
         seeds = parse_seeds(args.seeds)
+    if args.compare_window is not None and seeds is None:
+        raise ValueError("--compare-window goes with --compare SETTINGS --seeds SEEDS (it sets "
+                         "the paired statistics' average)")
     if args.parallel_runs != 1 and not args.compare:
         raise ValueError("--parallel-runs goes with --compare SETTINGS (the runs of the comparison)")
     try:
@@ -81,7 +87,9 @@ def run_rl_command(args: argparse.Namespace) -> None:
             settings = [s for s in args.compare.split(",") if s.strip()]
             results, folder = compare_settings(config, settings, overwrite=args.overwrite,
                                                resume=args.resume, seeds=seeds,
-                                               parallel_runs=args.parallel_runs)
+                                               parallel_runs=args.parallel_runs,
+                                               window=EVAL_WINDOW if args.compare_window is None
+                                               else args.compare_window)
         else:
             results = [run_rl(config, resume=args.resume, overwrite=args.overwrite)]
     except NonFiniteLossError as e:   # one line and exit code 1, as `lowbit train`'s

@@ -13,8 +13,10 @@ With seeds (`--seeds 0,1,2`) every setting runs at every seed (runs named `<name
 a seed fixes the prompts, the sampling and the warm start, so one seed's runs pair), and
 `<folder>/seeds/` gets the paired statistics of `lowbit train --compare`
 (lowbit.train.compare.write_comparison) on one metric: the common evaluator's held-out accuracy
-(the trainer's weights through a bf16 engine), as its change from the run's own step 0, per
-evaluation. The gap to the first setting is in accuracy points (not %), higher is better.
+(the trainer's weights through a bf16 engine), as its change from the run's own step 0, averaged
+over the run's last `window` evaluations up to each one (default 5, `--compare-window`: one
+evaluation of a few hundred problems moves by several points from one to the next). The gap to
+the first setting is in accuracy points (not %), higher is better.
 """
 
 from __future__ import annotations
@@ -37,9 +39,16 @@ from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary",
-           "accuracy_change_curve", "PAIRED_METRIC", "RLRunner"]
+           "accuracy_change_curve", "paired_metric", "EVAL_WINDOW", "RLRunner"]
 
-PAIRED_METRIC = "held-out accuracy change from step 0 (bf16 evaluator)"
+EVAL_WINDOW = 5
+"""Evaluations averaged into each point of the paired metric (accuracy_change_curve)."""
+
+
+def paired_metric(window: int) -> str:
+    """The paired statistics' metric, in words."""
+    over = "" if window == 1 else f", mean of the last {window} evaluations"
+    return f"held-out accuracy change from step 0 (bf16 evaluator{over})"
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
@@ -75,11 +84,13 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
 class RLRunner:
     """Runs an RLConfig with run_rl, for lowbit.train.compare.run_all (a module-level class,
     so that it pickles for parallel runs): the curve is the common evaluator's held-out accuracy
-    change from step 0 (accuracy_change_curve)."""
+    change from step 0, each point the mean of the last `window` evaluations
+    (accuracy_change_curve)."""
 
     overwrite: bool = False
     resume: bool = False
     """Continue the run (continue_state): a finished one is taken as it is."""
+    window: int = EVAL_WINDOW
 
     def __call__(self, config: RLConfig) -> RunOutcome:
         folder = RunDir(Path(config.out_dir) / config.name, files=RUN_FILES)
@@ -93,23 +104,28 @@ class RLRunner:
                 return outcome
         result = _result(folder.path)   # --stop-after-minutes may have ended it unfinished
         status = "ok" if folder.finished else stopped_status(result.steps)
-        return RunOutcome(accuracy_change_curve(result.records), status, str(folder.path))
+        return RunOutcome(accuracy_change_curve(result.records, self.window), status,
+                          str(folder.path))
 
     def partial(self, config: RLConfig) -> RunOutcome:
         run_dir = Path(config.out_dir) / config.name
         records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-        return RunOutcome(accuracy_change_curve(records), "ended early", str(run_dir))
+        return RunOutcome(accuracy_change_curve(records, self.window), "ended early", str(run_dir))
 
 
 def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool = False,
                      resume: bool = False, name: str | None = None,
-                     seeds: Sequence[int] | None = None,
-                     parallel_runs: int = 1) -> tuple[list[RLResult], Path]:
+                     seeds: Sequence[int] | None = None, parallel_runs: int = 1,
+                     window: int = EVAL_WINDOW) -> tuple[list[RLResult], Path]:
     """Run each setting (at each of `seeds`, else at base.seed), one after another or
     `parallel_runs` at a time, each in a process of its own (lowbit.train.compare.run_all; a
     shared warm start is trained by one of them while the others wait); returns the results
     (a run that stopped early: what it reached) and the summary folder. resume: continue an
-    interrupted comparison (finished runs are taken as they are)."""
+    interrupted comparison (finished runs are taken as they are). window: evaluations averaged
+    into each point of the paired statistics (accuracy_change_curve)."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"the comparison's window is a number of evaluations, 1 or more (got "
+                         f"{window!r})")
     plan = []                                                   # (setting, seed, config)
     for seed in (seeds if seeds else [base.seed]):
         for setting in settings:     # every config is made (and refused) before any runs
@@ -126,27 +142,33 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     check_run_folders(folders, resume=resume, overwrite=overwrite)
     folder = Path(base.out_dir) / (name or f"compare-{base.task}")
     specs = [RunSpec(setting, seed, c.name, c) for setting, seed, c in plan]
-    outcomes = run_all(specs, RLRunner(overwrite, resume), parallel_runs=parallel_runs,
+    outcomes = run_all(specs, RLRunner(overwrite, resume, window), parallel_runs=parallel_runs,
                        log_dir=folder / "logs", progress=base.progress and parallel_runs > 1)
     results = [_result(Path(c.out_dir) / c.name) for c in configs
                if (Path(c.out_dir) / c.name / "metrics.jsonl").is_file()]
     write_summary([r.run_dir for r in results], folder)
     count = len(seeds) if seeds else 1
-    write_comparison(specs, outcomes, folder / "seeds", metric=PAIRED_METRIC, relative=False,
+    write_comparison(specs, outcomes, folder / "seeds", metric=paired_metric(window), relative=False,
                      higher_is_better=True, title=f"{base.task}, {count} seed{'s' * (count > 1)}")
     return results, folder
 
 
-def accuracy_change_curve(records: Sequence[dict]) -> list[tuple[int, float]]:
+def accuracy_change_curve(records: Sequence[dict], window: int = 1) -> list[tuple[int, float]]:
     """A run's (step, eval/accuracy_bf16 - its value at the run's first evaluation) per
     evaluation, from its metrics records (RLResult.records, or read_metrics of its folder):
-    what the RL did to the policy, by the evaluator every run shares."""
+    what the RL did to the policy, by the evaluator every run shares. window > 1: each point
+    the mean of that change over the last `window` evaluations up to it (fewer at the start)."""
     evals = [r for r in records
              if r["event"] == "eval" and isinstance(r.get("eval/accuracy_bf16"), (int, float))]
     if not evals:
         return []
     start = evals[0]["eval/accuracy_bf16"]
-    return [(r["step"], r["eval/accuracy_bf16"] - start) for r in evals]
+    change = [r["eval/accuracy_bf16"] - start for r in evals]
+    curve = []
+    for i, r in enumerate(evals):
+        last = change[max(0, i - window + 1):i + 1]
+        curve.append((r["step"], sum(last) / len(last)))
+    return curve
 
 
 def _result(run_dir: Path) -> RLResult:
