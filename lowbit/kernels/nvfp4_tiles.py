@@ -69,7 +69,8 @@ def _nvfp4_tiles_kernel(codes_ptr, bscale_ptr, rscale_ptr, table_ptr, words_ptr,
     value = tl.where(ex == 0, man.to(tl.float32) * 1.2980742146337069e33,   # 2^110
                      normal.to(tl.float32, bitcast=True))
     value = tl.where((ex == 15) & (man == 7), float("nan"), value)
-    value = tl.where(sign == 1, -value, value)
+    # the sign as a bit (negating would give +0.0 for -0.0 where it compiles to 0 - x)
+    value = (value.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
     tl.store(scales_ptr + out_row[:, None] * (T * 8) + blk[None, :], value.to(tl.bfloat16),
              mask=in_range[:, None])
 
