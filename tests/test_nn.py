@@ -180,6 +180,16 @@ def test_recipe_validation_and_lookup():
     assert nv.linear_for("model.layers.0.mlp.up_proj", n_blocks=4) is None
     assert nv.linear_for("model.layers.3.mlp.up_proj", n_blocks=4) is None
     assert nv.linear_for("model.layers.2.mlp.up_proj", n_blocks=4) is not None
+    # "no recipe" is one test, Recipe.quantizes: bf16's, and any recipe with no linear
+    from lowbit.recipes import Recipe, quantizes
+    from lowbit.train.build import resolve_recipe
+    assert not quantizes("bf16") and quantizes("stable-fp4") and quantizes(nv)
+    assert not quantizes(Recipe("plain", None)) and resolve_recipe("bf16") is None
+    assert resolve_recipe("nvfp4").name == "nvfp4"
+    with pytest.raises(ValueError, match="unknown recipe 'fp2'"):
+        quantizes("fp2")
+    report = lowbit.quantize_(tiny_model(), Recipe("plain", None))
+    assert report.swapped == [] and report.warning == ""   # nothing asked, nothing to warn of
 
 
 def tiny_model(n_experts=0):

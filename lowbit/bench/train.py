@@ -36,6 +36,7 @@ import time
 import torch
 
 from lowbit.bench.timing import profile_step, sync
+from lowbit.recipes import quantizes
 
 __all__ = ["bench_train", "format_rows", "training_flops_per_token", "BF16_PEAK_FLOPS"]
 
@@ -153,7 +154,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
             hook = refresh_hook(net, qat, seed=0)
         else:
             summary = apply_recipe(net, resolve_recipe(name))
-            if name != "bf16" and not quantized_weights(net):
+            if quantizes(name) and not quantized_weights(net):
                 quantized_nothing = True
                 note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
                         f"training")

@@ -69,6 +69,8 @@ def gemm_modules(model: nn.Module, module_filter_fn: Callable[[nn.Module, str], 
 @dataclass
 class ConversionReport:
     recipe: str
+    quantizes: bool = True
+    """The recipe quantizes some layer (Recipe.quantizes; bf16's quantizes none)."""
     swapped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, kind, recipe)
     kept: list[tuple[str, str, str]] = field(default_factory=list)     # (name, kind, why)
     not_understood: list[tuple[str, str, str]] = field(default_factory=list)
@@ -78,7 +80,7 @@ class ConversionReport:
     @property
     def warning(self) -> str:
         """A line when the recipe quantized nothing, saying why ("" otherwise)."""
-        if self.swapped or self.recipe == "bf16":
+        if self.swapped or not self.quantizes:
             return ""
         why = ("; its weights are in modules lowbit does not convert: "
                + ", ".join(sorted({t for _, t, _ in self.not_understood}))
@@ -134,7 +136,7 @@ def convert_to_quantized_training(model: nn.Module, recipe: str | Recipe,
     names = [name for name, _ in model.named_modules()]
     block_ids = [int(m.group(1)) for n in names for m in [re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", n)] if m]
     n_blocks = max(block_ids) + 1 if block_ids else None
-    report = ConversionReport(recipe.name)
+    report = ConversionReport(recipe.name, recipe.quantizes)
     plan: list[tuple[str, nn.Module, str, LinearRecipe]] = []
 
     for name, module, kind, why in gemm_modules(model, module_filter_fn):

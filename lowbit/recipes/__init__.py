@@ -15,8 +15,9 @@ The configs live in _config, the registry in _registry, the built-in recipes in 
 """
 
 from lowbit.recipes._config import Gemm, LinearRecipe, Recipe
-from lowbit.recipes._registry import RECIPES, get_recipe, recipe_names, register_recipe
+from lowbit.recipes._registry import RECIPES, get_recipe, quantizes, recipe_names, register_recipe
 from lowbit.recipes._builtin import bf16, mxfp4, nvfp4, stable_fp4   # registers every built-in recipe
 
 __all__ = ["Gemm", "LinearRecipe", "Recipe", "RECIPES", "register_recipe", "get_recipe", "recipe_names",
+           "quantizes",
            "bf16", "mxfp4", "nvfp4", "stable_fp4"]

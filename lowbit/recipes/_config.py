@@ -154,6 +154,12 @@ class Recipe:
         if self.keep_first_last_blocks < 0:
             raise ValueError("keep_first_last_blocks must be >= 0")
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether any layer is quantized (bf16's recipe quantizes none: the model trains as
+        built, and nothing recipe-specific -- conversion, diagnostics -- applies)."""
+        return self.linear is not None
+
     def linear_for(self, module_name: str, n_blocks: int | None = None) -> LinearRecipe | None:
         """The LinearRecipe for a module (None: leave it in high precision)."""
         if self.linear is None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from lowbit.recipes._config import Recipe
 
-__all__ = ["RECIPES", "register_recipe", "get_recipe", "recipe_names"]
+__all__ = ["RECIPES", "register_recipe", "get_recipe", "recipe_names", "quantizes"]
 
 
 RECIPES: dict[str, Callable[[], Recipe]] = {}
@@ -24,6 +24,12 @@ def register_recipe(name: str):
 
 def recipe_names() -> list[str]:
     return list(RECIPES)
+
+
+def quantizes(name: str | Recipe) -> bool:
+    """Whether the recipe (by name, or itself) quantizes any layer: the one test of "no recipe"
+    (bf16). An unknown name is refused as get_recipe refuses it."""
+    return get_recipe(name).quantizes
 
 
 def get_recipe(name: str | Recipe) -> Recipe:

@@ -5,13 +5,13 @@ metrics.jsonl); runs of one setting share a colour, a second seed is dashed, a t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from collections.abc import Sequence
 
 from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics
 from lowbit.train.plot import pyplot, save_figure
+from lowbit.train.run_dir import RunDir
 
 __all__ = ["plot_rl_runs"]
 
@@ -26,9 +26,9 @@ def plot_rl_runs(run_dirs: Sequence[str | Path], out_path: str | Path, title: st
     plt = pyplot()
     runs = []   # (folder, setting, seed)
     for run_dir in map(Path, run_dirs):
-        config_file = run_dir / "config.json"
-        if config_file.is_file():
-            config = RLConfig.from_dict(json.loads(config_file.read_text()))
+        record = RunDir(run_dir).config_record()
+        if record is not None:
+            config = RLConfig.from_dict(record)
             runs.append((run_dir, config.setting, config.seed))
         else:
             runs.append((run_dir, run_dir.name, 0))

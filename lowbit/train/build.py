@@ -150,13 +150,12 @@ def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module
 
 
 def resolve_recipe(name: str):
-    """The recipe object for `name`, or None for "bf16" (train the model as built). Refuses an
-    unknown name before anything is built."""
-    if name == "bf16":
-        return None
+    """The recipe object for `name`, or None for one that quantizes nothing (bf16: train the
+    model as built). Refuses an unknown name before anything is built."""
     from lowbit.recipes import get_recipe
 
-    return get_recipe(name)
+    recipe = get_recipe(name)
+    return recipe if recipe.quantizes else None
 
 
 def apply_recipe(model: nn.Module, recipe) -> str:

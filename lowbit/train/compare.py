@@ -64,6 +64,7 @@ from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
+from lowbit.recipes import quantizes
 from lowbit.train.build import resolve_recipe
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import write_json_atomic
@@ -459,7 +460,7 @@ class TrainRunner:
     """Continue the run (continue_state): a finished one is taken as it is."""
 
     def __call__(self, config: TrainConfig) -> RunOutcome:
-        diagnostics_fn = (self.diagnostics_fn if config.diagnostics and config.recipe != "bf16"
+        diagnostics_fn = (self.diagnostics_fn if config.diagnostics and quantizes(config.recipe)
                           else None)
         run_dir = Path(config.out_dir) / config.name
         state = continue_state(RunDir(run_dir)) if self.resume else "start"
@@ -540,9 +541,9 @@ def check_runs(configs: Sequence[TrainConfig], overwrite: bool = False,
 
 def continue_state(run_dir: RunDir) -> str:
     """What continuing a comparison does with one of its runs: "done" (its final.json is
-    there: taken as it is), "resume" (it has a checkpoint: it continues from there), or
-    "start" (nothing to continue)."""
-    if run_dir.finished:
+    there: taken as it is, also with its checkpoints removed, RunDir.result_only), "resume"
+    (it has a checkpoint: it continues from there), or "start" (nothing to continue)."""
+    if run_dir.finished or run_dir.result_only:
         return "done"
     return "resume" if run_dir.checkpoints.exists() else "start"
 
@@ -564,6 +565,9 @@ def check_run_folders(folders: Sequence[tuple[RunDir, Any] | tuple[RunDir, Any, 
         states[0] = "resume"   # refused below, with RunDir's words
     for (run_dir, config, *job), state in zip(folders, states):
         with run_dir:   # locked only to look
+            if state == "done" and run_dir.result_only:   # its config.json is what there is
+                run_dir.check_result(config, job[0] if job else None)
+                continue
             run_dir.check(config, resume=state != "start", overwrite=overwrite,
                           job=job[0] if job else None)
     return states

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lowbit.formats.weight_format import parse_weight_format
+from lowbit.recipes import quantizes
 from lowbit.train.build import (Batch, TrainingData, apply_recipe, build_data, build_model,
                                 build_optimizer, context_warning, epochs, resolve_recipe,
                                 seed_everything)
@@ -149,7 +150,7 @@ class _TrainJob:
         if config.cuda_graph:   # the device and processes; the model's experts once it is built
             refuse_cuda_graph(process)
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
-        if diagnostics_fn is None and config.diagnostics and config.recipe != "bf16":
+        if diagnostics_fn is None and config.diagnostics and quantizes(config.recipe):
             diagnostics_fn = _recipe_diagnostics
 
         seed_everything(config.seed)
