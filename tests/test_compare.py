@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lowbit.train.cli_args import add_train_arguments, run_train
+from lowbit.train.run_dir import RunDir
 from lowbit.train.compare import (RunOutcome, RunSpec, check_specs, compare_runs,
                                   seed_statistics, t_critical)
 
@@ -175,3 +176,32 @@ def test_cli_compare_stopped_by_its_time_limit_resumes_to_the_end(tmp_path, corp
     assert json.loads((tmp_path / "lim-mxfp4" / "final.json").read_text())["steps"] == 3
     with pytest.raises(ValueError, match="stop_after_minutes must be a positive number"):
         run_train(parser.parse_args([*common, "--stop-after-minutes", "0"]))
+
+
+def test_a_comparison_takes_finished_runs_whose_checkpoints_were_removed(tmp_path, corpus_env, capsys):
+    # finish two arms, delete their checkpoints (to save space or carry results elsewhere),
+    # then add an arm with --resume: the two results are taken as they are (their curves and
+    # "ok"), checked against config.json; a changed config is refused in one line
+    import argparse
+    import shutil
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    common = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--eval-every", "1",
+              "--eval-batches", "1", "--checkpoint-every", "0", "--no-diagnostics",
+              "--no-progress", "--device", "cpu", "--out-dir", str(tmp_path), "--run-name", "pr"]
+    run_train(parser.parse_args([*common, "--compare", "bf16,mxfp4"]))
+    capsys.readouterr()
+    metrics = {run: (tmp_path / run / "metrics.jsonl").read_text() for run in ("pr-bf16", "pr-mxfp4")}
+    for run in metrics:
+        shutil.rmtree(tmp_path / run / "checkpoints")
+        assert RunDir(tmp_path / run).result_only and not RunDir(tmp_path / run).finished
+    run_train(parser.parse_args([*common, "--compare", "bf16,mxfp4,nvfp4", "--resume"]))
+    out = capsys.readouterr().out
+    assert out.count("| ok |") == 3, out
+    for run, text in metrics.items():   # taken, not run again
+        assert (tmp_path / run / "metrics.jsonl").read_text() == text
+    assert (tmp_path / "pr-nvfp4" / "final.json").is_file()
+    with pytest.raises(ValueError, match=r"cannot take .*pr-bf16's result: its config.json differs "
+                                         r"from the config asked for in lr"):
+        run_train(parser.parse_args([*common, "--compare", "bf16,mxfp4", "--resume", "--lr", "5e-4"]))

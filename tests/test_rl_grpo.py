@@ -609,6 +609,30 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(tmp_path, capsys):
+    # the way a comparison grows across jobs that cannot carry checkpoints: finished runs'
+    # folders without checkpoints are taken as they are (checked against config.json)
+    import shutil
+
+    from lowbit.cli import main
+    base = ["rl", "--quick", "--no-progress", "--out-dir", str(tmp_path)]
+    assert main([*base, "--compare", "bf16,nvfp4"]) == 0
+    runs = ("rl-tiny-add-bf16", "rl-tiny-add-nvfp4")
+    before = {r: (tmp_path / r / "metrics.jsonl").read_text() for r in runs}
+    for r in runs:
+        shutil.rmtree(tmp_path / r / "checkpoints")
+    capsys.readouterr()
+    assert main([*base, "--compare", "bf16,nvfp4,nvfp4+quads", "--resume"]) == 0
+    assert all((tmp_path / r / "metrics.jsonl").read_text() == before[r] for r in runs)
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "compare-add" / "summary.json").read_text())}
+    assert set(rows) == {"bf16", "nvfp4", "nvfp4+quads"}
+    capsys.readouterr()
+    assert main([*base, "--compare", "bf16,nvfp4", "--resume", "--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "its config.json differs from the config asked for in temperature" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_the_paired_curve_averages_the_last_evaluations():
     from lowbit.rl.compare import accuracy_change_curve
     records = [{"event": "train", "step": 1}] + [

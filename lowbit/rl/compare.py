@@ -103,7 +103,7 @@ class RLRunner:
                 outcome.status = f"diverged at step {e.step} (non-finite loss)"
                 return outcome
         result = _result(folder.path)   # --stop-after-minutes may have ended it unfinished
-        status = "ok" if folder.finished else stopped_status(result.steps)
+        status = "ok" if state == "done" or folder.finished else stopped_status(result.steps)
         return RunOutcome(accuracy_change_curve(result.records, self.window), status,
                           str(folder.path))
 

@@ -144,6 +144,32 @@ class RunDir:
         """The run reached its last step: final.json and its checkpoint are both there."""
         return (self.path / "final.json").is_file() and self.checkpoint.is_file()
 
+    @property
+    def result_only(self) -> bool:
+        """final.json is there and no checkpoint: a finished run whose checkpoints were removed
+        (to save space, or to carry its results elsewhere). A comparison takes its result as it
+        is, once `check_result` finds it was run with the config asked for; nothing can
+        continue it or start from its weights."""
+        return (self.path / "final.json").is_file() and not self.checkpoints.exists()
+
+    def check_result(self, config: RunConfig, job: JobRecord | None = None) -> None:
+        """Refuse, in one line, a result_only run whose config.json (and job.json, given the
+        run's job record) differs from what is asked for in anything a resume would refuse:
+        its result answers only the question it was run for."""
+        saved = self.config_record()
+        if saved is None:
+            raise ValueError(f"{self.path} holds final.json but no config.json, so what it ran "
+                             f"cannot be checked; remove the folder or choose another --run-name")
+        changes = config.changed_fields(saved)
+        job_file = self.path / JOB_FILE
+        if job is not None and job_file.is_file():
+            changes += job.changed_fields(json.loads(job_file.read_text()))
+        if changes:
+            raise ValueError(f"cannot take {self.path}'s result: its config.json differs from "
+                             f"the config asked for in {'; '.join(sorted(changes))} (its "
+                             f"checkpoints were removed, so it cannot continue); use the saved "
+                             f"values, or --overwrite to run it again")
+
     def open(self, allow_unfinished: bool = False, use: str = "read") -> SavedRun:
         """Read a finished run back, a lowbit train run or a lowbit rl run (config None), after
         `check_readable`; a damaged checkpoint is a CheckpointError, one line."""
