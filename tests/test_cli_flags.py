@@ -27,8 +27,8 @@ COMMANDS = {
         # switches set on every run, even a --resume (never taken from the saved run, as the value
         # flags not given are), and mostly the negation of their field
         "--no-bf16-autocast", "--compile", "--cuda-graph", "--no-diagnostics", "--no-progress"}),
-    "rl": ((RLConfig,), {"--compare", "--seeds", "--parallel-runs", "--quick", "--resume",
-                         "--overwrite", "--no-progress"}),
+    "rl": ((RLConfig,), {"--compare", "--seeds", "--parallel-runs", "--compare-window", "--quick",
+                         "--resume", "--overwrite", "--no-progress"}),
     "qat": ((QATJob, QATConfig, JacQuantConfig), {
         "--compare",   # the arms: QATJob's configs and lr_multipliers, parsed from one text
         # switches that set QATJob's booleans on every run (two of them the field's negation)

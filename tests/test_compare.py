@@ -205,3 +205,38 @@ def test_a_comparison_takes_finished_runs_whose_checkpoints_were_removed(tmp_pat
     with pytest.raises(ValueError, match=r"cannot take .*pr-bf16's result: its config.json differs "
                                          r"from the config asked for in lr"):
         run_train(parser.parse_args([*common, "--compare", "bf16,mxfp4", "--resume", "--lr", "5e-4"]))
+
+
+def test_a_taken_result_is_checked_as_a_resume_would_be(tmp_path):
+    # RunDir.check_result on a finished run without checkpoints: its job record (job.json, or
+    # an old run's config.json fields) and starting weights, and a live writer's lock
+    import fcntl
+
+    from lowbit.train.checkpoint import CheckpointError, write_json_atomic
+    from lowbit.train.config import TrainConfig
+    from lowbit.train.job_record import JobRecord
+
+    config = TrainConfig(out_dir=str(tmp_path), run_name="q", device="cpu")
+    qat = {"weights": "int2:g64"}
+    job = JobRecord("qat", qat, "runs/base", "a" * 64)
+    folder = tmp_path / "q"
+    folder.mkdir()
+    write_json_atomic(folder / "config.json", config.to_dict())
+    write_json_atomic(folder / "final.json", {"steps": 1})
+    run = RunDir(folder)
+    assert run.result_only
+    with run:   # written before job records: the job fields in config.json
+        run.check_result(config, JobRecord("train"))    # config.json names no QAT: a train run
+        with pytest.raises(ValueError, match="differs from the config asked for in kind"):
+            run.check_result(config, job)
+    write_json_atomic(folder / "job.json", job.to_dict())
+    with run:
+        run.check_result(config, JobRecord("qat", qat, "moved/base", "a" * 64))   # moved: taken
+        with pytest.raises(CheckpointError, match="started from other weights"):
+            run.check_result(config, JobRecord("qat", qat, "runs/base", "b" * 64))
+        with pytest.raises(ValueError, match="differs from the config asked for in qat"):
+            run.check_result(config, JobRecord("qat", {"weights": "int3:g64"}, "runs/base", "a" * 64))
+    with open(folder / ".lowbit.lock", "a+") as held:   # another process writing it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="is in use"):
+            RunDir(folder).check_result(config, job)

@@ -601,7 +601,7 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     for flags, message in ((["--seeds", "0,1"], "--seeds goes with --compare"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative"),
-                           (["--compare", "bf16,nvfp4", "--compare-window", "3"], "--compare-window goes with"),
+                           (["--compare-window", "3"], "--compare-window goes with"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--compare-window", "0"],
                             "window is a number of evaluations")):
         code = main(["rl", "--quick", *flags, "--out-dir", str(tmp_path)])
@@ -623,10 +623,11 @@ def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(
         shutil.rmtree(tmp_path / r / "checkpoints")
     capsys.readouterr()
     assert main([*base, "--compare", "bf16,nvfp4,nvfp4+quads", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| ok |") == 3 and "stopped at" not in out, out   # taken as finished
     assert all((tmp_path / r / "metrics.jsonl").read_text() == before[r] for r in runs)
     rows = {r["setting"]: r for r in json.loads((tmp_path / "compare-add" / "summary.json").read_text())}
     assert set(rows) == {"bf16", "nvfp4", "nvfp4+quads"}
-    capsys.readouterr()
     assert main([*base, "--compare", "bf16,nvfp4", "--resume", "--temperature", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "its config.json differs from the config asked for in temperature" in err

@@ -220,7 +220,8 @@ class LinearWeight:
         """An NVFP4 weight re-laid for the tensor-core GEMM (lowbit.formats.nvfp4_tiles), made
         on the first call by `make` -- the reference, or a kernel that writes the same bits
         (lowbit.kernels.nvfp4_tiles_triton, which the GEMM's kernel passes) -- and re-laid in
-        place by the same `make` at each copy_ (a weight sync)."""
+        place at each copy_ (a weight sync) by that first call's `make`: a later call's `make`
+        is not used (the bits are the same whichever made them)."""
         if self.format is not WeightStorage.NVFP4:
             raise ValueError(f"tiles() re-lays NVFP4 weights (this one is {self.format.value})")
         if self._tiles is None:

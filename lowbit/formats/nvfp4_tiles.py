@@ -132,7 +132,7 @@ def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: tor
                 in_features: int, out: NVFP4Tiles | None = None) -> NVFP4Tiles:
     """A LinearWeight's NVFP4 parts -- codes (.., N, Kp/2) uint8 (low nibble the even column),
     block scales (.., N, Kp/16) float8_e4m3fn, row scales (.., N) float32 -- re-laid as tiles
-    on their device: a table lookup a plane, about 50 launches whatever the shape, and under
+    on their device: a table lookup a plane, about 35 torch ops whatever the shape, and under
     3 bytes a weight of scratch (lowbit.kernels.nvfp4_tiles_triton writes the same bits in one
     launch). out: tiles of this shape to copy the result into (returned); None: new ones."""
     lead, n = codes.shape[:-2], codes.shape[-2]

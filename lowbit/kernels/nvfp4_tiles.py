@@ -3,11 +3,11 @@
     tiles = nvfp4_tiles_triton(codes, block_scales, row_scales, in_features)   # same bits
     nvfp4_tiles_triton(codes, block_scales, row_scales, in_features, out=tiles)  # in place
 
-The reference re-lays a weight with about 50 torch ops (a table lookup a plane); a weight sync
-re-lays every linear of the model, so on a GPU those launches were most of the sync's time
-(docs/results/rollout.md: ~100 small kernels a weight, 0.25-0.32 s a sync on Qwen3-0.6B).
-This kernel writes the same three tensors -- words, scales and row scales -- in one launch a
-weight, and with `out` into the tensors a CUDA graph already reads (no copy after).
+The reference re-lays a weight with about 35 torch ops (a table lookup a plane), each a kernel
+launch on a GPU, and a weight sync re-lays every linear of the model (what that cost, before
+and after this kernel: docs/results/rollout.md). This kernel writes the same three tensors --
+words, scales and row scales -- in one launch a weight, and with `out` into the tensors a CUDA
+graph already reads (no copy after).
 
 Each program takes BLOCK_R rows of one 128-column tile: for each plane j (NVFP4 block j of the
 tile) it gathers the 16 codes' nibbles from the packed bytes and looks up the bits each code
@@ -96,9 +96,15 @@ def nvfp4_tiles_triton(codes: torch.Tensor, block_scales: torch.Tensor, row_scal
             torch.empty(*lead, n_pad, T * 8, dtype=torch.bfloat16, device=codes.device),
             torch.empty(*lead, n, dtype=torch.float32, device=codes.device), n, in_features)
     elif (tuple(out.words.shape) != (*lead, n_pad, T * 16) or out.in_features != in_features
-          or out.out_features != n):
+          or out.out_features != n or tuple(out.scales.shape) != (*lead, n_pad, T * 8)
+          or tuple(out.row_scales.shape) != (*lead, n)
+          or (out.words.dtype, out.scales.dtype, out.row_scales.dtype)
+          != (torch.int32, torch.bfloat16, torch.float32)
+          or any(t.device != codes.device or not t.is_contiguous()
+                 for t in (out.words, out.scales, out.row_scales))):
         raise ValueError(f"out holds tiles of shape {tuple(out.words.shape)}, not the "
-                         f"{(*lead, n_pad, T * 16)} these codes make")
+                         f"{(*lead, n_pad, T * 16)} these codes make (or tensors of another "
+                         f"shape, dtype or device, or not contiguous)")
     table = _TABLES.get(codes.device)
     if table is None:
         table = _TABLES[codes.device] = slot_table().to(codes.device)

@@ -46,7 +46,7 @@ from lowbit.qat.distill import distillation
 from lowbit.qat.gptq import gptq
 from lowbit.formats import save_qtensors
 from lowbit.qat.layers import check_model, convert, packed_weights, prepare, refresh_hook
-from lowbit.recipes import quantizes
+from lowbit.recipes import RECIPES, quantizes
 from lowbit.train.build import build_data, build_model, seed_everything
 from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_atomic
@@ -247,7 +247,9 @@ def load_source(path: Path, job: QATJob | None = None) -> tuple[TrainConfig, dic
     if saved.job.kind == "qat":
         raise ValueError(f"{path} is a QAT run; start QAT from the high-precision run it came "
                          f"from ({saved.job.init_from})")
-    if quantizes(config.recipe):
+    # a recipe this process does not know (registered by the script that trained the source)
+    # is named too: what matters here is only that it was not plain bf16
+    if config.recipe not in RECIPES or quantizes(config.recipe):
         print(f"lowbit qat: note: {path} was trained with recipe {config.recipe}; QAT starts "
               "from its high-precision master weights")
     return config, checkpoint["model"]

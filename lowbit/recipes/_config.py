@@ -158,7 +158,9 @@ class Recipe:
     def quantizes(self) -> bool:
         """Whether any layer is quantized (bf16's recipe quantizes none: the model trains as
         built, and nothing recipe-specific -- conversion, diagnostics -- applies)."""
-        return self.linear is not None
+        return self.linear is not None and (
+            self.linear.is_quantized
+            or any(lin is not None and lin.is_quantized for _, lin in self.overrides))
 
     def linear_for(self, module_name: str, n_blocks: int | None = None) -> LinearRecipe | None:
         """The LinearRecipe for a module (None: leave it in high precision)."""

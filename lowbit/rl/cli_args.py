@@ -35,7 +35,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --compare: run N runs at once, each in a process of its own (on "
                         "one GPU they share it; default: 1, one after another)")
     p.add_argument("--compare-window", metavar="N", type=int, default=None,
-                   help="with --seeds: the paired statistics take each run's mean over its last N "
+                   help="with --compare: the paired statistics take each run's mean over its last N "
                         "evaluations (default: 5; 1: the compared evaluation alone)")
     p.add_argument("--quick", action="store_true",
                    help="a few seconds' version of the same run (for CI): " +
@@ -77,9 +77,9 @@ def run_rl_command(args: argparse.Namespace) -> None:
         if args.seed is not None:
             raise ValueError("--seeds names the seeds of the comparison; drop --seed")
         seeds = parse_seeds(args.seeds)
-    if args.compare_window is not None and seeds is None:
-        raise ValueError("--compare-window goes with --compare SETTINGS --seeds SEEDS (it sets "
-                         "the paired statistics' average)")
+    if args.compare_window is not None and not args.compare:
+        raise ValueError("--compare-window goes with --compare SETTINGS (it sets the paired "
+                         "statistics' average)")
     if args.parallel_runs != 1 and not args.compare:
         raise ValueError("--parallel-runs goes with --compare SETTINGS (the runs of the comparison)")
     try:

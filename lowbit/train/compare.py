@@ -560,6 +560,8 @@ def check_run_folders(folders: Sequence[tuple[RunDir, Any] | tuple[RunDir, Any, 
     for the config asked for), or one that stopped before its first checkpoint (which offers
     --overwrite). A resume of a comparison none of whose runs has begun is refused as a
     resume of its first run is: a mistyped name must not start afresh."""
+    if resume and overwrite:   # before any folder's branch below (a taken result checks neither)
+        raise ValueError("resume and overwrite exclude each other; pick one")
     states = [continue_state(run_dir) if resume else "start" for run_dir, *_ in folders]
     if resume and all(state == "start" for state in states):
         states[0] = "resume"   # refused below, with RunDir's words

@@ -90,7 +90,7 @@ def train(
     overwrite: start over in a run folder that already holds a run (otherwise refused).
     model, data: use these instead of building config.model / config.corpus; the model must
         map (idx, targets) to an output with .loss and .logits, like lowbit.models', and is
-        converted in place when config.recipe is not "bf16".
+        converted in place when config.recipe quantizes (lowbit.recipes.quantizes).
     diagnostics_fn: called as fn(model, first micro-batch, step) every diag_every steps,
         after the update; its dict of numbers is logged as a "diagnostics" record.
     on_step: called as fn(step) after every optimizer step (step = steps completed), on every

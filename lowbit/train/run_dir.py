@@ -153,22 +153,31 @@ class RunDir:
         return (self.path / "final.json").is_file() and not self.checkpoints.exists()
 
     def check_result(self, config: RunConfig, job: JobRecord | None = None) -> None:
-        """Refuse, in one line, a result_only run whose config.json (and job.json, given the
-        run's job record) differs from what is asked for in anything a resume would refuse:
-        its result answers only the question it was run for."""
+        """Refuse, in one line, a result_only run that another process holds, or that a resume
+        of it would refuse: config.json differing from `config`, or (given the run's job record)
+        job.json -- or for a run written before job records, config.json's job fields -- from
+        `job`, starting weights included (check_same_start). Its result answers only the
+        question it was run for. Takes the folder's lock, as check() does."""
+        self.lock()
         saved = self.config_record()
         if saved is None:
             raise ValueError(f"{self.path} holds final.json but no config.json, so what it ran "
-                             f"cannot be checked; remove the folder or choose another --run-name")
+                             f"cannot be checked; remove the folder, or choose another --run-name")
         changes = config.changed_fields(saved)
-        job_file = self.path / JOB_FILE
-        if job is not None and job_file.is_file():
-            changes += job.changed_fields(json.loads(job_file.read_text()))
+        saved_job = None
+        if job is not None:
+            job_file = self.path / JOB_FILE
+            saved_job = (JobRecord.from_dict(json.loads(job_file.read_text())) if job_file.is_file()
+                         else JobRecord.of_checkpoint({"config": saved}))
+            changes += job.changed_fields(saved_job.to_dict())
         if changes:
             raise ValueError(f"cannot take {self.path}'s result: its config.json differs from "
                              f"the config asked for in {'; '.join(sorted(changes))} (its "
                              f"checkpoints were removed, so it cannot continue); use the saved "
-                             f"values, or --overwrite to run it again")
+                             f"values, or remove the folder to run it again")
+        if saved_job is not None:
+            check_same_start(saved_job.init_fingerprint, job.init_fingerprint, self.path,
+                             saved_job.init_from)
 
     def open(self, allow_unfinished: bool = False, use: str = "read") -> SavedRun:
         """Read a finished run back, a lowbit train run or a lowbit rl run (config None), after
