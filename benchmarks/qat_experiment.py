@@ -15,8 +15,11 @@
    a process still running at the deadline is stopped and its last evaluation used; then one
    `--baselines-only` process per weight format (RTN, GPTQ), so their memory never adds to the
    QAT runs';
-4. a table of every setting's validation loss and gap to BF16, each non-STE run's gap over
-   the STE run's with the same forward quantizer and seed, and B's statistics, into DIR/summary.json and DIR/table.md.
+4. `summarize`: a table of every setting's validation loss and gap to BF16 and to its seed's
+   bf16 control (at every evaluation all runs reached), each non-STE run's gap over the STE
+   run's with the same forward quantizer and seed and over the best STE arm's (any LR), the
+   code flips a weight at one common step, and B's statistics, into DIR/table.md; DIR/summary.json
+   holds the same with every run's curve and flip records (the raw data).
 --smoke runs the same on the CPU at a toy size (CI).
 """
 
@@ -79,18 +82,125 @@ def same_quantizer(a: QATConfig, b: QATConfig) -> bool:
     return (a.weights, a.scale_init, a.scales_learned) == (b.weights, b.scale_init, b.scales_learned)
 
 
-def last_eval(run: Path, at_most: int | None = None) -> dict | None:
+def run_records(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    evals = [r for r in records if r["event"] == "eval" and (at_most is None or r["step"] <= at_most)]
-    b = [r for r in records if r["event"] == "jacquant"]
-    out = dict(evals[-1]) if evals else None
-    if out is not None and b:
-        out["b_first"] = {k: v for k, v in b[0].items() if k.startswith("b/") and k.count("/") == 1}
-        out["b_last"] = {k: v for k, v in b[-1].items() if k.startswith("b/") and k.count("/") == 1}
-    return out
+    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.is_file() else [])
+
+
+def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
+              logs: Path | None = None) -> tuple[dict, str]:
+    """Step 4 from the runs' folders: ({"rows", "gap_ratios", "gaps_by_step", "code_flips_at",
+    "compared_at_step", "failed"}, the table). settings: parse_setting's tuples.
+
+    - rows: each setting's last evaluation at the common step (the last every run that trained
+      reached), its gap to BF16 and to the bf16 control of its seed, B's first and last
+      statistics, and its whole curve (`evals`: [step, val loss]) and code flips (`code_flips`:
+      [step, fraction changed since the record before]) for the raw data;
+    - gap_ratios: each non-STE (or other-LR STE) run's gap to control over that of STE at
+      --qat-lr with the same quantizer and seed (`ratio`), and over the best STE arm of that
+      quantizer and seed, whatever its LR (`best_ste`, `ratio_best`): a method is only as good
+      as the tuned baseline it beats;
+    - gaps_by_step: every run's gap to its control at each evaluation step all runs reached;
+    - code_flips_at: {"step": the last flip record every int run reached, "flips": per run the
+      flips a weight by then}, so that runs stopped at different steps compare at one."""
+    bf16 = baselines.get("bf16")
+    records = {}
+    for config, seed, lr, name in settings:
+        runs_of = sorted(qat_dir.glob(f"{name}-*"))
+        records[name] = run_records(runs_of[0]) if runs_of else []
+    reached = {}
+    for config, seed, lr, name in settings:
+        steps = [r["step"] for r in records[name] if r["event"] == "eval"]
+        if steps and max(steps) > 0:
+            reached[name] = max(steps)
+    common = min(reached.values()) if reached else None   # every run that trained got this far
+    failed = {}
+    for config, seed, lr, name in settings:
+        if name not in reached:
+            log = None if logs is None else logs / f"{name}.log"
+            failed[name] = log.read_text()[-1500:] if log is not None and log.is_file() else "no log"
+    rows = []
+    for config, seed, lr, name in settings:
+        recs = records[name]
+        evals = [r for r in recs if r["event"] == "eval" and (common is None or r["step"] <= common)]
+        ev = evals[-1] if evals and name in reached else None
+        b = [r for r in recs if r["event"] == "jacquant"]
+
+        def b_stats(r):
+            return {k: v for k, v in r.items() if k.startswith("b/") and k.count("/") == 1}
+        rows.append({"setting": name, "weights": config.weights, "estimator": config.estimator,
+                     "seed": seed, "lr": lr or qat_lr, "config": config.to_dict(),
+                     "flags": config_flags(config),
+                     "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
+                     "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
+                     "b_first": b_stats(b[0]) if b and ev else None,
+                     "b_last": b_stats(b[-1]) if b and ev else None,
+                     "evals": [[r["step"], r["val_loss"]] for r in recs if r["event"] == "eval"],
+                     "code_flips": [[r["step"], r["qat/code_flips"]] for r in recs
+                                    if "qat/code_flips" in r]})
+    # gaps to the control (bf16 fine-tuned the same steps, same seed, at --qat-lr)
+    controls = {r["seed"]: r for r in rows if r["weights"] == "bf16" and r["lr"] == qat_lr
+                and r["val_loss"] is not None}
+    for r in rows:
+        control = controls.get(r["seed"])
+        r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
+    ratios = []
+    for r in rows:
+        if r["weights"] == "bf16" or r["gap_control"] is None or (r["estimator"] == "ste" and r["lr"] == qat_lr):
+            continue
+        mine = QATConfig.from_dict(r["config"])
+        stes = [x for x in rows if x["estimator"] == "ste" and x["seed"] == r["seed"]
+                and x["gap_control"] is not None and x is not r
+                and same_quantizer(QATConfig.from_dict(x["config"]), mine)]
+        ste = next((x for x in stes if x["lr"] == qat_lr), None)
+        best = min(stes, key=lambda x: x["gap_control"], default=None)
+        if ste and ste["gap_control"] > 0:
+            ratios.append({"run": r["setting"], "ste": ste["setting"],
+                           "gap_ratio": r["gap_control"] / ste["gap_control"],
+                           "best_ste": best["setting"],
+                           "ratio_best": r["gap_control"] / best["gap_control"] if best["gap_control"] > 0 else None})
+    # each run's gap to its control at every evaluation all of them reached
+    by_step = {}
+    eval_steps = [{s for s, _ in r["evals"]} for r in rows if r["setting"] in reached]
+    shared = sorted(set.intersection(*eval_steps)) if eval_steps else []
+    for r in rows:
+        control = controls.get(r["seed"])
+        if control is None or r["setting"] not in reached:
+            continue
+        mine, theirs = dict(map(tuple, r["evals"])), dict(map(tuple, control["evals"]))
+        by_step[r["setting"]] = {s: mine[s] - theirs[s] for s in shared if s > 0 and s in theirs}
+    # cumulative code flips at the last flip record every int run reached
+    flipped = [r for r in rows if r["code_flips"] and r["setting"] in reached]
+    flip_step = min(r["code_flips"][-1][0] for r in flipped) if flipped else None
+    flips = {r["setting"]: sum(f for s, f in r["code_flips"] if s <= flip_step) for r in flipped}
+
+    lines = ["| setting | step | val loss | gap to bf16 |", "| --- | ---: | ---: | ---: |"]
+    for name, loss in sorted(baselines.items()):
+        lines.append(f"| {name} | | {loss:.4f} | {'' if bf16 is None else f'{loss - bf16:+.4f}'} |")
+    for r in rows:
+        loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.4f}"
+        lines.append(f"| {r['setting']} | {r['step']} | {loss} | {gap} |")
+    lines += ["", f"compared at step {common}; gap to control = val loss - the bf16 control's (same seed)",
+              "", "| setting | gap to control |" + "".join(f" step {s} |" for s in shared if s > 0),
+              "| --- | ---: |" + " ---: |" * len([s for s in shared if s > 0])]
+    lines += [f"| {r['setting']} | {r['gap_control']:+.4f} |"
+              + "".join(f" {by_step[r['setting']][s]:+.4f} |" for s in shared
+                        if s > 0 and s in by_step.get(r["setting"], {}))
+              for r in rows if r["gap_control"] is not None]
+    lines += ["", "| run | ste run | gap / gap_ste | best ste run | gap / its gap |",
+              "| --- | --- | ---: | --- | ---: |"]
+    lines += [f"| {x['run']} | {x['ste']} | {x['gap_ratio']:.3f} | {x['best_ste']} | "
+              f"{'-' if x['ratio_best'] is None else format(x['ratio_best'], '.3f')} |" for x in ratios]
+    if flipped:
+        lines += ["", f"code flips a weight by step {flip_step}: "
+                  + ", ".join(f"{name} {value:.3f}" for name, value in flips.items())]
+    lines += ["", "failed: " + (", ".join(failed) or "none")]
+    summary = {"rows": rows, "gap_ratios": ratios, "gaps_by_step": by_step,
+               "code_flips_at": {"step": flip_step, "flips": flips},
+               "compared_at_step": common, "failed": failed}
+    return summary, "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -204,67 +314,14 @@ def main() -> None:
     baselines = {}
     for path in qat_dir.glob("baselines-*/summary.json"):
         baselines.update(json.loads(path.read_text())["baselines"])
-    rows = []
-    bf16 = baselines.get("bf16")
-    reached = {}
-    for config, seed, lr, name in settings:
-        runs_of = sorted(qat_dir.glob(f"{name}-*"))
-        ev = last_eval(runs_of[0]) if runs_of else None
-        if ev and ev["step"] > 0:
-            reached[name] = ev["step"]
-    common = min(reached.values()) if reached else None   # every run that trained got this far
-    meta["compared_at_step"] = common
-    failed = {}
-    for config, seed, lr, name in settings:
-        if name not in reached:
-            log = out / f"{name}.log"
-            failed[name] = log.read_text()[-1500:] if log.is_file() else "no log"
-    meta["failed"] = failed
-    for config, seed, lr, name in settings:
-        runs_of = sorted(qat_dir.glob(f"{name}-*"))
-        ev = last_eval(runs_of[0], common) if runs_of and name in reached else None
-        rows.append({"setting": name, "weights": config.weights, "estimator": config.estimator,
-                     "seed": seed, "lr": lr or args.qat_lr, "config": config.to_dict(),
-                     "flags": config_flags(config),
-                     "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
-                     "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
-                     "b_first": ev and ev.get("b_first"), "b_last": ev and ev.get("b_last")})
-    lines = ["| setting | step | val loss | gap to bf16 |", "| --- | ---: | ---: | ---: |"]
-    for name, loss in sorted(baselines.items()):
-        lines.append(f"| {name} | | {loss:.4f} | {'' if bf16 is None else f'{loss - bf16:+.4f}'} |")
-    for r in rows:
-        loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
-        gap = "-" if r["gap"] is None else f"{r['gap']:+.4f}"
-        lines.append(f"| {r['setting']} | {r['step']} | {loss} | {gap} |")
-    # gaps to the control (bf16 fine-tuned the same steps, same seed) where there is one
-    ratios = []
-    for r in rows:
-        control = next((x for x in rows if x["weights"] == "bf16" and x["seed"] == r["seed"]
-                        and x["lr"] == args.qat_lr and x["val_loss"] is not None), None)
-        r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
-    for r in rows:
-        if ((r["estimator"] != "ste" or r["lr"] != args.qat_lr) and r["gap_control"] is not None
-                and r["weights"] != "bf16"):
-            # the STE run with the same forward quantizer: same format, seed and scale options
-            mine = QATConfig.from_dict(r["config"])
-            ste = next((x for x in rows if x["estimator"] == "ste" and x["seed"] == r["seed"]
-                        and x["gap_control"] is not None and x["lr"] == args.qat_lr
-                        and same_quantizer(QATConfig.from_dict(x["config"]), mine)), None)
-            if ste and ste["gap_control"] > 0:
-                ratios.append({"run": r["setting"], "ste": ste["setting"],
-                               "gap_ratio": r["gap_control"] / ste["gap_control"]})
-    lines += ["", f"compared at step {common}; gap to control = val loss - the bf16 control's (same seed)",
-              "", "| setting | gap to control |", "| --- | ---: |"]
-    lines += [f"| {r['setting']} | {r['gap_control']:+.4f} |" for r in rows if r["gap_control"] is not None]
-    lines += ["", "| run | ste run | gap / gap_ste (to control) |", "| --- | --- | ---: |"]
-    lines += [f"| {x['run']} | {x['ste']} | {x['gap_ratio']:.3f} |" for x in ratios]
-    lines += ["", "failed: " + (", ".join(failed) or "none")]
-    table = "\n".join(lines) + "\n"
+    summary, table = summarize(settings, qat_dir, baselines, args.qat_lr, logs=out)
+    meta["compared_at_step"] = summary.pop("compared_at_step")
+    meta["failed"] = failed = summary.pop("failed")
     print(table)
     bench_rows = json.loads(bench_json.read_text()) if bench_json.is_file() else None
     (out / "table.md").write_text(table)
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, "rows": rows,
-                                                  "gap_ratios": ratios, "bench": bench_rows,
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, **summary,
+                                                  "bench": bench_rows,
                                                   "wall_s": time.time() - t0}, indent=2))
     print(f"done in {time.time() - t0:.0f} s -> {out}")
     if failed:   # the table above says which; their logs are in the folder

@@ -192,6 +192,42 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path,
         assert not out.exists()
 
 
+def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(tmp_path):
+    # synthetic run folders: the gaps to each seed's control at every shared evaluation, the
+    # ratio to STE at --qat-lr and to the best STE arm (any LR), flips at a common step, and a
+    # run that never trained listed as failed
+    qe = script_module(ROOT / "benchmarks" / "qat_experiment.py")
+    specs = ["bf16/ste/0", "int2:g64/ste/0", "int2:g64/ste/0/lr2e-4", "int2:g64/jacquant/0",
+             "int2:g64/ste/0/lr3e-4"]
+    settings = [qe.parse_setting(text) for text in specs]
+    losses = {"bf16-ste-s0": (3.0, 2.0, 1.9, 1.8), "int2g64-ste-s0": (3.0, 2.5, 2.3, 2.2),
+              "int2g64-ste-lr2e-4-s0": (3.0, 2.4, 2.2, 2.1), "int2g64-jacquant-s0": (3.0, 2.3, 2.25, 2.15)}
+    steps = (0, 10, 20, 30)
+    for name, curve in losses.items():
+        run = tmp_path / f"{name}-x"
+        run.mkdir()
+        last = 30 if name != "int2g64-jacquant-s0" else 20   # stopped earlier: compared at 20
+        records = [{"event": "eval", "step": st, "val_loss": v} for st, v in zip(steps, curve) if st <= last]
+        if name != "bf16-ste-s0":
+            records += [{"event": "qat", "step": st, "qat/code_flips": 0.01 * st / 10}
+                        for st in range(10, last + 1, 10)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    summary, table = qe.summarize(settings, tmp_path, {"bf16": 1.5}, 1e-4)
+    assert summary["compared_at_step"] == 20 and list(summary["failed"]) == ["int2g64-ste-lr3e-4-s0"]
+    gaps = summary["gaps_by_step"]
+    assert gaps["int2g64-ste-s0"] == pytest.approx({10: 0.5, 20: 0.4})
+    assert gaps["int2g64-jacquant-s0"] == pytest.approx({10: 0.3, 20: 0.35})
+    ratios = {r["run"]: r for r in summary["gap_ratios"]}
+    jq = ratios["int2g64-jacquant-s0"]
+    assert jq["ste"] == "int2g64-ste-s0" and jq["gap_ratio"] == pytest.approx(0.35 / 0.4)
+    assert jq["best_ste"] == "int2g64-ste-lr2e-4-s0" and jq["ratio_best"] == pytest.approx(0.35 / 0.3)
+    assert summary["code_flips_at"]["step"] == 20
+    assert summary["code_flips_at"]["flips"]["int2g64-ste-s0"] == pytest.approx(0.03)
+    rows = {r["setting"]: r for r in summary["rows"]}
+    assert rows["int2g64-ste-s0"]["evals"][-1] == [30, 2.2] and rows["int2g64-ste-s0"]["step"] == 20
+    assert "| int2g64-jacquant-s0 | +0.3500 | +0.3000 | +0.3500 |" in table
+
+
 def test_multi_gpu_scaling_smoke(tmp_path):
     """benchmarks/multi_gpu.py --smoke: one process, then two under torchrun (gloo), and the
     scaling table from their rows."""
