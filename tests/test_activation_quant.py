@@ -22,7 +22,10 @@ pytest.importorskip("triton")
 from lowbit.formats.activations import (  # noqa: E402
     per_token_fp8, per_token_nvfp4, rac_channel_count, rac_residual, static_nvfp4,
 )
+from lowbit.kernels import activation_quant as aq  # noqa: E402
 from lowbit.kernels.activation_quant import MAX_K, quantize_activations  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # numpy's, under the interpreter: NaN/Inf blocks compute a scale that is then discarded
@@ -205,3 +208,38 @@ def test_refusals():
             quantize_activations(x, "nvfp4", 0.25, radix_bits=bits)
     empty_x, empty_r = quantize_activations(x[:0], "nvfp4", 0.5)
     assert empty_x.shape == (0, 32) and empty_r.shape == (0, 32)
+
+
+@triton.jit
+def _threshold_kernel(keys_ptr, out_ptr, K, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr):
+    # one row's RAC threshold (activation_quant._rac_threshold) a program
+    row = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < K
+    keys = tl.load(keys_ptr + row * K + kk, mask=ok, other=-1)
+    tl.store(out_ptr + row, aq._rac_threshold(keys, ok, count, DIGIT))
+
+
+def test_the_threshold_search_stops_once_the_chosen_set_is_fixed():
+    # RAC's radix select (activation_quant._rac_threshold) stops once exactly `count` keys are
+    # >= the threshold so far: on distinct random keys it stops early, with a threshold that
+    # exactly the top-count keys reach; where keys tie across the count-th place it runs every
+    # step and returns the count-th largest key itself
+    g = torch.Generator().manual_seed(7)
+    K, count = 100, 25
+    keys = (torch.rand(6, K, generator=g) * 3).abs().view(torch.int32)   # |r|-like float bits
+    keys[4] = 1234                                                       # all tie
+    keys[5, :40] = keys[5].topk(count + 5).values.min()                  # ties across the place
+    keys = keys.to(DEV)
+    for digit in (4, 8):
+        out = torch.empty(6, dtype=torch.int32, device=DEV)
+        _threshold_kernel[(6,)](keys, out, K, count, BLOCK_K=128, DIGIT=digit)
+        for row in range(6):
+            top = keys[row].sort(descending=True).values
+            t = int(out[row])
+            if top[count - 1] != top[count]:     # the chosen set is fixed: exactly count reach t
+                assert int((keys[row] >= t).sum()) == count, (digit, row)
+            else:                                # ties: every step, the count-th key itself
+                assert t == int(top[count - 1]), (digit, row)
+        early = [int(out[r]) != int(keys[r].sort(descending=True).values[count - 1]) for r in range(4)]
+        assert any(early), digit   # distinct random keys: the search stopped before the last step

@@ -194,22 +194,32 @@ def _max_combine(a, b):
 def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr):
     """The count-th largest of the row's keys (int32 >= 0 on the ok lanes), DIGIT bits at a
     time from the top: each step histograms the next digit of the keys that share the bits
-    chosen so far, then keeps the largest digit d with count(key >= T | d) >= count."""
+    chosen so far, then keeps the largest digit d with count(key >= T | d) >= count.
+
+    Once exactly `count` keys are >= T | d (the count-th and the next largest keys differ in
+    the bits chosen so far), the steps left cannot change which keys are chosen: they stop,
+    and T keeps zeros below, a threshold that exactly the chosen keys reach (`_rac_channels`
+    then takes every key >= T, ties included, as it would have with all steps)."""
     BINS: tl.constexpr = 1 << DIGIT
     bins = tl.arange(0, BINS)
     threshold = tl.full((), 0, tl.int32)
     above = tl.full((), 0, tl.int32)         # keys above every key that shares T's chosen bits
+    done = tl.full((), 0, tl.int32)          # 1: exactly count keys are >= threshold
     for i in tl.static_range(32 // DIGIT):
-        shift = 32 - DIGIT * (i + 1)
-        if i == 0:
-            match = ok
-        else:
-            match = ok & ((keys >> (shift + DIGIT)) == (threshold >> (shift + DIGIT)))
-        h = tl.histogram((keys >> shift) & (BINS - 1), BINS, mask=match)
-        at_least = above + tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h   # count(key >= T | d)
-        d = tl.max(tl.where(at_least >= count, bins, 0), axis=0)
-        above += tl.sum(tl.where(bins > d, h, 0), axis=0)
-        threshold = threshold | (d << shift)
+        if done == 0:
+            shift = 32 - DIGIT * (i + 1)
+            if i == 0:
+                match = ok
+            else:
+                match = ok & ((keys >> (shift + DIGIT)) == (threshold >> (shift + DIGIT)))
+            h = tl.histogram((keys >> shift) & (BINS - 1), BINS, mask=match)
+            at_least = above + tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h   # count(key >= T | d)
+            d = tl.max(tl.where(at_least >= count, bins, 0), axis=0)
+            above += tl.sum(tl.where(bins > d, h, 0), axis=0)
+            threshold = threshold | (d << shift)
+            # count(key >= T | d) == count for the chosen d exactly when some digit's is
+            # (the counts fall as d rises, and d is the largest digit whose count >= count)
+            done = tl.max(tl.where(at_least == count, 1, 0), axis=0)
     return threshold
 
 
