@@ -189,6 +189,13 @@ def top_text(entries: list[tuple[float, str]], n: int = 4) -> str:
     return ", ".join(f"{label} {us(ms)}" for ms, label in entries[:n]) or "untimed"
 
 
+def step_text(result) -> str:
+    """An attempt's {"ms", "same"} as "12.3 us (same bits)", or its error line."""
+    if not isinstance(result, dict):
+        return str(result)
+    return f"{us(result['ms'])} ({'same bits' if result['same'] else 'OTHER BITS'})"
+
+
 def attempt(fn):
     """fn()'s result, or the error in one line (a config past the registers, say)."""
     try:
@@ -622,7 +629,8 @@ def sweep_activation(args, device: str) -> dict:
     RAC 25% on and off; one program a row) at each --warps against the default's, and RAC's
     threshold at each --digits bits per radix step, on the inputs
     of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
-    per call (CUDA-graph replay) and whether every count gives the default's bits."""
+    per call (CUDA-graph replay) and whether every count gives the default's bits; and RAC's
+    radix select without its early stop (`every_radix_step`), the baseline of that stop."""
     import torch
 
     from lowbit.kernels.activation_quant import quantize_activations
@@ -664,10 +672,19 @@ def sweep_activation(args, device: str) -> dict:
                                                                               radix_bits=d), device),
                                     "same": same}
                         row["digits"][str(d)] = attempt(run_digit)
+
+                    def run_all_steps():   # the radix select without its early stop
+                        out = quantize_activations(x, "nvfp4", ratio, early_stop=False)
+                        same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
+                        return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio,
+                                                                          early_stop=False), device),
+                                "same": same}
+                    row["every_radix_step"] = attempt(run_all_steps)
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:
-                    print(f"    RAC threshold bits per step: {top_text(fastest(row['digits']), 4)}",
+                    print(f"    RAC threshold bits per step: {top_text(fastest(row['digits']), 4)}; "
+                          f"every radix step (no early stop): {step_text(row['every_radix_step'])}",
                           flush=True)
                 results[f"K={k} M={m} rac={ratio}"] = row
     return results

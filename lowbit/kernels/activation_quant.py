@@ -191,7 +191,7 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr):
+def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr, EARLY: tl.constexpr = True):
     """The count-th largest of the row's keys (int32 >= 0 on the ok lanes), DIGIT bits at a
     time from the top: each step histograms the next digit of the keys that share the bits
     chosen so far, then keeps the largest digit d with count(key >= T | d) >= count.
@@ -199,7 +199,8 @@ def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr):
     Once exactly `count` keys are >= T | d (the count-th and the next largest keys differ in
     the bits chosen so far), the steps left cannot change which keys are chosen: they stop,
     and T keeps zeros below, a threshold that exactly the chosen keys reach (`_rac_channels`
-    then takes every key >= T, ties included, as it would have with all steps)."""
+    then takes every key >= T, ties included, as it would have with all steps). EARLY=False
+    runs every step (the same channels; benchmarks/tune.py activation times both)."""
     BINS: tl.constexpr = 1 << DIGIT
     bins = tl.arange(0, BINS)
     threshold = tl.full((), 0, tl.int32)
@@ -219,18 +220,19 @@ def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr):
             threshold = threshold | (d << shift)
             # count(key >= T | d) == count for the chosen d exactly when some digit's is
             # (the counts fall as d rises, and d is the largest digit whose count >= count)
-            done = tl.max(tl.where(at_least == count, 1, 0), axis=0)
+            if EARLY:
+                done = tl.max(tl.where(at_least == count, 1, 0), axis=0)
     return threshold
 
 
 @triton.jit
-def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr):
+def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr, EARLY: tl.constexpr):
     """The chosen mask of the c = count channels with the largest |r| (NaN largest, ties to the
     lower channel) and each lane's block in the compacted row (see the module doc)."""
     keys = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     keys = tl.where(keys > 0x7F800000, 0x7FFFFFFF, keys)            # every NaN alike
     keys = tl.where(ok, keys, -1)                                    # padding: below all
-    threshold = _rac_threshold(keys, ok, count, DIGIT)
+    threshold = _rac_threshold(keys, ok, count, DIGIT, EARLY)
     above = keys > threshold
     ties = keys == threshold
     room = count - tl.sum(above.to(tl.int32), axis=0)
@@ -260,7 +262,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
                        K, stride_xm, count, eps,
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
                        BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
-                       STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr):
+                       STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr, EARLY: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -292,7 +294,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
         if RAC:
             # ---- r_hat: per-token NVFP4 of the row's top-count residuals, compacted ------------
             r = v - widen(x_hat, NATIVE_CAST)
-            chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT)
+            chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT, EARLY)
             r = tl.where(chosen, r, 0.0)
             up_r, down_r = _prescale(r, chosen)
             rs = r * up_r
@@ -330,7 +332,8 @@ def _num_warps(block_k: int, rac: bool) -> int:
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
-                         num_warps: int | None = None, radix_bits: int = RADIX_BITS):
+                         num_warps: int | None = None, radix_bits: int = RADIX_BITS,
+                         early_stop: bool = True):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -346,8 +349,9 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
     num_warps: warps per row instead of the default's; radix_bits: RAC's threshold bits per
-        radix step (1, 2, 4 or 8); benchmarks/tune.py activation sweeps both (the same bits
-        at any setting).
+        radix step (1, 2, 4 or 8); early_stop: False runs every radix step even once the
+        chosen channels are fixed; benchmarks/tune.py activation sweeps all three (the same
+        bits at any setting).
     The prologues round where the engine's eager ops do (see the module doc for how close
     RMSNorm's rsqrt and SiLU's exp come to torch's)."""
     if mode not in ("nvfp4", "fp8", "none"):
@@ -414,7 +418,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             stride_xm=x.stride(0), count=count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
-            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype],
+            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=bool(early_stop),
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
