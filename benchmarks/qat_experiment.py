@@ -140,8 +140,10 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
                      "code_flips": [[r["step"], r["qat/code_flips"]] for r in recs
                                     if "qat/code_flips" in r]})
     # gaps to the control (bf16 fine-tuned the same steps, same seed, at --qat-lr)
-    controls = {r["seed"]: r for r in rows if r["weights"] == "bf16" and r["lr"] == qat_lr
-                and r["val_loss"] is not None}
+    controls: dict[int, dict] = {}   # the first bf16 setting at --qat-lr of each seed
+    for r in rows:
+        if r["weights"] == "bf16" and r["lr"] == qat_lr and r["val_loss"] is not None:
+            controls.setdefault(r["seed"], r)
     for r in rows:
         control = controls.get(r["seed"])
         r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None

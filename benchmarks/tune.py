@@ -1088,6 +1088,9 @@ def exercise_engine_kernels(attempt_launch) -> None:
                 for mode, ratio in (("nvfp4", 0.0), ("nvfp4", 0.25), ("fp8", 0.0)):
                     attempt_launch(activation_quant.quantize_activations, x, mode, ratio, norm=norm,
                                    silu_mul=silu_mul)
+                # RAC's radix select without its early stop (tune.py activation's baseline)
+                attempt_launch(activation_quant.quantize_activations, x, "nvfp4", 0.25, norm=norm,
+                               silu_mul=silu_mul, early_stop=False)
     finally:
         launch.pdl_supported = supported
 

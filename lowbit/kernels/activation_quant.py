@@ -52,7 +52,11 @@ channel is the int32 bit pattern of |r|, which orders like the magnitude; every 
   the next digit over the keys that share the bits chosen so far gives count(key >= T | d) for
   every digit d at once, and the largest d where that is >= c is kept. A step is one histogram
   of the row in registers, where one bit a step took 31 counts, each a reduction over the row.
-- Ties: every key > T is chosen (fewer than c of them), and of the keys == T the first
+  Once exactly c keys reach T's bits so far (zeros below), the search stops: those c keys are
+  the chosen ones whatever the later bits, so T may end below the c-th largest key, a
+  threshold exactly the chosen keys reach. Where keys tie across the c-th place it cannot stop,
+  and T is the c-th largest key.
+- Ties: every key > T is chosen (at most c of them), and of the keys == T the first
   c - count(key > T) by channel index, their inclusive cumsum giving the order: a stable
   descending sort's choice, ties to the lower channel.
 - Compaction: a chosen channel's place in the compacted row is the number of chosen channels
@@ -192,8 +196,9 @@ def _max_combine(a, b):
 
 @triton.jit
 def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr, EARLY: tl.constexpr = True):
-    """The count-th largest of the row's keys (int32 >= 0 on the ok lanes), DIGIT bits at a
-    time from the top: each step histograms the next digit of the keys that share the bits
+    """A threshold T that exactly the row's `count` largest keys reach, or where keys tie across
+    the count-th place the count-th largest key itself (int32 >= 0 on the ok lanes), DIGIT bits
+    at a time from the top: each step histograms the next digit of the keys that share the bits
     chosen so far, then keeps the largest digit d with count(key >= T | d) >= count.
 
     Once exactly `count` keys are >= T | d (the count-th and the next largest keys differ in
