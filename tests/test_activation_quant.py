@@ -212,16 +212,16 @@ def test_refusals():
 
 @triton.jit
 def _threshold_kernel(keys_ptr, out_ptr, K, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr):
-    # one row's RAC threshold (activation_quant._rac_threshold) a program
+    # one row's RAC threshold (activation_quant.rac_threshold) a program
     row = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     ok = kk < K
     keys = tl.load(keys_ptr + row * K + kk, mask=ok, other=-1)
-    tl.store(out_ptr + row, aq._rac_threshold(keys, ok, count, DIGIT))
+    tl.store(out_ptr + row, aq.rac_threshold(keys, ok, count, DIGIT))
 
 
 def test_the_threshold_search_stops_once_the_chosen_set_is_fixed():
-    # RAC's radix select (activation_quant._rac_threshold) stops once exactly `count` keys are
+    # RAC's radix select (activation_quant.rac_threshold) stops once exactly `count` keys are
     # >= the threshold so far: on distinct random keys it stops early, with a threshold that
     # exactly the top-count keys reach; where keys tie across the count-th place it runs every
     # step and returns the count-th largest key itself

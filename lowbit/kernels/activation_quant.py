@@ -98,7 +98,7 @@ from lowbit.kernels.quantize import (
     dequantized, e8m0_exponent, nvfp4_scales, pow2_wide, round_value, to_output, widen,
 )
 
-__all__ = ["quantize_activations", "MAX_K"]
+__all__ = ["quantize_activations", "rac_threshold", "MAX_K"]
 
 MAX_K = 16384
 """The longest row one program holds in registers; longer rows take the reference."""
@@ -195,7 +195,7 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _rac_threshold(keys, ok, count, DIGIT: tl.constexpr, EARLY: tl.constexpr = True):
+def rac_threshold(keys, ok, count, DIGIT: tl.constexpr, EARLY: tl.constexpr = True):
     """A threshold T that exactly the row's `count` largest keys reach, or where keys tie across
     the count-th place the count-th largest key itself (int32 >= 0 on the ok lanes), DIGIT bits
     at a time from the top: each step histograms the next digit of the keys that share the bits
@@ -237,7 +237,7 @@ def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr, EARL
     keys = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     keys = tl.where(keys > 0x7F800000, 0x7FFFFFFF, keys)            # every NaN alike
     keys = tl.where(ok, keys, -1)                                    # padding: below all
-    threshold = _rac_threshold(keys, ok, count, DIGIT, EARLY)
+    threshold = rac_threshold(keys, ok, count, DIGIT, EARLY)
     above = keys > threshold
     ties = keys == threshold
     room = count - tl.sum(above.to(tl.int32), axis=0)
