@@ -630,7 +630,8 @@ def sweep_activation(args, device: str) -> dict:
     threshold at each --digits bits per radix step, on the inputs
     of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
     per call (CUDA-graph replay) and whether every count gives the default's bits; and RAC's
-    radix select without its early stop (`every_radix_step`), the baseline of that stop."""
+    radix select without its early stop (`every_radix_step`), the baseline of that stop, and
+    both on rows where zeros tie across RAC's cut, which never stop early (`ties_at_the_cut`)."""
     import torch
 
     from lowbit.kernels.activation_quant import quantize_activations
@@ -680,12 +681,22 @@ def sweep_activation(args, device: str) -> dict:
                                                                           early_stop=False), device),
                                 "same": same}
                     row["every_radix_step"] = attempt(run_all_steps)
+                    # the stop's worst case: rows on the NVFP4 grid but for 10% of channels, so
+                    # fewer residuals are nonzero than RAC chooses and zeros tie across the cut
+                    tied = ref[0].clone()
+                    tied[:, ::10] += 0.01 * x[:, ::10]
+                    row["ties_at_the_cut"] = {
+                        str(stop): attempt(lambda stop=stop: {"ms": gpu_ms(
+                            lambda: quantize_activations(tied, "nvfp4", ratio, early_stop=stop),
+                            device), "same": True}) for stop in (True, False)}
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:
                     print(f"    RAC threshold bits per step: {top_text(fastest(row['digits']), 4)}; "
-                          f"every radix step (no early stop): {step_text(row['every_radix_step'])}",
-                          flush=True)
+                          f"every radix step (no early stop): {step_text(row['every_radix_step'])}; "
+                          f"ties at the cut, early stop on / off: "
+                          f"{step_text(row['ties_at_the_cut']['True'])} / "
+                          f"{step_text(row['ties_at_the_cut']['False'])}", flush=True)
                 results[f"K={k} M={m} rac={ratio}"] = row
     return results
 
