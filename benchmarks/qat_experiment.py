@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.qat import QATConfig, parse_qat_spec  # noqa: E402
 from lowbit.qat.cli_args import config_flags  # noqa: E402
+from lowbit.train.metrics import read_metrics  # noqa: E402
 from lowbit.train.run_dir import RunDir  # noqa: E402
 
 DEFAULT_SETTINGS = ",".join([
@@ -82,12 +83,6 @@ def same_quantizer(a: QATConfig, b: QATConfig) -> bool:
     return (a.weights, a.scale_init, a.scales_learned) == (b.weights, b.scale_init, b.scales_learned)
 
 
-def run_records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return ([json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if path.is_file() else [])
-
-
 def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
               logs: Path | None = None) -> tuple[dict, str]:
     """Step 4 from the runs' folders: ({"rows", "gap_ratios", "gaps_by_step", "code_flips_at",
@@ -108,7 +103,9 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
     records = {}
     for config, seed, lr, name in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
-        records[name] = run_records(runs_of[0]) if runs_of else []
+        # read_metrics drops a torn last line: a run stopped at the deadline may leave one
+        records[name] = (read_metrics(runs_of[0]) if runs_of and (runs_of[0] / "metrics.jsonl").is_file()
+                         else [])
     reached = {}
     for config, seed, lr, name in settings:
         steps = [r["step"] for r in records[name] if r["event"] == "eval"]

@@ -19,6 +19,8 @@ times 2^7. Padding rows and columns get zero words and zero scales, as the refer
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -111,10 +113,7 @@ def nvfp4_tiles_triton(codes: torch.Tensor, block_scales: torch.Tensor, row_scal
     codes = codes.contiguous()
     scale_bytes = block_scales.contiguous().view(torch.uint8)
     rows = row_scales.to(torch.float32).contiguous()
-    lead_n = 1
-    for d in lead:
-        lead_n *= d
-    total = lead_n * n_pad
+    total = math.prod(lead) * n_pad
     grid = (triton.cdiv(total, BLOCK_R), T)
     _nvfp4_tiles_kernel[grid](codes, scale_bytes, rows, table, out.words, out.scales,
                               out.row_scales, total, n, n_pad, code_bytes,

@@ -163,18 +163,16 @@ class RunDir:
         if saved is None:
             raise ValueError(f"{self.path} holds final.json but no config.json, so what it ran "
                              f"cannot be checked; remove the folder, or choose another --run-name")
-        changes = config.changed_fields(saved)
-        saved_job = None
-        if job is not None:
-            job_file = self.path / JOB_FILE
-            saved_job = (JobRecord.from_dict(json.loads(job_file.read_text())) if job_file.is_file()
-                         else JobRecord.of_checkpoint({"config": saved}))
-            changes += job.changed_fields(saved_job.to_dict())
-        if changes:
+        # the state a checkpoint would hold: config.json's config, job.json's record if any
+        job_file = self.path / JOB_FILE
+        state = {"config": saved, **({"job": json.loads(job_file.read_text())}
+                                     if job_file.is_file() else {})}
+        changes, job_changes, saved_job = _differences(state, config, job)
+        if changes or job_changes:
             raise ValueError(f"cannot take {self.path}'s result: its config.json differs from "
-                             f"the config asked for in {'; '.join(sorted(changes))} (its "
-                             f"checkpoints were removed, so it cannot continue); use the saved "
-                             f"values, or remove the folder to run it again")
+                             f"the config asked for in {'; '.join(sorted(changes + job_changes))} "
+                             f"(its checkpoints were removed, so it cannot continue); use the "
+                             f"saved values, or remove the folder to run it again")
         if saved_job is not None:
             check_same_start(saved_job.init_fingerprint, job.init_fingerprint, self.path,
                              saved_job.init_from)
@@ -303,9 +301,7 @@ class RunDir:
             warn(f"lowbit: warning: resuming from {loaded.path} (step {loaded.state['step']}), "
                  f"the newest checkpoint that verified")
         checkpoint = loaded.state
-        changes = config.changed_fields(checkpoint["config"])
-        saved_job = None if job is None else JobRecord.of_checkpoint(checkpoint)
-        job_changes = [] if job is None else job.changed_fields(saved_job.to_dict())
+        changes, job_changes, saved_job = _differences(checkpoint, config, job)
         if changes or job_changes:
             # a run saved before job records keeps its job's fields in config.json
             job_file = JOB_FILE if (self.path / JOB_FILE).is_file() else "config.json"
@@ -361,3 +357,13 @@ class RunDir:
         else:
             draw()
         self._plotted_at = time.monotonic()
+
+
+def _differences(state: dict, config: RunConfig, job: JobRecord | None
+                 ) -> tuple[list[str], list[str], JobRecord | None]:
+    """A saved run's state (a checkpoint's, or config.json and job.json as one) against the
+    config and job record asked for: the config's changed fields, the job's, and the saved job
+    record (JobRecord.of_checkpoint; None without a job asked for)."""
+    saved_job = None if job is None else JobRecord.of_checkpoint(state)
+    return (config.changed_fields(state["config"]),
+            [] if job is None else job.changed_fields(saved_job.to_dict()), saved_job)
