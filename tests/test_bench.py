@@ -252,6 +252,29 @@ def test_bench_fp8_smoke_checks_and_errors_against_fp64(tmp_path, capsys):
         assert not [k for r in report[section] for k in r if k.endswith("_error")]
     assert all(f"{c}_ms" in report["fold"][0] for c in FOLD_COLUMNS)
     assert "checks: 14 passed, 0 failed" in done.stdout
+    # an MoE layer's six expert GEMMs, grouped, each equal to its experts' products
+    grouped = report["grouped"]
+    assert [r["shape"].split(": ")[1] for r in grouped] == [
+        "gate_up fprop", "gate_up dgrad", "gate_up wgrad", "down fprop", "down dgrad", "down wgrad"]
+    for r in grouped:
+        assert r["bf16_grouped_rel_err"] < 1e-2 and r["bf16_grouped_ms"] > 0 and r["bf16_mm_ms"] > 0
+        assert r["fp8"] == "no FP8 grouped GEMM on this device"
+
+
+def test_bench_fp8_grouped_check_finds_a_wrong_layout():
+    """The grouped section's check fails a GEMM that multiplies the wrong expert's weight."""
+    from lowbit.bench.fp8 import grouped_error
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(24, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    ends = torch.tensor([8, 16, 24], dtype=torch.int32)
+    right = torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(-2, -1), offs=ends)
+    wrong = torch._grouped_mm(a.bfloat16(), b.flip(0).bfloat16().transpose(-2, -1), offs=ends)
+    assert grouped_error(right, a, b, ends, "rows") < 1e-2 < grouped_error(wrong, a, b, ends, "rows")
+    at, bt = torch.randn(8, 24, generator=g), torch.randn(16, 24, generator=g)
+    right = torch._grouped_mm(at.bfloat16(), bt.bfloat16().t(), offs=ends)
+    assert right.shape == (3, 8, 16)
+    assert grouped_error(right, at, bt, ends, "k") < 1e-2 < grouped_error(right.flip(0), at, bt, ends, "k")
 
 
 def test_bench_fp8_fold_checks_find_a_wrong_fold(monkeypatch):
@@ -281,7 +304,7 @@ def test_bench_fp8_refuses_in_one_line(capsys):
     import torch
 
     assert main(["bench", "fp8", "--sections", "checks,speed"]) == 2
-    assert "--sections takes checks, errors, gemm, fold, passes; got 'checks,speed'" in (
+    assert "--sections takes checks, errors, gemm, fold, passes, grouped; got 'checks,speed'" in (
         capsys.readouterr().err)
     if torch.cuda.is_available():
         return
