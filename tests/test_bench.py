@@ -49,6 +49,9 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     assert "device must be auto, cpu, cuda or cuda:N (got 'gpu0')" in capsys.readouterr().err
     assert main(["bench", "train", "--interleave", "0"]) == 2
     assert "--interleave must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["bench", "train", "--trace", str(tmp_path / "traces")]) == 2
+    assert "--trace writes the profiled step: add --profile" in capsys.readouterr().err
+    assert not (tmp_path / "traces").exists()
 
 
 def test_bench_train_counts_the_steps_it_redoes(monkeypatch):
@@ -208,6 +211,8 @@ def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
     assert got["idle_histogram"]["5-20 us"] == {"gaps": 1, "ms": 0.005}
     assert got["idle_histogram"]["20-100 us"] == {"gaps": 1, "ms": 0.06}
     assert got["top_gaps_ms"] == {"b -> c": 0.062}     # both b -> c gaps, summed
+    assert got["longest_gaps"] == [{"at_ms": 0.04, "ms": 0.06, "before": "b", "after": "c"}]
+    assert [g["ms"] for g in idle_gaps(spans)["longest_gaps"]] == [0.06, 0.005, 0.002]
     assert idle_gaps([])["idle_ms"] == 0
 
 

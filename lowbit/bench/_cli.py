@@ -46,6 +46,9 @@ def add_train_bench(sub) -> None:
                         "one batch of random tokens); e.g. tinyshakespeare")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: profile one more step per recipe and print where its GPU time went")
+    p.add_argument("--trace", metavar="DIR",
+                   help="with --profile: also write each recipe's profiled step as a Chrome trace, "
+                        "DIR/<recipe>.json.gz (open it in Perfetto)")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: replicate the model (ddp) or shard it (fsdp), as lowbit "
                         "train --parallel; --batch-size is then the global batch (default: %(default)s)")
@@ -279,7 +282,7 @@ def run_train(args) -> None:
                        steps=args.steps, warmup=args.warmup, device=args.device,
                        compile=args.compile, n_experts=args.n_experts, profile=args.profile,
                        cuda_graph=args.cuda_graph, corpus=args.corpus,
-                       interleave=args.interleave, parallel=args.parallel)
+                       interleave=args.interleave, parallel=args.parallel, trace=args.trace)
     if os.environ.get("RANK", "0") != "0":   # under torchrun, rank 0 reports for the job
         return
     print(format_rows(rows))

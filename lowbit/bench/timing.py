@@ -81,10 +81,11 @@ def gpu_events(prof) -> list:
             and not (getattr(e, "is_user_annotation", False) or "#" in e.name)]
 
 
-def profile_step(step, dev: torch.device, top: int = 12) -> dict:
+def profile_step(step, dev: torch.device, top: int = 12, trace: str | None = None) -> dict:
     """Profile one step: GPU time by category (lowbit's quantize / fold kernels, FP8 and other
     GEMMs, attention, everything else), the busy fraction of the step's wall time (the rest is
-    the GPU waiting on the host), and the `top` kernels by total time."""
+    the GPU waiting on the host), and the `top` kernels by total time. trace: also write the
+    step's Chrome trace there (gzip-compressed for a .gz name), to read in Perfetto."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(dev)
@@ -93,6 +94,8 @@ def profile_step(step, dev: torch.device, top: int = 12) -> dict:
         step()
         sync(dev)
         wall = time.perf_counter() - t0
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels: dict[str, float] = {}
     spans = []   # (start_us, end_us, name) of every GPU event, for the idle gaps between them
     for event in gpu_events(prof):
@@ -148,16 +151,20 @@ def exposed(communication: list[tuple[float, float]], compute: list[tuple[float,
 def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
     """Where the GPU sat idle between its first and last event: spans are (start_us, end_us,
     name); overlapping spans (several streams) are merged. Returns the span of the timeline,
-    the idle total, a histogram of the gaps by length, and the idle time summed per pair of
-    events either side ("before -> after", names cut to 50 characters), the `top` pairs."""
+    the idle total, a histogram of the gaps by length, the idle time summed per pair of
+    events either side ("before -> after", names cut to 50 characters), the `top` pairs, and
+    the `top` longest gaps one by one (where in the timeline, how long, between which events)."""
     bins = (("< 5 us", 0.005), ("5-20 us", 0.02), ("20-100 us", 0.1), ("0.1-1 ms", 1.0),
             (">= 1 ms", math.inf))
     histogram = {label: [0, 0.0] for label, _ in bins}
     by_pair: dict[str, float] = {}
     end, last = None, ""
+    gaps = []   # (ms, at_ms, before, after)
+    origin = min((s for s, _, _ in spans), default=0.0)
     for start, stop, name in sorted(spans):
         if end is not None and start > end:
             ms = (start - end) / 1e3
+            gaps.append((ms, (end - origin) / 1e3, last[:80], name[:80]))
             label = next(label for label, upper in bins if ms < upper)
             histogram[label][0] += 1
             histogram[label][1] += ms
@@ -169,7 +176,9 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
     return {"timeline_ms": (end - min(s for s, _, _ in spans)) / 1e3 if spans else 0.0,
             "idle_ms": idle, "idle_gap_count": sum(n for n, _ in histogram.values()),
             "idle_histogram": {label: {"gaps": n, "ms": ms} for label, (n, ms) in histogram.items()},
-            "top_gaps_ms": dict(sorted(by_pair.items(), key=lambda kv: -kv[1])[:top])}
+            "top_gaps_ms": dict(sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]),
+            "longest_gaps": [{"at_ms": at, "ms": ms, "before": before, "after": after}
+                             for ms, at, before, after in sorted(gaps, reverse=True)[:top]]}
 
 
 def format_profiles(rows: list[dict]) -> str:
@@ -195,6 +204,11 @@ def format_profiles(rows: list[dict]) -> str:
             out.append("  idle time by the events either side:")
             for label, ms in p["top_gaps_ms"].items():
                 out.append(f"    {ms:9.2f} ms  {label}")
+            if p.get("longest_gaps"):
+                out.append("  the longest gaps (ms into the timeline: length, before -> after):")
+                for g in p["longest_gaps"]:
+                    out.append(f"    {g['at_ms']:8.2f}: {g['ms']:6.3f} ms  {g['before'][:50]} -> "
+                               f"{g['after'][:50]}")
         out.append("  top kernels:")
         for name, ms in p["top_kernels_ms"].items():
             out.append(f"    {ms:9.2f} ms  {name[:110]}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import os
 import statistics
 import time
 
@@ -69,7 +70,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
                 compile: bool = False, n_experts: int | None = None, profile: bool = False,
                 cuda_graph: bool = False, corpus: str | None = None,
-                progress=print, interleave: int = 1, parallel: str = "ddp") -> list[dict]:
+                progress=print, interleave: int = 1, parallel: str = "ddp",
+                trace: str | None = None) -> list[dict]:
     """Each recipe's median step time and peak memory on the same model (seeded init) and the
     same batches, timing lowbit.train's own step (TrainStep: its optimizer groups, schedule,
     clipping, autocast, fold policy and CUDA graph), built as `lowbit train` builds a run.
@@ -81,7 +83,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
     median is over all R * steps, "block_ms" holds each block's median (the spread a repeat
     shows), and peak memory is not reported (the models share the device). parallel: "ddp"
     or "fsdp", how the model is spread over the processes when launched by torchrun (see the
-    module doc); one process ignores it."""
+    module doc); one process ignores it. trace: a folder; with profile, each recipe's profiled
+    step is also written there as a Chrome trace, <recipe>.json.gz."""
     from lowbit.recipes import get_recipe
     from lowbit.train.config import resolve_device
     from lowbit.train.distributed import setup
@@ -92,6 +95,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
             raise ValueError(f"{flag} must be >= {least} (got {value})")
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"--parallel must be ddp or fsdp (got {parallel!r})")
+    if trace and not profile:
+        raise ValueError("--trace writes the profiled step: add --profile")
     for name in recipes:
         if qat_setting(name) is None:
             get_recipe(name)  # refuse an unknown recipe before building anything
@@ -108,13 +113,13 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
                       batch_size=batch_size, steps=steps, warmup=warmup, compile=compile,
                       n_experts=n_experts, profile=profile, cuda_graph=cuda_graph, corpus=corpus,
                       progress=progress if process.is_main else (lambda message: None),
-                      interleave=interleave, parallel=parallel)
+                      interleave=interleave, parallel=parallel, trace=trace)
     finally:
         process.close()
 
 
 def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compile, n_experts,
-           profile, cuda_graph, corpus, progress, interleave, parallel) -> list[dict]:
+           profile, cuda_graph, corpus, progress, interleave, parallel, trace) -> list[dict]:
     from lowbit.models import is_model_folder
     from lowbit.train import TrainConfig
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
@@ -226,7 +231,11 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                "fold_redo_at": redone, "block_ms": unit["blocks"]}
         if profile and dev.type == "cuda":
             if process.is_main:
-                row["profile"] = profile_step(unit["step"], dev)
+                path = None
+                if trace:
+                    os.makedirs(trace, exist_ok=True)
+                    path = os.path.join(trace, f"{unit['name']}.json.gz")
+                row["profile"] = profile_step(unit["step"], dev, trace=path)
             else:
                 unit["step"]()   # the other processes take the profiled step's collectives
         progress(f"{unit['name']}: {row['step_ms']:.1f} ms/step"
