@@ -49,6 +49,9 @@ def test_recipes_on_a_tiny_model_split_bias_from_variance(tmp_path):
     # stable-fp4 rounds dY stochastically: variance there, none from the forward operands alone
     assert rows["stable-fp4", "dgrad_dy"].variance > 0 and rows["stable-fp4", "all"].variance > 0
     assert rows["stable-fp4", "fprop_x"].variance == 0
+    # the deterministic configurations stop after two identical draws; the stochastic take all
+    assert rows["mxfp4", "all"].draws == rows["stable-fp4", "fprop_x"].draws == 2
+    assert rows["stable-fp4", "dgrad_dy"].draws == rows["stable-fp4", "all"].draws == 4
     assert any(r.layer != "model" for r in report.rows)
     assert "stable-fp4" in format_report(report) and "model.layers.0" in format_report(report, layers=True)
     plot_report(report, str(tmp_path / "g.png"))

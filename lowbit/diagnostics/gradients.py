@@ -13,7 +13,9 @@ this module estimates them apart from `draws` stochastic-rounding draws on one b
 with m the draws' mean, vᵢ each element's sample variance and N the draws; bias² carries a
 standard error from the per-element variances (the diagonal of the covariance: elements are
 taken as independent, Var[‖m − g‖²] ≈ 4 Σ (m − g)ᵢ² vᵢ / N + 2 Σ vᵢ² / N²). A recipe without
-stochastic rounding has no variance, and its bias is exact.
+stochastic rounding has no variance, and its bias is exact: a configuration whose first two
+draws give bit-identical gradients stops there (its rows say draws = 2), which spares the
+other draws for the operands that round stochastically.
 
 Per layer (every quantized linear's and experts' weight) and summed over the model, for the
 recipe as it is ("all") and, with `operands=True`, for each of its six GEMM operands alone (the
@@ -58,6 +60,8 @@ class GradientStats:
     variance: float
     grad_norm2: float
     """‖g‖², the reference gradient's (what the others are relative to)."""
+    draws: int = 0
+    """The draws taken: the report's, or 2 where the first two were bit-identical."""
 
     @property
     def bias(self) -> float:
@@ -135,17 +139,27 @@ def _draw_stats(model, idx, targets, names, reference, draws, seed, recipe: str,
                 operands: str) -> list[GradientStats]:
     total = {n: torch.zeros_like(g) for n, g in reference.items()}
     square = {n: torch.zeros_like(g) for n, g in reference.items()}
+    first = None
+    taken = draws
     for i in range(draws):
         torch.manual_seed(seed + i)
-        for n, g in _grads(model, idx, targets, names).items():
+        grads = _grads(model, idx, targets, names)
+        for n, g in grads.items():
             total[n] += g
             square[n] += g * g
+        if i == 0:
+            first = {n: g.clone() for n, g in grads.items()}
+        elif i == 1:
+            if all(torch.equal(first[n], g) for n, g in grads.items()):
+                taken = 2   # deterministic: no variance, and more draws would add nothing
+                break
+            first = None
     rows, sums = [], [0.0, 0.0, 0.0, 0.0]
     for n, g in reference.items():
-        parts = bias_variance(g, total[n], square[n], draws)
+        parts = bias_variance(g, total[n], square[n], taken)
         sums = [a + b for a, b in zip(sums, parts)]
-        rows.append(_stats(recipe, operands, n, *parts))
-    rows.append(_stats(recipe, operands, "model", *sums))
+        rows.append(_stats(recipe, operands, n, *parts, taken))
+    rows.append(_stats(recipe, operands, "model", *sums, taken))
     return rows
 
 
@@ -162,10 +176,10 @@ def bias_variance(g: torch.Tensor, total: torch.Tensor, square: torch.Tensor,
     return bias2, bias2_var, v.sum().item(), (g * g).sum().item()
 
 
-def _stats(recipe, operands, layer, bias2, bias2_var, variance, norm2) -> GradientStats:
+def _stats(recipe, operands, layer, bias2, bias2_var, variance, norm2, draws) -> GradientStats:
     scale = 1.0 / norm2 if norm2 > 0 else float("nan")
     return GradientStats(recipe, operands, layer, bias2 * scale, bias2_var ** 0.5 * scale,
-                         variance * scale, norm2)
+                         variance * scale, norm2, draws)
 
 
 def format_report(report: GradientReport, layers: bool = False) -> str:
