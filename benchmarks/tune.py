@@ -674,13 +674,14 @@ def sweep_activation(args, device: str) -> dict:
                                     "same": same}
                         row["digits"][str(d)] = attempt(run_digit)
 
-                    def run_all_steps():   # the radix select without its early stop
-                        out = quantize_activations(x, "nvfp4", ratio, early_stop=False)
+                    def run_steps(stop):   # the radix select with and without its early stop
+                        out = quantize_activations(x, "nvfp4", ratio, early_stop=stop)
                         same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
                         return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio,
-                                                                          early_stop=False), device),
+                                                                          early_stop=stop), device),
                                 "same": same}
-                    row["every_radix_step"] = attempt(run_all_steps)
+                    row["every_radix_step"] = attempt(lambda: run_steps(False))
+                    row["early_stop"] = attempt(lambda: run_steps(True))
                     # the stop's worst case: rows on the NVFP4 grid but for 10% of channels, so
                     # fewer residuals are nonzero than RAC chooses and zeros tie across the cut
                     tied = ref[0].clone()
@@ -693,7 +694,8 @@ def sweep_activation(args, device: str) -> dict:
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:
                     print(f"    RAC threshold bits per step: {top_text(fastest(row['digits']), 4)}; "
-                          f"every radix step (no early stop): {step_text(row['every_radix_step'])}; "
+                          f"early stop on / off: {step_text(row['early_stop'])} / "
+                          f"{step_text(row['every_radix_step'])}; "
                           f"ties at the cut, early stop on / off: "
                           f"{step_text(row['ties_at_the_cut']['True'])} / "
                           f"{step_text(row['ties_at_the_cut']['False'])}", flush=True)

@@ -123,6 +123,9 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
                 assert got_r is None
             else:
                 assert same_bits(got_r, rac_residual(inp, x_hat, ratio)), (k, ratio)
+                # the radix select's early stop (on by default for long rows only)
+                stopped = quantize_activations(x, "nvfp4", ratio, early_stop=True, **kw)
+                assert same_bits(stopped[0], x_hat) and same_bits(stopped[1], got_r), (k, ratio)
         plain, nothing = quantize_activations(x, "none", **kw)     # the prologue alone
         assert same_bits(plain, inp) and nothing is None, k
         codes, scale = quantize_activations(x, "fp8", **kw)
@@ -152,8 +155,9 @@ def test_static_scales_are_the_references_bit_for_bit(dtype, prologue):
 
 
 @pytest.mark.parametrize("radix_bits", [1, 4, 8])
-def test_ties_nan_and_layouts(radix_bits):
-    # every radix step width selects alike
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_ties_nan_and_layouts(radix_bits, early_stop):
+    # every radix step width selects alike, with the radix select's early stop and without
     k = 40
     g = torch.Generator().manual_seed(1)
     x = torch.stack([_ties(k, g) for _ in range(4)] + [torch.randn(k, generator=g)])
@@ -167,7 +171,8 @@ def test_ties_nan_and_layouts(radix_bits):
     assert strided.stride() == (3 * k, 3)
     for xs in (wide[:, :k], strided):                     # rows 3K apart; K strided (copied)
         for ratio in (0.1, 0.25, 0.5):
-            got_x, got_r = quantize_activations(xs, "nvfp4", ratio, radix_bits=radix_bits)
+            got_x, got_r = quantize_activations(xs, "nvfp4", ratio, radix_bits=radix_bits,
+                                                early_stop=early_stop)
             x_hat = per_token_nvfp4(x.to(DEV))
             assert same_bits(got_x, x_hat) and same_bits(got_r, rac_residual(x.to(DEV), x_hat, ratio))
             count = rac_channel_count(k, ratio)

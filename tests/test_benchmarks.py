@@ -77,7 +77,7 @@ def test_activation_sweep_smoke(tune, tmp_path, capsys):
     for row in results.values():   # every warp count gives the default's bits
         assert set(row["warps"]) == {"2", "4"} and all(v["same"] for v in row["warps"].values()), row
         if row["rac"]:   # RAC's radix select without its early stop: the same bits
-            assert row["every_radix_step"]["same"], row
+            assert row["every_radix_step"]["same"] and row["early_stop"]["same"], row
             assert set(row["ties_at_the_cut"]) == {"True", "False"}, row
     assert capsys.readouterr().out.count("fastest: untimed") == 4
     # bad lists are refused in one line, exit 2, before anything runs

@@ -108,6 +108,12 @@ RADIX_BITS = 4
 the fastest of 2, 4 and 8 at every K (1024-4096) and row count (1, 128, 256) timed on one H200
 (2026-12-05, benchmarks/tune.py activation): 8 steps of 16 bins beat 4 of 256 by 10-15%."""
 
+EARLY_STOP_MIN_K = 8192
+"""Rows at least this long stop RAC's radix select early by default (`early_stop=None`). Timed
+on one H100 (2026-12-05, benchmarks/tune.py activation, docs/results/rollout.md): with the stop
+the pass was 9-17% slower at K = 1024-4096 in 11 of 12 shapes (the steps it saves are few
+there), and 25% faster at K = 14336 with 256 rows (3% at 128 rows, 2% slower at one)."""
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
 _NVFP4, _FP8, _PLAIN = 0, 1, 2
@@ -338,7 +344,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
                          num_warps: int | None = None, radix_bits: int = RADIX_BITS,
-                         early_stop: bool = True):
+                         early_stop: bool | None = None):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -355,8 +361,9 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     silu_mul: the input is F.silu(gate) * up.
     num_warps: warps per row instead of the default's; radix_bits: RAC's threshold bits per
         radix step (1, 2, 4 or 8); early_stop: False runs every radix step even once the
-        chosen channels are fixed; benchmarks/tune.py activation sweeps all three (the same
-        bits at any setting).
+        chosen channels are fixed, True stops there, None (the default) stops for rows of at
+        least EARLY_STOP_MIN_K; benchmarks/tune.py activation sweeps all three (the same bits
+        at any setting).
     The prologues round where the engine's eager ops do (see the module doc for how close
     RMSNorm's rsqrt and SiLU's exp come to torch's)."""
     if mode not in ("nvfp4", "fp8", "none"):
@@ -423,7 +430,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             stride_xm=x.stride(0), count=count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
-            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=bool(early_stop),
+            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=K >= EARLY_STOP_MIN_K if early_stop is None else bool(early_stop),
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
