@@ -72,7 +72,7 @@ SQNR_FLOORS = {
     "stable-fp4-1d": (12, 11.5, 11.5), "stable-fp4-floor": (9, 11.5, 8.5),
     "stable-fp4-nosr": (8.5, 11.5, 8), "stable-fp4-b16": (10.5, 10.5, 9.5),
     "stable-fp4-qk-fp4": (8.5, 9.5, 7.5), "stable-fp4-dy1d": (8.5, 11.5, 8),
-    "stable-fp4-fp8": (8.5, 9.5, 7.5),
+    "stable-fp4-fp8": (8.5, 9.5, 7.5), "stable-fp4-fp8-fast": (8.5, 9.5, 7.5),
     "stable-nvfp4-16x16": (12, 12, 11), "stable-nvfp4-dy1d": (12, 13, 11.5),
     "stable-fp4-dy16": (8.5, 10.5, 8), "stable-fp4-dy8": (8.5, 11, 8.5),
 }
