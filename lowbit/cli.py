@@ -123,8 +123,21 @@ def _inspect_gradients(args) -> None:
     model.load_state_dict(saved.state["model"])
     del saved
     idx, targets = (t.to(device) for t in data.train_batch(0))
-    report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
-                                    operands=args.operands, seed=args.seed)
+    from tqdm import tqdm
+
+    from lowbit.diagnostics.gradients import OPERANDS
+
+    bar = tqdm(total=len(recipes) * (1 + len(OPERANDS) * bool(args.operands)), unit="config",
+               desc="gradients", disable=args.no_progress, file=sys.stderr)
+
+    def advance(recipe, operands, taken):
+        bar.set_postfix_str(f"{recipe} {operands}: {taken} draws")
+        bar.update()
+    try:
+        report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
+                                        operands=args.operands, seed=args.seed, progress=advance)
+    finally:
+        bar.close()
     if args.json:   # a results file as docs/results keeps them: meta (date, commit, machine, command)
         from lowbit.bench import run_meta
 

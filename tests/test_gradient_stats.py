@@ -39,8 +39,10 @@ def test_recipes_on_a_tiny_model_split_bias_from_variance(tmp_path):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny", vocab_size=64, n_layers=2))
     idx = torch.randint(0, 64, (2, 32))
+    seen = []
     report = gradient_bias_variance(model, idx[:, :-1], idx[:, 1:], ["mxfp4", "stable-fp4"],
-                                    draws=4, operands=True)
+                                    draws=4, operands=True, progress=lambda *a: seen.append(a))
+    assert len(seen) == 14 and seen[0] == ("mxfp4", "all", 2) and ("stable-fp4", "all", 4) in seen
     rows = {(r.recipe, r.operands): r for r in report.model_rows()}
     assert set(rows) == {(r, o) for r in ("mxfp4", "stable-fp4") for o in ("all", *OPERANDS)}
     # mxfp4 rounds to nearest everywhere: the same gradient every draw, a bias and no variance

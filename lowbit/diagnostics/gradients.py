@@ -101,11 +101,12 @@ def _grads(model: nn.Module, idx, targets, names) -> dict[str, torch.Tensor]:
 
 def gradient_bias_variance(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                            recipes, draws: int = 64, operands: bool = False,
-                           seed: int = 0) -> GradientReport:
+                           seed: int = 0, progress=None) -> GradientReport:
     """Each recipe's weight-gradient bias and variance against `model`'s own high-precision
     gradient on the batch (idx, targets): `model` is a plain (unconverted) lowbit or Hugging
     Face causal LM, left as it was; each recipe converts a copy. recipes: names or Recipes.
-    draws >= 2. operands: also each GEMM operand alone (see the module doc)."""
+    draws >= 2. operands: also each GEMM operand alone (see the module doc). progress: called
+    with (recipe, operands, draws taken) after each configuration is measured."""
     if draws < 2:
         raise ValueError(f"draws must be >= 2 to tell variance from bias (got {draws})")
     recipes = [get_recipe(r) for r in recipes]
@@ -128,8 +129,11 @@ def gradient_bias_variance(model: nn.Module, idx: torch.Tensor, targets: torch.T
             for keep in ("all", *(OPERANDS if operands else ())):
                 for m, r in zip(modules, own):
                     m.linear_recipe = None if r is None else _only(r, keep)
-                report.rows += _draw_stats(quantized, idx, targets, names, reference, draws, seed,
-                                           recipe.name, keep)
+                rows = _draw_stats(quantized, idx, targets, names, reference, draws, seed,
+                                   recipe.name, keep)
+                report.rows += rows
+                if progress is not None:
+                    progress(recipe.name, keep, rows[-1].draws)
             for m, r in zip(modules, own):
                 m.linear_recipe = r
     return report
