@@ -419,6 +419,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     if M == 0:
         return outputs
     block_k = max(16, triton.next_power_of_2(K))
+    early = K >= EARLY_STOP_MIN_K if early_stop is None else bool(early_stop)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
     # the amax as int32 bits, as nvfp4_scales reads a tensor amax (no copy: a CUDA graph that
     # captured this call reads the tensor a weight sync refreshes in place)
@@ -430,7 +431,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             stride_xm=x.stride(0), count=count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
-            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=K >= EARLY_STOP_MIN_K if early_stop is None else bool(early_stop),
+            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=early,
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
