@@ -630,8 +630,8 @@ def sweep_activation(args, device: str) -> dict:
     threshold at each --digits bits per radix step, on the inputs
     of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
     per call (CUDA-graph replay) and whether every count gives the default's bits; and RAC's
-    radix select without its early stop (`every_radix_step`), the baseline of that stop, and
-    both on rows where zeros tie across RAC's cut, which never stop early (`ties_at_the_cut`)."""
+    radix select with its early stop (`early_stop`) and without (`every_radix_step`), and both
+    on rows where zeros tie across RAC's cut, the stop's worst case (`ties_at_the_cut`)."""
     import torch
 
     from lowbit.kernels.activation_quant import quantize_activations

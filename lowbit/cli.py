@@ -104,7 +104,9 @@ def _inspect_gradients(args) -> None:
     import json
     from pathlib import Path
 
-    from lowbit.diagnostics.gradients import format_report, gradient_bias_variance, plot_report
+    from tqdm import tqdm
+
+    from lowbit.diagnostics.gradients import OPERANDS, format_report, gradient_bias_variance, plot_report
     from lowbit.train.build import build_data, build_model
     from lowbit.train.config import resolve_device
     from lowbit.train.run_dir import RunDir
@@ -123,16 +125,13 @@ def _inspect_gradients(args) -> None:
     model.load_state_dict(saved.state["model"])
     del saved
     idx, targets = (t.to(device) for t in data.train_batch(0))
-    from tqdm import tqdm
-
-    from lowbit.diagnostics.gradients import OPERANDS
-
     bar = tqdm(total=len(recipes) * (1 + len(OPERANDS) * bool(args.operands)), unit="config",
                desc="gradients", disable=args.no_progress, file=sys.stderr)
 
     def advance(recipe, operands, taken):
         bar.set_postfix_str(f"{recipe} {operands}: {taken} draws")
         bar.update()
+
     try:
         report = gradient_bias_variance(model.to(device), idx, targets, recipes, draws=args.draws,
                                         operands=args.operands, seed=args.seed, progress=advance)

@@ -2,6 +2,8 @@
 
 import contextlib
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -76,6 +78,13 @@ SQNR_FLOORS = {
     "stable-nvfp4-16x16": (12, 12, 11), "stable-nvfp4-dy1d": (12, 13, 11.5),
     "stable-fp4-dy16": (8.5, 10.5, 8), "stable-fp4-dy8": (8.5, 11, 8.5),
 }
+
+
+def test_the_fast_fp8_recipe_is_stable_fp4_fp8_fast_accumulating_every_gemm():
+    fast, base = get_recipe("stable-fp4-fp8-fast"), get_recipe("stable-fp4-fp8")
+    assert fast.linear.fast_accum == ("fprop", "dgrad", "wgrad") and base.linear.fast_accum == ("fprop",)
+    assert fast.linear == dataclasses.replace(base.linear, fast_accum=fast.linear.fast_accum)
+    assert fast.overrides == base.overrides and "every GEMM fast-accumulating" in fast.note
 
 
 @pytest.mark.parametrize("name", [n for n in recipe_names() if n != "bf16"])

@@ -34,16 +34,9 @@ Sections (--sections):
 - passes: GPU time alone of the one-chunk fold's pass 1 (fold_pass_one), both passes for x's
   operand (fold) and for x's and x^T's (fold_t), against a copy of x and stable-fp4's fused
   fake-quantize-with-transpose.
-- grouped: an MoE layer's six expert GEMMs (gate|up and down; fprop and dgrad with the experts'
-  rows stacked, wgrad with their tokens along K), each in one launch: bf16 torch._grouped_mm
-  against FP8 torch._scaled_grouped_mm with row-wise factors (with and without fast
-  accumulation), and beside them one dense GEMM of the same FLOPs in each (torch.mm,
-  torch._scaled_mm): what grouping costs, and whether FP8's tensor cores pay at an MoE's expert
-  widths. ms (do_bench median, L2 flushed) and TFLOP/s; the values do not matter to the time,
-  so the operands are random FP8 and bf16, balanced over the experts.
-Shapes: 4096^3, 8192^3, 16384x2048x8192 and the GEMMs of the 1b preset at 8192 tokens; grouped:
-the moe-120m preset's experts (32 of width 512, top-4, hidden 1024) at 8192 and 32768 tokens,
-and a Qwen3-30B-A3B-sized layer (128 experts of width 768, top-8, hidden 2048) at 8192.
+- grouped: an MoE layer's expert GEMMs, grouped, in bf16 against FP8
+  (lowbit.bench.fp8_grouped).
+Shapes: 4096^3, 8192^3, 16384x2048x8192 and the GEMMs of the 1b preset at 8192 tokens.
 Measured results: docs/results/ (the FP8 GEMM's and the fold's files).
 """
 
@@ -55,11 +48,11 @@ import traceback
 
 import torch
 
-from lowbit.bench.timing import graph_time_ms, record_check, time_ms
+from lowbit.bench.fp8_grouped import format_grouped_timings, grouped_timings
+from lowbit.bench.timing import graph_time_ms, record_check, time_calls
 
 __all__ = ["SECTIONS", "parse_sections", "bench_fp8", "fold_checks", "gemm_errors",
-           "gemm_timings", "fold_timings", "pass_timings", "grouped_gemms", "grouped_timings",
-           "grouped_error"]
+           "gemm_timings", "fold_timings", "pass_timings"]
 
 SECTIONS = ("checks", "errors", "gemm", "fold", "passes", "grouped")
 
@@ -71,14 +64,10 @@ GEMM_SHAPES = [("4096^3", 4096, 4096, 4096), ("8192^3", 8192, 8192, 8192),
                ("1b gate/up dgrad", _T, _D, _F), ("1b gate/up wgrad", _F, _D, _T)]  # (M, N, K)
 SIZES = {"cuda": {"check": (1024, 2048), "fold_check": (1000, 2080), "layer": (4096, 2048, 5504),
                   "gemm": GEMM_SHAPES, "fold": GEMM_SHAPES[:2] + GEMM_SHAPES[3:7],
-                  "passes": [(8192, 2048), (8192, 5504), (5504, 2048)],
-                 # (label, experts, tokens, top-k, hidden, expert width)
-                 "grouped": [("moe-120m", 32, 8192, 4, 1024, 512),
-                             ("moe-120m x4 tokens", 32, 32768, 4, 1024, 512),
-                             ("qwen3-30b-a3b layer", 128, 8192, 8, 2048, 768)]},
+                  "passes": [(8192, 2048), (8192, 5504), (5504, 2048)]},
          "cpu": {"check": (64, 256), "fold_check": (40, 130), "layer": (64, 128, 96),
                  "gemm": [("smoke", 64, 96, 128)], "fold": [("smoke", 40, 72, 96)],
-                 "passes": [(40, 96)], "grouped": [("smoke", 4, 64, 2, 64, 32)]}}
+                 "passes": [(40, 96)]}}
 
 
 def parse_sections(text: str) -> list[str]:
@@ -346,15 +335,6 @@ def format_errors(rows: list[dict]) -> str:
 
 # ---- timings -----------------------------------------------------------------------------------
 
-def _time_calls(calls: dict, device: str, row: dict, progress) -> None:
-    for name, fn in calls.items():
-        try:
-            row[f"{name}_ms"] = time_ms(fn, device)
-        except Exception as e:  # noqa: BLE001 -- one failing call must not lose the table
-            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            progress(f"   {row['shape']} {name}: {row[name + '_error']}")
-
-
 def gemm_timings(device: str, progress=print) -> list[dict]:
     """One row per shape (M, N, K): ms and TFLOP/s of each call of the module doc's gemm."""
     from lowbit import dispatch
@@ -392,7 +372,7 @@ def gemm_timings(device: str, progress=print) -> list[dict]:
                 if device != "cpu":
                     raise
                 row["scaled_mm"] = "this torch's CPU _scaled_mm takes no row-wise scales"
-        _time_calls(calls, device, row, progress)
+        time_calls(calls, device, row, progress)
         for name in calls:
             if f"{name}_ms" in row and name != "fold":
                 row[f"{name}_tflops"] = 2 * m * n * k / row[f"{name}_ms"] / 1e9
@@ -471,7 +451,7 @@ def fold_timings(device: str, progress=print) -> list[dict]:
                 lambda s: fp4_gemm_fp8(kernel(a, nosync=s), kernel(b, nosync=s)), nosync)
         row = {"shape": label, "M": m, "N": n, "K": k,
                "chunks": [len(fa.bounds) - 1, len(fb.bounds) - 1]}
-        _time_calls(calls, device, row, progress)
+        time_calls(calls, device, row, progress)
         for name in ("bf16_mm", "gemm", "gemm+kernel_nosync"):
             row[f"{name}_graph_ms"] = graph_time_ms(calls[name], device)
         if "kernel_ms" in row:   # 2 reads of bf16 + 1 byte written per element
@@ -538,111 +518,6 @@ def pass_timings(device: str, progress=print) -> list[dict]:
         progress("   " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
                                    for key, v in row.items()))
     return rows
-
-
-def grouped_gemms(experts: int, tokens: int, top_k: int, hidden: int, width: int) -> list[tuple]:
-    """An MoE layer's six expert GEMMs as (name, layout, rows, n, k): "rows" stacks the experts'
-    rows (rows = tokens * top_k, C (rows, n) from B (experts, n, k)); "k" holds each expert's
-    tokens along K (k = tokens * top_k, C (experts, rows, n)). gate|up is one (2 * width, hidden)
-    weight per expert, down a (hidden, width) one."""
-    p = tokens * top_k
-    return [("gate_up fprop", "rows", p, 2 * width, hidden),
-            ("gate_up dgrad", "rows", p, hidden, 2 * width),
-            ("gate_up wgrad", "k", 2 * width, hidden, p),
-            ("down fprop", "rows", p, hidden, width),
-            ("down dgrad", "rows", p, width, hidden),
-            ("down wgrad", "k", hidden, width, p)]
-
-
-def grouped_timings(device: str, progress=print) -> list[dict]:
-    """One row per expert GEMM of each SIZES[device]["grouped"] layer: ms and TFLOP/s of the
-    grouped GEMM in bf16 and FP8 and of a dense GEMM of the same FLOPs in each (module doc).
-    The FP8 calls need torch._scaled_grouped_mm's kernels (Hopper, Blackwell datacenter): on
-    other devices their rows say so instead of a time."""
-    fp8 = torch.float8_e4m3fn
-    results = []
-    for label, experts, tokens, top_k, hidden, width in SIZES[device]["grouped"]:
-        per = tokens * top_k // experts
-        ends = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * per
-        for name, layout, rows, n, k in grouped_gemms(experts, tokens, top_k, hidden, width):
-            flops = 2 * rows * n * k
-            if layout == "rows":    # A (P, K); B_e^T (K, N) column-major, as the training's
-                a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-                b = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
-                a8, b8 = a.to(fp8), b.to(fp8)
-                sa = torch.ones(rows, device=device)
-                sb = torch.ones(experts, n, device=device)
-                bf16 = functools.partial(torch._grouped_mm, a, b.transpose(-2, -1), offs=ends)
-                scaled = functools.partial(torch._scaled_grouped_mm, a8, b8.transpose(-2, -1),
-                                           sa, sb, offs=ends, out_dtype=torch.bfloat16)
-                dense_a, dense_b = a, b[0]
-            else:                   # A (M, P) row-major, B (N, P) seen as (P, N) column-major
-                a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-                b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-                a8, b8 = a.to(fp8), b.to(fp8)
-                sa = torch.ones(experts * rows, device=device)
-                sb = torch.ones(experts * n, device=device)
-                bf16 = functools.partial(torch._grouped_mm, a, b.t(), offs=ends)
-                scaled = functools.partial(torch._scaled_grouped_mm, a8, b8.t(), sa, sb,
-                                           offs=ends, out_dtype=torch.bfloat16)
-                dense_a, dense_b = a, b
-            da8, db8 = dense_a.to(fp8), dense_b.to(fp8)
-            dsa = torch.ones(dense_a.shape[0], 1, device=device)
-            dsb = torch.ones(1, dense_b.shape[0], device=device)
-            calls = {"bf16_grouped": bf16,
-                     "bf16_mm": lambda a=dense_a, b=dense_b: torch.mm(a, b.t()),
-                     "fp8_grouped": scaled,
-                     "fp8_grouped_fast": functools.partial(scaled, use_fast_accum=True),
-                     "fp8_mm": lambda a=da8, b=db8, x=dsa, y=dsb: torch._scaled_mm(
-                         a, b.t(), scale_a=x, scale_b=y, out_dtype=torch.bfloat16)}
-            row = {"shape": f"{label}: {name}", "layout": layout, "experts": experts,
-                   "rows": rows, "N": n, "K": k, "tokens_per_expert": per}
-            if device != "cuda" or torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
-                for c in ("fp8_grouped", "fp8_grouped_fast", "fp8_mm"):
-                    del calls[c]
-                row["fp8"] = "no FP8 grouped GEMM on this device"
-            # the grouped calls compute each expert's product (else their times mean nothing)
-            row["bf16_grouped_rel_err"] = grouped_error(bf16(), a, b, ends, layout)
-            if "fp8_grouped" in calls:
-                row["fp8_grouped_rel_err"] = grouped_error(scaled(), a8, b8, ends, layout)
-            _time_calls(calls, device, row, progress)
-            for c in calls:
-                if f"{c}_ms" in row:
-                    row[f"{c}_tflops"] = flops / row[f"{c}_ms"] / 1e9
-            results.append(row)
-            progress(f"   {row['shape']}: " + ", ".join(
-                f"{key} {v:.3f}" for key, v in row.items() if key.endswith("_ms")))
-    return results
-
-
-def grouped_error(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
-                   layout: str) -> float:
-    """||out - ref||_F / ||ref||_F, ref expert by expert in float32 on the same operands."""
-    bounds = [0, *ends.tolist()]
-    a, b = a.float(), b.float()
-    if layout == "rows":
-        ref = torch.cat([a[s:e] @ b[g].t() for g, (s, e) in enumerate(zip(bounds, bounds[1:]))])
-        out = out[:bounds[-1]]
-    else:
-        ref = torch.stack([a[:, s:e] @ b[:, s:e].t() for s, e in zip(bounds, bounds[1:])])
-    return float((out.float() - ref).norm() / ref.norm())
-
-
-def format_grouped_timings(rows: list[dict]) -> str:
-    cols = [("bf16_grouped", "bf16 grouped"), ("fp8_grouped", "fp8 grouped"),
-            ("fp8_grouped_fast", "fp8 gr. fast"), ("bf16_mm", "bf16 dense"), ("fp8_mm", "fp8 dense")]
-    lines = ["TFLOP/s (ratio to bf16 grouped); dense = one GEMM of the same FLOPs",
-             f"{'layer: GEMM':36s} {'rows':>6s} {'N':>5s} {'K':>6s} "
-             + " ".join(f"{h:>15s}" for _, h in cols)]
-    for r in rows:
-        base = r.get("bf16_grouped_tflops")
-        cells = []
-        for key, _ in cols:
-            t = r.get(f"{key}_tflops")
-            cells.append(f"{'-':>15s}" if t is None else f"{t:15.0f}" if key == "bf16_grouped"
-                         or not base else f"{t:8.0f} ({t / base:4.2f})")
-        lines.append(f"{r['shape']:36s} {r['rows']:6d} {r['N']:5d} {r['K']:6d} " + " ".join(cells))
-    return "\n".join(lines)
 
 
 # ---- the command -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-__all__ = ["time_ms", "graph_time_ms", "sync", "profile_step", "gpu_events", "idle_gaps", "exposed",
+__all__ = ["time_ms", "time_calls", "graph_time_ms", "sync", "profile_step", "gpu_events", "idle_gaps", "exposed",
            "format_profiles", "record_check", "kernel_category"]
 
 
@@ -27,6 +27,17 @@ def time_ms(fn, device: str) -> float:
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_calls(calls: dict, device: str, row: dict, progress=print) -> None:
+    """row[f"{name}_ms"] = time_ms(fn) for each of calls' (name, fn); a call that raises gets
+    row[f"{name}_error"] instead (printed), and the others are still timed."""
+    for name, fn in calls.items():
+        try:
+            row[f"{name}_ms"] = time_ms(fn, device)
+        except Exception as e:  # noqa: BLE001 -- one failing call must not lose the table
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            progress(f"   {row.get('shape', '')} {name}: {row[name + '_error']}")
 
 
 def graph_time_ms(fn, device: str) -> float | None:
@@ -153,7 +164,8 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 12) -> dict:
     name); overlapping spans (several streams) are merged. Returns the span of the timeline,
     the idle total, a histogram of the gaps by length, the idle time summed per pair of
     events either side ("before -> after", names cut to 50 characters), the `top` pairs, and
-    the `top` longest gaps one by one (where in the timeline, how long, between which events)."""
+    the `top` longest gaps one by one (where in the timeline, how long, between which events,
+    names cut to 80 characters)."""
     bins = (("< 5 us", 0.005), ("5-20 us", 0.02), ("20-100 us", 0.1), ("0.1-1 ms", 1.0),
             (">= 1 ms", math.inf))
     histogram = {label: [0, 0.0] for label, _ in bins}

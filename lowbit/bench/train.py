@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import gc
 import os
+import re
 import statistics
 import time
 
@@ -84,7 +85,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
     shows), and peak memory is not reported (the models share the device). parallel: "ddp"
     or "fsdp", how the model is spread over the processes when launched by torchrun (see the
     module doc); one process ignores it. trace: a folder; with profile, each recipe's profiled
-    step is also written there as a Chrome trace, <recipe>.json.gz."""
+    step is also written there as a Chrome trace, <recipe>.json.gz (characters other than
+    letters, digits and . + - _ in the name as _)."""
     from lowbit.recipes import get_recipe
     from lowbit.train.config import resolve_device
     from lowbit.train.distributed import setup
@@ -234,7 +236,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                 path = None
                 if trace:
                     os.makedirs(trace, exist_ok=True)
-                    path = os.path.join(trace, f"{unit['name']}.json.gz")
+                    # a QAT setting's name holds slashes: one file a recipe all the same
+                    path = os.path.join(trace, re.sub(r"[^\w.+-]", "_", unit["name"]) + ".json.gz")
                 row["profile"] = profile_step(unit["step"], dev, trace=path)
             else:
                 unit["step"]()   # the other processes take the profiled step's collectives

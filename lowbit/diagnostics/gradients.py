@@ -60,7 +60,7 @@ class GradientStats:
     variance: float
     grad_norm2: float
     """‖g‖², the reference gradient's (what the others are relative to)."""
-    draws: int = 0
+    draws: int
     """The draws taken: the report's, or 2 where the first two were bit-identical."""
 
     @property
@@ -152,7 +152,7 @@ def _draw_stats(model, idx, targets, names, reference, draws, seed, recipe: str,
             total[n] += g
             square[n] += g * g
         if i == 0:
-            first = {n: g.clone() for n, g in grads.items()}
+            first = grads   # float64 copies of their own (_grads), so kept as they are
         elif i == 1:
             if all(torch.equal(first[n], g) for n, g in grads.items()):
                 taken = 2   # deterministic: no variance, and more draws would add nothing
@@ -190,21 +190,22 @@ def format_report(report: GradientReport, layers: bool = False) -> str:
     """A table: per recipe and operands, bias (√bias², ± the standard error of bias²
     shown as bias² ± se) and √variance, all relative to ‖g‖; the model's sums, or every layer's
     too."""
-    head = ["recipe", "operands", "layer", "bias", "bias²", "± se", "√variance"]
+    head = ["recipe", "operands", "layer", "bias", "bias²", "± se", "√variance", "draws"]
     lines = [head]
     for r in report.rows:
         if r.layer != "model" and not layers:
             continue
         lines.append([r.recipe, r.operands, r.layer, f"{r.bias:.4f}", f"{r.bias2:.2e}",
-                      f"{r.bias2_se:.1e}", f"{r.variance ** 0.5:.4f}"])
+                      f"{r.bias2_se:.1e}", f"{r.variance ** 0.5:.4f}", str(r.draws)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for k, line in enumerate(lines):
         out.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
-    return (f"weight-gradient bias and variance over {report.draws} draws, relative to the "
-            f"high-precision gradient's norm (bias² unbiased; ± its standard error)\n" + "\n".join(out))
+    return (f"weight-gradient bias and variance over {report.draws} draws (2 where the first two "
+            f"were identical), relative to the high-precision gradient's norm (bias² unbiased; ± "
+            f"its standard error)\n" + "\n".join(out))
 
 
 def plot_report(report: GradientReport, path: str) -> None:

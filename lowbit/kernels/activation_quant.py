@@ -110,9 +110,10 @@ the fastest of 2, 4 and 8 at every K (1024-4096) and row count (1, 128, 256) tim
 
 EARLY_STOP_MIN_K = 8192
 """Rows at least this long stop RAC's radix select early by default (`early_stop=None`). Timed
-on one H100 (2026-12-05, benchmarks/tune.py activation, docs/results/rollout.md): with the stop
-the pass was 9-17% slower at K = 1024-4096 in 11 of 12 shapes (the steps it saves are few
-there), and 25% faster at K = 14336 with 256 rows (3% at 128 rows, 2% slower at one)."""
+on one H100 (2026-12-05, benchmarks/tune.py activation, docs/results/rollout.md) at K = 1024,
+2048, 3072, 4096 and 14336 only: with the stop the pass was slower at every K up to 4096 in 11
+of 12 shapes (the steps it saves are few there), and at K = 14336 25% faster with 256 rows, 3%
+with 128 and 2% slower with one. 8192 lies between the two, untimed."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2

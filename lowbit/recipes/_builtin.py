@@ -153,18 +153,16 @@ def stable_fp4_fp8() -> Recipe:
 
 @register_recipe("stable-fp4-fp8-fast")
 def stable_fp4_fp8_fast() -> Recipe:
-    """Variant: stable-fp4-fp8 with every FP8 GEMM fast-accumulating (dgrad and wgrad too), for
-    speed. An MoE's grouped FP8 GEMM (torch._scaled_grouped_mm) runs at 0.38-0.55x bf16's
-    grouped GEMM when it promotes partial sums to float32 and 1.05-1.69x when it accumulates
-    fast (`lowbit bench fp8 --sections grouped`, one H100, 2026-12-05), so stable-fp4-fp8's
-    promoting dgrad and wgrad cost an MoE most. The price is accumulation error: on random E4M3
-    operands fast accumulation added 11% at K = 2048 and 38% at K = 8192 to the GEMM's error
-    (docs/results/kernels.md); an expert's dgrad and wgrad have K = its width and its tokens.
-    Evidence: docs/results/training-speed.md."""
+    """Variant: stable-fp4-fp8 with dgrad and wgrad fast-accumulating too, for speed where the
+    promoting FP8 GEMM is slow: an MoE's grouped FP8 GEMM (torch._scaled_grouped_mm) promotes
+    at about half bf16's grouped speed on Hopper. The price is accumulation error over each
+    GEMM's K (dgrad: the layer's output width; wgrad: the tokens, an expert's own for experts).
+    Evidence: docs/results/training-speed.md (the grouped GEMMs), docs/results/kernels.md
+    (fast accumulation's error)."""
     base = stable_fp4_fp8()
     return Recipe("stable-fp4-fp8-fast", replace(base.linear, fast_accum=("fprop", "dgrad", "wgrad")),
-                  base.overrides, note=base.note.replace("(fprop fast-accumulating)",
-                                                         "(every GEMM fast-accumulating)"))
+                  base.overrides, note=stable_fp4().note + " GEMMs on FP8 tensor cores (every GEMM "
+                  "fast-accumulating), v_proj's emulated.")
 
 
 @register_recipe("stable-fp4-dy1d")
