@@ -634,6 +634,7 @@ def sweep_activation(args, device: str) -> dict:
     on rows where zeros tie across RAC's cut, the stop's worst case (`ties_at_the_cut`)."""
     import torch
 
+    from lowbit.formats.activations import per_token_nvfp4, rac_residual
     from lowbit.kernels.activation_quant import quantize_activations
 
     dev = torch.device(device)
@@ -653,43 +654,33 @@ def sweep_activation(args, device: str) -> dict:
             x[:, ::97] *= 30   # outlier channels, as real activations have
             for ratio in (0.0, 0.25):
                 ref = quantize_activations(x, "nvfp4", ratio)
+
+                def variant(inp, expected, **options):
+                    """One setting of the pass: its GPU time, and whether its outputs are
+                    `expected` bit for bit."""
+                    out = quantize_activations(inp, "nvfp4", ratio, **options)
+                    same = all(torch.equal(a, b) for a, b in zip(out, expected) if a is not None)
+                    return {"ms": gpu_ms(lambda: quantize_activations(inp, "nvfp4", ratio, **options),
+                                         device), "same": same}
                 row = {"K": k, "M": m, "rac": ratio,
                        "default_ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio), device),
-                       "warps": {}}
-                for w in warps:
-                    def run(w=w):
-                        out = quantize_activations(x, "nvfp4", ratio, num_warps=w)
-                        same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
-                        return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio, num_warps=w),
-                                             device), "same": same}
-                    row["warps"][str(w)] = attempt(run)
+                       "warps": {str(w): attempt(lambda w=w: variant(x, ref, num_warps=w)) for w in warps}}
                 if ratio:
-                    row["digits"] = {}
-                    for d in digits:
-                        def run_digit(d=d):
-                            out = quantize_activations(x, "nvfp4", ratio, radix_bits=d)
-                            same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
-                            return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio,
-                                                                              radix_bits=d), device),
-                                    "same": same}
-                        row["digits"][str(d)] = attempt(run_digit)
-
-                    def run_steps(stop):   # the radix select with and without its early stop
-                        out = quantize_activations(x, "nvfp4", ratio, early_stop=stop)
-                        same = all(torch.equal(a, b) for a, b in zip(out, ref) if a is not None)
-                        return {"ms": gpu_ms(lambda: quantize_activations(x, "nvfp4", ratio,
-                                                                          early_stop=stop), device),
-                                "same": same}
-                    row["every_radix_step"] = attempt(lambda: run_steps(False))
-                    row["early_stop"] = attempt(lambda: run_steps(True))
+                    row["digits"] = {str(d): attempt(lambda d=d: variant(x, ref, radix_bits=d))
+                                     for d in digits}
+                    # the radix select with and without its early stop
+                    row["every_radix_step"] = attempt(lambda: variant(x, ref, early_stop=False))
+                    row["early_stop"] = attempt(lambda: variant(x, ref, early_stop=True))
                     # the stop's worst case: rows on the NVFP4 grid but for 10% of channels, so
-                    # fewer residuals are nonzero than RAC chooses and zeros tie across the cut
+                    # fewer residuals are nonzero than RAC chooses and zeros tie across the cut;
+                    # checked against the reference quantizers
                     tied = ref[0].clone()
                     tied[:, ::10] += 0.01 * x[:, ::10]
+                    tied_hat = per_token_nvfp4(tied)
+                    expected = (tied_hat, rac_residual(tied, tied_hat, ratio))
                     row["ties_at_the_cut"] = {
-                        str(stop): attempt(lambda stop=stop: {"ms": gpu_ms(
-                            lambda: quantize_activations(tied, "nvfp4", ratio, early_stop=stop),
-                            device), "same": True}) for stop in (True, False)}
+                        str(stop): attempt(lambda stop=stop: variant(tied, expected, early_stop=stop))
+                        for stop in (True, False)}
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:

@@ -79,6 +79,7 @@ def test_activation_sweep_smoke(tune, tmp_path, capsys):
         if row["rac"]:   # RAC's radix select without its early stop: the same bits
             assert row["every_radix_step"]["same"] and row["early_stop"]["same"], row
             assert set(row["ties_at_the_cut"]) == {"True", "False"}, row
+            assert all(v["same"] for v in row["ties_at_the_cut"].values()), row   # the reference's bits
     assert capsys.readouterr().out.count("fastest: untimed") == 4
     # bad lists are refused in one line, exit 2, before anything runs
     for flag, value in (("--rows", "x"), ("--warps", "0")):
