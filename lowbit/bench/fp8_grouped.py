@@ -72,29 +72,25 @@ def _has_fp8_grouped(device: str) -> bool:
 
 def _calls(layout: str, experts: int, rows: int, n: int, k: int, ends: torch.Tensor, device: str):
     """The operands (a, b and their E4M3 casts) and the timed calls of one GEMM."""
-    fp8 = torch.float8_e4m3fn
+    stacked = layout == "rows"
+    # rows: A (P, K), B (E, N, K); k: A (M, P), B (N, P). Either way the grouped GEMM takes B's
+    # transpose, column-major (as lowbit.ops.grouped passes it); the dense GEMM of the same
+    # FLOPs takes A against B's first expert (rows) or B itself (k)
     a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-    if layout == "rows":    # A (P, K); B_e^T (K, N) column-major, as lowbit.ops.grouped passes it
-        b = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16)
-        b_view, dense_b = b.transpose(-2, -1), b[0]
-        scale_a, scale_b = torch.ones(rows, device=device), torch.ones(experts, n, device=device)
-    else:                   # A (M, P) row-major; B (N, P) seen as (P, N) column-major
-        b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        b_view, dense_b = b.t(), b
-        scale_a = torch.ones(experts * rows, device=device)
-        scale_b = torch.ones(experts * n, device=device)
-    a8, b8 = a.to(fp8), b.to(fp8)
-    b8_view = b8.transpose(-2, -1) if layout == "rows" else b8.t()
-    scaled = functools.partial(torch._scaled_grouped_mm, a8, b8_view, scale_a, scale_b, offs=ends,
-                               out_dtype=torch.bfloat16)
-    da8, db8 = a.to(fp8), dense_b.to(fp8)
+    b = torch.randn(*((experts,) if stacked else ()), n, k, device=device, dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    dense_b, dense_b8 = (b[0], b8[0]) if stacked else (b, b8)
+    scale_a = torch.ones(rows if stacked else experts * rows, device=device)
+    scale_b = torch.ones(*((experts, n) if stacked else (experts * n,)), device=device)
+    scaled = functools.partial(torch._scaled_grouped_mm, a8, b8.transpose(-2, -1), scale_a, scale_b,
+                               offs=ends, out_dtype=torch.bfloat16)
     dsa = torch.ones(rows, 1, device=device)
     dsb = torch.ones(1, dense_b.shape[0], device=device)
-    calls = {"bf16_grouped": functools.partial(torch._grouped_mm, a, b_view, offs=ends),
+    calls = {"bf16_grouped": functools.partial(torch._grouped_mm, a, b.transpose(-2, -1), offs=ends),
              "bf16_mm": lambda: torch.mm(a, dense_b.t()),
              "fp8_grouped": scaled,
              "fp8_grouped_fast": functools.partial(scaled, use_fast_accum=True),
-             "fp8_mm": lambda: torch._scaled_mm(da8, db8.t(), scale_a=dsa, scale_b=dsb,
+             "fp8_mm": lambda: torch._scaled_mm(a8, dense_b8.t(), scale_a=dsa, scale_b=dsb,
                                                 out_dtype=torch.bfloat16)}
     return (a, b), (a8, b8), calls
 
