@@ -51,6 +51,10 @@ def test_bench_cli_json_and_errors(tmp_path, capsys):
     assert "--interleave must be >= 1 (got 0)" in capsys.readouterr().err
     assert main(["bench", "train", "--trace", str(tmp_path / "traces")]) == 2
     assert "--trace writes the profiled step: add --profile" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("kept")
+    assert main(["bench", "train", "--profile", "--trace", str(tmp_path / "a-file")]) == 2
+    assert "is a file; give a folder for the traces" in capsys.readouterr().err
+    assert (tmp_path / "a-file").read_text() == "kept"
 
 
 def test_bench_train_counts_the_steps_it_redoes(monkeypatch):

@@ -99,6 +99,8 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
         raise ValueError(f"--parallel must be ddp or fsdp (got {parallel!r})")
     if trace and not profile:
         raise ValueError("--trace writes the profiled step: add --profile")
+    if trace and os.path.exists(trace) and not os.path.isdir(trace):
+        raise ValueError(f"--trace {trace} is a file; give a folder for the traces")
     for name in recipes:
         if qat_setting(name) is None:
             get_recipe(name)  # refuse an unknown recipe before building anything
