@@ -624,7 +624,8 @@ def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(
     capsys.readouterr()
     assert main([*base, "--compare", "bf16,nvfp4,nvfp4+quads", "--resume"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| ok |") == 3 and "stopped at" not in out, out   # taken as finished
+    bf16_table = out.split("(W4A16 evaluator")[0]   # the QAT setting adds the W4A16 one after
+    assert bf16_table.count("| ok |") == 3 and "stopped at" not in out, out   # taken as finished
     assert all((tmp_path / r / "metrics.jsonl").read_text() == before[r] for r in runs)
     rows = {r["setting"]: r for r in json.loads((tmp_path / "compare-add" / "summary.json").read_text())}
     assert set(rows) == {"bf16", "nvfp4", "nvfp4+quads"}
@@ -741,3 +742,62 @@ def test_static_activation_scales_reach_the_engine_at_every_sync(tmp_path, capsy
         assert o_proj.input_amax is held and not torch.equal(held, before)   # recalibrated, in place
     finally:
         trainer.folder.release()
+
+
+def test_the_w4a16_evaluator_scores_the_weights_as_asymmetric_qat_multiplies_them(tmp_path, monkeypatch):
+    # --eval-w4a16: a third evaluator, an nvfp4-w4a16 engine on the trainer's weights, scored
+    # after every evaluation; checked here against an engine of that precision built apart
+    from lowbit.data.tasks import get_task
+    from lowbit.rl import trainer as trainer_module
+    from lowbit.rl.precision import Precision, quantize_weight
+    from lowbit.rl.warmstart import greedy_accuracy, policy_tokenizer
+    from lowbit.rl.compare import format_summary, summary_rows
+
+    built = []
+    real = trainer_module.RolloutEngine
+
+    def spy(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine)
+        return engine
+    monkeypatch.setattr(trainer_module, "RolloutEngine", spy)
+    result = run_rl(_config(tmp_path, steps=2, eval_every=2, checkpoint_every=2, eval_w4a16=True))
+    evals = [r for r in result.records if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2] and all("eval/accuracy_w4a16" in r for r in evals)
+    own, bf16, w4a16 = built
+    assert w4a16.settings.precision.value == "nvfp4-w4a16" and bf16.settings.precision.value == "bf16"
+    # its weights: the trainer's latent weights in NVFP4 (what QAT's forward multiplies), not the
+    # bf16 evaluator's latent ones
+    latent = bf16.linear_values(0, "q_proj")
+    expected = quantize_weight(latent, Precision.NVFP4).dequantize().to(latent.dtype)
+    assert torch.equal(w4a16.linear_values(0, "q_proj"), expected)
+    assert not torch.equal(w4a16.linear_values(0, "q_proj"), latent)
+    # and its score is the greedy accuracy of those weights on the held-out set
+    config = _config(tmp_path, steps=2, eval_w4a16=True)
+    task = get_task(config.task)
+    tokenizer, stop_ids = policy_tokenizer(config)
+    again = greedy_accuracy(w4a16, task, tokenizer, task.eval_problems(config.eval_problems),
+                            config.max_completion_length, stop_ids)
+    assert evals[-1]["eval/accuracy_w4a16"] == again
+    rows = summary_rows([result.run_dir])
+    assert rows[0]["eval_accuracy_w4a16_first"] == evals[0]["eval/accuracy_w4a16"]
+    assert "held-out acc, W4A16 (first -> last, change)" in format_summary(rows)
+
+
+def test_a_comparison_with_qat_settings_pairs_the_w4a16_evaluator_too(tmp_path, capsys):
+    from lowbit.cli import main
+    from lowbit.train.metrics import read_metrics
+    base = ["rl", "--quick", "--no-progress", "--out-dir", str(tmp_path)]
+    assert main([*base, "--compare", "bf16,nvfp4+quads"]) == 0
+    out = capsys.readouterr().out
+    folder = tmp_path / "compare-add"
+    for run in ("rl-tiny-add-bf16", "rl-tiny-add-nvfp4+quads"):   # every run, bf16's too
+        evals = [r for r in read_metrics(tmp_path / run) if r["event"] == "eval"]
+        assert evals and all(isinstance(r.get("eval/accuracy_w4a16"), float) for r in evals)
+    paired = json.loads((folder / "seeds-w4a16" / "summary.json").read_text())
+    assert "W4A16 evaluator" in paired["metric"] and paired["baseline"] == "bf16"
+    assert "(W4A16 evaluator" in out and "held-out acc, W4A16" in out
+    # resumed without a QAT setting: the runs are taken as they are, the stale table is gone
+    assert main([*base, "--compare", "bf16,nvfp4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert not (folder / "seeds-w4a16").exists() and "W4A16 evaluator" not in out

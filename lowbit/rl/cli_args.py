@@ -98,7 +98,11 @@ def run_rl_command(args: argparse.Namespace) -> None:
     print(format_summary(summary_rows([r.run_dir for r in results])), end="")
     if args.compare:
         print("\n" + (folder / "seeds" / "summary.md").read_text(), end="")
+        w4a16 = folder / "seeds-w4a16"
+        if w4a16.is_dir():   # a setting trains with QAT: the W4A16 evaluator's table too
+            print("\n" + (w4a16 / "summary.md").read_text(), end="")
         print(f"figures and tables: {folder} (rl.png, summary.md), {folder / 'seeds'} "
-              f"(seeds.png, summary.md)")
+              f"(seeds.png, summary.md)" + (f", {w4a16} (the same on the W4A16 evaluator)"
+                                            if w4a16.is_dir() else ""))
     else:
         print(f"run folder: {results[0].run_dir} (metrics.jsonl, rl.png, checkpoints/)")

@@ -16,13 +16,18 @@ a seed fixes the prompts, the sampling and the warm start, so one seed's runs pa
 (the trainer's weights through a bf16 engine), as its change from the run's own step 0, averaged
 over the run's last `window` evaluations up to each one (default 5, `--compare-window`: one
 evaluation of a few hundred problems moves by several points from one to the next). The gap to
-the first setting is in accuracy points (not %), higher is better.
+the first setting is in accuracy points (not %), higher is better. When a setting trains with
+asymmetric QAT (`+qat`, `+quads`), every run also scores its weights with NVFP4 weights and
+bf16 activations (RLConfig.eval_w4a16: the numerics that QAT trains under, which the bf16
+evaluator, reading latent weights, does not see) and `<folder>/seeds-w4a16/` gets the same
+statistics on that evaluator.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -45,10 +50,15 @@ EVAL_WINDOW = 5
 """Evaluations averaged into each point of the paired metric (accuracy_change_curve)."""
 
 
-def paired_metric(window: int) -> str:
+EVALUATORS = {"eval/accuracy_bf16": "bf16", "eval/accuracy_w4a16": "W4A16"}
+"""The common evaluators' metrics (the trainer's weights through one engine for every run) and
+their names in the paired tables."""
+
+
+def paired_metric(window: int, key: str = "eval/accuracy_bf16") -> str:
     """The paired statistics' metric, in words."""
     over = "" if window == 1 else f", mean of the last {window} evaluations"
-    return f"held-out accuracy change from step 0 (bf16 evaluator{over})"
+    return f"held-out accuracy change from step 0 ({EVALUATORS[key]} evaluator{over})"
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
@@ -133,6 +143,9 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
             if seeds:
                 config = dataclasses.replace(config, run_name=f"{config.name}-s{seed}")
             plan.append((config.setting, seed, config))
+    if any(c.align in ("qat", "quads") for _, _, c in plan):
+        # a QAT run's trainer multiplies NVFP4 weights: score every run that way too
+        plan = [(setting, seed, dataclasses.replace(c, eval_w4a16=True)) for setting, seed, c in plan]
     configs = [c for _, _, c in plan]
     names = [c.name for c in configs]
     if len(settings) < 2 or len(set(names)) != len(names):
@@ -148,22 +161,33 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
                if (Path(c.out_dir) / c.name / "metrics.jsonl").is_file()]
     write_summary([r.run_dir for r in results], folder)
     count = len(seeds) if seeds else 1
+    title = f"{base.task}, {count} seed{'s' * (count > 1)}"
     write_comparison(specs, outcomes, folder / "seeds", metric=paired_metric(window), relative=False,
-                     higher_is_better=True, title=f"{base.task}, {count} seed{'s' * (count > 1)}")
+                     higher_is_better=True, title=title)
+    if configs[0].eval_w4a16:
+        key = "eval/accuracy_w4a16"
+        w4a16 = {name: RunOutcome(accuracy_change_curve(
+                     read_metrics(o.run_dir) if o.run_dir and Path(o.run_dir, "metrics.jsonl").is_file()
+                     else [], window, key), o.status, o.run_dir)
+                 for name, o in outcomes.items()}
+        write_comparison(specs, w4a16, folder / "seeds-w4a16", metric=paired_metric(window, key),
+                         relative=False, higher_is_better=True, title=f"{title}, W4A16 evaluator")
+    elif (folder / "seeds-w4a16").is_dir():   # an earlier comparison's, with QAT settings
+        shutil.rmtree(folder / "seeds-w4a16")
     return results, folder
 
 
-def accuracy_change_curve(records: Sequence[dict], window: int = 1) -> list[tuple[int, float]]:
-    """A run's (step, eval/accuracy_bf16 - its value at the run's first evaluation) per
-    evaluation, from its metrics records (RLResult.records, or read_metrics of its folder):
-    what the RL did to the policy, by the evaluator every run shares. window > 1: each point
-    the mean of that change over the last `window` evaluations up to it (fewer at the start)."""
-    evals = [r for r in records
-             if r["event"] == "eval" and isinstance(r.get("eval/accuracy_bf16"), (int, float))]
+def accuracy_change_curve(records: Sequence[dict], window: int = 1,
+                          key: str = "eval/accuracy_bf16") -> list[tuple[int, float]]:
+    """A run's (step, its `key` accuracy - that at the run's first evaluation) per evaluation,
+    from its metrics records (RLResult.records, or read_metrics of its folder): what the RL did
+    to the policy, by an evaluator every run shares (EVALUATORS). window > 1: each point the
+    mean of that change over the last `window` evaluations up to it (fewer at the start)."""
+    evals = [r for r in records if r["event"] == "eval" and isinstance(r.get(key), (int, float))]
     if not evals:
         return []
-    start = evals[0]["eval/accuracy_bf16"]
-    change = [r["eval/accuracy_bf16"] - start for r in evals]
+    start = evals[0][key]
+    change = [r[key] - start for r in evals]
     curve = []
     for i, r in enumerate(evals):
         last = change[max(0, i - window + 1):i + 1]
@@ -214,6 +238,9 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
             # the common evaluator (the trainer's weights in bf16); runs before it: nan
             "eval_accuracy_bf16_first": evals[0].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
             "eval_accuracy_bf16": evals[-1].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
+            # the W4A16 evaluator (eval_w4a16), nan where a run has none
+            "eval_accuracy_w4a16_first": evals[0].get("eval/accuracy_w4a16", math.nan) if evals else math.nan,
+            "eval_accuracy_w4a16": evals[-1].get("eval/accuracy_w4a16", math.nan) if evals else math.nan,
             "logp_gap_mean": mean("sampling/sampling_logp_difference/mean", train),
             "logp_gap_max": max((r.get("sampling/sampling_logp_difference/max", math.nan) for r in train),
                                 default=math.nan),
@@ -223,18 +250,24 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
 
 
 def format_summary(rows: list[dict]) -> str:
+    w4a16 = any(math.isfinite(r.get("eval_accuracy_w4a16", math.nan)) for r in rows)
+    extra = " held-out acc, W4A16 (first -> last, change) |" if w4a16 else ""
     lines = ["| setting | steps | reward (first 10) | reward (last 10) | held-out acc, own engine "
-             "(first -> last) | held-out acc, bf16 (first -> last, change) | mean gap | max gap | "
-             "k3 KL | rollout tok/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"(first -> last) | held-out acc, bf16 (first -> last, change) |{extra} mean gap | "
+             "max gap | k3 KL | rollout tok/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * w4a16 + " ---: | ---: | ---: | ---: |"]
     seeds = len({r.get("seed", 0) for r in rows}) > 1
+
+    def change(r, key):
+        first, last = r.get(f"{key}_first", math.nan), r.get(key, math.nan)
+        return f"{first:.3f} -> {last:.3f} ({last - first:+.3f})"
+
     for r in rows:
         label = f"{r['setting']}, seed {r['seed']}" if seeds else r["setting"]
-        bf16_first = r.get("eval_accuracy_bf16_first", math.nan)
-        bf16_last = r.get("eval_accuracy_bf16", math.nan)
+        cell = f" {change(r, 'eval_accuracy_w4a16')} |" if w4a16 else ""
         lines.append(f"| {label} | {r['steps']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
                      f"{r['eval_accuracy_first']:.3f} -> {r['eval_accuracy']:.3f} | "
-                     f"{bf16_first:.3f} -> {bf16_last:.3f} ({bf16_last - bf16_first:+.3f}) | "
+                     f"{change(r, 'eval_accuracy_bf16')} |{cell} "
                      f"{r['logp_gap_mean']:.4f} | {r['logp_gap_max']:.3f} | "
                      f"{r['kl_k3']:.2e} | {r['rollout_tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ DEFAULT_RAC_RATIO = 0.25
 FLAG_NAMES = {"precision": "--rollout", "rac_ratio": "--rac-ratio",
               "activation_scale": "--rollout-activation-scale", "packed_gemm": "--packed-gemm"}
 # observation and placement only: a resumed run may change them
-FREE_ON_RESUME = frozenset({"eval_every", "log_every", "checkpoint_every",
+FREE_ON_RESUME = frozenset({"eval_every", "eval_w4a16", "log_every", "checkpoint_every",
                             "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session",
                             "stop_after_minutes"})
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]*$")
@@ -177,6 +177,14 @@ class RLConfig(RunConfig):
         "--eval-every", "held-out accuracy every N steps (default: %(default)s)"))
     eval_problems: int = field(default=30, metadata=flag(
         "--eval-problems", "size of the held-out set (default: %(default)s)"))
+    eval_w4a16: bool = field(default=False, metadata=flag(
+        "--eval-w4a16", "also score the trainer's weights with NVFP4 weights and bf16 activations "
+        "(eval/accuracy_w4a16: asymmetric QAT's own numerics); --compare turns it on for every "
+        "run when a setting trains with QAT", action="store_true"))
+    """A third evaluator at every evaluation: the trainer's weights through an nvfp4-w4a16 engine,
+    the numerics asymmetric QAT trains under (NVFP4 weights, bf16 activations). The bf16
+    evaluator reads a QAT run's latent weights, which its trainer never multiplies; this one
+    scores the policy that run trains, and every other run's weights as NVFP4 would store them."""
     log_every: int = 1
     checkpoint_every: int = field(default=20, metadata=flag(
         "--checkpoint-every", "checkpoint every N steps (default: %(default)s)"))

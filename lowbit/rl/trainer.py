@@ -267,6 +267,12 @@ class GRPOTrainer:
         self.evaluator = (self.engine if c.rollout == "bf16" else
                           RolloutEngine(self.model_config, "bf16", device=engine_device,
                                         max_batch_size=min(c.eval_problems, 256)))
+        # the third (--eval-w4a16): the trainer's weights with NVFP4 weights, bf16 activations
+        self.evaluator_w4a16 = None
+        if c.eval_w4a16:
+            self.evaluator_w4a16 = (self.engine if c.rollout == "nvfp4-w4a16" else
+                                    RolloutEngine(self.model_config, "nvfp4-w4a16", device=engine_device,
+                                                  max_batch_size=min(c.eval_problems, 256)))
         self.start = Start.of(checkpoint)
         if checkpoint is not None:
             self.policy.load_state_dict(checkpoint["model"])
@@ -411,18 +417,24 @@ class GRPOTrainer:
     # ---- evaluation -----------------------------------------------------------------------
 
     def accuracies(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out set by the two evaluators: `eval/accuracy`, the run's
-        own rollout engine (its precision: what the policy scores as deployed), and
+        """Greedy accuracy on the held-out set by the evaluators: `eval/accuracy`, the run's
+        own rollout engine (its precision: what the policy scores as deployed),
         `eval/accuracy_bf16`, the trainer's weights through a bf16 engine (what the RL did to
-        the policy, comparable across rollout precisions)."""
-        own = greedy_accuracy(self.engine, self.task, self.tokenizer, self.eval_set,
-                              self.config.max_completion_length, self.stop_ids)
-        if self.evaluator is self.engine:
-            return {"eval/accuracy": own, "eval/accuracy_bf16": own}
-        self.evaluator.load_state_dict(self.policy.state_dict())
-        common = greedy_accuracy(self.evaluator, self.task, self.tokenizer, self.eval_set,
-                                 self.config.max_completion_length, self.stop_ids)
-        return {"eval/accuracy": own, "eval/accuracy_bf16": common}
+        the policy, comparable across rollout precisions), and with eval_w4a16
+        `eval/accuracy_w4a16`, the same weights with NVFP4 weights and bf16 activations."""
+        scores = {"eval/accuracy": self._accuracy(self.engine)}
+        for key, engine in (("eval/accuracy_bf16", self.evaluator),
+                            ("eval/accuracy_w4a16", self.evaluator_w4a16)):
+            if engine is self.engine:
+                scores[key] = scores["eval/accuracy"]
+            elif engine is not None:
+                engine.load_state_dict(self.policy.state_dict())
+                scores[key] = self._accuracy(engine)
+        return scores
+
+    def _accuracy(self, engine: RolloutEngine) -> float:
+        return greedy_accuracy(engine, self.task, self.tokenizer, self.eval_set,
+                               self.config.max_completion_length, self.stop_ids)
 
     # ---- the job the run loop drives (lowbit.train.runner.Job) ---------------------------
 
