@@ -164,12 +164,12 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     title = f"{base.task}, {count} seed{'s' * (count > 1)}"
     write_comparison(specs, outcomes, folder / "seeds", metric=paired_metric(window), relative=False,
                      higher_is_better=True, title=title)
-    if configs[0].eval_w4a16:
-        key = "eval/accuracy_w4a16"
-        w4a16 = {name: RunOutcome(accuracy_change_curve(
-                     read_metrics(o.run_dir) if o.run_dir and Path(o.run_dir, "metrics.jsonl").is_file()
-                     else [], window, key), o.status, o.run_dir)
-                 for name, o in outcomes.items()}
+    key = "eval/accuracy_w4a16"
+    w4a16 = {name: RunOutcome(accuracy_change_curve(
+                 read_metrics(o.run_dir) if o.run_dir and Path(o.run_dir, "metrics.jsonl").is_file()
+                 else [], window, key), o.status, o.run_dir)
+             for name, o in outcomes.items()} if configs[0].eval_w4a16 else {}
+    if any(o.curve for o in w4a16.values()):   # finished runs taken from before may have none
         write_comparison(specs, w4a16, folder / "seeds-w4a16", metric=paired_metric(window, key),
                          relative=False, higher_is_better=True, title=f"{title}, W4A16 evaluator")
     elif (folder / "seeds-w4a16").is_dir():   # an earlier comparison's, with QAT settings
