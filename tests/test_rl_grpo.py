@@ -624,8 +624,9 @@ def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(
     capsys.readouterr()
     assert main([*base, "--compare", "bf16,nvfp4,nvfp4+quads", "--resume"]) == 0
     out = capsys.readouterr().out
-    bf16_table = out.split("(W4A16 evaluator")[0]   # the QAT setting adds the W4A16 one after
-    assert bf16_table.count("| ok |") == 3 and "stopped at" not in out, out   # taken as finished
+    assert out.count("| ok |") == 3 and "stopped at" not in out, out   # taken as finished
+    # the new QAT arm scores W4A16 too, but bf16's run has no such evaluations: no table on it
+    assert "W4A16 evaluator" not in out and not (tmp_path / "compare-add" / "seeds-w4a16").exists()
     assert all((tmp_path / r / "metrics.jsonl").read_text() == before[r] for r in runs)
     rows = {r["setting"]: r for r in json.loads((tmp_path / "compare-add" / "summary.json").read_text())}
     assert set(rows) == {"bf16", "nvfp4", "nvfp4+quads"}
@@ -645,6 +646,9 @@ def test_the_paired_curve_averages_the_last_evaluations():
     assert accuracy_change_curve(records, 3) == [(0, 0.0), (10, 0.125), (20, 0.0), (30, 0.5 / 3)]
     assert accuracy_change_curve(records, 100)[-1] == (30, 0.5 / 4)
     assert accuracy_change_curve([]) == []
+    # an evaluator turned on at a resume has no step 0 to count from: no curve
+    later = records + [{"event": "eval", "step": 50, "eval/accuracy_w4a16": 0.5}]
+    assert accuracy_change_curve(later, key="eval/accuracy_w4a16") == []
 
 
 def test_compile_decode_gives_the_eager_rollouts(tmp_path):
@@ -662,9 +666,8 @@ def test_compile_decode_gives_the_eager_rollouts(tmp_path):
             a["sampling/sampling_logp_difference/mean"], abs=1e-4)
 
 
-def test_packed_gemm_reaches_the_engine_and_needs_nvfp4_rollouts(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="--packed-gemm multiplies packed NVFP4 weights"):
-        RLConfig(rollout="bf16", align="none", packed_gemm=True, progress=False)
+def _built_engines(monkeypatch) -> list:
+    """Every RolloutEngine the RL trainer builds from now on, in order of construction."""
     from lowbit.rl import trainer as trainer_module
     built = []
     real = trainer_module.RolloutEngine
@@ -674,6 +677,13 @@ def test_packed_gemm_reaches_the_engine_and_needs_nvfp4_rollouts(tmp_path, monke
         built.append(engine)
         return engine
     monkeypatch.setattr(trainer_module, "RolloutEngine", spy)
+    return built
+
+
+def test_packed_gemm_reaches_the_engine_and_needs_nvfp4_rollouts(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--packed-gemm multiplies packed NVFP4 weights"):
+        RLConfig(rollout="bf16", align="none", packed_gemm=True, progress=False)
+    built = _built_engines(monkeypatch)
     result = run_rl(_config(tmp_path, rollout="nvfp4-w4a16", align="none", steps=1,
                             checkpoint_every=1, packed_gemm=True))
     rollout_engines = [e for e in built if e.settings.precision.value != "bf16"]
@@ -746,21 +756,14 @@ def test_static_activation_scales_reach_the_engine_at_every_sync(tmp_path, capsy
 
 def test_the_w4a16_evaluator_scores_the_weights_as_asymmetric_qat_multiplies_them(tmp_path, monkeypatch):
     # --eval-w4a16: a third evaluator, an nvfp4-w4a16 engine on the trainer's weights, scored
-    # after every evaluation; checked here against an engine of that precision built apart
-    from lowbit.data.tasks import get_task
-    from lowbit.rl import trainer as trainer_module
+    # at every evaluation; checked here against an engine of that precision built apart from
+    # the run, on its last checkpoint
     from lowbit.rl.precision import Precision, quantize_weight
+    from lowbit.train.checkpoint import load_checkpoint
     from lowbit.rl.warmstart import greedy_accuracy, policy_tokenizer
     from lowbit.rl.compare import format_summary, summary_rows
 
-    built = []
-    real = trainer_module.RolloutEngine
-
-    def spy(*args, **kwargs):
-        engine = real(*args, **kwargs)
-        built.append(engine)
-        return engine
-    monkeypatch.setattr(trainer_module, "RolloutEngine", spy)
+    built = _built_engines(monkeypatch)
     result = run_rl(_config(tmp_path, steps=2, eval_every=2, checkpoint_every=2, eval_w4a16=True))
     evals = [r for r in result.records if r["event"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2] and all("eval/accuracy_w4a16" in r for r in evals)
@@ -776,11 +779,14 @@ def test_the_w4a16_evaluator_scores_the_weights_as_asymmetric_qat_multiplies_the
     config = _config(tmp_path, steps=2, eval_w4a16=True)
     task = get_task(config.task)
     tokenizer, stop_ids = policy_tokenizer(config)
-    again = greedy_accuracy(w4a16, task, tokenizer, task.eval_problems(config.eval_problems),
+    apart = RolloutEngine(w4a16.config, "nvfp4-w4a16", max_batch_size=w4a16.max_batch_size)
+    apart.load_state_dict(load_checkpoint(result.run_dir / "checkpoints" / "latest.pt")["model"])
+    again = greedy_accuracy(apart, task, tokenizer, task.eval_problems(config.eval_problems),
                             config.max_completion_length, stop_ids)
     assert evals[-1]["eval/accuracy_w4a16"] == again
     rows = summary_rows([result.run_dir])
     assert rows[0]["eval_accuracy_w4a16_first"] == evals[0]["eval/accuracy_w4a16"]
+    assert rows[0]["eval_accuracy_w4a16"] == evals[-1]["eval/accuracy_w4a16"]
     assert "held-out acc, W4A16 (first -> last, change)" in format_summary(rows)
 
 

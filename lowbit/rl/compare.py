@@ -44,7 +44,7 @@ from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
 __all__ = ["config_for_setting", "compare_settings", "summary_rows", "format_summary",
-           "accuracy_change_curve", "paired_metric", "EVAL_WINDOW", "RLRunner"]
+           "accuracy_change_curve", "paired_metric", "EVAL_WINDOW", "EVALUATORS", "RLRunner"]
 
 EVAL_WINDOW = 5
 """Evaluations averaged into each point of the paired metric (accuracy_change_curve)."""
@@ -169,7 +169,7 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
                  read_metrics(o.run_dir) if o.run_dir and Path(o.run_dir, "metrics.jsonl").is_file()
                  else [], window, key), o.status, o.run_dir)
              for name, o in outcomes.items()} if configs[0].eval_w4a16 else {}
-    if any(o.curve for o in w4a16.values()):   # finished runs taken from before may have none
+    if w4a16 and all(w4a16[s.name].curve for s in specs if s.arm == specs[0].arm):   # the baseline has it
         write_comparison(specs, w4a16, folder / "seeds-w4a16", metric=paired_metric(window, key),
                          relative=False, higher_is_better=True, title=f"{title}, W4A16 evaluator")
     elif (folder / "seeds-w4a16").is_dir():   # an earlier comparison's, with QAT settings
@@ -183,9 +183,10 @@ def accuracy_change_curve(records: Sequence[dict], window: int = 1,
     from its metrics records (RLResult.records, or read_metrics of its folder): what the RL did
     to the policy, by an evaluator every run shares (EVALUATORS). window > 1: each point the
     mean of that change over the last `window` evaluations up to it (fewer at the start)."""
-    evals = [r for r in records if r["event"] == "eval" and isinstance(r.get(key), (int, float))]
-    if not evals:
-        return []
+    evals = [r for r in records if r["event"] == "eval"]
+    if not evals or not isinstance(evals[0].get(key), (int, float)):
+        return []   # none, or only from a later step (turned on at a resume): no step 0 to go from
+    evals = [r for r in evals if isinstance(r.get(key), (int, float))]
     start = evals[0][key]
     change = [r[key] - start for r in evals]
     curve = []
@@ -225,6 +226,9 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
         train = [r for r in records if r["event"] == "train"]
         evals = [r for r in records if r["event"] == "eval"]
 
+        w4a16 = [r["eval/accuracy_w4a16"] for r in evals
+                 if isinstance(r.get("eval/accuracy_w4a16"), (int, float))]
+
         def mean(key, rs):
             values = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
             return sum(values) / len(values) if values else math.nan
@@ -239,8 +243,8 @@ def summary_rows(run_dirs: Sequence[Path], last: int = 10) -> list[dict]:
             "eval_accuracy_bf16_first": evals[0].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
             "eval_accuracy_bf16": evals[-1].get("eval/accuracy_bf16", math.nan) if evals else math.nan,
             # the W4A16 evaluator (eval_w4a16), nan where a run has none
-            "eval_accuracy_w4a16_first": evals[0].get("eval/accuracy_w4a16", math.nan) if evals else math.nan,
-            "eval_accuracy_w4a16": evals[-1].get("eval/accuracy_w4a16", math.nan) if evals else math.nan,
+            "eval_accuracy_w4a16_first": w4a16[0] if w4a16 else math.nan,
+            "eval_accuracy_w4a16": w4a16[-1] if w4a16 else math.nan,
             "logp_gap_mean": mean("sampling/sampling_logp_difference/mean", train),
             "logp_gap_max": max((r.get("sampling/sampling_logp_difference/max", math.nan) for r in train),
                                 default=math.nan),

@@ -36,14 +36,14 @@ engines = {name: RolloutEngine(cfg, prec, rac, device="cpu", max_batch_size=256)
 def score(state):
     acc = {}
     for name, engine in engines.items():
-        engine.load_state_dict({k: v for k, v in state.items()})
+        engine.load_state_dict(state)
         acc[name] = greedy_accuracy(engine, task, tokenizer, eval_set, c.max_completion_length, stop_ids)
     return acc
 
 
 results = {}
 t0 = time.time()
-results["step0 (shared warm start)"] = {"checkpoint": str(ws.parent.parent.name),
+results["step0 (shared warm start)"] = {"checkpoint": ws.parent.parent.name,
                                         "accuracy": score(load_checkpoint(ws)["model"])}
 print("step0", results["step0 (shared warm start)"], f"{time.time() - t0:.0f}s", flush=True)
 for run in runs:   # every checkpoint the run kept (steps 200 and 300 of a 300-step run)
