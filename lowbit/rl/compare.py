@@ -165,9 +165,9 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     write_comparison(specs, outcomes, folder / "seeds", metric=paired_metric(window), relative=False,
                      higher_is_better=True, title=title)
     key = "eval/accuracy_w4a16"
-    w4a16 = {name: RunOutcome(accuracy_change_curve(
-                 read_metrics(o.run_dir) if o.run_dir and Path(o.run_dir, "metrics.jsonl").is_file()
-                 else [], window, key), o.status, o.run_dir)
+    records = {Path(r.run_dir): r.records for r in results}   # read once, above
+    w4a16 = {name: RunOutcome(accuracy_change_curve(records.get(Path(o.run_dir or ""), []), window, key),
+                              o.status, o.run_dir)
              for name, o in outcomes.items()} if configs[0].eval_w4a16 else {}
     if w4a16 and all(w4a16[s.name].curve for s in specs if s.arm == specs[0].arm):   # the baseline has it
         write_comparison(specs, w4a16, folder / "seeds-w4a16", metric=paired_metric(window, key),
