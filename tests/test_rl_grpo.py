@@ -711,6 +711,35 @@ def test_every_run_is_scored_by_its_own_engine_and_by_a_common_bf16_one(tmp_path
         summary_rows([nvfp4.run_dir, bf16.run_dir])
 
 
+def test_every_arm_sharing_a_warm_start_is_scored_from_the_same_weights_at_step_0(tmp_path, monkeypatch):
+    # the common evaluator's first weights are the warm start's in every arm (QAT's latent
+    # weights, not their NVFP4 values; no RAC, no rounding), so a change from step 0 is measured
+    # from one shared point: the step-0 scores agree and the weights behind them are equal
+    from lowbit.rl.engine import RolloutEngine as Engine
+
+    first: dict[str, list] = {}
+    current = {}
+    real_load = Engine.load_state_dict
+
+    def recording(engine, state, *args, **kwargs):
+        real_load(engine, state, *args, **kwargs)
+        if engine.settings.precision.value == "bf16" and current["arm"] not in first:
+            first[current["arm"]] = [engine.linear_values(i, n).clone()
+                                      for i in range(engine.config.n_layers)
+                                      for n in ("q_proj", "o_proj", "down_proj")]
+    monkeypatch.setattr(Engine, "load_state_dict", recording)
+    step0 = {}
+    for arm, rollout, align in (("b", "bf16", "none"), ("n", "nvfp4", "none"), ("q", "nvfp4", "quads")):
+        current["arm"] = arm
+        result = run_rl(_config(tmp_path, run_name=arm, rollout=rollout, align=align, steps=1,
+                                eval_every=1, checkpoint_every=1))
+        step0[arm] = next(r for r in result.records if r["event"] == "eval" and r["step"] == 0)
+    assert set(first) == {"b", "n", "q"}
+    for arm in ("n", "q"):
+        assert all(torch.equal(a, b) for a, b in zip(first["b"], first[arm]))
+        assert step0[arm]["eval/accuracy_bf16"] == step0["b"]["eval/accuracy_bf16"]
+
+
 def test_collapse_is_three_evaluations_below_half_the_peak():
     from lowbit.rl.trainer import collapsed
 
