@@ -634,6 +634,12 @@ def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(
     err = capsys.readouterr().err
     assert "its config.json differs from the config asked for in temperature" in err
     assert len(err.strip().splitlines()) == 1
+    # with QUADS as the baseline the W4A16 table is written; naive's run, finished before the
+    # evaluator, says why it has no value there rather than "ok"
+    assert main([*base, "--compare", "nvfp4+quads,nvfp4", "--resume"]) == 0
+    table = json.loads((tmp_path / "compare-add" / "seeds-w4a16" / "summary.json").read_text())
+    status = {r["arm"]: r["status"] for r in table["rows"]}
+    assert status == {"nvfp4+quads": "ok", "nvfp4": "no W4A16 evaluation from step 0"}
 
 
 def test_the_paired_curve_averages_the_last_evaluations():

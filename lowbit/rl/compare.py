@@ -166,8 +166,7 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
                      higher_is_better=True, title=title)
     key = "eval/accuracy_w4a16"
     records = {Path(r.run_dir): r.records for r in results}   # read once, above
-    w4a16 = {name: RunOutcome(accuracy_change_curve(records.get(Path(o.run_dir or ""), []), window, key),
-                              o.status, o.run_dir)
+    w4a16 = {name: _w4a16_outcome(accuracy_change_curve(records.get(Path(o.run_dir or ""), []), window, key), o)
              for name, o in outcomes.items()} if configs[0].eval_w4a16 else {}
     if w4a16 and all(w4a16[s.name].curve for s in specs if s.arm == specs[0].arm):   # the baseline has it
         write_comparison(specs, w4a16, folder / "seeds-w4a16", metric=paired_metric(window, key),
@@ -175,6 +174,13 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
     elif (folder / "seeds-w4a16").is_dir():   # an earlier comparison's, with QAT settings
         shutil.rmtree(folder / "seeds-w4a16")
     return results, folder
+
+
+def _w4a16_outcome(curve: list[tuple[int, float]], outcome: RunOutcome) -> RunOutcome:
+    """A run's outcome on the W4A16 evaluator: its curve, and its status, or why it has no curve
+    (a run that finished before the evaluator existed, or had it turned on at a resume)."""
+    status = outcome.status if curve else "no W4A16 evaluation from step 0"
+    return RunOutcome(curve, status, outcome.run_dir)
 
 
 def accuracy_change_curve(records: Sequence[dict], window: int = 1,
