@@ -639,7 +639,9 @@ def test_rl_compare_adds_an_arm_to_finished_runs_whose_checkpoints_were_removed(
     assert main([*base, "--compare", "nvfp4+quads,nvfp4", "--resume"]) == 0
     table = json.loads((tmp_path / "compare-add" / "seeds-w4a16" / "summary.json").read_text())
     status = {r["arm"]: r["status"] for r in table["rows"]}
-    assert status == {"nvfp4+quads": "ok", "nvfp4": "no W4A16 evaluation from step 0"}
+    assert status == {"nvfp4+quads": "ok", "nvfp4": "ok; no W4A16 evaluation from step 0"}
+    (arm,) = table["arms"]
+    assert arm["runs_ended_early"] == 0 and arm["verdict"] == "no pairs"   # finished, not measured
 
 
 def test_the_paired_curve_averages_the_last_evaluations():
@@ -741,7 +743,9 @@ def test_every_arm_sharing_a_warm_start_is_scored_from_the_same_weights_at_step_
                                 eval_every=1, checkpoint_every=1))
         step0[arm] = next(r for r in result.records if r["event"] == "eval" and r["step"] == 0)
     assert set(first) == {"b", "n", "q"}
+    assert len([p for p in (tmp_path / "warmstart").iterdir() if p.is_dir()]) == 1   # one, shared
     for arm in ("n", "q"):
+        assert len(first[arm]) == len(first["b"]) > 0
         assert all(torch.equal(a, b) for a, b in zip(first["b"], first[arm]))
         assert step0[arm]["eval/accuracy_bf16"] == step0["b"]["eval/accuracy_bf16"]
 

@@ -177,9 +177,9 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
 
 
 def _w4a16_outcome(curve: list[tuple[int, float]], outcome: RunOutcome) -> RunOutcome:
-    """A run's outcome on the W4A16 evaluator: its curve, and its status, or why it has no curve
-    (a run that finished before the evaluator existed, or had it turned on at a resume)."""
-    status = outcome.status if curve else "no W4A16 evaluation from step 0"
+    """A run's outcome on the W4A16 evaluator: its curve and status; a finished run without the
+    curve (it finished before the evaluator existed, or had it turned on at a resume) says so."""
+    status = "ok; no W4A16 evaluation from step 0" if outcome.finished and not curve else outcome.status
     return RunOutcome(curve, status, outcome.run_dir)
 
 

@@ -106,12 +106,13 @@ class RunOutcome:
     curve: list[tuple[int, float]]
     """(step, value) per evaluation, in step order (a validation loss, say)."""
     status: str = "ok"
-    """"ok" (ran to the end), or why it ended early, e.g. "diverged at step 40"."""
+    """"ok" (ran to the end), "ok; <note>" (ran to the end, with a note on its curve, e.g. an
+    evaluator it lacks), or why it ended early, e.g. "diverged at step 40"."""
     run_dir: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.status == "ok"
+        return self.status == "ok" or self.status.startswith("ok; ")
 
 
 @dataclass
