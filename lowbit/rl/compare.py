@@ -179,8 +179,8 @@ def compare_settings(base: RLConfig, settings: Sequence[str], *, overwrite: bool
 def _w4a16_outcome(curve: list[tuple[int, float]], outcome: RunOutcome) -> RunOutcome:
     """A run's outcome on the W4A16 evaluator: its curve and status; a finished run without the
     curve (it finished before the evaluator existed, or had it turned on at a resume) says so."""
-    status = "ok; no W4A16 evaluation from step 0" if outcome.finished and not curve else outcome.status
-    return RunOutcome(curve, status, outcome.run_dir)
+    note = "no W4A16 evaluation from step 0" if outcome.finished and not curve else None
+    return RunOutcome(curve, outcome.status, outcome.run_dir, note)
 
 
 def accuracy_change_curve(records: Sequence[dict], window: int = 1,

@@ -106,13 +106,19 @@ class RunOutcome:
     curve: list[tuple[int, float]]
     """(step, value) per evaluation, in step order (a validation loss, say)."""
     status: str = "ok"
-    """"ok" (ran to the end), "ok; <note>" (ran to the end, with a note on its curve, e.g. an
-    evaluator it lacks), or why it ended early, e.g. "diverged at step 40"."""
+    """"ok" (ran to the end), or why it ended early, e.g. "diverged at step 40"."""
     run_dir: str | None = None
+    note: str | None = None
+    """Something the tables say beside the status, e.g. an evaluator the run lacks."""
 
     @property
     def finished(self) -> bool:
-        return self.status == "ok" or self.status.startswith("ok; ")
+        return self.status == "ok"
+
+    @property
+    def label(self) -> str:
+        """The status as the tables print it: with the note, if any."""
+        return self.status if self.note is None else f"{self.status}; {self.note}"
 
 
 @dataclass
@@ -355,7 +361,7 @@ def seed_statistics(specs: Sequence[RunSpec], outcomes: dict[str, RunOutcome],
     for spec in specs:
         v, b = value[spec.arm, spec.seed], value[base, spec.seed]
         rows.append(CompareRow(spec.name, spec.arm, spec.seed, v, _gap(v, b, relative),
-                               outcomes[spec.name].status))
+                               outcomes[spec.name].label))
     base_values = [value[base, s] for s in seeds if value[base, s] is not None]
     spread = None
     if len(base_values) >= 2:
@@ -440,7 +446,7 @@ def _to_json(c: Comparison) -> dict:
             "relative": c.relative, "higher_is_better": c.higher_is_better,
             "baseline_spread_pct": c.baseline_spread_pct, "criterion": CRITERION,
             "arms": [asdict(a) for a in c.arms], "rows": [asdict(r) for r in c.rows],
-            "runs": {name: {"status": o.status, "run_dir": o.run_dir,
+            "runs": {name: {"status": o.label, "run_dir": o.run_dir,
                             "curve": [[s, v] for s, v in o.curve]}
                      for name, o in c.outcomes.items()}}
 
