@@ -14,7 +14,8 @@
 # the host at this size.
 set -eu
 USAGE="usage: bash benchmarks/quads_moe.sh OUT_DIR [MINUTES] [lowbit rl flags]"
-OUT_DIR=${1:?$USAGE}
+if [ $# -lt 1 ] || [ -z "$1" ]; then echo "give an output folder; $USAGE" >&2; exit 2; fi
+OUT_DIR=$1
 MINUTES=${2:-}
 if [ -n "$MINUTES" ] && ! [[ "$MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
     echo "MINUTES must be a number of minutes, got '$MINUTES'; $USAGE" >&2; exit 2
