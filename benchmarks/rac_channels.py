@@ -19,7 +19,12 @@ arm quantizes every decoder linear's input per token to NVFP4 and adds RAC's res
 - `static-weight`: the channels whose weight columns have the largest L2 norm (no data);
 - `static-random`: random channels (the control: a static set that knows nothing);
 - `per-token-in-calibrated-half`: each token's top |residual| channels, chosen within the
-  calibrated half of the channels (a second GEMM over K/2 columns instead of K).
+  calibrated half of the channels (a second GEMM over K/2 columns instead of K);
+- `per-token-per-G` (G = 16, 32, 64, 128): each token's top |residual| channels within every
+  group of G channels, the ratio of each group (`rac_residual`'s `group`,
+  lowbit.formats.activations.rac_group_channels): the same count as `per-token` where G
+  divides K, chosen where a kernel finds them without a row-wide selection (16: one NVFP4
+  block; 64 at RAC 25%: the channels whose compacted residual shares one NVFP4 block of 16).
 The gap is |log p_arm(token) - log p_ref(token)| of each next token of the validation batches,
 in float32: mean and max over tokens, per seed; and the validation loss change.
 
@@ -32,14 +37,14 @@ import argparse
 import json
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_residual,
-                                        rac_residual_on, top_channels)
+from lowbit.bench import run_meta
+from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_group_channels,
+                                        rac_residual, rac_residual_on, top_channels)
 from lowbit.rl.precision import quantize_weight, Precision
 from lowbit.train import train
 from lowbit.train.build import build_data, build_model
@@ -48,7 +53,9 @@ from lowbit.train.compare import parse_seeds
 from lowbit.train.config import TrainConfig
 
 ARMS = ("none", "per-token", "static-calibrated", "static-weight", "static-random",
-        "per-token-in-calibrated-half")
+        "per-token-in-calibrated-half", "per-token-per-16", "per-token-per-32", "per-token-per-64",
+        "per-token-per-128")
+BLOCKWISE = {f"per-token-per-{g}": g for g in (16, 32, 64, 128)}
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -83,6 +90,11 @@ class Hooks:
             return x_hat
         if arm == "per-token":
             return x_hat + rac_residual(x, x_hat, ratio)
+        if arm in BLOCKWISE:
+            rows = x.reshape(-1, x.shape[-1])
+            channels = rac_group_channels((rows.float() - x_hat.reshape(rows.shape).float()).abs(),
+                                          BLOCKWISE[arm], ratio)
+            return x_hat + rac_residual_on(rows, x_hat.reshape(rows.shape), channels).reshape(x.shape)
         if arm == "per-token-in-calibrated-half":      # top channels of each row within the half
             half = static[name]                    # increasing, so half[...] stays increasing
             r = (x.float() - x_hat.float()).reshape(-1, x.shape[-1])[:, half]
@@ -182,7 +194,7 @@ def main(argv=None) -> int:
         print(f"{arm:18} mean gap " + " / ".join(f"{v:.5f}" for v in s["gap_mean_per_seed"])
               + "  (x per-token: " + " / ".join(f"{v:.2f}" for v in s["gap_mean_over_per_token"]) + ")")
     if args.out:
-        meta = {"date": date.today().isoformat(), "commit": "unknown", "machine": "2-core CPU",
+        meta = {**run_meta("cpu"),
                 "command": "python benchmarks/rac_channels.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "seconds": round(time.time() - t0, 1), "ratio": args.ratio}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": {"seeds": results,

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--digits", default="4,8", type=counts,
                            help="RAC threshold's bits per radix step (RADIX_BITS: 1, 2, 4, 8), "
                                 "at the default warps, RAC on (default: %(default)s)")
+            p.add_argument("--groups", default="16,64", type=counts,
+                           help="RAC's channels chosen within groups of G channels (rac_group; a "
+                                "sort a group) instead of over the row, RAC on (default: %(default)s)")
         if name == "fold":
             p.add_argument("--operands", default="X,W,dY",
                            help="comma-separated, of X, W, dY (default: %(default)s)")
@@ -631,7 +634,8 @@ def sweep_activation(args, device: str) -> dict:
     of Qwen3-0.6B's (K 1024, 2048, 3072) and Llama-3-8B's (4096, 14336) linears, M rows: GPU time
     per call (CUDA-graph replay) and whether every count gives the default's bits; and RAC's
     radix select with its early stop (`early_stop`) and without (`every_radix_step`), and both
-    on rows where zeros tie across RAC's cut, the stop's worst case (`ties_at_the_cut`)."""
+    on rows where zeros tie across RAC's cut, the stop's worst case (`ties_at_the_cut`); and
+    RAC's channels chosen within groups of each --groups G (`groups`, its own reference's bits)."""
     import torch
 
     from lowbit.formats.activations import per_token_nvfp4, rac_residual
@@ -646,6 +650,7 @@ def sweep_activation(args, device: str) -> dict:
         raise ValueError(f"--digits takes 1, 2, 4 or 8; got {bad}")
     if args.smoke:
         ks, rows, warps, digits = (48,), (1, 3), (2, 4), (4, 8)
+        args.groups = [16]
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for k in ks:
@@ -681,6 +686,11 @@ def sweep_activation(args, device: str) -> dict:
                     row["ties_at_the_cut"] = {
                         str(stop): attempt(lambda stop=stop: variant(tied, expected, early_stop=stop))
                         for stop in (True, False)}
+                    # RAC's channels chosen group by group: other channels, so checked against
+                    # the reference of that choice
+                    x_hat = per_token_nvfp4(x)
+                    row["groups"] = {str(gs): attempt(lambda gs=gs: variant(
+                        x, (x_hat, rac_residual(x, x_hat, ratio, gs)), rac_group=gs)) for gs in args.groups}
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:
@@ -689,7 +699,8 @@ def sweep_activation(args, device: str) -> dict:
                           f"{step_text(row['every_radix_step'])}; "
                           f"ties at the cut, early stop on / off: "
                           f"{step_text(row['ties_at_the_cut']['True'])} / "
-                          f"{step_text(row['ties_at_the_cut']['False'])}", flush=True)
+                          f"{step_text(row['ties_at_the_cut']['False'])}; by group: "
+                          + ", ".join(f"{gs}: {step_text(v)}" for gs, v in row["groups"].items()), flush=True)
                 results[f"K={k} M={m} rac={ratio}"] = row
     return results
 
@@ -1095,6 +1106,9 @@ def exercise_engine_kernels(attempt_launch) -> None:
                 # RAC's radix select without its early stop (tune.py activation's baseline)
                 attempt_launch(activation_quant.quantize_activations, x, "nvfp4", 0.25, norm=norm,
                                silu_mul=silu_mul, early_stop=False)
+                # RAC's channels chosen within groups of 16 (a sort a group)
+                attempt_launch(activation_quant.quantize_activations, x, "nvfp4", 0.25, norm=norm,
+                               silu_mul=silu_mul, rac_group=16)
     finally:
         launch.pdl_supported = supported
 

@@ -1,11 +1,15 @@
 """What the run tests share: stand-in training data (rows from (seed, step) alone), the
 `lowbit` command run in this process, the one-line error it must print, and a finished source
-run to start from."""
+run to start from, and a benchmarks/ script loaded as a module."""
+
+import importlib.util
+from pathlib import Path
 
 import torch
 
 from lowbit.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 32
 
 SMALL = ["--n-layers", "1", "--dim", "64", "--seq-len", "8", "--batch-size", "2"]
@@ -79,3 +83,11 @@ def finished_run(tmp_path, name: str = "src", seed: int = 0):
                          device="cpu", progress=False, diagnostics=False,
                          out_dir=str(tmp_path), run_name=name)
     return train(config, data=PatternData(config)).run_dir
+
+
+def script_module(path):
+    """A benchmarks/ script loaded as a module, to run its main() in this process."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -248,3 +248,26 @@ def test_the_threshold_search_stops_once_the_chosen_set_is_fixed():
                 assert t == int(top[count - 1]), (digit, row)
         early = [int(out[r]) != int(keys[r].sort(descending=True).values[count - 1]) for r in range(4)]
         assert any(early), digit   # distinct random keys: the search stopped before the last step
+
+
+@pytest.mark.parametrize("dtype,prologue", [(torch.float32, "none"), (torch.bfloat16, "norm"),
+                                            (torch.float16, "silu_mul")])
+def test_rac_by_group_is_the_references_bit_for_bit(dtype, prologue):
+    # RAC's channels chosen group by group (a sort within each group, no radix select): K a
+    # multiple of the group, a last partial group, a group as wide as the row, and one wider;
+    # random rows, ties, zeros, NaN / Inf, huge and tiny
+    for k, group, ratios in ((64, 16, (0.25, 1.0)), (200, 64, (0.125, 0.25)), (200, 128, (0.25,)),
+                             (40, 256, (0.25,))):
+        x, norm = _operands(prologue, k, dtype, seed=k + group)
+        kw = dict(norm=norm, eps=EPS, silu_mul=prologue == "silu_mul")
+        inp = _prologue(x, **kw)
+        x_hat = per_token_nvfp4(inp)
+        for ratio in ratios:
+            got_x, got_r = quantize_activations(x, "nvfp4", ratio, rac_group=group, **kw)
+            assert same_bits(got_x, x_hat), (k, group, ratio)
+            assert same_bits(got_r, rac_residual(inp, x_hat, ratio, group)), (k, group, ratio)
+    alone = quantize_activations(x[3:4], "nvfp4", 0.25, rac_group=16, **kw)   # batch-invariant
+    batch = quantize_activations(x, "nvfp4", 0.25, rac_group=16, **kw)
+    assert same_bits(alone[1], batch[1][3:4])
+    with pytest.raises(ValueError, match="power of two from 16"):
+        quantize_activations(x, "nvfp4", 0.25, rac_group=24)

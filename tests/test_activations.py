@@ -199,3 +199,35 @@ def test_rac_residual_on_a_static_channel_set():
     per_row = torch.sort(top, dim=-1).values
     assert torch.equal(rac_residual_on(x, x_hat, per_row), rac_residual(x, x_hat, 0.25))
     assert (rac_residual_on(x, x_hat, channels[:0]) == 0).all()
+
+
+def _slow_group_channels(scores_row, group, ratio):
+    """Group by group from the left, each its own stable descending sort: the definition."""
+    k, chosen = scores_row.numel(), []
+    for start in range(0, k, group):
+        part = scores_row[start:start + group]
+        order = torch.sort(part, descending=True, stable=True).indices.tolist()
+        chosen += [start + i for i in order[:rac_channel_count(part.numel(), ratio)]]
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("k,group", [(64, 16), (200, 64), (320, 128), (48, 64)])
+def test_rac_residual_by_group_is_its_definition(k, group):
+    # each group's top ceil(ratio * G) |r| (a last group of k % G its own count), ties to the
+    # lower channel, NaN first; then the row's compaction and quantization as for the whole row
+    from lowbit.formats.activations import rac_group_channels, rac_residual_on
+    x = _rows(k, torch.float32, seed=k)
+    x_hat = per_token_nvfp4(x)
+    r = (x - x_hat).abs()
+    for ratio in (0.1, 0.25, 0.5, 1.0):
+        got = rac_group_channels(r, group, ratio)
+        for n in range(x.shape[0]):
+            assert got[n].tolist() == _slow_group_channels(r[n], group, ratio), (n, ratio)
+        assert same_bits(rac_residual(x, x_hat, ratio, group), rac_residual_on(x, x_hat, got))
+    if group >= k:   # one group holding the row: the row-wide choice
+        assert same_bits(rac_residual(x, x_hat, 0.25, group), rac_residual(x, x_hat, 0.25))
+    else:            # a real difference from the row-wide choice somewhere
+        assert not same_bits(rac_residual(x, x_hat, 0.25, group), rac_residual(x, x_hat, 0.25))
+    for bad in (8, 48, -64, 32768, True, 64.0):
+        with pytest.raises(ValueError, match="power of two from 16"):
+            rac_residual(x, x_hat, 0.25, bad)

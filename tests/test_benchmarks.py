@@ -5,7 +5,6 @@ compiles for Hopper on this CPU (tune.py compile-sm90)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from run_helpers import ROOT, script_module
+
 TUNE = ROOT / "benchmarks" / "tune.py"
-
-
-def script_module(path):
-    """A benchmarks/ script loaded as a module, to run its main() in this process."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

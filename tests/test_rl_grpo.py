@@ -597,6 +597,24 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
         assert accuracy_change_curve(read_metrics(tmp_path / f"rl-tiny-add-bf16-s{seed}"))[0] == (0, 0.0)
     assert f"{metric} at step {paired['step']}" in out and "%" not in arm["verdict"]
     assert (folder / "seeds" / "seeds.png").is_file()
+    # benchmarks/rl_raw.py gathers these runs into a results file: each run's evaluations and
+    # steps as its metrics hold them, the paired table as written, no scratch path
+    from run_helpers import ROOT, script_module
+    raw_file = tmp_path / "raw.json"
+    assert script_module(ROOT / "benchmarks" / "rl_raw.py").main(
+        [str(raw_file), f"seeds={tmp_path}", "--date", "2026-12-06", "--commit", "abc1234",
+         "--machine", "2-core CPU", "--command", "lowbit rl --quick ..."]) == 0
+    raw = json.loads(raw_file.read_text())
+    assert raw["meta"]["machine"] == "2-core CPU" and str(tmp_path) not in raw_file.read_text()
+    assert raw["results"]["comparisons"]["seeds"]["seeds"] == paired
+    run = raw["results"]["runs"]["seeds/rl-tiny-add-nvfp4-s1"]
+    assert run["setting"] == "nvfp4" and run["seed"] == 1 and run["config"]["rollout"] == "nvfp4"
+    records = read_metrics(tmp_path / "rl-tiny-add-nvfp4-s1")
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["step"] for e in run["evals"]] == [r["step"] for r in evals]
+    assert [e["accuracy_bf16"] for e in run["evals"]] == [r["eval/accuracy_bf16"] for r in evals]
+    rewards = [r["reward"] for r in records if r["event"] == "train"]
+    assert run["per_step"]["reward"] == [round(r, 5) for r in rewards] and run["steps_run"] == len(rewards)
     # refused in one line: --seeds without --compare, or with --seed, or not seeds
     for flags, message in ((["--seeds", "0,1"], "--seeds goes with --compare"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),

@@ -57,6 +57,12 @@ augmented-K form [x_hat | Q(r_S)] [Q(W) | Q(W)_{:,S}]^T against it), and for any
 row equals that row alone. Q(r[n, S_n]) is `per_token_nvfp4` of the compacted row: the chosen
 channels' residuals in increasing channel order, its 1x16 blocks running over them in that
 order (the last block zero-padded for its amax), as a GEMM with |S| appended columns holds them.
+
+Choosing S_n over the whole row needs a selection across the row (a radix select in the
+kernel). `rac_residual(..., group=G)` chooses it group by group instead: the top
+ceil(ratio * G) channels of each G consecutive channels, found within the group. At G = 64
+and RAC 25% each group gives 16 channels, exactly one block of the compacted row. What it
+costs in the log-prob gap RAC closes: docs/results/rollout.md (`benchmarks/rac_channels.py`).
 """
 
 from __future__ import annotations
@@ -70,8 +76,8 @@ from lowbit.formats.quantize import quantize_dequantize, quantize_with_spec, ten
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["per_token_nvfp4", "static_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
-           "rac_residual", "rac_residual_on", "top_channels", "NVFP4_ROW", "NVFP4_ROW_AMAX",
-           "NVFP4_STATIC"]
+           "rac_residual", "rac_residual_on", "top_channels", "rac_group_channels", "check_rac_group",
+           "NVFP4_ROW", "NVFP4_ROW_AMAX", "NVFP4_STATIC"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
 """Single-level NVFP4: 1x16 blocks, E4M3 block scales, no tensor scale (the per-token
@@ -161,7 +167,7 @@ def rac_channel_count(k: int, ratio: float) -> int:
     return min(k, math.ceil(ratio * k - 1e-9))
 
 
-def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float) -> torch.Tensor:
+def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float, group: int = 0) -> torch.Tensor:
     """RAC's quantized residual per token, dense: r_hat (..., K) in x's dtype (see the module
     doc), with Y = x_hat Q(W)^T + r_hat Q(W)^T the compensated GEMM.
 
@@ -170,15 +176,50 @@ def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float) -> torch.Te
     NaN counts as the largest, as a descending torch.sort has it); the compacted row
     r[S_n] (c values in increasing channel order) goes through `per_token_nvfp4`, and its
     values land back on their channels; every other channel is 0. ratio 0 gives all zeros.
-    x_hat is the quantized x (`per_token_nvfp4(x)`), in x's dtype."""
+    x_hat is the quantized x (`per_token_nvfp4(x)`), in x's dtype.
+
+    group > 0 (a power of two, at least 16) chooses S_n group by group instead
+    (`rac_group_channels`): the top rac_channel_count(G, ratio) channels of each G consecutive
+    channels, the last group of K % G its own count; the compaction and quantization are the
+    same. group 0 is the row-wide choice above (as is any group >= K)."""
     if x.shape != x_hat.shape:
         raise ValueError(f"x {tuple(x.shape)} and x_hat {tuple(x_hat.shape)} differ in shape")
     k = x.shape[-1]
     count = rac_channel_count(k, ratio)
+    check_rac_group(group)
     if count == 0 or x.numel() == 0:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     r = (x.float() - x_hat.float()).reshape(-1, k)                 # (N, K)
-    return rac_residual_on(x, x_hat, top_channels(r.abs(), count))  # (N, c), increasing
+    channels = (top_channels(r.abs(), count) if group == 0 or group >= k else
+                rac_group_channels(r.abs(), group, ratio))
+    return rac_residual_on(x, x_hat, channels)                     # (N, c), increasing
+
+
+def check_rac_group(group) -> None:
+    """RAC's channel group: 0 (the whole row) or a power of two from 16 to 16384."""
+    if isinstance(group, bool) or not isinstance(group, int) or (
+            group != 0 and not (16 <= group <= 16384 and group & (group - 1) == 0)):
+        raise ValueError(f"RAC's channel group must be 0 (the whole row) or a power of two from 16 "
+                         f"to 16384 (e.g. 64), got {group!r}")
+
+
+def rac_group_channels(scores: torch.Tensor, group: int, ratio: float) -> torch.Tensor:
+    """RAC's channels chosen group by group: per row of scores (N, K), the top
+    rac_channel_count(G, ratio) channels of each group of G = `group` consecutive channels
+    from the left (a last group of K % G channels: rac_channel_count(K % G, ratio) of them),
+    ties to the lower channel and NaN the largest as `top_channels`; (N, c) in increasing
+    order. A kernel finds them within each group, with no selection over the whole row."""
+    n, k = scores.shape
+    padded = -(-k // group) * group
+    grouped = torch.full((n, padded), -1.0, dtype=scores.dtype, device=scores.device)
+    grouped[:, :k] = scores                                    # padding below every |r| >= 0
+    grouped = grouped.reshape(n, padded // group, group)
+    full = top_channels(grouped, rac_channel_count(group, ratio))            # (N, groups, c_G)
+    full = full + torch.arange(0, padded, group, device=scores.device)[:, None]
+    if k % group == 0:
+        return full.reshape(n, -1)
+    last = top_channels(grouped[:, -1], rac_channel_count(k % group, ratio)) + (padded - group)
+    return torch.cat([full[:, :-1].reshape(n, -1), last], dim=-1)
 
 
 def top_channels(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -92,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.formats.activations import rac_channel_count
+from lowbit.formats.activations import check_rac_group, rac_channel_count
 from lowbit.kernels import quantize as kq
 from lowbit.kernels.quantize import (
     dequantized, e8m0_exponent, nvfp4_scales, pow2_wide, round_value, to_output, widen,
@@ -257,6 +257,29 @@ def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr, EARL
 
 
 @triton.jit
+def _rac_group_channels(r, ok, K, count, count_last, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The chosen mask of RAC's channels group by group (rac_group_channels): the top `count`
+    |r| of each GROUP consecutive lanes, `count_last` in a last group of fewer than GROUP real
+    lanes (NaN largest, ties to the lower channel), and each lane's block in the compacted row.
+    Each group sorts its keys, made distinct by the lane (|r| bits << 16 | GROUP - 1 - lane),
+    and keeps those at or above its count-th largest: no selection spans the row."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    keys = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    keys = tl.where(keys > 0x7F800000, 0x7FFFFFFF, keys)            # every NaN alike
+    keys = tl.where(ok, keys, -1)                                    # padding: below all
+    lane = tl.arange(0, GROUP)
+    ranked = (tl.reshape(keys, (NG, GROUP)).to(tl.int64) << 16) | (GROUP - 1 - lane)[None, :]
+    ordered = tl.sort(ranked, dim=1, descending=True)
+    length = K - tl.arange(0, NG) * GROUP                            # real lanes of each group
+    take = tl.where(length >= GROUP, count, tl.where(length > 0, count_last, 0))
+    cut = tl.sum(tl.where(lane[None, :] == take[:, None] - 1, ordered, 0), axis=1)
+    cut = tl.where(take > 0, cut, 0x7FFFFFFFFFFFFFFF)               # a group that takes none
+    chosen = tl.reshape(ranked >= cut[:, None], (BLOCK_K,)) & ok
+    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - chosen.to(tl.int32)
+    return chosen, rank // 16
+
+
+@triton.jit
 def _segment_amax(bits, block, BLOCK_K: tl.constexpr):
     """Each lane's max of bits (int32 >= 0) over the lanes of its block id (non-decreasing
     along the row): a running max of (id, bits) from the left and of (-id, bits) from the
@@ -271,10 +294,11 @@ def _segment_amax(bits, block, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr, amax_ptr,
-                       K, stride_xm, count, eps,
+                       K, stride_xm, count, count_last, eps,
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
                        BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
-                       STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr, EARLY: tl.constexpr):
+                       STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr, EARLY: tl.constexpr,
+                       GROUP: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -306,7 +330,10 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
         if RAC:
             # ---- r_hat: per-token NVFP4 of the row's top-count residuals, compacted ------------
             r = v - widen(x_hat, NATIVE_CAST)
-            chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT, EARLY)
+            if GROUP == 0:
+                chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT, EARLY)
+            else:
+                chosen, block = _rac_group_channels(r, ok, K, count, count_last, BLOCK_K, GROUP)
             r = tl.where(chosen, r, 0.0)
             up_r, down_r = _prescale(r, chosen)
             rs = r * up_r
@@ -345,7 +372,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
                          num_warps: int | None = None, radix_bits: int = RADIX_BITS,
-                         early_stop: bool | None = None):
+                         early_stop: bool | None = None, rac_group: int = 0):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -358,6 +385,9 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         With input_amax (float32, one element: the layer's calibrated amax), x_hat is
         static_nvfp4(input, input_amax) instead, a served checkpoint's static scale.
     rac_ratio: RAC's channel fraction in [0, 1] (nvfp4 only).
+    rac_group: 0 chooses RAC's channels over the whole row (a radix select); G (a power of two,
+        16 to 16384) the top of each G consecutive channels (rac_residual's `group`; a sort
+        within each group).
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
     num_warps: warps per row instead of the default's; radix_bits: RAC's threshold bits per
@@ -384,6 +414,10 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         raise ValueError(f"quantize_activations holds rows of 1..{MAX_K} values in registers, got "
                          f"K={K}; use the reference (lowbit.formats.activations)")
     count = rac_channel_count(K, rac_ratio)
+    check_rac_group(rac_group)
+    group = rac_group if rac_group < K else 0          # a group holding the row is the row
+    group_count = rac_channel_count(group, rac_ratio) if group else 0
+    last_count = rac_channel_count(K % group, rac_ratio) if group and K % group else group_count
     if count and mode != "nvfp4":
         raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs mode 'nvfp4'")
     if norm is not None and (norm.shape != (K,) or norm.dtype != x.dtype
@@ -429,10 +463,10 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     with kq.on_device(x):
         _activation_kernel[(M,)](
             x, norm if norm is not None else x, **buffers, amax_ptr=amax_bits, K=K,
-            stride_xm=x.stride(0), count=count, eps=eps,
+            stride_xm=x.stride(0), count=group_count if group else count, count_last=last_count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
-            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=early,
+            STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=early, GROUP=group,
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
