@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.files import write_json_atomic
+from lowbit.files import write_text_atomic
 from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.folders:   # no scratch paths in a results file
         text = text.replace(str(Path(item.partition("=")[2]).resolve()) + "/", "").replace(
             item.partition("=")[2].rstrip("/") + "/", "")
-    write_json_atomic(Path(args.out), {"meta": meta, **json.loads(text)})
+    write_text_atomic(args.out, json.dumps({"meta": meta, **json.loads(text)}, indent=1) + "\n")
     print(f"{args.out}: {len(runs)} runs, comparisons {', '.join(comparisons)}")
     return 0
 
