@@ -194,9 +194,10 @@ def main(argv=None) -> int:
         print(f"{arm:18} mean gap " + " / ".join(f"{v:.5f}" for v in s["gap_mean_per_seed"])
               + "  (x per-token: " + " / ".join(f"{v:.2f}" for v in s["gap_mean_over_per_token"]) + ")")
     if args.out:
-        meta = {**run_meta("cpu"),
-                "command": "python benchmarks/rac_channels.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                "seconds": round(time.time() - t0, 1), "ratio": args.ratio}
+        meta = run_meta("cpu")
+        meta.update({"date": meta["date"][:10], "seconds": round(time.time() - t0, 1), "ratio": args.ratio,
+                     "command": " ".join(["python benchmarks/rac_channels.py", *(sys.argv[1:] if argv is None
+                                                                                  else argv)])})
         Path(args.out).write_text(json.dumps({"meta": meta, "results": {"seeds": results,
                                                                         "summary": summary}}, indent=1) + "\n")
     return 0
