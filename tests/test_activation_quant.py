@@ -250,8 +250,7 @@ def test_the_threshold_search_stops_once_the_chosen_set_is_fixed():
         assert any(early), digit   # distinct random keys: the search stopped before the last step
 
 
-@pytest.mark.parametrize("dtype,prologue", [(torch.float32, "none"), (torch.bfloat16, "norm"),
-                                            (torch.float16, "silu_mul")])
+@pytest.mark.parametrize("dtype,prologue", [(torch.float32, "none"), (torch.float16, "silu_mul")])
 def test_rac_by_group_is_the_references_bit_for_bit(dtype, prologue):
     # RAC's channels chosen group by group (a sort within each group, no radix select): K a
     # multiple of the group, a last partial group, a group as wide as the row, and one wider;
