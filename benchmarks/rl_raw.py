@@ -7,8 +7,9 @@ paired tables (seeds/, seeds-w4a16/ and the per-run summary), under the results-
         --date 2026-12-06 --commit 0c405a9 --machine "one H100" --command "bash benchmarks/quads_moe.sh DIR" \\
         [--notes "..."]
 
-Keys are <label>/<run folder>. A step a resumed run recorded twice keeps its last record. Paths
-of the folders read are not written (only names inside them).
+Keys are <label>/<run folder>; per_step["step"] names each entry's step. A path to a run folder,
+in whatever form a comparison wrote it, becomes the folder's name: no path of the machine the
+runs were on is written.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_record(run_dir: Path) -> dict:
     by_step: dict[tuple[str, int], dict] = {}
     for record in read_metrics(run_dir):
         if record.get("event") in ("train", "eval"):
-            by_step[record["event"], record["step"]] = record   # a resumed step: its last record
+            by_step[record["event"], record["step"]] = record
     train = [by_step[k] for k in sorted(k for k in by_step if k[0] == "train")]
     evals = [by_step[k] for k in sorted(k for k in by_step if k[0] == "eval")]
     return {
@@ -57,7 +58,8 @@ def run_record(run_dir: Path) -> dict:
         "steps_run": train[-1]["step"] if train else 0,
         "first_step": train[0]["step"] if train else None,
         "evals": [{"step": e["step"], **{k: e.get(src) for k, src in EVAL_KEYS.items()}} for e in evals],
-        "per_step": {k: [rounded(r.get(src)) for r in train] for k, src in STEP_KEYS.items()},
+        "per_step": {"step": [r["step"] for r in train],
+                     **{k: [rounded(r.get(src)) for r in train] for k, src in STEP_KEYS.items()}},
     }
 
 
@@ -71,6 +73,18 @@ def comparison_record(folder: Path) -> dict:
             if path.is_file():
                 out[name] = json.loads(path.read_text())
     return out
+
+
+def without_paths(value, names: set[str]):
+    """value with every string that is a path to one of the run folders `names` (in whatever
+    form the comparison wrote it: relative, absolute) replaced by the folder's name."""
+    if isinstance(value, dict):
+        return {k: without_paths(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_paths(v, names) for v in value]
+    if isinstance(value, str) and "/" in value and Path(value).name in names:
+        return Path(value).name
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,11 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": args.date, "commit": args.commit, "machine": args.machine, "command": args.command}
     if args.notes:
         meta["notes"] = args.notes
-    text = json.dumps({"results": {"runs": runs, "comparisons": comparisons}})
-    for item in args.folders:   # no scratch paths in a results file
-        text = text.replace(str(Path(item.partition("=")[2]).resolve()) + "/", "").replace(
-            item.partition("=")[2].rstrip("/") + "/", "")
-    write_text_atomic(args.out, json.dumps({"meta": meta, **json.loads(text)}, indent=1) + "\n")
+    names = {key.split("/", 1)[1] for key in runs}
+    results = without_paths({"runs": runs, "comparisons": comparisons}, names)
+    write_text_atomic(args.out, json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     print(f"{args.out}: {len(runs)} runs, comparisons {', '.join(comparisons)}")
     return 0
 

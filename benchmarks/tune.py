@@ -638,7 +638,7 @@ def sweep_activation(args, device: str) -> dict:
     RAC's channels chosen within groups of each --groups G (`groups`, its own reference's bits)."""
     import torch
 
-    from lowbit.formats.activations import per_token_nvfp4, rac_residual
+    from lowbit.formats.activations import check_rac_group, per_token_nvfp4, rac_residual
     from lowbit.kernels.activation_quant import quantize_activations
 
     dev = torch.device(device)
@@ -648,6 +648,8 @@ def sweep_activation(args, device: str) -> dict:
         raise ValueError(f"--warps takes powers of two from 1 to 32; got {bad}")
     if bad := [d for d in digits if d not in (1, 2, 4, 8)]:
         raise ValueError(f"--digits takes 1, 2, 4 or 8; got {bad}")
+    for group in args.groups:
+        check_rac_group(group)
     if args.smoke:
         ks, rows, warps, digits = (48,), (1, 3), (2, 4), (4, 8)
         args.groups = [16]

@@ -211,7 +211,7 @@ def _slow_group_channels(scores_row, group, ratio):
     return sorted(chosen)
 
 
-@pytest.mark.parametrize("k,group", [(64, 16), (200, 64), (320, 128), (48, 64)])
+@pytest.mark.parametrize("k,group", [(64, 16), (200, 64), (320, 128), (48, 64), (64, 64)])
 def test_rac_residual_by_group_is_its_definition(k, group):
     # each group's top ceil(ratio * G) |r| (a last group of k % G its own count), ties to the
     # lower channel, NaN first; then the row's compaction and quantization as for the whole row

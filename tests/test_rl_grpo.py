@@ -601,11 +601,14 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     # steps as its metrics hold them, the paired table as written, no scratch path
     from run_helpers import ROOT, script_module
     raw_file = tmp_path / "raw.json"
+    summary_file = folder / "seeds" / "summary.json"   # a comparison run from elsewhere: relative paths
+    summary_file.write_text(summary_file.read_text().replace(f"{tmp_path}/", "../scratch/"))
     assert script_module(ROOT / "benchmarks" / "rl_raw.py").main(
         [str(raw_file), f"seeds={tmp_path}", "--date", "2026-12-06", "--commit", "abc1234",
          "--machine", "2-core CPU", "--command", "lowbit rl --quick ..."]) == 0
     raw = json.loads(raw_file.read_text())
-    assert raw["meta"]["machine"] == "2-core CPU" and str(tmp_path) not in raw_file.read_text()
+    assert raw["meta"]["machine"] == "2-core CPU"
+    assert str(tmp_path) not in raw_file.read_text() and "scratch" not in raw_file.read_text()
     # the paired table as written, its run folders named without the scratch path
     assert raw["results"]["comparisons"]["seeds"]["seeds"] == json.loads(
         json.dumps(paired).replace(f"{tmp_path}/", ""))
@@ -617,6 +620,7 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
     assert [e["accuracy_bf16"] for e in run["evals"]] == [r["eval/accuracy_bf16"] for r in evals]
     rewards = [r["reward"] for r in records if r["event"] == "train"]
     assert run["per_step"]["reward"] == [round(r, 5) for r in rewards] and run["steps_run"] == len(rewards)
+    assert run["per_step"]["step"] == [r["step"] for r in records if r["event"] == "train"]
     # refused in one line: --seeds without --compare, or with --seed, or not seeds
     for flags, message in ((["--seeds", "0,1"], "--seeds goes with --compare"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),

@@ -130,6 +130,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     (0) or group by group (rac_residual's `group`). One fused pass on the kernels."""
     if input_amax is not None and mode != "nvfp4":
         raise ValueError(f"a static input scale (input_amax) is NVFP4's; mode {mode!r} has none")
+    reference_activations.check_rac_group(rac_group)   # on either path
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     if use_inference_kernels(x, use_kernels):
         from lowbit.kernels import activation_quant

@@ -211,8 +211,8 @@ def rac_group_channels(scores: torch.Tensor, group: int, ratio: float) -> torch.
     order. A kernel finds them within each group, with no selection over the whole row."""
     n, k = scores.shape
     padded = -(-k // group) * group
-    grouped = torch.full((n, padded), -1.0, dtype=scores.dtype, device=scores.device)
-    grouped[:, :k] = scores                                    # padding below every |r| >= 0
+    grouped = torch.full((n, padded), -math.inf, dtype=scores.dtype, device=scores.device)
+    grouped[:, :k] = scores                      # padding never chosen: count_last <= K % G
     grouped = grouped.reshape(n, padded // group, group)
     full = top_channels(grouped, rac_channel_count(group, ratio))            # (N, groups, c_G)
     full = full + torch.arange(0, padded, group, device=scores.device)[:, None]

@@ -415,7 +415,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          f"K={K}; use the reference (lowbit.formats.activations)")
     count = rac_channel_count(K, rac_ratio)
     check_rac_group(rac_group)
-    group = rac_group if rac_group < K else 0          # a group holding the row is the row
+    group = rac_group if rac_group < K and count else 0   # a group holding the row is the row
     group_count = rac_channel_count(group, rac_ratio) if group else 0
     last_count = rac_channel_count(K % group, rac_ratio) if group and K % group else group_count
     if count and mode != "nvfp4":
