@@ -240,3 +240,22 @@ def test_a_taken_result_is_checked_as_a_resume_would_be(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ValueError, match="is in use"):
             RunDir(folder).check_result(config, job)
+
+
+
+def test_the_seeds_figure_wraps_a_long_metric_into_its_axis_labels(tmp_path, monkeypatch):
+    # a metric as long as lowbit rl's (evaluator, window) is broken into lines, not cut at the
+    # figure's edge; the figure is still written
+    from lowbit.train import plot
+    metric = "held-out accuracy change from step 0 (bf16 evaluator, mean of the last 5 evaluations)"
+    curves = {"bf16": {0: [(0, 0.0), (5, 0.2)], 1: [(0, 0.0), (5, 0.3)]},
+              "nvfp4": {0: [(0, 0.0), (5, 0.1)], 1: [(0, 0.0), (5, 0.2)]}}
+    figures = []
+    save = plot.save_figure
+    monkeypatch.setattr(plot, "save_figure", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    path = plot.plot_gap_bands(curves, tmp_path / "seeds.png", metric=metric, relative=False)
+    assert path.stat().st_size > 0
+    labels = [ax.get_ylabel() for ax in figures[0].axes]
+    assert labels[0].replace("\n", " ") == f"{metric} (mean ± sd over seeds)"
+    assert all(len(line) <= 60 for label in labels for line in label.split("\n"))
+    assert "\n" in labels[0]

@@ -161,9 +161,10 @@ def plot_gap_bands(curves: dict[str, dict[int, Sequence[tuple[int, float]]]],
             ax.fill_between(steps, [m - d for m, d in zip(means, stds)],
                             [m + d for m, d in zip(means, stds)], color=color, alpha=0.2)
     ax_gap.axhline(0, color="black", linewidth=0.8)
-    ax_value.set(xlabel="step", ylabel=f"{metric} (mean ± sd over seeds)")
+    # a long metric's label in lines the axis height holds (it was cut at the figure's edge)
+    ax_value.set(xlabel="step", ylabel=_wrapped(f"{metric} (mean ± sd over seeds)", 60))
     unit = "%" if relative else "difference"
-    ax_gap.set(xlabel="step", ylabel=f"gap to {arms[0]} ({unit}, mean ± sd over paired seeds)")
+    ax_gap.set(xlabel="step", ylabel=_wrapped(f"gap to {arms[0]} ({unit}, mean ± sd over paired seeds)", 60))
     for ax in (ax_value, ax_gap):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
