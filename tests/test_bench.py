@@ -111,6 +111,9 @@ def test_bench_kernels_runs_under_the_interpreter(tmp_path, capsys, monkeypatch)
     meta = report["meta"]
     assert {"date", "commit", "machine", "command"} <= meta.keys()
     assert meta["machine"] == f"{os.cpu_count()}-core CPU" and meta["commit"]
+    import datetime   # the date as a results file carries it; the moment beside it
+    assert datetime.date.fromisoformat(meta["date"]).isoformat() == meta["date"]
+    assert meta["time"].startswith(meta["date"] + "T")
     rows = report["timings"]
     assert [r["kernel"] for r in rows] == [label for label, _, _ in timed_kernels()]
     assert not [r for r in rows if "error" in r]

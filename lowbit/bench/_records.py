@@ -72,11 +72,12 @@ def machine_words(device: str) -> str:
 
 
 def run_meta(device: str) -> dict:
-    """What a results file records beside its numbers: date, commit, machine, versions,
-    command."""
+    """What a results file records beside its numbers: date (YYYY-MM-DD, as docs/results
+    files carry it) and time (UTC), commit, machine, versions, command."""
     import torch
 
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    now = datetime.now(timezone.utc)
+    meta = {"date": now.date().isoformat(), "time": now.isoformat(timespec="seconds"),
             "commit": git_commit(), "machine": machine_words(device),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda,
