@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 
 from lowbit.bench import run_meta
-from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_group_channels,
-                                        rac_residual, rac_residual_on, top_channels)
+from lowbit.formats.activations import (per_token_nvfp4, rac_channel_count, rac_residual,
+                                        rac_residual_on, top_channels)
 from lowbit.rl.precision import quantize_weight, Precision
 from lowbit.train import train
 from lowbit.train.build import build_data, build_model
@@ -91,10 +91,7 @@ class Hooks:
         if arm == "per-token":
             return x_hat + rac_residual(x, x_hat, ratio)
         if arm in BLOCKWISE:
-            rows = x.reshape(-1, x.shape[-1])
-            channels = rac_group_channels((rows.float() - x_hat.reshape(rows.shape).float()).abs(),
-                                          BLOCKWISE[arm], ratio)
-            return x_hat + rac_residual_on(rows, x_hat.reshape(rows.shape), channels).reshape(x.shape)
+            return x_hat + rac_residual(x, x_hat, ratio, BLOCKWISE[arm])
         if arm == "per-token-in-calibrated-half":      # top channels of each row within the half
             half = static[name]                    # increasing, so half[...] stays increasing
             r = (x.float() - x_hat.float()).reshape(-1, x.shape[-1])[:, half]
@@ -195,7 +192,7 @@ def main(argv=None) -> int:
               + "  (x per-token: " + " / ".join(f"{v:.2f}" for v in s["gap_mean_over_per_token"]) + ")")
     if args.out:
         meta = run_meta("cpu")
-        meta.update({"date": meta["date"][:10], "seconds": round(time.time() - t0, 1), "ratio": args.ratio,
+        meta.update({"seconds": round(time.time() - t0, 1), "ratio": args.ratio,
                      "command": " ".join(["python benchmarks/rac_channels.py", *(sys.argv[1:] if argv is None
                                                                                   else argv)])})
         Path(args.out).write_text(json.dumps({"meta": meta, "results": {"seeds": results,

@@ -15,7 +15,6 @@ runs were on is written.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from lowbit.files import write_text_atomic
 from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics
+from lowbit.train.run_dir import RunDir
 
 CONFIG_KEYS = ("rollout", "align", "rac_ratio", "importance_sampling", "rollout_activation_scale", "lr",
                "steps", "eval_every", "eval_problems", "max_completion_length", "routing_replay", "n_experts",
@@ -43,16 +43,12 @@ def rounded(value, digits: int = 5):
 
 def run_record(run_dir: Path) -> dict:
     """One run folder's config (the keys above), evaluations and per-step health."""
-    config = json.loads((run_dir / "config.json").read_text())
-    by_step: dict[tuple[str, int], dict] = {}
-    for record in read_metrics(run_dir):
-        if record.get("event") in ("train", "eval"):
-            by_step[record["event"], record["step"]] = record
-    train = [by_step[k] for k in sorted(k for k in by_step if k[0] == "train")]
-    evals = [by_step[k] for k in sorted(k for k in by_step if k[0] == "eval")]
+    config = RunDir(run_dir).config_record()
+    records = read_metrics(run_dir)   # each step once: a resume rewrites it to the checkpoint's
+    train = [r for r in records if r.get("event") == "train"]
+    evals = [r for r in records if r.get("event") == "eval"]
     return {
-        "setting": RLConfig(**{f.name: config[f.name] for f in dataclasses.fields(RLConfig)
-                               if f.name in config}).setting,
+        "setting": RLConfig.from_dict(config).setting,
         "seed": config.get("seed"),
         "config": {k: config[k] for k in CONFIG_KEYS if k in config},
         "steps_run": train[-1]["step"] if train else 0,

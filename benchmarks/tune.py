@@ -648,11 +648,11 @@ def sweep_activation(args, device: str) -> dict:
         raise ValueError(f"--warps takes powers of two from 1 to 32; got {bad}")
     if bad := [d for d in digits if d not in (1, 2, 4, 8)]:
         raise ValueError(f"--digits takes 1, 2, 4 or 8; got {bad}")
-    for group in args.groups:
+    groups = args.groups
+    for group in groups:
         check_rac_group(group)
     if args.smoke:
-        ks, rows, warps, digits = (48,), (1, 3), (2, 4), (4, 8)
-        args.groups = [16]
+        ks, rows, warps, digits, groups = (48,), (1, 3), (2, 4), (4, 8), (16,)
     g = torch.Generator(device=dev).manual_seed(0)
     results = {}
     for k in ks:
@@ -692,7 +692,7 @@ def sweep_activation(args, device: str) -> dict:
                     # the reference of that choice
                     x_hat = per_token_nvfp4(x)
                     row["groups"] = {str(gs): attempt(lambda gs=gs: variant(
-                        x, (x_hat, rac_residual(x, x_hat, ratio, gs)), rac_group=gs)) for gs in args.groups}
+                        x, (x_hat, rac_residual(x, x_hat, ratio, gs)), rac_group=gs)) for gs in groups}
                 print(f"K={k:5} M={m:3} rac={ratio}: default {us(row['default_ms'])}; fastest: "
                       f"{top_text(fastest(row['warps']), 3)}", flush=True)
                 if ratio:
