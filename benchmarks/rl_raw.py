@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{flag}", required=True)
     p.add_argument("--notes", default=None)
     args = p.parse_args(argv)
+    if not Path(args.out).resolve().parent.is_dir():
+        p.error(f"{args.out}: its folder does not exist; create it or write the file elsewhere")
     runs, comparisons = {}, {}
     for item in args.folders:
         label, sep, path = item.partition("=")
@@ -100,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         found = sorted(d for d in folder.glob("rl-*") if (d / "config.json").is_file())
         if not found:
             p.error(f"{folder} holds no rl-* run folders; give a `lowbit rl --compare` output folder")
-        for run_dir in found:
-            runs[f"{label}/{run_dir.name}"] = run_record(run_dir)
-        comparisons[label] = comparison_record(folder)
+        try:   # a run folder or table that is not what lowbit rl writes: one line, nothing written
+            for run_dir in found:
+                runs[f"{label}/{run_dir.name}"] = run_record(run_dir)
+            comparisons[label] = comparison_record(folder)
+        except (ValueError, KeyError, TypeError) as e:
+            p.error(f"{folder}: {e}")
     meta = {"date": args.date, "commit": args.commit, "machine": args.machine, "command": args.command}
     if args.notes:
         meta["notes"] = args.notes

@@ -259,3 +259,23 @@ def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
     for r in rows.values():
         assert r["step_s"] == pytest.approx(sum(r[k] for k in rl_step.TIMES))
     assert "| quads |" in (tmp_path / "rl-step.md").read_text()
+
+
+def test_rl_raw_refuses_bad_folders_in_one_line_and_writes_nothing(tmp_path, capsys):
+    rl_raw = script_module(ROOT / "benchmarks" / "rl_raw.py")
+    meta = ["--date", "2026-12-06", "--commit", "abc1234", "--machine", "2-core CPU", "--command", "x"]
+    broken = tmp_path / "cmp" / "rl-a"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text("{not json")
+    (broken / "metrics.jsonl").write_text("")
+    out = tmp_path / "raw.json"
+    for args, message in (([str(out), f"a={tmp_path / 'cmp'}"], "is not JSON"),
+                          ([str(out), f"a={tmp_path / 'none'}"], "is not LABEL=DIR"),
+                          ([str(out), str(tmp_path)], "is not LABEL=DIR"),
+                          ([str(out), f"a={tmp_path}"], "holds no rl-* run folders"),
+                          ([str(tmp_path / "no" / "raw.json"), f"a={tmp_path / 'cmp'}"], "does not exist")):
+        with pytest.raises(SystemExit) as exit_info:
+            rl_raw.main([*args, *meta])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and "Traceback" not in err, args
+        assert not out.exists()
