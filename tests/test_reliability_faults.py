@@ -222,13 +222,16 @@ def test_an_rl_setting_label_reads_back_as_its_config(tmp_path):
     for every part a label can have; `+is` alone is token-level IS."""
     base = config_from_args(build_parser().parse_args([*RL, "--out-dir", str(tmp_path)]))
     for label in ["bf16", "nvfp4", "nvfp4+quads", "nvfp4+quads@0.5", "nvfp4+is-sequence",
-                  "nvfp4+qat+static-act", "nvfp4+quads@0.1+is-token+static-act"]:
+                  "nvfp4+qat+static-act", "nvfp4+quads@0.1+is-token+static-act", "nvfp4+quads+g64",
+                  "nvfp4@0.5+g16+is-token"]:
         config = rl_compare.config_for_setting(base, label)
         assert config.setting == label
         assert rl_compare.config_for_setting(base, config.setting) == config
     assert rl_compare.config_for_setting(base, "bf16+is").importance_sampling == "token"
     with pytest.raises(ValueError, match="ROLLOUT"):
         rl_compare.config_for_setting(base, "bf16+static-act")
+    with pytest.raises(ValueError, match="groups RAC's channels"):
+        rl_compare.config_for_setting(base, "nvfp4+g64")      # a group needs RAC
 
 
 def test_rl_compare_checks_every_folder_first_and_resume_continues_it(tmp_path, monkeypatch):

@@ -429,6 +429,38 @@ def test_fused_projections_are_the_separate_ones():
         assert fused.nbytes == sum(p.nbytes for p in parts)
 
 
+def test_racs_channel_group_reaches_the_linear_and_the_experts():
+    # rac_group G: each linear's RAC term is the grouped choice's residual (rac_residual's
+    # definition), not the row-wide one's; MoE experts take the same setting
+    from lowbit.dispatch import inference
+    from lowbit.formats.linear_weight import LinearWeight
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 80, generator=g)                  # K = 80: groups of 16, the last full
+    x = torch.randn(6, 80, generator=g) * torch.rand(80, generator=g) * 4
+    args = (Precision.NVFP4, 0.25, torch.device("cpu"), torch.float32)
+    grouped, rowwide = EngineLinear(w, *args, rac_group=16), EngineLinear(w, *args)
+    xq = quantize_activation(x, Precision.NVFP4)
+    expected = inference.linear(xq, LinearWeight.dense(grouped.values), use_kernels=False,
+                                x2=rac_residual(x, xq, 0.25, 16))
+    torch.testing.assert_close(grouped(x, use_kernels=False), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(grouped(x, use_kernels=False), rowwide(x, use_kernels=False), atol=1e-4)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=24, n_experts=4)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    engine = _engine(cfg, model, precision="nvfp4", rac_ratio=0.25, rac_group=16)
+    assert engine.rac_group == 16 and engine.weights.layers[0].experts.rac_group == 16
+    assert engine.weights.layers[0].qkv_proj.rac_group == 16
+    seqs = [[int(t) for t in torch.randint(0, 64, (12,))] for _ in range(3)]
+    plain = _engine(cfg, model, precision="nvfp4", rac_ratio=0.25)
+    assert not torch.equal(torch.cat(engine.score(seqs)), torch.cat(plain.score(seqs)))
+    # a group needs RAC, and is a power of two from 16
+    for kw, message in ((dict(precision="nvfp4", rac_group=64), "groups RAC's channels"),
+                        (dict(precision="nvfp4", rac_ratio=0.25, rac_group=48), "power of two"),
+                        (dict(precision="nvfp4", rac_ratio=0.25, rac_group=True), "power of two")):
+        with pytest.raises(ValueError, match=message):
+            RolloutEngine(cfg, **kw)
+
+
 def test_compiled_decode_equals_eager_and_survives_weight_sync():
     from torch._dynamo.utils import counters
 

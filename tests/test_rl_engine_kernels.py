@@ -71,6 +71,27 @@ def test_static_activation_scales_on_the_kernels_score_what_the_reference_scores
                                atol=1e-4, rtol=0)
 
 
+def test_racs_channel_groups_on_the_kernels_equal_the_reference_and_keep_a_row_its_own():
+    # rac_group 16 on an engine linear (K = 80: five groups a token): the kernels compute what
+    # the reference computes; on the reference engine a row alone equals the row in a batch
+    from lowbit.rl.engine.weights import EngineLinear
+    from lowbit.rl.precision import Precision
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(24, 80, generator=g), torch.randn(6, 80, generator=g) * 3
+    linear = EngineLinear(w, Precision.NVFP4, 0.25, torch.device(DEV), torch.float32,
+                          packed_gemm=True, rac_group=16)
+    x = x.to(DEV)
+    torch.testing.assert_close(linear(x), linear(x, use_kernels=False), atol=1e-4, rtol=1e-5)
+    cfg, model = _model(True, seed=1)
+    engine = _engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16)
+    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
+    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
+    together = engine.score(sequences)
+    torch.testing.assert_close(engine.score(sequences[2:3])[0], together[2], atol=2e-5, rtol=0)
+    for b, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("precision,rac", MODES)
 def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(precision, rac, moe):

@@ -626,6 +626,8 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--seed", "3"], "drop --seed"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative"),
                            (["--compare-window", "3"], "--compare-window goes with"),
+                           (["--compare", "bf16,nvfp4", "--rac-group", "64"], "drop --rac-group"),
+                           (["--compare", "bf16,nvfp4", "--rollout", "bf16"], "drop --rollout"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--compare-window", "0"],
                             "window is a number of evaluations")):
         code = main(["rl", "--quick", *flags, "--out-dir", str(tmp_path)])

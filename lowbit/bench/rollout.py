@@ -91,17 +91,21 @@ __all__ = ["MODES", "MODELS", "DecodeReads", "bench_rollout", "copy_bandwidth", 
            "decode_step_profile", "expected_distinct_experts", "format_rollout_rows", "parse_modes",
            "stored_weight_bytes", "hf_config"]
 
-# mode label -> (precision, rac_ratio, packed_gemm): the NVFP4 modes twice, multiplying the
-# dequantized copy (the engine's default) and the packed weights (RolloutEngine(packed_gemm=True))
-MODES = {"bf16": ("bf16", 0.0, False), "fp8": ("fp8", 0.0, False),
-         "nvfp4-w4a16": ("nvfp4-w4a16", 0.0, False), "nvfp4": ("nvfp4", 0.0, False),
-         "nvfp4+rac0.25": ("nvfp4", 0.25, False), "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, True),
-         "nvfp4 packed": ("nvfp4", 0.0, True), "nvfp4+rac0.25 packed": ("nvfp4", 0.25, True)}
+# mode label -> (precision, rac_ratio, rac_group, packed_gemm): the NVFP4 modes twice,
+# multiplying the dequantized copy (the engine's default) and the packed weights
+# (RolloutEngine(packed_gemm=True)); +g64: RAC's channels chosen in groups of 64 (rac_group)
+MODES = {"bf16": ("bf16", 0.0, 0, False), "fp8": ("fp8", 0.0, 0, False),
+         "nvfp4-w4a16": ("nvfp4-w4a16", 0.0, 0, False), "nvfp4": ("nvfp4", 0.0, 0, False),
+         "nvfp4+rac0.25": ("nvfp4", 0.25, 0, False), "nvfp4+rac0.25+g64": ("nvfp4", 0.25, 64, False),
+         "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, 0, True), "nvfp4 packed": ("nvfp4", 0.0, 0, True),
+         "nvfp4+rac0.25 packed": ("nvfp4", 0.25, 0, True),
+         "nvfp4+rac0.25+g64 packed": ("nvfp4", 0.25, 64, True)}
 
 # the ratios format_rollout_rows prints: (mode, against), each where both were timed
 RATIOS = ([(m, "bf16") for m in MODES if m != "bf16"]
           + [(f"nvfp4{p}", f"nvfp4-w4a16{p}") for p in ("", " packed")]
-          + [(f"nvfp4+rac0.25{p}", f"nvfp4{p}") for p in ("", " packed")]
+          + [(f"nvfp4+rac0.25{g}{p}", f"nvfp4{p}") for g in ("", "+g64") for p in ("", " packed")]
+          + [(f"nvfp4+rac0.25+g64{p}", f"nvfp4+rac0.25{p}") for p in ("", " packed")]
           + [(f"nvfp4{p}", "fp8") for p in ("", " packed")])
 
 # --decode-kernels -> the engine's decode_kernels setting(s) to time
@@ -480,11 +484,11 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), *, batch_sizes=(1,
             [(mode, False, kernels) for kernels in choices] + [(mode, c, False) for c in compile_modes]]
     bandwidth = result["bandwidth_bytes_per_s"]
     for mode, compiled, kernels in runs:
-        precision, rac, packed = MODES[mode]
+        precision, rac, group, packed = MODES[mode]
         compile_mode = None if not compiled else "default" if compiled is True else compiled
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
                                max_seq_len=seq_len, compile_decode=compiled, packed_gemm=packed,
-                               decode_kernels=kernels)
+                               decode_kernels=kernels, rac_group=group)
         engine.load_state_dict(state)
         reads = DecodeReads.of(engine)
         result["weight_bytes"][mode] = engine.weight_bytes()

@@ -18,6 +18,11 @@ __all__ = ["add_rl_arguments", "run_rl_command", "config_from_args", "QUICK"]
 QUICK = dict(warmstart_steps=20, steps=3, prompts_per_step=2, num_generations=4,
              eval_problems=8, eval_every=2, checkpoint_every=2, max_completion_length=4)
 
+# the flags a --compare setting names (lowbit.rl.compare.config_for_setting), by RLConfig field
+SETTING_FLAGS = {"rollout": "--rollout", "align": "--align", "rac_ratio": "--rac-ratio",
+                 "rac_group": "--rac-group", "importance_sampling": "--is",
+                 "rollout_activation_scale": "--rollout-activation-scale"}
+
 
 def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     # the flags RLConfig's fields declare; None, not given, leaves RLConfig's default (rac_ratio's,
@@ -25,7 +30,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, RLConfig)
     p.add_argument("--compare", metavar="SETTINGS",
                    help="run these settings on the same seeds and plot them together, e.g. "
-                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+is][+static-act])")
+                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+gGROUP][+is][+static-act])")
     p.add_argument("--seeds", metavar="SEEDS",
                    help="with --compare: every setting at each of these seeds (e.g. 0,1,2; a seed "
                         "fixes the prompts, sampling and warm start), and the change in the bf16 "
@@ -69,6 +74,10 @@ def run_rl_command(args: argparse.Namespace) -> None:
     from lowbit.rl.trainer import run_rl
     from lowbit.train.runner import NonFiniteLossError
 
+    named = [flag for name, flag in SETTING_FLAGS.items() if getattr(args, name, None) is not None]
+    if args.compare and named:
+        raise ValueError(f"each --compare setting names its own rollout (ROLLOUT[+ALIGN][@RATIO]"
+                         f"[+gGROUP][+is][+static-act], e.g. nvfp4+quads@0.25+g64): drop {named[0]}")
     config = config_from_args(args)
     seeds = None
     if args.seeds is not None:

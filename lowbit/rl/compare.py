@@ -1,8 +1,8 @@
 """Several rollout settings on the same seeds, prompts and warm start; one figure, one table.
 
-A setting is `rollout[+align][@rac_ratio][+is][+static-act]`: `bf16`, `fp8`, `nvfp4-w4a16`,
-`nvfp4` (naive W4A4), `nvfp4+qat` (asymmetric QAT), `nvfp4+quads` (QAT + RAC at 25%),
-`nvfp4+quads@0.5`, `nvfp4@1` (RAC alone), `nvfp4+is` (token-level truncated importance
+A setting is `rollout[+align][@rac_ratio][+gGROUP][+is][+static-act]`: `bf16`, `fp8`,
+`nvfp4-w4a16`, `nvfp4` (naive W4A4), `nvfp4+qat` (asymmetric QAT), `nvfp4+quads` (QAT + RAC at
+25%), `nvfp4+quads@0.5`, `nvfp4+quads+g64` (RAC's channels chosen in groups of 64), `nvfp4@1` (RAC alone), `nvfp4+is` (token-level truncated importance
 sampling), `nvfp4+static-act` (a served checkpoint's static activation scales). Each runs in
 its own folder; `<out_dir>/compare-<task>/` gets rl.png (reward, held-out accuracy, mean and max
 log-prob gap per step) and summary.md / summary.json. Every run's folder is checked before the
@@ -62,9 +62,9 @@ def paired_metric(window: int, key: str = "eval/accuracy_bf16") -> str:
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
-    """`base` with the rollout, alignment, RAC ratio, IS correction and activation scale
-    `setting` names: the inverse of RLConfig.setting, ROLLOUT[+ALIGN][@RATIO][+is[-LEVEL]]
-    [+static-act] (`+is` alone is token-level IS)."""
+    """`base` with the rollout, alignment, RAC ratio and channel group, IS correction and
+    activation scale `setting` names: the inverse of RLConfig.setting,
+    ROLLOUT[+ALIGN][@RATIO][+gGROUP][+is[-LEVEL]][+static-act] (`+is` alone is token-level IS)."""
     text = setting.strip()
     scale = "per-token"
     if text.endswith("+static-act"):
@@ -73,6 +73,10 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     head, sep, level = text.rpartition("+is")
     if sep and (level == "" or level.startswith("-")):
         text, importance = head, level[1:] or "token"
+    group = 0
+    head, sep, value = text.rpartition("+g")
+    if sep and value.isdigit():
+        text, group = head, int(value)
     ratio = None
     if "@" in text:
         text, value = text.split("@", 1)
@@ -83,11 +87,12 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     rollout, _, align = text.partition("+")
     try:
         return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
+                                   rac_group=group,
                                    importance_sampling=importance, rollout_activation_scale=scale,
                                    run_name="")
     except ValueError as e:
         raise ValueError(f"--compare setting {setting!r}: {e} (settings are ROLLOUT[+ALIGN]"
-                         f"[@RATIO][+is[-LEVEL]][+static-act], e.g. nvfp4+quads@0.25)") from None
+                         f"[@RATIO][+gGROUP][+is[-LEVEL]][+static-act], e.g. nvfp4+quads@0.25+g64)") from None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ default), not the 3e-4 the small presets, warm-started from scratch, take."""
 ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
 # RolloutMode's refusals, in `lowbit rl`'s words
-FLAG_NAMES = {"precision": "--rollout", "rac_ratio": "--rac-ratio",
+FLAG_NAMES = {"precision": "--rollout", "rac_ratio": "--rac-ratio", "rac_group": "--rac-group",
               "activation_scale": "--rollout-activation-scale", "packed_gemm": "--packed-gemm"}
 # observation and placement only: a resumed run may change them
 FREE_ON_RESUME = frozenset({"eval_every", "eval_w4a16", "log_every", "checkpoint_every",
@@ -90,6 +90,12 @@ class RLConfig(RunConfig):
         "--rac-ratio", "fraction of input channels RAC compensates "
         "(default: 0.25 under quads, else 0)"))
     """Fraction of input channels RAC compensates; None: 0.25 under quads, else 0."""
+    rac_group: int = field(default=0, metadata=flag(
+        "--rac-group", "choose RAC's channels per token within each group of G input channels (a "
+        "power of two from 16, e.g. 64: no selection across the row, faster); 0: over the whole "
+        "row, as the paper (default: %(default)s)"))
+    """0: RAC chooses a token's channels over the whole row; G: the top of each G consecutive
+    channels (lowbit.rl.precision)."""
     num_generations: int = field(default=8, metadata=flag(
         "--num-generations", "completions per prompt (default: %(default)s)"))
     prompts_per_step: int = field(default=8, metadata=flag(
@@ -228,6 +234,8 @@ class RLConfig(RunConfig):
                  f"--align {self.align} aligns the trainer with NVFP4 rollouts: use --rollout nvfp4")
         if self.rac_ratio is None:
             self.rac_ratio = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
+        RolloutMode.make(mode.precision, self.rac_ratio, mode.activation_scale, mode.packed_gemm,
+                         self.rac_group, names=FLAG_NAMES)   # the group against the ratio RAC runs at
         require(self.loss_type in LOSS_TYPES,
                 f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
         require(self.scale_rewards in SCALE_REWARDS,
@@ -284,11 +292,14 @@ class RLConfig(RunConfig):
 
     @property
     def setting(self) -> str:
-        """rollout[+align][@rac_ratio][+is-level][+static-act], the label --compare uses."""
+        """rollout[+align][@rac_ratio][+grac_group][+is-level][+static-act], the label --compare
+        uses (and run folders are named by)."""
         out = self.rollout + ("" if self.align == "none" else f"+{self.align}")
         default = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
         if self.rac_ratio != default:
             out += f"@{self.rac_ratio:g}"
+        if self.rac_group:
+            out += f"+g{self.rac_group}"
         if self.importance_sampling != "none":
             out += f"+is-{self.importance_sampling}"
         if self.rollout_activation_scale != "per-token":

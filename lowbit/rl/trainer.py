@@ -256,7 +256,8 @@ class GRPOTrainer:
         self.engine = RolloutEngine(self.model_config, c.rollout, c.rac_ratio, engine_device,
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
                                     compile_decode=c.compile_decode, packed_gemm=c.packed_gemm,
-                                    activation_scale=c.rollout_activation_scale)
+                                    activation_scale=c.rollout_activation_scale,
+                                    rac_group=c.rac_group)
         self.calibration = None
         if c.rollout_activation_scale == "static":
             self.calibration = calibration_batches(

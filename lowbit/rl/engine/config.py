@@ -23,6 +23,9 @@ class EngineConfig:
     """bf16, fp8, nvfp4-w4a16 or nvfp4 (lowbit.rl.precision)."""
     rac_ratio: float = 0.0
     """The fraction of each token's input channels RAC compensates (nvfp4 only)."""
+    rac_group: int = 0
+    """0: RAC chooses a token's channels over the whole row; G (a power of two from 16): the top
+    of each G consecutive channels (lowbit.rl.precision)."""
     device: torch.device | str = "cpu"
     dtype: torch.dtype | None = None
     """Compute dtype; default bf16 on CUDA, float32 elsewhere."""
@@ -61,9 +64,9 @@ class EngineConfig:
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Check every setting against the model, fill the defaults; refuses in one line."""
         mode = RolloutMode.make(self.precision, self.rac_ratio, self.activation_scale,
-                                self.packed_gemm)
-        self.precision, self.rac_ratio, self.activation_scale = (
-            mode.precision, mode.rac_ratio, mode.activation_scale)
+                                self.packed_gemm, self.rac_group)
+        self.precision, self.rac_ratio, self.activation_scale, self.rac_group = (
+            mode.precision, mode.rac_ratio, mode.activation_scale, mode.rac_group)
         self.device = torch.device(self.device)
         self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):

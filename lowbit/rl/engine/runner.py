@@ -67,17 +67,20 @@ class RolloutEngine:
                  max_seq_len: int | None = None, cuda_graph: bool | None = None,
                  compile_decode: bool | str = False, packed_gemm: bool = False,
                  decode_kernels: bool | None = None,
-                 activation_scale: str | ActivationScale = "per-token") -> None:
+                 activation_scale: str | ActivationScale = "per-token", rac_group: int = 0) -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); the rest are
         lowbit.rl.engine.EngineConfig's settings (precision mode, RAC ratio, device, compute
         dtype, the cache's max_batch_size and max_seq_len, CUDA graphs, compile_decode,
-        packed_gemm, decode_kernels, activation_scale), checked here."""
+        packed_gemm, decode_kernels, activation_scale, RAC's channel group), checked here."""
         self.config = config
-        self.settings = EngineConfig(precision, rac_ratio, device, dtype, max_batch_size,
-                                     max_seq_len, cuda_graph, compile_decode, packed_gemm,
-                                     decode_kernels, activation_scale).resolve(config)
+        self.settings = EngineConfig(
+            precision=precision, rac_ratio=rac_ratio, rac_group=rac_group, device=device,
+            dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+            cuda_graph=cuda_graph, compile_decode=compile_decode, packed_gemm=packed_gemm,
+            decode_kernels=decode_kernels, activation_scale=activation_scale).resolve(config)
         s = self.settings
         self.precision, self.rac_ratio, self.device, self.dtype = s.precision, s.rac_ratio, s.device, s.dtype
+        self.rac_group = s.rac_group
         self.activation_scale = s.activation_scale
         self.max_batch_size, self.max_seq_len = s.max_batch_size, s.max_seq_len
         self.cuda_graph, self.compile_decode, self.decode_kernels = s.cuda_graph, s.compile_decode, s.decode_kernels
@@ -124,7 +127,7 @@ class RolloutEngine:
             raise ValueError("input_amax sets static activation scales; this engine's are "
                              f"{s.activation_scale.value} (pass activation_scale='static')")
         weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
-                                     s.dtype, s.packed_gemm, input_amax)
+                                     s.dtype, s.packed_gemm, input_amax, rac_group=s.rac_group)
         # a sync into the tensors the CUDA graphs read keeps them (and a compiled step) valid
         if self.weights is not None and self.weights.copy_(weights):
             return

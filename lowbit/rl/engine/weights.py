@@ -55,25 +55,29 @@ class EngineLinear:
 
     def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
                  device: torch.device, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                 packed_gemm: bool = False, input_amax: float | None = None) -> None:
+                 packed_gemm: bool = False, input_amax: float | None = None,
+                 rac_group: int = 0) -> None:
         self._build([weight], precision, rac_ratio, device, dtype, None if bias is None else [bias],
-                    packed_gemm, input_amax)
+                    packed_gemm, input_amax, rac_group)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
               device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None = None,
-              packed_gemm: bool = False, input_amax: float | None = None) -> EngineLinear:
+              packed_gemm: bool = False, input_amax: float | None = None,
+              rac_group: int = 0) -> EngineLinear:
         """One GEMM for several weights (out_i, in) of the same in_features; its output is the
         parts' outputs side by side, in order. biases: one (out_i,) per part, or None;
-        input_amax: nvfp4's static scale, the calibrated amax of the input (None: per token)."""
+        input_amax: nvfp4's static scale, the calibrated amax of the input (None: per token);
+        rac_group: RAC's channel group (lowbit.rl.precision)."""
         self = cls.__new__(cls)
         self._build(list(weights), precision, rac_ratio, device, dtype, biases, packed_gemm,
-                    input_amax)
+                    input_amax, rac_group)
         return self
 
     def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm,
-               input_amax) -> None:
-        RolloutMode.make(precision, rac_ratio)   # RAC needs nvfp4: the engine's one rule for it
+               input_amax, rac_group) -> None:
+        # RAC needs nvfp4, its group a ratio: the engine's one place for the rules
+        self.rac_group = RolloutMode.make(precision, rac_ratio, rac_group=rac_group).rac_group
         self.input_amax = _static_amax(input_amax, precision, device)
         """nvfp4 with static scales: (1,) float32, the input's calibrated amax; else None."""
         if len({w.shape[-1] for w in weights}) != 1:
@@ -123,7 +127,8 @@ class EngineLinear:
         if self.precision is Precision.NVFP4:
             x_hat, r_hat = inference.quantize_activations(x2d, "nvfp4", self.rac_ratio, norm=norm,
                                                           eps=eps, silu_mul=silu_mul,
-                                                          input_amax=self.input_amax, **kw)
+                                                          input_amax=self.input_amax,
+                                                          rac_group=self.rac_group, **kw)
             y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, **kw)
         elif self.precision is Precision.FP8:
             codes, scale = inference.quantize_activations(x2d, "fp8", norm=norm, eps=eps,
@@ -160,9 +165,11 @@ class EngineExperts:
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, precision: Precision,
                  rac_ratio: float, device: torch.device, dtype: torch.dtype,
                  packed_gemm: bool = False,
-                 input_amax: tuple[float, float] | None = None) -> None:
+                 input_amax: tuple[float, float] | None = None, rac_group: int = 0) -> None:
         """input_amax: nvfp4's static scales, the calibrated amax of the gate|up GEMM's input and
-        of the down GEMM's, each shared by all experts (None: per token)."""
+        of the down GEMM's, each shared by all experts (None: per token); rac_group: RAC's
+        channel group (lowbit.rl.precision)."""
+        self.rac_group = RolloutMode.make(precision, rac_ratio, rac_group=rac_group).rac_group
         self.precision, self.rac_ratio = precision, float(rac_ratio)
         gate_up_amax, down_amax = (None, None) if input_amax is None else input_amax
         self.gate_up_amax = _static_amax(gate_up_amax, precision, device)
@@ -189,11 +196,12 @@ class EngineExperts:
         gw = dict(groups=groups, **kw)
         if self.precision is Precision.NVFP4:
             x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio,
-                                                          input_amax=self.gate_up_amax, **kw)
+                                                          input_amax=self.gate_up_amax,
+                                                          rac_group=self.rac_group, **kw)
             gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **gw)
             h_hat, rh_hat = inference.quantize_activations(gate_up, "nvfp4", self.rac_ratio,
                                                            silu_mul=True, input_amax=self.down_amax,
-                                                           **kw)
+                                                           rac_group=self.rac_group, **kw)
             y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **gw)
         elif self.precision is Precision.FP8:
             gate_up = inference.grouped_linear(_fp8_values(x, **kw), self.gate_up_gemm, expert_of_row,
@@ -238,14 +246,15 @@ class EngineWeights:
     def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
              rac_ratio: float, device: torch.device, dtype: torch.dtype,
              packed_gemm: bool = False,
-             input_amax: Mapping[str, float] | None = None) -> EngineWeights:
+             input_amax: Mapping[str, float] | None = None, rac_group: int = 0) -> EngineWeights:
         """From a state dict by Hugging Face parameter names; missing or unexpected keys, and
         tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs
         read the packed NVFP4 weights (else their dequantized values, kept beside them).
         input_amax: nvfp4 with static activation scales: module name -> calibrated amax of its
         input (lowbit.export.calibrate_input_amax's; a missing linear or a non-finite amax is
         refused); fused projections take the largest of their parts', an MoE layer's GEMMs
-        the largest over the experts that saw tokens. None: per-token scales."""
+        the largest over the experts that saw tokens. None: per-token scales. rac_group: RAC's
+        channel group (lowbit.rl.precision)."""
         sd = _fuse_hf_experts(dict(state_dict), cfg)
         if input_amax is not None and precision is not Precision.NVFP4:
             raise ValueError(f"input_amax sets static NVFP4 activation scales; precision "
@@ -289,7 +298,8 @@ class EngineWeights:
                       if bias else None)
             return EngineLinear.fused([take(n, shape) for n, shape in parts], precision,
                                       rac_ratio, device, dtype, biases, packed_gemm,
-                                      amax_of(*(n.removesuffix(".weight") for n, _ in parts)))
+                                      amax_of(*(n.removesuffix(".weight") for n, _ in parts)),
+                                      rac_group)
 
         C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -315,7 +325,8 @@ class EngineWeights:
                     amax_of(*(e + "down_proj" for e in experts), any_of=True))
                 layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C)),
                                               take(p + "mlp.experts.down_proj", (E, C, F)),
-                                              precision, rac_ratio, device, dtype, packed_gemm, amax)
+                                              precision, rac_ratio, device, dtype, packed_gemm, amax,
+                                              rac_group)
             else:
                 F = cfg.ffn_dim
                 layer.gate_up_proj = linear((p + "mlp.gate_proj.weight", (F, C)),
