@@ -116,10 +116,11 @@ ENGINE_NAMES = {"precision": "precision", "rac_ratio": "rac_ratio", "rac_group":
 class RolloutMode:
     """A rollout precision with the settings that apply to it, checked together in one place:
     RAC and a static activation scale need `nvfp4` (they act on its W4A4 activations), RAC's
-    channel group a RAC ratio, the packed GEMM an NVFP4 mode. Both the engine (lowbit.rl.engine.EngineConfig) and `lowbit rl`
-    (lowbit.rl.RLConfig, its refusals naming the flags) build one; `names` maps each field to
-    how a refusal writes it. The engine's lower-level builders (EngineLinear, a static input
-    amax) check the same rules through it, for callers without an EngineConfig."""
+    channel group a RAC ratio, the packed GEMM an NVFP4 mode. Both the engine
+    (lowbit.rl.engine.EngineConfig) and `lowbit rl` (lowbit.rl.RLConfig, its refusals naming
+    the flags) build one; `names` maps each field to how a refusal writes it. The engine's
+    lower-level builders (EngineLinear, a static input amax) check the same rules through it,
+    for callers without an EngineConfig."""
 
     precision: Precision
     rac_ratio: float = 0.0
