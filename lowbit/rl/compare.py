@@ -5,9 +5,10 @@ A setting is `rollout[+align][@rac_ratio][+gGROUP][+is][+static-act]`: `bf16`, `
 25%), `nvfp4+quads@0.5`, `nvfp4+quads+g64` (RAC's channels chosen in groups of 64), `nvfp4@1`
 (RAC alone), `nvfp4+is` (token-level truncated importance sampling), `nvfp4+static-act` (a
 served checkpoint's static activation scales). Each runs in its own folder;
-`<out_dir>/compare-<task>/` gets rl.png (reward, held-out accuracy, mean and max log-prob gap per step) and summary.md / summary.json. Every run's folder is checked before the
-first run starts, and with resume an interrupted comparison continues, as `lowbit train
---compare`'s (lowbit.train.compare.check_run_folders).
+`<out_dir>/compare-<task>/` gets rl.png (reward, held-out accuracy, mean and max log-prob gap
+per step) and summary.md / summary.json. Every run's folder is checked before the first run
+starts, and with resume an interrupted comparison continues, as `lowbit train --compare`'s
+(lowbit.train.compare.check_run_folders).
 
 With seeds (`--seeds 0,1,2`) every setting runs at every seed (runs named `<name>-s<seed>`;
 a seed fixes the prompts, the sampling and the warm start, so one seed's runs pair), and
