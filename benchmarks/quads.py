@@ -34,7 +34,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for the runs and the summary")
     p.add_argument("--settings", default=",".join(SETTINGS),
-                   help="comma-separated rollout[+align][@rac_ratio][+is] (default: %(default)s)")
+                   help="comma-separated rollout[+align][@rac_ratio][+gG][+is][+static-act] (default: %(default)s)")
     p.add_argument("--model", default="small")
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--task", default="add")
@@ -104,7 +104,9 @@ def main() -> int:
     procs = []
     for config in configs:
         flags = ["--rollout", config.rollout, "--align", config.align, "--seed", str(config.seed),
-                 "--rac-ratio", str(config.rac_ratio), "--is", config.importance_sampling,
+                 "--rac-ratio", str(config.rac_ratio), "--rac-group", str(config.rac_group),
+                 "--is", config.importance_sampling,
+                 "--rollout-activation-scale", config.rollout_activation_scale,
                  "--run-name", config.run_name]
         log = open(out / f"{config.name}.log", "w")
         cmd = [sys.executable, "-m", "lowbit", "rl", *common, *flags, "--overwrite", "--no-progress"]

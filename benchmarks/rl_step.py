@@ -10,10 +10,10 @@ after the first, which captures the CUDA graphs) are tabulated against the bf16 
     PYTHONPATH=. python benchmarks/rl_step.py --out rl-step          # one H200: GSM8K, 16 x 8 x 128
     python benchmarks/rl_step.py --smoke --out /tmp/rl-step           # CPU, a tiny shape, a minute
 
-Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric
-QAT + RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), each NVFP4 one
-also with --packed-gemm. Writes --out/rl-step.json ({meta,
-results}) and rl-step.md, and keeps each run's metrics.jsonl under --out/runs/.
+Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric QAT +
+RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), each NVFP4 one
+also with --packed-gemm. Writes --out/rl-step.json ({meta, results}) and rl-step.md, and keeps
+each run's metrics.jsonl under --out/runs/.
 """
 
 from __future__ import annotations

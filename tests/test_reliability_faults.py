@@ -232,6 +232,9 @@ def test_an_rl_setting_label_reads_back_as_its_config(tmp_path):
         rl_compare.config_for_setting(base, "bf16+static-act")
     with pytest.raises(ValueError, match="groups RAC's channels"):
         rl_compare.config_for_setting(base, "nvfp4+g64")      # a group needs RAC
+    for label in ("nvfp4+quads+g064", "nvfp4+quads+g0", "nvfp4+quads+g64@0.5"):   # not canonical
+        with pytest.raises(ValueError, match="ROLLOUT"):
+            rl_compare.config_for_setting(base, label)
 
 
 def test_rl_compare_checks_every_folder_first_and_resume_continues_it(tmp_path, monkeypatch):

@@ -444,15 +444,31 @@ def test_racs_channel_group_reaches_the_linear_and_the_experts():
                                 x2=rac_residual(x, xq, 0.25, 16))
     torch.testing.assert_close(grouped(x, use_kernels=False), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(grouped(x, use_kernels=False), rowwide(x, use_kernels=False), atol=1e-4)
+    # the experts: both GEMMs' activations quantized with the group, and other outputs for it
+    from lowbit.rl.engine.weights import EngineExperts
+    gate_up, down = torch.randn(4, 64, 80, generator=g), torch.randn(4, 80, 32, generator=g)
+    tokens = torch.randn(5, 80, generator=g) * torch.rand(80, generator=g) * 4
+    index = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [2, 0]])
+    route = torch.rand(5, 2, generator=g)
+    experts = {G: EngineExperts(gate_up, down, *args, rac_group=G) for G in (0, 16)}
+    seen = []
+    real = inference.quantize_activations
+
+    def spy(*a, **kw):
+        seen.append(kw.get("rac_group"))
+        return real(*a, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(inference, "quantize_activations", spy)
+        grouped_out = experts[16](tokens, index, route, use_kernels=False)
+    assert seen == [16, 16]
+    assert not torch.allclose(grouped_out, experts[0](tokens, index, route, use_kernels=False), atol=1e-4)
+    # and through the engine, dense and MoE layers alike
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=24, n_experts=4)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     engine = _engine(cfg, model, precision="nvfp4", rac_ratio=0.25, rac_group=16)
     assert engine.rac_group == 16 and engine.weights.layers[0].experts.rac_group == 16
     assert engine.weights.layers[0].qkv_proj.rac_group == 16
-    seqs = [[int(t) for t in torch.randint(0, 64, (12,))] for _ in range(3)]
-    plain = _engine(cfg, model, precision="nvfp4", rac_ratio=0.25)
-    assert not torch.equal(torch.cat(engine.score(seqs)), torch.cat(plain.score(seqs)))
     # a group needs RAC, and is a power of two from 16
     for kw, message in ((dict(precision="nvfp4", rac_group=64), "groups RAC's channels"),
                         (dict(precision="nvfp4", rac_ratio=0.25, rac_group=48), "power of two"),

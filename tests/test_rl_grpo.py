@@ -412,6 +412,15 @@ def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path
     assert GRPOTrainer(_config(tmp_path, **kw), resume=True).micro_batch_size == 1
 
 
+def test_the_trainers_engine_takes_racs_channel_group(tmp_path):
+    from lowbit.rl.trainer import GRPOTrainer
+
+    kw = dict(steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0)
+    engine = GRPOTrainer(_config(tmp_path, rac_group=16, **kw)).engine
+    assert engine.rac_group == 16 and engine.rac_ratio == 0.25
+    assert engine.weights.layers[0].qkv_proj.rac_group == 16
+
+
 def test_resume_is_exact(tmp_path):
     straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
     first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))

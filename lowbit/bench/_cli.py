@@ -130,7 +130,7 @@ def add_recipes_bench(sub) -> None:
 
 def add_rollout_bench(sub) -> None:
     """`lowbit bench rollout`."""
-    from lowbit.bench.rollout import MODELS, MODES
+    from lowbit.bench.rollout import DEFAULT_MODES, MODELS, MODES
     o = sub.add_parser("rollout", help="the RL rollout engine's decode steps/s in every precision "
                                        "mode against the bandwidth limit and transformers' generate")
     o.add_argument("--model", default=None, choices=list(MODELS),
@@ -138,8 +138,8 @@ def add_rollout_bench(sub) -> None:
                         "(Qwen3-0.6B's), qwen3-moe-1b (Qwen3-MoE, 48 experts, 8 a token), or the "
                         "CPU-sized llama-tiny, qwen3-tiny, qwen3-moe-tiny (default: llama-1.1b on "
                         "CUDA, llama-tiny on the CPU)")
-    o.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated engine precisions (default: %(default)s)")
+    o.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated engine modes, of {', '.join(MODES)} (default: %(default)s)")
     o.add_argument("--batch-sizes", default=None,
                    help="comma-separated (default: 1,8,32,128,256 on CUDA, 1,2 on the CPU)")
     o.add_argument("--prompt-len", type=int, default=None, help="(default: 128 on CUDA, 16 on the CPU)")

@@ -62,14 +62,14 @@ The report
 
 format_rollout_rows prints the table of rows; per batch size and kernel setting each mode's
 decode steps/s against bf16's (`nvfp4-w4a16 2.31x bf16`), nvfp4 against nvfp4-w4a16 (quantized
-activations), nvfp4+rac0.25 against nvfp4 (RAC), nvfp4 against fp8; each mode's weight memory
-against bf16's; every engine row's bytes per step and fraction of the limit; the engine's bf16
-tokens/s against generate's best; the work one decode step launches per mode (torch.profiler,
-batch 1, an uncaptured step, sampling included: GPU kernels, memcpys and memsets on CUDA,
-working aten operators on the CPU, where a compiled step's count is left out); and with
---profile, per decode step as timed, its kernels' time by lowbit.bench.timing.kernel_category
-against the step's wall time, and the top kernels.
-"""
+activations), nvfp4+rac0.25 against nvfp4 (RAC), nvfp4+rac0.25+g64 (RAC's channels chosen in
+groups of 64; asked for with --modes) against nvfp4 and nvfp4+rac0.25, nvfp4 against fp8; each
+mode's weight memory against bf16's; every engine row's bytes per step and fraction of the
+limit; the engine's bf16 tokens/s against generate's best; the work one decode step launches
+per mode (torch.profiler, batch 1, an uncaptured step, sampling included: GPU kernels, memcpys
+and memsets on CUDA, working aten operators on the CPU, where a compiled step's count is left
+out); and with --profile, per decode step as timed, its kernels' time by
+lowbit.bench.timing.kernel_category against the step's wall time, and the top kernels. """
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ from lowbit.kernels import kernels_available
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
 
-__all__ = ["MODES", "MODELS", "DecodeReads", "bench_rollout", "copy_bandwidth", "decode_step_ops",
+__all__ = ["MODES", "DEFAULT_MODES", "MODELS", "DecodeReads", "bench_rollout", "copy_bandwidth", "decode_step_ops",
            "decode_step_profile", "expected_distinct_experts", "format_rollout_rows", "parse_modes",
            "stored_weight_bytes", "hf_config"]
 
@@ -100,6 +100,9 @@ MODES = {"bf16": ("bf16", 0.0, 0, False), "fp8": ("fp8", 0.0, 0, False),
          "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, 0, True), "nvfp4 packed": ("nvfp4", 0.0, 0, True),
          "nvfp4+rac0.25 packed": ("nvfp4", 0.25, 0, True),
          "nvfp4+rac0.25+g64 packed": ("nvfp4", 0.25, 64, True)}
+
+# what --modes times unless told: every mode but the grouped-RAC ones
+DEFAULT_MODES = [m for m in MODES if "+g" not in m]
 
 # the ratios format_rollout_rows prints: (mode, against), each where both were timed
 RATIOS = ([(m, "bf16") for m in MODES if m != "bf16"]

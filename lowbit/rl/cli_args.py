@@ -30,7 +30,7 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, RLConfig)
     p.add_argument("--compare", metavar="SETTINGS",
                    help="run these settings on the same seeds and plot them together, e.g. "
-                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+gGROUP][+is][+static-act])")
+                        "bf16,fp8,nvfp4,nvfp4+qat,nvfp4+quads (rollout[+align][@rac_ratio][+gG][+is][+static-act])")
     p.add_argument("--seeds", metavar="SEEDS",
                    help="with --compare: every setting at each of these seeds (e.g. 0,1,2; a seed "
                         "fixes the prompts, sampling and warm start), and the change in the bf16 "
@@ -77,7 +77,8 @@ def run_rl_command(args: argparse.Namespace) -> None:
     named = [flag for name, flag in SETTING_FLAGS.items() if getattr(args, name, None) is not None]
     if args.compare and named:
         raise ValueError(f"each --compare setting names its own rollout (ROLLOUT[+ALIGN][@RATIO]"
-                         f"[+gGROUP][+is][+static-act], e.g. nvfp4+quads@0.25+g64): drop {named[0]}")
+                         f"[+gG][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64): drop "
+                         f"{', '.join(named)}")
     config = config_from_args(args)
     seeds = None
     if args.seeds is not None:

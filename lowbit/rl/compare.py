@@ -1,6 +1,6 @@
 """Several rollout settings on the same seeds, prompts and warm start; one figure, one table.
 
-A setting is `rollout[+align][@rac_ratio][+gGROUP][+is][+static-act]`: `bf16`, `fp8`,
+A setting is `rollout[+align][@rac_ratio][+gG][+is][+static-act]`: `bf16`, `fp8`,
 `nvfp4-w4a16`, `nvfp4` (naive W4A4), `nvfp4+qat` (asymmetric QAT), `nvfp4+quads` (QAT + RAC at
 25%), `nvfp4+quads@0.5`, `nvfp4+quads+g64` (RAC's channels chosen in groups of 64), `nvfp4@1`
 (RAC alone), `nvfp4+is` (token-level truncated importance sampling), `nvfp4+static-act` (a
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ def paired_metric(window: int, key: str = "eval/accuracy_bf16") -> str:
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     """`base` with the rollout, alignment, RAC ratio and channel group, IS correction and
     activation scale `setting` names: the inverse of RLConfig.setting,
-    ROLLOUT[+ALIGN][@RATIO][+gGROUP][+is[-LEVEL]][+static-act] (`+is` alone is token-level IS)."""
+    ROLLOUT[+ALIGN][@RATIO][+gG][+is[-LEVEL]][+static-act] (`+is` alone is token-level IS)."""
     text = setting.strip()
     scale = "per-token"
     if text.endswith("+static-act"):
@@ -76,7 +77,7 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
         text, importance = head, level[1:] or "token"
     group = 0
     head, sep, value = text.rpartition("+g")
-    if sep and value.isdigit():
+    if sep and re.fullmatch(r"[1-9][0-9]*", value):
         text, group = head, int(value)
     ratio = None
     if "@" in text:
@@ -93,7 +94,7 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
                                    run_name="")
     except ValueError as e:
         raise ValueError(f"--compare setting {setting!r}: {e} (settings are ROLLOUT[+ALIGN]"
-                         f"[@RATIO][+gGROUP][+is[-LEVEL]][+static-act], e.g. nvfp4+quads@0.25+g64)") from None
+                         f"[@RATIO][+gG][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64)") from None
 
 
 @dataclass(frozen=True)

@@ -91,9 +91,11 @@ class RLConfig(RunConfig):
         "(default: 0.25 under quads, else 0)"))
     """Fraction of input channels RAC compensates; None: 0.25 under quads, else 0."""
     rac_group: int = field(default=0, metadata=flag(
-        "--rac-group", "choose RAC's channels per token within each group of G input channels (a "
-        "power of two from 16, e.g. 64: no selection across the row, faster); 0: over the whole "
-        "row, as the paper (default: %(default)s)"))
+        "--rac-group", "with RAC (--align quads or --rac-ratio > 0): choose each token's channels "
+        "within each group of G input channels (a power of two from 16, e.g. 64; no selection "
+        "across the row: a shorter activation pass at widths 1024-4096 on one H100, a longer one "
+        "at 14336 with many rows); 0: over the whole row, as in the paper (default: %(default)s)",
+        metavar="G"))
     """0: RAC chooses a token's channels over the whole row; G: the top of each G consecutive
     channels (lowbit.rl.precision)."""
     num_generations: int = field(default=8, metadata=flag(
@@ -292,8 +294,8 @@ class RLConfig(RunConfig):
 
     @property
     def setting(self) -> str:
-        """rollout[+align][@rac_ratio][+grac_group][+is-level][+static-act], the label --compare
-        uses (and run folders are named by)."""
+        """rollout[+align][@rac_ratio][+gG][+is-level][+static-act], the label --compare uses
+        (and run folders are named by)."""
         out = self.rollout + ("" if self.align == "none" else f"+{self.align}")
         default = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
         if self.rac_ratio != default:

@@ -64,7 +64,8 @@ for both terms. Ratio 0 is naive W4A4; ratio 1 compensates every channel.
 With a channel group G (`rac_group`, `lowbit rl --rac-group`) a token's S is the top
 ceil(ratio * G) channels of each G consecutive channels instead of the row's top: still per
 token, with no selection across the row. At G = 64 it kept 96-98% of the row-wide choice's
-gain on small models and took 21-29% off the activation pass on one H100
+gain on one 7.8M model (three seeds), and took 21-29% off the activation pass at widths
+1024-4096 on one H100, while at 14336 with 128-256 rows it was slower than the row-wide choice
 (docs/results/rollout.md); 0, the default, is the paper's row-wide choice.
 """
 
@@ -134,7 +135,8 @@ class RolloutMode:
     def make(cls, precision, rac_ratio=0.0, activation_scale="per-token", packed_gemm=False,
              rac_group=0, names: dict[str, str] = ENGINE_NAMES) -> RolloutMode:
         """Each value checked alone and against the others; one-line ValueErrors."""
-        p, r, a, g = (names[k] for k in ("precision", "rac_ratio", "activation_scale", "packed_gemm"))
+        p, r, a, pg, rg = (names[k] for k in ("precision", "rac_ratio", "activation_scale",
+                                              "packed_gemm", "rac_group"))
         for kind, value, name in ((Precision, precision, p), (ActivationScale, activation_scale, a)):
             if value not in {m.value for m in kind}:
                 raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(m.value for m in kind)}")
@@ -148,16 +150,16 @@ class RolloutMode:
         try:
             check_rac_group(rac_group)
         except ValueError:
-            raise ValueError(f"{names['rac_group']} must be 0 (RAC's channels chosen over the whole "
+            raise ValueError(f"{rg} must be 0 (RAC's channels chosen over the whole "
                              f"row) or a power of two from 16 to 16384, e.g. 64 (got {rac_group!r})") from None
         if rac_group and not rac_ratio:
-            raise ValueError(f"{names['rac_group']} groups RAC's channels: give a {r} above 0 "
+            raise ValueError(f"{rg} groups RAC's channels: give a {r} above 0 "
                              f"(got {rac_ratio})")
         if activation_scale is ActivationScale.STATIC and precision is not Precision.NVFP4:
             raise ValueError(f"{a} static scales NVFP4 activations as a served W4A4 checkpoint "
                              f"does: use {p} nvfp4 (got {precision.value})")
         if packed_gemm and precision not in (Precision.NVFP4, Precision.NVFP4_W4A16):
-            raise ValueError(f"{g} multiplies packed NVFP4 weights, so it needs {p} nvfp4 or "
+            raise ValueError(f"{pg} multiplies packed NVFP4 weights, so it needs {p} nvfp4 or "
                              f"nvfp4-w4a16 (got {precision.value}: bf16 weights are dense, FP8 "
                              f"runs torch._scaled_mm)")
         return cls(precision, float(rac_ratio), activation_scale, bool(packed_gemm), rac_group)

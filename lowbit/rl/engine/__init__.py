@@ -13,8 +13,8 @@ small inference engines are (nano-vllm, vLLM), a file per part:
 
 | part     | file          | what it holds                                                          |
 | -------- | ------------- | ---------------------------------------------------------------------- |
-| config   | `config.py`   | EngineConfig: mode, RAC ratio, activation scale, device, dtype, cache  |
-|          |               | size, CUDA graphs, kernels                                             |
+| config   | `config.py`   | EngineConfig: mode, RAC ratio and channel group, activation scale,     |
+|          |               | device, dtype, cache size, CUDA graphs, kernels                        |
 | KV cache | `kv_cache.py` | keys and values per layer, indexed by position: each row its length    |
 | weights  | `weights.py`  | each linear stored as the mode says (packed NVFP4, FP8, bf16), experts |
 |          |               | stacked, weight sync                                                   |

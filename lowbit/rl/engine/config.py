@@ -23,9 +23,6 @@ class EngineConfig:
     """bf16, fp8, nvfp4-w4a16 or nvfp4 (lowbit.rl.precision)."""
     rac_ratio: float = 0.0
     """The fraction of each token's input channels RAC compensates (nvfp4 only)."""
-    rac_group: int = 0
-    """0: RAC chooses a token's channels over the whole row; G (a power of two from 16): the top
-    of each G consecutive channels (lowbit.rl.precision)."""
     device: torch.device | str = "cpu"
     dtype: torch.dtype | None = None
     """Compute dtype; default bf16 on CUDA, float32 elsewhere."""
@@ -60,6 +57,10 @@ class EngineConfig:
     FP32 scale per linear from a calibrated amax (load_state_dict's input_amax, refreshed at
     every weight sync), dynamic 1x16 E4M3 block scales under it, values beyond the calibrated
     range saturated."""
+
+    rac_group: int = 0
+    """0: RAC chooses a token's channels over the whole row; G (a power of two from 16): the top
+    of each G consecutive channels (lowbit.rl.precision)."""
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Check every setting against the model, fill the defaults; refuses in one line."""
