@@ -372,6 +372,43 @@ def test_weight_sync_copies_and_changes_outputs():
         engine.load_state_dict({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})
 
 
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4-w4a16", "nvfp4"])
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_packed_sync_stores_the_same_bits_and_moves_fewer_bytes(precision, moe):
+    # pack_state_dict quantizes where the state dict is (here a float32 trainer's weights for a
+    # bfloat16 engine: cast first, as load does) and load takes the QTensors as they are
+    from lowbit.formats import QTensor
+    cfg, model = _model(moe)
+    kw = dict(precision=precision, dtype=torch.bfloat16)
+    direct, packed_engine = _engine(cfg, model, **kw), _engine(cfg, model, **kw)
+    packed = packed_engine.pack_state_dict(model.state_dict())
+    packed_engine.load_state_dict(packed)
+    for a, b in zip(direct.weights._parts(), packed_engine.weights._parts()):
+        for x, y in ((a, b),) if isinstance(a, torch.Tensor) else (
+                (a.data, b.data), (a.block_scales, b.block_scales), (a.row_scales, b.row_scales)):
+            assert (x is None and y is None) or torch.equal(x, y)
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    assert all(torch.equal(a, b) for a, b in zip(direct.score(seqs), packed_engine.score(seqs)))
+    # what moves: the linear weights as codes and scales, the rest as given
+    linear = [v for k, v in packed.items() if "proj" in k]
+    parts = [q for v in linear for q in (v if isinstance(v, list) else [v])]
+    assert parts and all(isinstance(q, QTensor) for q in parts)
+    dense_bytes = sum(v.numel() * 2 for k, v in model.state_dict().items() if "proj" in k)
+    ratio = sum(q.nbytes for q in parts) / dense_bytes
+    assert ratio < (0.55 if precision == "fp8" else 0.3), ratio
+    # a packed weight this engine does not store, and one made from other values, are refused
+    name = "model.layers.0.self_attn.o_proj.weight"
+    other = _engine(cfg, model, precision="fp8" if precision != "fp8" else "nvfp4",
+                    dtype=torch.bfloat16).pack_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="a packed weight must be what this engine stores"):
+        packed_engine.load_state_dict({**packed, name: other[name]})
+    f32 = _engine(cfg, model, precision=precision).pack_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="torch.bfloat16 values"):
+        packed_engine.load_state_dict({**packed, name: f32[name]})
+    with pytest.raises(ValueError, match="a bf16 engine stores dense weights"):
+        _engine(cfg, model).load_state_dict(packed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
     # every projection of every layer, dense and MoE (each expert's gate|up and down)

@@ -83,8 +83,8 @@ from lowbit.formats import QTensor, QuantSpec
 from lowbit.formats.activations import check_rac_group, fp8_row_spec, per_token_nvfp4, static_nvfp4
 from lowbit.formats.linear_weight import LinearWeight
 
-__all__ = ["Precision", "ActivationScale", "RolloutMode", "weight_spec", "quantize_weight",
-           "quantize_activation", "rac_linear"]
+__all__ = ["Precision", "ActivationScale", "RolloutMode", "weight_spec", "stored_weight_spec",
+           "quantize_weight", "quantize_activation", "rac_linear"]
 
 
 class Precision(str, Enum):
@@ -174,13 +174,17 @@ def weight_spec() -> QuantSpec:
     return _NVFP4_WEIGHT
 
 
-def quantize_weight(weight: torch.Tensor, precision: Precision) -> QTensor | None:
-    """The packed weight of a quantizing mode (None for bf16). weight (out, in)."""
+def stored_weight_spec(precision: Precision, in_features: int) -> QuantSpec | None:
+    """The spec a mode stores a linear weight of `in_features` columns in (None for bf16)."""
     if precision is Precision.BF16:
         return None
-    if precision is Precision.FP8:
-        return dispatch.quantize_with_spec(weight, fp8_row_spec(weight.shape[-1]))
-    return dispatch.quantize_with_spec(weight, _NVFP4_WEIGHT)
+    return fp8_row_spec(in_features) if precision is Precision.FP8 else _NVFP4_WEIGHT
+
+
+def quantize_weight(weight: torch.Tensor, precision: Precision) -> QTensor | None:
+    """The packed weight of a quantizing mode (None for bf16). weight (out, in)."""
+    spec = stored_weight_spec(precision, weight.shape[-1])
+    return None if spec is None else dispatch.quantize_with_spec(weight, spec)
 
 
 def quantize_activation(x: torch.Tensor, precision: Precision,

@@ -405,15 +405,18 @@ class GRPOTrainer:
         return torch.cat(logp), torch.cat(entropy), ref
 
     def sync(self) -> None:
-        """The trainer's weights to the engine (the engine copies and quantizes them); for
-        static activation scales, with the amax of every linear's input over the calibration
-        problems, through the policy as the trainer runs it (a served checkpoint's input_scale
-        is calibrated for its own weights, so this is redone at every sync)."""
+        """The trainer's weights to the engine, packed where the trainer holds them (the engine's
+        pack_state_dict: on another device, the sync moves 0.5625 bytes a parameter for NVFP4
+        instead of 2) and stored by the engine; for static activation scales, with the amax of
+        every linear's input over the calibration problems, through the policy as the trainer
+        runs it (a served checkpoint's input_scale is calibrated for its own weights, so this is
+        redone at every sync)."""
         input_amax = None
         if self.calibration is not None:
             with self.step_fn.autocast:
                 input_amax = calibrate_input_amax(self.policy, self.calibration)
-        self.engine.load_state_dict(self.policy.state_dict(), input_amax=input_amax)
+        packed = self.engine.pack_state_dict(self.policy.state_dict())
+        self.engine.load_state_dict(packed, input_amax=input_amax)
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -429,7 +432,7 @@ class GRPOTrainer:
             if engine is self.engine:
                 scores[key] = scores["eval/accuracy"]
             elif engine is not None:
-                engine.load_state_dict(self.policy.state_dict())
+                engine.load_state_dict(engine.pack_state_dict(self.policy.state_dict()))
                 scores[key] = self._accuracy(engine)
         return scores
 

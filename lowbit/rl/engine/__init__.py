@@ -17,7 +17,7 @@ small inference engines are (nano-vllm, vLLM), a file per part:
 |          |               | device, dtype, cache size, CUDA graphs, kernels                        |
 | KV cache | `kv_cache.py` | keys and values per layer, indexed by position: each row its length    |
 | weights  | `weights.py`  | each linear stored as the mode says (packed NVFP4, FP8, bf16), experts |
-|          |               | stacked, weight sync                                                   |
+|          |               | stacked, weight sync (quantized on arrival, or packed by the sender)   |
 | decoder  | `decoder.py`  | prefill and the decode step, on lowbit.dispatch.inference's kernels    |
 | runner   | `runner.py`   | RolloutEngine: generate, score, CUDA graphs per batch-size bucket      |
 

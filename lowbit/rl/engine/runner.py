@@ -13,7 +13,7 @@ from lowbit.models.config import ModelConfig
 from lowbit.rl.engine.config import EngineConfig
 from lowbit.rl.engine.decoder import Decoder
 from lowbit.rl.engine.kv_cache import KVCache
-from lowbit.rl.engine.weights import EngineWeights
+from lowbit.rl.engine.weights import EngineWeights, pack_state_dict
 from lowbit.rl.precision import ActivationScale, Precision
 from lowbit.rl.sampling import SamplingParams, sample_next
 
@@ -106,12 +106,22 @@ class RolloutEngine:
     def loaded(self) -> bool:
         return self.weights is not None
 
+    def pack_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
+        """The sender's half of a packed weight sync: `state_dict` with each linear weight this
+        engine stores quantized already quantized, where the tensor is, into what this engine
+        would store (lowbit.rl.engine.weights.pack_state_dict); load_state_dict takes it as the
+        same bits, moving 0.5625 bytes a parameter for NVFP4 instead of 2. For a bf16 engine, a
+        copy of the dict."""
+        s = self.settings
+        return pack_state_dict(state_dict, self.config, s.precision, s.dtype)
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, torch.Tensor],
                         input_amax: Mapping[str, float] | None = None) -> None:
         """Take a state dict by Hugging Face parameter names: every tensor is copied to the
-        engine's device and dtype, then stored as the precision mode says (EngineWeights). The
-        engine keeps no reference to the given tensors. Missing or unexpected keys are refused.
+        engine's device and dtype, then stored as the precision mode says (EngineWeights); a
+        linear weight packed by pack_state_dict is moved as it is. The engine keeps no reference
+        to the given tensors. Missing or unexpected keys are refused.
 
         input_amax: with activation_scale "static" (and only then), each linear's calibrated
         input amax by module name, as lowbit.export.calibrate_input_amax returns it for the

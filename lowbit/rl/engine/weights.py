@@ -19,6 +19,12 @@ expert quantized on its own.
 
 The engine never holds the trainer's tensors: every weight is copied to the engine's device
 and compute dtype first, so the trainer may step while the engine generates.
+
+A weight sync may move packed bytes (for an engine on another device than the trainer's):
+`pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
+(after the cast to the engine's compute dtype, as `load` does), and `load` takes those
+QTensors as they are, moved to its device -- 0.5625 bytes a parameter for NVFP4 instead of 2,
+the same bits as quantizing on arrival.
 """
 
 from __future__ import annotations
@@ -29,21 +35,72 @@ from collections.abc import Mapping
 import torch
 
 from lowbit.dispatch import inference
+from lowbit.formats import QTensor
 from lowbit.formats.activations import fp8_values
 from lowbit.formats.linear_weight import LinearWeight
 from lowbit.models.config import ModelConfig
-from lowbit.rl.precision import Precision, RolloutMode, quantize_weight
+from lowbit.rl.precision import Precision, RolloutMode, quantize_weight, stored_weight_spec
 
-__all__ = ["EngineLinear", "EngineExperts", "EngineLayer", "EngineWeights"]
+__all__ = ["EngineLinear", "EngineExperts", "EngineLayer", "EngineWeights", "pack_state_dict"]
 
 
-def _linear_weight(weights: list[torch.Tensor], precision: Precision, device: torch.device,
-                   dtype: torch.dtype) -> LinearWeight:
-    """Parts (N_i, K) of any dtype and device, fused along N in the mode's storage."""
-    own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
+def _linear_weight(weights: list[torch.Tensor | QTensor], precision: Precision,
+                   device: torch.device, dtype: torch.dtype) -> LinearWeight:
+    """Parts (N_i, K) of any dtype and device, fused along N in the mode's storage; a part given
+    packed (a QTensor of the mode's spec made from `dtype` values: pack_state_dict) is moved
+    as it is, not quantized again."""
     if precision is Precision.BF16:
+        if any(isinstance(w, QTensor) for w in weights):
+            raise ValueError("a bf16 engine stores dense weights: give it tensors, not packed QTensors")
+        own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
         return LinearWeight.dense(own[0] if len(own) == 1 else torch.cat(own))
-    return LinearWeight.from_qtensors([quantize_weight(w, precision) for w in own], dtype)
+    return LinearWeight.from_qtensors([_packed(w, precision, device, dtype) for w in weights], dtype)
+
+
+def _packed(weight: torch.Tensor | QTensor, precision: Precision, device: torch.device,
+            dtype: torch.dtype) -> QTensor:
+    """One part as the mode stores it, on `device`: quantized here, or checked and moved."""
+    if not isinstance(weight, QTensor):
+        return quantize_weight(weight.detach().to(device=device, dtype=dtype, copy=True), precision)
+    spec = stored_weight_spec(precision, weight.shape[-1])
+    if len(weight.shape) != 2 or weight.spec != spec or weight.dtype != dtype:
+        raise ValueError(f"a packed weight must be what this engine stores: {spec.format} "
+                         f"blocks {spec.block} of {dtype} values, 2-D; got {weight.format} blocks "
+                         f"{weight.spec.block} of {weight.dtype} values, shape {tuple(weight.shape)} "
+                         f"(pack it with the engine's pack_state_dict)")
+    return weight.to(device)   # from_qtensors copies the codes and scales into its own tensors
+
+
+def _linear_names(cfg: ModelConfig) -> list[str]:
+    """The state dict entries the engine stores as linear weights (Hugging Face names; an MoE
+    layer's experts as its two fused stacks)."""
+    names = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += ([p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"] if cfg.is_moe else
+                  [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")])
+    return names
+
+
+@torch.no_grad()
+def pack_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
+                    dtype: torch.dtype) -> dict:
+    """The trainer's side of a packed weight sync: `state_dict` with every linear weight the
+    engine stores quantized replaced by the QTensor it would make (cast to the engine's compute
+    `dtype` and quantized where the tensor is), an MoE layer's expert stack by a list of one
+    QTensor per expert; the other tensors as given. EngineWeights.load takes the result as the
+    same bits it would quantize itself (the quantizers are bit-exact on every device). bf16:
+    nothing to pack."""
+    if precision is Precision.BF16:
+        return dict(state_dict)
+    sd = _fuse_hf_experts(dict(state_dict), cfg)
+    for name in _linear_names(cfg):
+        w = sd.get(name)
+        if isinstance(w, torch.Tensor):   # a missing one is load's to refuse, by name
+            sd[name] = ([quantize_weight(e.to(dtype), precision) for e in w.detach()] if w.dim() == 3
+                        else quantize_weight(w.detach().to(dtype), precision))
+    return sd
 
 
 class EngineLinear:
@@ -162,7 +219,8 @@ class EngineExperts:
     quantized on its own (its own NVFP4 tensor scale, as lowbit.nn.QuantExperts fake-quantizes
     them in the trainer), and their grouped GEMMs."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, precision: Precision,
+    def __init__(self, gate_up: torch.Tensor | list[QTensor], down: torch.Tensor | list[QTensor],
+                 precision: Precision,
                  rac_ratio: float, device: torch.device, dtype: torch.dtype,
                  packed_gemm: bool = False,
                  input_amax: tuple[float, float] | None = None, rac_group: int = 0) -> None:
@@ -178,7 +236,7 @@ class EngineExperts:
         self.down = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in down])
         self.gate_up_gemm = _gemm_weight(self.gate_up, precision, packed_gemm)
         self.down_gemm = _gemm_weight(self.down, precision, packed_gemm)
-        self.n_experts = gate_up.shape[0]
+        self.n_experts = len(gate_up)
 
     @property
     def nbytes(self) -> int:
@@ -278,18 +336,26 @@ class EngineWeights:
         model = (f"{cfg.n_layers} layers, dim {cfg.dim}"
                  + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
 
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            # shape: what the config implies; a wrong one would fail (or compute garbage) later
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor | QTensor | list[QTensor]:
+            # shape: what the config implies; a wrong one would fail (or compute garbage) later.
+            # A linear weight may come packed (pack_state_dict): an expert stack as a list
             if name not in sd:
                 raise ValueError(f"state dict has no {name!r}; the engine's model has {model}")
-            if tuple(sd[name].shape) != shape:
-                raise ValueError(f"state dict's {name!r} has shape {tuple(sd[name].shape)}, not "
+            value = sd[name]
+            got = ((len(value), *value[0].shape) if isinstance(value, (list, tuple)) and value
+                   else tuple(value.shape))
+            if tuple(got) != shape:
+                raise ValueError(f"state dict's {name!r} has shape {tuple(got)}, not "
                                  f"the {shape} the engine's model expects ({model})")
             used.add(name)
-            return sd[name]
+            return value
 
         def plain(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return take(name, shape).detach().to(device=device, dtype=dtype, copy=True)
+            value = take(name, shape)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state dict's {name!r} must be a tensor: only linear weights "
+                                 f"come packed")
+            return value.detach().to(device=device, dtype=dtype, copy=True)
 
         def linear(*parts: tuple[str, tuple[int, int]], bias: bool = False) -> EngineLinear:
             # parts: (weight name, (out, in)); bias: the config says these projections have
