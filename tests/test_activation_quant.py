@@ -123,9 +123,9 @@ def test_the_kernel_is_the_references_bit_for_bit(dtype, prologue):
                 assert got_r is None
             else:
                 assert same_bits(got_r, rac_residual(inp, x_hat, ratio)), (k, ratio)
-                # the radix select's early stop (on by default for long rows only)
-                stopped = quantize_activations(x, "nvfp4", ratio, early_stop=True, **kw)
-                assert same_bits(stopped[0], x_hat) and same_bits(stopped[1], got_r), (k, ratio)
+                if k == 200:   # the radix select's early stop (on by default for long rows only)
+                    stopped = quantize_activations(x, "nvfp4", ratio, early_stop=True, **kw)
+                    assert same_bits(stopped[0], x_hat) and same_bits(stopped[1], got_r), (k, ratio)
         plain, nothing = quantize_activations(x, "none", **kw)     # the prologue alone
         assert same_bits(plain, inp) and nothing is None, k
         codes, scale = quantize_activations(x, "fp8", **kw)

@@ -19,6 +19,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = [("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.25),
          ("nvfp4+static", 0.25)]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
+# the kernel-against-reference cases run in Triton's interpreter on the CPU, where every
+# prefill row costs RAC's channel select: three rows of three lengths keep them short
+KERNEL_PROMPTS = [[1, 2, 3], [7, 8], [3]]
 
 
 def _model(moe: bool, seed: int = 0, **kw):
@@ -52,7 +55,7 @@ def test_the_kernels_decode_what_the_reference_decodes(precision, rac, packed, m
     kernels = _engine(cfg, model, precision, rac, decode_kernels=True, **kw)
     reference = _engine(cfg, model, precision, rac, decode_kernels=False, **kw)
     params = SamplingParams(temperature=0, max_new_tokens=3)     # greedy: the same tokens
-    a, b = kernels.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    a, b = kernels.generate(KERNEL_PROMPTS, params), reference.generate(KERNEL_PROMPTS, params)
     assert torch.equal(a.completions, b.completions)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     if moe:
