@@ -342,8 +342,10 @@ class EngineWeights:
             if name not in sd:
                 raise ValueError(f"state dict has no {name!r}; the engine's model has {model}")
             value = sd[name]
-            got = ((len(value), *value[0].shape) if isinstance(value, (list, tuple)) and value
-                   else tuple(value.shape))
+            if isinstance(value, (list, tuple)):
+                got = (len(value), *value[0].shape) if value else (0,)
+            else:
+                got = tuple(value.shape)
             if tuple(got) != shape:
                 raise ValueError(f"state dict's {name!r} has shape {tuple(got)}, not "
                                  f"the {shape} the engine's model expects ({model})")
