@@ -62,7 +62,8 @@ def env(corpus_env):
 # on its stderr. Where the run's final.json was written, every training collective had
 # completed on both ranks (rank 0 writes it after the last step, which needs rank 1), so the
 # abort came at teardown and the run itself is whole: the launch counts as the success it was
-# for the run. Anything else fails as it comes.
+# for the run, provided the rank's exit was that SIGABRT (-6) and no rank printed a Python
+# traceback before the launcher reported it. Anything else fails as it comes.
 GLOO_ABORT = "terminate called without an active exception"
 
 
@@ -71,8 +72,9 @@ def torchrun(env, *args, entry=("-m", "lowbit.cli")) -> subprocess.CompletedProc
                "--nproc_per_node", "2", *entry, "train", *args]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     flags = list(args)
-    if (result.returncode != 0 and GLOO_ABORT in result.stderr and "--out-dir" in flags
-            and "--run-name" in flags):
+    if (result.returncode != 0 and GLOO_ABORT in result.stderr and "exitcode  : -6" in result.stderr
+            and "Traceback" not in result.stderr.split("failed (exitcode")[0]   # none from a rank
+            and "--out-dir" in flags and "--run-name" in flags):
         folder = Path(flags[flags.index("--out-dir") + 1]) / flags[flags.index("--run-name") + 1]
         if (folder / "final.json").is_file():
             print(f"torchrun: gloo aborted a rank at teardown ({GLOO_ABORT!r}) after the run finished")

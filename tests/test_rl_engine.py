@@ -409,6 +409,31 @@ def test_a_packed_sync_stores_the_same_bits_and_moves_fewer_bytes(precision, moe
         _engine(cfg, model).load_state_dict(packed)
 
 
+
+def test_a_packed_sync_takes_per_expert_checkpoints_biases_and_an_untied_head():
+    # older Qwen3-MoE files keep experts one by one (fused before packing), Qwen2 has q/k/v
+    # biases (never packed), an untied lm_head stays dense; a CPU source is not packed by sync
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=48,
+                      n_experts=4, qkv_bias=True, tie_embeddings=False)
+    model = build_model(cfg).eval()
+    sd, p = dict(model.state_dict()), "model.layers.0.mlp.experts."
+    gate_up, down = sd.pop(p + "gate_up_proj"), sd.pop(p + "down_proj")
+    F = gate_up.shape[1] // 2
+    for e in range(cfg.n_experts):
+        sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate_up[e, :F], gate_up[e, F:]
+        sd[f"{p}{e}.down_proj.weight"] = down[e]
+    direct = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16)
+    packed = RolloutEngine(cfg, precision="nvfp4", dtype=torch.bfloat16, max_batch_size=8)
+    packed.load_state_dict(packed.pack_state_dict(sd))
+    synced = RolloutEngine(cfg, precision="nvfp4", dtype=torch.bfloat16, max_batch_size=8)
+    synced.sync(sd)
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    want = direct.score(seqs)
+    for engine in (packed, synced):
+        assert all(torch.equal(a, b) for a, b in zip(want, engine.score(seqs)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_asymmetric_qat_weights_are_the_engines_bit_for_bit(dtype):
     # every projection of every layer, dense and MoE (each expert's gate|up and down)

@@ -14,7 +14,8 @@ One RL step:
              takes num_iterations optimizer steps of the clipped GRPO loss (GRPOLoss on a
              GRPOBatch) -- each through lowbit.train.step.TrainStep, the step `lowbit train`
              runs (LR, clipping, skips)
-  sync       the trainer's state dict goes to the engine, which quantizes it on arrival (with
+  sync       the trainer's state dict goes to the engine (RolloutEngine.sync: packed by the
+             trainer when the engine sits on another GPU, else quantized on arrival; with
              --rollout-activation-scale static, with each linear's input amax calibrated on
              the new weights, as `lowbit export --activations nvfp4` calibrates a checkpoint)
 Each piece is a method (`generate`, `score`, `train_on`, `sync`) that a subclass can replace.
@@ -405,18 +406,17 @@ class GRPOTrainer:
         return torch.cat(logp), torch.cat(entropy), ref
 
     def sync(self) -> None:
-        """The trainer's weights to the engine, packed where the trainer holds them (the engine's
-        pack_state_dict: on another device, the sync moves 0.5625 bytes a parameter for NVFP4
-        instead of 2) and stored by the engine; for static activation scales, with the amax of
-        every linear's input over the calibration problems, through the policy as the trainer
-        runs it (a served checkpoint's input_scale is calibrated for its own weights, so this is
-        redone at every sync)."""
+        """The trainer's weights to the engine (RolloutEngine.sync: packed where the trainer holds
+        them when the engine sits on another GPU, moving 0.5625 bytes a parameter for NVFP4
+        instead of 2); for static activation scales, with the amax of every linear's input over
+        the calibration problems, through the policy as the trainer runs it (a served
+        checkpoint's input_scale is calibrated for its own weights, so this is redone at every
+        sync)."""
         input_amax = None
         if self.calibration is not None:
             with self.step_fn.autocast:
                 input_amax = calibrate_input_amax(self.policy, self.calibration)
-        packed = self.engine.pack_state_dict(self.policy.state_dict())
-        self.engine.load_state_dict(packed, input_amax=input_amax)
+        self.engine.sync(self.policy.state_dict(), input_amax=input_amax)
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -432,7 +432,7 @@ class GRPOTrainer:
             if engine is self.engine:
                 scores[key] = scores["eval/accuracy"]
             elif engine is not None:
-                engine.load_state_dict(engine.pack_state_dict(self.policy.state_dict()))
+                engine.sync(self.policy.state_dict())
                 scores[key] = self._accuracy(engine)
         return scores
 

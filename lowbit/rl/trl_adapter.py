@@ -114,7 +114,7 @@ class EngineRollout:
         if hasattr(policy, "peft_config"):
             raise ValueError("EngineRollout cannot sync a PEFT-wrapped policy (its parameter names "
                              "are the adapter's); merge the adapter into the model first")
-        self.engine.load_state_dict(self.engine.pack_state_dict(policy.state_dict()))
+        self.engine.sync(policy.state_dict())
         self.synced_steps.append(int(trainer.state.global_step))
         return time.perf_counter() - t0
 

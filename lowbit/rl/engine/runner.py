@@ -106,6 +106,18 @@ class RolloutEngine:
     def loaded(self) -> bool:
         return self.weights is not None
 
+    def sync(self, state_dict: Mapping[str, torch.Tensor],
+             input_amax: Mapping[str, float] | None = None) -> None:
+        """A weight sync from a trainer: load_state_dict, with the linear weights packed where
+        they are first (pack_state_dict) when they sit on another GPU than the engine's, so the
+        transfer moves packed bytes; otherwise (one device, or a CPU trainer, whose quantizer is
+        the slow reference) quantized on arrival one weight at a time, with no packed copy of
+        the whole model held at once."""
+        source = next((v.device for v in state_dict.values() if isinstance(v, torch.Tensor)), None)
+        if source is not None and source.type == "cuda" and source != self.device:
+            state_dict = self.pack_state_dict(state_dict)
+        self.load_state_dict(state_dict, input_amax=input_amax)
+
     def pack_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict:
         """The sender's half of a packed weight sync: `state_dict` with each linear weight this
         engine stores quantized already quantized, where the tensor is, into what this engine
