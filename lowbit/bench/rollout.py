@@ -69,7 +69,8 @@ limit; the engine's bf16 tokens/s against generate's best; the work one decode s
 per mode (torch.profiler, batch 1, an uncaptured step, sampling included: GPU kernels, memcpys
 and memsets on CUDA, working aten operators on the CPU, where a compiled step's count is left
 out); and with --profile, per decode step as timed, its kernels' time by
-lowbit.bench.timing.kernel_category against the step's wall time, and the top kernels. """
+lowbit.bench.timing.kernel_category against the step's wall time, and the top kernels.
+"""
 
 from __future__ import annotations
 

@@ -195,12 +195,13 @@ def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float, group: int 
     return rac_residual_on(x, x_hat, channels)                     # (N, c), increasing
 
 
-def check_rac_group(group) -> None:
-    """RAC's channel group: 0 (the whole row) or a power of two from 16 to 16384."""
+def check_rac_group(group, name: str = "RAC's channel group") -> None:
+    """RAC's channel group: 0 (the whole row) or a power of two from 16 to 16384; the refusal
+    names it `name` (a flag, for lowbit rl's)."""
     if isinstance(group, bool) or not isinstance(group, int) or (
             group != 0 and not (16 <= group <= 16384 and group & (group - 1) == 0)):
-        raise ValueError(f"RAC's channel group must be 0 (the whole row) or a power of two from 16 "
-                         f"to 16384 (e.g. 64), got {group!r}")
+        raise ValueError(f"{name} must be 0 (RAC's channels chosen over the whole row) or a power "
+                         f"of two from 16 to 16384, e.g. 64 (got {group!r})")
 
 
 def rac_group_channels(scores: torch.Tensor, group: int, ratio: float) -> torch.Tensor:

@@ -147,11 +147,7 @@ class RolloutMode:
         if rac_ratio and precision is not Precision.NVFP4:
             raise ValueError(f"{r} compensates NVFP4 activations: use {p} nvfp4 (RAC needs it; got "
                              f"{precision.value})")
-        try:
-            check_rac_group(rac_group)
-        except ValueError:
-            raise ValueError(f"{rg} must be 0 (RAC's channels chosen over the whole "
-                             f"row) or a power of two from 16 to 16384, e.g. 64 (got {rac_group!r})") from None
+        check_rac_group(rac_group, rg)
         if rac_group and not rac_ratio:
             raise ValueError(f"{rg} groups RAC's channels: give a {r} above 0 "
                              f"(got {rac_ratio})")
