@@ -222,6 +222,51 @@ def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
     assert idle_gaps([])["idle_ms"] == 0
 
 
+
+def test_gpu_events_keep_kernels_named_with_a_lambda_and_leave_out_annotations():
+    from types import SimpleNamespace
+
+    from lowbit.bench.timing import gpu_events
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    event = lambda name, device, annotation=False: SimpleNamespace(name=name, device_type=device,
+                                                                   is_user_annotation=annotation)
+    kernel = event("void at::native::index_elementwise_kernel<128, 4, ...::{lambda(int)#1}>(long)", cuda)
+    copy = event("Memcpy DtoD (Device -> Device)", cuda)
+    events = [event("Optimizer.step#AdamW.step", cpu, True), kernel, copy,
+              event("Optimizer.step#AdamW.step", cuda),          # the GPU's copy, not flagged
+              event("ProfilerStep#3", cuda, True), event("aten::index_copy_", cpu)]
+    assert gpu_events(SimpleNamespace(events=lambda: events)) == [kernel, copy]
+
+
+@pytest.mark.gpu
+def test_profile_step_counts_every_kernel_the_trace_holds(tmp_path):
+    """The profile's kernel time is the trace's: PyTorch's lambda-named kernels (masked_fill,
+    index_copy, copies) included, the optimizer step's annotation left out."""
+    import gzip
+
+    from lowbit.bench.timing import profile_step
+
+    dev = torch.device("cuda")
+    model = torch.nn.Linear(256, 256, device=dev)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(512, 256, device=dev)
+
+    def step():
+        y = model(x).masked_fill(x > 2, 0.0).index_copy(0, torch.arange(8, device=dev), x[:8])
+        y.float().square().mean().backward()
+        optimizer.step()
+
+    step()
+    trace = tmp_path / "step.json.gz"
+    got = profile_step(step, dev, trace=str(trace))
+    events = json.load(gzip.open(trace))["traceEvents"]
+    device_ms = sum(e["dur"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) / 1e3
+    names = {e["name"] for e in events if e.get("cat") == "kernel"}
+    assert any("#" in name for name in names)          # the case the profile used to drop
+    assert got["kernel_ms"] == pytest.approx(device_ms, rel=1e-3)
+
+
 # ---- lowbit bench fp8 ----------------------------------------------------------------------------
 
 def test_bench_fp8_smoke_checks_and_errors_against_fp64(tmp_path, capsys):

@@ -86,10 +86,15 @@ def kernel_category(name: str) -> str:
 
 def gpu_events(prof) -> list:
     """A torch.profiler profile's GPU work: its kernels and copies, each once. User annotations
-    ("Optimizer.step#AdamW.step") also appear on the GPU timeline, spanning kernels that are
-    counted on their own, and are left out."""
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and not (getattr(e, "is_user_annotation", False) or "#" in e.name)]
+    (record_function ranges such as "Optimizer.step#AdamW.step") also appear on the GPU
+    timeline, spanning kernels that are counted on their own, and are left out: those flagged
+    as annotations, and those named as an annotation on the CPU side. A '#' in a name is no
+    sign of one: PyTorch's own kernels carry demangled lambdas, "...::{lambda(int)#1}>"."""
+    events = prof.events()
+    annotations = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                   and getattr(e, "is_user_annotation", False)}
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and e.name not in annotations]
 
 
 def profile_step(step, dev: torch.device, top: int = 12, trace: str | None = None) -> dict:
