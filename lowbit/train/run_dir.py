@@ -7,7 +7,8 @@
     checkpoints/latest.pt  the last checkpoint, and the ones before it as step-<N>.pt
                          (lowbit.train.checkpoint.CheckpointStore: checksummed, written, then renamed)
     loss.png             the loss curves, redrawn at a checkpoint (at most once every
-                         PLOT_EVERY_S seconds: matplotlib takes ~0.5 s) and at the end
+                         PLOT_EVERY_S seconds, the first a minute in: matplotlib takes
+                         0.5-1 s) and at the end
     final.json           the final numbers (written at the end)
     .lowbit.lock         the lock a lowbit process holds while it writes the folder (below)
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -87,7 +87,7 @@ class RunDir:
         self.path = Path(path)
         self.checkpoints = CheckpointStore(self.path / "checkpoints", keep_checkpoints)
         self.files = files
-        self._plotted_at = -math.inf
+        self._plotted_at = time.monotonic()   # the first redraw a minute in: a short run draws once, at its end
         self._lock = None             # the open lock file, while this process holds the folder
         self._absent_at_check = False  # check() found no folder, so it could not lock it yet
 
