@@ -110,10 +110,20 @@ def _layout(counts: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, t
 def _spread(t: torch.Tensor, position: torch.Tensor, size: int) -> torch.Tensor:
     """t's rows at their padded positions, zeros elsewhere: the dropped rows, all sent to the
     last row, are zeroed there, so that whatever they hold never reaches a quantization that
-    spans tokens (a fold factor or NaN flag of the wgrad operands)."""
-    out = t.new_zeros(size, t.shape[1]).index_copy(0, position, t)
+    spans tokens (a fold factor or NaN flag of the wgrad operands). Copied in place: an
+    out-of-place index_copy would copy the zeros once more."""
+    out = t.new_zeros(size, t.shape[1])
+    out.index_copy_(0, position, t)
     out[-1] = 0
     return out
+
+
+def _gather(out: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A grouped GEMM's output (its padded layout's rows) back at the sorted rows: the dropped
+    rows, sent to the last row, which no group writes, come back zero. `out` is the GEMM's own
+    result, so its last row is zeroed in place (one row, not a mask over every row)."""
+    out[-1] = 0
+    return out[position]
 
 
 class GroupedQuantLinearFunction(torch.autograd.Function):
@@ -128,25 +138,24 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         x_f = operand(xp, recipe.fprop_x, reduce_dim=1)                  # blocks along in
         if w_f is None:
             w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)         # blocks along in
-        dropped = (position == size - 1)[:, None]
-        y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)[position].masked_fill(dropped, 0)
+        y = _gather(torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends), position)
         # what the backward reuses: the quantized copies where 2D tiles share them
         x_saved = x_f if shared(recipe.fprop_x, recipe.wgrad_x) else xp
         w_saved = w_f if shared(recipe.fprop_w, recipe.dgrad_w) else weight
-        ctx.save_for_backward(x_saved, w_saved, position, ends, dropped)
+        ctx.save_for_backward(x_saved, w_saved, position, ends)
         ctx.recipe, ctx.size = recipe, size
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w_saved, position, ends, dropped = ctx.saved_tensors
+        x_saved, w_saved, position, ends = ctx.saved_tensors
         r = ctx.recipe
         dx = dw = None
         dyp = _spread(dy, position, ctx.size)
         dy_d = operand(dyp, r.dgrad_dy, reduce_dim=1)                    # blocks along out
         if ctx.needs_input_grad[0]:
             w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else _weights(w_saved, r.dgrad_w, reduce_dim=1)
-            dx = torch._grouped_mm(dy_d, w_d, offs=ends)[position].masked_fill(dropped, 0)
+            dx = _gather(torch._grouped_mm(dy_d, w_d, offs=ends), position)
         if ctx.needs_input_grad[1]:
             dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dyp, r.wgrad_dy, reduce_dim=0)
             x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
@@ -177,15 +186,14 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                                   recipe.fprop_w, check=check)                 # blocks along in
             y = grouped_fp4_gemm_fp8(fx, fw, ends, "rows", out_dtype=x.dtype,
                                      use_fast_accum="fprop" in recipe.fast_accum)
-        dropped = (position == size - 1)[:, None]
         ctx.x_w = fx_t
-        ctx.save_for_backward(x if fx_t is None else None, weight, position, ends, dropped)
+        ctx.save_for_backward(x if fx_t is None else None, weight, position, ends)
         ctx.recipe, ctx.size = recipe, size
-        return y[position].masked_fill(dropped, 0)
+        return _gather(y, position)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, position, ends, dropped = ctx.saved_tensors
+        x, weight, position, ends = ctx.saved_tensors
         r, check = ctx.recipe, ctx.fold_check
         need_dx, need_dw = ctx.needs_input_grad[:2]
         experts, out_features, in_features = weight.shape
@@ -200,7 +208,7 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                 fw_d, _ = fold_for_gemm("W", w_t, r.dgrad_w, check=check)
                 dx = grouped_fp4_gemm_fp8(fdy, fw_d, ends, "rows", out_dtype=dy.dtype,
                                           use_fast_accum="dgrad" in r.fast_accum)
-                dx = dx[position].masked_fill(dropped, 0)
+                dx = _gather(dx, position)
             if need_dw:
                 # dW_e = dY_e^T X_e: A = dY^T (out, P), B = X^T (in, P), blocked along the tokens
                 dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dyp.mT, r.wgrad_dy, check=check)[0]
