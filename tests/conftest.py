@@ -33,6 +33,16 @@ if not torch.cuda.is_available():
 # torchao warns about its CUDA extensions on CPU-only machines; that is expected here.
 warnings.filterwarnings("ignore", message=".*Failed to load.*")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Run folders draw no figure of their own here (matplotlib's 0.5-1 s a figure was a fifth of
+# the suite): the tests of those figures turn them on with the `figures` fixture, and explicit
+# plots (`lowbit plot`, comparison summaries) are drawn either way.
+os.environ.setdefault("LOWBIT_FIGURES", "0")
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Run folders draw their figures (loss.png, rl.png, qat.png), as they do for users."""
+    monkeypatch.setenv("LOWBIT_FIGURES", "1")
 
 
 # --- skips that CI must not take ----------------------------------------------------------------

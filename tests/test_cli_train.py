@@ -11,7 +11,7 @@ def test_default_train_command_writes_a_complete_run_folder(tmp_path, corpus_env
     proc = subprocess.run(
         [sys.executable, "-m", "lowbit.cli", "train", "--steps", "12", "--eval-every", "6",
          "--eval-batches", "2", "--diag-every", "6", "--out-dir", str(tmp_path / "runs"), "--no-progress"],
-        capture_output=True, text=True, env=corpus_env, timeout=600)
+        capture_output=True, text=True, env={**corpus_env, "LOWBIT_FIGURES": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "runs" / "tiny-tinyshakespeare-stable-fp4"
     # --no-progress: the start and done lines, no step or evaluation lines

@@ -547,7 +547,7 @@ def test_gsm8k_loads_and_its_reward_reads_the_final_number(corpus_env):
     assert task.problems(0, 0, 4) == task.problems(0, 0, 4)          # seeded draws from train
 
 
-def test_cli_rl_runs(tmp_path, capsys):
+def test_cli_rl_runs(tmp_path, capsys, figures):
     """`lowbit rl --quick` in this process (tests/test_robustness.py's table holds the bad flags)."""
     from lowbit.cli import main
 

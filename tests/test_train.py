@@ -389,7 +389,7 @@ def test_an_inexact_sync_free_fold_redoes_the_step_from_the_same_rng_state(tmp_p
 
 # --- run folder, plots, compare ---------------------------------------------------------------
 
-def test_run_folder_holds_config_metrics_events_plot_and_final(tmp_path):
+def test_run_folder_holds_config_metrics_events_plot_and_final(tmp_path, figures):
     config = make_config(tmp_path, log_every=2)
     result = run(config)
     folder = tmp_path / "run"
@@ -409,6 +409,15 @@ def test_run_folder_holds_config_metrics_events_plot_and_final(tmp_path):
     assert final["val_ppl"] == pytest.approx(math.exp(final["val_loss"]))
     assert result.train_losses[-1] < result.train_losses[0]  # it learns
 
+
+def test_with_figures_off_a_run_draws_none_and_lowbit_plot_draws_it_later(tmp_path, monkeypatch):
+    from lowbit.cli import main
+
+    monkeypatch.setenv("LOWBIT_FIGURES", "0")
+    run(make_config(tmp_path, run_name="quiet"))
+    assert (tmp_path / "quiet" / "final.json").is_file() and not (tmp_path / "quiet" / "loss.png").exists()
+    assert main(["plot", str(tmp_path / "quiet"), "--out", str(tmp_path / "later.png")]) in (0, None)
+    assert (tmp_path / "later.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 def test_without_tensorboard_the_run_logs_jsonl_only(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails

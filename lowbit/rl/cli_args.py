@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lowbit.config import add_flags, flag_values
 from lowbit.rl.config import MODEL_FOLDER_LR, RLConfig
@@ -115,4 +116,5 @@ def run_rl_command(args: argparse.Namespace) -> None:
               f"(seeds.png, summary.md)" + (f", {w4a16} (the same on the W4A16 evaluator)"
                                             if w4a16.is_dir() else ""))
     else:
-        print(f"run folder: {results[0].run_dir} (metrics.jsonl, rl.png, checkpoints/)")
+        figure = ", rl.png" if (Path(results[0].run_dir) / "rl.png").is_file() else ""
+        print(f"run folder: {results[0].run_dir} (metrics.jsonl{figure}, checkpoints/)")

@@ -51,9 +51,10 @@ from lowbit.train.checkpoint import (CheckpointError, CheckpointStore, check_sam
 from lowbit.train.config import TrainConfig
 from lowbit.train.job_record import JOB_FILE, JobRecord
 
-__all__ = ["RunDir", "SavedRun", "PLOT_EVERY_S", "LOCK_FILE"]
+__all__ = ["RunDir", "SavedRun", "PLOT_EVERY_S", "LOCK_FILE", "FIGURES_VARIABLE", "figures_on"]
 
 PLOT_EVERY_S = 60.0
+FIGURES_VARIABLE = "LOWBIT_FIGURES"
 LOCK_FILE = ".lowbit.lock"
 
 _FILES = ("config.json", JOB_FILE, "metrics.jsonl", "final.json", "loss.png")
@@ -347,8 +348,9 @@ class RunDir:
 
     def plot(self, force: bool = False, draw: Callable[[], None] | None = None) -> None:
         """Redraw loss.png from metrics.jsonl (matplotlib is imported only here), or call
-        draw() for a job's own figure; unless force, at most once every PLOT_EVERY_S seconds."""
-        if not force and time.monotonic() - self._plotted_at < PLOT_EVERY_S:
+        draw() for a job's own figure; unless force, at most once every PLOT_EVERY_S seconds;
+        never where figures are off (`figures_on`)."""
+        if not figures_on() or (not force and time.monotonic() - self._plotted_at < PLOT_EVERY_S):
             return
         if draw is None:
             from lowbit.train.plot import plot_runs
@@ -357,6 +359,13 @@ class RunDir:
         else:
             draw()
         self._plotted_at = time.monotonic()
+
+
+def figures_on() -> bool:
+    """Whether run folders get their figure (loss.png, rl.png, qat.png): yes unless
+    $LOWBIT_FIGURES is 0. A sweep of many runs, or a test suite, turns them off (matplotlib
+    takes 0.5-1 s a figure) and draws what it wants afterwards with `lowbit plot RUN ...`."""
+    return os.environ.get(FIGURES_VARIABLE, "1") != "0"
 
 
 def _differences(state: dict, config: RunConfig, job: JobRecord | None
