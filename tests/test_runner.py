@@ -81,7 +81,7 @@ def _records(folder: RunDir) -> list[dict]:
     return [json.loads(line) for line in (folder.path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_cadence_and_what_a_run_writes(tmp_path):
+def test_the_cadence_and_what_a_run_writes(tmp_path, figures):
     job = ToyJob()
     loop, folder = _loop(tmp_path, job, eval_every=4, checkpoint_every=4, log_every=2,
                          after_step_every=3)
@@ -99,7 +99,22 @@ def test_the_cadence_and_what_a_run_writes(tmp_path):
     assert checkpoint["step"] == 6 and checkpoint["done"] == 6
     assert set(checkpoint) >= {"version", "step", "config", "rng", "metrics", "wall_time_s"}
     assert json.loads((folder.path / "final.json").read_text()) == {"steps": 6}
-    assert job.draws == 2   # at the first checkpoint, and at the end
+    assert job.draws == 1   # at the end: the first redraw at a checkpoint comes a minute in
+
+
+@pytest.mark.parametrize("on, minutes, draws", [(True, 0.0, 1), (True, 1.01, 3), (False, 1.01, 0)])
+def test_a_run_redraws_its_figure_at_most_once_a_minute_and_at_the_end(tmp_path, monkeypatch, on, minutes,
+                                                                       draws):
+    import lowbit.train.run_dir as run_dir
+
+    monkeypatch.setenv("LOWBIT_FIGURES", "1" if on else "0")
+    clock = iter(range(10**6))   # each read of the clock `minutes` later than the one before
+    monkeypatch.setattr(run_dir.time, "monotonic", lambda: next(clock) * minutes * 60)
+    job = ToyJob()
+    # checkpoints at steps 4 and 6 (the end), each a redraw once a minute has passed; then the end's
+    loop, _ = _loop(tmp_path, job, checkpoint_every=4)
+    loop.run()
+    assert job.draws == draws
 
 
 def test_a_resume_starts_where_the_checkpoint_left_and_does_not_evaluate_again(tmp_path):
