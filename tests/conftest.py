@@ -23,6 +23,8 @@ import warnings
 import pytest
 import torch
 
+from lowbit.train.run_dir import FIGURES_VARIABLE
+
 pytest_plugins = ["pytester"]  # tests/test_strict.py runs tiny suites under this file
 
 # Triton kernels run under its CPU interpreter where there is no GPU; the variable must be set
@@ -36,13 +38,13 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # Run folders draw no figure of their own here (matplotlib's 0.5-1 s a figure was a fifth of
 # the suite): the tests of those figures turn them on with the `figures` fixture, and explicit
 # plots (`lowbit plot`, comparison summaries) are drawn either way.
-os.environ.setdefault("LOWBIT_FIGURES", "0")
+os.environ.setdefault(FIGURES_VARIABLE, "0")
 
 
 @pytest.fixture
 def figures(monkeypatch):
     """Run folders draw their figures (loss.png, rl.png, qat.png), as they do for users."""
-    monkeypatch.setenv("LOWBIT_FIGURES", "1")
+    monkeypatch.setenv(FIGURES_VARIABLE, "1")
 
 
 # --- skips that CI must not take ----------------------------------------------------------------

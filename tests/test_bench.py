@@ -222,7 +222,6 @@ def test_idle_gaps_merges_overlaps_and_sums_idle_time_by_neighbours():
     assert idle_gaps([])["idle_ms"] == 0
 
 
-
 def test_gpu_events_keep_kernels_named_with_a_lambda_and_leave_out_annotations():
     from types import SimpleNamespace
 

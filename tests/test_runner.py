@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_a_run_redraws_its_figure_at_most_once_a_minute_and_at_the_end(tmp_path,
 
     monkeypatch.setenv("LOWBIT_FIGURES", "1" if on else "0")
     clock = iter(range(10**6))   # each read of the clock `minutes` later than the one before
-    monkeypatch.setattr(run_dir.time, "monotonic", lambda: next(clock) * minutes * 60)
+    monkeypatch.setattr(run_dir, "time", SimpleNamespace(monotonic=lambda: next(clock) * minutes * 60))
     job = ToyJob()
     # checkpoints at steps 4 and 6 (the end), each a redraw once a minute has passed; then the end's
     loop, _ = _loop(tmp_path, job, checkpoint_every=4)

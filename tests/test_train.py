@@ -419,6 +419,7 @@ def test_with_figures_off_a_run_draws_none_and_lowbit_plot_draws_it_later(tmp_pa
     assert main(["plot", str(tmp_path / "quiet"), "--out", str(tmp_path / "later.png")]) in (0, None)
     assert (tmp_path / "later.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
 def test_without_tensorboard_the_run_logs_jsonl_only(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails
     run(make_config(tmp_path, progress=True))
