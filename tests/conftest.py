@@ -23,8 +23,6 @@ import warnings
 import pytest
 import torch
 
-from lowbit.train.run_dir import FIGURES_VARIABLE
-
 pytest_plugins = ["pytester"]  # tests/test_strict.py runs tiny suites under this file
 
 # Triton kernels run under its CPU interpreter where there is no GPU; the variable must be set
@@ -35,9 +33,12 @@ if not torch.cuda.is_available():
 # torchao warns about its CUDA extensions on CPU-only machines; that is expected here.
 warnings.filterwarnings("ignore", message=".*Failed to load.*")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# Run folders draw no figure of their own here (matplotlib's 0.5-1 s a figure was a fifth of
-# the suite): the tests of those figures turn them on with the `figures` fixture, and explicit
-# plots (`lowbit plot`, comparison summaries) are drawn either way.
+# Run folders draw no figure of their own here (matplotlib's 0.5-1 s a figure was half of the
+# suite): the tests of those figures turn them on with the `figures` fixture, and explicit
+# plots (`lowbit plot`, comparison summaries) are drawn either way. lowbit is imported only
+# now, after TRITON_INTERPRET is set: it imports triton.
+from lowbit.train.run_dir import FIGURES_VARIABLE  # noqa: E402
+
 os.environ.setdefault(FIGURES_VARIABLE, "0")
 
 
