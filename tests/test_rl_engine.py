@@ -409,7 +409,6 @@ def test_a_packed_sync_stores_the_same_bits_and_moves_fewer_bytes(precision, moe
         _engine(cfg, model).load_state_dict(packed)
 
 
-
 def test_a_packed_sync_takes_per_expert_checkpoints_biases_and_an_untied_head():
     # older Qwen3-MoE files keep experts one by one (fused before packing), Qwen2 has q/k/v
     # biases (never packed), an untied lm_head stays dense; a CPU source is not packed by sync
@@ -432,6 +431,19 @@ def test_a_packed_sync_takes_per_expert_checkpoints_biases_and_an_untied_head():
     want = direct.score(seqs)
     for engine in (packed, synced):
         assert all(torch.equal(a, b) for a, b in zip(want, engine.score(seqs)))
+
+
+@pytest.mark.gpu
+def test_an_engine_on_cuda_syncs_weights_on_its_own_card_without_packing_them_first(monkeypatch):
+    # device "cuda" names the card the trainer's tensors say "cuda:0" of: the same device, so
+    # sync quantizes on arrival instead of packing the whole model at the source
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=48)
+    model = build_model(cfg).cuda().eval()
+    engine = RolloutEngine(cfg, precision="nvfp4", device="cuda", max_batch_size=8)
+    assert engine.device == next(model.parameters()).device
+    monkeypatch.setattr(engine, "pack_state_dict", lambda sd: pytest.fail("packed on one card"))
+    engine.sync(model.state_dict())
+    assert engine.loaded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -69,6 +69,10 @@ class EngineConfig:
         self.precision, self.rac_ratio, self.activation_scale, self.rac_group = (
             mode.precision, mode.rac_ratio, mode.activation_scale, mode.rac_group)
         self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            # "cuda" as the tensors it holds will say it, so that a device comparison (a weight
+            # sync from the trainer's GPU: RolloutEngine.sync) sees the same card as the same
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = self.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {self.dtype}: the engine computes in float32, bfloat16 or float16")
