@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_paths import kernels_on_cpu
 
-from lowbit.models.moe import Experts, grouped_mm_supported
+from lowbit.models.moe import Experts, ExpertRows, gather_rows, grouped_mm_supported
 from lowbit.nn import QuantExperts
 from lowbit.ops.grouped import grouped_quant_linear, groups_exactly, row_tile
 from lowbit.recipes import get_recipe
@@ -116,8 +116,8 @@ def test_grouped_experts_compile_in_one_graph():
 class QuantPerExpert(QuantExperts):
     """The quantized reference: each expert's quant_linear in turn."""
 
-    def _experts_linear(self, x, weight, counts):
-        return self._per_expert_linear(x, weight, counts)
+    def _can_group(self, x, weight):
+        return False
 
 
 def _quantized_pair(name, seed=0):
@@ -139,11 +139,12 @@ def _run(module, base, x, index, w, seed):
 
 @pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4", "asymmetric-qat"])
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
-def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case):
+def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, unwritten_rows_are_nan):
     # round-to-nearest recipes without tensor scales on X and dY: every quantized operand is
     # the per-expert path's, bit for bit (32-row tiles never straddle two experts; NVFP4
     # weights, tensor-scaled, quantized expert by expert), and the grouped GEMMs agree to
-    # accumulation order -- here, on the CPU, exactly
+    # accumulation order -- here, on the CPU, exactly; the rows a grouped GEMM leaves
+    # unwritten (NaN here) reach nothing
     g = torch.Generator().manual_seed(5)
     base, grouped, reference, recipe = _quantized_pair(name)
     assert groups_exactly(recipe) and row_tile(recipe) == (1 if name == "asymmetric-qat" else 32)
@@ -175,7 +176,7 @@ def test_stochastic_rounding_draws_differently_but_alike_and_tensor_scales_stay_
     nvfp4 = get_recipe("nvfp4").linear_for("model.layers.1.mlp.experts", 4)
     assert not groups_exactly(nvfp4)
     with pytest.raises(ValueError, match="does not group exactly"):
-        grouped_quant_linear(x, base.gate_up_proj, torch.tensor([40, 0, 0, 0, 0, 0]), nvfp4)
+        grouped_quant_linear(x, base.gate_up_proj, torch.full((6,), 40, dtype=torch.int32), nvfp4)
 
 
 def test_training_flops_count_the_active_experts_only():
@@ -238,7 +239,7 @@ def test_fp8_stochastic_rounding_and_tiles_that_straddle_experts():
     for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="straddle two experts"):
-        grouped_quant_linear(x, base.gate_up_proj, torch.tensor([40, 0, 0, 0, 0, 0]), recipe)
+        grouped_quant_linear(x, base.gate_up_proj, torch.full((6,), 40, dtype=torch.int32), recipe)
 
 
 def test_fp8_grouped_nan_and_extreme_magnitudes():
@@ -349,25 +350,68 @@ def test_fp8_grouped_experts_on_cuda_equal_the_per_expert_loop(case):
 
 
 @pytest.mark.parametrize("gemm", ["emulated", "fp8"])
-def test_dropped_rows_take_no_part_whatever_they_hold(gemm):
-    # rows past sum(counts) are zeros in and out: a NaN there reaches neither the output nor,
-    # through a quantization spanning tokens (FP8's wgrad fold factors and NaN rows), dW
-    recipe = get_recipe("stable-fp4-nosr").linear_for("model.layers.1.mlp.experts", 4).with_gemm(gemm)
+def test_a_token_whose_slots_are_all_dropped_takes_no_part_whatever_it_holds(gemm):
+    # the layout's rows that hold no slot are zeros in and out: a NaN token routed nowhere
+    # reaches no other token's output, no dX but its own (zero) and, through a quantization
+    # spanning tokens (FP8's wgrad fold factors and NaN rows), no dW
+    base, grouped, _, _ = (_fp8_pair if gemm == "fp8" else _quantized_pair)("stable-fp4-nosr")
     g = torch.Generator().manual_seed(11)
-    weight = (torch.randn(4, 64, 64, generator=g) * 0.2).to(torch.bfloat16).requires_grad_(True)
-    counts = torch.tensor([10, 0, 12, 14])
     x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "uneven", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    index[0] = 6                                   # both of token 0's slots dropped
     clean = x.clone()
-    clean[36:] = 0
-    x[36:] = float("nan")
-    grads = []
-    for inputs in (x, clean):
-        inputs = inputs.clone().requires_grad_(True)
-        y = grouped_quant_linear(inputs, weight, counts, recipe)
-        grads.append((y, *torch.autograd.grad(y.float().square().sum(), [inputs, weight])))
-    (y, dx, dw), (y_clean, dx_clean, dw_clean) = grads
-    assert torch.equal(y, y_clean) and torch.equal(dw, dw_clean) and dw.isfinite().all()
-    assert torch.equal(dx, dx_clean) and not y[36:].any()
+    x[0] = float("nan")
+    (y, dx, dw_up, dw_down), (y_clean, dx_clean, *dw_clean) = [_run(grouped, base, t, index, w, 0)
+                                                             for t in (x, clean)]
+    assert torch.equal(y, y_clean) and not y[0].any() and not dx[0].any()
+    assert torch.equal(dx, dx_clean)
+    for got, want in zip((dw_up, dw_down), dw_clean):
+        assert got.isfinite().all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tile", [1, 32])
+def test_expert_rows_put_each_slot_in_its_experts_group_once(tile):
+    # the layout both projections run in: each kept slot on one row of its expert's group, in
+    # the tokens' order, every group starting at a multiple of the tile; source and slot_row
+    # inverse to each other; dropped slots nowhere; P rows fixed by the shapes alone
+    g = torch.Generator().manual_seed(15)
+    N, E, k = 50, 6, 2
+    index = _routing(N, E, k, "dropped slots", g)
+    index[10:30, 0] = 2                             # uneven, one expert over a tile
+    rows = ExpertRows.route(index, E, tile)
+    flat = index.reshape(-1)
+    R = N * k
+    assert rows.source.shape == ((R,) if tile == 1 else ((R + E * (tile - 1) + 15) // 16 * 16,))
+    assert torch.equal(rows.counts, torch.bincount(flat[flat < E], minlength=E))
+    ends = rows.ends.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    assert (starts % tile == 0).all() and (ends - starts >= rows.counts).all()
+    for s in range(R):
+        r = int(rows.slot_row[s])
+        if flat[s] == E:
+            assert r == -1
+            continue
+        e = int(flat[s])
+        assert starts[e] <= r < starts[e] + rows.counts[e] and rows.source[r] == s
+    assert int(rows.filled.sum()) == int((flat < E).sum())
+    for e in range(E):                              # the tokens' order within a group
+        group = rows.source[int(starts[e]):int(starts[e] + rows.counts[e])]
+        assert (group.diff() > 0).all() and (flat[group] == e).all()
+
+
+def test_gather_rows_gradient_equals_the_scatter_add_it_replaces():
+    g = torch.Generator().manual_seed(16)
+    N, k, C = 7, 3, 5
+    x = torch.randn(N, C, generator=g, requires_grad=True)
+    rows = ExpertRows.route(torch.randint(0, 5, (N, k), generator=g), 4, tile=4)   # 4: dropped
+    out = gather_rows(x, rows.source, rows.slot_row, copies=k)
+    valid = rows.filled[:, None]
+    want = torch.where(valid, x.repeat_interleave(k, 0)[rows.source.clamp(min=0)], 0)
+    cotangent = torch.randn(out.shape, generator=g)
+    got_grad, = torch.autograd.grad(out, x, cotangent)
+    want_grad, = torch.autograd.grad(want, x, cotangent)
+    assert torch.equal(out, want)
+    torch.testing.assert_close(got_grad, want_grad)
 
 
 def test_fold_inexact_adapt_moves_an_experts_module_off_the_fp8_path(fold_kernels):

@@ -11,20 +11,25 @@ So `state_dict()` keys and shapes are Hugging Face's: one converter serves both 
 Hugging Face expert weights load into `Experts` unchanged.
 
 The experts' GEMMs run grouped: the routed (token, expert) slots are sorted by expert once
-per layer, and each projection (gate|up, down) is one `torch._grouped_mm` over all experts
-(cuBLAS's grouped GEMM on Hopper, what torchtitan trains experts with), with the group sizes
-computed on the device, so a step needs no host read-back and can compile and be captured.
+per layer into a layout of rows (`ExpertRows`: each expert's rows together, a quantized
+subclass's groups padded to its blocks' length along the tokens), the tokens gathered into it
+once, both projections computed in it, and the outputs gathered back once (`gather_rows`,
+whose gradients are gathers as well: no atomic scatter-adds). Each projection (gate|up, down)
+is one `torch._grouped_mm` over all experts (cuBLAS's grouped GEMM on Hopper, what torchtitan
+trains experts with), with the group sizes computed on the device, so a step needs no host
+read-back and can compile and be captured.
 Where the grouped GEMM cannot run (a dtype or device it lacks, widths not a multiple of 16
 bytes) or a subclass says so (`_can_group`), each expert runs its own GEMM in turn
 (`_expert_linear`): the reference the grouped path is tested against. Quantized experts
-(lowbit.nn.QuantExperts) subclass `Experts` and override `_expert_linear` (and `_can_group`),
-the one place an expert's weight meets its input; routing, the gather/scatter of tokens and
-the weighting stay here, written once.
+(lowbit.nn.QuantExperts) subclass `Experts` and override `_expert_linear` (and `_can_group`,
+`_row_tile`, `_grouped_linear`), the places an expert's weight meets its input; routing, the
+layout, the gathers of tokens and the weighting stay here, written once.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,84 @@ class TopKRouter(nn.Module):
         return router_logits, top_k_weights.to(router_logits.dtype), top_k_index
 
 
+class ExpertRows(NamedTuple):
+    """Where each routed slot's row lies in the experts' grouped layout: expert e's rows from
+    ends[e - 1] to ends[e], each group starting at a multiple of a row tile (the gaps between
+    groups, and the rows past the last, hold no slot). A slot is one (token, choice) pair,
+    numbered token * k + choice."""
+
+    source: torch.Tensor
+    """(P,) int64: the slot each row holds, -1 where it holds none."""
+    slot_row: torch.Tensor
+    """(N*k,) int64: each slot's row, -1 for a dropped slot (expert index == E)."""
+    ends: torch.Tensor
+    """(E,) int32: each expert's group's end row (a multiple of the tile)."""
+    counts: torch.Tensor
+    """(E,) int64: the slots each expert takes."""
+
+    @property
+    def filled(self) -> torch.Tensor:
+        """(P,) bool: the rows that hold a slot."""
+        return self.source >= 0
+
+    @staticmethod
+    def route(top_k_index: torch.Tensor, num_experts: int, tile: int = 1) -> ExpertRows:
+        """The layout of top_k_index's (N, k) slots, computed on the device with no host
+        read-back (its size depends on the shapes only): one stable sort by expert, so an
+        expert's slots keep the tokens' order. tile 1: P = N*k rows, the groups back to back;
+        a larger tile: P = N*k + E * (tile - 1), rounded up to a multiple of 16 (16-byte
+        strides for FP8 operands with the tokens along K)."""
+        flat = top_k_index.reshape(-1)                                   # (R,) expert of each slot
+        R, E = flat.shape[0], num_experts
+        order = torch.argsort(flat, stable=True)                         # slots sorted by expert
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+        # the group sizes by a scatter-add on the device (torch.bincount reads its maximum back)
+        counts = counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.long))[:E]
+        padded = (counts + tile - 1) // tile * tile
+        ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
+        size = R if tile == 1 else (R + E * (tile - 1) + 15) // 16 * 16
+        expert = flat[order].long()                                      # (R,) E for dropped
+        kept = expert < E
+        e = expert.clamp(max=E - 1)
+        i = torch.arange(R, device=flat.device)
+        row = torch.where(kept, (padded_ends - padded)[e] + i - (ends - counts)[e], size)
+        # dropped slots all land on row `size`, one past the layout, cut off
+        source = torch.full((size + 1,), -1, dtype=torch.long, device=flat.device)
+        source = source.scatter_(0, row, torch.where(kept, order, -1))[:size]
+        slot_row = torch.empty_like(order).scatter_(0, order, torch.where(kept, row, -1))
+        return ExpertRows(source, slot_row, padded_ends.to(torch.int32), counts)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """Rows of x repeated `copies` times each (row j as rows j * copies ... j * copies +
+    copies - 1), gathered by index: out[i] = that repetition's row index[i], a zero row where
+    index[i] < 0. The index takes each repeated row at most once; `inverse` (the repeated
+    rows' length) is its inverse: where each went, -1 where nowhere. The gradient is a gather
+    too (by `inverse`, then each row's copies summed), not a scatter-add: no atomics, and a
+    copy that went nowhere adds nothing."""
+    return _GatherRows.apply(x, index, inverse, copies)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.where((index >= 0)[:, None], x[index.clamp(min=0)], 0)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse, copies):
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return _take(x, index.div(copies, rounding_mode="floor"))    # -1 stays -1
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        dx = _take(grad, inverse)
+        if ctx.copies > 1:
+            dx = dx.view(-1, ctx.copies, dx.shape[-1]).sum(dim=1)
+        return dx, None, None, None
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stored as 3D tensors; each token's output is the weighted sum of its
     top-k experts' outputs."""
@@ -84,6 +167,15 @@ class Experts(nn.Module):
         whether its own grouped path takes them."""
         return grouped_mm_supported(x, weight)
 
+    def _groups(self, x: torch.Tensor) -> bool:
+        """Both projections run grouped for input x (or like x: its device and dtype)."""
+        return all(self._can_group(x, w) for w in (self.gate_up_proj, self.down_proj))
+
+    def _row_tile(self) -> int:
+        """Rows each expert's group of the grouped layout starts at a multiple of (1: no gaps); a
+        quantized subclass pads each group to its blocks' length along the tokens."""
+        return 1
+
     def runs_grouped(self, device: torch.device, bf16_autocast: bool) -> bool:
         """A step on `device` (under bf16 autocast, or in the weights' dtype) runs both
         projections grouped, reading nothing back to the host, so it can be captured in a
@@ -92,29 +184,26 @@ class Experts(nn.Module):
         autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16_autocast
                     else contextlib.nullcontext())
         with autocast:
-            return all(self._can_group(torch.empty(0, w.shape[-1], dtype=w.dtype, device=device), w)
-                       for w in (self.gate_up_proj, self.down_proj))
+            return self._groups(torch.empty(0, self.hidden_dim, dtype=self.gate_up_proj.dtype, device=device))
 
-    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Every expert's GEMM on its rows: x (R, in) sorted by expert, counts (E,) rows each on
-        the device (rows past their sum: dropped slots, left out) -> (R, out). One grouped GEMM,
-        or each expert's own `_expert_linear` in turn."""
-        if self._can_group(x, weight):
-            x, weight = _autocast(x, weight)
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-        return self._per_expert_linear(x, weight, counts)
+    def _grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Every expert's GEMM in one grouped GEMM: x (P, in) in the grouped layout (expert e's
+        rows from ends[e - 1] to ends[e], int32 on the device) -> (P, out); rows past ends[-1]
+        are left unwritten."""
+        x, weight = _autocast(x, weight)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
 
     def _per_expert_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`_experts_linear` as the reference computes it: one host read-back of the counts,
-        then `_expert_linear` for each expert that has rows."""
+        """The reference: one host read-back of the counts, then `_expert_linear` for each
+        expert that has rows, on x (R, in) sorted by expert, no gaps (rows past sum(counts):
+        zeros out)."""
         pieces, start = [], 0
         for expert_idx, count in enumerate(counts.tolist()):
             if count:
                 pieces.append(self._expert_linear(x[start:start + count], weight, expert_idx))
             start += count
         out = torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
-        if start < x.shape[0]:   # dropped slots
+        if start < x.shape[0]:   # rows that hold no slot
             out = torch.cat([out, out.new_zeros(x.shape[0] - start, out.shape[1])])
         return out
 
@@ -126,27 +215,26 @@ class Experts(nn.Module):
         parallelism) and contributes nothing.
         """
         N, k = top_k_index.shape
-        flat_index = top_k_index.reshape(-1)  # (N*k,) expert of each routed slot
-        # the slots grouped by expert with one stable sort; the group sizes by a scatter-add on
-        # the device (torch.bincount would read the maximum back to the host)
-        order = torch.argsort(flat_index, stable=True)  # (N*k,)
-        token_of_slot = order // k  # (N*k,) which token each sorted slot belongs to
-        weight_of_slot = top_k_weights.reshape(-1)[order]  # (N*k,)
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat_index.device)
-        counts = counts.scatter_add_(0, flat_index.long(), torch.ones_like(flat_index, dtype=torch.long))
-        counts = counts[: self.num_experts]
-        # dropped slots (sorted last, past every group) take no part, in either direction: a
-        # grouped GEMM leaves their rows unwritten
-        kept = (flat_index[order] < self.num_experts)[:, None]  # (N*k, 1)
-        x = torch.where(kept, hidden_states[token_of_slot], 0.0)  # (N*k, C)
-        gate, up = self._experts_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)  # (N*k, F)
-        y = self._experts_linear(F.silu(gate) * up, self.down_proj, counts)  # (N*k, C)
-        # masked before the routing weight multiplies it: a dropped row's value (unwritten by
-        # a grouped GEMM, maybe NaN) must not reach that weight's gradient either
-        y = torch.where(kept, y, 0.0) * weight_of_slot[:, None]
-        out = torch.zeros_like(hidden_states)  # (N, C)
-        # each token's k slots add in expert order (the sort's)
-        return out.index_add_(0, token_of_slot, y.to(out.dtype))
+        grouped = self._groups(hidden_states)
+        rows = ExpertRows.route(top_k_index, self.num_experts, self._row_tile() if grouped else 1)
+        # each routed (token, choice) slot's input at its row of the layout; rows that hold no
+        # slot (gaps, dropped slots) are zeros
+        x = gather_rows(hidden_states, rows.source, rows.slot_row, copies=k)           # (P, C)
+        if grouped:
+            def project(t, weight):
+                return self._grouped_linear(t, weight, rows.ends)
+        else:
+            def project(t, weight):
+                return self._per_expert_linear(t, weight, rows.counts)
+        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)                     # (P, F)
+        # rows that hold no slot are zeroed: a grouped GEMM leaves rows past its groups
+        # unwritten, and nothing they hold may reach the next projection's quantization
+        h = torch.where(rows.filled[:, None], F.silu(gate) * up, 0.0)
+        y = gather_rows(project(h, self.down_proj), rows.slot_row, rows.source)        # (N*k, C)
+        # each token's k slots weighted and summed in the order of its choices; a dropped
+        # slot's row is zero, so neither its output nor its routing weight's gradient sees it
+        out = (y.view(N, k, -1) * top_k_weights[..., None]).sum(dim=1)
+        return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

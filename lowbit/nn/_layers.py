@@ -10,7 +10,7 @@ from torch import nn
 
 from lowbit.models.moe import Experts, grouped_mm_supported
 from lowbit.ops.gemms import WeightOperandCache, compilable
-from lowbit.ops.grouped import groups_exactly, grouped_quant_linear
+from lowbit.ops.grouped import grouped_quant_linear, groups_exactly, row_tile
 from lowbit.ops.linear import quant_linear
 from lowbit.recipes import LinearRecipe
 
@@ -106,15 +106,19 @@ class QuantExperts(Experts):
         return grouped_mm_supported(x, weight) and (recipe is None
                                                     or groups_exactly(recipe, tuple(weight.shape)))
 
-    def _experts_linear(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _row_tile(self) -> int:
+        # each expert's rows padded to the longest block or tile along the tokens, so no block
+        # holds two experts' rows (lowbit.ops.grouped)
+        recipe = self._active_recipe()
+        return 1 if recipe is None else row_tile(recipe)
+
+    def _grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None:
-            return super()._experts_linear(x, weight, counts)
-        if self._can_group(x, weight):
-            which = "gate_up_proj" if weight is self.gate_up_proj else "down_proj"
-            layer = f"{self.layer_name}.{which}" if self.layer_name else ""
-            return grouped_quant_linear(x, weight, counts, recipe, self.weight_cache, layer)
-        return self._per_expert_linear(x, weight, counts)
+            return super()._grouped_linear(x, weight, ends)
+        which = "gate_up_proj" if weight is self.gate_up_proj else "down_proj"
+        layer = f"{self.layer_name}.{which}" if self.layer_name else ""
+        return grouped_quant_linear(x, weight, ends, recipe, self.weight_cache, layer)
 
     def extra_repr(self) -> str:
         recipe = self.linear_recipe.describe() if self.linear_recipe else "high precision"

@@ -1,7 +1,7 @@
 """Every expert's quantized GEMMs at once: the MoE counterpart of lowbit.ops.linear's emulated
 Function, on grouped GEMMs (torch._grouped_mm).
 
-    y = grouped_quant_linear(x, weight, counts, recipe)   # x (R, in) sorted by expert, counts (E,)
+    y = grouped_quant_linear(x, weight, ends, recipe)   # x (P, in) in the experts' layout, ends (E,)
 
 The per-expert reference (lowbit.nn.QuantExperts' `_expert_linear`) quantizes each expert's
 operands on their own: its rows of X and dY, and its own weight matrix. Here every operand is
@@ -11,10 +11,11 @@ where it is not:
   quantized alone (tiles and blocks lie within a matrix) when no tensor scale spans the stack;
   a tensor-scaled weight format (NVFP4) is quantized expert by expert (E calls, no host
   read-back: the shapes are the weight's);
-- the routed rows are laid out with each expert's rows starting at a multiple of `row_tile`
-  (the largest block or tile any X or dY operand has along the tokens), zero rows between, so
-  no block or tile holds two experts' rows, and a partial tile's zero rows quantize as the
-  per-expert tensor's edge does.
+- the routed rows come laid out with each expert's rows starting at a multiple of `row_tile`
+  (the largest block or tile any X or dY operand has along the tokens), zero rows between
+  (lowbit.models.moe.ExpertRows, made once per MoE layer for both projections), so no block or
+  tile holds two experts' rows, and a partial tile's zero rows quantize as the per-expert
+  tensor's edge does.
 So recipes whose token-spanning operands (X, dY) carry no tensor scale group (`groups_exactly`):
 the MX family (mxfp4, stable-fp4 and its variants), and weight-only recipes of any format
 (QUADS' asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rounding that draws
@@ -25,8 +26,8 @@ distribution as the per-expert path, not the same draws. The three GEMMs:
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
     wgrad  dW_e = dY_e^T X_e one grouped GEMM, 2D x 2D, the groups along the tokens
 
-The group sizes stay on the device (no host read-back) and the padded layout has a fixed size
-(R + E * (row_tile - 1) rows, rounded up to 16), so nothing in the layer waits on the host;
+The group ends stay on the device (no host read-back) and the layout has a fixed size, so
+nothing in the layer waits on the host;
 under torch.compile it runs eagerly (a graph break), as lowbit.ops.linear's stochastically
 rounding recipes do.
 
@@ -91,73 +92,35 @@ def row_tile(r: LinearRecipe) -> int:
     return max(sides, default=1)
 
 
-def _layout(counts: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(each sorted row's position in the padded layout (R,), the groups' padded ends (E,)
-    int32, the layout's rows, a multiple of 8). Rows past sum(counts) (dropped slots) go to the
-    last row, which no group reaches."""
-    padded = (counts + tile - 1) // tile * tile
-    ends = torch.cumsum(counts, 0)
-    padded_ends = torch.cumsum(padded, 0)
-    i = torch.arange(rows, device=counts.device)
-    expert = torch.searchsorted(ends, i, right=True)                     # (R,), E for dropped
-    kept = expert < counts.shape[0]
-    e = expert.clamp(max=counts.shape[0] - 1)
-    size = (rows + counts.shape[0] * (tile - 1) + 1 + 15) // 16 * 16   # 16-byte strides in FP8
-    position = torch.where(kept, (padded_ends - padded)[e] + i - (ends - counts)[e], size - 1)
-    return position, padded_ends.to(torch.int32), size
-
-
-def _spread(t: torch.Tensor, position: torch.Tensor, size: int) -> torch.Tensor:
-    """t's rows at their padded positions, zeros elsewhere: the dropped rows, all sent to the
-    last row, are zeroed there, so that whatever they hold never reaches a quantization that
-    spans tokens (a fold factor or NaN flag of the wgrad operands). Copied in place: an
-    out-of-place index_copy would copy the zeros once more."""
-    out = t.new_zeros(size, t.shape[1])
-    out.index_copy_(0, position, t)
-    out[-1] = 0
-    return out
-
-
-def _gather(out: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """A grouped GEMM's output (its padded layout's rows) back at the sorted rows: the dropped
-    rows, sent to the last row, which no group writes, come back zero. `out` is the GEMM's own
-    result, so its last row is zeroed in place (one row, not a mask over every row)."""
-    out[-1] = 0
-    return out[position]
-
-
 class GroupedQuantLinearFunction(torch.autograd.Function):
     """The three emulated GEMMs of every expert (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe: LinearRecipe, w_f=None):
-        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert; w_f:
-        # the quantized weight, if held already (lowbit.ops.gemms.WeightOperandCache)
-        position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
-        xp = _spread(x, position, size)
-        x_f = operand(xp, recipe.fprop_x, reduce_dim=1)                  # blocks along in
+    def forward(ctx, x, weight, ends, recipe: LinearRecipe, w_f=None):
+        # x: (P, in) in the experts' layout; weight: (E, out, in); ends: (E,) int32 group ends;
+        # w_f: the quantized weight, if held already (lowbit.ops.gemms.WeightOperandCache)
+        x_f = operand(x, recipe.fprop_x, reduce_dim=1)                   # blocks along in
         if w_f is None:
             w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)         # blocks along in
-        y = _gather(torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends), position)
+        y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)
         # what the backward reuses: the quantized copies where 2D tiles share them
-        x_saved = x_f if shared(recipe.fprop_x, recipe.wgrad_x) else xp
+        x_saved = x_f if shared(recipe.fprop_x, recipe.wgrad_x) else x
         w_saved = w_f if shared(recipe.fprop_w, recipe.dgrad_w) else weight
-        ctx.save_for_backward(x_saved, w_saved, position, ends)
-        ctx.recipe, ctx.size = recipe, size
+        ctx.save_for_backward(x_saved, w_saved, ends)
+        ctx.recipe = recipe
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w_saved, position, ends = ctx.saved_tensors
+        x_saved, w_saved, ends = ctx.saved_tensors
         r = ctx.recipe
         dx = dw = None
-        dyp = _spread(dy, position, ctx.size)
-        dy_d = operand(dyp, r.dgrad_dy, reduce_dim=1)                    # blocks along out
+        dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)                     # blocks along out
         if ctx.needs_input_grad[0]:
             w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else _weights(w_saved, r.dgrad_w, reduce_dim=1)
-            dx = _gather(torch._grouped_mm(dy_d, w_d, offs=ends), position)
+            dx = torch._grouped_mm(dy_d, w_d, offs=ends)
         if ctx.needs_input_grad[1]:
-            dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dyp, r.wgrad_dy, reduce_dim=0)
+            dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
             x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
             dw = torch._grouped_mm(dy_w.mT, x_w, offs=ends)               # (E, out, in)
         return dx, dw, None, None, None
@@ -170,37 +133,34 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
     forward where square tiles share it and a backward will use it."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, recipe: LinearRecipe, grad: bool, layer: str = ""):
-        # x: (R, in) sorted by expert; weight: (E, out, in); counts: (E,) rows per expert;
+    def forward(ctx, x, weight, ends, recipe: LinearRecipe, grad: bool, layer: str = ""):
+        # x: (P, in) in the experts' layout; weight: (E, out, in); ends: (E,) int32 group ends;
         # layer: the name its folds are watched and observed under ("": unnamed)
         experts, out_features, in_features = weight.shape
-        position, ends, size = _layout(counts, x.shape[0], row_tile(recipe))
         keep_x_t, _ = kept_operands(recipe, False, grad and ctx.needs_input_grad[1])
         check = ctx.fold_check = active_fold_check(x.device)
         ctx.watch, ctx.observer = active_watch(), active_observer()
         ctx.layer = layer
         with folding_for(layer, ctx.watch, ctx.observer):
-            fx, fx_t = fold_for_gemm("X", _spread(x, position, size), recipe.fprop_x, keep_x_t, check,
-                                     segment_ends=ends)
+            fx, fx_t = fold_for_gemm("X", x, recipe.fprop_x, keep_x_t, check, segment_ends=ends)
             fw, _ = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
                                   recipe.fprop_w, check=check)                 # blocks along in
             y = grouped_fp4_gemm_fp8(fx, fw, ends, "rows", out_dtype=x.dtype,
                                      use_fast_accum="fprop" in recipe.fast_accum)
         ctx.x_w = fx_t
-        ctx.save_for_backward(x if fx_t is None else None, weight, position, ends)
-        ctx.recipe, ctx.size = recipe, size
-        return _gather(y, position)
+        ctx.save_for_backward(x if fx_t is None else None, weight, ends)
+        ctx.recipe = recipe
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, position, ends = ctx.saved_tensors
+        x, weight, ends = ctx.saved_tensors
         r, check = ctx.recipe, ctx.fold_check
         need_dx, need_dw = ctx.needs_input_grad[:2]
         experts, out_features, in_features = weight.shape
         dx = dw = None
         with folding_for(ctx.layer, ctx.watch, ctx.observer):
-            dyp = _spread(dy, position, ctx.size)
-            fdy, fdy_t = fold_for_gemm("dY", dyp, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
+            fdy, fdy_t = fold_for_gemm("dY", dy, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
                                        check, segment_ends=ends)                # blocks along out
             if need_dx:
                 # dX = dY W_e: B = W_e^T (in, out) stacked, blocks along out
@@ -208,12 +168,11 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                 fw_d, _ = fold_for_gemm("W", w_t, r.dgrad_w, check=check)
                 dx = grouped_fp4_gemm_fp8(fdy, fw_d, ends, "rows", out_dtype=dy.dtype,
                                           use_fast_accum="dgrad" in r.fast_accum)
-                dx = _gather(dx, position)
             if need_dw:
                 # dW_e = dY_e^T X_e: A = dY^T (out, P), B = X^T (in, P), blocked along the tokens
-                dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dyp.mT, r.wgrad_dy, check=check)[0]
+                dy_w = fdy_t if fdy_t is not None else fold_for_gemm("dY", dy.mT, r.wgrad_dy, check=check)[0]
                 x_w = ctx.x_w if ctx.x_w is not None else fold_transposed(
-                    "X", _spread(x, position, ctx.size), r.fprop_x, r.wgrad_x, check, ends)
+                    "X", x, r.fprop_x, r.wgrad_x, check, ends)
                 dw = grouped_fp4_gemm_fp8(dy_w, x_w, ends, "k", out_dtype=dy.dtype,
                                           use_fast_accum="wgrad" in r.fast_accum)
         ctx.x_w = ctx.fold_check = ctx.watch = ctx.observer = None
@@ -221,16 +180,20 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
 
 
 @torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
-def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                          recipe: LinearRecipe, cache: WeightOperandCache | None = None,
                          layer: str = "") -> torch.Tensor:
-    """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (R, in) sorted
-    by expert (counts[e] rows each, on the device; rows past their sum, zeros out and in), weight
-    (E, out, in) -> (R, out). The recipe must group exactly (`groups_exactly`); under autocast
-    the operands are cast to its dtype first, as quant_linear casts them. torch._grouped_mm
-    takes bf16 with in and out multiples of 8. cache: where an emulated recipe's round-to-nearest
-    forward weight is kept while `weight` is unchanged (lowbit.ops.gemms.WeightOperandCache; the
-    same values); FP8 recipes fold their weights afresh, as quant_linear's do."""
+    """Every expert's y_e = x_e @ weight[e]^T with the recipe's quantized GEMMs: x (P, in) in
+    the experts' layout (lowbit.models.moe.ExpertRows: expert e's rows from ends[e - 1] to
+    ends[e], each group starting at a multiple of `row_tile(recipe)`; ends (E,) int32 on the
+    device), weight (E, out, in) -> (P, out). Rows that hold no token (a group's padding, the
+    rows past ends[-1]) must be zeros, in x and in the gradient that comes back; the output's
+    rows past ends[-1] are left unwritten. The recipe must group exactly (`groups_exactly`);
+    under autocast the operands are cast to its dtype first, as quant_linear casts them.
+    torch._grouped_mm takes bf16 with in and out multiples of 8. cache: where an emulated
+    recipe's round-to-nearest forward weight is kept while `weight` is unchanged
+    (lowbit.ops.gemms.WeightOperandCache; the same values); FP8 recipes fold their weights
+    afresh, as quant_linear's do."""
     if not groups_exactly(recipe, tuple(weight.shape)):
         raise ValueError(f"recipe {recipe.describe()} does not group exactly on a {tuple(weight.shape)} "
                          "weight (a tensor scale, the Hadamard transform, or FP8 GEMMs with tiles "
@@ -239,9 +202,9 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     x, weight, _ = autocast_operands(x, weight, None)
     if recipe.gemm is Gemm.FP8:
         with torch.autocast(x.device.type, enabled=False):
-            return GroupedQuantLinearFP8Function.apply(x, weight, counts, recipe, torch.is_grad_enabled(),
+            return GroupedQuantLinearFP8Function.apply(x, weight, ends, recipe, torch.is_grad_enabled(),
                                                        layer)
     w_f = None if cache is None else cache.get(
         master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):
-        return GroupedQuantLinearFunction.apply(x, weight, counts, recipe, w_f)
+        return GroupedQuantLinearFunction.apply(x, weight, ends, recipe, w_f)
