@@ -219,7 +219,9 @@ class Experts(nn.Module):
         rows = ExpertRows.route(top_k_index, self.num_experts, self._row_tile() if grouped else 1)
         # each routed (token, choice) slot's input at its row of the layout; rows that hold no
         # slot (gaps, dropped slots) are zeros
-        x = gather_rows(hidden_states, rows.source, rows.slot_row, copies=k)           # (P, C)
+        # in the autocast dtype before the gather (the GEMMs cast to it anyway): half the bytes
+        # moved, and under torch.compile the cast and the gather are one kernel
+        x = gather_rows(_autocast(hidden_states), rows.source, rows.slot_row, copies=k)  # (P, C)
         if grouped:
             def project(t, weight):
                 return self._grouped_linear(t, weight, rows.ends)
@@ -261,13 +263,14 @@ def _hopper_or_later(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def _autocast(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and weight in the autocast dtype where autocast is on (torch._grouped_mm is not on
-    its cast lists; F.linear is)."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        return x.to(dtype), weight.to(dtype)
-    return x, weight
+def _autocast(*tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype where autocast is on (torch._grouped_mm is not on
+    its cast lists; F.linear is), as they are where it is off."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        tensors = tuple(t.to(dtype) for t in tensors)
+    return tensors if len(tensors) > 1 else tensors[0]
 
 
 def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
