@@ -560,7 +560,7 @@ def test_compiled_decode_equals_eager_and_survives_weight_sync():
     model = build_model(cfg).eval()
     compiled, eager = _engine(cfg, model, compile_decode=True), _engine(cfg, model)
     params = SamplingParams(max_new_tokens=6, seed=3)
-    frames = counters["frames"]["total"]
+    graphs = counters["stats"]["unique_graphs"]
     for sync in range(2):
         a, b = compiled.generate(PROMPTS, params), eager.generate(PROMPTS, params)
         assert torch.equal(a.completions, b.completions)
@@ -570,7 +570,7 @@ def test_compiled_decode_equals_eager_and_survives_weight_sync():
                 p.add_(torch.randn_like(p) * 0.05)
         compiled.load_state_dict(model.state_dict())
         eager.load_state_dict(model.state_dict())
-    assert counters["frames"]["total"] == frames + 1        # compiled once, for batch 4
+    assert counters["stats"]["unique_graphs"] == graphs + 1   # compiled once, for batch 4
     with pytest.raises(ValueError, match="compile_decode needs a dense model"):
         RolloutEngine(_model(True)[0], compile_decode=True)
     with pytest.raises(ValueError, match="captures its own CUDA graphs"):

@@ -199,6 +199,46 @@ def test_cuda_graph_decode_equals_eager_decode_on_the_kernels(precision, rac, mo
     assert torch.equal(again.completions, graphed.generate(PROMPTS, params).completions)
 
 
+@pytest.mark.parametrize("precision,rac,packed", [("bf16", 0.0, False), ("nvfp4", 0.25, True)])
+def test_a_compiled_step_on_the_kernels_decodes_what_the_eager_step_decodes(precision, rac, packed):
+    # compile_decode on the kernels: each kernel call one operator of the compiled graph
+    # (lowbit.kernels.engine_ops), Inductor fusing what lies between; float32 (on the GPU too),
+    # so the two differ by accumulation order at most and greedy decoding picks the same tokens
+    cfg, model = _model(False)
+    kw = dict(dtype=torch.float32, decode_kernels=True, packed_gemm=packed)
+    compiled = _engine(cfg, model, precision, rac, compile_decode=True, **kw)
+    eager = _engine(cfg, model, precision, rac, **kw)
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    a, b = compiled.generate(KERNEL_PROMPTS, params), eager.generate(KERNEL_PROMPTS, params)
+    assert compiled.compile_decode and compiled.graph_note is None    # compiled, not fallen back
+    assert torch.equal(a.completions, b.completions)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,rac,packed", [("bf16", 0.0, False), ("nvfp4", 0.25, True)])
+def test_a_compiled_step_on_the_kernels_keeps_a_row_its_own(precision, rac, packed):
+    # in CUDA graphs, float32: the compiled step against the eager one, sampled; and a row alone
+    # (batch bucket 1: the one-row GEMMs) against the row in a batch of four (the tiled GEMMs
+    # and, for bf16, cuBLAS), greedy
+    cfg, model = _model(False, seed=3)
+    kw = dict(dtype=torch.float32, packed_gemm=packed)
+    compiled = _engine(cfg, model, precision, rac, compile_decode=True, **kw)
+    eager = _engine(cfg, model, precision, rac, **kw)
+    params = SamplingParams(max_new_tokens=12, seed=3)
+    a, b = compiled.generate(PROMPTS, params), eager.generate(PROMPTS, params)
+    assert compiled.decode_kernels and compiled.cuda_graph
+    assert compiled.compile_decode and compiled.graph_note is None
+    assert torch.equal(a.completions, b.completions)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    batch, alone = compiled.generate(PROMPTS, greedy), compiled.generate(PROMPTS[1:2], greedy)
+    assert compiled.graph_note is None and {1, 4} <= set(compiled._graphs)
+    assert torch.equal(alone.completions[0], batch.completions[1][:alone.completions.shape[1]])
+    torch.testing.assert_close(alone.logprobs[0], batch.logprobs[1][:alone.logprobs.shape[1]],
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.gpu
 def test_engine_decode_with_pdl_equals_without():
     cfg, model = _model(False)
@@ -215,5 +255,7 @@ def test_engine_decode_with_pdl_equals_without():
 
 def test_engine_refuses_kernels_where_they_do_not_apply():
     cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
-    with pytest.raises(ValueError, match="decode_kernels=False"):
-        RolloutEngine(cfg, decode_kernels=True, compile_decode=True, device=DEV)
+    both = RolloutEngine(cfg, decode_kernels=True, compile_decode=True, device=DEV)
+    assert both.decode_kernels and both.compile_decode        # a compiled step on the kernels
+    with pytest.raises(ValueError, match="compile_decode needs a dense model"):
+        RolloutEngine(_model(True)[0], decode_kernels=True, compile_decode=True, device=DEV)

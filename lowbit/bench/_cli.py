@@ -147,9 +147,9 @@ def add_rollout_bench(sub) -> None:
     o.add_argument("--repeats", type=int, default=3, help="timed calls per row, median (default: 3)")
     o.add_argument("--no-generate", action="store_true", help="skip transformers' generate rows")
     o.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                   help="also time every mode with its plain-PyTorch decode step compiled "
-                        "(torch.compile; without the decode kernels, which it would replace; "
-                        "dense models only; MODE: default or max-autotune-no-cudagraphs)")
+                   help="also time every mode with its decode step compiled (torch.compile; "
+                        "on the decode kernels where they run, each kernel one operator; dense "
+                        "models only; MODE: default or max-autotune-no-cudagraphs)")
     o.add_argument("--decode-kernels", choices=("auto", "on", "off", "both"), default="auto",
                    help="run the engine on lowbit's Triton inference kernels, at every batch size "
                         "and in every mode: auto is the engine's default (on CUDA), both times "

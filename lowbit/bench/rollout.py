@@ -16,9 +16,9 @@ of the whole generate - time of a one-token generate), the decode loop alone; to
 batch * new_tokens / time of the whole generate (prefill included); medians of --repeats.
 Rows: the engine in every precision mode (bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 + RAC), on
 lowbit's Triton inference kernels where it runs them (on CUDA by default: `<mode>, decode
-kernels`; --decode-kernels both: with and without), with --compile also its plain-PyTorch
-decode step compiled (`<mode> compiled`: never on the kernels, which replace that step; dense
-models only); then `generate` with its dynamic and static cache (a static cache the model
+kernels`; --decode-kernels both: with and without), with --compile also its decode step
+compiled by torch.compile (`<mode> compiled[, decode kernels]`: on the kernels, each kernel call
+one operator and Inductor fusing the PyTorch operations between them; dense models only); then `generate` with its dynamic and static cache (a static cache the model
 kind cannot run is skipped in one note).
 
 The bandwidth limit
@@ -422,8 +422,8 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), *, batch_sizes=(1,
 
     decode_kernels: "auto" (the engine's default: on CUDA, its Triton inference kernels),
     "on", "off", or "both" (each mode with and without them; a row on them is labelled
-    `<mode>, decode kernels`). compile_decode: also a `<mode> compiled` row per mode, its
-    plain-PyTorch decode step compiled (dense models only). Returns {"rows" (each engine row
+    `<mode>, decode kernels`). compile_decode: also a `<mode> compiled` row per mode and kernel
+    setting, its decode step compiled (dense models only). Returns {"rows" (each engine row
     with bytes_per_step, and of_limit where the bandwidth was measured), "weight_bytes",
     "gpu_weight_bytes" (per mode), "head_bytes", "kv_bytes_per_token",
     "bandwidth_bytes_per_s", "params_total", "params_active", "decode_step_ops", "profiles"
@@ -483,9 +483,8 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), *, batch_sizes=(1,
     if compile_modes and config.is_moe:
         note("compiled rows: skipped (the engine compiles a dense model's decode step only)")
         compile_modes = ()
-    # a compiled step is the plain-PyTorch one, which the kernels replace: never both
-    runs = [run for mode in modes for run in
-            [(mode, False, kernels) for kernels in choices] + [(mode, c, False) for c in compile_modes]]
+    runs = [(mode, compiled, kernels) for mode in modes for compiled in (False, *compile_modes)
+            for kernels in choices]
     bandwidth = result["bandwidth_bytes_per_s"]
     for mode, compiled, kernels in runs:
         precision, rac, group, packed = MODES[mode]

@@ -33,7 +33,7 @@ from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 
 __all__ = ["use_inference_kernels", "linear", "quantize_activations", "fp8_linear",
            "decode_attention", "rotary", "grouped_linear", "expert_groups", "prologue",
-           "DENSE_KERNEL_MAX_ROWS"]
+           "prepare_weights", "DENSE_KERNEL_MAX_ROWS"]
 
 DENSE_KERNEL_MAX_ROWS = 1
 """A dense weight with more rows than this multiplies on cuBLAS: the kernel's one-row tile
@@ -45,6 +45,29 @@ def use_inference_kernels(x: torch.Tensor, allowed: bool = True) -> bool:
     """The inference kernels run on x: allowed, triton able to run them on x's device (see the
     module doc), the reference not forced."""
     return allowed and not reference_forced() and kernels.kernels_available(x)
+
+
+def _kernels(module):
+    """The kernels' module, or while torch.compile traces a step, lowbit.kernels.engine_ops: the
+    same functions as custom operators, each kept whole in the compiled graph (that module says
+    why)."""
+    if torch.compiler.is_compiling():
+        from lowbit.kernels import engine_ops
+        return engine_ops
+    return module
+
+
+def prepare_weights(weights: list[LinearWeight], use_kernels: bool = True) -> None:
+    """Make now what the kernels make of a weight on first use (an NVFP4 weight's tiles,
+    LinearWeight.tiles) and what the reference keeps (a dense weight's reference_values, the
+    weight itself): before a step is compiled, whose trace must find them made, not make them
+    at every call."""
+    for weight in weights:
+        if weight.format is WeightStorage.NVFP4 and use_inference_kernels(weight.data, use_kernels):
+            from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
+            weight.tiles(nvfp4_tiles_triton)
+        elif weight.format is WeightStorage.DENSE:
+            weight.reference_values()
 
 
 def prologue(x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -75,8 +98,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
                 and weight.in_features > activation_quant.MAX_K):
             # rows longer than the activation pass holds: the NVFP4 kernel's prologue in torch
             x, norm, silu_mul = prologue(x, norm, eps, silu_mul), None, False
-        return engine_linear.linear(x, weight, bias, x2=x2, norm=norm, eps=eps, silu_mul=silu_mul,
-                                    residual=residual, pdl=pdl)
+        return _kernels(engine_linear).linear(x, weight, bias, x2=x2, norm=norm, eps=eps,
+                                              silu_mul=silu_mul, residual=residual, pdl=pdl)
     y = _gemm(prologue(x, norm, eps, silu_mul), x2, weight.reference_values())
     if bias is not None:
         y = y + bias
@@ -135,9 +158,9 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     if use_inference_kernels(x, use_kernels):
         from lowbit.kernels import activation_quant
         if k <= activation_quant.MAX_K:   # longer rows than one program holds: the reference
-            return activation_quant.quantize_activations(x, mode, rac_ratio, norm=norm, eps=eps,
-                                                         silu_mul=silu_mul, input_amax=input_amax,
-                                                         rac_group=rac_group)
+            return _kernels(activation_quant).quantize_activations(
+                x, mode, rac_ratio, norm=norm, eps=eps, silu_mul=silu_mul, input_amax=input_amax,
+                rac_group=rac_group)
     xp = prologue(x, norm, eps, silu_mul)
     if mode == "fp8":
         return reference_activations.per_token_fp8(xp)
@@ -177,9 +200,9 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     attention over the row's positions 0..p (lowbit.kernels.decode_attention). The reference
     attends over the whole cache with a mask: the fixed shapes a compiled step needs."""
     if use_inference_kernels(qkv, use_kernels):
-        from lowbit.kernels.decode_attention import decode_attention as kernel
-        return kernel(qkv, k_cache, v_cache, positions, cos, sin_signed, n_heads, n_kv_heads,
-                      qk_norm=qk_norm, eps=eps, pdl=pdl)
+        from lowbit.kernels import decode_attention as kernel
+        return _kernels(kernel).decode_attention(qkv, k_cache, v_cache, positions, cos, sin_signed,
+                                                 n_heads, n_kv_heads, qk_norm=qk_norm, eps=eps, pdl=pdl)
     B = qkv.shape[0]
     H, KV, D = n_heads, n_kv_heads, k_cache.shape[-1]
     qkv = qkv.view(B, H + 2 * KV, D)

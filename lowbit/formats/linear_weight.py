@@ -229,6 +229,30 @@ class LinearWeight:
             self._make_tiles = make
         return self._tiles
 
+    def flatten(self) -> tuple[list[torch.Tensor | None], tuple[str, int, bool]]:
+        """The weight as six tensors (data, block scales, row scales, and its NVFP4 tiles'
+        words, scales and row scales, None where there are none) and three constants (format,
+        in_features, may_saturate): how it crosses the boundary of a custom operator
+        (lowbit.kernels.engine_ops), whose arguments are tensors and plain values.
+        `unflatten` makes it again with what was made from it on first use (its saturation,
+        its tiles), so nothing is read or made a second time."""
+        t = self._tiles
+        tiles = [None] * 3 if t is None else [t.words, t.scales, t.row_scales]
+        return ([self.data, self.block_scales, self.row_scales, *tiles],
+                (self.format.value, self.in_features, self.may_saturate))
+
+    @classmethod
+    def unflatten(cls, tensors: list[torch.Tensor | None], constants: tuple[str, int, bool],
+                  dtype: torch.dtype) -> LinearWeight:
+        """flatten's inverse: the same tensors (not copies) in a new LinearWeight."""
+        data, block_scales, row_scales, words, tile_scales, tile_row_scales = tensors
+        storage, in_features, saturates = constants
+        weight = cls(WeightStorage(storage), data, block_scales, row_scales, in_features, dtype)
+        weight._saturates = saturates
+        if words is not None:
+            weight._tiles = NVFP4Tiles(words, tile_scales, tile_row_scales, data.shape[-2], in_features)
+        return weight
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(.., N, K) in `dtype` (default the compute dtype), rounded once from float32 (see the
         module doc); dense weights come back as they are (cast if asked)."""

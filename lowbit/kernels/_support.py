@@ -18,14 +18,21 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-@functools.cache
+_TRITON_IMPORTABLE: bool | None = None
+
+
 def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+    # cached by hand, not functools.cache: a compiled rollout step (lowbit.kernels.engine_ops)
+    # traces this, and Dynamo warns at a cache wrapper it traces through
+    global _TRITON_IMPORTABLE
+    if _TRITON_IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _TRITON_IMPORTABLE = True
+        except Exception:
+            _TRITON_IMPORTABLE = False
+    return _TRITON_IMPORTABLE
 
 
 def kernels_available(x: torch.Tensor) -> bool:

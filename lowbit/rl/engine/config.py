@@ -34,8 +34,10 @@ class EngineConfig:
     cuda_graph: bool | None = None
     """Replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)."""
     compile_decode: bool | str = False
-    """torch.compile the decode step of the plain-PyTorch path (decode_kernels off): True for
-    the default mode, or a mode of COMPILE_MODES."""
+    """torch.compile the decode step: True for the default mode, or a mode of COMPILE_MODES.
+    On the inference kernels (decode_kernels) each kernel call stays one operator and Inductor
+    fuses the PyTorch operations between them (lowbit.kernels.engine_ops); without them the
+    whole plain-PyTorch step is compiled."""
     packed_gemm: bool = False
     """The NVFP4 modes' GEMMs read the packed weights (re-laid at sync as tiles,
     lowbit.formats.nvfp4_tiles; 0.5625 bytes a parameter, decoded in registers by
@@ -98,10 +100,7 @@ class EngineConfig:
             raise ValueError("decode_kernels needs triton and a CUDA device (or TRITON_INTERPRET=1 "
                              "on the CPU, which is slow)")
         if self.decode_kernels is None:
-            self.decode_kernels = self.device.type == "cuda" and available and not self.compile_decode
-        if self.compile_decode and self.decode_kernels:
-            raise ValueError("compile_decode compiles the plain-PyTorch decode step; the inference "
-                             "kernels replace it: pass decode_kernels=False with it")
+            self.decode_kernels = self.device.type == "cuda" and available
         # the kernels group MoE experts on the device; the PyTorch path reads counts back
         graphable = self.device.type == "cuda" and (self.decode_kernels or not model.is_moe)
         if self.cuda_graph is None:

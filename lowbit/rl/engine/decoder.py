@@ -93,6 +93,15 @@ class Decoder:
             x = self._mlp(i, layer, x, positions[:, None], pdl)
         return inference.linear(x, self.lm_head, norm=w.norm, eps=eps, pdl=pdl, **kw)
 
+    def prepare(self) -> None:
+        """Make what the GEMMs make of their weights on first use (inference.prepare_weights),
+        before the decode step is compiled: its trace must find it made."""
+        w = self.weights
+        gemm = [lin.gemm_weight for layer in w.layers
+                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                if lin is not None]
+        inference.prepare_weights(gemm + [self.lm_head], self.use_kernels)
+
     def _mlp(self, i: int, layer: EngineLayer, x: torch.Tensor, positions: torch.Tensor,
              pdl: bool = False) -> torch.Tensor:
         """x + MLP(post_attention_layernorm(x)), x (..., C); an MoE layer records each token's

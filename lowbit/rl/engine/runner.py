@@ -306,13 +306,15 @@ class RolloutEngine:
 
     def _decode_step(self):
         """The decoder's decode step, compiled with compile_decode (the weights and the cache
-        are inputs of the compiled graph, never baked in, so a weight sync does not recompile)."""
+        are inputs of the compiled graph, never baked in, so a weight sync does not recompile;
+        one graph a batch-size bucket, fullgraph: a step that does not trace whole fails here,
+        and _graph falls back to the eager step)."""
         if not self.compile_decode:
             return self.decoder.decode
         if self._compiled_decode is None:
-            # inductor without its own CUDA graphs: the engine captures the step itself
-            mode = None if self.compile_decode in (True, "default") else self.compile_decode
-            self._compiled_decode = torch.compile(self.decoder.decode, dynamic=False, mode=mode)
+            self.decoder.prepare()
+            self._compiled_decode = torch.compile(self.decoder.decode, dynamic=False, fullgraph=True,
+                                                  options=compile_options(self.compile_decode))
         return self._compiled_decode
 
     def _graph(self, batch: int) -> _DecodeGraph | None:
@@ -320,13 +322,31 @@ class RolloutEngine:
         if bucket not in self._graphs:
             try:
                 self._graphs[bucket] = _DecodeGraph(self._decode_step(), bucket, self.device)
-            except Exception as e:   # noqa: BLE001 -- any capture failure: run eagerly
-                what = "CUDA-graph decode" + (" and compile_decode" if self.compile_decode else "")
-                self.cuda_graph = self.compile_decode = False
-                self._compiled_decode = None
-                self.graph_note = f"{what} turned off: capture failed ({e})"
+            except Exception as e:   # noqa: BLE001 -- any compile or capture failure
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                if self.compile_decode:      # the eager step, still in CUDA graphs
+                    self.compile_decode, self._compiled_decode = False, None
+                    self.graph_note = f"compile_decode turned off: {type(e).__name__}: {first}"
+                    return self._graph(batch)
+                self.cuda_graph = False
+                self.graph_note = ((self.graph_note + "; ") if self.graph_note else "") + \
+                    f"CUDA-graph decode turned off: capture failed ({type(e).__name__}: {first})"
                 return None
         return self._graphs[bucket]
+
+
+def compile_options(mode: bool | str) -> dict:
+    """torch.compile's Inductor options for a compile_decode mode: the mode's own (never its
+    CUDA graphs: the engine captures the step itself), and where this torch has it
+    emulate_precision_casts, so that a fused kernel rounds to the compute dtype where the eager
+    ops round (RMSNorm's output before its weight multiplies, SiLU's before up's), as lowbit's
+    kernels do."""
+    import torch._inductor.config as inductor_config
+    options = {} if mode in (True, "default") else dict(torch._inductor.list_mode_options(mode))
+    options.pop("triton.cudagraphs", None)
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        options["emulate_precision_casts"] = True
+    return options
 
 
 class _DecodeGraph:
