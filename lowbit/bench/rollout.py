@@ -18,8 +18,9 @@ Rows: the engine in every precision mode (bf16, fp8, nvfp4-w4a16, nvfp4, nvfp4 +
 lowbit's Triton inference kernels where it runs them (on CUDA by default: `<mode>, decode
 kernels`; --decode-kernels both: with and without), with --compile also its decode step
 compiled by torch.compile (`<mode> compiled[, decode kernels]`: on the kernels, each kernel call
-one operator and Inductor fusing the PyTorch operations between them; dense models only); then `generate` with its dynamic and static cache (a static cache the model
-kind cannot run is skipped in one note).
+one operator and Inductor fusing the PyTorch operations between them; dense models only);
+then `generate` with its dynamic and static cache (a static cache the model kind cannot run is
+skipped in one note).
 
 The bandwidth limit
 -------------------

@@ -15,7 +15,9 @@ Triton's interpreter, which is how the CPU tests run the engine on its kernels) 
 reference is not forced (`force_reference()`, LOWBIT_FORCE_REFERENCE=1); everything else takes
 the reference. (The engine allows them on CUDA by default and on the CPU only when asked.) One
 exception is made for speed, not numerics: a dense (bf16) weight with more than one row on
-CUDA goes to cuBLAS (DENSE_KERNEL_MAX_ROWS says why).
+CUDA goes to cuBLAS (DENSE_KERNEL_MAX_ROWS says why). While torch.compile traces a step, the
+kernels are called as custom operators (lowbit.kernels.engine_ops: the same functions, each one
+opaque node of the graph), and `prepare_weights` makes beforehand what they make on first use.
 
 The references are the engine's eager decoder, op by op: every prologue, GEMM and epilogue
 rounds to the compute dtype where the kernels do, so the two agree up to accumulation order.

@@ -22,7 +22,6 @@ being compiled (the eager path calls the kernels directly: an operator's dispatc
 time that an uncaptured eager step would pay at every call).
 """
 
-from typing import Optional
 
 import torch
 
@@ -72,10 +71,10 @@ def _second_output(x: Tensor, mode: str, rac_ratio: float, silu_mul: bool) -> bo
 # ---- the operators --------------------------------------------------------------------------------
 
 @torch.library.custom_op("lowbit::engine_linear", mutates_args=())
-def _engine_linear(x: Tensor, data: Tensor, block_scales: Optional[Tensor], row_scales: Optional[Tensor],
-                   tile_words: Optional[Tensor], tile_scales: Optional[Tensor],
-                   tile_row_scales: Optional[Tensor], bias: Optional[Tensor], x2: Optional[Tensor],
-                   norm: Optional[Tensor], residual: Optional[Tensor], storage: str, in_features: int,
+def _engine_linear(x: Tensor, data: Tensor, block_scales: Tensor | None, row_scales: Tensor | None,
+                   tile_words: Tensor | None, tile_scales: Tensor | None,
+                   tile_row_scales: Tensor | None, bias: Tensor | None, x2: Tensor | None,
+                   norm: Tensor | None, residual: Tensor | None, storage: str, in_features: int,
                    saturates: bool, eps: float, silu_mul: bool, pdl: bool) -> Tensor:
     from lowbit.kernels import engine_linear
     weight = LinearWeight.unflatten(
@@ -92,7 +91,7 @@ def _(x, data, block_scales, row_scales, tile_words, tile_scales, tile_row_scale
 
 
 @torch.library.custom_op("lowbit::quantize_activations", mutates_args=())
-def _quantize_activations(x: Tensor, norm: Optional[Tensor], input_amax: Optional[Tensor], mode: str,
+def _quantize_activations(x: Tensor, norm: Tensor | None, input_amax: Tensor | None, mode: str,
                           rac_ratio: float, eps: float, silu_mul: bool,
                           rac_group: int) -> tuple[Tensor, Tensor]:
     from lowbit.kernels import activation_quant
@@ -114,7 +113,7 @@ def _(x, norm, input_amax, mode, rac_ratio, eps, silu_mul, rac_group):
 
 @torch.library.custom_op("lowbit::decode_attention", mutates_args=("k_cache", "v_cache"))
 def _decode_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor,
-                      cos: Tensor, sin_signed: Tensor, qk_norm: Optional[Tensor], n_heads: int,
+                      cos: Tensor, sin_signed: Tensor, qk_norm: Tensor | None, n_heads: int,
                       n_kv_heads: int, eps: float, pdl: bool) -> Tensor:
     from lowbit.kernels.decode_attention import decode_attention as kernel
     return kernel(qkv, k_cache, v_cache, positions, cos, sin_signed, n_heads, n_kv_heads,
