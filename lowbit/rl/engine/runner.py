@@ -313,8 +313,17 @@ class RolloutEngine:
             return self.decoder.decode
         if self._compiled_decode is None:
             self.decoder.prepare()
-            self._compiled_decode = torch.compile(self.decoder.decode, dynamic=False, fullgraph=True,
-                                                  options=compile_options(self.compile_decode))
+            compiled = torch.compile(self.decoder.decode, dynamic=False, fullgraph=True,
+                                     options=compile_options(self.compile_decode))
+            # Dynamo keeps at most recompile_limit graphs of one function (8 by default) for
+            # every engine in the process together, fewer than one engine's buckets up to 128
+            limit = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                     else "cache_size_limit")
+
+            def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                with torch._dynamo.config.patch(**{limit: COMPILED_STEPS_MAX}):
+                    return compiled(tokens, positions)
+            self._compiled_decode = step
         return self._compiled_decode
 
     def _graph(self, batch: int) -> _DecodeGraph | None:
@@ -333,6 +342,11 @@ class RolloutEngine:
                     f"CUDA-graph decode turned off: capture failed ({type(e).__name__}: {first})"
                 return None
         return self._graphs[bucket]
+
+
+COMPILED_STEPS_MAX = 256
+"""Compiled decode steps (one a batch-size bucket and engine) a process keeps before a new one
+fails to compile (and _graph falls back to the eager step)."""
 
 
 def compile_options(mode: bool | str) -> dict:
