@@ -51,18 +51,23 @@ def lowbit(*args: str) -> list[str]:
     return [sys.executable, "-m", "lowbit", *args]
 
 
-def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
+def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str, str]:
     """'WEIGHTS/ESTIMATOR/SEED[/OPTION...]' -> (its QATConfig, the seed, its own learning rate or
-    None for --qat-lr, a run name); the options are lowbit.qat.parse_qat_spec's (kK, epsE,
-    probe|dither|both, elem, upd, learned, mse, kd[A]) and lrX (this setting's peak LR, e.g. lr7e-5)."""
+    None for --qat-lr, a run name, its optimizer); the options are lowbit.qat.parse_qat_spec's
+    (kK, epsE, probe|dither|both, elem|group, upd|grad, learned, mse, kd[A]), lrX (this
+    setting's peak LR, e.g. lr7e-5) and sgd (SGD with momentum 0.9 instead of AdamW: lowbit qat
+    --optimizer sgd; give it its own lrX)."""
     parts = text.strip().split("/")
     if len(parts) < 3 or not parts[2].isdigit():
         raise ValueError(f"setting {text!r}: write WEIGHTS/ESTIMATOR/SEED[/OPTION...], e.g. "
                          "int2:g64/jacquant/0/elem")
     lr = None
     options = []
+    optimizer = "adamw"
     for option in parts[3:]:
-        if option.startswith("lr"):
+        if option == "sgd":
+            optimizer = "sgd"
+        elif option.startswith("lr"):
             try:
                 lr = float(option[2:])
             except ValueError:
@@ -74,7 +79,7 @@ def parse_setting(text: str) -> tuple[QATConfig, int, float | None, str]:
     except ValueError as e:
         raise ValueError(f"setting {text!r}: {e}") from None
     name = "-".join([parts[0].replace(":", ""), parts[1], *parts[3:], f"s{parts[2]}"])
-    return config, int(parts[2]), lr, name
+    return config, int(parts[2]), lr, name, optimizer
 
 
 def same_quantizer(a: QATConfig, b: QATConfig) -> bool:
@@ -92,33 +97,33 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
       reached), its gap to BF16 and to the bf16 control of its seed, B's first and last
       statistics, and its whole curve (`evals`: [step, val loss]) and code flips (`code_flips`:
       [step, fraction changed since the record before]) for the raw data;
-    - gap_ratios: each non-STE (or other-LR STE) run's gap to control over that of STE at
-      --qat-lr with the same quantizer and seed (`ratio`), and over the best STE arm of that
-      quantizer and seed, whatever its LR (`best_ste`, `ratio_best`): a method is only as good
-      as the tuned baseline it beats;
+    - gap_ratios: each non-STE (or other-LR STE) run's gap to control over that of STE with the
+      same quantizer, seed and optimizer, at --qat-lr (AdamW) or the run's own LR (SGD)
+      (`ratio`), and over the best STE arm of that quantizer, seed and optimizer, whatever its
+      LR (`best_ste`, `ratio_best`): a method is only as good as the tuned baseline it beats;
     - gaps_by_step: every run's gap to its control at each evaluation step all runs reached;
     - code_flips_at: {"step": the last flip record every int run reached, "flips": per run the
       flips a weight by then}, so that runs stopped at different steps compare at one."""
     bf16 = baselines.get("bf16")
     records = {}
-    for config, seed, lr, name in settings:
+    for config, seed, lr, name, optimizer in settings:
         runs_of = sorted(qat_dir.glob(f"{name}-*"))
         # read_metrics drops a torn last line: a run stopped at the deadline may leave one
         records[name] = (read_metrics(runs_of[0]) if runs_of and (runs_of[0] / "metrics.jsonl").is_file()
                          else [])
     reached = {}
-    for config, seed, lr, name in settings:
+    for config, seed, lr, name, optimizer in settings:
         steps = [r["step"] for r in records[name] if r["event"] == "eval"]
         if steps and max(steps) > 0:
             reached[name] = max(steps)
     common = min(reached.values()) if reached else None   # every run that trained got this far
     failed = {}
-    for config, seed, lr, name in settings:
+    for config, seed, lr, name, optimizer in settings:
         if name not in reached:
             log = None if logs is None else logs / f"{name}.log"
             failed[name] = log.read_text()[-1500:] if log is not None and log.is_file() else "no log"
     rows = []
-    for config, seed, lr, name in settings:
+    for config, seed, lr, name, optimizer in settings:
         recs = records[name]
         evals = [r for r in recs if r["event"] == "eval" and (common is None or r["step"] <= common)]
         ev = evals[-1] if evals and name in reached else None
@@ -127,7 +132,7 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
         def b_stats(r):
             return {k: v for k, v in r.items() if k.startswith("b/") and k.count("/") == 1}
         rows.append({"setting": name, "weights": config.weights, "estimator": config.estimator,
-                     "seed": seed, "lr": lr or qat_lr, "config": config.to_dict(),
+                     "seed": seed, "lr": lr or qat_lr, "optimizer": optimizer, "config": config.to_dict(),
                      "flags": config_flags(config),
                      "step": ev and ev["step"], "val_loss": ev and ev["val_loss"],
                      "gap": (ev["val_loss"] - bf16) if ev and bf16 is not None else None,
@@ -149,10 +154,11 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
         if r["weights"] == "bf16" or r["gap_control"] is None or (r["estimator"] == "ste" and r["lr"] == qat_lr):
             continue
         mine = QATConfig.from_dict(r["config"])
+        # STE under the same optimizer: at --qat-lr under AdamW, at the run's own LR under SGD
         stes = [x for x in rows if x["estimator"] == "ste" and x["seed"] == r["seed"]
-                and x["gap_control"] is not None and x is not r
+                and x["gap_control"] is not None and x is not r and x["optimizer"] == r["optimizer"]
                 and same_quantizer(QATConfig.from_dict(x["config"]), mine)]
-        ste = next((x for x in stes if x["lr"] == qat_lr), None)
+        ste = next((x for x in stes if x["lr"] == (qat_lr if r["optimizer"] == "adamw" else r["lr"])), None)
         best = min(stes, key=lambda x: x["gap_control"], default=None)
         if ste and ste["gap_control"] > 0:
             ratios.append({"run": r["setting"], "ste": ste["setting"],
@@ -285,10 +291,11 @@ def main() -> None:
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
               "--out-dir", str(qat_dir), "--no-progress"]
-    for config, seed, lr, name in settings:
+    for config, seed, lr, name, optimizer in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
             lowbit(*common, *config_flags(config), "--seeds", str(seed), "--lr", str(lr or args.qat_lr),
+                   "--optimizer", optimizer,
                    "--no-baselines", "--run-name", name),
             env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.time() + args.qat_minutes * 60
@@ -301,7 +308,7 @@ def main() -> None:
     # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
     # to the QAT runs' on the device
     baseline_procs = []
-    for weights in sorted({config.weights for config, _, _, _ in settings}):
+    for weights in sorted({config.weights for config, *_ in settings}):
         log = open(out / f"baselines-{weights.replace(':', '')}.log", "w")
         baseline_procs.append(subprocess.Popen(
             lowbit(*common, "--lr", str(args.qat_lr), "--weights", weights, "--baselines-only", "--run-name",

@@ -556,6 +556,55 @@ def test_a_run_saved_before_fold_inexact_existed_resumes_as_redo(tmp_path):
         "fold_inexact: 'redo' -> 'round'"]
 
 
+def test_sgd_with_momentum_trains_resumes_exactly_and_is_what_torch_sgd_does(tmp_path):
+    # --optimizer sgd: torch.optim.SGD with heavy-ball momentum over the same parameter groups
+    # (weight decay on matrices only, as an L2 term); its momentum buffers are checkpointed, so
+    # a crash and resume gives the uninterrupted run's losses exactly; runs saved before the
+    # field existed were AdamW's and resume as such
+    from lowbit.train.build import build_optimizer
+
+    whole = run(make_config(tmp_path, run_name="whole", max_steps=8, checkpoint_every=4,
+                            optimizer="sgd", momentum=0.9, lr=0.05))
+    assert whole.train_losses[-1] < whole.train_losses[0]
+
+    def crash_at_step_6(model, batch, step):
+        if step == 6:
+            raise Crash()
+        return {}
+
+    cut = make_config(tmp_path, run_name="cut", max_steps=8, checkpoint_every=4, diag_every=1,
+                      optimizer="sgd", momentum=0.9, lr=0.05)
+    with pytest.raises(Crash):
+        run(cut, diagnostics_fn=crash_at_step_6)
+    assert "momentum_buffer" in str(load_checkpoint(checkpoint_path(tmp_path / "cut"))["optimizer"])
+    assert run(cut, init_seed=99, resume=True).train_losses == whole.train_losses
+
+    config = make_config(tmp_path, optimizer="sgd", momentum=0.5, weight_decay=0.1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, config, torch.device("cpu"))
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    saved = make_config(tmp_path).to_dict()
+    del saved["optimizer"], saved["momentum"]
+    assert make_config(tmp_path).changed_fields(saved) == []
+    assert config.changed_fields(saved)[-2:] == ["momentum: 0.9 -> 0.5", "optimizer: 'adamw' -> 'sgd'"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer", "sgd", "--momentum", "1.5"], "momentum must be in [0, 1)"),
+    (["--optimizer", "adam"], "invalid choice: 'adam'"),
+])
+def test_bad_optimizer_settings_are_refused_in_one_line(tmp_path, flags, message, capsys):
+    from lowbit.cli import main
+    try:
+        code = main(["train", "--steps", "1", "--out-dir", str(tmp_path), *flags])
+    except SystemExit as e:          # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) <= 3
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_step_takes_any_batch_of_rows_in_its_own_type():
     """TrainStep's batch is a tuple of tensors sharing their rows (RL passes a NamedTuple of
     token ids, log-probs and advantages): micro-batches keep the batch's type and its None

@@ -52,7 +52,7 @@ from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_atomic
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
-from lowbit.train.config import FINE_TUNE_LR, TrainConfig, resolve_device
+from lowbit.train.config import FINE_TUNE_LR, OPTIMIZERS, TrainConfig, resolve_device
 from lowbit.train.job_record import JobRecord
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
@@ -107,6 +107,12 @@ class QATJob:
     warmup_steps: int = field(default=10, metadata=flag("--warmup-steps", "default: %(default)s"))
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
+    optimizer: str = field(default="adamw", metadata=flag(
+        "--optimizer", "adamw, or sgd with --momentum (where JacQuant's B on the gradient, "
+        "jacquant/grad, scales each weight's step; AdamW divides it out) (default: %(default)s)",
+        choices=OPTIMIZERS))
+    momentum: float = field(default=0.9, metadata=flag(
+        "--momentum", "SGD's momentum (default: %(default)s)"))
     batch_size: int | None = field(default=None, metadata=flag(
         "--batch-size", "default: the source run's"))
     eval_every: int = field(default=50, metadata=flag("--eval-every", "default: %(default)s"))
@@ -310,7 +316,8 @@ def run_config(source: TrainConfig, seed: int, job: QATJob, name: str,
     fields = dict(
         recipe="bf16", seed=seed, max_steps=job.steps, max_tokens=None, lr=lr * lr_multiplier,
         warmup_steps=min(job.warmup_steps, job.steps),
-        min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay,
+        min_lr_ratio=job.min_lr_ratio, weight_decay=job.weight_decay, optimizer=job.optimizer,
+        momentum=job.momentum,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
         device=job.device, out_dir=job.out_dir, run_name=name, progress=job.progress,
         compile=False, cuda_graph=False, dropout=0.0)
@@ -326,9 +333,10 @@ def job_record(qat: QATConfig, source_path: Path, fingerprint: str | None) -> Jo
                      init_fingerprint=fingerprint)
 
 
-def _label(qat: QATConfig, lr_multiplier: float = 1.0) -> str:
+def _label(qat: QATConfig, lr_multiplier: float = 1.0, optimizer: str = "adamw") -> str:
     """The arm's name in tables and run folders: the estimator and what sets it apart."""
     suffix = "" if not qat.distill else "+kd" if qat.distill == 1 else f"+kd{qat.distill:g}"
+    suffix += "" if optimizer == "adamw" else f"+{optimizer}"
     suffix += "" if lr_multiplier == 1 else f"+lrx{lr_multiplier:g}"
     if qat.format.grid == "bf16":
         return "control" + suffix
@@ -358,7 +366,7 @@ def run_qat(job: QATJob) -> dict:
     # Every run's config is built (and so validated) before the first one trains.
     plans = []   # (qat, seed, its TrainConfig, its label)
     for qat, multiplier in zip(job.configs, job.lr_multipliers):
-        label = _label(qat, multiplier)
+        label = _label(qat, multiplier, job.optimizer)
         for seed in job.seeds:
             # a seed other than the default names its run (two commands' seeds keep their folders)
             name = _slug(f"{base_name}-{qat.weights}-{label}") + (f"-s{seed}" if tuple(job.seeds) != (0,) else "")

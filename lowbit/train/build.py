@@ -188,12 +188,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: StepConfig | TrainConfig, device: torch.device,
-                    sharded: bool = False) -> torch.optim.AdamW:
-    """AdamW over param_groups, at config's lr, betas and weight_decay (a StepConfig's, or a
-    TrainConfig's: the same fields): fused on CUDA, except over FSDP's DTensor parameters
-    (`sharded`), which take the foreach implementation."""
-    return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
-                             betas=config.betas, fused=device.type == "cuda" and not sharded)
+                    sharded: bool = False) -> torch.optim.Optimizer:
+    """The config's optimizer over param_groups (a StepConfig's, or a TrainConfig's: the same
+    fields): AdamW at its lr, betas and weight_decay, or SGD at its lr and momentum, the weight
+    decay as an L2 term; fused on CUDA, except over FSDP's DTensor parameters (`sharded`),
+    which take the foreach implementation."""
+    groups = param_groups(model, config.weight_decay)
+    fused = device.type == "cuda" and not sharded
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, fused=fused)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused)
 
 
 def seed_everything(seed: int) -> None:

@@ -51,6 +51,9 @@ FIELDS_FREE_ON_RESUME = frozenset(
 # started from) is not here but in its job record, with its own rules (lowbit.train.job_record).
 FIELDS_ADDED_LATER = {"fold_inexact": "redo"}
 
+OPTIMIZERS = ("adamw", "sgd")
+"""The optimizers a run may take (TrainConfig.optimizer; lowbit.train.build.build_optimizer)."""
+
 FINE_TUNE_LR = 2e-5
 """The learning rate a trained model (a Hugging Face folder, or a run trained from one) is
 fine-tuned at when none is given -- `lowbit train --model PATH`, and `lowbit qat` from such a
@@ -150,6 +153,16 @@ class TrainConfig(RunConfig):
         "--betas", "AdamW betas as two comma-separated numbers (default: %(default)s)",
         type=str, metavar="NAME"))
     """AdamW (beta1, beta2)."""
+    optimizer: str = field(default="adamw", metadata=flag(
+        "--optimizer", "adamw, or sgd: SGD with --momentum, weight decay added to the gradient "
+        "(default: %(default)s)", choices=("adamw", "sgd")))
+    """"adamw" (decoupled weight decay, --betas), or "sgd": torch.optim.SGD with heavy-ball
+    momentum (--momentum), its weight decay an L2 term added to the gradient. Under SGD a
+    per-weight factor on the gradient (JacQuant's B on the gradient, lowbit.qat) scales that
+    weight's step; AdamW's per-weight normalization divides such a factor out again."""
+    momentum: float = field(default=0.9, metadata=flag(
+        "--momentum", "SGD's momentum (with --optimizer sgd) (default: %(default)s)", metavar="X"))
+    """SGD's momentum (heavy ball, no dampening, not Nesterov); unused by AdamW."""
     grad_clip: float = field(default=1.0, metadata=flag(
         "--grad-clip", "clip the gradient norm to this (0: no clipping) (default: %(default)s)",
         metavar="X"))
@@ -296,6 +309,10 @@ class TrainConfig(RunConfig):
                  f"weight_decay must be >= 0 (got {self.weight_decay})")
         require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
                  f"betas must be two numbers in [0, 1) (got {self.betas}); e.g. --betas 0.9,0.95")
+        require(self.optimizer in OPTIMIZERS,
+                 f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        require(math.isfinite(self.momentum) and 0 <= self.momentum < 1,
+                 f"momentum must be in [0, 1) (got {self.momentum}); e.g. --momentum 0.9")
         require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
                  f"grad_clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
         require(self.warmup_steps <= self.total_steps,

@@ -19,7 +19,7 @@ What one call does:
   grad_norm = clip_grad_norm_(grad_clip)
   (FP8-GEMM recipes: if a sync-free operand fold was inexact, redo the above exactly, or as
    fold_inexact says: lowbit.train.fold_policy)
-  if loss and grad_norm are finite: AdamW step; else skip it (a nonfinite_skip record)
+  if loss and grad_norm are finite: optimizer step; else skip it (a nonfinite_skip record)
 With cuda_graph the forwards, backwards and clip are one CUDA graph replay
 (lowbit.train.graphs), captured at the first call; with compile the model runs through
 torch.compile. The loss, gradient norm and inexact-fold count come back in one readback.
@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from lowbit.config import require
 from lowbit.dispatch.fold_check import deferred_fold_check, watch_chunked_folds
+from lowbit.train.config import OPTIMIZERS
 from lowbit.train.distributed import Distributed
 from lowbit.train.fold_policy import FoldPolicy
 from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, cuda_graph_refusal,
@@ -61,7 +62,7 @@ def next_token_loss(model: Callable, batch: tuple) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What the optimizer step needs: the batch, the LR schedule, AdamW's settings, clipping,
+    """What the optimizer step needs: the batch, the LR schedule, the optimizer's settings, clipping,
     and how the model runs. `lowbit train` and QAT take it from their TrainConfig
     (StepConfig.of); RL builds its own (a constant LR, its micro-batches)."""
 
@@ -76,6 +77,10 @@ class StepConfig:
     """The cosine decay ends at lr * min_lr_ratio (1.0: a constant LR after the warmup)."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"
+    """adamw or sgd (lowbit.train.config.TrainConfig.optimizer)."""
+    momentum: float = 0.9
+    """SGD's momentum."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this (0: no clipping)."""
     bf16_autocast: bool = True
@@ -90,6 +95,8 @@ class StepConfig:
             require(getattr(self, name) >= 1, f"{name} must be >= 1 (got {getattr(self, name)})")
         require(0 <= self.warmup_steps <= self.total_steps,
                 f"warmup_steps must be in [0, total_steps] (got {self.warmup_steps})")
+        require(self.optimizer in OPTIMIZERS,
+                f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
 
     @classmethod
     def of(cls, config) -> StepConfig:
