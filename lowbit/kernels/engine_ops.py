@@ -11,17 +11,20 @@ Each takes the arguments of the function it stands for and calls that function, 
 inside the operator: a compiled step launches the kernels an eager step launches, with the same
 tiles, launch options and programmatic dependent launch, so each gives the same bits.
 
-Why opaque rather than traced: Dynamo traces a user-defined Triton kernel's launch, but these
-wrappers do host-side work around their launches that a trace cannot keep: launch options
-beside the kernel's arguments (`launch_pdl`, `enable_fp_fusion`), the NVFP4 GEMM's split-K
-workspace (one buffer per device, grown on demand), an NVFP4 weight's tiles (made on first
-use), tiles chosen from shapes and the device's multiprocessor count. A custom operator's
-arguments are tensors and plain values, so a LinearWeight crosses as LinearWeight.flatten's
-tensors and constants. Only `lowbit.dispatch.inference` calls this module, while a step is
-being compiled (the eager path calls the kernels directly: an operator's dispatch costs host
-time that an uncaptured eager step would pay at every call).
+Why opaque rather than traced: traced as they are (torch 2.11, Triton 3.6, one H100,
+docs/results/rollout.md), Dynamo takes the GEMM and the activation pass whole, but Inductor
+fails to build the decode-attention kernel (it passes Python floats such as sm_scale as fp64,
+which turns the online softmax's float32 accumulator into float64 for tl.dot), and cannot tell
+which tensors any of these kernels writes (inline assembly, constexpr ints), so it takes every
+argument as written. An opaque operator also keeps the wrappers' host-side work as it is: launch
+options beside the kernel's arguments (launch_pdl, enable_fp_fusion), the NVFP4 GEMM's split-K
+workspace (one buffer per device, grown on demand), tiles chosen from shapes and the device's
+multiprocessor count. A custom operator's arguments are tensors and plain values, so a
+LinearWeight crosses as LinearWeight.flatten's tensors and constants. Only
+lowbit.dispatch.inference calls this module, while a step is being compiled (the eager path
+calls the kernels directly: an operator's dispatch costs host time that an uncaptured eager
+step would pay at every call).
 """
-
 
 import torch
 
