@@ -47,17 +47,26 @@ def _routing(N, E, k, case, g):
 
 @pytest.fixture
 def unwritten_rows_are_nan(monkeypatch):
-    """torch._grouped_mm leaves the output rows past the last group unwritten: make them NaN
-    (as uninitialized memory may be), so a dropped slot that leaks shows."""
-    real = torch._grouped_mm
+    """torch._grouped_mm and the grouped FP8 GEMM (torch._scaled_grouped_mm on CUDA) leave the
+    output rows past the last group unwritten: make them NaN (as uninitialized memory may be),
+    forward and backward, so a row that holds no slot and leaks shows."""
+    import lowbit.ops.grouped as grouped_ops
+    real, real_fp8 = torch._grouped_mm, grouped_ops.grouped_fp4_gemm_fp8
+
+    def past_the_groups_nan(out, ends):
+        out = out.clone()
+        out[int(ends[-1]):] = float("nan")
+        return out
 
     def grouped_mm(a, b, offs=None, **kw):
         out = real(a, b, offs=offs, **kw)
-        if offs is not None and a.dim() == 2 and b.dim() == 3:
-            out = out.clone()
-            out[int(offs[-1]):] = float("nan")
-        return out
+        return past_the_groups_nan(out, offs) if offs is not None and a.dim() == 2 and b.dim() == 3 else out
+
+    def grouped_fp8(a, b, ends, along, **kw):
+        out = real_fp8(a, b, ends, along, **kw)
+        return past_the_groups_nan(out, ends) if along == "rows" else out
     monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+    monkeypatch.setattr(grouped_ops, "grouped_fp4_gemm_fp8", grouped_fp8)
 
 
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
@@ -208,13 +217,14 @@ def _fp8_pair(name, E=6, C=64, F=32):
 
 @pytest.mark.parametrize("name", ["stable-fp4-nosr", "mxfp4"])
 @pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
-def test_fp8_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, monkeypatch):
+def test_fp8_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, monkeypatch,
+                                                                   unwritten_rows_are_nan):
     # round-to-nearest MXFP4 on FP8 GEMMs: the same quantized operands as each expert's own
     # QuantLinearFP8Function, multiplied exactly (on the CPU the FP32-accumulating emulation,
     # group by group): equal bit for bit, forward and both gradients
     import lowbit.ops.grouped as grouped_ops
     calls = []
-    real = grouped_ops.grouped_fp4_gemm_fp8
+    real = grouped_ops.grouped_fp4_gemm_fp8          # rows past the groups NaN: the fixture's
     monkeypatch.setattr(grouped_ops, "grouped_fp4_gemm_fp8",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     g = torch.Generator().manual_seed(7)
@@ -299,6 +309,19 @@ def test_fp8_grouped_folds_are_observed_under_the_experts_names(fold_kernels):
             counts[(layer, operand)] = counts.get((layer, operand), 0) + int(count)
         assert sum(counts.values()) == check.inexact_values() > 0
         assert counts[(layers[0], "X")] > 0             # the gate_up projection's input
+
+
+def test_fp8_grouped_experts_on_the_fold_kernels_leave_unwritten_rows_out(fold_kernels,
+                                                                           unwritten_rows_are_nan):
+    # the fused fold kernels (Triton's interpreter here) fold dY^T over every row of the layout,
+    # those past the groups too: whatever the GEMMs leave there (NaN here) must not reach a
+    # fold, or every expert's dW takes it
+    g = torch.Generator().manual_seed(17)
+    base, grouped, reference, _ = _fp8_pair("stable-fp4-nosr")
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    index, w = _routing(40, 6, 2, "dropped slots", g), torch.rand(40, 2, generator=g).to(torch.bfloat16)
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert a.isfinite().all() and torch.equal(a, b)
 
 
 def test_fp8_grouped_wgrad_folds_one_factor_per_row_and_expert(fold_kernels):

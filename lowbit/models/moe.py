@@ -228,10 +228,13 @@ class Experts(nn.Module):
         else:
             def project(t, weight):
                 return self._per_expert_linear(t, weight, rows.counts)
-        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)                     # (P, F)
         # rows that hold no slot are zeroed: a grouped GEMM leaves rows past its groups
-        # unwritten, and nothing they hold may reach the next projection's quantization
-        h = torch.where(rows.filled[:, None], F.silu(gate) * up, 0.0)
+        # unwritten, and nothing they hold may reach the next projection's quantization, nor,
+        # as 0 * NaN, the gradient of the first (a quantization spanning tokens, FP8's wgrad
+        # folds, would carry a NaN row into every expert's dW)
+        gate_up = torch.where(rows.filled[:, None], project(x, self.gate_up_proj), 0.0)
+        gate, up = gate_up.chunk(2, dim=-1)                                             # (P, F)
+        h = F.silu(gate) * up
         y = gather_rows(project(h, self.down_proj), rows.slot_row, rows.source)        # (N*k, C)
         # each token's k slots weighted and summed in the order of its choices; a dropped
         # slot's row is zero, so neither its output nor its routing weight's gradient sees it
