@@ -33,7 +33,7 @@ rounding recipes do.
 
 FP8 recipes (stable-fp4-fp8: MXFP4 operands folded into E4M3, lowbit.formats.fold) group the
 same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_gemm_fp8,
-torch._scaled_grouped_mm on CUDA): X and dY folded in the padded layout, the stacked weight
+torch._scaled_grouped_mm on CUDA): X and dY folded in the experts' layout, the stacked weight
 (E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
 dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
 expert (out and in multiples of the tile side). Where square tiles give the weight-gradient
