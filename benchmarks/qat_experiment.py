@@ -141,13 +141,16 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
                      "evals": [[r["step"], r["val_loss"]] for r in recs if r["event"] == "eval"],
                      "code_flips": [[r["step"], r["qat/code_flips"]] for r in recs
                                     if "qat/code_flips" in r]})
-    # gaps to the control (bf16 fine-tuned the same steps, same seed, at --qat-lr)
-    controls: dict[int, dict] = {}   # the first bf16 setting at --qat-lr of each seed
+    # gaps to the control: bf16 fine-tuned the same steps, same seed, under the same optimizer,
+    # at --qat-lr (AdamW) or the run's own LR (SGD); a run without one has no gap
+    def control_key(r):
+        return r["seed"], r["optimizer"], qat_lr if r["optimizer"] == "adamw" else r["lr"]
+    controls: dict[tuple, dict] = {}   # the first bf16 setting of each key
     for r in rows:
-        if r["weights"] == "bf16" and r["lr"] == qat_lr and r["val_loss"] is not None:
-            controls.setdefault(r["seed"], r)
+        if r["weights"] == "bf16" and r["val_loss"] is not None:
+            controls.setdefault(control_key(r), r)
     for r in rows:
-        control = controls.get(r["seed"])
+        control = controls.get(control_key(r))
         r["gap_control"] = (r["val_loss"] - control["val_loss"]) if control and r["val_loss"] is not None else None
     ratios = []
     for r in rows:
@@ -170,7 +173,7 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
     eval_steps = [{s for s, _ in r["evals"]} for r in rows if r["setting"] in reached]
     shared = sorted(set.intersection(*eval_steps)) if eval_steps else []
     for r in rows:
-        control = controls.get(r["seed"])
+        control = controls.get(control_key(r))
         if control is None or r["setting"] not in reached:
             continue
         mine, theirs = dict(map(tuple, r["evals"])), dict(map(tuple, control["evals"]))

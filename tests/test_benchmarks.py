@@ -194,11 +194,13 @@ def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(t
     # run that never trained listed as failed
     qe = script_module(ROOT / "benchmarks" / "qat_experiment.py")
     specs = ["bf16/ste/0", "int2:g64/ste/0", "int2:g64/ste/0/lr2e-4", "int2:g64/jacquant/0",
-             "int2:g64/ste/0/lr3e-4", "int2:g64/ste/0/sgd/lr0.3", "int2:g64/jacquant/0/group/grad/sgd/lr0.3"]
+             "int2:g64/ste/0/lr3e-4", "bf16/ste/0/sgd/lr0.3", "int2:g64/ste/0/sgd/lr0.3",
+             "int2:g64/jacquant/0/group/grad/sgd/lr0.3"]
     settings = [qe.parse_setting(text) for text in specs]
-    assert [s[4] for s in settings] == ["adamw"] * 5 + ["sgd"] * 2
+    assert [s[4] for s in settings] == ["adamw"] * 5 + ["sgd"] * 3
     losses = {"bf16-ste-s0": (3.0, 2.0, 1.9, 1.8), "int2g64-ste-s0": (3.0, 2.5, 2.3, 2.2),
               "int2g64-ste-lr2e-4-s0": (3.0, 2.4, 2.2, 2.05), "int2g64-jacquant-s0": (3.0, 2.3, 2.25, 2.15),
+              "bf16-ste-sgd-lr0.3-s0": (3.0, 2.3, 2.1, 2.0),
               "int2g64-ste-sgd-lr0.3-s0": (3.0, 2.8, 2.6, 2.5),
               "int2g64-jacquant-group-grad-sgd-lr0.3-s0": (3.0, 2.6, 2.4, 2.3)}
     steps = (0, 10, 20, 30)
@@ -220,10 +222,12 @@ def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(t
     jq = ratios["int2g64-jacquant-s0"]
     assert jq["ste"] == "int2g64-ste-s0" and jq["gap_ratio"] == pytest.approx(0.35 / 0.4)
     assert jq["best_ste"] == "int2g64-ste-lr2e-4-s0" and jq["ratio_best"] == pytest.approx(0.35 / 0.3)
-    # an SGD arm against STE under SGD at its own LR, never against AdamW's STE
+    # an SGD arm against STE under SGD at its own LR, never against AdamW's STE, each gap to the
+    # bf16 control under SGD at that LR
     sgd = ratios["int2g64-jacquant-group-grad-sgd-lr0.3-s0"]
     assert sgd["ste"] == sgd["best_ste"] == "int2g64-ste-sgd-lr0.3-s0"
-    assert sgd["gap_ratio"] == pytest.approx(0.5 / 0.7)
+    assert sgd["gap_ratio"] == pytest.approx((2.4 - 2.1) / (2.6 - 2.1))
+    assert gaps["int2g64-ste-sgd-lr0.3-s0"] == pytest.approx({10: 0.5, 20: 0.5})
     assert "int2g64-ste-sgd-lr0.3-s0" not in ratios
     assert summary["code_flips_at"]["step"] == 20
     assert summary["code_flips_at"]["flips"]["int2g64-ste-s0"] == pytest.approx(0.03)

@@ -259,8 +259,6 @@ def test_per_group_b_on_the_gradient_under_sgd_scales_each_groups_step():
     # the arm the sceptic asks for beside B on the update: B on the gradient, one per group,
     # under SGD (lowbit qat --optimizer sgd), where each weight's step is -lr * B * dL/dW_hat
     # (AdamW would divide B out again); with momentum 0, the first step shows it
-    from lowbit.qat.run import _label
-
     torch.manual_seed(0)
     x = torch.randn(8, 64)
     cfg = QATConfig(weights="int2:g32", estimator="jacquant",
@@ -285,7 +283,15 @@ def test_per_group_b_on_the_gradient_under_sgd_scales_each_groups_step():
         opt.step()
         steps.append(latent.detach() - before)
     torch.testing.assert_close(steps[0], b * steps[1], atol=1e-6, rtol=1e-5)
-    assert _label(cfg, 1.0, "sgd") == "jacquant+group+grad+sgd"
+    # lowbit qat --optimizer sgd: each run's TrainConfig carries it, and a bad momentum is
+    # refused before anything trains
+    from lowbit.qat.run import QATJob, run_config
+    from lowbit.train.config import TrainConfig
+    job = QATJob(configs=[cfg], optimizer="sgd", momentum=0.5)
+    run = run_config(TrainConfig(), 0, job, "x")
+    assert (run.optimizer, run.momentum) == ("sgd", 0.5)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+        QATJob(configs=[cfg], optimizer="sgd", momentum=1.5)
 
 
 def test_b_on_the_update_keeps_no_copy_of_the_weights_and_bf16_b_halves_b():

@@ -14,7 +14,7 @@ The experts' GEMMs run grouped: the routed (token, expert) slots are sorted by e
 per layer into a layout of rows (`ExpertRows`: each expert's rows together, a quantized
 subclass's groups padded to its blocks' length along the tokens), the tokens gathered into it
 once, both projections computed in it, and the outputs gathered back once (`gather_rows`,
-whose gradients are gathers as well: no atomic scatter-adds). Each projection (gate|up, down)
+whose gradients are gathers as well: no row moves by an atomic scatter-add). Each projection (gate|up, down)
 is one `torch._grouped_mm` over all experts (cuBLAS's grouped GEMM on Hopper, what torchtitan
 trains experts with), with the group sizes computed on the device, so a step needs no host
 read-back and can compile and be captured.
@@ -129,7 +129,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, index, inverse, copies):
         ctx.save_for_backward(inverse)
         ctx.copies = copies
-        return _take(x, index.div(copies, rounding_mode="floor"))    # -1 stays -1
+        return _take(x, index if copies == 1 else index.div(copies, rounding_mode="floor"))  # -1 stays -1
 
     @staticmethod
     def backward(ctx, grad):
@@ -157,7 +157,9 @@ class Experts(nn.Module):
 
         weight is the whole 3D parameter, gate_up_proj (E, 2F, C) or down_proj (E, C, F), so an
         override can quantize per expert (or once for all experts) and still return gradients
-        to the shared parameter. This is the only method a quantized subclass must replace.
+        to the shared parameter: the per-expert reference's one place an expert's weight
+        meets its input (a quantized subclass replaces it, and the grouped path's
+        `_grouped_linear`).
         """
         return F.linear(x, weight[expert_idx])
 
@@ -236,10 +238,10 @@ class Experts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)                                             # (P, F)
         h = F.silu(gate) * up
         y = gather_rows(project(h, self.down_proj), rows.slot_row, rows.source)        # (N*k, C)
-        # each token's k slots weighted and summed in the order of its choices; a dropped
-        # slot's row is zero, so neither its output nor its routing weight's gradient sees it
-        out = (y.view(N, k, -1) * top_k_weights[..., None]).sum(dim=1)
-        return out.to(hidden_states.dtype)
+        # each token's k slots weighted (in the GEMMs' dtype) and summed in the hidden states'
+        # dtype, in the order of its choices; a dropped slot's row is zero, so neither its
+        # output nor its routing weight's gradient sees it
+        return (y.view(N, k, -1) * top_k_weights[..., None]).to(hidden_states.dtype).sum(dim=1)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

@@ -71,8 +71,10 @@ class QuantLinear(nn.Linear):
 class QuantExperts(Experts):
     """MoE experts (3D weights) whose per-expert GEMMs are quantized like a QuantLinear's.
 
-    Routing, token gather/scatter and weighting are lowbit.models.moe.Experts' (the semantics
-    of Hugging Face's Qwen3MoeExperts); only `_expert_linear` changes. Each expert's weight
+    Routing, the rows' layout, the token gathers and the weighting are lowbit.models.moe.Experts'
+    (the semantics of Hugging Face's Qwen3MoeExperts); what changes is where an expert's weight
+    meets its input: `_expert_linear` (the per-expert reference), `_grouped_linear` (every
+    expert at once, lowbit.ops.grouped), `_can_group` and `_row_tile` (its padding). Each expert's weight
     matrix is quantized on its own (NVFP4: its own tensor scale, as per-expert ModelOpt scales).
 
     layer_name: as QuantLinear's, for the grouped FP8 path's folds, which are reported as

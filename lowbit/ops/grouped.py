@@ -188,7 +188,7 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tens
     ends[e], each group starting at a multiple of `row_tile(recipe)`; ends (E,) int32 on the
     device), weight (E, out, in) -> (P, out). Rows that hold no token (a group's padding, the
     rows past ends[-1]) must be zeros, in x and in the gradient that comes back; the output's
-    rows past ends[-1] are left unwritten. The recipe must group exactly (`groups_exactly`);
+    rows past ends[-1], and dX's in the backward, are left unwritten. The recipe must group exactly (`groups_exactly`);
     under autocast the operands are cast to its dtype first, as quant_linear casts them.
     torch._grouped_mm takes bf16 with in and out multiples of 8. cache: where an emulated
     recipe's round-to-nearest forward weight is kept while `weight` is unchanged

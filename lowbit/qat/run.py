@@ -112,7 +112,7 @@ class QATJob:
         "jacquant/grad, scales each weight's step; AdamW divides it out) (default: %(default)s)",
         choices=OPTIMIZERS))
     momentum: float = field(default=0.9, metadata=flag(
-        "--momentum", "SGD's momentum (default: %(default)s)"))
+        "--momentum", "SGD's momentum (default: %(default)s)", metavar="X"))
     batch_size: int | None = field(default=None, metadata=flag(
         "--batch-size", "default: the source run's"))
     eval_every: int = field(default=50, metadata=flag("--eval-every", "default: %(default)s"))
@@ -154,6 +154,10 @@ class QATJob:
         keys = list(zip(self.configs, self.lr_multipliers))
         if len(set(keys)) != len(keys):
             raise ValueError("--compare names the same estimator twice; list each once")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
+            raise ValueError(f"momentum must be in [0, 1) (got {self.momentum}); e.g. --momentum 0.9")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"--seeds must be distinct non-negative integers, e.g. 0,1,2 (got {self.seeds})")
         for name in ("steps", "eval_every", "base_steps", "gptq_batches"):

@@ -138,7 +138,7 @@ class TrainConfig(RunConfig):
     lr: float = field(default=2e-3, metadata=flag(
         "--lr", "peak learning rate (default: %(default)s; 2e-5 with --model PATH, which "
         "fine-tunes)", metavar="X"))
-    """Peak learning rate of AdamW, reached at the end of warmup."""
+    """Peak learning rate of the optimizer, reached at the end of warmup."""
     min_lr_ratio: float = field(default=0.1, metadata=flag(
         "--min-lr-ratio", "final learning rate as a fraction of --lr (default: %(default)s)",
         metavar="X"))
@@ -147,15 +147,17 @@ class TrainConfig(RunConfig):
         "--warmup-steps", "linear warmup steps (default: %(default)s)", metavar="N"))
     """Steps of linear warmup from lr/warmup_steps to lr."""
     weight_decay: float = field(default=0.1, metadata=flag(
-        "--weight-decay", "AdamW weight decay (matrices only) (default: %(default)s)", metavar="X"))
-    """AdamW decoupled weight decay; applied to matrices only (lowbit.train.build.param_groups)."""
+        "--weight-decay", "weight decay, matrices only (AdamW's decoupled; SGD's an L2 term) "
+        "(default: %(default)s)", metavar="X"))
+    """Weight decay, applied to matrices only (lowbit.train.build.param_groups): AdamW's
+    decoupled decay, or under SGD an L2 term added to the gradient."""
     betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=flag(
         "--betas", "AdamW betas as two comma-separated numbers (default: %(default)s)",
         type=str, metavar="NAME"))
     """AdamW (beta1, beta2)."""
     optimizer: str = field(default="adamw", metadata=flag(
         "--optimizer", "adamw, or sgd: SGD with --momentum, weight decay added to the gradient "
-        "(default: %(default)s)", choices=("adamw", "sgd")))
+        "(default: %(default)s)", choices=OPTIMIZERS))
     """"adamw" (decoupled weight decay, --betas), or "sgd": torch.optim.SGD with heavy-ball
     momentum (--momentum), its weight decay an L2 term added to the gradient. Under SGD a
     per-weight factor on the gradient (JacQuant's B on the gradient, lowbit.qat) scales that

@@ -97,6 +97,8 @@ class StepConfig:
                 f"warmup_steps must be in [0, total_steps] (got {self.warmup_steps})")
         require(self.optimizer in OPTIMIZERS,
                 f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        require(math.isfinite(self.momentum) and 0 <= self.momentum < 1,
+                f"momentum must be in [0, 1) (got {self.momentum})")
 
     @classmethod
     def of(cls, config) -> StepConfig:
