@@ -219,10 +219,9 @@ class Experts(nn.Module):
         N, k = top_k_index.shape
         grouped = self._groups(hidden_states)
         rows = ExpertRows.route(top_k_index, self.num_experts, self._row_tile() if grouped else 1)
-        # each routed (token, choice) slot's input at its row of the layout; rows that hold no
-        # slot (gaps, dropped slots) are zeros
-        # in the autocast dtype before the gather (the GEMMs cast to it anyway): half the bytes
-        # moved, and under torch.compile the cast and the gather are one kernel
+        # each routed (token, choice) slot's input at its row of the layout, zeros in the rows
+        # that hold no slot (gaps, dropped slots); cast to the autocast dtype first (the GEMMs
+        # cast to it anyway): half the bytes moved, and compiled, cast and gather are one kernel
         x = gather_rows(_autocast(hidden_states), rows.source, rows.slot_row, copies=k)  # (P, C)
         if grouped:
             def project(t, weight):

@@ -52,7 +52,7 @@ from lowbit.files import write_text_atomic
 from lowbit.train.checkpoint import CheckpointError, content_digest, write_json_atomic
 from lowbit.train.compare import (RunOutcome, RunSpec, check_run_folders, check_specs, val_curve,
                                   write_comparison)
-from lowbit.train.config import FINE_TUNE_LR, OPTIMIZERS, TrainConfig, resolve_device
+from lowbit.train.config import FINE_TUNE_LR, OPTIMIZERS, TrainConfig, require_optimizer, resolve_device
 from lowbit.train.job_record import JobRecord
 from lowbit.train.loop import evaluate, train
 from lowbit.train.run_dir import RunDir
@@ -154,10 +154,7 @@ class QATJob:
         keys = list(zip(self.configs, self.lr_multipliers))
         if len(set(keys)) != len(keys):
             raise ValueError("--compare names the same estimator twice; list each once")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
-        if not (math.isfinite(self.momentum) and 0 <= self.momentum < 1):
-            raise ValueError(f"momentum must be in [0, 1) (got {self.momentum}); e.g. --momentum 0.9")
+        require_optimizer(self.optimizer, self.momentum)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"--seeds must be distinct non-negative integers, e.g. 0,1,2 (got {self.seeds})")
         for name in ("steps", "eval_every", "base_steps", "gptq_batches"):

@@ -54,6 +54,15 @@ FIELDS_ADDED_LATER = {"fold_inexact": "redo"}
 OPTIMIZERS = ("adamw", "sgd")
 """The optimizers a run may take (TrainConfig.optimizer; lowbit.train.build.build_optimizer)."""
 
+
+def require_optimizer(optimizer: str, momentum: float) -> None:
+    """A one-line ValueError unless `optimizer` is one of OPTIMIZERS and `momentum` (SGD's) is
+    in [0, 1): the check of every config that carries them (TrainConfig, StepConfig, QATJob)."""
+    require(optimizer in OPTIMIZERS,
+            f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+    require(math.isfinite(momentum) and 0 <= momentum < 1,
+            f"momentum must be in [0, 1) (got {momentum}); e.g. --momentum 0.9")
+
 FINE_TUNE_LR = 2e-5
 """The learning rate a trained model (a Hugging Face folder, or a run trained from one) is
 fine-tuned at when none is given -- `lowbit train --model PATH`, and `lowbit qat` from such a
@@ -311,10 +320,7 @@ class TrainConfig(RunConfig):
                  f"weight_decay must be >= 0 (got {self.weight_decay})")
         require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
                  f"betas must be two numbers in [0, 1) (got {self.betas}); e.g. --betas 0.9,0.95")
-        require(self.optimizer in OPTIMIZERS,
-                 f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
-        require(math.isfinite(self.momentum) and 0 <= self.momentum < 1,
-                 f"momentum must be in [0, 1) (got {self.momentum}); e.g. --momentum 0.9")
+        require_optimizer(self.optimizer, self.momentum)
         require(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
                  f"grad_clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
         require(self.warmup_steps <= self.total_steps,
@@ -383,4 +389,5 @@ def _check_device_name(name: str) -> None:
              f"device must be auto, cpu, cuda or cuda:N (got {name!r})")
 
 
-__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "FIELDS_ADDED_LATER", "FINE_TUNE_LR"]
+__all__ = ["TrainConfig", "FIELDS_FREE_ON_RESUME", "FIELDS_ADDED_LATER", "FINE_TUNE_LR", "OPTIMIZERS",
+           "require_optimizer"]

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from lowbit.config import require
 from lowbit.dispatch.fold_check import deferred_fold_check, watch_chunked_folds
-from lowbit.train.config import OPTIMIZERS
+from lowbit.train.config import require_optimizer
 from lowbit.train.distributed import Distributed
 from lowbit.train.fold_policy import FoldPolicy
 from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, cuda_graph_refusal,
@@ -95,10 +95,7 @@ class StepConfig:
             require(getattr(self, name) >= 1, f"{name} must be >= 1 (got {getattr(self, name)})")
         require(0 <= self.warmup_steps <= self.total_steps,
                 f"warmup_steps must be in [0, total_steps] (got {self.warmup_steps})")
-        require(self.optimizer in OPTIMIZERS,
-                f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
-        require(math.isfinite(self.momentum) and 0 <= self.momentum < 1,
-                f"momentum must be in [0, 1) (got {self.momentum})")
+        require_optimizer(self.optimizer, self.momentum)
 
     @classmethod
     def of(cls, config) -> StepConfig:
