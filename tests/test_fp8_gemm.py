@@ -594,6 +594,59 @@ def test_scaled_grouped_mm_call_conventions_on_cpu(monkeypatch):
     assert calls == [(2, 3), (2, 2)]
 
 
+def side_by_side(binades, seed=5, segmented=False):
+    """B for b_along="k": 4 experts' (48, 96) operands side by side, (48, 4 * 96), MXFP4 blocked
+    along K (blocks within an expert); segmented: folded expert by expert into one factor per
+    row and expert (as the fold kernels write W^T's operand), else folded as one tensor."""
+    q = quantize(spread(48, 4 * 96, binades, seed), "mxfp4", block=(1, 32))
+    if not segmented:
+        return fold_operand(q)
+    parts = [fold_operand(quantize(q.dequantize(torch.float32)[:, e * 96:(e + 1) * 96], "mxfp4",
+                                   block=(1, 32))) for e in range(4)]
+    assert all(len(p.bounds) == 2 for p in parts)
+    return FoldedOperand(torch.cat([p.fp8 for p in parts], dim=1),
+                         torch.cat([p.factors for p in parts], dim=1), (0, 4 * 96),
+                         torch.stack([p.nan_rows for p in parts], dim=1),
+                         torch.tensor([96, 192, 288, 384], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+@pytest.mark.parametrize("backend", [None, "loop"])
+def test_grouped_gemm_takes_the_experts_operands_side_by_side(backend, segmented):
+    # dgrad on the forward's W^T operand: B_e = B[:, e K:(e + 1) K], each group exactly
+    # fp4_gemm_fp8 on its rows of A and its column block of B
+    qa, _, _, _, ends = grouped_operands(binades=3 if segmented else 30)
+    fa, fs = fold_operand(qa), side_by_side(3 if segmented else 30, segmented=segmented)
+    assert (len(fs.bounds) > 2) == (not segmented)
+    out = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend=backend, b_along="k")
+    starts = [0, *ends.tolist()]
+    whole = fs.unfold().double() if segmented else folded_float64(fs)   # 3 binades: float32 holds it
+    for e in range(4):
+        lo, hi = starts[e], starts[e + 1]
+        if hi > lo:
+            b_e = FoldedOperand(fs.fp8[:, e * 96:(e + 1) * 96], fs.factors[:, e:e + 1], (0, 96),
+                                fs.nan_rows[:, e]) if segmented else fs.columns(e * 96, (e + 1) * 96)
+            assert torch.equal(folded_float64(b_e), whole[:, e * 96:(e + 1) * 96])
+            assert torch.equal(out[lo:hi], fp4_gemm_fp8(fa.rows(lo, hi), b_e, torch.float64))
+
+
+def test_scaled_grouped_mm_takes_the_experts_operands_side_by_side_on_cpu(monkeypatch):
+    """b_along="k" on the CUDA path's call (B_e^T as a strided view of its column block, the
+    factors per row and expert expert-major), checked by torch's meta kernel and the float64
+    model of the op against the loop."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm(calls), raising=False)
+    qa, _, _, _, ends = grouped_operands(binades=3)
+    fa = fold_operand(qa)
+    for segmented in (False, True):
+        fs = side_by_side(3, segmented=segmented)
+        got = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", backend="scaled_grouped_mm", b_along="k")
+        want = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend="loop", b_along="k")
+        torch.testing.assert_close(got[:ends[-1]].double(), want[:ends[-1]].bfloat16().double(),
+                                   rtol=2**-7, atol=0)
+    assert calls == [(2, 3), (2, 3)]
+
+
 def test_grouped_gemm_refuses_what_it_cannot_do():
     qa, qb, _, _, ends = grouped_operands()
     fa, fb = fold_operand(qa), fold_operand(qb)
@@ -605,6 +658,14 @@ def test_grouped_gemm_refuses_what_it_cannot_do():
         grouped_fp4_gemm_fp8(fa, fb.rows(0, 190), ends, "rows")
     with pytest.raises(ValueError, match="one K-chunk"):
         grouped_fp4_gemm_fp8(fa, fb, ends, "rows", backend="scaled_grouped_mm")
+    with pytest.raises(ValueError, match="b_along must be"):
+        grouped_fp4_gemm_fp8(fa, fb, ends, "k", b_along="k")
+    with pytest.raises(ValueError, match="same K"):   # stacked B given as side by side
+        grouped_fp4_gemm_fp8(fa, fb, ends, "rows", b_along="k")
+    fs = side_by_side(3, segmented=True)
+    fs = FoldedOperand(fs.fp8, fs.factors[:, :2], fs.bounds, fs.nan_rows[:, :2], fs.segment_ends[:2])
+    with pytest.raises(ValueError, match="one per group"):
+        grouped_fp4_gemm_fp8(fa, fs, ends, "rows", b_along="k")
 
 
 @pytest.mark.gpu
@@ -613,12 +674,16 @@ def test_scaled_grouped_mm_equals_the_group_by_group_gemms(binades):
     qa, qb, qm, qn, ends = grouped_operands(binades=binades)
     fa, fb, fm, fn = (fold_operand(q.to("cuda")) for q in (qa, qb, qm, qn))
     ends = ends.cuda()
-    for along, a, b in [("rows", fa, fb), ("k", fm, fn)]:
-        want = grouped_fp4_gemm_fp8(a, b, ends, along, torch.float32, backend="loop").cpu().double()
+    fs = side_by_side(binades, segmented=binades == 3)
+    fs = FoldedOperand(fs.fp8.cuda(), fs.factors.cuda(), fs.bounds, fs.nan_rows.cuda(),
+                       None if fs.segment_ends is None else fs.segment_ends.cuda())
+    for along, a, b, b_along in [("rows", fa, fb, "rows"), ("k", fm, fn, "rows"), ("rows", fa, fs, "k")]:
+        want = grouped_fp4_gemm_fp8(a, b, ends, along, torch.float32, backend="loop",
+                                    b_along=b_along).cpu().double()
         one_chunk = len(a.bounds) == len(b.bounds) == 2
         assert one_chunk == (binades == 3)
         got = grouped_fp4_gemm_fp8(a, b, ends, along,   # the grouped GEMM where one chunk each
-                                   backend="scaled_grouped_mm" if one_chunk else None)
+                                   backend="scaled_grouped_mm" if one_chunk else None, b_along=b_along)
         rows = ends[-1].item() if along == "rows" else got.shape[0]
         got, want = got[:rows].cpu().double(), want[:rows]
         rel = ((got - want).norm() / want.norm()).item()

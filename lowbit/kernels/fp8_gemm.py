@@ -25,6 +25,9 @@ tensor, in two layouts:
 - along="rows" (fprop, dgrad): A (P, K) holds each expert's rows in turn, group e ending at
   ends[e]; B (E * N, K) stacks the experts' (N, K) operands; C (P, N), row r of group e =
   A[r] B_e^T. Rows past ends[-1] are left unwritten (undefined) on CUDA, zero elsewhere.
+  With b_along="k" B holds the experts' operands side by side instead, (N, E * K), B_e =
+  B[:, e K:(e + 1) K]: the transposed fold of the stacked weights (E * out, in) that the
+  forward keeps for dgrad, with one factor per row and expert where it is segmented.
 - along="k" (wgrad): A (M, P) and B (N, P) hold the tokens along K, group e ending at ends[e];
   C (E, M, N), C_e = A[:, group e] B[:, group e]^T. An operand folded with factors per row and
   segment of K (FoldedOperand.segment_ends: the groups) takes its own factor in each group,
@@ -158,23 +161,35 @@ def _gemm_scaled_mm(fa: FoldedOperand, fb: FoldedOperand, pieces, out_dtype,
 
 def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
                          out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
-                         backend: str | None = None) -> torch.Tensor:
-    """Every expert's A_e B_e^T on folded MXFP4 operands (see the module doc for the two
+                         backend: str | None = None, b_along: str = "rows") -> torch.Tensor:
+    """Every expert's A_e B_e^T on folded MXFP4 operands (see the module doc for the
     layouts): along="rows" -> (P, N), along="k" -> (E, M, N), in out_dtype. ends: (E,) int32,
     each group's end along the grouped dim (non-decreasing; the last at most its length).
+    b_along (along="rows" only): "rows", B stacks the experts' (N, K) operands as (E * N, K);
+    "k", side by side as (N, E * K), segmented (one factor per row and expert) or not.
 
     backend: None picks (see the module doc); "scaled_grouped_mm" forces the grouped GEMM
     (CUDA, one chunk per operand), "loop" the group-by-group GEMMs (fp4_gemm_fp8 on each)."""
     if along not in ("rows", "k"):
         raise ValueError(f"along must be 'rows' or 'k', got {along!r}")
+    if b_along not in ("rows", "k") or (along == "k" and b_along != "rows"):
+        raise ValueError(f"b_along must be 'rows', or 'k' with along='rows'; got {b_along!r} "
+                         f"with along={along!r}")
     if backend not in (None, "scaled_grouped_mm", "loop"):
         raise ValueError(f"backend must be None, 'scaled_grouped_mm' or 'loop', got {backend!r}")
     experts = ends.shape[0]
-    if a.shape[1] != b.shape[1] or (along == "rows" and b.shape[0] % max(experts, 1)):
+    side_by_side = b_along == "k"
+    if (b.shape[1] != a.shape[1] * (experts if side_by_side else 1)
+            or (along == "rows" and not side_by_side and b.shape[0] % max(experts, 1))):
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)} for {experts} groups "
                          f"along {along}: both need the same K, and along='rows' b stacks "
-                         "the groups' equal row blocks")
+                         "the groups' equal row blocks (b_along='k': their K-blocks side by side)")
+    if side_by_side and b.segment_ends is not None and b.segment_ends.shape[0] != experts:
+        raise ValueError(f"b has factors for {b.segment_ends.shape[0]} segments of its columns; "
+                         f"side by side it takes one per group ({experts})")
     for name, op in (("a", a), ("b", b)):
+        if side_by_side and op is b:
+            continue   # its segments are the experts' column blocks, checked above
         # the same tensor as the GEMM's ends (as lowbit.ops.grouped passes it), else compared
         if op.segment_ends is not None and (along == "rows" or op.segment_ends.shape != ends.shape or (
                 op.segment_ends is not ends and not torch.equal(op.segment_ends.to(ends), ends))):
@@ -182,19 +197,20 @@ def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
                              f"segments): it takes along='k' with those segments as the groups, "
                              f"got along={along!r} and {experts} groups ending elsewhere")
     if backend is None:
-        backend = "scaled_grouped_mm" if _grouped_mm_fits(a, b, experts, along, out_dtype) else "loop"
+        backend = ("scaled_grouped_mm" if _grouped_mm_fits(a, b, experts, along, out_dtype, side_by_side)
+                   else "loop")
     if backend == "scaled_grouped_mm":
-        return _gemm_scaled_grouped(a, b, ends, along, use_fast_accum)
-    return _gemm_groups(a, b, ends, along, out_dtype, use_fast_accum)
+        return _gemm_scaled_grouped(a, b, ends, along, use_fast_accum, side_by_side)
+    return _gemm_groups(a, b, ends, along, out_dtype, use_fast_accum, side_by_side)
 
 
 def _grouped_mm_fits(a: FoldedOperand, b: FoldedOperand, experts: int, along: str,
-                     out_dtype: torch.dtype) -> bool:
+                     out_dtype: torch.dtype, side_by_side: bool = False) -> bool:
     """torch._scaled_grouped_mm takes these operands as they are: a CUDA GPU it has kernels for
     (Hopper, Blackwell datacenter), one chunk each, a bf16 output (its only one) and widths a
     multiple of 16 (its stride rule)."""
-    widths = (a.shape[1], b.shape[0] // experts if along == "rows" else b.shape[0]) + (
-        (a.shape[0],) if along == "k" else ())
+    n = b.shape[0] if along == "k" or side_by_side else b.shape[0] // experts
+    widths = (a.shape[1], n) + ((a.shape[0],) if along == "k" else ())
     return (a.fp8.is_cuda and hasattr(torch, "_scaled_grouped_mm") and experts > 0
             and torch.cuda.get_device_capability(a.fp8.device) in ((9, 0), (10, 0))
             and len(a.bounds) == len(b.bounds) == 2 and out_dtype == torch.bfloat16
@@ -202,11 +218,21 @@ def _grouped_mm_fits(a: FoldedOperand, b: FoldedOperand, experts: int, along: st
 
 
 def _gemm_scaled_grouped(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
-                         use_fast_accum: bool) -> torch.Tensor:
+                         use_fast_accum: bool, side_by_side: bool = False) -> torch.Tensor:
     if len(a.bounds) != 2 or len(b.bounds) != 2:
         raise ValueError("the grouped FP8 GEMM takes operands folded in one K-chunk; these have "
                          f"{len(a.bounds) - 1} and {len(b.bounds) - 1}: use backend='loop'")
     experts = ends.shape[0]
+    if side_by_side:
+        # B (N, E * K): expert e's B_e^T (K, N) column-major is the view of its column block
+        # (leading dimension E * K); the factors per row and expert, expert-major
+        sa = _with_nan(a.factors[:, 0], a.nan_rows)
+        n, k = b.shape[0], a.shape[1]
+        sb = (_with_nan(b.factors, b.nan_rows).t() if b.segment_ends is not None
+              else _with_nan(b.factors[:, 0], b.nan_rows).expand(experts, n))
+        return torch._scaled_grouped_mm(a.fp8, b.fp8.view(n, experts, k).permute(1, 2, 0),
+                                        sa.contiguous(), sb.contiguous(), offs=ends,
+                                        out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
     if along == "rows":
         sa = _with_nan(a.factors[:, 0], a.nan_rows)
         sb = _with_nan(b.factors[:, 0], b.nan_rows)
@@ -234,18 +260,18 @@ def _per_group(op: FoldedOperand, experts: int) -> torch.Tensor:
 
 
 def _gemm_groups(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
-                 out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+                 out_dtype: torch.dtype, use_fast_accum: bool, side_by_side: bool = False) -> torch.Tensor:
     experts = ends.shape[0]
     bounds = [0, *ends.tolist()]                                  # one host read
     backend = None if a.fp8.is_cuda else "emulated"
     if along == "rows":
-        n = b.shape[0] // max(experts, 1)
+        n, k = (b.shape[0], a.shape[1]) if side_by_side else (b.shape[0] // max(experts, 1), None)
         out = torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.fp8.device)
         for e in range(experts):
             if bounds[e + 1] > bounds[e]:
+                b_e = b.group(e, e * k, (e + 1) * k) if side_by_side else b.rows(e * n, (e + 1) * n)
                 out[bounds[e]:bounds[e + 1]] = fp4_gemm_fp8(
-                    a.rows(bounds[e], bounds[e + 1]), b.rows(e * n, (e + 1) * n), out_dtype,
-                    use_fast_accum, backend)
+                    a.rows(bounds[e], bounds[e + 1]), b_e, out_dtype, use_fast_accum, backend)
         return out
     out = torch.zeros(experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.fp8.device)
     for e in range(experts):

@@ -36,7 +36,11 @@ same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_
 torch._scaled_grouped_mm on CUDA): X and dY folded in the experts' layout, the stacked weight
 (E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
 dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
-expert (out and in multiples of the tile side). Where square tiles give the weight-gradient
+expert (out and in multiples of the tile side). Square tiles (stable-fp4-fp8) give dgrad's
+operand from the forward's quantization of W: the fold kernels write W^T's operand beside W's,
+the experts' transposes side by side (in, E * out) with one factor per row and expert, and the
+forward keeps it (one byte a weight) instead of the weight (two), so the backward neither casts
+nor transposes the weight. Where square tiles give the weight-gradient
 operands dY^T and X^T (tokens along K) from the same quantization as dY and X (stable-fp4-fp8),
 the fused kernels fold them with one factor per row and expert (`segment_ends`), as each
 expert's own fold: a row spans only its expert's tokens' binades, and a NaN block makes only
@@ -137,18 +141,24 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
         # x: (P, in) in the experts' layout; weight: (E, out, in); ends: (E,) int32 group ends;
         # layer: the name its folds are watched and observed under ("": unnamed)
         experts, out_features, in_features = weight.shape
-        keep_x_t, _ = kept_operands(recipe, False, grad and ctx.needs_input_grad[1])
+        keep_x_t, keep_w_t = kept_operands(recipe, grad and ctx.needs_input_grad[0],
+                                           grad and ctx.needs_input_grad[1])
         check = ctx.fold_check = active_fold_check(x.device)
         ctx.watch, ctx.observer = active_watch(), active_observer()
         ctx.layer = layer
         with folding_for(layer, ctx.watch, ctx.observer):
             fx, fx_t = fold_for_gemm("X", x, recipe.fprop_x, keep_x_t, check, segment_ends=ends)
-            fw, _ = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
-                                  recipe.fprop_w, check=check)                 # blocks along in
+            # blocks along in; where square tiles share it with dgrad, also W^T's operand
+            # (in, E * out): the experts' transposes side by side, one factor per row and expert
+            fw, fw_t = fold_for_gemm("W", weight.reshape(experts * out_features, in_features),
+                                     recipe.fprop_w, keep_w_t, check,
+                                     segment_ends=_expert_ends(experts, out_features, x.device)
+                                     if keep_w_t else None)
             y = grouped_fp4_gemm_fp8(fx, fw, ends, "rows", out_dtype=x.dtype,
                                      use_fast_accum="fprop" in recipe.fast_accum)
-        ctx.x_w = fx_t
-        ctx.save_for_backward(x if fx_t is None else None, weight, ends)
+        ctx.x_w, ctx.w_d = fx_t, fw_t
+        ctx.weight_shape = weight.shape
+        ctx.save_for_backward(x if fx_t is None else None, weight if fw_t is None else None, ends)
         ctx.recipe = recipe
         return y
 
@@ -157,13 +167,17 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
         x, weight, ends = ctx.saved_tensors
         r, check = ctx.recipe, ctx.fold_check
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        experts, out_features, in_features = weight.shape
+        experts, out_features, in_features = ctx.weight_shape
         dx = dw = None
         with folding_for(ctx.layer, ctx.watch, ctx.observer):
             fdy, fdy_t = fold_for_gemm("dY", dy, r.dgrad_dy, shared(r.dgrad_dy, r.wgrad_dy) and need_dw,
                                        check, segment_ends=ends)                # blocks along out
-            if need_dx:
-                # dX = dY W_e: B = W_e^T (in, out) stacked, blocks along out
+            if need_dx and ctx.w_d is not None:
+                # dX = dY W_e: B_e = W_e^T (in, out), side by side in the forward's W^T operand
+                dx = grouped_fp4_gemm_fp8(fdy, ctx.w_d, ends, "rows", out_dtype=dy.dtype,
+                                          use_fast_accum="dgrad" in r.fast_accum, b_along="k")
+            elif need_dx:
+                # 1D blocks: W_e^T (in, out) stacked, quantized along out
                 w_t = weight.transpose(1, 2).reshape(experts * in_features, out_features)
                 fw_d, _ = fold_for_gemm("W", w_t, r.dgrad_w, check=check)
                 dx = grouped_fp4_gemm_fp8(fdy, fw_d, ends, "rows", out_dtype=dy.dtype,
@@ -175,8 +189,13 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
                     "X", x, r.fprop_x, r.wgrad_x, check, ends)
                 dw = grouped_fp4_gemm_fp8(dy_w, x_w, ends, "k", out_dtype=dy.dtype,
                                           use_fast_accum="wgrad" in r.fast_accum)
-        ctx.x_w = ctx.fold_check = ctx.watch = ctx.observer = None
+        ctx.x_w = ctx.w_d = ctx.fold_check = ctx.watch = ctx.observer = None
         return dx, dw, None, None, None, None
+
+
+def _expert_ends(experts: int, rows: int, device: torch.device) -> torch.Tensor:
+    """(E,) int32 ends of the stacked weight's experts along its rows: rows, 2 rows, ..."""
+    return torch.arange(1, experts + 1, dtype=torch.int32, device=device) * rows
 
 
 @torch.compiler.disable   # eager under torch.compile, as a stochastically rounding quant_linear
