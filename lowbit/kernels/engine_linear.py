@@ -307,8 +307,9 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     x[:, K:]` (x is (M, 2K): gate|up). x2 (M, K): a second input against the same weight, added
     in the float32 accumulator (RAC's residual; no prologue with it). bias (N,), residual
     (M, N). tile: the kernel's tile instead of the default (dense / FP8: default_tile's keys;
-    NVFP4: lowbit.kernels.nvfp4_gemm.nvfp4_tile's). pdl: launch the dense / FP8 one-row tile with programmatic dependent
-    launch where `pdl_supported` (the kernel before it must not write the weight)."""
+    NVFP4: lowbit.kernels.nvfp4_gemm.nvfp4_tile's). pdl: launch the dense / FP8 one-row tile, or
+    the NVFP4 kernel at any rows, with programmatic dependent launch where `pdl_supported` (the
+    kernel before it must not write the weight)."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     if x2 is not None and (norm is not None or silu_mul):
@@ -330,7 +331,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
     if weight.format is WeightStorage.NVFP4:
         nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
-                      None, None, 1, tile)
+                      None, None, 1, tile, pdl=pdl)
         return y
     if tile is None:
         tile = _interpreter_tile(M) if interpret_mode() else default_tile(M, N, K, weight.format)
