@@ -133,3 +133,29 @@ def test_refusals():
     from lowbit.formats.elements import E2M1
     with pytest.raises(ValueError, match="integer-like grids"):
         kernel(torch.ones(2, 32), torch.ones(2, 2), None, E2M1, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["int2:g32", "ternary:g32", "int4:g32"])
+def test_the_kernel_under_torch_compile_is_the_eager_kernel(spec):
+    # QAT under `--compile`: Inductor launches the kernel itself, passing Python floats as
+    # float64, which once widened the grid arithmetic and failed the kernel's build
+    from lowbit.qat import QATConfig, fake_quantize
+    from lowbit.qat.quantizer import GroupQuantizer
+    config = QATConfig(weights=spec)
+    w, scales = weights((64, 128), 32, config.format.element, seed=9)
+    q = GroupQuantizer(config.format, w.shape)
+    latent = torch.where(torch.isfinite(w), w, 0.0).cuda().requires_grad_()
+    scales, seed = scales.cuda(), torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def forward(latent):
+        return fake_quantize(latent, scales, None, None, q, "clipped-ste")
+
+    outputs, grads = [], []
+    for fn in (forward, torch.compile(forward)):
+        out = fn(latent)
+        (grad,) = torch.autograd.grad(out, latent, seed)
+        outputs.append(out.detach())
+        grads.append(grad)
+    assert_bits_equal(outputs[1], outputs[0])
+    assert_bits_equal(grads[1], grads[0])

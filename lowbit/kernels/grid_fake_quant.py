@@ -45,8 +45,8 @@ def _rne(x):
     return tl.where(r == 0.0, sign.to(tl.float32, bitcast=True), r)
 
 
-@triton.jit
-def _grid_kernel(w_ptr, s_ptr, z_ptr, out_ptr, inside_ptr, N, K, G, QMAX,
+@triton.jit   # QMAX constexpr: under torch.compile a float argument comes as float64
+def _grid_kernel(w_ptr, s_ptr, z_ptr, out_ptr, inside_ptr, N, K, G, QMAX: tl.constexpr,
                  GROUP: tl.constexpr, GRID: tl.constexpr, INSIDE: tl.constexpr,
                  BLOCK: tl.constexpr, NATIVE_CAST: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
