@@ -21,8 +21,9 @@ and differs from dequantize-then-GEMM by accumulation order only. Two tiles:
   tiles, the weight tile decoded once per program for all its rows.
 
 The activation side is the caller's: f(x) is x, or the engine's RMSNorm of x, or SiLU(gate) *
-up (prologues, each rounded where the eager ops round; for NVFP4 computed by one activation
-pass, lowbit.kernels.activation_quant's mode "none", before the GEMM), and `x2`, a second
+up (prologues, each rounded where the eager ops round; for NVFP4 in the kernel up to
+NVFP4_PROLOGUE_ROWS rows, above them by one activation pass, lowbit.kernels.activation_quant's
+mode "none", before the GEMM), and `x2`, a second
 activation multiplied by the same weight tile into the same accumulator (RAC's compensated
 residual: one read of W for both), so W4A4 numerics cost no extra weight traffic.
 Grouped (MoE): the rows are gathered: each row tile belongs to one expert (`tile_expert`, -1 for
@@ -41,17 +42,19 @@ import triton.language as tl
 
 from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 from lowbit.kernels import interpret_mode
-from lowbit.kernels.gemm_common import row_tile, store_output
+from lowbit.kernels.gemm_common import input_values, row_rstd, row_tile, store_output
 from lowbit.kernels.launch import pdl_launch, wait_for_inputs
 from lowbit.kernels.nvfp4_gemm import nvfp4_linear
 
 __all__ = ["linear", "grouped_linear", "moe_align", "default_tile", "engine_linear_kernel",
-           "MAX_ROWS", "GROUP_BLOCK_M"]
+           "MAX_ROWS", "GROUP_BLOCK_M", "NVFP4_PROLOGUE_ROWS"]
 
 MAX_ROWS = 1 << 20
 """The most rows one call takes (prefill of a batch included)."""
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
+NVFP4_PROLOGUE_ROWS = 16
+"""Up to this many rows the NVFP4 GEMM computes its prologue itself (no activation pass)."""
 GROUP_BLOCK_M = 16
 """Rows per tile of grouped_linear (an expert's rows padded to a multiple of it)."""
 _FORMAT = {WeightStorage.DENSE: 0, WeightStorage.FP8: 1}
@@ -121,38 +124,6 @@ def _weight_values(data, row_scale, FORMAT: tl.constexpr, NATIVE_CAST: tl.conste
     return v
 
 
-# ---- the activation side ------------------------------------------------------------------------
-
-@triton.jit
-def _input_values(x_ptrs, kk, ok, K, norm_ptr, rstd, PROLOGUE: tl.constexpr, dt: tl.constexpr):
-    """The GEMM's input at columns kk (any shape, broadcast against the row pointers x_ptrs and
-    rstd) after the prologue, float32, each value rounded to dt where the eager ops round."""
-    if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
-        g = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptrs + K + kk, mask=ok, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
-        xv = (s * u).to(dt).to(tl.float32)
-    else:
-        xv = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:   # weight * rms_norm(x): rounded after the norm and after the weight
-        g = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
-        xv = ((xv * rstd).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
-    return xv
-
-
-@triton.jit
-def _row_rstd(x_ptrs, row_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row, (ROWS, 1) (x_ptrs: (ROWS, 1) row pointers): RMSNorm's statistic,
-    from one more read of the (short) rows."""
-    rk = tl.arange(0, BLOCK_K)[None, :]
-    ss = tl.zeros([ROWS], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        xv = tl.load(x_ptrs + kk, mask=row_ok & (kk < K), other=0.0).to(tl.float32)
-        ss += tl.sum(xv * xv, axis=1)
-    return tl.rsqrt(tl.math.div_rn(ss, K * 1.0) + eps)[:, None]
-
-
 # ---- dense and FP8 ------------------------------------------------------------------------------
 
 @triton.jit
@@ -204,7 +175,7 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok, K,
     row_ok = m_ok[:, None]
     rstd = tl.zeros([BLOCK_M, 1], tl.float32)
     if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptrs, row_ok, K, eps, BLOCK_M, BLOCK_K)
+        rstd = row_rstd(x_ptrs, row_ok, K, eps, BLOCK_M, BLOCK_K)
     row_scale = tl.zeros([BLOCK_N], tl.float32)
     if FORMAT != 0:
         row_scale = tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
@@ -215,7 +186,7 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok, K,
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
         # x's values and w's are dt's values exactly, so the products are exact and only the
         # sums round
-        acc = _dot(_input_values(x_ptrs, cols, row_ok & (cols < K), K, norm_ptr, rstd, PROLOGUE, dt),
+        acc = _dot(input_values(x_ptrs, cols, row_ok & (cols < K), K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST),
                    w, acc, F32_DOT, dt)
         if HAS_X2:   # RAC: the compensated residual against the same weight tile
             x2_ptrs = x2_ptr + x_rows[:, None] * stride_x2m
@@ -252,12 +223,12 @@ def _one_row(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride_wn, eps
     x_ptrs = x_ptr + zero
     rstd = tl.zeros([1, 1], tl.float32)
     if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptrs, zero == 0, K, eps, 1, BLOCK_K)
+        rstd = row_rstd(x_ptrs, zero == 0, K, eps, 1, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _weight_values(data, row_scale, FORMAT, NATIVE_CAST, SATURATE, LIMIT, dt).to(tl.float32)
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-        acc += w * _input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, dt)
+        acc += w * input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST)
         if HAS_X2:   # RAC's residual: its own exact products, into the same sums
             acc += w * tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         # the next tile (past K on the last iteration: all masked, no read)
@@ -330,8 +301,12 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
     if weight.format is WeightStorage.NVFP4:
-        nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
-                      None, None, 1, tile, pdl=pdl)
+        if M <= NVFP4_PROLOGUE_ROWS:   # the prologue in the GEMM
+            nvfp4_linear(x, x2, weight, y, bias, residual, M, None, None, 1, tile, pdl=pdl,
+                         norm=norm, eps=eps, silu_mul=silu_mul)
+        else:
+            nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
+                         None, None, 1, tile, pdl=pdl)
         return y
     if tile is None:
         tile = _interpreter_tile(M) if interpret_mode() else default_tile(M, N, K, weight.format)
@@ -363,11 +338,11 @@ def _f32_dot(x: torch.Tensor) -> bool:
 
 def _prologue_pass(x: torch.Tensor, norm: torch.Tensor | None, eps: float,
                    silu_mul: bool) -> torch.Tensor:
-    """The NVFP4 GEMM's input: x, or its prologue's output from one activation pass
-    (lowbit.kernels.activation_quant, mode "none": rounded as the prologues here round). The
-    NVFP4 kernel reads its activations straight into the MMA's operand, which a prologue
-    computed in the kernel would stage through shared memory once for every tile of every
-    program."""
+    """The NVFP4 GEMM's input above NVFP4_PROLOGUE_ROWS rows: x, or its prologue's output from
+    one activation pass (lowbit.kernels.activation_quant, mode "none": rounded as the prologues
+    here round). In the kernel every program would compute the prologue of its rows again (and
+    RMSNorm's statistic from one more read of them), once per column tile and split of K: at a
+    decode step's few rows that costs less than a launch, at a prefill's many it does not."""
     if norm is None and not silu_mul:
         return x
     from lowbit.kernels import activation_quant
