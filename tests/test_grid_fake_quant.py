@@ -136,14 +136,15 @@ def test_refusals():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["int2:g32", "ternary:g32", "int4:g32"])
-def test_the_kernel_under_torch_compile_is_the_eager_kernel(spec):
+@pytest.mark.parametrize("spec,element", [("int2:g32", int_format(2)), ("ternary:g32", TERNARY),
+                                          ("int4:g32", int_format(4))])
+def test_the_kernel_under_torch_compile_is_the_eager_kernel(spec, element):
     # QAT under `--compile`: Inductor launches the kernel itself, passing Python floats as
     # float64, which once widened the grid arithmetic and failed the kernel's build
     from lowbit.qat import QATConfig, fake_quantize
     from lowbit.qat.quantizer import GroupQuantizer
     config = QATConfig(weights=spec)
-    w, scales = weights((64, 128), 32, config.format.element, seed=9)
+    w, scales = weights((64, 128), 32, element, seed=9)
     q = GroupQuantizer(config.format, w.shape)
     latent = torch.where(torch.isfinite(w), w, 0.0).cuda().requires_grad_()
     scales, seed = scales.cuda(), torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).cuda()

@@ -21,9 +21,8 @@ and differs from dequantize-then-GEMM by accumulation order only. Two tiles:
   tiles, the weight tile decoded once per program for all its rows.
 
 The activation side is the caller's: f(x) is x, or the engine's RMSNorm of x, or SiLU(gate) *
-up (prologues, each rounded where the eager ops round; for NVFP4 in the kernel up to
-NVFP4_PROLOGUE_ROWS rows, above them by one activation pass, lowbit.kernels.activation_quant's
-mode "none", before the GEMM), and `x2`, a second
+up (prologues, each rounded where the eager ops round; for NVFP4 computed by one activation
+pass, lowbit.kernels.activation_quant's mode "none", before the GEMM), and `x2`, a second
 activation multiplied by the same weight tile into the same accumulator (RAC's compensated
 residual: one read of W for both), so W4A4 numerics cost no extra weight traffic.
 Grouped (MoE): the rows are gathered: each row tile belongs to one expert (`tile_expert`, -1 for
@@ -47,14 +46,12 @@ from lowbit.kernels.launch import pdl_launch, wait_for_inputs
 from lowbit.kernels.nvfp4_gemm import nvfp4_linear
 
 __all__ = ["linear", "grouped_linear", "moe_align", "default_tile", "engine_linear_kernel",
-           "MAX_ROWS", "GROUP_BLOCK_M", "NVFP4_PROLOGUE_ROWS"]
+           "MAX_ROWS", "GROUP_BLOCK_M"]
 
 MAX_ROWS = 1 << 20
 """The most rows one call takes (prefill of a batch included)."""
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2
-NVFP4_PROLOGUE_ROWS = 16
-"""Up to this many rows the NVFP4 GEMM computes its prologue itself (no activation pass)."""
 GROUP_BLOCK_M = 16
 """Rows per tile of grouped_linear (an expert's rows padded to a multiple of it)."""
 _FORMAT = {WeightStorage.DENSE: 0, WeightStorage.FP8: 1}
@@ -278,9 +275,9 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     x[:, K:]` (x is (M, 2K): gate|up). x2 (M, K): a second input against the same weight, added
     in the float32 accumulator (RAC's residual; no prologue with it). bias (N,), residual
     (M, N). tile: the kernel's tile instead of the default (dense / FP8: default_tile's keys;
-    NVFP4: lowbit.kernels.nvfp4_gemm.nvfp4_tile's). pdl: launch the dense / FP8 one-row tile, or
-    the NVFP4 kernel at any rows, with programmatic dependent launch where `pdl_supported` (the
-    kernel before it must not write the weight)."""
+    NVFP4: lowbit.kernels.nvfp4_gemm.nvfp4_tile's). pdl: launch the dense / FP8 one-row tile with
+    programmatic dependent launch where `pdl_supported` (the kernel before it must not write the
+    weight)."""
     if norm is not None and silu_mul:
         raise ValueError("linear takes one prologue: norm or silu_mul, not both")
     if x2 is not None and (norm is not None or silu_mul):
@@ -301,12 +298,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     prologue = _RMS_NORM if norm is not None else _SILU_MUL if silu_mul else _NONE
     if weight.format is WeightStorage.NVFP4:
-        if M <= NVFP4_PROLOGUE_ROWS:   # the prologue in the GEMM
-            nvfp4_linear(x, x2, weight, y, bias, residual, M, None, None, 1, tile, pdl=pdl,
-                         norm=norm, eps=eps, silu_mul=silu_mul)
-        else:
-            nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
-                         None, None, 1, tile, pdl=pdl)
+        nvfp4_linear(_prologue_pass(x, norm, eps, silu_mul), x2, weight, y, bias, residual, M,
+                      None, None, 1, tile)
         return y
     if tile is None:
         tile = _interpreter_tile(M) if interpret_mode() else default_tile(M, N, K, weight.format)
@@ -338,11 +331,11 @@ def _f32_dot(x: torch.Tensor) -> bool:
 
 def _prologue_pass(x: torch.Tensor, norm: torch.Tensor | None, eps: float,
                    silu_mul: bool) -> torch.Tensor:
-    """The NVFP4 GEMM's input above NVFP4_PROLOGUE_ROWS rows: x, or its prologue's output from
-    one activation pass (lowbit.kernels.activation_quant, mode "none": rounded as the prologues
-    here round). In the kernel every program would compute the prologue of its rows again (and
-    RMSNorm's statistic from one more read of them), once per column tile and split of K: at a
-    decode step's few rows that costs less than a launch, at a prefill's many it does not."""
+    """The NVFP4 GEMM's input: x, or its prologue's output from one activation pass
+    (lowbit.kernels.activation_quant, mode "none": rounded as the prologues here round). The
+    NVFP4 kernel reads its activations straight into the MMA's operand; a prologue computed in
+    the kernel stages them through shared memory once for every tile of every program (tried:
+    the decode step at one row took 2.25x as long, docs/results/rollout.md, 2026-12-06)."""
     if norm is None and not silu_mul:
         return x
     from lowbit.kernels import activation_quant

@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from lowbit.kernels import interpret_mode
-from lowbit.kernels.gemm_common import input_values, row_rstd, row_tile, store_output
-from lowbit.kernels.launch import pdl_launch, wait_for_inputs
+from lowbit.kernels.gemm_common import row_tile, store_output
 from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
 
 __all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel", "split_k_workspace",
@@ -138,21 +137,13 @@ def _plane_plain(words, s, J: tl.constexpr):
 
 
 @triton.jit
-def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, norm_ptr, rstd, HAS_X2: tl.constexpr,
-               F32_DOT: tl.constexpr, PROLOGUE: tl.constexpr, NATIVE_CAST: tl.constexpr):
+def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
+               F32_DOT: tl.constexpr):
     """acc + w @ x^T (+ w @ x2^T) over one plane's 16 columns: w (BLOCK_N, 16) bf16, the
-    activations read transposed, (16, BLOCK_M), straight into the MMA's operand, or (PROLOGUE)
-    the prologue's values made from them (gemm_common.input_values)."""
+    activations read transposed, (16, BLOCK_M), straight into the MMA's operand."""
     kk = cols[:, None]
     ok = row_ok & (kk < K)
-    if PROLOGUE == 0:
-        xv = tl.load(x_ptrs + kk, mask=ok, other=0.0)
-    else:
-        # rounded to x's dtype where the eager ops round; bf16 (not F32_DOT) is then exact
-        xv = input_values(x_ptrs, kk, ok, K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST)
-        if not F32_DOT:
-            xv = xv.to(tl.bfloat16)
-    acc = _dot_t(w, xv, acc, F32_DOT)
+    acc = _dot_t(w, tl.load(x_ptrs + kk, mask=ok, other=0.0), acc, F32_DOT)
     if HAS_X2:
         acc = _dot_t(w, tl.load(x2_ptrs + kk, mask=ok, other=0.0), acc, F32_DOT)
     return acc
@@ -169,76 +160,19 @@ def _dot_t(w, xv, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _tile_load(wq_ptr, ws_ptr, rows_w, stride_wn, stride_sn, t, ri, BLOCK_N: tl.constexpr):
-    """K-tile t's words (BLOCK_N, 16) and block scales (BLOCK_N, 8) of the program's rows."""
-    words = tl.load(wq_ptr + rows_w[:, None] * stride_wn + t * 16 + ri[None, :])
-    s_all = tl.load(ws_ptr + rows_w[:, None] * stride_sn + t * 8 + tl.arange(0, 8)[None, :])
-    return words, s_all
-
-
-@triton.jit
-def _tile_dot(acc, words, s_all, t, x_ptrs, x2_ptrs, ri, row_ok, K, norm_ptr, rstd, HAS_X2: tl.constexpr,
-              ASM: tl.constexpr, F32_DOT: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc + K-tile t's decoded weight times the activations' 128 columns (8 planes of 16)."""
-    even, odd = tl.split(tl.reshape(s_all, (BLOCK_N, 4, 2)))        # planes 0 2 4 6 | 1 3 5 7
-    e0, e1 = tl.split(tl.reshape(even, (BLOCK_N, 2, 2)))            # 0 4 | 2 6
-    o0, o1 = tl.split(tl.reshape(odd, (BLOCK_N, 2, 2)))             # 1 5 | 3 7
-    s0, s4 = tl.split(e0)
-    s2, s6 = tl.split(e1)
-    s1, s5 = tl.split(o0)
-    s3, s7 = tl.split(o1)
-    if ASM:
-        z = tl.zeros([BLOCK_N, 16], tl.bfloat16)
-        w0, w1, w2, w3, w4, w5, w6, w7 = _planes_asm(
-            words, s0[:, None] + z, s1[:, None] + z, s2[:, None] + z, s3[:, None] + z,
-            s4[:, None] + z, s5[:, None] + z, s6[:, None] + z, s7[:, None] + z)
-    else:
-        w0 = _plane_plain(words, s0[:, None], 0)
-        w1 = _plane_plain(words, s1[:, None], 1)
-        w2 = _plane_plain(words, s2[:, None], 2)
-        w3 = _plane_plain(words, s3[:, None], 3)
-        w4 = _plane_plain(words, s4[:, None], 4)
-        w5 = _plane_plain(words, s5[:, None], 5)
-        w6 = _plane_plain(words, s6[:, None], 6)
-        w7 = _plane_plain(words, s7[:, None], 7)
-    c = t * 128 + ri
-    acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, norm_ptr, rstd, HAS_X2, F32_DOT, PROLOGUE, ASM)
-    return acc
-
-
-@triton.jit
 def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr, y_ptr,
-                        part_ptr, count_ptr, tile_expert_ptr, row_ids_ptr, norm_ptr, M, N, K, stride_xm,
+                        part_ptr, count_ptr, tile_expert_ptr, row_ids_ptr, M, N, K, stride_xm,
                         stride_x2m, stride_wn, stride_we, stride_sn, stride_se, stride_rse,
-                        stride_rm, stride_ym, tiles_k, tiles_per_split, eps,
-                        PROLOGUE: tl.constexpr, HAS_X2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        stride_rm, stride_ym, tiles_k, tiles_per_split,
+                        HAS_X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_RES: tl.constexpr, GROUPED: tl.constexpr, ROW_DIV: tl.constexpr,
                         ASM: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """Grid (row tiles, column tiles, SPLIT_K): y^T tile (BLOCK_N, BLOCK_M) = W tile x^T over
-    this program's share of K's tiles (see the module doc). The first K-tile's weight is
-    fetched before the wait on the kernel launched before this one (PDL; not grouped: an
-    expert's rows come from the routing), which does not write weights, so under programmatic
-    dependent launch the fetch overlaps that kernel's tail."""
+    this program's share of K's tiles (see the module doc)."""
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_w = rn.to(tl.int64)                              # rows padded to ROW_PAD: no mask
-    ri = tl.arange(0, 16)
-    t0 = tl.program_id(2) * tiles_per_split
-    t_end = tl.minimum(t0 + tiles_per_split, tiles_k)
-    t_load = tl.minimum(t0, tiles_k - 1)                  # a split past K loads, then skips
-    if not GROUPED:   # the first K-tile before the wait (an expert's weight waits for routing)
-        words, s_all = _tile_load(wq_ptr, ws_ptr, rows_w, stride_wn, stride_sn, t_load, ri, BLOCK_N)
-    wait_for_inputs(PDL)
     x_rows, out_rows, m_ok, expert, skip = row_tile(tile, M, tile_expert_ptr, row_ids_ptr,
                                                       GROUPED, ROW_DIV, BLOCK_M)
     if skip:
@@ -246,23 +180,47 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
     wq_ptr += expert * stride_we
     ws_ptr += expert * stride_se
     rs_ptr += expert * stride_rse
-    if GROUPED:
-        words, s_all = _tile_load(wq_ptr, ws_ptr, rows_w, stride_wn, stride_sn, t_load, ri, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_w = rn.to(tl.int64)                              # rows padded to ROW_PAD: no mask
     x_ptrs = x_ptr + x_rows[None, :] * stride_xm          # (1, BLOCK_M)
     x2_ptrs = x2_ptr + x_rows[None, :] * stride_x2m
     row_ok = m_ok[None, :]
-    rstd = tl.zeros([1, BLOCK_M], tl.float32)
-    if PROLOGUE == 1:   # the rows' RMS from one more read of them (a few rows: decode)
-        rstd = tl.reshape(row_rstd(x_ptr + x_rows[:, None] * stride_xm, m_ok[:, None], K, eps,
-                                   BLOCK_M, 128), (1, BLOCK_M))
+    ri = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if t0 < t_end:
-        acc = _tile_dot(acc, words, s_all, t0, x_ptrs, x2_ptrs, ri, row_ok, K, norm_ptr, rstd,
-                        HAS_X2, ASM, F32_DOT, PROLOGUE, BLOCK_N)
-    for t in range(t0 + 1, t_end):
-        words, s_all = _tile_load(wq_ptr, ws_ptr, rows_w, stride_wn, stride_sn, t, ri, BLOCK_N)
-        acc = _tile_dot(acc, words, s_all, t, x_ptrs, x2_ptrs, ri, row_ok, K, norm_ptr, rstd,
-                        HAS_X2, ASM, F32_DOT, PROLOGUE, BLOCK_N)
+    t0 = tl.program_id(2) * tiles_per_split
+    for t in range(t0, tl.minimum(t0 + tiles_per_split, tiles_k)):
+        words = tl.load(wq_ptr + rows_w[:, None] * stride_wn + t * 16 + ri[None, :])
+        s_all = tl.load(ws_ptr + rows_w[:, None] * stride_sn + t * 8 + tl.arange(0, 8)[None, :])
+        even, odd = tl.split(tl.reshape(s_all, (BLOCK_N, 4, 2)))        # planes 0 2 4 6 | 1 3 5 7
+        e0, e1 = tl.split(tl.reshape(even, (BLOCK_N, 2, 2)))            # 0 4 | 2 6
+        o0, o1 = tl.split(tl.reshape(odd, (BLOCK_N, 2, 2)))             # 1 5 | 3 7
+        s0, s4 = tl.split(e0)
+        s2, s6 = tl.split(e1)
+        s1, s5 = tl.split(o0)
+        s3, s7 = tl.split(o1)
+        if ASM:
+            z = tl.zeros([BLOCK_N, 16], tl.bfloat16)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _planes_asm(
+                words, s0[:, None] + z, s1[:, None] + z, s2[:, None] + z, s3[:, None] + z,
+                s4[:, None] + z, s5[:, None] + z, s6[:, None] + z, s7[:, None] + z)
+        else:
+            w0 = _plane_plain(words, s0[:, None], 0)
+            w1 = _plane_plain(words, s1[:, None], 1)
+            w2 = _plane_plain(words, s2[:, None], 2)
+            w3 = _plane_plain(words, s3[:, None], 3)
+            w4 = _plane_plain(words, s4[:, None], 4)
+            w5 = _plane_plain(words, s5[:, None], 5)
+            w6 = _plane_plain(words, s6[:, None], 6)
+            w7 = _plane_plain(words, s7[:, None], 7)
+        c = t * 128 + ri
+        acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
+        acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
     n_ok = rn < N
     acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[:, None]
     ok = n_ok[:, None] & m_ok[None, :]
@@ -313,13 +271,9 @@ def split_k_workspace(device: torch.device, sums: int,
 
 
 def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, row_div, tile,
-                 block_m=None, pdl=False, norm=None, eps=0.0, silu_mul=False) -> None:
+                 block_m=None) -> None:
     """The NVFP4 kernel on weight's tiles (LinearWeight.tiles) for `rows` output rows; grouped
-    where tile_expert is given (row tiles of block_m rows). pdl: launch it with programmatic
-    dependent launch where `pdl_supported` and not grouped (the kernel before it must not write
-    the weight). norm (K,) / silu_mul: the prologue in the kernel (the engine's RMSNorm of x,
-    its statistic from one more read of the rows; or SiLU(gate) * up of x = [gate | up]), each
-    value rounded as gemm_common.input_values rounds; no x2 with it."""
+    where tile_expert is given (row tiles of block_m rows)."""
     tiles = weight.tiles(nvfp4_tiles_triton)
     N, K = tiles.out_features, tiles.in_features
     grouped = tile_expert is not None
@@ -339,17 +293,14 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
     nvfp4_linear_kernel[grid](
         x, x2 if x2 is not None else x, wq, ws, rs, bias if bias is not None else y,
         residual if residual is not None else y, y, part, count,
-        tile_expert if grouped else count, row_ids if grouped else count,
-        norm if norm is not None else y, rows, N, K, x.stride(0),
+        tile_expert if grouped else count, row_ids if grouped else count, rows, N, K, x.stride(0),
         x2.stride(0) if x2 is not None else 0, wq.stride(-2), wq.stride(0) if grouped else 0,
         ws.stride(-2), ws.stride(0) if grouped else 0, rs.stride(0) if grouped else 0,
         residual.stride(0) if residual is not None else 0, y.stride(0), tiles.tiles_k,
-        triton.cdiv(tiles.tiles_k, split), eps, PROLOGUE=1 if norm is not None else 2 if silu_mul else 0,
-        HAS_X2=x2 is not None,
+        triton.cdiv(tiles.tiles_k, split), HAS_X2=x2 is not None,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GROUPED=grouped,
         ROW_DIV=row_div, ASM=x.is_cuda and not interpret_mode(),
-        F32_DOT=x.dtype != torch.bfloat16 or interpret_mode(),
-        **pdl_launch(pdl and not grouped, x.device), **tile)
+        F32_DOT=x.dtype != torch.bfloat16 or interpret_mode(), **tile)
 
 
 def _interpreter_nvfp4_tile(rows: int, tiles_k: int) -> dict:

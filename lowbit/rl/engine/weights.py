@@ -186,7 +186,7 @@ class EngineLinear:
                                                           eps=eps, silu_mul=silu_mul,
                                                           input_amax=self.input_amax,
                                                           rac_group=self.rac_group, **kw)
-            y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, pdl=pdl, **kw)
+            y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, **kw)
         elif self.precision is Precision.FP8:
             codes, scale = inference.quantize_activations(x2d, "fp8", norm=norm, eps=eps,
                                                           silu_mul=silu_mul, **kw)
