@@ -73,7 +73,7 @@ def _grid_kernel(w_ptr, s_ptr, z_ptr, out_ptr, inside_ptr, N, K, G, QMAX: tl.con
     v = tl.where(nan, x, v)
     tl.store(out_ptr + offs, to_output(v * s, out_ptr, NATIVE_CAST), mask=ok)
     if INSIDE:
-        tl.store(inside_ptr + offs, (inside & ~nan).to(tl.int8), mask=ok)
+        tl.store(inside_ptr + offs, inside & ~nan, mask=ok)
 
 
 def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -93,10 +93,11 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     s = scales.float().contiguous()
     z = zeros.float().contiguous() if zeros is not None else s
     out = torch.empty_like(wc)
-    mask = torch.empty(wc.shape, dtype=torch.int8, device=w.device) if inside else out
+    # bool written by the kernel (a view of int8 as bool does not lower under torch.compile)
+    mask = torch.empty(wc.shape, dtype=torch.bool, device=w.device) if inside else out
     n = wc.numel()
     if n:
         _grid_kernel[(triton.cdiv(n, BLOCK),)](
             wc, s, z, out, mask, n, K, K // group, float(element.max_value),
             GROUP=group, GRID=grid, INSIDE=inside, BLOCK=BLOCK, NATIVE_CAST=not interpret_mode())
-    return out, (mask.view(torch.bool) if inside else None)
+    return out, (mask if inside else None)
