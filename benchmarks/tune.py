@@ -608,7 +608,13 @@ def sweep_engine_gemm(args, device: str) -> dict:
             timings = {}
             block_ms = ([bm for bm in args.block_ms if bm <= max(16, 2 * m)] if args.block_ms
                         else [16 if m <= 16 else 32 if m <= 32 else 64] + ([128] if m >= 128 else []))
-            for tile in [dict(t, BLOCK_M=bm) for t in sweep for bm in block_ms]:
+            tiles = [dict(t, BLOCK_M=bm) for t in sweep for bm in block_ms]
+            if m == 1 and sweep and not args.smoke:   # the CUDA-core tile (USE_DOT False) at one row
+                tiles += [{"BLOCK_M": 1, "BLOCK_N": bn, "SPLIT_K": sk, "USE_DOT": False, "num_warps": w,
+                           "num_stages": st}
+                          for bn, sk, w, st in itertools.product((8, 16, 32, 64), args.splits, (2, 4, 8),
+                                                                 args.stages)]
+            for tile in tiles:
                 def run(tile=tile):
                     out = engine_linear.linear(x, packed[0], tile=tile).float()
                     same = torch.allclose(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -304,6 +304,35 @@ def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
     assert nvfp4_tile(128, 2048, 16)["SPLIT_K"] == 4 and nvfp4_tile(128, 11264, 16)["SPLIT_K"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_one_row_on_the_cuda_cores_is_the_tensor_core_tile(dtype):
+    # USE_DOT False: one row, each decoded plane times its 16 columns summed elementwise in
+    # float32; the tensor-core tile's result up to accumulation order (K 300: a partial tile;
+    # split over K and not; a second input, bias and residual; a NaN block stays NaN)
+    g = torch.Generator().manual_seed(13)
+    N, K = 40, 300
+    raw = torch.randn(N, K, generator=g) / math.sqrt(K)
+    raw[3, 16:32] = float("nan")
+    lw = _weight("nvfp4", raw, dtype)
+    x, x2 = (torch.randn(1, K, generator=g).to(dtype).to(DEV) for _ in range(2))
+    bias, res = torch.randn(N, generator=g).to(dtype).to(DEV), torch.randn(1, N, generator=g).to(dtype).to(DEV)
+    mma = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+    # float32: the two orders of 300 float32 additions differ by a few ulps of the partial sums
+    tol = dict(atol=5e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    want = el.linear(x, lw, bias, residual=res, tile=mma)
+    want2 = el.linear(x, lw, x2=x2, tile=mma)
+    assert torch.isnan(want[0, 3]) and torch.isfinite(want[0, :3]).all()
+    for split in (1, 2, 3):
+        gemv = {"BLOCK_M": 1, "BLOCK_N": 16, "SPLIT_K": split, "USE_DOT": False, "num_warps": 4,
+                "num_stages": 1}
+        got = el.linear(x, lw, bias, residual=res, tile=gemv)
+        torch.testing.assert_close(got, want, equal_nan=True, **tol)
+        torch.testing.assert_close(el.linear(x, lw, x2=x2, tile=gemv), want2, equal_nan=True, **tol)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+    with pytest.raises(ValueError, match="takes one row"):
+        el.linear(torch.cat([x, x]), lw, tile=gemv)
+
+
 def test_nvfp4_tiles_over_two_ks_multiply_the_exact_weight():
     # one-hot rows show each value bit for bit over K of two tiles, the second partial; and a
     # second input (RAC's) on the same decoded tiles

@@ -15,6 +15,11 @@ at a few rows) split K over more programs; their float32 partial sums meet in a 
 the last program of a tile (a counter) finishes it, leaving the workspace zeroed for the next
 call (no memset: it fits in a CUDA graph). Compute dtypes other than bf16 multiply in float32
 (exact products all the same, not fast).
+
+At one row a tile may instead run on the CUDA cores (USE_DOT False, BLOCK_M 1): the same
+decoded planes, each times its 16 columns of the row in float32, summed elementwise and once at
+the end, so no MMA lane is spent on the 15 rows an MMA tile pads. It is not the default yet:
+untimed (`python benchmarks/tune.py engine-gemm --rows 1` sweeps it beside the MMA tiles).
 """
 
 from __future__ import annotations
@@ -150,6 +155,19 @@ def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
 
 
 @triton.jit
+def _plane_fma(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr):
+    """acc + w * x (+ w * x2) elementwise over one plane's 16 columns of the one row: w
+    (BLOCK_N, 16), the row's values (1, 16), float32 products (exact for 16-bit operands)."""
+    kk = cols[None, :]
+    ok = row_ok & (kk < K)
+    wf = w.to(tl.float32)
+    acc += wf * tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
+    if HAS_X2:
+        acc += wf * tl.load(x2_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _dot_t(w, xv, acc, F32_DOT: tl.constexpr):
     """acc + w @ xv: w bf16 (N, k) times xv bf16 (k, M), or (F32_DOT) both in float32."""
     if F32_DOT:
@@ -167,9 +185,11 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
                         HAS_X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_RES: tl.constexpr, GROUPED: tl.constexpr, ROW_DIV: tl.constexpr,
                         ASM: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr = True):
     """Grid (row tiles, column tiles, SPLIT_K): y^T tile (BLOCK_N, BLOCK_M) = W tile x^T over
-    this program's share of K's tiles (see the module doc)."""
+    this program's share of K's tiles (see the module doc). USE_DOT False (one row, BLOCK_M 1):
+    on the CUDA cores, each decoded plane times the row's 16 columns accumulated elementwise in
+    float32 (exact products, as the MMA's), summed once at the end."""
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -187,6 +207,7 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
     row_ok = m_ok[None, :]
     ri = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_v = tl.zeros([BLOCK_N, 16], tl.float32)           # USE_DOT False: products by column
     t0 = tl.program_id(2) * tiles_per_split
     for t in range(t0, tl.minimum(t0 + tiles_per_split, tiles_k)):
         words = tl.load(wq_ptr + rows_w[:, None] * stride_wn + t * 16 + ri[None, :])
@@ -213,14 +234,26 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
             w6 = _plane_plain(words, s6[:, None], 6)
             w7 = _plane_plain(words, s7[:, None], 7)
         c = t * 128 + ri
-        acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
-        acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
+        if USE_DOT:
+            acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
+            acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
+        else:
+            acc_v = _plane_fma(acc_v, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2)
+            acc_v = _plane_fma(acc_v, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2)
+    if not USE_DOT:
+        acc = tl.sum(acc_v, axis=1)[:, None]              # (BLOCK_N, 1)
     n_ok = rn < N
     acc = acc * tl.load(rs_ptr + rn, mask=n_ok, other=0.0)[:, None]
     ok = n_ok[:, None] & m_ok[None, :]
@@ -282,6 +315,9 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
         tile = (_interpreter_nvfp4_tile(rows, tiles.tiles_k) if interpret_mode() else
                 nvfp4_tile(rows, N, tiles.tiles_k, row_tiles))
     tile = dict(tile)
+    if not tile.get("USE_DOT", True) and (grouped or rows != 1 or tile["BLOCK_M"] != 1):
+        raise ValueError("the NVFP4 kernel's CUDA-core tile (USE_DOT False) takes one row, "
+                         "BLOCK_M 1, not grouped")
     if grouped:
         tile["BLOCK_M"] = block_m
     split = tile["SPLIT_K"]
