@@ -536,7 +536,9 @@ def sweep_engine_gemm(args, device: str) -> dict:
     tile against cuBLAS's bf16 F.linear (and torch._scaled_mm's FP8 row-wise GEMM) on the same
     shape: GPU time per call and the weight bytes read per second. Each call reads another copy
     of the weight, enough copies to pass the L2, so the weights stream from HBM as in a decode
-    step. Every tile's output is checked against dequantize-then-F.linear (to rounding)."""
+    step. At one row the NVFP4 kernel's CUDA-core tiles (USE_DOT False) are swept too (not under
+    --smoke, whose one tile a row the tests count). Every tile's output is checked against
+    dequantize-then-F.linear (to rounding)."""
     import itertools
     import math
 

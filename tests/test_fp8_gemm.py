@@ -595,7 +595,7 @@ def test_scaled_grouped_mm_call_conventions_on_cpu(monkeypatch):
 
 
 def side_by_side(binades, seed=5, segmented=False):
-    """B for b_along="k": 4 experts' (48, 96) operands side by side, (48, 4 * 96), MXFP4 blocked
+    """B for b_layout="side_by_side": 4 experts' (48, 96) operands side by side, (48, 4 * 96), MXFP4 blocked
     along K (blocks within an expert); segmented: folded expert by expert into one factor per
     row and expert (as the fold kernels write W^T's operand), else folded as one tensor."""
     q = quantize(spread(48, 4 * 96, binades, seed), "mxfp4", block=(1, 32))
@@ -618,7 +618,7 @@ def test_grouped_gemm_takes_the_experts_operands_side_by_side(backend, segmented
     qa, _, _, _, ends = grouped_operands(binades=3 if segmented else 30)
     fa, fs = fold_operand(qa), side_by_side(3 if segmented else 30, segmented=segmented)
     assert (len(fs.bounds) > 2) == (not segmented)
-    out = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend=backend, b_along="k")
+    out = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend=backend, b_layout="side_by_side")
     starts = [0, *ends.tolist()]
     whole = fs.unfold().double() if segmented else folded_float64(fs)   # 3 binades: float32 holds it
     for e in range(4):
@@ -631,20 +631,30 @@ def test_grouped_gemm_takes_the_experts_operands_side_by_side(backend, segmented
 
 
 def test_scaled_grouped_mm_takes_the_experts_operands_side_by_side_on_cpu(monkeypatch):
-    """b_along="k" on the CUDA path's call (B_e^T as a strided view of its column block, the
-    factors per row and expert expert-major), checked by torch's meta kernel and the float64
-    model of the op against the loop."""
+    """b_layout="side_by_side" on the CUDA path's call (B_e^T as a strided view of its column
+    block, the factors per row and expert expert-major), checked by torch's meta kernel and the
+    float64 model of the op against the loop; a NaN block in one expert's B makes NaN only that
+    expert's rows; an unsegmented B goes group by group (its NaN flags span every expert)."""
     calls = []
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm(calls), raising=False)
     qa, _, _, _, ends = grouped_operands(binades=3)
     fa = fold_operand(qa)
-    for segmented in (False, True):
-        fs = side_by_side(3, segmented=segmented)
-        got = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", backend="scaled_grouped_mm", b_along="k")
-        want = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend="loop", b_along="k")
-        torch.testing.assert_close(got[:ends[-1]].double(), want[:ends[-1]].bfloat16().double(),
-                                   rtol=2**-7, atol=0)
-    assert calls == [(2, 3), (2, 3)]
+    fs = side_by_side(3, segmented=True)
+    fs.fp8[5, 0] = float("nan")                        # expert 0's column block, row 5
+    fs = FoldedOperand(fs.fp8, fs.factors, fs.bounds,
+                       fs.nan_rows | ((torch.arange(4) == 0)[None, :] & (torch.arange(48) == 5)[:, None]),
+                       fs.segment_ends)
+    got = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", backend="scaled_grouped_mm", b_layout="side_by_side")
+    want = grouped_fp4_gemm_fp8(fa, fs, ends, "rows", torch.float64, backend="loop", b_layout="side_by_side")
+    rows = int(ends[-1])
+    torch.testing.assert_close(got[:rows].double(), want[:rows].bfloat16().double(), rtol=2**-7, atol=0,
+                               equal_nan=True)
+    nan_rows = torch.isnan(got[:rows, 5])
+    assert nan_rows[:32].all() and not nan_rows[32:].any()   # expert 0 holds rows 0..31
+    assert calls == [(2, 3)]
+    with pytest.raises(ValueError, match="segmented by expert"):
+        grouped_fp4_gemm_fp8(fa, side_by_side(3), ends, "rows", backend="scaled_grouped_mm",
+                             b_layout="side_by_side")
 
 
 def test_grouped_gemm_refuses_what_it_cannot_do():
@@ -658,14 +668,14 @@ def test_grouped_gemm_refuses_what_it_cannot_do():
         grouped_fp4_gemm_fp8(fa, fb.rows(0, 190), ends, "rows")
     with pytest.raises(ValueError, match="one K-chunk"):
         grouped_fp4_gemm_fp8(fa, fb, ends, "rows", backend="scaled_grouped_mm")
-    with pytest.raises(ValueError, match="b_along must be"):
-        grouped_fp4_gemm_fp8(fa, fb, ends, "k", b_along="k")
+    with pytest.raises(ValueError, match="b_layout must be"):
+        grouped_fp4_gemm_fp8(fa, fb, ends, "k", b_layout="side_by_side")
     with pytest.raises(ValueError, match="same K"):   # stacked B given as side by side
-        grouped_fp4_gemm_fp8(fa, fb, ends, "rows", b_along="k")
+        grouped_fp4_gemm_fp8(fa, fb, ends, "rows", b_layout="side_by_side")
     fs = side_by_side(3, segmented=True)
     fs = FoldedOperand(fs.fp8, fs.factors[:, :2], fs.bounds, fs.nan_rows[:, :2], fs.segment_ends[:2])
     with pytest.raises(ValueError, match="one per group"):
-        grouped_fp4_gemm_fp8(fa, fs, ends, "rows", b_along="k")
+        grouped_fp4_gemm_fp8(fa, fs, ends, "rows", b_layout="side_by_side")
 
 
 @pytest.mark.gpu
@@ -677,13 +687,14 @@ def test_scaled_grouped_mm_equals_the_group_by_group_gemms(binades):
     fs = side_by_side(binades, segmented=binades == 3)
     fs = FoldedOperand(fs.fp8.cuda(), fs.factors.cuda(), fs.bounds, fs.nan_rows.cuda(),
                        None if fs.segment_ends is None else fs.segment_ends.cuda())
-    for along, a, b, b_along in [("rows", fa, fb, "rows"), ("k", fm, fn, "rows"), ("rows", fa, fs, "k")]:
+    for along, a, b, b_layout in [("rows", fa, fb, "stacked"), ("k", fm, fn, "stacked"),
+                                  ("rows", fa, fs, "side_by_side")]:
         want = grouped_fp4_gemm_fp8(a, b, ends, along, torch.float32, backend="loop",
-                                    b_along=b_along).cpu().double()
+                                    b_layout=b_layout).cpu().double()
         one_chunk = len(a.bounds) == len(b.bounds) == 2
         assert one_chunk == (binades == 3)
         got = grouped_fp4_gemm_fp8(a, b, ends, along,   # the grouped GEMM where one chunk each
-                                   backend="scaled_grouped_mm" if one_chunk else None, b_along=b_along)
+                                   backend="scaled_grouped_mm" if one_chunk else None, b_layout=b_layout)
         rows = ends[-1].item() if along == "rows" else got.shape[0]
         got, want = got[:rows].cpu().double(), want[:rows]
         rel = ((got - want).norm() / want.norm()).item()

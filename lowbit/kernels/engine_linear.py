@@ -41,9 +41,10 @@ import triton.language as tl
 
 from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 from lowbit.kernels import interpret_mode
-from lowbit.kernels.gemm_common import input_values, row_rstd, row_tile, store_output
+from lowbit.kernels.gemm_common import row_tile, store_output
 from lowbit.kernels.launch import pdl_launch, wait_for_inputs
 from lowbit.kernels.nvfp4_gemm import nvfp4_linear
+from lowbit.kernels.quantize import to_output
 
 __all__ = ["linear", "grouped_linear", "moe_align", "default_tile", "engine_linear_kernel",
            "MAX_ROWS", "GROUP_BLOCK_M"]
@@ -121,6 +122,40 @@ def _weight_values(data, row_scale, FORMAT: tl.constexpr, NATIVE_CAST: tl.conste
     return v
 
 
+# ---- the activation side ------------------------------------------------------------------------
+
+@triton.jit
+def _input_values(x_ptrs, kk, ok, K, norm_ptr, rstd, PROLOGUE: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """The GEMM's input at columns kk (any shape, broadcast against the row pointers x_ptrs and
+    rstd) after the prologue, float32, each value rounded to x's dtype where the eager ops
+    round (to nearest even, under the interpreter too: NATIVE_CAST off, see to_output)."""
+    if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
+        g = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(x_ptrs + K + kk, mask=ok, other=0.0).to(tl.float32)
+        s = to_output(tl.math.div_rn(g, 1.0 + tl.exp(-g)), x_ptrs, NATIVE_CAST).to(tl.float32)
+        xv = to_output(s * u, x_ptrs, NATIVE_CAST).to(tl.float32)
+    else:
+        xv = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:   # weight * rms_norm(x): rounded after the norm and after the weight
+        g = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+        xv = to_output(to_output(xv * rstd, x_ptrs, NATIVE_CAST).to(tl.float32) * g, x_ptrs,
+                       NATIVE_CAST).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _row_rstd(x_ptrs, row_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row, (ROWS, 1) (x_ptrs: (ROWS, 1) row pointers): RMSNorm's statistic,
+    from one more read of the (short) rows."""
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    ss = tl.zeros([ROWS], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        xv = tl.load(x_ptrs + kk, mask=row_ok & (kk < K), other=0.0).to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+    return tl.rsqrt(tl.math.div_rn(ss, K * 1.0) + eps)[:, None]
+
+
 # ---- dense and FP8 ------------------------------------------------------------------------------
 
 @triton.jit
@@ -172,7 +207,7 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok, K,
     row_ok = m_ok[:, None]
     rstd = tl.zeros([BLOCK_M, 1], tl.float32)
     if PROLOGUE == 1:
-        rstd = row_rstd(x_ptrs, row_ok, K, eps, BLOCK_M, BLOCK_K)
+        rstd = _row_rstd(x_ptrs, row_ok, K, eps, BLOCK_M, BLOCK_K)
     row_scale = tl.zeros([BLOCK_N], tl.float32)
     if FORMAT != 0:
         row_scale = tl.load(rs_ptr + rn, mask=n_ok, other=0.0)
@@ -183,7 +218,7 @@ def _dot_rows(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, x_rows, m_ok, rn, n_ok, K,
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
         # x's values and w's are dt's values exactly, so the products are exact and only the
         # sums round
-        acc = _dot(input_values(x_ptrs, cols, row_ok & (cols < K), K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST),
+        acc = _dot(_input_values(x_ptrs, cols, row_ok & (cols < K), K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST),
                    w, acc, F32_DOT, dt)
         if HAS_X2:   # RAC: the compensated residual against the same weight tile
             x2_ptrs = x2_ptr + x_rows[:, None] * stride_x2m
@@ -220,12 +255,12 @@ def _one_row(x_ptr, x2_ptr, w_ptr, rs_ptr, norm_ptr, rn, n_ok, K, stride_wn, eps
     x_ptrs = x_ptr + zero
     rstd = tl.zeros([1, 1], tl.float32)
     if PROLOGUE == 1:
-        rstd = row_rstd(x_ptrs, zero == 0, K, eps, 1, BLOCK_K)
+        rstd = _row_rstd(x_ptrs, zero == 0, K, eps, 1, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _weight_values(data, row_scale, FORMAT, NATIVE_CAST, SATURATE, LIMIT, dt).to(tl.float32)
         cols = k0 + tl.arange(0, BLOCK_K)[None, :]
-        acc += w * input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST)
+        acc += w * _input_values(x_ptrs, cols, cols < K, K, norm_ptr, rstd, PROLOGUE, NATIVE_CAST)
         if HAS_X2:   # RAC's residual: its own exact products, into the same sums
             acc += w * tl.load(x2_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         # the next tile (past K on the last iteration: all masked, no read)
@@ -334,8 +369,8 @@ def _prologue_pass(x: torch.Tensor, norm: torch.Tensor | None, eps: float,
     """The NVFP4 GEMM's input: x, or its prologue's output from one activation pass
     (lowbit.kernels.activation_quant, mode "none": rounded as the prologues here round). The
     NVFP4 kernel reads its activations straight into the MMA's operand; a prologue computed in
-    the kernel stages them through shared memory once for every tile of every program (tried:
-    the decode step at one row took 2.25x as long, docs/results/rollout.md, 2026-12-06)."""
+    the kernel stages them through shared memory once for every tile of every program (tried,
+    and measured slower: docs/results/rollout.md, 2026-12-06)."""
     if norm is None and not silu_mul:
         return x
     from lowbit.kernels import activation_quant

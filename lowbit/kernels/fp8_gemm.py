@@ -25,9 +25,10 @@ tensor, in two layouts:
 - along="rows" (fprop, dgrad): A (P, K) holds each expert's rows in turn, group e ending at
   ends[e]; B (E * N, K) stacks the experts' (N, K) operands; C (P, N), row r of group e =
   A[r] B_e^T. Rows past ends[-1] are left unwritten (undefined) on CUDA, zero elsewhere.
-  With b_along="k" B holds the experts' operands side by side instead, (N, E * K), B_e =
-  B[:, e K:(e + 1) K]: the transposed fold of the stacked weights (E * out, in) that the
-  forward keeps for dgrad, with one factor per row and expert where it is segmented.
+  With b_layout="side_by_side" B holds the experts' operands side by side instead, (N, E * K),
+  B_e = B[:, e K:(e + 1) K]: the transposed fold of the stacked weights (E * out, in) that the
+  forward keeps for dgrad, with one factor per row and expert where it is segmented (segment
+  ends K, 2K, ..., as that fold makes them: taken as given, not read back).
 - along="k" (wgrad): A (M, P) and B (N, P) hold the tokens along K, group e ending at ends[e];
   C (E, M, N), C_e = A[:, group e] B[:, group e]^T. An operand folded with factors per row and
   segment of K (FoldedOperand.segment_ends: the groups) takes its own factor in each group,
@@ -161,29 +162,30 @@ def _gemm_scaled_mm(fa: FoldedOperand, fb: FoldedOperand, pieces, out_dtype,
 
 def grouped_fp4_gemm_fp8(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor, along: str,
                          out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
-                         backend: str | None = None, b_along: str = "rows") -> torch.Tensor:
+                         backend: str | None = None, b_layout: str = "stacked") -> torch.Tensor:
     """Every expert's A_e B_e^T on folded MXFP4 operands (see the module doc for the
     layouts): along="rows" -> (P, N), along="k" -> (E, M, N), in out_dtype. ends: (E,) int32,
     each group's end along the grouped dim (non-decreasing; the last at most its length).
-    b_along (along="rows" only): "rows", B stacks the experts' (N, K) operands as (E * N, K);
-    "k", side by side as (N, E * K), segmented (one factor per row and expert) or not.
+    b_layout (along="rows"): "stacked", B stacks the experts' (N, K) operands as (E * N, K);
+    "side_by_side", (N, E * K), segmented (one factor per row and expert: the grouped GEMM) or
+    not (group by group, where each expert's NaN rows are its own).
 
     backend: None picks (see the module doc); "scaled_grouped_mm" forces the grouped GEMM
     (CUDA, one chunk per operand), "loop" the group-by-group GEMMs (fp4_gemm_fp8 on each)."""
     if along not in ("rows", "k"):
         raise ValueError(f"along must be 'rows' or 'k', got {along!r}")
-    if b_along not in ("rows", "k") or (along == "k" and b_along != "rows"):
-        raise ValueError(f"b_along must be 'rows', or 'k' with along='rows'; got {b_along!r} "
-                         f"with along={along!r}")
+    if b_layout not in ("stacked", "side_by_side") or (along == "k" and b_layout != "stacked"):
+        raise ValueError(f"b_layout must be 'stacked', or 'side_by_side' with along='rows'; got "
+                         f"{b_layout!r} with along={along!r}")
     if backend not in (None, "scaled_grouped_mm", "loop"):
         raise ValueError(f"backend must be None, 'scaled_grouped_mm' or 'loop', got {backend!r}")
     experts = ends.shape[0]
-    side_by_side = b_along == "k"
+    side_by_side = b_layout == "side_by_side"
     if (b.shape[1] != a.shape[1] * (experts if side_by_side else 1)
             or (along == "rows" and not side_by_side and b.shape[0] % max(experts, 1))):
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)} for {experts} groups "
                          f"along {along}: both need the same K, and along='rows' b stacks "
-                         "the groups' equal row blocks (b_along='k': their K-blocks side by side)")
+                         "the groups' equal row blocks (side by side: their K-blocks)")
     if side_by_side and b.segment_ends is not None and b.segment_ends.shape[0] != experts:
         raise ValueError(f"b has factors for {b.segment_ends.shape[0]} segments of its columns; "
                          f"side by side it takes one per group ({experts})")
@@ -211,6 +213,8 @@ def _grouped_mm_fits(a: FoldedOperand, b: FoldedOperand, experts: int, along: st
     multiple of 16 (its stride rule)."""
     n = b.shape[0] if along == "k" or side_by_side else b.shape[0] // experts
     widths = (a.shape[1], n) + ((a.shape[0],) if along == "k" else ())
+    if side_by_side and b.segment_ends is None:
+        return False   # one NaN flag per row would span every expert: group by group instead
     return (a.fp8.is_cuda and hasattr(torch, "_scaled_grouped_mm") and experts > 0
             and torch.cuda.get_device_capability(a.fp8.device) in ((9, 0), (10, 0))
             and len(a.bounds) == len(b.bounds) == 2 and out_dtype == torch.bfloat16
@@ -224,12 +228,14 @@ def _gemm_scaled_grouped(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
                          f"{len(a.bounds) - 1} and {len(b.bounds) - 1}: use backend='loop'")
     experts = ends.shape[0]
     if side_by_side:
+        if b.segment_ends is None:
+            raise ValueError("side by side, the grouped FP8 GEMM takes a B segmented by expert (a "
+                             "factor and NaN flag per row and expert): use backend='loop'")
         # B (N, E * K): expert e's B_e^T (K, N) column-major is the view of its column block
         # (leading dimension E * K); the factors per row and expert, expert-major
         sa = _with_nan(a.factors[:, 0], a.nan_rows)
         n, k = b.shape[0], a.shape[1]
-        sb = (_with_nan(b.factors, b.nan_rows).t() if b.segment_ends is not None
-              else _with_nan(b.factors[:, 0], b.nan_rows).expand(experts, n))
+        sb = _with_nan(b.factors, b.nan_rows).t()
         return torch._scaled_grouped_mm(a.fp8, b.fp8.view(n, experts, k).permute(1, 2, 0),
                                         sa.contiguous(), sb.contiguous(), offs=ends,
                                         out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)

@@ -1,16 +1,13 @@
 """Pieces the rollout engine's GEMM kernels share (lowbit.kernels.engine_linear's dense / FP8
-kernel and lowbit.kernels.nvfp4_gemm's): a row tile's rows, plain or grouped by expert, the
-input's prologue (the engine's RMSNorm, or SiLU(gate) * up) and the output's epilogue (rounding,
-bias, residual), each rounded as the engine's eager decoder rounds."""
+kernel and lowbit.kernels.nvfp4_gemm's): a row tile's rows, plain or grouped by expert, and the
+output's epilogue (rounding, bias, residual, as the engine's eager decoder rounds)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from lowbit.kernels.quantize import to_output
-
-__all__ = ["input_values", "row_rstd", "row_tile", "store_output"]
+__all__ = ["row_tile", "store_output"]
 
 
 @triton.jit
@@ -48,35 +45,3 @@ def store_output(y, y_ptr, bias_ptr, res_ptr, rows, cols, ok, stride_ym, stride_
         r = tl.load(res_ptr + rows * stride_rm + cols, mask=ok, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
     tl.store(y_ptr + rows * stride_ym + cols, y, mask=ok)
-
-
-@triton.jit
-def input_values(x_ptrs, kk, ok, K, norm_ptr, rstd, PROLOGUE: tl.constexpr, NATIVE_CAST: tl.constexpr):
-    """The GEMM's input at columns kk (any shape, broadcast against the row pointers x_ptrs and
-    rstd) after the prologue, float32, each value rounded to x's dtype where the eager ops
-    round (to nearest even, under the interpreter too: NATIVE_CAST off, see to_output)."""
-    if PROLOGUE == 2:   # x holds [gate | up], K columns each: F.silu(gate) * up, two roundings
-        g = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptrs + K + kk, mask=ok, other=0.0).to(tl.float32)
-        s = to_output(tl.math.div_rn(g, 1.0 + tl.exp(-g)), x_ptrs, NATIVE_CAST).to(tl.float32)
-        xv = to_output(s * u, x_ptrs, NATIVE_CAST).to(tl.float32)
-    else:
-        xv = tl.load(x_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:   # weight * rms_norm(x): rounded after the norm and after the weight
-        g = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
-        xv = to_output(to_output(xv * rstd, x_ptrs, NATIVE_CAST).to(tl.float32) * g, x_ptrs,
-                       NATIVE_CAST).to(tl.float32)
-    return xv
-
-
-@triton.jit
-def row_rstd(x_ptrs, row_ok, K, eps, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row, (ROWS, 1) (x_ptrs: (ROWS, 1) row pointers): RMSNorm's statistic,
-    from one more read of the (short) rows."""
-    rk = tl.arange(0, BLOCK_K)[None, :]
-    ss = tl.zeros([ROWS], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        xv = tl.load(x_ptrs + kk, mask=row_ok & (kk < K), other=0.0).to(tl.float32)
-        ss += tl.sum(xv * xv, axis=1)
-    return tl.rsqrt(tl.math.div_rn(ss, K * 1.0) + eps)[:, None]

@@ -16,10 +16,10 @@ the last program of a tile (a counter) finishes it, leaving the workspace zeroed
 call (no memset: it fits in a CUDA graph). Compute dtypes other than bf16 multiply in float32
 (exact products all the same, not fast).
 
-At one row a tile may instead run on the CUDA cores (USE_DOT False, BLOCK_M 1): the same
-decoded planes, each times its 16 columns of the row in float32, summed elementwise and once at
-the end, so no MMA lane is spent on the 15 rows an MMA tile pads. It is not the default yet:
-untimed (`python benchmarks/tune.py engine-gemm --rows 1` sweeps it beside the MMA tiles).
+At one row a tile may instead run on the CUDA cores (USE_DOT False, BLOCK_M 1, chosen by the
+caller's tile): the same decoded planes, each times its 16 columns of the row in float32,
+summed elementwise and once at the end, so no MMA lane is spent on the 15 rows an MMA tile
+pads (`python benchmarks/tune.py engine-gemm --rows 1` times it beside the MMA tiles).
 """
 
 from __future__ import annotations
@@ -155,9 +155,21 @@ def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
 
 
 @triton.jit
+def _plane(acc, acc_v, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
+           F32_DOT: tl.constexpr, USE_DOT: tl.constexpr):
+    """One decoded plane into the tensor-core accumulator (acc) or, USE_DOT False, the
+    CUDA-core one (acc_v): (acc, acc_v)."""
+    if USE_DOT:
+        acc = _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2, F32_DOT)
+    else:
+        acc_v = _plane_fma(acc_v, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2)
+    return acc, acc_v
+
+
+@triton.jit
 def _plane_fma(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr):
     """acc + w * x (+ w * x2) elementwise over one plane's 16 columns of the one row: w
-    (BLOCK_N, 16), the row's values (1, 16), float32 products (exact for 16-bit operands)."""
+    (BLOCK_N, 16), the row's values (1, 16), float32 products (exact for bf16 / fp16 rows)."""
     kk = cols[None, :]
     ok = row_ok & (kk < K)
     wf = w.to(tl.float32)
@@ -189,7 +201,7 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
     """Grid (row tiles, column tiles, SPLIT_K): y^T tile (BLOCK_N, BLOCK_M) = W tile x^T over
     this program's share of K's tiles (see the module doc). USE_DOT False (one row, BLOCK_M 1):
     on the CUDA cores, each decoded plane times the row's 16 columns accumulated elementwise in
-    float32 (exact products, as the MMA's), summed once at the end."""
+    float32, summed once at the end."""
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -234,24 +246,14 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
             w6 = _plane_plain(words, s6[:, None], 6)
             w7 = _plane_plain(words, s7[:, None], 7)
         c = t * 128 + ri
-        if USE_DOT:
-            acc = _plane_dot(acc, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT)
-            acc = _plane_dot(acc, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT)
-        else:
-            acc_v = _plane_fma(acc_v, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2)
-            acc_v = _plane_fma(acc_v, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2)
+        acc, acc_v = _plane(acc, acc_v, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
     if not USE_DOT:
         acc = tl.sum(acc_v, axis=1)[:, None]              # (BLOCK_N, 1)
     n_ok = rn < N

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms", "pow2_at_least",
-           "amax_config", "sm_count", "tensor_amax_kernel"]
+           "amax_config", "sm_count", "tensor_amax_kernel", "to_output"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 

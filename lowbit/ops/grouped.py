@@ -34,13 +34,14 @@ rounding recipes do.
 FP8 recipes (stable-fp4-fp8: MXFP4 operands folded into E4M3, lowbit.formats.fold) group the
 same way, on one grouped FP8 GEMM per pass (lowbit.kernels.fp8_gemm.grouped_fp4_gemm_fp8,
 torch._scaled_grouped_mm on CUDA): X and dY folded in the experts' layout, the stacked weight
-(E * out, in) folded as one tensor for fprop and its experts' transposes (E * in, out) for
-dgrad, which equal each expert's own quantization when the weight's square tiles lie within an
-expert (out and in multiples of the tile side). Square tiles (stable-fp4-fp8) give dgrad's
-operand from the forward's quantization of W: the fold kernels write W^T's operand beside W's,
-the experts' transposes side by side (in, E * out) with one factor per row and expert, and the
-forward keeps it (one byte a weight) instead of the weight (two), so the backward neither casts
-nor transposes the weight. Where square tiles give the weight-gradient
+(E * out, in) folded as one tensor for fprop, which equals each expert's own quantization when
+the weight's square tiles lie within an expert (out and in multiples of the tile side). For
+dgrad, square tiles (stable-fp4-fp8) give W^T's operand from the forward's quantization of W:
+the fold kernels write it beside W's, the experts' transposes side by side (in, E * out) with
+one factor per row and expert, and the forward keeps it (one byte a weight) in place of the
+weight it would save (under autocast, its bf16 copy), so the backward neither transposes nor
+folds the weight again; 1D blocks fold the experts' transposes stacked, (E * in, out), quantized
+along out, from the saved weight. Where square tiles give the weight-gradient
 operands dY^T and X^T (tokens along K) from the same quantization as dY and X (stable-fp4-fp8),
 the fused kernels fold them with one factor per row and expert (`segment_ends`), as each
 expert's own fold: a row spans only its expert's tokens' binades, and a NaN block makes only
@@ -133,8 +134,8 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
 class GroupedQuantLinearFP8Function(torch.autograd.Function):
     """The three GEMMs of every expert on FP8 tensor cores (see the module doc), as
     lowbit.ops.linear.QuantLinearFP8Function runs one layer's: the same deferred fold check,
-    watch and observer (the folds are the layer's, named `layer`), X^T's folded copy kept from the
-    forward where square tiles share it and a backward will use it."""
+    watch and observer (the folds are the layer's, named `layer`), X^T's and W^T's folded copies
+    kept from the forward where square tiles share them and a backward will use them."""
 
     @staticmethod
     def forward(ctx, x, weight, ends, recipe: LinearRecipe, grad: bool, layer: str = ""):
@@ -175,7 +176,7 @@ class GroupedQuantLinearFP8Function(torch.autograd.Function):
             if need_dx and ctx.w_d is not None:
                 # dX = dY W_e: B_e = W_e^T (in, out), side by side in the forward's W^T operand
                 dx = grouped_fp4_gemm_fp8(fdy, ctx.w_d, ends, "rows", out_dtype=dy.dtype,
-                                          use_fast_accum="dgrad" in r.fast_accum, b_along="k")
+                                          use_fast_accum="dgrad" in r.fast_accum, b_layout="side_by_side")
             elif need_dx:
                 # 1D blocks: W_e^T (in, out) stacked, quantized along out
                 w_t = weight.transpose(1, 2).reshape(experts * in_features, out_features)
