@@ -10,6 +10,7 @@ crashes and resumes reproduces the uninterrupted two-process run exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -17,9 +18,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from conftest import missing_data
 from lowbit.cli import main
 
 # Tiny and short: 6 steps of 4 x 32 tokens; batch_size 4 splits into 2 rows per rank.
@@ -57,6 +60,44 @@ def env(corpus_env):
     return corpus_env
 
 
+# Each torchrun launch costs ~8 s (two processes importing torch), so a run that several tests
+# only read is launched once: the fixtures below hold finished runs, and no test writes into
+# their folders (a test that resumes or renames copies what it needs into its own tmp_path).
+
+@pytest.fixture(scope="module")
+def module_env(tmp_path_factory):
+    """corpus_env for module-scoped fixtures: skipped where ../shared/data is missing (failed
+    under LOWBIT_TEST_STRICT=1), tokenizer caches in a fresh folder."""
+    from lowbit.data import data_root
+
+    try:
+        data_root()
+    except FileNotFoundError as e:
+        pytest.skip(missing_data(str(e)))
+    return {**os.environ, "LOWBIT_CACHE": str(tmp_path_factory.mktemp("cache"))}
+
+
+@pytest.fixture(scope="module")
+def ddp_bf16(tmp_path_factory, module_env) -> SimpleNamespace:
+    """The bf16 recipe under two processes (DDP), figures drawn: `out` holds its one run folder,
+    `run_dir`, and `result` is the launch (each test asserts it succeeded)."""
+    out = tmp_path_factory.mktemp("ddp") / "runs"
+    result = torchrun({**module_env, "LOWBIT_FIGURES": "1"}, *FLAGS, "--recipe", "bf16",
+                      "--out-dir", str(out), "--run-name", "two")
+    return SimpleNamespace(result=result, out=out, run_dir=out / "two")
+
+
+@pytest.fixture(scope="module")
+def one_process_bf16(tmp_path_factory, module_env) -> Path:
+    """The same bf16 run in one process (in this one): the run folder."""
+    out = tmp_path_factory.mktemp("single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOWBIT_CACHE", module_env["LOWBIT_CACHE"])
+        assert main(["train", *FLAGS, "--recipe", "bf16", "--out-dir", str(out),
+                     "--run-name", "one"]) in (0, None)
+    return out / "one"
+
+
 # gloo's own abort, seen about once in 50 two-process CPU launches here (2026-12-06: once in two
 # CI runs' ~24 launches, never in 40 launches in a loop): a rank dies of SIGABRT with this line
 # on its stderr. Where the run's final.json was written, every training collective had
@@ -87,13 +128,10 @@ def train_losses(run_dir) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if r["event"] == "train"]
 
 
-def test_two_processes_match_one_and_only_rank_0_writes(tmp_path, env):
-    out = tmp_path / "runs"
-    two = torchrun({**env, "LOWBIT_FIGURES": "1"}, *FLAGS, "--recipe", "bf16", "--out-dir", str(out),
-                   "--run-name", "two")
+def test_two_processes_match_one_and_only_rank_0_writes(ddp_bf16, one_process_bf16):
+    two, out, run_dir = ddp_bf16.result, ddp_bf16.out, ddp_bf16.run_dir
     assert two.returncode == 0, two.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["two"]
-    run_dir = out / "two"
     assert {p.name for p in run_dir.iterdir()} >= {"config.json", "metrics.jsonl", "final.json",
                                                    "loss.png", "checkpoints"}
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
@@ -103,28 +141,28 @@ def test_two_processes_match_one_and_only_rank_0_writes(tmp_path, env):
     final = json.loads((run_dir / "final.json").read_text())
     assert final["steps"] == 6 and final["tokens_seen"] == 6 * 4 * 32  # global, not per rank
 
-    assert main(["train", *FLAGS, "--recipe", "bf16", "--out-dir", str(tmp_path / "single"),
-                 "--run-name", "one"]) in (0, None)
-    one = train_losses(tmp_path / "single" / "one")
+    one = train_losses(one_process_bf16)
     # Same global batches and updates; only the order of float additions differs.
     assert train_losses(run_dir) == pytest.approx(one, rel=SAME_BATCHES)
     assert train_losses(run_dir)[-1] < train_losses(run_dir)[0]
 
 
-def test_two_process_resume_continues_exactly(tmp_path, env):
-    out = tmp_path / "runs"
-    whole = torchrun(env, *FLAGS, "--recipe", "bf16", "--out-dir", str(out), "--run-name", "whole")
+def test_two_process_resume_continues_exactly(tmp_path, env, ddp_bf16):
+    # the uninterrupted run is ddp_bf16's (its figures change no number)
+    whole = ddp_bf16.result
     assert whole.returncode == 0, whole.stderr[-3000:]
+    whole_losses = train_losses(ddp_bf16.run_dir)
 
+    out = tmp_path / "runs"
     script = tmp_path / "crash_at_step_4.py"
     script.write_text(CRASH_AT_STEP_4)
     cut = [*FLAGS, "--recipe", "bf16", "--out-dir", str(out), "--run-name", "cut"]
     crashed = torchrun(env, *cut, entry=(str(script),))
     assert crashed.returncode != 0
-    assert train_losses(out / "cut") == train_losses(out / "whole")[:4]  # logged, then crashed
+    assert train_losses(out / "cut") == whole_losses[:4]  # logged, then crashed
     resumed = torchrun(env, *cut, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert train_losses(out / "cut") == train_losses(out / "whole")
+    assert train_losses(out / "cut") == whole_losses
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED)
@@ -152,10 +190,13 @@ def test_compare_is_refused_under_torchrun(monkeypatch, tmp_path):
         run_train(args)
 
 
-def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_path, env):
+def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_path, env, one_process_bf16):
     """--parallel fsdp (FSDP2 over 2 gloo processes) trains on the same global batches as one
     process; its checkpoint holds the full state in the single-process format, so its step-3
-    checkpoint resumes on one process and under DDP and continues the same run."""
+    checkpoint resumes on one process and under DDP and continues the same run. (The step-3
+    checkpoint is the one the run keeps beside latest.pt, checkpoints/step-<N>.pt: what a run
+    that crashed after it would have left; test_fsdp_quantized_run_resumes_exactly crashes
+    one under FSDP for real.)"""
     import shutil
 
     import torch
@@ -164,21 +205,21 @@ def test_fsdp_matches_one_process_and_its_checkpoint_resumes_in_any_mode(tmp_pat
     base = [*FLAGS, "--recipe", "bf16", "--out-dir", str(out)]
     whole = torchrun(env, *base, "--parallel", "fsdp", "--run-name", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert main(["train", *base, "--run-name", "one"]) in (0, None)
-    assert train_losses(out / "whole") == pytest.approx(train_losses(out / "one"), rel=SAME_BATCHES)
+    assert train_losses(out / "whole") == pytest.approx(train_losses(one_process_bf16), rel=SAME_BATCHES)
     state = torch.load(out / "whole" / "checkpoints" / "latest.pt", weights_only=False)
-    single = torch.load(out / "one" / "checkpoints" / "latest.pt", weights_only=False)
+    single = torch.load(one_process_bf16 / "checkpoints" / "latest.pt", weights_only=False)
     assert state["model"].keys() == single["model"].keys()
     for name, value in state["model"].items():   # full tensors, not shards
         assert type(value) is torch.Tensor and value.shape == single["model"][name].shape
     assert set(state["optimizer"]["state"]) == set(single["optimizer"]["state"])   # by name
 
-    script = tmp_path / "crash_at_step_4.py"
-    script.write_text(CRASH_AT_STEP_4)
-    crashed = torchrun(env, *base, "--parallel", "fsdp", "--run-name", "cut", entry=(str(script),))
-    assert crashed.returncode != 0
-    for name in ("as-one", "as-ddp"):   # the step-3 FSDP checkpoint, renamed
-        shutil.copytree(out / "cut", out / name)
+    [older] = (out / "whole" / "checkpoints").glob("step-*.pt")
+    assert state["step"] == 6 and torch.load(older, weights_only=False)["step"] == 3
+    for name in ("as-one", "as-ddp"):   # the run as it stood at its step-3 checkpoint, renamed
+        shutil.copytree(out / "whole", out / name)
+        checkpoints = out / name / "checkpoints"
+        (checkpoints / older.name).replace(checkpoints / "latest.pt")
+        (out / name / "final.json").unlink()
         config = json.loads((out / name / "config.json").read_text())
         (out / name / "config.json").write_text(json.dumps({**config, "run_name": name}))
     assert main(["train", *base, "--run-name", "as-one", "--resume"]) in (0, None)
@@ -251,13 +292,21 @@ def test_checkpoints_from_before_fsdp_support_still_load():
         assert torch.equal(a, b)
 
 
+@functools.cache
+def one_process_bench(device: str) -> list[dict]:
+    """`lowbit bench train`'s bf16 row in one process, what both parallel modes must report (run
+    once for the two)."""
+    from lowbit.bench.train import bench_train
+
+    return bench_train("tiny", ["bf16"], seq_len=32, batch_size=4, steps=2, warmup=1, device=device,
+                       progress=lambda message: None)
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_batch(tmp_path, parallel):
     """`lowbit bench train` under torchrun: --batch-size is the global batch, split as lowbit
     train splits it, so two processes report one process's loss; rank 0 alone prints and
     writes --json; tokens/s counts the job's tokens."""
-    from lowbit.bench.train import bench_train
-
     device = FLAGS[FLAGS.index("--device") + 1]
     # DDP also takes a QAT setting (its large per-weight buffers left out of DDP's broadcast)
     recipes = ["bf16", "stable-fp4"] + (["qat/int2:g32/jacquant"] if parallel == "ddp" else [])
@@ -276,8 +325,7 @@ def test_bench_train_under_torchrun_times_the_one_process_step_on_the_global_bat
         (recipe, 2, parallel) for recipe in recipes]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / (r["step_ms"] / 1e3))
-    one = bench_train("tiny", ["bf16"], seq_len=32, batch_size=4, steps=2, warmup=1, device=device,
-                      progress=lambda message: None)
+    one = one_process_bench(device)
     assert rows[0]["loss"] == pytest.approx(one[0]["loss"], rel=SAME_BATCHES)   # bf16: no SR noise
     assert rows[0]["params"] == one[0]["params"]
 

@@ -4,6 +4,8 @@ precision mode, dense and MoE; and the invariances every mode keeps: a row alone
 in a batch, and decode log-probs equal a re-score. The kernels run on the GPU where there is one,
 else in Triton's interpreter on the CPU (slow: tiny models, few tokens)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -20,8 +22,9 @@ MODES = [("bf16", 0.0), ("fp8", 0.0), ("nvfp4-w4a16", 0.0), ("nvfp4", 0.0), ("nv
          ("nvfp4+static", 0.25)]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [3]]
 # the kernel-against-reference cases run in Triton's interpreter on the CPU, where every
-# prefill row costs RAC's channel select: three rows of three lengths keep them short
-KERNEL_PROMPTS = [[1, 2, 3], [7, 8], [3]]
+# prefill row (batch x longest prompt) and decode row costs RAC's channel select: two rows of
+# two lengths (one right-padded, their positions apart) keep them short
+KERNEL_PROMPTS = [[1, 2], [7]]
 
 
 def _model(moe: bool, seed: int = 0, **kw):
@@ -45,17 +48,30 @@ KERNEL_CASES = [(p, r, False) for p, r in MODES if "static" not in p] + [
     ("nvfp4-w4a16", 0.0, True), ("nvfp4", 0.25, True)]
 
 
+GREEDY = SamplingParams(temperature=0, max_new_tokens=3)     # greedy: the same tokens
+
+
+@functools.cache
+def kernel_rollout(precision: str, rac: float, packed: bool, moe: bool, cuda_graph: bool):
+    """The greedy rollout of KERNEL_PROMPTS by the engine on the kernels, float32, _model(moe):
+    generated once (the interpreter is slow) for the tests that compare against it, which only
+    read it. Off the GPU the compiled-step test's eager engine is this same engine."""
+    cfg, model = _model(moe)
+    engine = _engine(cfg, model, precision, rac, decode_kernels=True, dtype=torch.float32,
+                     cuda_graph=cuda_graph, packed_gemm=packed)
+    return engine.generate(KERNEL_PROMPTS, GREEDY)
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("precision,rac,packed", KERNEL_CASES)
 def test_the_kernels_decode_what_the_reference_decodes(precision, rac, packed, moe):
     # float32 on both sides (on the GPU too), so that the kernels agree with the reference to
     # accumulation order and greedy decoding picks the same tokens
     cfg, model = _model(moe)
-    kw = dict(dtype=torch.float32, cuda_graph=False, packed_gemm=packed)
-    kernels = _engine(cfg, model, precision, rac, decode_kernels=True, **kw)
-    reference = _engine(cfg, model, precision, rac, decode_kernels=False, **kw)
-    params = SamplingParams(temperature=0, max_new_tokens=3)     # greedy: the same tokens
-    a, b = kernels.generate(KERNEL_PROMPTS, params), reference.generate(KERNEL_PROMPTS, params)
+    reference = _engine(cfg, model, precision, rac, decode_kernels=False, dtype=torch.float32,
+                        cuda_graph=False, packed_gemm=packed)
+    a = kernel_rollout(precision, rac, packed, moe, cuda_graph=False)
+    b = reference.generate(KERNEL_PROMPTS, GREEDY)
     assert torch.equal(a.completions, b.completions)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     if moe:
@@ -205,11 +221,11 @@ def test_a_compiled_step_on_the_kernels_decodes_what_the_eager_step_decodes(prec
     # (lowbit.kernels.engine_ops), Inductor fusing what lies between; float32 (on the GPU too),
     # so the two differ by accumulation order at most and greedy decoding picks the same tokens
     cfg, model = _model(False)
-    kw = dict(dtype=torch.float32, decode_kernels=True, packed_gemm=packed)
-    compiled = _engine(cfg, model, precision, rac, compile_decode=True, **kw)
-    eager = _engine(cfg, model, precision, rac, **kw)
-    params = SamplingParams(temperature=0, max_new_tokens=3)
-    a, b = compiled.generate(KERNEL_PROMPTS, params), eager.generate(KERNEL_PROMPTS, params)
+    compiled = _engine(cfg, model, precision, rac, compile_decode=True, dtype=torch.float32,
+                       decode_kernels=True, packed_gemm=packed)
+    # the eager step in CUDA graphs where the compiled one has them (the engine's default)
+    b = kernel_rollout(precision, rac, packed, False, cuda_graph=compiled.cuda_graph)
+    a = compiled.generate(KERNEL_PROMPTS, GREEDY)
     assert compiled.compile_decode and compiled.graph_note is None    # compiled, not fallen back
     assert torch.equal(a.completions, b.completions)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
