@@ -227,27 +227,24 @@ def _gemm_scaled_grouped(a: FoldedOperand, b: FoldedOperand, ends: torch.Tensor,
         raise ValueError("the grouped FP8 GEMM takes operands folded in one K-chunk; these have "
                          f"{len(a.bounds) - 1} and {len(b.bounds) - 1}: use backend='loop'")
     experts = ends.shape[0]
-    if side_by_side:
-        if b.segment_ends is None:
-            raise ValueError("side by side, the grouped FP8 GEMM takes a B segmented by expert (a "
-                             "factor and NaN flag per row and expert): use backend='loop'")
-        # B (N, E * K): expert e's B_e^T (K, N) column-major is the view of its column block
-        # (leading dimension E * K); the factors per row and expert, expert-major
-        sa = _with_nan(a.factors[:, 0], a.nan_rows)
-        n, k = b.shape[0], a.shape[1]
-        sb = _with_nan(b.factors, b.nan_rows).t()
-        return torch._scaled_grouped_mm(a.fp8, b.fp8.view(n, experts, k).permute(1, 2, 0),
-                                        sa.contiguous(), sb.contiguous(), offs=ends,
-                                        out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
     if along == "rows":
         sa = _with_nan(a.factors[:, 0], a.nan_rows)
-        sb = _with_nan(b.factors[:, 0], b.nan_rows)
-        n, k = b.shape[0] // experts, b.shape[1]
-        # A (P, K) row-major, B_e^T (K, N) column-major: the stacked rows seen as (E, K, N)
-        return torch._scaled_grouped_mm(a.fp8, b.fp8.view(experts, n, k).transpose(-2, -1),
-                                        sa.contiguous(), sb.view(experts, n).contiguous(),
-                                        offs=ends, out_dtype=torch.bfloat16,
-                                        use_fast_accum=use_fast_accum)
+        if side_by_side:
+            if b.segment_ends is None:
+                raise ValueError("side by side, the grouped FP8 GEMM takes a B segmented by expert "
+                                 "(a factor and NaN flag per row and expert): use backend='loop'")
+            # B (N, E * K): expert e's B_e^T (K, N) column-major is the view of its column
+            # block (leading dimension E * K); the factors per row and expert, expert-major
+            n, k = b.shape[0], a.shape[1]
+            b_t = b.fp8.view(n, experts, k).permute(1, 2, 0)
+            sb = _with_nan(b.factors, b.nan_rows).t()
+        else:
+            # A (P, K) row-major, B_e^T (K, N) column-major: the stacked rows seen as (E, K, N)
+            n, k = b.shape[0] // experts, b.shape[1]
+            b_t = b.fp8.view(experts, n, k).transpose(-2, -1)
+            sb = _with_nan(b.factors[:, 0], b.nan_rows).view(experts, n)
+        return torch._scaled_grouped_mm(a.fp8, b_t, sa.contiguous(), sb.contiguous(), offs=ends,
+                                        out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
     # groups along K: the scales are per group and row, group-major: a segmented operand's
     # factor of each row in each group, else each row's one factor for every group. A group
     # with no tokens gives zeros, whatever the GEMM leaves there.
