@@ -262,9 +262,11 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0       # 16 bytes of bf16
 
 
-@torch.compiler.assume_constant_result
 def _hopper_or_later(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    # torch.compile folds get_device_properties to a constant (no graph break, no guard on a
+    # tensor); torch.compiler.assume_constant_result would say the same but imports
+    # torch._dynamo (~2 s) into every process that imports the models
+    return torch.cuda.get_device_properties(index).major >= 9
 
 
 def _autocast(*tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
