@@ -20,8 +20,18 @@ import os
 import re
 import warnings
 
-import pytest
-import torch
+# Under pytest-xdist (pyproject's addopts: -n 2) each worker takes its share of the cores, it and
+# the processes it launches (torchrun, `python -m lowbit`): two workers each running two
+# intra-op threads on two cores ran no faster than one process. Set before torch is imported.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 pytest_plugins = ["pytester"]  # tests/test_strict.py runs tiny suites under this file
 

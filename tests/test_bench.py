@@ -503,7 +503,7 @@ def test_bench_recipes_fits_steps_and_summarizes(tmp_path, corpus_env, capsys, m
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "runs"
     assert main(["bench", "recipes", "--name", "t", "--recipes", "bf16,stable-fp4", "--out",
-                 str(out), "--fit-min", "0.15", "--probe-s", "6", "--probe-window-s", "2",
+                 str(out), "--fit-min", "0.15", "--probe-s", "15", "--probe-window-s", "4",
                  "--deadline-min", "3", "--", "--model", "tiny", "--seq-len", "32",
                  "--batch-size", "2", "--eval-every", "5", "--eval-batches", "1",
                  "--diag-every", "5", "--device", "cpu"]) == 0
