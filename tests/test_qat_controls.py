@@ -60,6 +60,24 @@ def test_code_flips_count_over_all_weights_and_skip_a_resumed_runs_first_record(
     assert CodeFlips(net).since_last(50) == {}   # first call past step 1: no baseline
 
 
+def test_code_flips_hold_packed_codes_and_count_what_the_codes_say():
+    # int2 holds four codes a byte (its groups are a multiple of 4 wide, so no partial byte)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 8, bias=False))
+    prepare(net, QATConfig(weights="int2:g8", estimator="ste"))
+    (_, _, _, fq), = fake_quantizers(net)
+    latent = net[0].parametrizations.weight.original
+    flips = CodeFlips(net)
+    held, = flips.previous
+    assert held.codes.dtype == torch.uint8 and held.codes.numel() == 8 * 32 // 4
+    before = fq.codes(latent)
+    with torch.no_grad():
+        latent.add_(0.05 * torch.randn_like(latent))
+    expected = (fq.codes(latent) != before).sum().item() / latent.numel()
+    assert 0 < expected < 1
+    assert flips.since_last(1)["qat/code_flips"] == expected
+
+
 def test_shuffled_b_is_a_per_tensor_permutation_of_the_unshuffled_b_and_resume_exact():
     torch.manual_seed(0)
     plain, _ = _layer("jacquant", refresh_every=1)

@@ -460,9 +460,11 @@ class CodeFlips:
     all of a model's fake-quantized weights and per weight: what learning moves across the
     rounding boundaries (STE's codes flip freely; a B near 0 parks a weight's code).
 
-    The codes it compares against are held here, on the weights' device (one byte a weight),
-    not in the checkpoint: a resumed run takes them anew at its first step, and its first
-    record after the resume leaves code_flips out."""
+    The codes it compares against are held here, on the weights' device, packed as lowbit
+    stores them (`FakeQuantWeight.pack`: a quarter of a byte a weight at int2, with its group
+    scales), one layer unpacked at a time when they are compared; not in the checkpoint: a
+    resumed run takes them anew at its first step, and its first record after the resume
+    leaves code_flips out."""
 
     def __init__(self, model: nn.Module) -> None:
         self.weights = [(name, module.parametrizations[pname].original, fq)
@@ -471,8 +473,8 @@ class CodeFlips:
         self.first_step: int | None = None
 
     @torch.no_grad()
-    def _codes(self) -> list[torch.Tensor]:
-        return [fq.codes(weight) for _, weight, fq in self.weights]
+    def _codes(self) -> list[QTensor]:
+        return [fq.pack(weight) for _, weight, fq in self.weights]
 
     def stepped(self, step: int) -> None:
         """Called at each step the hook records nothing: a first step past 1 is a resumed run,
@@ -494,9 +496,11 @@ class CodeFlips:
         out: dict[str, float] = {}
         changed = total = 0
         for (name, _, _), now, before in zip(self.weights, codes, previous):
-            n = int((now != before.to(now.device)).sum())   # a model moved after the hook was made
-            out[f"qat/layer/{name}/code_flips"] = n / now.numel()
-            changed, total = changed + n, total + now.numel()
+            now_codes = now.unpacked_codes()
+            # .to: a model moved after the hook was made
+            n = int((now_codes != before.unpacked_codes().to(now_codes.device)).sum())
+            out[f"qat/layer/{name}/code_flips"] = n / now_codes.numel()
+            changed, total = changed + n, total + now_codes.numel()
         return {"qat/code_flips": changed / max(total, 1), **out}
 
 
