@@ -19,7 +19,8 @@
    bf16 control (at every evaluation all runs reached), each non-STE run's gap over the STE
    run's with the same forward quantizer and seed and over the best STE arm's (any LR), the
    code flips a weight at one common step, and B's statistics, into DIR/table.md; DIR/summary.json
-   holds the same with every run's curve and flip records (the raw data).
+   holds the same with every run's curve and flip records (the raw data), DIR/figure.png every
+   run's validation loss over its steps (`--plot SUMMARY.json PNG` redraws it from a summary).
 --smoke runs the same on the CPU at a toy size (CI).
 """
 
@@ -211,7 +212,50 @@ def summarize(settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
     return summary, "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], baselines: dict, png: Path) -> None:
+    """Every run's validation loss over its QAT steps, one panel per optimizer: one colour per
+    arm (the setting without its seed), one line style per seed; the BF16 base as a dotted
+    line (RTN and GPTQ, far above, in the title)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    optimizers = sorted({r.get("optimizer", "adamw") for r in rows})
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(6.5 * len(optimizers), 4.5), squeeze=False)
+    arms = sorted({r["setting"].rsplit("-s", 1)[0] for r in rows})
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
+    seeds = sorted({r["seed"] for r in rows})
+    styles = {seed: ("-", "--", ":", "-.")[i % 4] for i, seed in enumerate(seeds)}
+    for ax, optimizer in zip(axes[0], optimizers):
+        for r in rows:
+            if r.get("optimizer", "adamw") != optimizer or not r.get("evals"):
+                continue
+            steps, losses = zip(*r["evals"][1:]) if len(r["evals"]) > 1 else zip(*r["evals"])
+            arm = r["setting"].rsplit("-s", 1)[0]
+            ax.plot(steps, losses, styles[r["seed"]], color=colours[arm],
+                    label=arm if r["seed"] == seeds[0] else None)
+        if "bf16" in baselines:
+            ax.axhline(baselines["bf16"], color="k", linestyle=":", label="bf16 base")
+        ax.set_title(optimizer)
+        ax.set_xlabel("QAT step")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=7)
+    post = ", ".join(f"{k} {v:.3f}" for k, v in baselines.items() if k != "bf16")
+    fig.suptitle("QAT validation loss (line style: seed " + " / ".join(map(str, seeds)) + ")"
+                 + (f"; post-training: {post}" if post else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--plot"]:   # redraw a finished experiment's figure: --plot SUMMARY.json PNG
+        if len(sys.argv) != 4:
+            raise SystemExit("usage: qat_experiment.py --plot SUMMARY.json PNG")
+        data = json.loads(Path(sys.argv[2]).read_text())
+        data = data.get("results", data)       # a docs/results file holds the summary under results
+        plot(data["rows"], data.get("baselines", {}), Path(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for runs, logs and the summary")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS)
@@ -332,6 +376,7 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, **summary,
                                                   "bench": bench_rows,
                                                   "wall_s": time.time() - t0}, indent=2))
+    plot(summary["rows"], baselines, out / "figure.png")
     print(f"done in {time.time() - t0:.0f} s -> {out}")
     if failed:   # the table above says which; their logs are in the folder
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")

@@ -188,7 +188,7 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path,
         assert not out.exists()
 
 
-def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(tmp_path):
+def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(tmp_path, monkeypatch):
     # synthetic run folders: the gaps to each seed's control at every shared evaluation, the
     # ratio to STE at --qat-lr and to the best STE arm (any LR), flips at a common step, and a
     # run that never trained listed as failed
@@ -234,6 +234,13 @@ def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(t
     rows = {r["setting"]: r for r in summary["rows"]}
     assert rows["int2g64-ste-s0"]["evals"][-1] == [30, 2.2] and rows["int2g64-ste-s0"]["step"] == 20
     assert "| int2g64-jacquant-s0 | +0.3500 | +0.3000 | +0.3500 |" in table
+    # the figure, and --plot redrawing it from a results file (the summary under "results")
+    qe.plot(summary["rows"], {"bf16": 1.5, "gptq int2:g64": 3.0}, tmp_path / "figure.png")
+    saved = tmp_path / "qat.json"
+    saved.write_text(json.dumps({"meta": {}, "results": {"rows": summary["rows"], "baselines": {"bf16": 1.5}}}))
+    monkeypatch.setattr(sys, "argv", ["qat_experiment.py", "--plot", str(saved), str(tmp_path / "again.png")])
+    qe.main()
+    assert (tmp_path / "figure.png").stat().st_size > 10_000 and (tmp_path / "again.png").stat().st_size > 10_000
 
 
 def test_multi_gpu_scaling_smoke(tmp_path):
