@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from lowbit.formats import quantize, save_qtensors
-from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq,
+from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake_quantize, gptq, jacquant_metrics,
                         load_packed, packed_weights, parse_qat_spec, qat_weight_format, prepare,
                         refresh, refresh_hook)
 from lowbit.qat.jacquant import fit_b
@@ -303,6 +303,7 @@ def test_b_on_the_update_keeps_no_copy_of_the_weights_and_bf16_b_halves_b():
     weights = (64 * 32 + 32 * 64) * 4                        # a and b, float32
     assert persistent_bytes(JacQuantConfig()) == weights     # B per element, float32
     assert persistent_bytes(JacQuantConfig(b_dtype="bfloat16")) == weights // 2
+    assert persistent_bytes(JacQuantConfig(b_dtype="uint8")) == weights // 4
     torch.manual_seed(1)
     net = Net()
     prepare(net, QATConfig(weights="int2:g32", estimator="jacquant"))
@@ -317,9 +318,9 @@ def test_b_on_the_update_keeps_no_copy_of_the_weights_and_bf16_b_halves_b():
         hook.attach(opt)
 
 
-def test_bf16_b_is_the_float32_fit_rounded_and_trains_alike():
+def test_bf16_and_uint8_b_are_the_float32_fit_rounded_and_train_alike():
     runs = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "uint8"):
         torch.manual_seed(1)
         net = Net()
         cfg = QATConfig(weights="int2:g32", estimator="jacquant",
@@ -341,10 +342,41 @@ def test_bf16_b_is_the_float32_fit_rounded_and_trains_alike():
             first_b = fq.b.clone() if first_b is None else first_b
         assert fq.b.dtype == getattr(torch, dtype)
         runs[dtype] = (first_loss, loss.item(), first_b)
-    (first, l32, b32), (_, l16, b16) = runs["float32"], runs["bfloat16"]
+    (first, l32, b32), (_, l16, b16), (_, l8, b8) = runs["float32"], runs["bfloat16"], runs["uint8"]
     assert torch.equal(b16, b32.to(torch.bfloat16))         # the first fit, rounded once
-    # int2 codes flip on tiny differences, so the curves part after a few steps; both learn
-    assert l32 < 0.15 * first and l16 < 0.15 * first
+    # uint8: the nearest level k / 127 (b_max 2.0: B = 1 is level 127, 2.0 level 254)
+    assert torch.equal(b8, torch.round(b32 * 127).to(torch.uint8))
+    assert int(b8.min()) < 127 < int(b8.max()) <= 254      # B spread both ways from 1
+    # int2 codes flip on tiny differences, so the curves part after a few steps; all learn
+    assert l32 < 0.15 * first and l16 < 0.15 * first and l8 < 0.15 * first
+
+
+def test_a_uint8_b_decodes_to_its_levels_scales_updates_and_reports_its_values():
+    torch.manual_seed(1)
+    net = Net()
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant", jacquant=JacQuantConfig(b_dtype="uint8"))
+    prepare(net, cfg)
+    fq = net.a.parametrizations.weight[0]
+    assert fq.b.dtype == torch.uint8 and torch.equal(fq.b_values(), torch.ones(fq.b.shape))  # B = 1: level 127
+    levels = torch.randint(0, 255, fq.b.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    fq.b.copy_(levels)
+    values = levels.float() / 127
+    assert torch.equal(fq.b_values(), values)
+    latent = net.a.parametrizations.weight.original
+    before = latent.detach().clone()
+    with torch.no_grad():
+        latent.add_(0.01)
+    fq.scale_update(latent, before)                          # W_before + B * (W - W_before)
+    torch.testing.assert_close(latent.detach(), before + values * 0.01, rtol=0, atol=1e-6)
+    stats = jacquant_metrics(net)
+    assert stats["b/a.weight/mean"] == pytest.approx(values.mean().item(), rel=1e-6)
+    other = net.b.parametrizations.weight[0].b_values()                 # still B = 1
+    assert stats["b/mean"] == pytest.approx((values.sum() + other.sum()).item() / (values.numel() + other.numel()))
+    for bad, says in ((dict(b_dtype="uint8", b_on="grad"), "acts on the update only"),
+                      (dict(b_dtype="uint8", ema=0.9), "uint8 B with --b-ema 0.9 would stop moving")):
+        with pytest.raises(ValueError, match=says):
+            JacQuantConfig(**bad)
+    assert parse_qat_spec("int2:g64/jacquant/u8b").jacquant.b_dtype == "uint8"
 
 
 def test_a_checkpoint_holding_the_old_weight_copy_still_loads():

@@ -120,11 +120,21 @@ class JacQuantConfig:
     unshuffled B is kept (FakeQuantWeight.b_unshuffled) so the EMA smooths the fits themselves."""
     b_dtype: str = field(default="float32", metadata=flag(
         "--b-dtype", "jacquant: how B is stored; bfloat16 halves its memory (per element, as "
-        "large as the weights) (default: %(default)s)", choices=("float32", "bfloat16")))
+        "large as the weights), uint8 quarters it (B in steps of 1/floor(255 / --b-max); B on "
+        "the update only) (default: %(default)s)", choices=("float32", "bfloat16", "uint8")))
     """B's storage (and the shuffled control's unshuffled B's). The EMA across refits is formed
-    in float32 and rounded to this; bfloat16 keeps B to about 3 significant digits, and is
-    refused with an ema above 0.5, where a refit's step of (1 - ema) of the change would round
-    away (B stalls short of the fits: toward 0.8 from 1, at 0.816 for ema 0.9, 0.992 for 0.99)."""
+    in float32 and rounded to this; bfloat16 keeps B to about 3 significant digits; uint8 holds
+    B as a level k / n, n = floor(255 / b_max) levels per unit so that B = 1 is one (a step of
+    1/127 at the default b_max 2.0; FakeQuantWeight.b_values decodes it), for B on the update
+    only (on the gradient B would be decoded for every forward and kept for the backward).
+    Both narrow forms are refused with an ema above 0.5, where a refit's step of (1 - ema) of
+    the change would round away (B stalls short of the fits: in bfloat16 toward 0.8 from 1, at
+    0.816 for ema 0.9, 0.992 for 0.99)."""
+
+    @property
+    def uint8_levels_per_unit(self) -> int:
+        """A uint8 B's levels per unit of B: B = level / this, with B = 1 a level."""
+        return max(1, math.floor(255 / self.b_max))
 
     def __post_init__(self) -> None:
         require(isinstance(self.refresh_every, int) and self.refresh_every >= 1,
@@ -139,12 +149,18 @@ class JacQuantConfig:
                  f"samples must be a positive integer (got {self.samples!r})")
         require(0 <= self.ema < 1, f"ema must be in [0, 1) (got {self.ema})")
         require(0 <= self.moment_decay < 1, f"moment_decay must be in [0, 1) (got {self.moment_decay})")
-        require(self.b_dtype in ("float32", "bfloat16"),
-                f"b_dtype must be float32 or bfloat16 (got {self.b_dtype!r})")
+        require(self.b_dtype in ("float32", "bfloat16", "uint8"),
+                f"b_dtype must be float32, bfloat16 or uint8 (got {self.b_dtype!r})")
         require(self.b_dtype == "float32" or self.ema <= 0.5,
-                f"a bfloat16 B with --b-ema {self.ema} would stop moving (each refit's step, "
-                f"(1 - ema) of the change, rounds away below half a bfloat16 step); use "
+                f"a {self.b_dtype} B with --b-ema {self.ema} would stop moving (each refit's step, "
+                f"(1 - ema) of the change, rounds away below half a {self.b_dtype} step); use "
                 f"--b-ema 0.5 or less, or --b-dtype float32")
+        require(self.b_dtype != "uint8" or self.b_max <= 255,
+                f"a uint8 B holds at most 255 (got --b-max {self.b_max}); lower --b-max or use "
+                "--b-dtype float32")
+        require(self.b_dtype != "uint8" or self.b_on == "update",
+                "a uint8 B acts on the update only (--b-on update); on the gradient use "
+                "--b-dtype float32 or bfloat16")
         require(self.b_on in ("grad", "update"),
                  f"jacquant b_on must be grad or update (got {self.b_on!r})")
 
@@ -223,7 +239,8 @@ class QATConfig:
 
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
                  "(per-element B, the default) or group, upd (B on the update, the default) or grad, "
-                 "shuffled (B permuted within each tensor: a control), bf16b (B stored in bfloat16), "
+                 "shuffled (B permuted within each tensor: a control), bf16b or u8b (B stored in bfloat16 "
+                 "or uint8), "
                  "learned (learned scales), "
                  "mse (MSE scales), kd or kdA (distill from the BF16 model with weight A, default 1)")
 
@@ -232,7 +249,7 @@ def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
     int2:g64/jacquant/k100/mse. Options: kK, epsE, probe|dither|both, elem|group, upd|grad,
-    shuffled, bf16b, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
+    shuffled, bf16b|u8b, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
@@ -286,8 +303,8 @@ def _setting_options(options: list[str], text: str, what: str) -> tuple[dict, di
             jq["b_on"] = "update" if option == "upd" else "grad"
         elif option == "shuffled":
             jq["shuffle_b"] = True
-        elif option == "bf16b":
-            jq["b_dtype"] = "bfloat16"
+        elif option in ("bf16b", "u8b"):
+            jq["b_dtype"] = "bfloat16" if option == "bf16b" else "uint8"
         elif option == "learned":
             qat["learn_scales"] = True
         elif option == "mse":

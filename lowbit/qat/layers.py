@@ -68,6 +68,9 @@ class FakeQuantWeight(nn.Module):
             # the shuffled-B control: b is the B used (a permutation of this one, the smoothed fit)
             self.register_buffer("b_unshuffled", torch.ones(b_shape, dtype=b_dtype, device=weight.device)
                                  if jq.shuffle_b else None)
+            for buffer in (self.b, self.b_unshuffled):
+                if buffer is not None:
+                    self._store_b(buffer, torch.ones(b_shape, device=weight.device))   # B = 1
             self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
             # Per element, a channel's moment multiplies both sums of its weight's own ratio and
             # cancels (fit_b); it weighs weights against each other only within a group, so
@@ -113,7 +116,23 @@ class FakeQuantWeight(nn.Module):
         """B on the update: W <- W_before + B * (W - W_before), after an optimizer step changed
         W from `before`."""
         before = before.float()
-        weight.copy_(before + times_b(weight.float() - before, self.b))
+        weight.copy_(before + times_b(weight.float() - before, self.b_values()))
+
+    def b_values(self) -> torch.Tensor | None:
+        """B's values: the buffer itself, or a uint8 B's levels decoded (level / n with n =
+        floor(255 / b_max), so that B = 1 is a level: float32, a new tensor)."""
+        if self.b is None or self.b.dtype != torch.uint8:
+            return self.b
+        return self._decoded(self.b)
+
+    def _decoded(self, levels: torch.Tensor) -> torch.Tensor:
+        return levels.float() / self.config.jacquant.uint8_levels_per_unit
+
+    def _store_b(self, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Write float B values into a B buffer in its dtype (uint8: the nearest level)."""
+        if dst.dtype == torch.uint8:
+            values = torch.round(values * self.config.jacquant.uint8_levels_per_unit).clamp_(0, 255)
+        dst.copy_(values)
 
     @torch.no_grad()
     def group_amax(self) -> torch.Tensor | None:
@@ -150,9 +169,10 @@ class FakeQuantWeight(nn.Module):
                                 self.moments, generator), 0.0, jq.b_max)
         smoothed = self.b if self.b_unshuffled is None else self.b_unshuffled
         if int(self.refreshes) == 0:
-            smoothed.copy_(fit)
+            self._store_b(smoothed, fit)
         else:   # in float32 (in place where B is stored so), stored in B's dtype
-            smoothed.copy_(smoothed.float().mul_(jq.ema).add_(fit, alpha=1 - jq.ema))
+            previous = smoothed.float() if smoothed.dtype != torch.uint8 else self._decoded(smoothed)
+            self._store_b(smoothed, previous.mul_(jq.ema).add_(fit, alpha=1 - jq.ema))
         if self.b_unshuffled is not None:
             order = torch.randperm(smoothed.numel(), generator=shuffle_generator, device=smoothed.device)
             self.b.copy_(smoothed.flatten()[order].view_as(smoothed))
@@ -512,7 +532,8 @@ def scale_updates(pairs: list[tuple[torch.Tensor, FakeQuantWeight]], before: lis
     once, W -= W_before; W *= B; W += W_before: the float32 operations of scale_update in its
     order, so the same bits in a few launches instead of several per weight. The others go one
     at a time."""
-    fast = [i for i, (w, fq) in enumerate(pairs) if w.dtype == torch.float32 and fq.b.shape == w.shape]
+    fast = [i for i, (w, fq) in enumerate(pairs)
+            if w.dtype == torch.float32 and fq.b.shape == w.shape and fq.b.dtype != torch.uint8]
     if fast:
         weights, befores = [pairs[i][0] for i in fast], [before[i] for i in fast]
         torch._foreach_sub_(weights, befores)
@@ -528,20 +549,22 @@ def _set_observing(model: nn.Module, on: bool) -> None:
 
 
 def jacquant_metrics(model: nn.Module) -> dict[str, float]:
-    """B's statistics, per layer and over all layers ("b/mean", "b/<layer>/near_zero", ...)."""
+    """B's statistics, per layer and over all layers ("b/mean", "b/<layer>/near_zero", ...):
+    each a mean over a layer's B, so the model's are the layers' weighted by their sizes (no
+    copy of every B at once)."""
     out: dict[str, float] = {}
-    all_b = []
-    b_max = None
+    totals: dict[str, float] = {}
+    count = 0
     for name, _, _, fq in fake_quantizers(model):
         if fq.b is None:
             continue
-        b_max = fq.config.jacquant.b_max
-        all_b.append(fq.b.flatten())
-        for key, value in b_statistics(fq.b, b_max).items():
+        stats = b_statistics(fq.b_values(), fq.config.jacquant.b_max)
+        for key, value in stats.items():
             out[f"b/{name}/{key}"] = value
-    if all_b:
-        for key, value in b_statistics(torch.cat(all_b), b_max).items():
-            out[f"b/{key}"] = value
+            totals[key] = totals.get(key, 0.0) + value * fq.b.numel()
+        count += fq.b.numel()
+    for key, value in totals.items():
+        out[f"b/{key}"] = value / count
     return out
 
 
