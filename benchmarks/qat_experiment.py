@@ -230,6 +230,8 @@ def plot(rows: list[dict], baselines: dict, png: Path) -> None:
         for r in rows:
             if r.get("optimizer", "adamw") != optimizer or not r.get("evals"):
                 continue
+            # from the first evaluation after step 0: step 0 of an int2 run is the base
+            # quantized before QAT, far above the rest (it would flatten the curves)
             steps, losses = zip(*r["evals"][1:]) if len(r["evals"]) > 1 else zip(*r["evals"])
             arm = r["setting"].rsplit("-s", 1)[0]
             ax.plot(steps, losses, styles[r["seed"]], color=colours[arm],
@@ -249,15 +251,11 @@ def plot(rows: list[dict], baselines: dict, png: Path) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--plot"]:   # redraw a finished experiment's figure: --plot SUMMARY.json PNG
-        if len(sys.argv) != 4:
-            raise SystemExit("usage: qat_experiment.py --plot SUMMARY.json PNG")
-        data = json.loads(Path(sys.argv[2]).read_text())
-        data = data.get("results", data)       # a docs/results file holds the summary under results
-        plot(data["rows"], data.get("baselines", {}), Path(sys.argv[3]))
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="folder for runs, logs and the summary")
+    ap.add_argument("--out", help="folder for runs, logs and the summary (required unless --plot)")
+    ap.add_argument("--plot", nargs=2, metavar=("SUMMARY", "PNG"),
+                    help="only redraw a finished experiment's figure from its summary.json (or a "
+                         "docs/results file holding it under results) into PNG")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS)
     ap.add_argument("--pretrain-minutes", type=float, default=4.0)
     ap.add_argument("--pretrain-steps", type=int, default=None,
@@ -278,6 +276,13 @@ def main() -> None:
                     help="blocks per setting, taking turns (lowbit bench train --interleave)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
+    if args.plot:
+        data = json.loads(Path(args.plot[0]).read_text())
+        data = data.get("results", data)
+        plot(data["rows"], data.get("baselines", {}), Path(args.plot[1]))
+        return
+    if not args.out:
+        ap.error("--out is required (unless --plot)")
     try:   # every setting is checked before anything is created or run
         settings = [parse_setting(s) for s in args.settings.split(",") if s.strip()]
     except ValueError as e:
@@ -376,7 +381,10 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, **summary,
                                                   "bench": bench_rows,
                                                   "wall_s": time.time() - t0}, indent=2))
-    plot(summary["rows"], baselines, out / "figure.png")
+    try:   # a figure that fails to draw must not hide the runs' own outcome below
+        plot(summary["rows"], baselines, out / "figure.png")
+    except Exception as e:
+        print(f"figure.png not drawn: {type(e).__name__}: {e}", flush=True)
     print(f"done in {time.time() - t0:.0f} s -> {out}")
     if failed:   # the table above says which; their logs are in the folder
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")

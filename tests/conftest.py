@@ -23,15 +23,20 @@ import warnings
 # Under pytest-xdist (pyproject's addopts: -n 2) each worker takes its share of the cores, it and
 # the processes it launches (torchrun, `python -m lowbit`): two workers each running two
 # intra-op threads on two cores ran no faster than one process. Set before torch is imported.
+# A user's own OMP_NUM_THREADS is left as it is.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+_THREADS = None
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    # the cores this process may use (affinity, as a container sets it), else the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _THREADS = max(1, cores // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _WORKERS > 1:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)
 
 pytest_plugins = ["pytester"]  # tests/test_strict.py runs tiny suites under this file
 

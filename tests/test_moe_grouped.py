@@ -121,7 +121,7 @@ def test_grouped_experts_compile_in_one_graph(device):
     x = torch.randn(12, 32, generator=g).to(torch.bfloat16)
     index, w = _routing(12, 6, 2, "uneven", g), torch.rand(12, 2, generator=g).to(torch.bfloat16)
     grouped, x, index, w = grouped.to(device), x.to(device), index.to(device), w.to(device)
-    assert grouped_mm_supported(x, grouped.gate_up_proj)
+    assert grouped_mm_supported(x, grouped.gate_up_proj)   # a GPU before Hopper fails here
     compiled = torch.compile(grouped, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, index, w), grouped(x, index, w))
 
