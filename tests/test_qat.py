@@ -16,6 +16,7 @@ from lowbit.qat import (GroupQuantizer, JacQuantConfig, QATConfig, convert, fake
                         load_packed, packed_weights, parse_qat_spec, qat_weight_format, prepare,
                         refresh, refresh_hook)
 from lowbit.qat.jacquant import fit_b
+from lowbit.qat.layers import scale_updates
 
 FORMATS = ["int2:g32", "int3:g32", "int4:g16", "int4:g16:asym", "int2:g32:asym", "int3:row:asym",
            "int8:g32:asym", "int8:row", "ternary:g32", "ternary:row", "binary:g32", "seq2:g32",
@@ -367,6 +368,11 @@ def test_a_uint8_b_decodes_to_its_levels_scales_updates_and_reports_its_values()
     with torch.no_grad():
         latent.add_(0.01)
     fq.scale_update(latent, before)                          # W_before + B * (W - W_before)
+    torch.testing.assert_close(latent.detach(), before + values * 0.01, rtol=0, atol=1e-6)
+    # the optimizer's hook takes every such weight at once: times the level, then / 127
+    with torch.no_grad():
+        latent.copy_(before + 0.01)
+    scale_updates([(latent, fq)], [before])
     torch.testing.assert_close(latent.detach(), before + values * 0.01, rtol=0, atol=1e-6)
     stats = jacquant_metrics(net)
     assert stats["b/a.weight/mean"] == pytest.approx(values.mean().item(), rel=1e-6)

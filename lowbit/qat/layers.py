@@ -530,16 +530,22 @@ def scale_updates(pairs: list[tuple[torch.Tensor, FakeQuantWeight]], before: lis
     optimizer step, `before` holding each weight as it was before the step. The float32 weights
     with one B per element (the default) take three multi-tensor passes over all of them at
     once, W -= W_before; W *= B; W += W_before: the float32 operations of scale_update in its
-    order, so the same bits in a few launches instead of several per weight. The others go one
-    at a time."""
-    fast = [i for i, (w, fq) in enumerate(pairs)
-            if w.dtype == torch.float32 and fq.b.shape == w.shape and fq.b.dtype != torch.uint8]
-    if fast:
-        weights, befores = [pairs[i][0] for i in fast], [before[i] for i in fast]
+    order, so the same bits in a few launches instead of several per weight; a uint8 B per
+    element the same way, times its level, then divided by the levels per unit (no decoded copy
+    of B; within a float32 rounding of scale_update's product). The others go one at a time."""
+    per_element = [i for i, (w, fq) in enumerate(pairs) if w.dtype == torch.float32 and fq.b.shape == w.shape]
+    for group in ([i for i in per_element if pairs[i][1].b.dtype != torch.uint8],
+                  [i for i in per_element if pairs[i][1].b.dtype == torch.uint8]):
+        if not group:
+            continue
+        weights, befores = [pairs[i][0] for i in group], [before[i] for i in group]
         torch._foreach_sub_(weights, befores)
-        torch._foreach_mul_(weights, [pairs[i][1].b for i in fast])
+        torch._foreach_mul_(weights, [pairs[i][1].b for i in group])
+        if pairs[group[0]][1].b.dtype == torch.uint8:
+            torch._foreach_div_(weights, [float(pairs[i][1].config.jacquant.uint8_levels_per_unit)
+                                          for i in group])
         torch._foreach_add_(weights, befores)
-    for i in sorted(set(range(len(pairs))) - set(fast)):
+    for i in sorted(set(range(len(pairs))) - set(per_element)):
         pairs[i][1].scale_update(pairs[i][0], before[i])
 
 
