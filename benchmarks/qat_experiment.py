@@ -216,10 +216,9 @@ def plot(rows: list[dict], baselines: dict, png: Path) -> None:
     """Every run's validation loss over its QAT steps, one panel per optimizer: one colour per
     arm (the setting without its seed), one line style per seed; the BF16 base as a dotted
     line (RTN and GPTQ, far above, in the title)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lowbit.train.plot import pyplot, save_figure
 
+    plt = pyplot()
     optimizers = sorted({r.get("optimizer", "adamw") for r in rows})
     fig, axes = plt.subplots(1, len(optimizers), figsize=(6.5 * len(optimizers), 4.5), squeeze=False)
     arms = sorted({r["setting"].rsplit("-s", 1)[0] for r in rows})
@@ -245,9 +244,7 @@ def plot(rows: list[dict], baselines: dict, png: Path) -> None:
     post = ", ".join(f"{k} {v:.3f}" for k, v in baselines.items() if k != "bf16")
     fig.suptitle("QAT validation loss (line style: seed " + " / ".join(map(str, seeds)) + ")"
                  + (f"; post-training: {post}" if post else ""), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
 
 
 def main() -> None:

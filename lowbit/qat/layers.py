@@ -63,14 +63,10 @@ class FakeQuantWeight(nn.Module):
         if config.estimator == "jacquant":
             jq = config.jacquant
             b_shape = weight.shape if jq.per_element else self.quantizer.scale_shape
-            b_dtype = getattr(torch, jq.b_dtype)
-            self.register_buffer("b", torch.ones(b_shape, dtype=b_dtype, device=weight.device))
+            one = self._encoded(torch.ones(b_shape, device=weight.device)).to(getattr(torch, jq.b_dtype))
+            self.register_buffer("b", one)                                              # B = 1
             # the shuffled-B control: b is the B used (a permutation of this one, the smoothed fit)
-            self.register_buffer("b_unshuffled", torch.ones(b_shape, dtype=b_dtype, device=weight.device)
-                                 if jq.shuffle_b else None)
-            for buffer in (self.b, self.b_unshuffled):
-                if buffer is not None:
-                    self._store_b(buffer, torch.ones(b_shape, device=weight.device))   # B = 1
+            self.register_buffer("b_unshuffled", one.clone() if jq.shuffle_b else None)
             self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64, device=weight.device))
             # Per element, a channel's moment multiplies both sums of its weight's own ratio and
             # cancels (fit_b); it weighs weights against each other only within a group, so
@@ -125,14 +121,17 @@ class FakeQuantWeight(nn.Module):
             return self.b
         return self._decoded(self.b)
 
-    def _decoded(self, levels: torch.Tensor) -> torch.Tensor:
-        return levels.float() / self.config.jacquant.uint8_levels_per_unit
+    def _decoded(self, stored: torch.Tensor) -> torch.Tensor:
+        """A B buffer's values in float32 (uint8: its levels decoded)."""
+        if stored.dtype != torch.uint8:
+            return stored.float()
+        return stored.float() / self.config.jacquant.uint8_levels_per_unit
 
-    def _store_b(self, dst: torch.Tensor, values: torch.Tensor) -> None:
-        """Write float B values into a B buffer in its dtype (uint8: the nearest level)."""
-        if dst.dtype == torch.uint8:
-            values = torch.round(values * self.config.jacquant.uint8_levels_per_unit).clamp_(0, 255)
-        dst.copy_(values)
+    def _encoded(self, values: torch.Tensor) -> torch.Tensor:
+        """Float B values as B is stored, before the cast to its dtype (uint8: the nearest level)."""
+        if self.config.jacquant.b_dtype != "uint8":
+            return values
+        return torch.round(values * self.config.jacquant.uint8_levels_per_unit).clamp_(0, 255)
 
     @torch.no_grad()
     def group_amax(self) -> torch.Tensor | None:
@@ -169,10 +168,9 @@ class FakeQuantWeight(nn.Module):
                                 self.moments, generator), 0.0, jq.b_max)
         smoothed = self.b if self.b_unshuffled is None else self.b_unshuffled
         if int(self.refreshes) == 0:
-            self._store_b(smoothed, fit)
+            smoothed.copy_(self._encoded(fit))
         else:   # in float32 (in place where B is stored so), stored in B's dtype
-            previous = smoothed.float() if smoothed.dtype != torch.uint8 else self._decoded(smoothed)
-            self._store_b(smoothed, previous.mul_(jq.ema).add_(fit, alpha=1 - jq.ema))
+            smoothed.copy_(self._encoded(self._decoded(smoothed).mul_(jq.ema).add_(fit, alpha=1 - jq.ema)))
         if self.b_unshuffled is not None:
             order = torch.randperm(smoothed.numel(), generator=shuffle_generator, device=smoothed.device)
             self.b.copy_(smoothed.flatten()[order].view_as(smoothed))
