@@ -274,9 +274,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     if args.plot:
-        data = json.loads(Path(args.plot[0]).read_text())
-        data = data.get("results", data)
-        plot(data["rows"], data.get("baselines", {}), Path(args.plot[1]))
+        try:
+            data = json.loads(Path(args.plot[0]).read_text())
+            data = data.get("results", data)
+            rows, baselines = data["rows"], data.get("baselines", {})
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            print(f"qat_experiment.py: error: --plot reads an experiment's summary.json (or a results "
+                  f"file holding it under results), and {args.plot[0]} is not one: {e!r}", file=sys.stderr)
+            raise SystemExit(2) from None
+        plot(rows, baselines, Path(args.plot[1]))
         return
     if not args.out:
         ap.error("--out is required (unless --plot)")

@@ -241,6 +241,11 @@ def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(t
     monkeypatch.setattr(sys, "argv", ["qat_experiment.py", "--plot", str(saved), str(tmp_path / "again.png")])
     qe.main()
     assert (tmp_path / "figure.png").stat().st_size > 10_000 and (tmp_path / "again.png").stat().st_size > 10_000
+    for bad in (tmp_path / "missing.json", tmp_path / "figure.png"):   # no file; not JSON
+        monkeypatch.setattr(sys, "argv", ["qat_experiment.py", "--plot", str(bad), str(tmp_path / "x.png")])
+        with pytest.raises(SystemExit) as exit_:
+            qe.main()
+        assert exit_.value.code == 2 and not (tmp_path / "x.png").exists()
 
 
 def test_multi_gpu_scaling_smoke(tmp_path):
