@@ -7,9 +7,11 @@
    model's shape, alone on the device, in blocks that take turns (the overhead the issue asks for);
 2. `lowbit train --recipe bf16` pretrains the model (pycode by default) for as many steps as
    fit --pretrain-minutes (measured on the first steps of the run itself: the schedule is set
-   from a 30-step probe);
+   from a 30-step probe), or --pretrain-steps; `--base RUN` takes a finished run instead (so
+   one base serves experiments run one after another);
 3. one `lowbit qat --from <that run>` process per setting WEIGHTS/ESTIMATOR/SEED[/OPTIONS]
-   (lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
+   (--qat-args adds flags to each, e.g. '--batch-size 16';
+   lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
    upd (B on the update), learned, mse (MSE scales), kd[A] (distillation from the BF16 model)),
    all at once on the same device, each with the same steps, data order per seed and tokens;
    a process still running at the deadline is stopped and its last evaluation used; then one
@@ -254,6 +256,11 @@ def main() -> None:
                     help="only redraw a finished experiment's figure from its summary.json (or a "
                          "docs/results file holding it under results) into PNG")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS)
+    ap.add_argument("--base", metavar="RUN", default=None,
+                    help="a finished `lowbit train` run to quantize instead of pretraining one (step 2 "
+                         "is skipped; --model-args then only feed the overhead benchmark)")
+    ap.add_argument("--qat-args", default="",
+                    help="more flags for every `lowbit qat` process, e.g. '--batch-size 16'")
     ap.add_argument("--pretrain-minutes", type=float, default=4.0)
     ap.add_argument("--pretrain-steps", type=int, default=None,
                     help="pretrain exactly this many steps (default: as many as fit --pretrain-minutes)")
@@ -291,6 +298,10 @@ def main() -> None:
     except ValueError as e:
         print(f"qat_experiment.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.base and not RunDir(Path(args.base)).finished:
+        print(f"qat_experiment.py: error: --base {args.base} is not a finished `lowbit train` run (no "
+              f"final.json); train it to the end, or leave --base out to pretrain one", file=sys.stderr)
+        raise SystemExit(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -316,11 +327,13 @@ def main() -> None:
         r = subprocess.run(lowbit(*bench), env=env, capture_output=True, text=True)
         print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
 
-    # 2. pretrain, the schedule fitted to the time from a probe of 30 steps
+    # 2. pretrain (unless --base), the schedule fitted to the time from a probe of 30 steps
     runs = out / "runs"
     base = ["train", "--recipe", "bf16", *model_args, "--device", device, "--out-dir", str(runs),
             "--no-diagnostics", "--no-progress"]
-    if args.smoke:
+    if args.base:
+        source, steps = Path(args.base), None
+    elif args.smoke:
         steps = 20
     elif args.pretrain_steps:
         steps = args.pretrain_steps
@@ -331,12 +344,14 @@ def main() -> None:
                  if r.get("event") == "train"][1:]   # the first record holds the warm-up steps
         per_step = sum(rates) / max(len(rates), 1)
         steps = max(200, int(args.pretrain_minutes * 60 / (1.08 * per_step)))  # +8%: the evaluations
-    print(f"pretraining {steps} steps ({time.time() - t0:.0f} s so far)", flush=True)
-    subprocess.run(lowbit(*base, "--steps", str(steps), "--warmup-steps", str(min(100, steps // 10)),
-                          "--eval-every", str(max(steps // 4, 1)), "--checkpoint-every", "0",
-                          "--run-name", "base"), env=env, check=True)
-    source = runs / "base"
-    meta["pretrain_steps"] = steps
+    if steps is not None:
+        print(f"pretraining {steps} steps ({time.time() - t0:.0f} s so far)", flush=True)
+        subprocess.run(lowbit(*base, "--steps", str(steps), "--warmup-steps", str(min(100, steps // 10)),
+                              "--eval-every", str(max(steps // 4, 1)), "--checkpoint-every", "0",
+                              "--run-name", "base"), env=env, check=True)
+        source = runs / "base"
+    meta["base"] = str(source)
+    meta["pretrain_steps"] = RunDir(source).final_record().get("steps", steps)
     meta["pretrain_final"] = RunDir(source).final_record()
 
     # 3. QAT, every setting at once, plus the baselines
@@ -345,7 +360,7 @@ def main() -> None:
     common = ["qat", "--from", str(source), "--steps", str(args.qat_steps),
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
-              "--out-dir", str(qat_dir), "--no-progress"]
+              "--out-dir", str(qat_dir), "--no-progress", *args.qat_args.split()]
     for config, seed, lr, name, optimizer in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(

@@ -186,6 +186,13 @@ def test_qat_experiment_refuses_a_bad_setting_before_creating_anything(tmp_path,
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+    (tmp_path / "unfinished").mkdir()   # --base: a run folder with no final.json
+    monkeypatch.setattr(sys, "argv", [str(script), "--out", str(out), "--base", str(tmp_path / "unfinished")])
+    with pytest.raises(SystemExit) as exit_:
+        qat_experiment.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "not a finished" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
 
 
 def test_qat_experiment_summary_compares_with_the_best_ste_arm_at_common_steps(tmp_path, monkeypatch):
