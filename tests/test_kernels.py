@@ -636,7 +636,8 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     calls = []
     unfused = dispatch.rotated_fake_quantize
 
-    def rotate_then_quantize(t, spec, signs):
+    def rotate_then_quantize(t, spec, signs, segment_ends=None):
+        assert segment_ends is None                # a dense layer: one tensor
         calls.append(1)
         # contiguous, as the fused kernel writes it: on the GPU the wgrad GEMM's bits depend
         # on its operands' layout (cuBLAS picks its kernel by it), not only their values
@@ -647,3 +648,29 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     assert calls and unfused is not rotate_then_quantize
     assert_bits_equal(fused[0], plain[0])
     assert_bits_equal(fused[1], plain[1])
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_under_given_tensor_scales_per_row_or_column_is_the_reference(block, dtype):
+    # an MoE layer's experts' segments, each under its own FP32 tensor scale: one per row (X,
+    # dY), one per column (their transposes, the tokens along the blocks; non-contiguous), the
+    # scales of lowbit.formats.quantize.segment_tensor_scales; odd widths, huge and tiny
+    # segments, an all-zero one, NaN and Inf
+    from lowbit.formats.quantize import segment_tensor_scales
+    g = torch.Generator().manual_seed(3)
+    ends = torch.tensor([16, 16, 48, 64, 96], dtype=torch.int32)
+    x = torch.randn(100, 40, generator=g)
+    x[16:48] *= 1e4
+    x[48:64] = 0.0
+    x[64:96] *= 1e-9
+    x[70, 5], x[20, 33] = float("nan"), float("inf")
+    x = x.to(DEVICE, dtype)
+    spec = QuantSpec.make("nvfp4", block)
+    scales = segment_tensor_scales(x, ends.to(DEVICE))
+    for t, s in ((x, scales), (x.mT, scales.mT)):
+        got = fake_quantize_triton(t, spec, tensor_scale=s)
+        want = quantize_dequantize(t, spec, tensor_scale=s)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match=r"\(R, 1\) or \(1, C\)"):
+        fake_quantize_triton(x, spec, tensor_scale=torch.ones(3, 1))

@@ -133,11 +133,23 @@ class QuantPerExpert(QuantExperts):
         return False
 
 
+def _nvfp4_rne(hadamard=False):
+    """NVFP4's operands (1x16 X and dY under FP32 tensor scales, 16x16 weights) rounded to
+    nearest: every quantization deterministic, so grouped and per-expert compare bit for bit."""
+    from lowbit.formats import QuantSpec
+    from lowbit.recipes import LinearRecipe
+    x, w = QuantSpec.make("nvfp4", (1, 16)), QuantSpec.make("nvfp4", (16, 16))
+    return LinearRecipe(fprop_x=x, fprop_w=w, dgrad_dy=x, dgrad_w=w, wgrad_dy=x, wgrad_x=x,
+                        wgrad_hadamard=hadamard)
+
+
 def _quantized_pair(name, seed=0):
     base, _ = _experts(E=6, C=64, F=32, seed=seed)
     if name == "asymmetric-qat":                  # QUADS' trainer side: NVFP4 weights in fprop
         from lowbit.rl.trainer_side import asymmetric_qat_recipe
         recipe = asymmetric_qat_recipe().linear_for("model.layers.1.mlp.experts", 4)
+    elif name == "nvfp4-rne":
+        recipe = _nvfp4_rne()
     else:
         recipe = get_recipe(name).linear_for("model.layers.1.mlp.experts", 4)
     return base, QuantExperts(base, recipe), QuantPerExpert(base, recipe), recipe
@@ -182,14 +194,69 @@ def _draws_alike(base, grouped, reference, seed):
     return x, index, w
 
 
-def test_stochastic_rounding_draws_differently_but_alike_and_tensor_scales_stay_per_expert():
+def test_stochastic_rounding_draws_differently_but_alike():
     base, grouped, reference, recipe = _quantized_pair("stable-fp4")
-    x, index, w = _draws_alike(base, grouped, reference, 6)
-    # NVFP4's per-expert tensor scales span an expert's rows: its experts run one by one
-    nvfp4 = get_recipe("nvfp4").linear_for("model.layers.1.mlp.experts", 4)
-    assert not groups_exactly(nvfp4)
-    with pytest.raises(ValueError, match="does not group exactly"):
-        grouped_quant_linear(x, base.gate_up_proj, torch.full((6,), 40, dtype=torch.int32), nvfp4)
+    _draws_alike(base, grouped, reference, 6)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "kernels"])
+@pytest.mark.parametrize("case", ["uneven", "one expert takes every token", "dropped slots"])
+def test_nvfp4_grouped_experts_take_each_experts_tensor_scale_bit_for_bit(case, kernels, unwritten_rows_are_nan,
+                                                                         monkeypatch):
+    # X's and dY's FP32 tensor scales are each expert's own (its segment of the layout), as
+    # the per-expert loop quantizes them: forward and all three gradients bit for bit, with
+    # one expert's tokens 1000x larger than the rest (a shared scale would flush the others);
+    # "kernels": both paths on the fused kernels (Triton's interpreter), the grouped one taking
+    # its scales per row and per column
+    if kernels == "kernels":
+        kernels_on_cpu(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    base, grouped, reference, recipe = _quantized_pair("nvfp4-rne")
+    assert groups_exactly(recipe) and row_tile(recipe) == 16
+    N = 40
+    x = torch.randn(N, 64, generator=g)
+    index = _routing(N, 6, 2, case, g)
+    x[(index == 1).any(dim=1)] *= 1000.0                  # expert 1's tokens (and their others)
+    x, w = x.to(torch.bfloat16), torch.rand(N, 2, generator=g).to(torch.bfloat16)
+    got, want = _run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # one tensor scale over every expert's rows (what grouping without segments would do) differs
+    from lowbit.ops.gemms import operand
+    rows = ExpertRows.route(index, 6, 16)
+    xs = gather_rows(x, rows.source, rows.slot_row, 2)
+    assert not torch.equal(operand(xs, recipe.fprop_x, 1, rows.ends), operand(xs, recipe.fprop_x, 1))
+
+
+def test_nvfp4_rotated_wgrad_operands_are_each_segments_own():
+    # the random Hadamard transform and quantization of the wgrad operands, segment by segment:
+    # each expert's rows rotated and quantized alone, under the same signs, bit for bit
+    from lowbit.dispatch import rotated_fake_quantize
+    g = torch.Generator().manual_seed(8)
+    spec = _nvfp4_rne().wgrad_dy
+    ends = torch.tensor([16, 16, 48, 80], dtype=torch.int32)   # an empty segment; one of 32 rows
+    t = torch.randn(96, 24, generator=g)
+    t[16:48] *= 1e4
+    t[60, 3] = float("nan")                                    # NaN in segment 3: its block only
+    t[80:] = 0                                                 # rows past the last end hold nothing
+    signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
+    got = rotated_fake_quantize(t, spec, signs, segment_ends=ends)
+    starts = [0, 16, 16, 48]
+    for start, end in zip(starts, ends.tolist()):
+        if end > start:
+            want = rotated_fake_quantize(t[start:end], spec, signs)
+            torch.testing.assert_close(got[start:end], want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[48:64, 3]).all() and not torch.isnan(got[48:64, :3]).any()
+    assert got[80:].eq(0).all()
+
+
+def test_nvfp4_grouped_draws_alike():
+    # the recipe itself: SR on dY and one draw of the Hadamard signs for the layer (the loop
+    # draws one per expert): the forward equal, gradients from other draws alike; so its
+    # experts group (on emulated GEMMs: NVFP4 has no FP8 form)
+    base, grouped, reference, recipe = _quantized_pair("nvfp4")
+    assert recipe.wgrad_hadamard and groups_exactly(recipe) and row_tile(recipe) == 16
+    _draws_alike(base, grouped, reference, 9)
 
 
 def test_training_flops_count_the_active_experts_only():

@@ -340,3 +340,37 @@ def test_rceil_block_whose_amax_over_max_underflows_takes_the_smallest_scale():
     x[0, 0] = 2.0 ** -149  # float32's smallest subnormal: amax / 6 underflows to 0
     q = lowbit.quantize(x, "mxfp8_e5m2", scale_rule="rceil")
     assert q.scales.item() == 0 and torch.isfinite(q.dequantize()).all()
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_nvfp4_segment_tensor_scales_equal_each_segment_quantized_alone(block):
+    # an MoE layer's experts' rows, each run of rows under its own FP32 tensor scale
+    # (segment_tensor_scales, one per row, taken per block): bit for bit each run's own
+    # quantization, with a huge, a tiny, an empty and an all-zero run, NaN and Inf, odd widths
+    from lowbit.formats import QuantSpec, quantize_dequantize
+    from lowbit.formats.quantize import segment_tensor_scales, tensor_scale_of
+    g = torch.Generator().manual_seed(0)
+    ends = torch.tensor([16, 16, 48, 64, 96], dtype=torch.int32)
+    x = torch.randn(100, 40, generator=g)
+    x[16:48] *= 1e5
+    x[48:64] = 0.0
+    x[64:96] *= 1e-20
+    x[70, 5], x[20, 33] = float("nan"), float("inf")
+    scales = segment_tensor_scales(x, ends)
+    assert scales.shape == (100, 1)
+    assert torch.equal(scales[20], tensor_scale_of(x[16:48]).reshape(1))    # finite values only
+    spec = QuantSpec.make("nvfp4", block)
+    got = quantize_dequantize(x, spec, tensor_scale=scales)
+    for start, end in ((0, 16), (16, 48), (48, 64), (64, 100)):             # rows past the end: the last
+        torch.testing.assert_close(got[start:end], quantize_dequantize(x[start:end], spec),
+                                   rtol=0, atol=0, equal_nan=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x.to(dtype).clamp(-6e4, 6e4)
+        torch.testing.assert_close(quantize_dequantize(xd, spec, tensor_scale=segment_tensor_scales(xd, ends))[16:48],
+                                   quantize_dequantize(xd[16:48], spec), rtol=0, atol=0, equal_nan=True)
+    # the same along columns (the wgrad operands, tokens along the blocks), non-contiguous
+    got_t = quantize_dequantize(x.mT, spec, tensor_scale=scales.mT)
+    torch.testing.assert_close(got_t[:, 16:48], quantize_dequantize(x[16:48].mT, spec),
+                               rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="broadcasts"):
+        quantize_dequantize(x, spec, tensor_scale=torch.ones(3))

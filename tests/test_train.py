@@ -707,32 +707,24 @@ def _moe(vocab: int = VOCAB, dim: int = 64):
                                    max_seq_len=32, n_experts=4))
 
 
-@pytest.mark.parametrize("recipe,grouped", [("bf16", True), ("mxfp4", True),
-                                            ("stable-fp4", True), ("nvfp4", False),
-                                            ("stable-fp4-fp8", True)])
-def test_moe_experts_allow_a_cuda_graph_where_they_run_grouped(recipe, grouped):
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4", "stable-fp4", "nvfp4", "stable-fp4-fp8"])
+def test_moe_experts_allow_a_cuda_graph_where_they_run_grouped(recipe):
     """An MoE step can be captured when every expert layer runs grouped (no host read-back of
-    the token counts): bf16 experts and recipes that quantize each expert alone, on emulated
-    or FP8 GEMMs; a recipe with tensor scales runs expert by expert and is refused, naming the
-    layer. On the
-    CPU the grouped GEMM runs too, so the rule is checked here (the device check, which comes
-    first for users, is left out)."""
+    the token counts): bf16 experts and every emulated recipe (nvfp4's tensor scales taken per
+    expert), and the FP8 recipes on the grouped FP8 GEMM; a layer that would run expert by
+    expert is refused by name. On the CPU the grouped GEMM runs too, so the rule is checked
+    here (the device check, which comes first for users, is left out)."""
     from lowbit.train.build import apply_recipe, resolve_recipe
     from lowbit.train.graphs import experts_refusal
 
     model = _moe()
     apply_recipe(model, resolve_recipe(recipe))
     cpu = torch.device("cpu")
-    refusal = experts_refusal(model, cpu, bf16_autocast=True)
-    if grouped:
-        assert refusal is None
-    else:
-        # nvfp4 keeps the first and last blocks in bf16: the first quantized one is named
-        layer = 1 if recipe == "nvfp4" else 0
-        assert refusal.startswith("--cuda-graph needs MoE experts on the grouped GEMM") and (
-            f"model.layers.{layer}.mlp.experts would run expert by expert" in refusal), refusal
-    # without bf16 autocast (float32 weights) no expert layer groups
-    assert "would run expert by expert" in experts_refusal(model, cpu, bf16_autocast=False)
+    assert experts_refusal(model, cpu, bf16_autocast=True) is None
+    # without bf16 autocast (float32 weights) no expert layer groups: the first is named
+    refusal = experts_refusal(model, cpu, bf16_autocast=False)
+    assert refusal.startswith("--cuda-graph needs MoE experts on the grouped GEMM") and (
+        "model.layers.0.mlp.experts would run expert by expert" in refusal), refusal
     assert experts_refusal(StandInLM(), cpu, bf16_autocast=False) is None   # dense: nothing to say
 
 

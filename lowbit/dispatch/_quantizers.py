@@ -17,7 +17,7 @@ from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_generator, check_input
+from lowbit.formats.quantize import check_generator, check_input, segment_tensor_scales
 from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
 
@@ -72,13 +72,19 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+                        dtype: torch.dtype | None = None, *,
+                        tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The values `spec` represents, in x's shape and `dtype` (default x's): the fused
-    fake-quantize kernel on CUDA where it covers the spec, else the reference."""
+    fake-quantize kernel on CUDA where it covers the spec, else the reference. tensor_scale:
+    the reference's (a given NVFP4 tensor scale, or one per block); the kernel takes one per
+    row, (R, 1), or per column, (1, C), of a 2-D x, the reference any other."""
     check_input(x, spec)
-    if use_kernels(x, spec, codes=False):
-        return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype)
-    return reference_quantize_dequantize(x, spec, generator, dtype)
+    if use_kernels(x, spec, codes=False) and (tensor_scale is None or (
+            x.dim() == 2 and tensor_scale.dim() == 2
+            and tensor_scale.shape in ((x.shape[0], 1), (1, x.shape[1])))):
+        return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype,
+                                            tensor_scale=tensor_scale)
+    return reference_quantize_dequantize(x, spec, generator, dtype, tensor_scale=tensor_scale)
 
 
 def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -95,14 +101,21 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
-                          signs: torch.Tensor) -> torch.Tensor:
+                          signs: torch.Tensor, segment_ends: torch.Tensor | None = None) -> torch.Tensor:
     """t (N, features) rotated along N by random_hadamard with `signs` and fake-quantized with
     blocks along N: (N', features), N' = N padded to 16k. On CUDA, with 1D blocks and N a
     multiple of 16, one fused kernel reads t and writes the values (the same bits): for NVFP4
     1x16 the row-group kernel (lowbit.kernels.hadamard), which reads and writes along
     features; otherwise the quantize kernel on t's transposed view. Elsewhere the reference
-    rotation, then the quantizer."""
+    rotation, then the quantizer. segment_ends: t's rows lie in segments (an MoE layer's
+    experts, each starting at a multiple of 16) and each segment's rotated rows take their own
+    NVFP4 tensor scale (lowbit.formats.quantize.segment_tensor_scales), as each segment rotated
+    and quantized alone: the reference rotation, then the quantizer with those scales."""
     t_t = t.mT                                                     # (features, N), a view
+    if segment_ends is not None and spec is not None and spec.tensor_scale:
+        rotated = random_hadamard(t_t, signs)                      # (features, N')
+        scales = segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
+        return quantize_dequantize(rotated, spec, tensor_scale=scales).mT
     if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
             and use_kernels(t_t, spec, codes=False)):
         from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported

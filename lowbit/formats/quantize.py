@@ -46,8 +46,8 @@ from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "grid_values",
            "grid_fake_quantize", "blocked",
-           "unblocked", "tensor_scale_of", "tensor_scale_from_amax", "check_input", "check_generator",
-           "NVFP4_TENSOR_SCALE_MIN"]
+           "unblocked", "tensor_scale_of", "tensor_scale_from_amax", "segment_tensor_scales", "check_input",
+           "check_generator", "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -118,7 +118,10 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
     tensor_scale: NVFP4 with a tensor scale only: this FP32 scale (a float32 tensor of one
     element, e.g. a calibrated `tensor_scale_from_amax(amax)`) instead of x's own
     amax / (448 * 6) -- a static scale, as a served checkpoint's `input_scale`. Blocks beyond
-    its range saturate: the block scale clamps at 448 and the elements at 6."""
+    its range saturate: the block scale clamps at 448 and the elements at 6. Or one scale per
+    block: a float32 tensor that broadcasts to x's shape and holds one value within each
+    block (each block takes the value at its first element), e.g. `segment_tensor_scales`'
+    one per row, where runs of rows (an MoE layer's experts) each have their own tensor."""
     if tensor_scale is not None and not (spec.info.scale_kind is ScaleKind.E4M3 and spec.tensor_scale):
         raise ValueError(f"tensor_scale is NVFP4's FP32 tensor scale; spec {spec} has none")
     g = _on_grid(x, spec, generator, tensor_scale)
@@ -166,7 +169,7 @@ def _on_grid(x: torch.Tensor, spec: QuantSpec, generator,
         t_scale = None
         if spec.tensor_scale:
             t_scale = (tensor_scale_of(xf) if tensor_scale is None else
-                       tensor_scale.to(device=xf.device, dtype=torch.float32).reshape(()))
+                       _block_tensor_scales(tensor_scale, xf, spec.block))
         scales, recip = _nvfp4_scales(amax, t_scale)
     elif kind is ScaleKind.E8M0:
         scales, recip = _mx_scales(amax, element, spec.scale_rule)
@@ -246,6 +249,35 @@ def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:
     """NVFP4 per-tensor scale: amax over the finite values / (448 * 6), at least 2^-120."""
     finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
     return tensor_scale_from_amax(finite_abs.amax())
+
+
+def _block_tensor_scales(tensor_scale: torch.Tensor, xf: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A given NVFP4 tensor scale as the blocks take it: () for one element, else each block's
+    value at its first element ((..., nR, nC), as the block amaxes)."""
+    t = tensor_scale.to(device=xf.device, dtype=torch.float32)
+    if t.numel() == 1:
+        return t.reshape(())
+    try:
+        full = t.expand(xf.shape)
+    except RuntimeError:
+        raise ValueError(f"tensor_scale of shape {tuple(t.shape)} neither has one element nor "
+                         f"broadcasts to the tensor's {tuple(xf.shape)}") from None
+    return blocked(full, block)[0][..., :, 0, :, 0]
+
+
+def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """NVFP4's FP32 tensor scale of each segment of x's rows, one per row ((R, 1) float32 for
+    x (R, C), for quantize_dequantize's tensor_scale): segment e holds rows ends[e - 1] to
+    ends[e] (ends (E,) ascending int32, on x's device; rows past ends[-1] join the last), and
+    its scale is `tensor_scale_of` those rows alone, as if quantized on their own. Computed on
+    the device with no host read-back (a segment's amax by one scatter)."""
+    finite_abs = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+    row_amax = finite_abs.amax(dim=-1).to(torch.float32)                       # (R,)
+    rows = torch.arange(x.shape[0], dtype=ends.dtype, device=x.device)
+    segment = torch.searchsorted(ends, rows, right=True).clamp(max=ends.shape[0] - 1)
+    amax = torch.zeros(ends.shape[0], dtype=torch.float32, device=x.device)
+    amax = amax.scatter_reduce(0, segment, row_amax, "amax")
+    return tensor_scale_from_amax(amax)[segment][:, None]
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,8 @@ def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, 
 def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                          generator: torch.Generator | None = None,
                          dtype: torch.dtype | None = None,
-                         hadamard: torch.Tensor | None = None) -> torch.Tensor:
+                         hadamard: torch.Tensor | None = None,
+                         tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize in one pass: equal bit for bit to
     `quantize_dequantize(x, spec, dtype=dtype)` (= `quantize_with_spec(x, spec).dequantize(dtype)`),
     in x's shape and `dtype` (default x's).
@@ -47,7 +48,17 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
     hadamard: 16 signs (+-1): fake-quantize the random Hadamard transform of x's last dim
     instead, `quantize_dequantize(random_hadamard(x, signs), spec)` (lowbit.formats), fused:
     the transform runs in registers (also in the two-level tensor amax's pass), nothing is
-    written between. 1D blocks, x 2-D, its last dim a multiple of 16."""
+    written between. 1D blocks, x 2-D, its last dim a multiple of 16.
+    tensor_scale: NVFP4 with a tensor scale, x 2-D (R, C): given FP32 tensor scales, (R, 1)
+    one per row or (1, C) one per column, the reference's `quantize_dequantize(x, spec,
+    tensor_scale=...)` (an MoE layer's experts' segments: lowbit.formats.quantize.segment_tensor_scales)."""
+    scales = None
+    if tensor_scale is not None:
+        if x.dim() != 2 or tensor_scale.dim() != 2 or tensor_scale.shape not in ((x.shape[0], 1), (1, x.shape[1])):
+            raise ValueError(f"given tensor scales are (R, 1) or (1, C) for a 2-D x (R, C); got "
+                             f"{tuple(tensor_scale.shape)} for {tuple(x.shape)}")
+        axis = "rows" if tensor_scale.shape == (x.shape[0], 1) else "cols"
+        scales = (axis, tensor_scale.to(x.device, torch.float32).reshape(-1))
     if hadamard is not None:
         if spec.is_2d or x.dim() != 2 or x.shape[-1] % 16:
             raise ValueError(f"the fused Hadamard transform takes a 2-D x whose last dim is a "
@@ -57,7 +68,7 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
             raise ValueError(f"hadamard must hold 16 signs, got shape {tuple(hadamard.shape)}")
         hadamard = hadamard.to(x.device, torch.float32)
     return run_quantize_kernel(x, spec, seed, generator, codes=False, values=True, transpose=False,
-                out_dtype=dtype, hadamard=hadamard)[0]
+                out_dtype=dtype, hadamard=hadamard, tensor_scales=scales)[0]
 
 
 def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
@@ -105,7 +116,7 @@ def seed_tensor(seed, generator, device) -> torch.Tensor:
 
 
 def run_quantize_kernel(x, spec, seed, generator, *, codes, values, transpose, out_dtype=None,
-                        config=None, hadamard=None) -> list:
+                        config=None, hadamard=None, tensor_scales=None) -> list:
     """The one launch every entry point above makes: [QTensor (codes), its transpose's
     (codes and transpose), the values (values), their transpose's (values and transpose)], in
     that order, of what is asked for. config: a kernels.quantize.TileConfig (tests and
@@ -133,7 +144,7 @@ def run_quantize_kernel(x, spec, seed, generator, *, codes, values, transpose, o
         raise TypeError(f"fake quantization writes float32, bfloat16 or float16, not {out_dtype}")
     with kq.on_device(x):
         out = kq.launch(x3, spec, seed=seed_t, codes=codes, values=values, transpose=transpose,
-                        out_dtype=out_dtype, config=config, hadamard=hadamard)
+                        out_dtype=out_dtype, config=config, hadamard=hadamard, tensor_scales=tensor_scales)
     tensor_scale = out.get("tensor_scale")
 
     def qtensor(codes_, scales_, shape_):

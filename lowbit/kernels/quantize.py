@@ -239,12 +239,21 @@ def nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
     for one level)). s = (amax / 6) [/ s_t] clamped to [2^-6, 448] and rounded to E4M3; the
     factor is (1 / s_t) / s, the dequantize scale s_t * s (the reference's orders); the tensor
     scale max(amax_finite / 2688, 2^-120) from the finite amax (int32 bits) at amax_ptr."""
-    block_scale = tl.math.div_rn(amax, 6.0)
     t_scale = 0.0
     if TWO_LEVEL:
         t_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         t_scale = tl.math.div_rn(t_amax, 2688.0)                       # amax / (448 * 6)
         t_scale = tl.where(t_scale < TENSOR_SCALE_MIN, TENSOR_SCALE_MIN, t_scale)
+    scale_code, recip, elem_scale = nvfp4_scales_under(amax, bad, t_scale, TWO_LEVEL)
+    return scale_code, recip, elem_scale, t_scale
+
+
+@triton.jit
+def nvfp4_scales_under(amax, bad, t_scale, TWO_LEVEL: tl.constexpr):
+    """nvfp4_scales' first three under a given tensor scale t_scale (a scalar, or one per block
+    row or column that broadcasts against amax)."""
+    block_scale = tl.math.div_rn(amax, 6.0)
+    if TWO_LEVEL:
         block_scale = tl.math.div_rn(block_scale, t_scale)
     block_scale = tl.where(block_scale < E4M3_MIN_NORMAL, E4M3_MIN_NORMAL, block_scale)
     block_scale = tl.where(block_scale > 448.0, 448.0, block_scale)
@@ -257,7 +266,7 @@ def nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL: tl.constexpr):
     else:
         recip = tl.math.div_rn(1.0, decoded)
         elem_scale = decoded
-    return tl.where(bad, 0x7F, scale_code), recip, elem_scale, t_scale   # 0x7F: E4M3 NaN
+    return tl.where(bad, 0x7F, scale_code), recip, elem_scale          # 0x7F: E4M3 NaN
 
 
 @triton.jit
@@ -343,6 +352,7 @@ def _quantize_kernel(
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, TRANSPOSE: tl.constexpr,
     OUT_LIMIT: tl.constexpr, NATIVE_CAST: tl.constexpr, HADAMARD: tl.constexpr,
+    GIVEN_SCALE: tl.constexpr = 0,
 ):
     # x: (B, R, C) with strides; codes: (B, R, codes_cols) uint8; 1D scales: (B*R, n_scale_cols),
     # 2D scales: (B, n_scale_rows, n_scale_cols); out: (B, R, C); transposed: (B, C, ...).
@@ -363,7 +373,15 @@ def _quantize_kernel(
     amax_bits = block_max(bits & 0x7FFFFFFF, TILE_R, TILE_C, BR, BC)  # (TR/BR, TC/BC)
     bad = amax_bits >= 0x7F800000                                      # NaN or Inf in the block
     amax = amax_bits.to(tl.float32, bitcast=True)
-    if SCALE_KIND == 0:  # NVFP4: E4M3 block scale, optionally under the FP32 tensor scale
+    if SCALE_KIND == 0 and GIVEN_SCALE == 1:  # NVFP4 under given tensor scales, one per row
+        first = pid_r * TILE_R + tl.arange(0, TILE_R // BR) * BR          # each block's first row
+        t_rows = tl.load(amax_ptr + batch * R + first, mask=first < R, other=1.0)
+        scale_code, recip, elem_scale = nvfp4_scales_under(amax, bad, t_rows[:, None], True)
+    elif SCALE_KIND == 0 and GIVEN_SCALE == 2:  # ... one per column
+        first = pid_c * TILE_C + tl.arange(0, TILE_C // BC) * BC          # each block's first column
+        t_cols = tl.load(amax_ptr + first, mask=first < C, other=1.0)
+        scale_code, recip, elem_scale = nvfp4_scales_under(amax, bad, t_cols[None, :], True)
+    elif SCALE_KIND == 0:  # NVFP4: E4M3 block scale, optionally under the FP32 tensor scale
         scale_code, recip, elem_scale, t_scale = nvfp4_scales(amax, bad, amax_ptr, TWO_LEVEL)
         if TWO_LEVEL and (pid_c == 0) & (pid_r == 0) & (batch == 0):
             tl.store(tensor_scale_ptr, t_scale)
@@ -554,12 +572,15 @@ def _launch_constants(spec) -> dict:
 
 def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, values: bool,
            transpose: bool, out_dtype: torch.dtype | None = None,
-           config: TileConfig | None = None, hadamard: torch.Tensor | None = None):
+           config: TileConfig | None = None, hadamard: torch.Tensor | None = None,
+           tensor_scales: tuple[str, torch.Tensor] | None = None):
     """Run the kernels on x3 (B, R, C) (any strides). Returns a dict with the outputs:
     codes (B, R, Cp/per_byte) uint8, scales (uint8 codes), tensor_scale (0-dim float32),
     values (B, R, C) in out_dtype (default x's); with transpose, codes_t / scales_t / values_t
     of x^T. hadamard: (16,) float32 signs: quantize the random Hadamard transform of each
-    group of 16 along C instead of x (C a multiple of 16)."""
+    group of 16 along C instead of x (C a multiple of 16). tensor_scales: NVFP4 under given
+    FP32 tensor scales, ("rows", (B * R,)) one per row or ("cols", (C,)) one per column, float32
+    (each block takes its first row's or column's); no tensor_scale is returned."""
     batch, rows, cols = x3.shape
     const = _launch_constants(spec)
     br, bc, per_byte = const["BR"], const["BC"], const["PER_BYTE"]
@@ -605,7 +626,16 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
                          "on grid dims 1 and 2; use larger tiles")
     amax_buf = tensor_scale = empty
     signs = empty if hadamard is None else hadamard
-    if two_level:
+    given = 0
+    if tensor_scales is not None:
+        axis, amax_buf = tensor_scales
+        given = {"rows": 1, "cols": 2}[axis]
+        if not two_level or amax_buf.dtype != torch.float32 or amax_buf.numel() != (
+                batch * rows if given == 1 else cols):
+            raise ValueError(f"given tensor scales are NVFP4's, float32, one per {axis[:-1]}; got "
+                             f"{amax_buf.numel()} {amax_buf.dtype} for a {tuple(x3.shape)} tensor")
+        amax_buf = amax_buf.contiguous()
+    elif two_level:
         amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)
         tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
         a_rows, a_cols, a_warps, iters = amax_config(rows, cols, batch, cfg, hadamard is not None,
@@ -630,7 +660,7 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         GROUP4=(cols % 4 == 0 and tile_c % 4 == 0), BR=br, BC=bc, TILE_R=tile_r, TILE_C=tile_c,
         WRITE_CODES=codes, WRITE_VALUES=values, TRANSPOSE=transpose,
         OUT_LIMIT=OUT_LIMIT[out_dtype], NATIVE_CAST=not INTERPRET,
-        HADAMARD=hadamard is not None, num_warps=num_warps,
+        HADAMARD=hadamard is not None, GIVEN_SCALE=given, num_warps=num_warps,
     )
     return out
 

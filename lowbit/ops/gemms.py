@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from lowbit import dispatch
 from lowbit.dispatch.fold_check import folding_operand
 from lowbit.formats import QuantSpec
+from lowbit.formats.quantize import segment_tensor_scales
 from lowbit.formats.spec import Rounding
 from lowbit.kernels.fp8_gemm import fp4_gemm_fp8
 from lowbit.recipes import LinearRecipe
@@ -45,16 +46,23 @@ def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
     return dispatch.quantize_dequantize(t, spec)
 
 
-def operand(t: torch.Tensor, spec: QuantSpec | None, reduce_dim: int) -> torch.Tensor:
+def operand(t: torch.Tensor, spec: QuantSpec | None, reduce_dim: int,
+            segment_ends: torch.Tensor | None = None) -> torch.Tensor:
     """t quantized with blocks along `reduce_dim` (0 or 1 of a 2-D tensor), in t's layout.
 
-    Square 2D tiles are the same along either dim, so they need no transpose.
+    Square 2D tiles are the same along either dim, so they need no transpose. segment_ends:
+    t's rows (tokens) lie in segments, an MoE layer's experts' groups (lowbit.ops.grouped),
+    and a tensor-scaled spec (NVFP4) gives each segment its own tensor scale, as quantizing
+    each expert's rows alone does (lowbit.formats.quantize.segment_tensor_scales).
     """
     if spec is None:
         return t
+    scales = None
+    if segment_ends is not None and spec.tensor_scale:
+        scales = segment_tensor_scales(t, segment_ends)            # (rows, 1)
     if spec.is_2d or reduce_dim == t.dim() - 1:
-        return fake_quantize(t, spec)
-    return fake_quantize(t.mT, spec).mT
+        return dispatch.quantize_dequantize(t, spec, tensor_scale=scales)
+    return dispatch.quantize_dequantize(t.mT, spec, tensor_scale=None if scales is None else scales.mT).mT
 
 
 def shared(first: QuantSpec | None, second: QuantSpec | None) -> bool:
@@ -80,15 +88,16 @@ def dgrad_weight(w_saved, r: LinearRecipe):
     return w_saved if shared(r.fprop_w, r.dgrad_w) else operand(w_saved, r.dgrad_w, reduce_dim=0)
 
 
-def wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe):
+def wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe, segment_ends: torch.Tensor | None = None):
     """(dY, X) for dW = dY^T X, each (N, features), blocks along N; with the random Hadamard
-    transform, both rotated by the same random orthonormal R along N (N padded to 16k)."""
+    transform, both rotated by the same random orthonormal R along N (N padded to 16k).
+    segment_ends: `operand`'s (an MoE layer's experts; one draw of R for all of them)."""
     if r.wgrad_hadamard:
         signs = torch.randint(0, 2, (16,), device=dy.device) * 2 - 1
-        return (dispatch.rotated_fake_quantize(dy, r.wgrad_dy, signs),
-                dispatch.rotated_fake_quantize(x_saved, r.wgrad_x, signs))
-    dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
-    x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
+        return (dispatch.rotated_fake_quantize(dy, r.wgrad_dy, signs, segment_ends),
+                dispatch.rotated_fake_quantize(x_saved, r.wgrad_x, signs, segment_ends))
+    dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, 0, segment_ends)
+    x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, 0, segment_ends)
     return dy_w, x_w
 
 

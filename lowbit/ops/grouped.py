@@ -16,11 +16,19 @@ where it is not:
   (lowbit.models.moe.ExpertRows, made once per MoE layer for both projections), so no block or
   tile holds two experts' rows, and a partial tile's zero rows quantize as the per-expert
   tensor's edge does.
-So recipes whose token-spanning operands (X, dY) carry no tensor scale group (`groups_exactly`):
-the MX family (mxfp4, stable-fp4 and its variants), and weight-only recipes of any format
-(QUADS' asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rounding that draws
-random numbers (stochastic rounding of dY) draws them in the grouped layout's order: the same
-distribution as the per-expert path, not the same draws. The three GEMMs:
+- an operand that spans tokens (X, dY) under an FP32 tensor scale (NVFP4) takes one scale per
+  expert's segment of rows (lowbit.formats.quantize.segment_tensor_scales: each segment's
+  amax by one scatter on the device), as quantizing each expert's rows alone does; and the
+  random Hadamard transform of the wgrad operands rotates 16-row blocks, which lie within a
+  segment, so each segment's rotated rows, under their own tensor scale, are the expert's own.
+So every emulated recipe groups (`groups_exactly`): the MX family (mxfp4, stable-fp4 and its
+variants), nvfp4 and the stable-nvfp4 variants, and weight-only recipes of any format (QUADS'
+asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rounding that
+draws random numbers (stochastic rounding of dY) draws them in the grouped layout's order, and
+the Hadamard transform's 16 random signs are drawn once for the layer where the loop draws
+them expert by expert: the same distributions as the per-expert path, not the same draws.
+A given tensor scale per block runs the reference quantizer (PyTorch operations, on the
+device, no host read-back), not the fused kernel. The three GEMMs:
 
     fprop  Y  = X W_e^T      one grouped GEMM, 2D x 3D
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
@@ -59,7 +67,7 @@ import torch
 from lowbit.dispatch.fold_check import active_fold_check, active_observer, active_watch, folding_for
 from lowbit.kernels.fp8_gemm import grouped_fp4_gemm_fp8
 from lowbit.ops.gemms import (WeightOperandCache, autocast_operands, fold_for_gemm, fold_transposed,
-                              kept_operands, operand, shared)
+                              kept_operands, operand, shared, wgrad_operands)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
@@ -67,15 +75,16 @@ __all__ = ["grouped_quant_linear", "groups_exactly", "row_tile"]
 
 def groups_exactly(r: LinearRecipe, weight_shape: tuple[int, ...] | None = None) -> bool:
     """The recipe's GEMMs on stacked experts (weight (E, out, in)) equal its per-expert GEMMs
-    in every quantized operand (see the module doc): no tensor scale on an operand that spans
-    tokens (X, dY), no Hadamard rotation; FP8 GEMMs also need the weight's square tiles to lie
-    within an expert and the grouped FP8 GEMM's 16-byte strides (weight_shape given, out and in
-    multiples of the tile side and of 16)."""
+    in every quantized operand (see the module doc): emulated GEMMs always (a tensor scale on
+    X or dY is taken per expert's segment, the Hadamard rotation segment by segment); FP8 GEMMs
+    with no tensor scale on X or dY and no rotation, the weight's square tiles within an expert
+    and the grouped FP8 GEMM's 16-byte strides (weight_shape given, out and in multiples of the
+    tile side and of 16)."""
+    if r.gemm is Gemm.EMULATED:
+        return True
     if r.wgrad_hadamard or any(s is not None and s.tensor_scale
                                for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x)):
         return False
-    if r.gemm is Gemm.EMULATED:
-        return True
     if weight_shape is None:
         return False
     sides = [16] + [s.block[0] for s in (r.fprop_w, r.dgrad_w) if s is not None and s.is_2d]
@@ -104,7 +113,7 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, ends, recipe: LinearRecipe, w_f=None):
         # x: (P, in) in the experts' layout; weight: (E, out, in); ends: (E,) int32 group ends;
         # w_f: the quantized weight, if held already (lowbit.ops.gemms.WeightOperandCache)
-        x_f = operand(x, recipe.fprop_x, reduce_dim=1)                   # blocks along in
+        x_f = operand(x, recipe.fprop_x, 1, ends)                         # blocks along in
         if w_f is None:
             w_f = _weights(weight, recipe.fprop_w, reduce_dim=2)         # blocks along in
         y = torch._grouped_mm(x_f, w_f.transpose(-2, -1), offs=ends)
@@ -120,13 +129,12 @@ class GroupedQuantLinearFunction(torch.autograd.Function):
         x_saved, w_saved, ends = ctx.saved_tensors
         r = ctx.recipe
         dx = dw = None
-        dy_d = operand(dy, r.dgrad_dy, reduce_dim=1)                     # blocks along out
+        dy_d = operand(dy, r.dgrad_dy, 1, ends)                           # blocks along out
         if ctx.needs_input_grad[0]:
             w_d = w_saved if shared(r.fprop_w, r.dgrad_w) else _weights(w_saved, r.dgrad_w, reduce_dim=1)
             dx = torch._grouped_mm(dy_d, w_d, offs=ends)
         if ctx.needs_input_grad[1]:
-            dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, reduce_dim=0)
-            x_w = x_saved if shared(r.fprop_x, r.wgrad_x) else operand(x_saved, r.wgrad_x, reduce_dim=0)
+            dy_w, x_w = wgrad_operands(dy, dy_d, x_saved, r, ends)        # blocks along the tokens
             dw = torch._grouped_mm(dy_w.mT, x_w, offs=ends)               # (E, out, in)
         return dx, dw, None, None, None
 

@@ -106,10 +106,8 @@ def experts_refusal(model: nn.Module, device: torch.device, bf16_autocast: bool)
             return (f"--cuda-graph needs MoE experts on the grouped GEMM, which reads nothing "
                     f"back to the host; {name} would run expert by expert (the grouped GEMM "
                     f"takes bf16 autocast on a Hopper or later GPU, expert widths a multiple of "
-                    f"8 (on FP8 GEMMs 16, and the weight tile's side), and no recipe or one "
-                    f"that quantizes each expert "
-                    f"alone without tensor scales, e.g. mxfp4, stable-fp4 or stable-fp4-fp8): "
-                    f"drop --cuda-graph")
+                    f"8 (on FP8 GEMMs 16, and the weight tile's side; FP8 recipes with no "
+                    f"tensor scale or Hadamard transform on the tokens' operands)): drop --cuda-graph")
     return None
 
 
