@@ -228,6 +228,26 @@ def test_nvfp4_grouped_experts_take_each_experts_tensor_scale_bit_for_bit(case, 
     assert not torch.equal(operand(xs, recipe.fprop_x, 1, rows.ends), operand(xs, recipe.fprop_x, 1))
 
 
+@pytest.mark.parametrize("C", [64, 40])
+def test_nvfp4_grouped_weights_take_each_experts_tensor_scale(C, unwritten_rows_are_nan):
+    # the stacked weights under one tensor scale per expert (expert 2's 1e4x the rest, expert
+    # 3's all zero): in one call where the projection's rows are a multiple of 16 (the 16x16
+    # tiles stay within an expert), expert by expert where not (C 40: down_proj's 40 rows);
+    # forward and gradients bit for bit the per-expert loop's
+    base, _ = _experts(E=6, C=C, F=32, seed=2)
+    with torch.no_grad():
+        for w in (base.gate_up_proj, base.down_proj):
+            w[2] *= 1e4
+            w[3] = 0
+    recipe = _nvfp4_rne()
+    grouped, reference = QuantExperts(base, recipe), QuantPerExpert(base, recipe)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(24, C, generator=g).to(torch.bfloat16)
+    index, w = _routing(24, 6, 2, "uneven", g), torch.rand(24, 2, generator=g).to(torch.bfloat16)
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert torch.equal(a, b)
+
+
 def test_nvfp4_rotated_wgrad_operands_are_each_segments_own():
     # the random Hadamard transform and quantization of the wgrad operands, segment by segment:
     # each expert's rows rotated and quantized alone, under the same signs, bit for bit

@@ -9,8 +9,9 @@ quantized in one call where that is the same bit for bit, and the weights expert
 where it is not:
 - the weight (E, out, in) quantized as one stacked tensor equals each expert's matrix
   quantized alone (tiles and blocks lie within a matrix) when no tensor scale spans the stack;
-  a tensor-scaled weight format (NVFP4) is quantized expert by expert (E calls, no host
-  read-back: the shapes are the weight's);
+  a tensor-scaled weight format (NVFP4) takes one tensor scale per expert's rows of the
+  stack (E * out, in), in one call, where no block or tile spans two experts, else expert by
+  expert (E calls; no host read-back either way: the shapes are the weight's);
 - the routed rows come laid out with each expert's rows starting at a multiple of `row_tile`
   (the largest block or tile any X or dY operand has along the tokens), zero rows between
   (lowbit.models.moe.ExpertRows, made once per MoE layer for both projections), so no block or
@@ -92,11 +93,19 @@ def groups_exactly(r: LinearRecipe, weight_shape: tuple[int, ...] | None = None)
 
 
 def _weights(weight: torch.Tensor, spec, reduce_dim: int) -> torch.Tensor:
-    """The stacked experts' weight (E, out, in) quantized as each expert's alone: in one call,
-    or (a tensor scale: one per expert) expert by expert."""
-    if spec is not None and spec.tensor_scale:
+    """The stacked experts' weight (E, out, in) quantized as each expert's alone: in one call;
+    with a tensor scale (one per expert), as one (E * out, in) matrix whose experts' rows are
+    segments (`operand`'s segment_ends) where no block or tile spans two experts (blocks along
+    in, or out a multiple of the block's side along it), else expert by expert."""
+    if spec is None or not spec.tensor_scale:
+        return operand(weight, spec, reduce_dim)
+    experts, out_features, in_features = weight.shape
+    side = spec.block[0] if spec.is_2d else (spec.block[1] if reduce_dim == 1 else 1)
+    if out_features % side:
         return torch.stack([operand(w, spec, reduce_dim - 1) for w in weight])
-    return operand(weight, spec, reduce_dim)
+    ends = _expert_ends(experts, out_features, weight.device)
+    flat = weight.reshape(experts * out_features, in_features)
+    return operand(flat, spec, reduce_dim - 1, ends).reshape(weight.shape)
 
 
 def row_tile(r: LinearRecipe) -> int:
