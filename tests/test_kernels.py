@@ -657,14 +657,10 @@ def test_nvfp4_under_given_tensor_scales_per_row_or_column_is_the_reference(bloc
     # dY), one per column (their transposes, the tokens along the blocks; non-contiguous), the
     # scales of lowbit.formats.quantize.segment_tensor_scales; odd widths, huge and tiny
     # segments, an all-zero one, NaN and Inf
+    from bits import expert_segments
+
     from lowbit.formats.quantize import segment_tensor_scales
-    g = torch.Generator().manual_seed(3)
-    ends = torch.tensor([16, 16, 48, 64, 96], dtype=torch.int32)
-    x = torch.randn(100, 40, generator=g)
-    x[16:48] *= 1e4
-    x[48:64] = 0.0
-    x[64:96] *= 1e-9
-    x[70, 5], x[20, 33] = float("nan"), float("inf")
+    x, ends = expert_segments(3, huge=1e4, tiny=1e-9)
     x = x.to(DEVICE, dtype)
     spec = QuantSpec.make("nvfp4", block)
     scales = segment_tensor_scales(x, ends.to(DEVICE))

@@ -167,7 +167,7 @@ def _run(module, base, x, index, w, seed):
 def test_quantized_grouped_experts_equal_the_per_expert_loop_bit_for_bit(name, case, unwritten_rows_are_nan):
     # round-to-nearest recipes without tensor scales on X and dY: every quantized operand is
     # the per-expert path's, bit for bit (32-row tiles never straddle two experts; NVFP4
-    # weights, tensor-scaled, quantized expert by expert), and the grouped GEMMs agree to
+    # weights, tensor-scaled, under each expert's own scale), and the grouped GEMMs agree to
     # accumulation order -- here, on the CPU, exactly; the rows a grouped GEMM leaves
     # unwritten (NaN here) reach nothing
     g = torch.Generator().manual_seed(5)
@@ -268,6 +268,27 @@ def test_nvfp4_rotated_wgrad_operands_are_each_segments_own():
             torch.testing.assert_close(got[start:end], want, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(got[48:64, 3]).all() and not torch.isnan(got[48:64, :3]).any()
     assert got[80:].eq(0).all()
+
+
+def test_a_rotation_with_shorter_token_blocks_pads_experts_to_16_rows(unwritten_rows_are_nan, monkeypatch):
+    # a weight-only NVFP4 recipe with the Hadamard transform on wgrad: its tokens' operands have
+    # no blocks, yet each expert's rows start at a multiple of 16, so no 16-row rotation block
+    # mixes two experts; with one fixed draw of signs, bit for bit the loop's
+    from lowbit.recipes import LinearRecipe
+    w = _nvfp4_rne().fprop_w
+    recipe = LinearRecipe(fprop_w=w, dgrad_w=w, wgrad_hadamard=True)
+    assert row_tile(recipe) == 16 and row_tile(_nvfp4_rne()) == 16
+    real = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda low, high, size, **kw: (
+        torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0], device=kw.get("device"))
+        if tuple(size) == (16,) else real(low, high, size, **kw)))
+    base, _ = _experts(E=6, C=64, F=32, seed=4)
+    grouped, reference = QuantExperts(base, recipe), QuantPerExpert(base, recipe)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(20, 64, generator=g).to(torch.bfloat16)
+    index, wts = _routing(20, 6, 2, "uneven", g), torch.rand(20, 2, generator=g).to(torch.bfloat16)
+    for a, b in zip(_run(grouped, base, x, index, wts, 0), _run(reference, base, x, index, wts, 0)):
+        assert torch.equal(a, b)
 
 
 def test_nvfp4_grouped_draws_alike():

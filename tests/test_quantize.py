@@ -347,21 +347,17 @@ def test_nvfp4_segment_tensor_scales_equal_each_segment_quantized_alone(block):
     # an MoE layer's experts' rows, each run of rows under its own FP32 tensor scale
     # (segment_tensor_scales, one per row, taken per block): bit for bit each run's own
     # quantization, with a huge, a tiny, an empty and an all-zero run, NaN and Inf, odd widths
+    from bits import expert_segments
+
     from lowbit.formats import QuantSpec, quantize_dequantize
     from lowbit.formats.quantize import segment_tensor_scales, tensor_scale_of
-    g = torch.Generator().manual_seed(0)
-    ends = torch.tensor([16, 16, 48, 64, 96], dtype=torch.int32)
-    x = torch.randn(100, 40, generator=g)
-    x[16:48] *= 1e5
-    x[48:64] = 0.0
-    x[64:96] *= 1e-20
-    x[70, 5], x[20, 33] = float("nan"), float("inf")
+    x, ends = expert_segments(0, huge=1e5, tiny=1e-20)
     scales = segment_tensor_scales(x, ends)
     assert scales.shape == (100, 1)
     assert torch.equal(scales[20], tensor_scale_of(x[16:48]).reshape(1))    # finite values only
     spec = QuantSpec.make("nvfp4", block)
     got = quantize_dequantize(x, spec, tensor_scale=scales)
-    for start, end in ((0, 16), (16, 48), (48, 64), (64, 100)):             # rows past the end: the last
+    for start, end in ((0, 16), (16, 48), (48, 64), (64, 96), (96, 100)):   # rows past the end: their own
         torch.testing.assert_close(got[start:end], quantize_dequantize(x[start:end], spec),
                                    rtol=0, atol=0, equal_nan=True)
     for dtype in (torch.bfloat16, torch.float16):

@@ -268,14 +268,14 @@ def _block_tensor_scales(tensor_scale: torch.Tensor, xf: torch.Tensor, block: tu
 def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """NVFP4's FP32 tensor scale of each segment of x's rows, one per row ((R, 1) float32 for
     x (R, C), for quantize_dequantize's tensor_scale): segment e holds rows ends[e - 1] to
-    ends[e] (ends (E,) ascending int32, on x's device; rows past ends[-1] join the last), and
-    its scale is `tensor_scale_of` those rows alone, as if quantized on their own. Computed on
-    the device with no host read-back (a segment's amax by one scatter)."""
+    ends[e] (ends (E,) ascending int32, on x's device; the rows past ends[-1] are one more
+    segment), and its scale is `tensor_scale_of` those rows alone, as if quantized on their
+    own. Computed on the device with no host read-back (a segment's amax by one scatter)."""
     finite_abs = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
     row_amax = finite_abs.amax(dim=-1).to(torch.float32)                       # (R,)
     rows = torch.arange(x.shape[0], dtype=ends.dtype, device=x.device)
-    segment = torch.searchsorted(ends, rows, right=True).clamp(max=ends.shape[0] - 1)
-    amax = torch.zeros(ends.shape[0], dtype=torch.float32, device=x.device)
+    segment = torch.searchsorted(ends, rows, right=True)                        # E: past the end
+    amax = torch.zeros(ends.shape[0] + 1, dtype=torch.float32, device=x.device)
     amax = amax.scatter_reduce(0, segment, row_amax, "amax")
     return tensor_scale_from_amax(amax)[segment][:, None]
 

@@ -629,11 +629,12 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     given = 0
     if tensor_scales is not None:
         axis, amax_buf = tensor_scales
-        given = {"rows": 1, "cols": 2}[axis]
-        if not two_level or amax_buf.dtype != torch.float32 or amax_buf.numel() != (
+        given = {"rows": 1, "cols": 2}.get(axis, 0)
+        if not given or codes or not two_level or amax_buf.dtype != torch.float32 or amax_buf.numel() != (
                 batch * rows if given == 1 else cols):
-            raise ValueError(f"given tensor scales are NVFP4's, float32, one per {axis[:-1]}; got "
-                             f"{amax_buf.numel()} {amax_buf.dtype} for a {tuple(x3.shape)} tensor")
+            raise ValueError(f"given tensor scales are NVFP4's, for fake quantization, float32, one per "
+                             f"row or column ('rows' or 'cols'); got {axis!r}, {amax_buf.numel()} "
+                             f"{amax_buf.dtype} for a {tuple(x3.shape)} tensor, codes={codes}")
         amax_buf = amax_buf.contiguous()
     elif two_level:
         amax_buf = torch.zeros(1, device=dev, dtype=torch.int32)

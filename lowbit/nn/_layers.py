@@ -101,9 +101,8 @@ class QuantExperts(Experts):
 
     def _can_group(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # unquantized: plain products (Experts' grouped GEMM); a recipe whose quantization of
-        # the stacked experts is each expert's own: one grouped quantized GEMM, emulated or on
-        # FP8 tensor cores (lowbit.ops.grouped); any other (tensor scales on X or dY): expert by
-        # expert
+        # the stacked experts is each expert's own (every emulated one; FP8 where the tiles
+        # allow): one grouped quantized GEMM (lowbit.ops.grouped); any other: expert by expert
         recipe = self._active_recipe()
         return grouped_mm_supported(x, weight) and (recipe is None
                                                     or groups_exactly(recipe, tuple(weight.shape)))

@@ -28,8 +28,9 @@ asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rou
 draws random numbers (stochastic rounding of dY) draws them in the grouped layout's order, and
 the Hadamard transform's 16 random signs are drawn once for the layer where the loop draws
 them expert by expert: the same distributions as the per-expert path, not the same draws.
-A given tensor scale per block runs the reference quantizer (PyTorch operations, on the
-device, no host read-back), not the fused kernel. The three GEMMs:
+On CUDA the segments' scales go to the fused fake-quantize kernel (one per row, or per column
+for the operands transposed); the segmented rotation itself runs as PyTorch operations before
+it (no host read-back either way). The three GEMMs:
 
     fprop  Y  = X W_e^T      one grouped GEMM, 2D x 3D
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
@@ -63,6 +64,8 @@ row's fold factor, and so the GEMM's rounding, may differ.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lowbit.dispatch.fold_check import active_fold_check, active_observer, active_watch, folding_for
@@ -78,14 +81,11 @@ def groups_exactly(r: LinearRecipe, weight_shape: tuple[int, ...] | None = None)
     """The recipe's GEMMs on stacked experts (weight (E, out, in)) equal its per-expert GEMMs
     in every quantized operand (see the module doc): emulated GEMMs always (a tensor scale on
     X or dY is taken per expert's segment, the Hadamard rotation segment by segment); FP8 GEMMs
-    with no tensor scale on X or dY and no rotation, the weight's square tiles within an expert
-    and the grouped FP8 GEMM's 16-byte strides (weight_shape given, out and in multiples of the
-    tile side and of 16)."""
+    (MXFP4 operands: no tensor scale, no rotation) where the weight's square tiles lie within
+    an expert and the grouped FP8 GEMM's 16-byte strides hold (weight_shape given, out and in
+    multiples of the tile side and of 16)."""
     if r.gemm is Gemm.EMULATED:
         return True
-    if r.wgrad_hadamard or any(s is not None and s.tensor_scale
-                               for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x)):
-        return False
     if weight_shape is None:
         return False
     sides = [16] + [s.block[0] for s in (r.fprop_w, r.dgrad_w) if s is not None and s.is_2d]
@@ -109,10 +109,11 @@ def _weights(weight: torch.Tensor, spec, reduce_dim: int) -> torch.Tensor:
 
 
 def row_tile(r: LinearRecipe) -> int:
-    """Rows an expert's segment is padded to a multiple of: the longest block or tile side of
-    the operands that span tokens (X and dY, either GEMM)."""
+    """Rows an expert's segment is padded to a multiple of: every block or tile side of the
+    operands that span tokens (X and dY, either GEMM), and 16 where the wgrad operands are
+    rotated (the Hadamard transform's 16-row blocks), so none spans two experts."""
     sides = [max(s.block) for s in (r.fprop_x, r.dgrad_dy, r.wgrad_dy, r.wgrad_x) if s is not None]
-    return max(sides, default=1)
+    return math.lcm(*sides, *([16] if r.wgrad_hadamard else []), 1)
 
 
 class GroupedQuantLinearFunction(torch.autograd.Function):
@@ -233,8 +234,8 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tens
     afresh, as quant_linear's do."""
     if not groups_exactly(recipe, tuple(weight.shape)):
         raise ValueError(f"recipe {recipe.describe()} does not group exactly on a {tuple(weight.shape)} "
-                         "weight (a tensor scale, the Hadamard transform, or FP8 GEMMs with tiles "
-                         "that straddle two experts): run its experts one by one")
+                         "weight (FP8 GEMMs whose weight tiles straddle two experts, or widths "
+                         "not a multiple of 16): run its experts one by one")
     master = weight
     x, weight, _ = autocast_operands(x, weight, None)
     if recipe.gemm is Gemm.FP8:
