@@ -248,10 +248,15 @@ def test_nvfp4_grouped_weights_take_each_experts_tensor_scale(C, unwritten_rows_
         assert torch.equal(a, b)
 
 
-def test_nvfp4_rotated_wgrad_operands_are_each_segments_own():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", ["reference", "kernels"])
+def test_nvfp4_rotated_wgrad_operands_are_each_segments_own(kernels, dtype, monkeypatch):
     # the random Hadamard transform and quantization of the wgrad operands, segment by segment:
-    # each expert's rows rotated and quantized alone, under the same signs, bit for bit
+    # each expert's rows rotated and quantized alone, under the same signs, bit for bit;
+    # "kernels": the rotated maxima per 16 rows and the fused kernel (Triton's interpreter)
     from lowbit.dispatch import rotated_fake_quantize
+    if kernels == "kernels":
+        kernels_on_cpu(monkeypatch)
     g = torch.Generator().manual_seed(8)
     spec = _nvfp4_rne().wgrad_dy
     ends = torch.tensor([16, 16, 48, 80], dtype=torch.int32)   # an empty segment; one of 32 rows
@@ -259,6 +264,7 @@ def test_nvfp4_rotated_wgrad_operands_are_each_segments_own():
     t[16:48] *= 1e4
     t[60, 3] = float("nan")                                    # NaN in segment 3: its block only
     t[80:] = 0                                                 # rows past the last end hold nothing
+    t = t.to(dtype)
     signs = torch.randint(0, 2, (16,), generator=g) * 2 - 1
     got = rotated_fake_quantize(t, spec, signs, segment_ends=ends)
     starts = [0, 16, 16, 48]

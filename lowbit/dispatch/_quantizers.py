@@ -17,7 +17,7 @@ from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_generator, check_input, segment_tensor_scales
+from lowbit.formats.quantize import check_generator, check_input, segment_scales_from_amax, segment_tensor_scales
 from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
 
@@ -110,9 +110,15 @@ def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
     rotation, then the quantizer. segment_ends: t's rows lie in segments (an MoE layer's
     experts, each starting at a multiple of 16) and each segment's rotated rows take their own
     NVFP4 tensor scale (lowbit.formats.quantize.segment_tensor_scales), as each segment rotated
-    and quantized alone: the reference rotation, then the quantizer with those scales."""
+    and quantized alone: on CUDA (1D blocks, N a multiple of 16) one kernel takes the rotated
+    maxima of every 16 rows and the fused kernel quantizes the rotation under the segments'
+    scales; elsewhere the reference rotation, then the quantizer with those scales."""
     t_t = t.mT                                                     # (features, N), a view
     if segment_ends is not None and spec is not None and spec.tensor_scale:
+        if not spec.is_2d and t_t.shape[1] % 16 == 0 and use_kernels(t_t, spec, codes=False):
+            group_amax = kernels.group_amax_triton(t_t, signs)     # (N / 16,)
+            scales = segment_scales_from_amax(group_amax, segment_ends, 16).repeat_interleave(16)
+            return kernels.fake_quantize_triton(t_t, spec, hadamard=signs, tensor_scale=scales[None, :]).mT
         rotated = random_hadamard(t_t, signs)                      # (features, N')
         scales = segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
         return quantize_dequantize(rotated, spec, tensor_scale=scales).mT

@@ -45,9 +45,9 @@ from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "grid_values",
-           "grid_fake_quantize", "blocked",
-           "unblocked", "tensor_scale_of", "tensor_scale_from_amax", "segment_tensor_scales", "check_input",
-           "check_generator", "NVFP4_TENSOR_SCALE_MIN"]
+           "grid_fake_quantize", "blocked", "unblocked", "tensor_scale_of", "tensor_scale_from_amax",
+           "segment_tensor_scales", "segment_scales_from_amax", "check_input", "check_generator",
+           "NVFP4_TENSOR_SCALE_MIN"]
 
 E4M3_MIN_NORMAL = 2.0 ** -6   # torchao's clamp for NVFP4 block scales (ModelOpt uses 2^-9)
 NVFP4_TENSOR_SCALE_MIN = 2.0 ** -120  # keeps (1/s_t)/block_scale finite (<= 2^126)
@@ -272,12 +272,18 @@ def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     segment), and its scale is `tensor_scale_of` those rows alone, as if quantized on their
     own. Computed on the device with no host read-back (a segment's amax by one scatter)."""
     finite_abs = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
-    row_amax = finite_abs.amax(dim=-1).to(torch.float32)                       # (R,)
-    rows = torch.arange(x.shape[0], dtype=ends.dtype, device=x.device)
-    segment = torch.searchsorted(ends, rows, right=True)                        # E: past the end
-    amax = torch.zeros(ends.shape[0] + 1, dtype=torch.float32, device=x.device)
-    amax = amax.scatter_reduce(0, segment, row_amax, "amax")
-    return tensor_scale_from_amax(amax)[segment][:, None]
+    return segment_scales_from_amax(finite_abs.amax(dim=-1).to(torch.float32), ends)[:, None]
+
+
+def segment_scales_from_amax(amax: torch.Tensor, ends: torch.Tensor, rows_each: int = 1) -> torch.Tensor:
+    """segment_tensor_scales from maxima already taken: amax (n,) float32 the finite |x|'s max
+    of each run of `rows_each` rows (the runs lying within segments) -> (n,) the tensor scale of
+    the segment each run lies in."""
+    first = torch.arange(amax.shape[0], dtype=ends.dtype, device=amax.device) * rows_each
+    segment = torch.searchsorted(ends, first, right=True)                       # E: past the end
+    seg_amax = torch.zeros(ends.shape[0] + 1, dtype=torch.float32, device=amax.device)
+    seg_amax = seg_amax.scatter_reduce(0, segment, amax, "amax")
+    return tensor_scale_from_amax(seg_amax)[segment]
 
 
 def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

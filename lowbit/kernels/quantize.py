@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms", "pow2_at_least",
-           "amax_config", "sm_count", "tensor_amax_kernel", "to_output"]
+           "amax_config", "sm_count", "tensor_amax_kernel", "group_amax", "to_output"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -305,6 +305,49 @@ def rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constex
     if x_ptr.dtype.element_ty != tl.float32:
         x = widen(to_output(x, x_ptr, NATIVE_CAST), NATIVE_CAST)
     return x
+
+
+@triton.jit
+def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_groups,
+                      TILE_R: tl.constexpr, TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr,
+                      HADAMARD: tl.constexpr):
+    """The finite |x|'s max (int32 bits) of each (row tile, group of 16 columns) of x (R, C),
+    C a multiple of 16, into out (cdiv(R, TILE_R), n_groups): with HADAMARD, of the random
+    Hadamard transform of each group (rotate16), as the quantize kernel sees it. No atomics:
+    the caller reduces over the row tiles (and the groups into segments)."""
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    x = load_float32(ptrs, mask, NATIVE_CAST)
+    if HADAMARD:
+        x = rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
+    abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abits = tl.where(abits < 0x7F800000, abits, 0)
+    group_max = tl.max(tl.max(tl.reshape(abits, (TILE_R, TILE_C // 16, 16)), axis=2), axis=0)
+    groups = pid_c * (TILE_C // 16) + tl.arange(0, TILE_C // 16)
+    tl.store(out_ptr + pid_r * n_groups + groups, group_max, mask=groups < n_groups)
+
+
+def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """(C // 16,) float32: the finite |x|'s max over each group of 16 columns of x (R, C), all
+    rows (of its random Hadamard transform with `signs`, (16,) float32, if given); C a
+    multiple of 16, any strides. An NVFP4 tensor scale per segment of columns is the max of
+    its groups' (lowbit.formats.quantize.tensor_scale_from_amax)."""
+    rows, cols = x.shape
+    if cols % 16:
+        raise ValueError(f"group_amax takes columns in groups of 16; got {cols}")
+    tile_r, tile_c = 32, 64
+    n_groups, n_tiles_r = cols // 16, triton.cdiv(rows, tile_r)
+    out = torch.empty(n_tiles_r, n_groups, device=x.device, dtype=torch.int32)
+    with on_device(x):
+        group_amax_kernel[(triton.cdiv(cols, tile_c), n_tiles_r)](
+            x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
+            *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
+            HADAMARD=signs is not None, num_warps=4)
+    return out.amax(dim=0).view(torch.float32)
 
 
 @triton.jit
