@@ -670,3 +670,14 @@ def test_nvfp4_under_given_tensor_scales_per_row_or_column_is_the_reference(bloc
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match=r"\(R, 1\) or \(1, C\)"):
         fake_quantize_triton(x, spec, tensor_scale=torch.ones(3, 1))
+    # the maxima the scales come from, in one kernel: each row's (any width), each 16 columns'
+    from lowbit.formats import random_hadamard
+    from lowbit.kernels import group_amax_triton
+    finite = torch.where(x.isfinite(), x.abs(), 0).float()
+    for t in (x, x.mT):
+        assert torch.equal(group_amax_triton(t, rows=True), torch.where(t.isfinite(), t.abs(), 0).float().amax(1))
+    assert torch.equal(group_amax_triton(x.mT[:, :96]), finite[:96].view(6, 16, 40).amax(dim=(1, 2)))
+    signs = torch.tensor([1, -1] * 8, dtype=torch.float32, device=DEVICE)
+    rotated = random_hadamard(x.mT[:, :96], signs).float()
+    assert torch.equal(group_amax_triton(x.mT[:, :96], signs),
+                       torch.where(rotated.isfinite(), rotated.abs(), 0).view(40, 6, 16).amax(dim=(0, 2)))

@@ -23,8 +23,8 @@ kernels patches `use_kernels`.
 
 from lowbit.dispatch._quantizers import (
     force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_with_spec,
-    reference_forced, rotated_fake_quantize, use_kernels,
+    reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
 )
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "grid_fake_quantize", "rotated_fake_quantize",
-           "quantize_fold", "use_kernels", "force_reference", "reference_forced"]
+           "quantize_fold", "use_kernels", "force_reference", "reference_forced", "segment_tensor_scales"]

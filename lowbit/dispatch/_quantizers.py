@@ -17,11 +17,13 @@ from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_generator, check_input, segment_scales_from_amax, segment_tensor_scales
+from lowbit.formats.quantize import check_generator, check_input, segment_scales_from_amax
+from lowbit.formats.quantize import segment_tensor_scales as reference_segment_tensor_scales
 from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "grid_fake_quantize", "rotated_fake_quantize",
+           "segment_tensor_scales",
            "quantize_fold", "use_kernels", "force_reference", "reference_forced"]
 
 _force_depth = 0
@@ -100,6 +102,14 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return reference_grid_fake_quantize(w, scales, zeros, element, group, inside)
 
 
+def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """lowbit.formats.quantize.segment_tensor_scales (one NVFP4 tensor scale per segment of x's
+    rows, (R, 1)), the rows' maxima in one kernel where the kernels take x for `spec`."""
+    if x.dim() == 2 and use_kernels(x, spec, codes=False):
+        return segment_scales_from_amax(kernels.group_amax_triton(x, rows=True), ends)[:, None]
+    return reference_segment_tensor_scales(x, ends)
+
+
 def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
                           signs: torch.Tensor, segment_ends: torch.Tensor | None = None) -> torch.Tensor:
     """t (N, features) rotated along N by random_hadamard with `signs` and fake-quantized with
@@ -120,7 +130,7 @@ def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
             scales = segment_scales_from_amax(group_amax, segment_ends, 16).repeat_interleave(16)
             return kernels.fake_quantize_triton(t_t, spec, hadamard=signs, tensor_scale=scales[None, :]).mT
         rotated = random_hadamard(t_t, signs)                      # (features, N')
-        scales = segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
+        scales = reference_segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
         return quantize_dequantize(rotated, spec, tensor_scale=scales).mT
     if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
             and use_kernels(t_t, spec, codes=False)):

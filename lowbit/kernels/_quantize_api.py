@@ -71,16 +71,18 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
                 out_dtype=dtype, hadamard=hadamard, tensor_scales=scales)[0]
 
 
-def group_amax_triton(x: torch.Tensor, hadamard: torch.Tensor | None = None) -> torch.Tensor:
+def group_amax_triton(x: torch.Tensor, hadamard: torch.Tensor | None = None,
+                      rows: bool = False) -> torch.Tensor:
     """(C // 16,) float32: the finite |x|'s max over each group of 16 columns of x (R, C) (C a
     multiple of 16), of its random Hadamard transform with the 16 signs `hadamard` if given:
     the maxima fake_quantize_triton(x, spec, hadamard=...) sees, for tensor scales per
-    segment of columns (lowbit.formats.quantize.segment_scales_from_amax)."""
+    segment of columns; rows: (R,) each row's max (no rotation), for scales per segment of
+    rows (lowbit.formats.quantize.segment_scales_from_amax). One launch, no atomics."""
     from lowbit.kernels import quantize as kq
 
     kq.require_kernel_tensor(x)
     signs = None if hadamard is None else hadamard.to(x.device, torch.float32)
-    return kq.group_amax(x, signs)
+    return kq.group_amax(x, signs, rows_max=rows)
 
 
 def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,

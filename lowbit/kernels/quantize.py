@@ -310,11 +310,12 @@ def rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constex
 @triton.jit
 def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_groups,
                       TILE_R: tl.constexpr, TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr,
-                      HADAMARD: tl.constexpr):
+                      HADAMARD: tl.constexpr, ROWS: tl.constexpr):
     """The finite |x|'s max (int32 bits) of each (row tile, group of 16 columns) of x (R, C),
     C a multiple of 16, into out (cdiv(R, TILE_R), n_groups): with HADAMARD, of the random
-    Hadamard transform of each group (rotate16), as the quantize kernel sees it. No atomics:
-    the caller reduces over the row tiles (and the groups into segments)."""
+    Hadamard transform of each group (rotate16), as the quantize kernel sees it. ROWS: instead
+    each row's max over each column tile, into out (cdiv(C, TILE_C), R) (any C). No atomics:
+    the caller reduces over the tiles (and the groups or rows into segments)."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
@@ -326,27 +327,34 @@ def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_gro
         x = rotate16(x, x_ptr, signs_ptr, cols, TILE_R, TILE_C, NATIVE_CAST)
     abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     abits = tl.where(abits < 0x7F800000, abits, 0)
-    group_max = tl.max(tl.max(tl.reshape(abits, (TILE_R, TILE_C // 16, 16)), axis=2), axis=0)
-    groups = pid_c * (TILE_C // 16) + tl.arange(0, TILE_C // 16)
-    tl.store(out_ptr + pid_r * n_groups + groups, group_max, mask=groups < n_groups)
+    if ROWS:
+        tl.store(out_ptr + pid_c * R + rows, tl.max(abits, axis=1), mask=rows < R)
+    else:
+        group_max = tl.max(tl.max(tl.reshape(abits, (TILE_R, TILE_C // 16, 16)), axis=2), axis=0)
+        groups = pid_c * (TILE_C // 16) + tl.arange(0, TILE_C // 16)
+        tl.store(out_ptr + pid_r * n_groups + groups, group_max, mask=groups < n_groups)
 
 
-def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False) -> torch.Tensor:
     """(C // 16,) float32: the finite |x|'s max over each group of 16 columns of x (R, C), all
     rows (of its random Hadamard transform with `signs`, (16,) float32, if given); C a
-    multiple of 16, any strides. An NVFP4 tensor scale per segment of columns is the max of
-    its groups' (lowbit.formats.quantize.tensor_scale_from_amax)."""
+    multiple of 16, any strides. rows_max: (R,) each row's max instead (any C, no rotation).
+    An NVFP4 tensor scale per segment is the max of its groups' or rows'
+    (lowbit.formats.quantize.segment_scales_from_amax)."""
     rows, cols = x.shape
-    if cols % 16:
+    if rows_max and signs is not None:
+        raise ValueError("group_amax rotates groups of columns, not rows: rows_max takes no signs")
+    if cols % 16 and not rows_max:
         raise ValueError(f"group_amax takes columns in groups of 16; got {cols}")
-    tile_r, tile_c = 32, 64
-    n_groups, n_tiles_r = cols // 16, triton.cdiv(rows, tile_r)
-    out = torch.empty(n_tiles_r, n_groups, device=x.device, dtype=torch.int32)
+    tile_r, tile_c = (16, 128) if rows_max else (32, 64)
+    n_groups, n_tiles_r, n_tiles_c = cols // 16, triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c)
+    out = torch.empty(*((n_tiles_c, rows) if rows_max else (n_tiles_r, n_groups)), device=x.device,
+                      dtype=torch.int32)
     with on_device(x):
-        group_amax_kernel[(triton.cdiv(cols, tile_c), n_tiles_r)](
+        group_amax_kernel[(n_tiles_c, n_tiles_r)](
             x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
             *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
-            HADAMARD=signs is not None, num_warps=4)
+            HADAMARD=signs is not None, ROWS=rows_max, num_warps=4)
     return out.amax(dim=0).view(torch.float32)
 
 

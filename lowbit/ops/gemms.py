@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from lowbit import dispatch
 from lowbit.dispatch.fold_check import folding_operand
 from lowbit.formats import QuantSpec
-from lowbit.formats.quantize import segment_tensor_scales
 from lowbit.formats.spec import Rounding
 from lowbit.kernels.fp8_gemm import fp4_gemm_fp8
 from lowbit.recipes import LinearRecipe
@@ -59,7 +58,7 @@ def operand(t: torch.Tensor, spec: QuantSpec | None, reduce_dim: int,
         return t
     scales = None
     if segment_ends is not None and spec.tensor_scale:
-        scales = segment_tensor_scales(t, segment_ends)            # (rows, 1)
+        scales = dispatch.segment_tensor_scales(t, segment_ends, spec)   # (rows, 1)
     if spec.is_2d or reduce_dim == t.dim() - 1:
         return dispatch.quantize_dequantize(t, spec, tensor_scale=scales)
     return dispatch.quantize_dequantize(t.mT, spec, tensor_scale=None if scales is None else scales.mT).mT
