@@ -14,9 +14,10 @@
    lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
    upd (B on the update), learned, mse (MSE scales), kd[A] (distillation from the BF16 model)),
    all at once on the same device, each with the same steps, data order per seed and tokens;
-   a process still running at the deadline is stopped and its last evaluation used; then one
-   `--baselines-only` process per weight format (RTN, GPTQ), so their memory never adds to the
-   QAT runs';
+   a process still running at the deadline is stopped and its last evaluation used; the summary
+   (step 4) is written then, and again after one `--baselines-only` process per weight format
+   (RTN, GPTQ), run after the QAT runs so their memory never adds to the QAT runs' (a command
+   stopped from outside during the baselines keeps the QAT results);
 4. `summarize`: a table of every setting's validation loss and gap to BF16 and to its seed's
    bf16 control (at every evaluation all runs reached), each non-STE run's gap over the STE
    run's with the same forward quantizer and seed and over the best STE arm's (any LR), the
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.qat import QATConfig, parse_qat_spec  # noqa: E402
 from lowbit.qat.cli_args import config_flags  # noqa: E402
 from lowbit.train.metrics import read_metrics  # noqa: E402
+from lowbit.files import write_text_atomic  # noqa: E402
 from lowbit.train.run_dir import RunDir  # noqa: E402
 
 DEFAULT_SETTINGS = ",".join([
@@ -249,6 +251,19 @@ def plot(rows: list[dict], baselines: dict, png: Path) -> None:
     save_figure(fig, png, dpi=110)
 
 
+def write_summary(out: Path, meta: dict, settings: list, qat_dir: Path, baselines: dict, qat_lr: float,
+                  bench_rows, t0: float) -> tuple[dict, str, dict]:
+    """summarize the runs into out/table.md and out/summary.json (each written whole, then
+    renamed); returns (the summary, the table, the failed runs)."""
+    summary, table = summarize(settings, qat_dir, baselines, qat_lr, logs=out)
+    meta["compared_at_step"] = summary.pop("compared_at_step")
+    meta["failed"] = failed = summary.pop("failed")
+    write_text_atomic(out / "table.md", table)
+    write_text_atomic(out / "summary.json", json.dumps({"meta": meta, "baselines": baselines, **summary,
+                                                        "bench": bench_rows, "wall_s": time.time() - t0}, indent=2))
+    return summary, table, failed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="folder for runs, logs and the summary (required unless --plot)")
@@ -375,6 +390,10 @@ def main() -> None:
         if p.poll() is None:
             print(f"stopping {name} at the deadline", flush=True)
             p.kill()
+    # the QAT runs' summary first (no baselines yet), so a command stopped from outside while
+    # the baselines run keeps every QAT result
+    bench_rows = json.loads(bench_json.read_text()) if bench_json.is_file() else None
+    write_summary(out, meta, settings, qat_dir, {}, args.qat_lr, bench_rows, t0)
     # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
     # to the QAT runs' on the device
     baseline_procs = []
@@ -390,15 +409,8 @@ def main() -> None:
     baselines = {}
     for path in qat_dir.glob("baselines-*/summary.json"):
         baselines.update(json.loads(path.read_text())["baselines"])
-    summary, table = summarize(settings, qat_dir, baselines, args.qat_lr, logs=out)
-    meta["compared_at_step"] = summary.pop("compared_at_step")
-    meta["failed"] = failed = summary.pop("failed")
+    summary, table, failed = write_summary(out, meta, settings, qat_dir, baselines, args.qat_lr, bench_rows, t0)
     print(table)
-    bench_rows = json.loads(bench_json.read_text()) if bench_json.is_file() else None
-    (out / "table.md").write_text(table)
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "baselines": baselines, **summary,
-                                                  "bench": bench_rows,
-                                                  "wall_s": time.time() - t0}, indent=2))
     try:   # a figure that fails to draw must not hide the runs' own outcome below
         plot(summary["rows"], baselines, out / "figure.png")
     except Exception as e:
