@@ -315,9 +315,15 @@ def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_gro
     C a multiple of 16, into out (cdiv(R, TILE_R), n_groups): with HADAMARD, of the random
     Hadamard transform of each group (rotate16), as the quantize kernel sees it. ROWS: instead
     each row's max over each column tile, into out (cdiv(C, TILE_C), R) (any C). No atomics:
-    the caller reduces over the tiles (and the groups or rows into segments)."""
-    pid_c = tl.program_id(0)
-    pid_r = tl.program_id(1)
+    the caller reduces over the tiles (and the groups or rows into segments). The grid's first
+    axis runs along the longer count (rows with ROWS, the column tiles without): CUDA caps the
+    others at 65535."""
+    if ROWS:
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+    else:
+        pid_c = tl.program_id(0)
+        pid_r = tl.program_id(1)
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -350,8 +356,11 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     n_groups, n_tiles_r, n_tiles_c = cols // 16, triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c)
     out = torch.empty(*((n_tiles_c, rows) if rows_max else (n_tiles_r, n_groups)), device=x.device,
                       dtype=torch.int32)
+    grid = (n_tiles_r, n_tiles_c) if rows_max else (n_tiles_c, n_tiles_r)
+    if grid[1] > 65535:
+        raise ValueError(f"group_amax of a {tuple(x.shape)} tensor needs a grid {grid} past CUDA's 65535")
     with on_device(x):
-        group_amax_kernel[(n_tiles_c, n_tiles_r)](
+        group_amax_kernel[grid](
             x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
             *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
             HADAMARD=signs is not None, ROWS=rows_max, num_warps=4)
