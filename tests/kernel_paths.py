@@ -11,6 +11,7 @@ def kernels_on_cpu(monkeypatch) -> None:
     spec the kernels support: folds and fake quantization alike). Skips the test where Triton's
     interpreter is off (a GPU machine, where CPU tensors cannot take the kernels)."""
     if not interpret_mode():
-        pytest.skip("hands CPU tensors to the Triton kernels: needs TRITON_INTERPRET=1 (set where there is no GPU)")
+        pytest.skip("hands CPU tensors to the Triton kernels, which take them under Triton's interpreter "
+                    "only (TRITON_INTERPRET=1, which tests/conftest.py sets on a machine without a GPU)")
     monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
                         lambda x, spec, codes=True: supports(spec, codes))

@@ -491,6 +491,34 @@ def test_fp8_grouped_experts_on_cuda_equal_the_per_expert_loop(case):
         assert rel < 2e-2, rel
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nvfp4_grouped_experts_on_cuda_equal_the_per_expert_loop(hadamard, monkeypatch):
+    # on the GPU's kernels (the segments' maxima, the quantize kernel under given scales, the
+    # rotated wgrad operands) against the loop's per-expert kernels, one fixed draw of the
+    # Hadamard signs: the same operands, the grouped GEMMs' other accumulation order
+    real = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda low, high, size, **kw: (
+        torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0], device=kw.get("device"))
+        if tuple(size) == (16,) else real(low, high, size, **kw)))
+    g = torch.Generator().manual_seed(13)
+    base, _ = _experts(E=8, C=256, F=128, seed=3)
+    with torch.no_grad():
+        base.gate_up_proj[2] *= 1e3                      # one expert's weights far larger
+    recipe = _nvfp4_rne(hadamard)
+    grouped, reference = QuantExperts(base, recipe), QuantPerExpert(base, recipe)
+    base.cuda()
+    x = torch.randn(512, 256, generator=g)
+    index = _routing(512, 8, 2, "uneven", g)
+    x[(index == 1).any(dim=1)] *= 1e3
+    x, index = x.to(torch.bfloat16).cuda(), index.cuda()
+    w = torch.rand(512, 2, generator=g).to(torch.bfloat16).cuda()
+    for a, b in zip(_run(grouped, base, x, index, w, 0), _run(reference, base, x, index, w, 0)):
+        assert a.isfinite().all()
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, rel
+
+
 @pytest.mark.parametrize("gemm", ["emulated", "fp8"])
 def test_a_token_whose_slots_are_all_dropped_takes_no_part_whatever_it_holds(gemm):
     # the layout's rows that hold no slot are zeros in and out: a NaN token routed nowhere
