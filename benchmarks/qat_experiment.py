@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -313,9 +314,12 @@ def main() -> None:
     except ValueError as e:
         print(f"qat_experiment.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.base and args.pretrain_steps:
+        ap.error("--pretrain-steps trains a base, --base takes one: give one of them")
     if args.base and not RunDir(Path(args.base)).finished:
-        print(f"qat_experiment.py: error: --base {args.base} is not a finished `lowbit train` run (no "
-              f"final.json); train it to the end, or leave --base out to pretrain one", file=sys.stderr)
+        print(f"qat_experiment.py: error: --base {args.base} is not a finished `lowbit train` run (a "
+              f"final.json and a checkpoint); train it to the end, or leave --base out to pretrain one",
+              file=sys.stderr)
         raise SystemExit(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +379,7 @@ def main() -> None:
     common = ["qat", "--from", str(source), "--steps", str(args.qat_steps),
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
-              "--out-dir", str(qat_dir), "--no-progress", *args.qat_args.split()]
+              "--out-dir", str(qat_dir), "--no-progress", *shlex.split(args.qat_args)]
     for config, seed, lr, name, optimizer in settings:
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
@@ -393,7 +397,9 @@ def main() -> None:
     # the QAT runs' summary first (no baselines yet), so a command stopped from outside while
     # the baselines run keeps every QAT result
     bench_rows = json.loads(bench_json.read_text()) if bench_json.is_file() else None
+    meta["baselines"] = "pending"   # until the second write below
     write_summary(out, meta, settings, qat_dir, {}, args.qat_lr, bench_rows, t0)
+    meta["baselines"] = "run"
     # the post-training baselines (RTN, GPTQ) after the QAT runs, so their memory never adds
     # to the QAT runs' on the device
     baseline_procs = []
