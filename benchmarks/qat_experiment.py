@@ -370,8 +370,8 @@ def main() -> None:
                               "--run-name", "base"), env=env, check=True)
         source = runs / "base"
     meta["base"] = str(source)
-    meta["pretrain_steps"] = RunDir(source).final_record().get("steps", steps)
-    meta["pretrain_final"] = RunDir(source).final_record()
+    meta["pretrain_final"] = final = RunDir(source).final_record()
+    meta["pretrain_steps"] = final.get("steps", steps)
 
     # 3. QAT, every setting at once, plus the baselines
     procs = []

@@ -81,9 +81,8 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Gener
     the reference's (a given NVFP4 tensor scale, or one per block); the kernel takes one per
     row, (R, 1), or per column, (1, C), of a 2-D x, the reference any other."""
     check_input(x, spec)
-    if use_kernels(x, spec, codes=False) and (tensor_scale is None or (
-            x.dim() == 2 and tensor_scale.dim() == 2
-            and tensor_scale.shape in ((x.shape[0], 1), (1, x.shape[1])))):
+    if use_kernels(x, spec, codes=False) and (tensor_scale is None
+                                              or kernels.given_scales_axis(x, tensor_scale) is not None):
         return kernels.fake_quantize_triton(x, spec, generator=generator, dtype=dtype,
                                             tensor_scale=tensor_scale)
     return reference_quantize_dequantize(x, spec, generator, dtype, tensor_scale=tensor_scale)
@@ -124,22 +123,23 @@ def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
     maxima of every 16 rows and the fused kernel quantizes the rotation under the segments'
     scales; elsewhere the reference rotation, then the quantizer with those scales."""
     t_t = t.mT                                                     # (features, N), a view
-    if segment_ends is not None and spec is not None and spec.tensor_scale:
-        if not spec.is_2d and t_t.shape[1] % 16 == 0 and use_kernels(t_t, spec, codes=False):
-            group_amax = kernels.group_amax_triton(t_t, signs)     # (N / 16,)
-            scales = segment_scales_from_amax(group_amax, segment_ends, 16).repeat_interleave(16)
-            return kernels.fake_quantize_triton(t_t, spec, hadamard=signs, tensor_scale=scales[None, :]).mT
-        rotated = random_hadamard(t_t, signs)                      # (features, N')
-        scales = reference_segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
-        return quantize_dequantize(rotated, spec, tensor_scale=scales).mT
-    if (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
-            and use_kernels(t_t, spec, codes=False)):
+    fused = (spec is not None and not spec.is_2d and t_t.shape[1] % 16 == 0
+             and use_kernels(t_t, spec, codes=False))
+    segmented = segment_ends is not None and spec is not None and spec.tensor_scale
+    if fused and segmented:
+        group_amax = kernels.group_amax_triton(t_t, signs)         # (N / 16,)
+        scales = segment_scales_from_amax(group_amax, segment_ends, 16).repeat_interleave(16)
+        return kernels.fake_quantize_triton(t_t, spec, hadamard=signs, tensor_scale=scales[None, :]).mT
+    if fused:
         from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported
 
         if rht_rows_supported(t, spec):
             return fake_quantize_rht_rows(t, spec, signs)
         return kernels.fake_quantize_triton(t_t, spec, hadamard=signs).mT
     rotated = random_hadamard(t_t, signs)                          # (features, N')
+    if segmented:
+        scales = reference_segment_tensor_scales(rotated.mT, segment_ends).mT  # (1, N')
+        return quantize_dequantize(rotated, spec, tensor_scale=scales).mT
     return (rotated if spec is None else quantize_dequantize(rotated, spec)).mT
 
 

@@ -54,10 +54,10 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
     tensor_scale=...)` (an MoE layer's experts' segments: lowbit.formats.quantize.segment_tensor_scales)."""
     scales = None
     if tensor_scale is not None:
-        if x.dim() != 2 or tensor_scale.dim() != 2 or tensor_scale.shape not in ((x.shape[0], 1), (1, x.shape[1])):
+        axis = given_scales_axis(x, tensor_scale)
+        if axis is None:
             raise ValueError(f"given tensor scales are (R, 1) or (1, C) for a 2-D x (R, C); got "
                              f"{tuple(tensor_scale.shape)} for {tuple(x.shape)}")
-        axis = "rows" if tensor_scale.shape == (x.shape[0], 1) else "cols"
         scales = (axis, tensor_scale.to(x.device, torch.float32).reshape(-1))
     if hadamard is not None:
         if spec.is_2d or x.dim() != 2 or x.shape[-1] % 16:
@@ -69,6 +69,16 @@ def fake_quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
         hadamard = hadamard.to(x.device, torch.float32)
     return run_quantize_kernel(x, spec, seed, generator, codes=False, values=True, transpose=False,
                 out_dtype=dtype, hadamard=hadamard, tensor_scales=scales)[0]
+
+
+def given_scales_axis(x: torch.Tensor, tensor_scale: torch.Tensor) -> str | None:
+    """How fake_quantize_triton takes given tensor scales for x: "rows" ((R, 1) for a 2-D x
+    (R, C)), "cols" ((1, C)), or None (any other shape: the reference's)."""
+    if x.dim() != 2 or tensor_scale.dim() != 2:
+        return None
+    if tensor_scale.shape == (x.shape[0], 1):
+        return "rows"
+    return "cols" if tensor_scale.shape == (1, x.shape[1]) else None
 
 
 def group_amax_triton(x: torch.Tensor, hadamard: torch.Tensor | None = None,
