@@ -290,7 +290,8 @@ def test_per_group_b_on_the_gradient_under_sgd_scales_each_groups_step():
     from lowbit.train.config import TrainConfig
     job = QATJob(configs=[cfg], optimizer="sgd", momentum=0.5)
     run = run_config(TrainConfig(), 0, job, "x")
-    assert (run.optimizer, run.momentum) == ("sgd", 0.5)
+    assert (run.optimizer, run.momentum, run.compile) == ("sgd", 0.5, False)
+    assert run_config(TrainConfig(), 0, QATJob(configs=[cfg], compile=True), "x").compile   # --compile
     with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
         QATJob(configs=[cfg], optimizer="sgd", momentum=1.5)
 
@@ -687,3 +688,25 @@ def test_a_qat_runs_start_line_names_the_block_a_bare_weight_format_means():
                         ("nvfp4", "QAT nvfp4 with ste"), ("INT4:ROW", "QAT int4:row with ste")):
         job = JobRecord(kind="qat", qat={"weights": given, "estimator": "ste"})
         assert describe_numerics(config, job) == said
+
+
+@pytest.mark.gpu
+def test_lowbit_qat_compiled_trains_as_eager_on_cuda(tmp_path, capsys, corpus_env):
+    """`lowbit qat --compile`: each run's step and evaluations under torch.compile, JacQuant's
+    refits eager; the curves equal the eager runs' to the compiler's rounding."""
+    from lowbit.cli import main
+
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        assert main(["qat", "--compare", "ste,jacquant", "--steps", "6", "--base-steps", "6",
+                     "--eval-every", "3", "--refresh-every", "2", "--no-baselines", "--run-name", name,
+                     "--out-dir", str(tmp_path), "--no-progress", "--device", "cuda", *extra]) == 0
+        capsys.readouterr()
+        for arm in ("ste", "jacquant"):
+            run = tmp_path / f"{name}-int2-g32-{arm}"
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            losses[name, arm] = [r["val_loss"] for r in records if "val_loss" in r]
+            assert json.loads((run / "config.json").read_text())["compile"] == (name == "compiled")
+    for arm in ("ste", "jacquant"):
+        assert len(losses["compiled", arm]) == 2
+        assert losses["compiled", arm] == pytest.approx(losses["eager", arm], rel=2e-3)

@@ -119,6 +119,10 @@ class QATJob:
     checkpoint_every: int = field(default=100, metadata=flag(
         "--checkpoint-every", "default: %(default)s"))
     device: str = field(default="auto", metadata=flag("--device", "auto, cpu, cuda or cuda:N"))
+    compile: bool = field(default=False, metadata=flag(
+        "--compile", "torch.compile each run's training step and evaluations, as lowbit train "
+        "--compile (JacQuant's refits run the model eagerly)", action="store_true"))
+    """Each run's TrainConfig.compile: the QAT training step under torch.compile."""
     out_dir: str = field(default="runs", metadata=flag(
         "--out-dir", "parent folder of run folders (default: %(default)s)", metavar="DIR"))
     name: str = field(default="", metadata=flag(
@@ -321,7 +325,7 @@ def run_config(source: TrainConfig, seed: int, job: QATJob, name: str,
         momentum=job.momentum,
         eval_every=job.eval_every, checkpoint_every=job.checkpoint_every, diagnostics=False,
         device=job.device, out_dir=job.out_dir, run_name=name, progress=job.progress,
-        compile=False, cuda_graph=False, dropout=0.0)
+        compile=job.compile, cuda_graph=False, dropout=0.0)
     if job.batch_size is not None:
         fields["batch_size"] = job.batch_size
     return dataclasses.replace(source, **fields)
