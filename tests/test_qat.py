@@ -426,6 +426,99 @@ def test_b_on_the_update_in_multi_tensor_passes_is_the_one_weight_update_bit_for
         assert not torch.equal(w0, before)
 
 
+
+class _AnyOptimizerAdamW(torch.optim.AdamW):
+    """AdamW as any other optimizer: UpdateScaling's general way (a copy, then three passes)."""
+
+
+def _b_on_update_runs(b_dtype: str, device: str, steps: int = 5):
+    """The same JacQuant (B on the update) run under torch's AdamW (B inside the step,
+    lowbit.qat.fused_step) and under an AdamW subclass (the general way): both models, both
+    optimizers, after `steps` steps with the learning rate changing and B refit in between."""
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant",
+                    jacquant=JacQuantConfig(refresh_every=2, b_dtype=b_dtype))
+    out = []
+    for kind in (torch.optim.AdamW, _AnyOptimizerAdamW):
+        torch.manual_seed(1)
+        net = Net().to(device)
+        prepare(net, cfg)
+        hook = refresh_hook(net, cfg, seed=0)
+        decay = [p for n, p in net.named_parameters() if p.dim() == 2]
+        rest = [p for n, p in net.named_parameters() if p.dim() != 2]
+        opt = kind([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                   lr=0.02, betas=(0.9, 0.95), fused=device == "cuda")
+        hook.attach(opt)
+        gen = torch.Generator().manual_seed(2)
+        for step in range(1, steps + 1):
+            for group in opt.param_groups:
+                group["lr"] = 0.02 / step
+            net(torch.randn(8, 64, generator=gen).to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            hook(step)
+        out.append((net, opt, hook))
+    return out
+
+
+@pytest.mark.parametrize("b_dtype", ["float32", "bfloat16", "uint8"])
+def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
+    """UpdateScaling under torch.optim.AdamW takes the prepared weights' step itself, B inside
+    it (no copy of the weights); it trains as the general way does to float32 rounding, on
+    AdamW's own state, and a checkpoint of one loads into the other."""
+    (fused_net, fused_opt, fused_hook), (net, opt, hook) = _b_on_update_runs(b_dtype, "cpu")
+    assert len(fused_hook.scaling.fused) == 2 and not fused_hook.scaling.pairs       # a and b
+    assert not hook.scaling.fused and len(hook.scaling.pairs) == 2
+    for (name, p), q in zip(fused_net.named_parameters(), net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(fused_opt.state[p][key], opt.state[q][key], rtol=1e-5, atol=1e-7)
+    assert fused_hook.scaling.before is None and fused_hook.scaling.grads == []
+    b = fused_net.a.parametrizations.weight[0].b
+    assert b.float().std() > 0                       # refit: B varies across the weights
+    # the fused weights' state is AdamW's own: it loads into the general way's optimizer
+    opt.load_state_dict(fused_opt.state_dict())
+    assert all(torch.equal(opt.state[q]["exp_avg"], fused_opt.state[p]["exp_avg"])
+               for p, q in zip(fused_net.parameters(), net.parameters()))
+
+
+def test_b_inside_adamws_step_equals_b_times_adamws_change():
+    """One step against its formula: p + B * (AdamW's own change of p), weight decay included,
+    a weight without a gradient left alone, as AdamW leaves it."""
+    from lowbit.qat.fused_step import adamw_step_times_b
+
+    torch.manual_seed(0)
+    p = torch.randn(3, 40)
+    g, b = torch.randn(3, 40), torch.rand(3, 40) * 2
+    ref = p.clone().requires_grad_()
+    ref.grad = g.clone()
+    adamw = torch.optim.AdamW([ref], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)
+    adamw.step()
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)
+    out = p.clone()
+    adamw_step_times_b([out], [g], [m], [v], [step], [b], torch.tensor(0.01), 0.8, 0.9, 1e-6, 0.3, None)
+    torch.testing.assert_close(out, p + b * (ref.detach() - p), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m, adamw.state[ref]["exp_avg"])
+    torch.testing.assert_close(v, adamw.state[ref]["exp_avg_sq"])
+    assert step.item() == 1
+    # a uint8 B: its level over the levels per unit
+    out8 = p.clone()
+    level = torch.randint(0, 255, (3, 40), dtype=torch.uint8)
+    adamw_step_times_b([out8], [g], [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.tensor(0.0)],
+                       [level], torch.tensor(0.01), 0.8, 0.9, 1e-6, 0.3, 127.0)
+    torch.testing.assert_close(out8, p + level.float() / 127 * (ref.detach() - p), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_dtype", ["float32", "bfloat16"])
+def test_b_inside_fused_adamws_step_on_cuda_is_the_copy_and_scale_way(b_dtype):
+    """On CUDA: torch's fused AdamW for the other parameters, the compiled step with B for the
+    prepared weights, against the general way around the same fused AdamW."""
+    (fused_net, fused_opt, fused_hook), (net, opt, _) = _b_on_update_runs(b_dtype, "cuda")
+    assert len(fused_hook.scaling.fused) == 2
+    for (name, p), q in zip(fused_net.named_parameters(), net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        assert fused_opt.state[p]["step"].device.type == "cuda"
+
 def test_ddp_leaves_out_only_the_buffers_every_rank_holds_alike():
     expected = {
         JacQuantConfig(): ["b"],                                  # per element: B from the weights

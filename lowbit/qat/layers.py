@@ -31,6 +31,7 @@ from torch.nn.utils import parametrize
 from lowbit.formats import QTensor, load_qtensors
 from lowbit.nn import GEMM_KINDS, QuantExperts, QuantLinear, gemm_modules
 from lowbit.qat.config import QATConfig
+from lowbit.qat import fused_step
 from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
 
@@ -434,17 +435,28 @@ class QATHook:
 class UpdateScaling:
     """JacQuant's B on the update: each optimizer step's change of a prepared weight scaled by
     its B, W <- W_before + B * (W - W_before). `attach(optimizer)` registers two of the
-    optimizer's step hooks: before its step, a copy of the prepared weights (W_before); after
-    it, the scaling (`scale_updates`), which frees the copy. Between steps B on the update keeps
-    only B; the copy lives while the optimizer steps, when the activations are gone, so it
-    raises a run's peak only where the optimizer step's own memory (weights, gradients, the
-    copy) is above the forward and backward's (a copy kept from step to step, as before, added
-    a second set of float32 weights everywhere)."""
+    optimizer's step hooks.
+
+    Under torch.optim.AdamW, float32 weights with one B per element (the default) take the step
+    with B inside it (lowbit.qat.fused_step, compiled on CUDA): before the optimizer's step the
+    hook takes their gradients away, so AdamW steps only the other parameters, and after it
+    steps these on AdamW's own state and learning rate, then gives the gradients back. No copy
+    of the weights, about 2 bytes a weight over AdamW's own traffic.
+
+    Any other weight (another optimizer, B per group, DTensor shards) goes the general way:
+    before the step a copy of it (W_before); after it, the scaling (`scale_updates`), which
+    frees the copy. The copy lives while the optimizer steps, when the activations are gone,
+    so it raises a run's peak only where the optimizer step's own memory (weights, gradients,
+    the copy) is above the forward and backward's."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.pairs: list[tuple[torch.Tensor, FakeQuantWeight]] = []
+        self.pairs: list[tuple[torch.Tensor, FakeQuantWeight]] = []      # the general way
+        self.fused: list[tuple[torch.Tensor, FakeQuantWeight, dict]] = []  # (weight, fq, its group)
         self.before: list[torch.Tensor] | None = None
+        self.grads: list[torch.Tensor | None] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr: dict[torch.device, torch.Tensor] = {}   # a 0-d float32 per device, refilled each step
         self.attached = False
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -453,24 +465,82 @@ class UpdateScaling:
                              "(a second pair of step hooks would scale each step twice)")
         # each prepared weight (as the optimizer holds it: after any sharding) and its fake
         # quantizer, found once, not every step
-        self.pairs = [(module.parametrizations[pname].original, fq)
-                      for _, module, pname, fq in fake_quantizers(self.model)]
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if missing := [fq.name for w, fq in self.pairs if id(w) not in stepped]:
+        pairs = [(module.parametrizations[pname].original, fq)
+                 for _, module, pname, fq in fake_quantizers(self.model)]
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        if missing := [fq.name for w, fq in pairs if id(w) not in group_of]:
             raise ValueError(f"the optimizer does not step the prepared weight(s) {missing[:3]}; "
                              "build it on the model after lowbit.qat.prepare")
-        optimizer.register_step_pre_hook(self._copy)
-        optimizer.register_step_post_hook(self._scale)
+        self.fused = [(w, fq, group_of[id(w)]) for w, fq in pairs if _steps_inside_adamw(optimizer, w, fq)]
+        fused = {id(w) for w, _, _ in self.fused}
+        self.pairs = [(w, fq) for w, fq in pairs if id(w) not in fused]
+        self.optimizer = optimizer
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
         self.attached = True
 
     @torch.no_grad()
-    def _copy(self, optimizer, args, kwargs) -> None:
-        # a copy of every weight in one multi-tensor pass (x * 1.0 is x, bit for bit)
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        # the fused weights' gradients held back, so the optimizer's own step skips them
+        self.grads = [w.grad for w, _, _ in self.fused]
+        for w, _, _ in self.fused:
+            w.grad = None
+        # a copy of every other weight in one multi-tensor pass (x * 1.0 is x, bit for bit)
         self.before = torch._foreach_mul([w for w, _ in self.pairs], 1.0) if self.pairs else []
 
-    def _scale(self, optimizer, args, kwargs) -> None:
+    @torch.no_grad()
+    def _after_step(self, optimizer, args, kwargs) -> None:
         before, self.before = self.before, None
         scale_updates(self.pairs, before)
+        grads, self.grads = self.grads, []
+        for (w, _, _), grad in zip(self.fused, grads):
+            w.grad = grad
+        self._fused_step(grads)
+
+    def _fused_step(self, grads: list[torch.Tensor | None]) -> None:
+        """AdamW's step of the fused weights with B inside it, one call per (param group, B's
+        storage); weights without a gradient are skipped, as AdamW skips them."""
+        batches: dict[tuple, list] = {}
+        for (w, fq, group), grad in zip(self.fused, grads):
+            if grad is None:
+                continue
+            uint8 = fq.b.dtype == torch.uint8
+            batches.setdefault((id(group), uint8, w.device), []).append((w, grad, fq, group))
+        state = self.optimizer.state
+        for (_, uint8, device), items in batches.items():
+            group = items[0][3]
+            for w, *_ in items:
+                if not state[w]:
+                    state[w].update(fused_step.new_adamw_state(w, group))
+            beta1, beta2 = group["betas"]
+            # the group's learning rate into a tensor on the weights' device: a fill is one
+            # launch (no host synchronisation), and the compiled step takes a new value, not a
+            # new compilation
+            lr = self.lr.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+            if torch.is_tensor(group["lr"]):
+                lr.copy_(group["lr"])
+            else:
+                lr.fill_(float(group["lr"]))
+            levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
+            fused_step.step_function(device)(
+                [w for w, *_ in items], [g for _, g, *_ in items], [state[w]["exp_avg"] for w, *_ in items],
+                [state[w]["exp_avg_sq"] for w, *_ in items], [state[w]["step"] for w, *_ in items],
+                [fq.b for _, _, fq, _ in items], lr, float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]), None if levels is None else float(levels))
+
+
+def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: FakeQuantWeight) -> bool:
+    """Whether UpdateScaling takes this weight's step itself (lowbit.qat.fused_step): AdamW as
+    lowbit builds it (no amsgrad, maximize or differentiable step; on CUDA fused or capturable,
+    so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B
+    per element."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    group = next(g for g in optimizer.param_groups if any(p is w for p in g["params"]))
+    plain = type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32
+    counts_on_device = w.device.type == "cpu" or group.get("fused") or group.get("capturable")
+    return bool(plain and counts_on_device and fq.b is not None and fq.b.shape == w.shape
+                and not group["amsgrad"] and not group["maximize"] and not group.get("differentiable"))
 
 
 class CodeFlips:
