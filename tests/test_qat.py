@@ -475,6 +475,15 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
     assert fused_hook.scaling.before is None and fused_hook.scaling.grads == []
     b = fused_net.a.parametrizations.weight[0].b
     assert b.float().std() > 0                       # refit: B varies across the weights
+    # the option `hooked` (--no-b-in-adamw): torch's AdamW, the general way, its flag spelled back
+    from lowbit.qat.cli_args import config_flags
+    hooked = parse_qat_spec("int2:g32/jacquant/hooked")
+    assert hooked.jacquant.b_in_adamw is False and "--no-b-in-adamw" in config_flags(hooked)
+    plain = Net()
+    prepare(plain, hooked)
+    plain_hook = refresh_hook(plain, hooked, seed=0)
+    plain_hook.attach(torch.optim.AdamW(plain.parameters()))
+    assert not plain_hook.scaling.fused and len(plain_hook.scaling.pairs) == 2
     # the fused weights' state is AdamW's own: it loads into the general way's optimizer
     opt.load_state_dict(fused_opt.state_dict())
     assert all(torch.equal(opt.state[q]["exp_avg"], fused_opt.state[p]["exp_avg"])
@@ -551,7 +560,8 @@ def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     assert (per_group_grad.per_element, per_group_grad.b_on) == (False, "grad")
     for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
                  "int2:g64/jacquant/group/grad", "int2:g64/jacquant/group",
-                 "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd"):
+                 "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd",
+                 "int2:g64/jacquant/hooked/bf16b"):
         config = parse_qat_spec(text)
         args = build_parser().parse_args(["qat", *config_flags(config)])
         assert job_from_args(args).configs == [config], text

@@ -130,6 +130,15 @@ class JacQuantConfig:
     Both narrow forms are refused with an ema above 0.5, where a refit's step of (1 - ema) of
     the change would round away (B stalls short of the fits: in bfloat16 toward 0.8 from 1, at
     0.816 for ema 0.9, 0.992 for 0.99)."""
+    b_in_adamw: bool = field(default=True, metadata=flag(
+        "--b-in-adamw", "jacquant, B on the update: under AdamW, B inside the optimizer's step "
+        "(compiled on CUDA; the default), or with --no-b-in-adamw a copy of the weights before "
+        "each step and three passes after it (the way any other optimizer takes), e.g. to time "
+        "the two", action=argparse.BooleanOptionalAction))
+    """B on the update under torch.optim.AdamW: True, the prepared weights' step is AdamW's
+    arithmetic with the change times B (lowbit.qat.fused_step); False, the general way
+    (lowbit.qat.layers.UpdateScaling: W <- W_before + B (W - W_before) around the optimizer's
+    own step). The same training to float32 rounding; they differ in time."""
 
     @property
     def uint8_levels_per_unit(self) -> int:
@@ -240,7 +249,7 @@ class QATConfig:
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
                  "(per-element B, the default) or group, upd (B on the update, the default) or grad, "
                  "shuffled (B permuted within each tensor: a control), bf16b or u8b (B stored in bfloat16 "
-                 "or uint8), "
+                 "or uint8), hooked (B on the update around AdamW's step, not inside it), "
                  "learned (learned scales), "
                  "mse (MSE scales), kd or kdA (distill from the BF16 model with weight A, default 1)")
 
@@ -249,7 +258,7 @@ def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
     int2:g64/jacquant/k100/mse. Options: kK, epsE, probe|dither|both, elem|group, upd|grad,
-    shuffled, bf16b|u8b, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
+    shuffled, bf16b|u8b, hooked, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
@@ -305,6 +314,8 @@ def _setting_options(options: list[str], text: str, what: str) -> tuple[dict, di
             jq["shuffle_b"] = True
         elif option in ("bf16b", "u8b"):
             jq["b_dtype"] = "bfloat16" if option == "bf16b" else "uint8"
+        elif option == "hooked":
+            jq["b_in_adamw"] = False
         elif option == "learned":
             qat["learn_scales"] = True
         elif option == "mse":

@@ -530,11 +530,12 @@ class UpdateScaling:
 
 
 def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: FakeQuantWeight) -> bool:
-    """Whether UpdateScaling takes this weight's step itself (lowbit.qat.fused_step): AdamW as
+    """Whether UpdateScaling takes this weight's step itself (lowbit.qat.fused_step): asked for
+    (JacQuantConfig.b_in_adamw, the default), AdamW as
     lowbit builds it (no amsgrad, maximize or differentiable step; on CUDA fused or capturable,
     so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B
     per element."""
-    if type(optimizer) is not torch.optim.AdamW:
+    if type(optimizer) is not torch.optim.AdamW or not fq.config.jacquant.b_in_adamw:
         return False
     group = next(g for g in optimizer.param_groups if any(p is w for p in g["params"]))
     plain = type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32
