@@ -433,7 +433,7 @@ class _AnyOptimizerAdamW(torch.optim.AdamW):
 
 def _b_on_update_runs(b_dtype: str, device: str, steps: int = 5):
     """The same JacQuant (B on the update) run under torch's AdamW (B inside the step,
-    lowbit.qat.fused_step) and under an AdamW subclass (the general way): both models, both
+    lowbit.dispatch.adamw_step_times_b) and under an AdamW subclass (the general way): both models, both
     optimizers, after `steps` steps with the learning rate changing and B refit in between."""
     cfg = QATConfig(weights="int2:g32", estimator="jacquant",
                     jacquant=JacQuantConfig(refresh_every=2, b_dtype=b_dtype))
@@ -493,7 +493,7 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
 def test_b_inside_adamws_step_equals_b_times_adamws_change():
     """One step against its formula: p + B * (AdamW's own change of p), weight decay included,
     a weight without a gradient left alone, as AdamW leaves it."""
-    from lowbit.qat.fused_step import adamw_step_times_b
+    from lowbit.dispatch import adamw_step_times_b
 
     torch.manual_seed(0)
     p = torch.randn(3, 40)

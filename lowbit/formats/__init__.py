@@ -1,5 +1,6 @@
 """Reference numerics: element formats, block scaling (1D/2D), rounding, QTensor storage, the
-random Hadamard transform and the fold of MXFP4 into FP8.
+random Hadamard transform, the fold of MXFP4 into FP8, and AdamW's step with a per-element
+factor on the change (lowbit.formats.optimizer, which a kernel fuses).
 
 This package is the single source of truth for what every format means: plain PyTorch that
 runs as written on any device. Kernels are tested against it bit for bit; lowbit.dispatch

@@ -132,11 +132,11 @@ class JacQuantConfig:
     0.816 for ema 0.9, 0.992 for 0.99)."""
     b_in_adamw: bool = field(default=True, metadata=flag(
         "--b-in-adamw", "jacquant, B on the update: under AdamW, B inside the optimizer's step "
-        "(compiled on CUDA; the default), or with --no-b-in-adamw a copy of the weights before "
+        "(one Triton kernel a weight on CUDA; the default), or with --no-b-in-adamw a copy of the weights before "
         "each step and three passes after it (the way any other optimizer takes), e.g. to time "
         "the two", action=argparse.BooleanOptionalAction))
     """B on the update under torch.optim.AdamW: True, the prepared weights' step is AdamW's
-    arithmetic with the change times B (lowbit.qat.fused_step); False, the general way
+    arithmetic with the change times B (lowbit.dispatch.adamw_step_times_b); False, the general way
     (lowbit.qat.layers.UpdateScaling: W <- W_before + B (W - W_before) around the optimizer's
     own step). The same training to float32 rounding; they differ in time."""
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
+from lowbit import dispatch
 from lowbit.formats import QTensor, load_qtensors
 from lowbit.nn import GEMM_KINDS, QuantExperts, QuantLinear, gemm_modules
 from lowbit.qat.config import QATConfig
-from lowbit.qat import fused_step
 from lowbit.qat.jacquant import b_statistics, fit_b
 from lowbit.qat.quantizer import GroupQuantizer, fake_quantize, times_b
 
@@ -438,10 +438,11 @@ class UpdateScaling:
     optimizer's step hooks.
 
     Under torch.optim.AdamW, float32 weights with one B per element (the default) take the step
-    with B inside it (lowbit.qat.fused_step, compiled on CUDA): before the optimizer's step the
+    with B inside it (lowbit.dispatch.adamw_step_times_b: one Triton kernel a weight on CUDA,
+    lowbit.formats.optimizer's reference elsewhere): before the optimizer's step the
     hook takes their gradients away, so AdamW steps only the other parameters, and after it
     steps these on AdamW's own state and learning rate, then gives the gradients back. No copy
-    of the weights, about 2 bytes a weight over AdamW's own traffic.
+    of the weights: B read once (2 or 4 bytes a weight) over AdamW's own traffic.
 
     Any other weight (another optimizer, B per group, DTensor shards) goes the general way:
     before the step a copy of it (W_before); after it, the scaling (`scale_updates`), which
@@ -511,7 +512,7 @@ class UpdateScaling:
             group = items[0][3]
             for w, *_ in items:
                 if not state[w]:
-                    state[w].update(fused_step.new_adamw_state(w, group))
+                    state[w].update(_new_adamw_state(w, group))
             beta1, beta2 = group["betas"]
             # the group's learning rate into a tensor on the weights' device: a fill is one
             # launch (no host synchronisation), and the compiled step takes a new value, not a
@@ -522,15 +523,26 @@ class UpdateScaling:
             else:
                 lr.fill_(float(group["lr"]))
             levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
-            fused_step.step_function(device)(
+            dispatch.adamw_step_times_b(
                 [w for w, *_ in items], [g for _, g, *_ in items], [state[w]["exp_avg"] for w, *_ in items],
                 [state[w]["exp_avg_sq"] for w, *_ in items], [state[w]["step"] for w, *_ in items],
                 [fq.b for _, _, fq, _ in items], lr, float(beta1), float(beta2), float(group["eps"]),
                 float(group["weight_decay"]), None if levels is None else float(levels))
 
 
+def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
+    """The state torch.optim.AdamW gives a parameter at its first step: a step count (a 0-d
+    tensor, on the parameter's device when the optimizer is fused or capturable) and zero
+    moments shaped like it, so a checkpoint of either way of stepping loads into the other."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    on_device = group.get("fused") or group.get("capturable")
+    step = torch.zeros((), dtype=dtype, device=p.device) if on_device else torch.tensor(0.0, dtype=dtype)
+    return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: FakeQuantWeight) -> bool:
-    """Whether UpdateScaling takes this weight's step itself (lowbit.qat.fused_step): asked for
+    """Whether UpdateScaling takes this weight's step itself (lowbit.dispatch.adamw_step_times_b): asked for
     (JacQuantConfig.b_in_adamw, the default), AdamW as
     lowbit builds it (no amsgrad, maximize or differentiable step; on CUDA fused or capturable,
     so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B

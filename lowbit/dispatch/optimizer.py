@@ -1,0 +1,38 @@
+"""AdamW's step with each weight's change times its B (JacQuant's B on the update), on the
+Triton kernel (lowbit.kernels.optimizer) or the reference (lowbit.formats.optimizer), by the
+rule of this package: a CUDA weight takes the kernel when triton imports and the reference is
+not forced; a CPU weight, or one the kernel does not take (not contiguous), the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit import kernels
+from lowbit.dispatch._quantizers import reference_forced
+from lowbit.formats.optimizer import adamw_step_scalars, adamw_times_b_
+
+__all__ = ["adamw_step_times_b"]
+
+
+@torch.no_grad()
+def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], bs: list[torch.Tensor],
+                       lr: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+                       levels_per_unit: float | None) -> None:
+    """One AdamW step of each float32 param with its change times its B, in place (params,
+    exp_avgs, exp_avg_sqs; steps, 0-d tensors, +1): lowbit.formats.optimizer's arithmetic.
+    bs: one B per element, float32 / bfloat16, or uint8 levels with levels_per_unit. lr: a 0-d
+    float32 tensor on the params' device (a new value each step, no host synchronisation)."""
+    torch._foreach_add_(steps, 1)
+    step_sizes, corrections, decay = adamw_step_scalars(steps, lr, beta1, beta2, weight_decay)
+    decay = decay if weight_decay != 0 else None
+    for p, g, m, v, b, step_size, correction in zip(params, grads, exp_avgs, exp_avg_sqs, bs, step_sizes,
+                                                    corrections):
+        args = (p, g, m, v, b, step_size, correction, decay, beta1, beta2, eps, levels_per_unit)
+        if (p.is_cuda and not reference_forced() and kernels.kernels_available(p)
+                and all(t.is_contiguous() for t in (p, g, m, v, b)) and g.dtype == torch.float32
+                and step_size.device == p.device):
+            from lowbit.kernels.optimizer import adamw_times_b_triton
+            adamw_times_b_triton(*args)
+        else:
+            adamw_times_b_(*args)

@@ -1,0 +1,65 @@
+"""AdamW's step with each weight's change multiplied by a per-element factor B: the reference.
+
+JacQuant's B on the update (lowbit.qat) scales each optimizer step's change of a weight,
+W <- W + B * (AdamW's change of W). Inside AdamW's step, per weight tensor, in float32:
+
+    m <- m + (g - m) (1 - beta1)                      # torch's lerp for a weight below 0.5
+    v <- v beta2 + g^2 (1 - beta2)
+    delta = m / (sqrt(v) / sqrt(1 - beta2^t) + eps) * step_size  (+ p * decay; sqrt rounded once)
+    p <- p + delta * B                                # a uint8 B: delta * level / levels per unit
+
+with step_size = -lr / (1 - beta1^t) and decay = -lr * weight_decay (AdamW's decoupled decay),
+t the weight's step count after this step's increment (`adamw_step_scalars`). Each line is
+separate float32 operations in this order, never fused multiply-adds, so that the Triton kernel
+(lowbit.kernels.optimizer) gives the same bits under Triton's interpreter. Against
+torch.optim.AdamW followed by W_before + B (W - W_before) it agrees to float32 rounding, not bit
+for bit (the order of a few operations differs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adamw_step_scalars", "adamw_times_b_"]
+
+
+def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float,
+                       weight_decay: float) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per weight, from its step count t (a 0-d tensor, already incremented for this step):
+    step_size = -lr / (1 - beta1^t) and sqrt(1 - beta2^t), each a 0-d tensor on the count's
+    device; and decay = -lr * weight_decay (0-d, on lr's device). No host synchronisation: lr is
+    a 0-d float32 tensor."""
+    correction1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_neg_(correction1)
+    torch._foreach_add_(correction1, 1)                   # 1 - beta1^t
+    step_sizes = torch._foreach_div(correction1, lr)
+    torch._foreach_reciprocal_(step_sizes)                # lr / (1 - beta1^t)
+    torch._foreach_neg_(step_sizes)
+    correction2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(correction2)
+    torch._foreach_add_(correction2, 1)
+    torch._foreach_sqrt_(correction2)                     # sqrt(1 - beta2^t)
+    step_sizes = [s.float() for s in step_sizes]
+    correction2 = [c.float() for c in correction2]
+    return step_sizes, correction2, lr.float() * (-weight_decay)
+
+
+@torch.no_grad()
+def adamw_times_b_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+                   step_size: torch.Tensor, correction2_sqrt: torch.Tensor, decay: torch.Tensor | None,
+                   beta1: float, beta2: float, eps: float, levels_per_unit: float | None) -> None:
+    """One weight's AdamW step, its change times B (the module doc), in place on p, m and v
+    (float32, one shape); b that shape (float32, bfloat16, or uint8 levels with levels_per_unit);
+    the scalars from adamw_step_scalars; decay None for no weight decay."""
+    m.copy_(m + (g - m) * (1 - beta1))
+    v.copy_(v * beta2 + (g * g) * (1 - beta2))
+    # sqrt correctly rounded (through float64, exact for a float32 input): torch's float32 sqrt
+    # on the CPU may be a last-place off, the kernel's (and CUDA's) is IEEE's
+    root = torch.sqrt(v.double()).float()
+    delta = m / (root / correction2_sqrt.to(v.device) + eps) * step_size.to(v.device)
+    if decay is not None:
+        delta = delta + p * decay.to(p.device)
+    delta = delta * b.float()
+    if levels_per_unit is not None:
+        delta = delta / float(levels_per_unit)
+    p.copy_(p + delta)

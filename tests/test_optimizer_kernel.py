@@ -1,0 +1,97 @@
+"""AdamW's step with each change times B: the Triton kernel (lowbit.kernels.optimizer) against
+its reference (lowbit.formats.optimizer), bit for bit under Triton's interpreter, and the
+dispatch rule that picks between them."""
+
+import pytest
+import torch
+
+from lowbit import dispatch
+from lowbit.formats.optimizer import adamw_step_scalars, adamw_times_b_
+from lowbit.kernels import interpret_mode
+
+
+def _case(shape, b_dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    p, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    m, v = torch.randn(shape, generator=g) * 0.1, torch.rand(shape, generator=g) * 0.01
+    if grad.numel() >= 12:
+        grad.view(-1)[:7] = 0.0                                     # zero gradients
+        grad.view(-1)[7:9] = torch.tensor([3e30, 1e-30])             # huge and tiny
+        p.view(-1)[9] = -5e25
+    if b_dtype == torch.uint8:
+        b = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
+    else:
+        b = (torch.rand(shape, generator=g) * 2).to(b_dtype)
+        b.view(-1)[:3] = 0.0                                        # B = 0: the weight parked
+    return [t.to(device) for t in (p, grad, m, v, b)]
+
+
+def _scalars(device, weight_decay, t=3):
+    steps = [torch.tensor(float(t), device=device)]
+    sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003, device=device), 0.9, 0.95, weight_decay)
+    return sizes[0], corr[0], (decay if weight_decay else None)
+
+
+@pytest.mark.parametrize("shape", [(3, 700), (1, 1), (64, 64), (5,)])
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
+    if not interpret_mode():
+        pytest.skip("runs the kernel on CPU tensors, which it takes under Triton's interpreter only "
+                    "(TRITON_INTERPRET=1, which tests/conftest.py sets on a machine without a GPU)")
+    from lowbit.kernels.optimizer import adamw_times_b_triton
+
+    levels = 127.0 if b_dtype == torch.uint8 else None
+    ref, ker = _case(shape, b_dtype), _case(shape, b_dtype)
+    ker[1].view(-1)[-1] = ref[1].view(-1)[-1] = float("nan")          # a NaN gradient
+    scalars = _scalars("cpu", weight_decay)
+    adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
+    adamw_times_b_triton(*ker, *scalars, 0.9, 0.95, 1e-8, levels)
+    for name, a, b in zip(("p", "g", "m", "v", "b"), ref, ker):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
+    assert ref[0].view(-1)[-1].isnan() and ref[0].view(-1)[:-1].isfinite().all()   # the NaN stays its own
+    if ref[0].numel() == 1:
+        return
+    if b_dtype != torch.uint8 and ref[0].numel() >= 12:
+        assert torch.equal(ref[0].view(-1)[:3], _case(shape, b_dtype)[0].view(-1)[:3])  # B = 0: p kept
+    assert not torch.equal(ref[0][ref[0].isfinite()], _case(shape, b_dtype)[0][ref[0].isfinite()])
+
+
+def test_the_kernel_refuses_what_it_does_not_take_and_dispatch_takes_the_reference_for_it():
+    if not interpret_mode():
+        pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
+    from lowbit.kernels.optimizer import adamw_times_b_triton
+
+    p, g, m, v, b = _case((8, 6), torch.float32)
+    with pytest.raises(ValueError, match="contiguous tensors of one shape"):
+        adamw_times_b_triton(p.t(), g.t(), m.t(), v.t(), b.t(), *_scalars("cpu", 0.1), 0.9, 0.95, 1e-8, None)
+    with pytest.raises(ValueError, match="float32"):
+        adamw_times_b_triton(p.double(), g, m, v, b, *_scalars("cpu", 0.1), 0.9, 0.95, 1e-8, None)
+
+
+def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
+    p, g, m, v, b = _case((4, 33), torch.bfloat16)
+    want = [t.clone() for t in (p, g, m, v, b)]
+    step = torch.tensor(2.0)
+    dispatch.adamw_step_times_b([p.t()], [g.t()], [m.t()], [v.t()], [step], [b.t()], torch.tensor(0.003),
+                                0.9, 0.95, 1e-8, 0.1, None)          # non-contiguous views, in place
+    adamw_times_b_(*want, *_scalars("cpu", 0.1, t=3), 0.9, 0.95, 1e-8, None)
+    assert step.item() == 3
+    for a, w in zip((p, m, v), (want[0], want[2], want[3])):
+        assert torch.equal(a, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_the_kernel_on_cuda_is_the_reference_to_float32_rounding(b_dtype):
+    # the compiler may fuse a multiply and an add (FMA) where the reference rounds twice
+    levels = 127.0 if b_dtype == torch.uint8 else None
+    ref, ker = _case((257, 1031), b_dtype, device="cuda"), _case((257, 1031), b_dtype, device="cuda")
+    scalars = _scalars("cuda", 0.1)
+    adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
+    steps = [torch.tensor(2.0, device="cuda")]
+    dispatch.adamw_step_times_b([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
+                                torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
+    for a, b in zip(ref[:4], ker[:4]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-30)
