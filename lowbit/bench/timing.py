@@ -63,7 +63,8 @@ def sync(dev: torch.device) -> None:
 _CATEGORIES = (
     # NCCL's collectives (ncclDevKernel_AllReduce_..., ReduceScatter, AllGather) under torchrun
     ("communication (nccl)", ("nccl",)),
-    ("quantize (lowbit Triton)", ("_quantize_kernel", "tensor_amax_kernel", "_rht_rows_kernel")),
+    ("quantize (lowbit Triton)", ("_quantize_kernel", "tensor_amax_kernel", "_rht_rows_kernel",
+                                 "group_amax_kernel")),
     ("fp8 fold (lowbit Triton)", ("_live_blocks_kernel", "_fold_kernel", "_band_max_kernel",
                                   "_fold_one_chunk_kernel")),
     # before the GEMMs: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
