@@ -270,7 +270,8 @@ def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     x (R, C), for quantize_dequantize's tensor_scale): segment e holds rows ends[e - 1] to
     ends[e] (ends (E,) ascending int32, on x's device; the rows past ends[-1] are one more
     segment), and its scale is `tensor_scale_of` those rows alone, as if quantized on their
-    own. Computed on the device with no host read-back (a segment's amax by one scatter)."""
+    own. Computed on the device with no host read-back (a segment's amax by one segmented
+    reduction)."""
     finite_abs = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
     return segment_scales_from_amax(finite_abs.amax(dim=-1).to(torch.float32), ends)[:, None]
 
@@ -281,8 +282,14 @@ def segment_scales_from_amax(amax: torch.Tensor, ends: torch.Tensor, rows_each: 
     the segment each run lies in."""
     first = torch.arange(amax.shape[0], dtype=ends.dtype, device=amax.device) * rows_each
     segment = torch.searchsorted(ends, first, right=True)                       # E: past the end
-    seg_amax = torch.zeros(ends.shape[0] + 1, dtype=torch.float32, device=amax.device)
-    seg_amax = seg_amax.scatter_reduce(0, segment, amax, "amax")
+    # each segment's maximum by a segmented reduction over the runs in order (the segments are
+    # contiguous; the runs of segment e are ends[e - 1] // rows_each .. ends[e] // rows_each),
+    # not a scatter whose atomics on E + 1 addresses serialize on the GPU; the last segment holds
+    # the runs past ends[-1]. unsafe: no check of the offsets, which would read them to the host
+    runs_end = torch.clamp(ends // rows_each, max=amax.shape[0])
+    zero = torch.zeros(1, dtype=ends.dtype, device=amax.device)
+    offsets = torch.cat([zero, runs_end, zero + amax.shape[0]])
+    seg_amax = torch.segment_reduce(amax, "max", offsets=offsets, unsafe=True, initial=0.0)
     return tensor_scale_from_amax(seg_amax)[segment]
 
 
