@@ -95,3 +95,25 @@ def test_the_kernel_on_cuda_is_the_reference_to_float32_rounding(b_dtype):
                                 torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
     for a, b in zip(ref[:4], ker[:4]):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-30)
+
+
+def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch):
+    # the dispatch -> kernel branch, with CPU tensors under Triton's interpreter: the same bits
+    # as the reference, the step counted once
+    if not interpret_mode():
+        pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
+    import lowbit.kernels.optimizer as kernel
+    calls, real = [], kernel.adamw_times_b_triton
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_applies", lambda tensors: True)
+    got, want = _case((5, 300), torch.uint8), _case((5, 300), torch.uint8)
+    step = torch.tensor(2.0)
+    dispatch.adamw_step_times_b([got[0]], [got[1]], [got[2]], [got[3]], [step], [got[4]], torch.tensor(0.003),
+                                0.9, 0.95, 1e-8, 0.1, 127.0)
+    adamw_times_b_(*want, *_scalars("cpu", 0.1, t=3), 0.9, 0.95, 1e-8, 127.0)
+    assert calls == [1] and step.item() == 3
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+    with pytest.raises(ValueError, match="one of each per weight"):
+        dispatch.adamw_step_times_b([got[0]], [], [got[2]], [got[3]], [step], [got[4]], torch.tensor(0.003),
+                                    0.9, 0.95, 1e-8, 0.1, 127.0)

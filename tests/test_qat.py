@@ -426,7 +426,6 @@ def test_b_on_the_update_in_multi_tensor_passes_is_the_one_weight_update_bit_for
         assert not torch.equal(w0, before)
 
 
-
 class _AnyOptimizerAdamW(torch.optim.AdamW):
     """AdamW as any other optimizer: UpdateScaling's general way (a copy, then three passes)."""
 
@@ -475,13 +474,13 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
     assert fused_hook.scaling.before is None and fused_hook.scaling.grads == []
     b = fused_net.a.parametrizations.weight[0].b
     assert b.float().std() > 0                       # refit: B varies across the weights
-    # the option `hooked` (--no-b-in-adamw): torch's AdamW, the general way, its flag spelled back
+    # the option `around` (--no-b-in-adamw): torch's AdamW, the general way, its flag spelled back
     from lowbit.qat.cli_args import config_flags
-    hooked = parse_qat_spec("int2:g32/jacquant/hooked")
-    assert hooked.jacquant.b_in_adamw is False and "--no-b-in-adamw" in config_flags(hooked)
+    around = parse_qat_spec("int2:g32/jacquant/around")
+    assert around.jacquant.b_in_adamw is False and "--no-b-in-adamw" in config_flags(around)
     plain = Net()
-    prepare(plain, hooked)
-    plain_hook = refresh_hook(plain, hooked, seed=0)
+    prepare(plain, around)
+    plain_hook = refresh_hook(plain, around, seed=0)
     plain_hook.attach(torch.optim.AdamW(plain.parameters()))
     assert not plain_hook.scaling.fused and len(plain_hook.scaling.pairs) == 2
     # the fused weights' state is AdamW's own: it loads into the general way's optimizer
@@ -491,8 +490,7 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
 
 
 def test_b_inside_adamws_step_equals_b_times_adamws_change():
-    """One step against its formula: p + B * (AdamW's own change of p), weight decay included,
-    a weight without a gradient left alone, as AdamW leaves it."""
+    """One step against its formula: p + B * (AdamW's own change of p), weight decay included."""
     from lowbit.dispatch import adamw_step_times_b
 
     torch.manual_seed(0)
@@ -517,16 +515,118 @@ def test_b_inside_adamws_step_equals_b_times_adamws_change():
     torch.testing.assert_close(out8, p + level.float() / 127 * (ref.detach() - p), rtol=1e-6, atol=1e-7)
 
 
+
+def _jacquant_net():
+    """Net prepared for JacQuant (B per weight on the update), B refit once."""
+    torch.manual_seed(1)
+    net = Net()
+    cfg = QATConfig(weights="int2:g32", estimator="jacquant")
+    prepare(net, cfg)
+    refresh(net, 0, 1)
+    return net, cfg
+
+
+def _loss(net, seed=2):
+    return net(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))).square().mean()
+
+
+def test_b_inside_adamw_follows_the_groups_and_skips_weights_without_gradients():
+    net, cfg = _jacquant_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    hook = refresh_hook(net, cfg, seed=0)
+    hook.attach(opt)
+    a, b = net.a.parametrizations.weight.original, net.b.parametrizations.weight.original
+    _loss(net).backward()
+    opt.step()
+    # load_state_dict after attach replaces the groups: a learning rate of 0 there stops every weight
+    opt.load_state_dict(opt.state_dict())
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.zero_grad()
+    _loss(net, 3).backward()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    # a weight without a gradient is left alone (state and all), as AdamW leaves it
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    opt.zero_grad()
+    _loss(net, 4).backward()
+    a.grad = None
+    a_before, b_before, a_steps = a.detach().clone(), b.detach().clone(), opt.state[a]["step"].clone()
+    opt.step()
+    assert torch.equal(a, a_before) and torch.equal(opt.state[a]["step"], a_steps)
+    assert not torch.equal(b, b_before)
+
+
+def test_a_closure_or_a_grad_scaler_step_goes_the_general_way():
+    """A closure recomputes the gradients inside the step and a GradScaler hands fused AdamW
+    scaled gradients to unscale and skip inside it: such a step is the general way's, bit for
+    bit, and a scaler's skipped step leaves every weight as it was."""
+    results = []
+    for kind in (torch.optim.AdamW, _AnyOptimizerAdamW):
+        net, cfg = _jacquant_net()
+        opt = kind(net.parameters(), lr=0.01)
+        refresh_hook(net, cfg, seed=0).attach(opt)
+
+        def closure():
+            opt.zero_grad()
+            loss = _loss(net)
+            loss.backward()
+            return loss
+        opt.step(closure)
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*results))
+    net, cfg = _jacquant_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, fused=True)
+    refresh_hook(net, cfg, seed=0).attach(opt)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(net)).backward()
+    net.a.parametrizations.weight.original.grad[0, 0] = float("inf")   # an overflow: the step is skipped
+    before = [p.detach().clone() for p in net.parameters()]
+    scaler.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+
+
+def test_a_checkpoint_moves_between_the_two_ways_and_trains_on():
+    """The state B inside AdamW leaves is AdamW's own: loaded into the general way (and back),
+    three more steps each agree to float32 rounding."""
+    runs = []
+    for first, then in ((torch.optim.AdamW, _AnyOptimizerAdamW), (_AnyOptimizerAdamW, torch.optim.AdamW)):
+        net, cfg = _jacquant_net()
+        opt = first(net.parameters(), lr=0.01, weight_decay=0.1)
+        refresh_hook(net, cfg, seed=0).attach(opt)
+        for step in range(3):
+            opt.zero_grad()
+            _loss(net, step).backward()
+            opt.step()
+        moved = then(net.parameters(), lr=0.01, weight_decay=0.1)
+        moved.load_state_dict(opt.state_dict())
+        refresh_hook(net, cfg, seed=0).attach(moved)
+        for step in range(3, 6):
+            moved.zero_grad()
+            _loss(net, step).backward()
+            moved.step()
+        runs.append([p.detach().clone() for p in net.parameters()])
+        assert all(moved.state[p]["step"].item() == 6 for p in net.parameters())
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("b_dtype", ["float32", "bfloat16"])
-def test_b_inside_fused_adamws_step_on_cuda_is_the_copy_and_scale_way(b_dtype):
-    """On CUDA: torch's fused AdamW for the other parameters, the compiled step with B for the
-    prepared weights, against the general way around the same fused AdamW."""
+@pytest.mark.parametrize("b_dtype", ["float32", "bfloat16", "uint8"])
+def test_b_inside_fused_adamws_step_on_cuda_is_the_copy_and_scale_way(b_dtype, monkeypatch):
+    """On CUDA: torch's fused AdamW for the other parameters, the Triton kernel with B for the
+    prepared weights (counted), against the general way around the same fused AdamW."""
+    import lowbit.kernels.optimizer as kernel
+    calls, real = [], kernel.adamw_times_b_triton
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(1), real(*a)))
     (fused_net, fused_opt, fused_hook), (net, opt, _) = _b_on_update_runs(b_dtype, "cuda")
+    assert len(calls) == 2 * 5                                  # two weights, five steps
     assert len(fused_hook.scaling.fused) == 2
     for (name, p), q in zip(fused_net.named_parameters(), net.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
         assert fused_opt.state[p]["step"].device.type == "cuda"
+
 
 def test_ddp_leaves_out_only_the_buffers_every_rank_holds_alike():
     expected = {
@@ -561,7 +661,7 @@ def test_qat_spec_is_one_spelling_and_its_flags_rebuild_the_config():
     for text in ("int2:g64/jacquant/k50/eps0.25/dither/elem/upd/mse", "ternary:g64/ste",
                  "int2:g64/jacquant/group/grad", "int2:g64/jacquant/group",
                  "seq2:g32/jacquant/both/learned", "int2:g64/ste/kd0.5", "ternary:g64/jacquant/kd",
-                 "int2:g64/jacquant/hooked/bf16b"):
+                 "int2:g64/jacquant/around/bf16b"):
         config = parse_qat_spec(text)
         args = build_parser().parse_args(["qat", *config_flags(config)])
         assert job_from_args(args).configs == [config], text

@@ -370,3 +370,23 @@ def test_nvfp4_segment_tensor_scales_equal_each_segment_quantized_alone(block):
                                rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="broadcasts"):
         quantize_dequantize(x, spec, tensor_scale=torch.ones(3))
+
+
+@pytest.mark.parametrize("rows_each,ends", [(1, [16, 16, 48, 64, 96]), (16, [16, 16, 48, 64, 96]),
+                                            (4, [6]), (16, [17]), (16, [20, 48]), (16, [0, 0]),
+                                            (16, [32, 200])])
+def test_segment_scales_from_amax_against_a_loop_over_the_segments(rows_each, ends):
+    # each run of rows_each rows takes the scale of the segment its first row lies in, from the
+    # maximum over the runs whose first rows lie there (ends need not be multiples of rows_each;
+    # an empty segment, ends past the rows, rows past the last end)
+    from lowbit.formats.quantize import segment_scales_from_amax, tensor_scale_from_amax
+
+    g = torch.Generator().manual_seed(len(ends) + rows_each)
+    amax = torch.rand(7, generator=g) * torch.logspace(-3, 3, 7)
+    ends_t = torch.tensor(ends, dtype=torch.int32)
+    got = segment_scales_from_amax(amax, ends_t, rows_each)
+    first_rows = [i * rows_each for i in range(7)]
+    segment = [sum(1 for e in ends if e <= r) for r in first_rows]
+    seg_max = {s: max(float(amax[i]) for i in range(7) if segment[i] == s) for s in set(segment)}
+    want = torch.stack([tensor_scale_from_amax(torch.tensor(seg_max[s])) for s in segment])
+    assert torch.equal(got, want)

@@ -330,6 +330,13 @@ def test_a_qat_run_saved_before_a_field_existed_still_resumes():
     assert shuffled.changed_fields(old) and "shuffle_b" in shuffled.changed_fields(old)[0]
     bf16_b = JobRecord(kind="qat", qat=parse_qat_spec("int2:g64/jacquant/bf16b").to_dict())
     assert [c.split(":")[0] for c in bf16_b.changed_fields(old)] == ["qat"]
+    # saved before B went inside AdamW's step: it ran around the step, and resumes that way only
+    older = {**old, "qat": {**old["qat"], "jacquant": {k: v for k, v in old["qat"]["jacquant"].items()
+                                                      if k != "b_in_adamw"}}}
+    (change,) = job.changed_fields(older)
+    assert "'b_in_adamw': False}" in change and "'b_in_adamw': True}" in change
+    around = JobRecord(kind="qat", qat=parse_qat_spec("int2:g64/jacquant/around").to_dict())
+    assert around.changed_fields(older) == []
     # a run saved before job records: the same settings inside its config
     config = TrainConfig()
     old_config = {**config.to_dict(), "qat": old["qat"], "init_from": "runs/src",

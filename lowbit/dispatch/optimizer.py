@@ -11,7 +11,18 @@ from lowbit import kernels
 from lowbit.dispatch._quantizers import reference_forced
 from lowbit.formats.optimizer import adamw_step_scalars, adamw_times_b_
 
-__all__ = ["adamw_step_times_b"]
+__all__ = ["adamw_step_times_b", "kernel_applies"]
+
+
+def kernel_applies(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """The rule for one weight's step (p, g, m, v, b, step_size, correction[, decay]): all on
+    one CUDA device, p, g, m, v, b contiguous and g float32, triton importable, the reference
+    not forced. (A test hands CPU tensors to the kernel under Triton's interpreter by patching
+    this.)"""
+    p = tensors[0]
+    return (p.is_cuda and not reference_forced() and kernels.kernels_available(p)
+            and all(t.device == p.device for t in tensors) and tensors[1].dtype == torch.float32
+            and all(t.is_contiguous() for t in tensors[:5]))
 
 
 @torch.no_grad()
@@ -23,15 +34,18 @@ def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     exp_avgs, exp_avg_sqs; steps, 0-d tensors, +1): lowbit.formats.optimizer's arithmetic.
     bs: one B per element, float32 / bfloat16, or uint8 levels with levels_per_unit. lr: a 0-d
     float32 tensor on the params' device (a new value each step, no host synchronisation)."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps, bs)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"adamw_step_times_b takes one of each per weight (got lists of lengths "
+                         f"{[len(x) for x in lists]})")
     torch._foreach_add_(steps, 1)
     step_sizes, corrections, decay = adamw_step_scalars(steps, lr, beta1, beta2, weight_decay)
-    decay = decay if weight_decay != 0 else None
     for p, g, m, v, b, step_size, correction in zip(params, grads, exp_avgs, exp_avg_sqs, bs, step_sizes,
-                                                    corrections):
-        args = (p, g, m, v, b, step_size, correction, decay, beta1, beta2, eps, levels_per_unit)
-        if (p.is_cuda and not reference_forced() and kernels.kernels_available(p)
-                and all(t.is_contiguous() for t in (p, g, m, v, b)) and g.dtype == torch.float32
-                and step_size.device == p.device):
+                                                    corrections, strict=True):
+        scalars = (step_size, correction) + ((decay,) if weight_decay != 0 else ())
+        args = (p, g, m, v, b, step_size, correction, decay if weight_decay != 0 else None,
+                beta1, beta2, eps, levels_per_unit)
+        if kernel_applies((p, g, m, v, b) + scalars):
             from lowbit.kernels.optimizer import adamw_times_b_triton
             adamw_times_b_triton(*args)
         else:

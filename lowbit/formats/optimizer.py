@@ -27,12 +27,13 @@ def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float
                        weight_decay: float) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Per weight, from its step count t (a 0-d tensor, already incremented for this step):
     step_size = -lr / (1 - beta1^t) and sqrt(1 - beta2^t), each a 0-d tensor on the count's
-    device; and decay = -lr * weight_decay (0-d, on lr's device). No host synchronisation: lr is
-    a 0-d float32 tensor."""
+    device, computed in float64 and rounded to float32 once; and decay = -lr * weight_decay (0-d
+    float32, on lr's device). No host synchronisation: lr is a 0-d tensor."""
+    steps = [t.double() for t in steps]                 # the corrections in float64, as AdamW's
     correction1 = torch._foreach_pow(beta1, steps)
     torch._foreach_neg_(correction1)
     torch._foreach_add_(correction1, 1)                   # 1 - beta1^t
-    step_sizes = torch._foreach_div(correction1, lr)
+    step_sizes = torch._foreach_div(correction1, lr.double())
     torch._foreach_reciprocal_(step_sizes)                # lr / (1 - beta1^t)
     torch._foreach_neg_(step_sizes)
     correction2 = torch._foreach_pow(beta2, steps)

@@ -283,10 +283,11 @@ def segment_scales_from_amax(amax: torch.Tensor, ends: torch.Tensor, rows_each: 
     first = torch.arange(amax.shape[0], dtype=ends.dtype, device=amax.device) * rows_each
     segment = torch.searchsorted(ends, first, right=True)                       # E: past the end
     # each segment's maximum by a segmented reduction over the runs in order (the segments are
-    # contiguous; the runs of segment e are ends[e - 1] // rows_each .. ends[e] // rows_each),
-    # not a scatter whose atomics on E + 1 addresses serialize on the GPU; the last segment holds
-    # the runs past ends[-1]. unsafe: no check of the offsets, which would read them to the host
-    runs_end = torch.clamp(ends // rows_each, max=amax.shape[0])
+    # contiguous: run i, first row i * rows_each, is in segment e when ends[e - 1] <= i * rows_each
+    # < ends[e], so segment e's runs start at ceil(ends[e - 1] / rows_each)), not a scatter whose
+    # atomics on E + 1 addresses serialize on the GPU; the last segment holds the runs past
+    # ends[-1]. unsafe: no check of the offsets, which would read them to the host
+    runs_end = torch.clamp((ends + rows_each - 1) // rows_each, max=amax.shape[0])
     zero = torch.zeros(1, dtype=ends.dtype, device=amax.device)
     offsets = torch.cat([zero, runs_end, zero + amax.shape[0]])
     seg_amax = torch.segment_reduce(amax, "max", offsets=offsets, unsafe=True, initial=0.0)

@@ -1,8 +1,9 @@
 """AdamW's step with the change times a per-element B, one pass over a weight tensor.
 
-The same arithmetic as lowbit.formats.optimizer.adamw_times_b_, operation for operation (so the
-same bits under Triton's interpreter; on the GPU the compiler may fuse a multiply and an add,
-within float32 rounding of it). One program takes BLOCK elements: it reads p, g, m, v and B once
+The same arithmetic as lowbit.formats.optimizer.adamw_times_b_, operation for operation, the
+divisions and the square root rounded as IEEE's (tl.div_rn, tl.sqrt_rn): the same bits under
+Triton's interpreter; on the GPU the compiler may still fuse a multiply and an add into one
+rounding. One program takes BLOCK elements: it reads p, g, m, v and B once
 and writes p, m and v once (30 bytes a weight with a bfloat16 B, against fused AdamW's 28), its
 three scalars (step_size, sqrt(1 - beta2^t), decay) read from the device, so nothing waits on
 the host.
@@ -33,12 +34,13 @@ def _adamw_times_b_kernel(p_ptr, g_ptr, m_ptr, v_ptr, b_ptr, step_size_ptr, corr
     v = tl.load(v_ptr + offs, mask=mask)
     m = m + (g - m) * c1
     v = v * beta2 + (g * g) * c2
-    delta = m / (tl.sqrt_rn(v) / corr2 + eps) * step_size
+    # IEEE division and square root (Triton's "/" on float32 is an approximate division)
+    delta = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), corr2) + eps) * step_size
     if HAS_DECAY:
         delta = delta + p * tl.load(decay_ptr)
     delta = delta * tl.load(b_ptr + offs, mask=mask).to(tl.float32)
     if HAS_LEVELS:
-        delta = delta / levels
+        delta = tl.div_rn(delta, levels)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     tl.store(p_ptr + offs, p + delta, mask=mask)

@@ -249,7 +249,7 @@ class QATConfig:
 _SPEC_OPTIONS = ("kK (refit B every K steps), epsE (probe half-width), probe|dither|both, elem "
                  "(per-element B, the default) or group, upd (B on the update, the default) or grad, "
                  "shuffled (B permuted within each tensor: a control), bf16b or u8b (B stored in bfloat16 "
-                 "or uint8), hooked (B on the update around AdamW's step, not inside it), "
+                 "or uint8), around (B on the update around AdamW's step, not inside it), "
                  "learned (learned scales), "
                  "mse (MSE scales), kd or kdA (distill from the BF16 model with weight A, default 1)")
 
@@ -258,7 +258,7 @@ def parse_qat_spec(text: str) -> QATConfig:
     """'WEIGHTS/ESTIMATOR[/OPTION...]' -> its QATConfig: the one spelling of a QAT setting that
     `lowbit bench train --recipes qat/...` and benchmarks/qat_experiment.py take, e.g.
     int2:g64/jacquant/k100/mse. Options: kK, epsE, probe|dither|both, elem|group, upd|grad,
-    shuffled, bf16b|u8b, hooked, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
+    shuffled, bf16b|u8b, around, learned, mse, kd[A] (distillation with weight A, default 1: QATConfig.distill)."""
     parts = [p.strip() for p in text.strip().split("/")]
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise ValueError(f"{text!r}: write a QAT setting as WEIGHTS/ESTIMATOR[/OPTION...], "
@@ -314,7 +314,7 @@ def _setting_options(options: list[str], text: str, what: str) -> tuple[dict, di
             jq["shuffle_b"] = True
         elif option in ("bf16b", "u8b"):
             jq["b_dtype"] = "bfloat16" if option == "bf16b" else "uint8"
-        elif option == "hooked":
+        elif option == "around":
             jq["b_in_adamw"] = False
         elif option == "learned":
             qat["learn_scales"] = True

@@ -444,7 +444,8 @@ class UpdateScaling:
     steps these on AdamW's own state and learning rate, then gives the gradients back. No copy
     of the weights: B read once (2 or 4 bytes a weight) over AdamW's own traffic.
 
-    Any other weight (another optimizer, B per group, DTensor shards) goes the general way:
+    Any other weight (another optimizer, B per group, DTensor shards), and every weight in a
+    step given a closure or a GradScaler's scaled gradients, goes the general way:
     before the step a copy of it (W_before); after it, the scaling (`scale_updates`), which
     frees the copy. The copy lives while the optimizer steps, when the activations are gone,
     so it raises a run's peak only where the optimizer step's own memory (weights, gradients,
@@ -453,9 +454,10 @@ class UpdateScaling:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.pairs: list[tuple[torch.Tensor, FakeQuantWeight]] = []      # the general way
-        self.fused: list[tuple[torch.Tensor, FakeQuantWeight, dict]] = []  # (weight, fq, its group)
+        self.fused: list[tuple[torch.Tensor, FakeQuantWeight]] = []   # stepped inside AdamW's step
         self.before: list[torch.Tensor] | None = None
         self.grads: list[torch.Tensor | None] = []
+        self.inside = False      # this step: the fused weights stepped here (False: the general way)
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr: dict[torch.device, torch.Tensor] = {}   # a 0-d float32 per device, refilled each step
         self.attached = False
@@ -468,12 +470,12 @@ class UpdateScaling:
         # quantizer, found once, not every step
         pairs = [(module.parametrizations[pname].original, fq)
                  for _, module, pname, fq in fake_quantizers(self.model)]
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        if missing := [fq.name for w, fq in pairs if id(w) not in group_of]:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if missing := [fq.name for w, fq in pairs if id(w) not in stepped]:
             raise ValueError(f"the optimizer does not step the prepared weight(s) {missing[:3]}; "
                              "build it on the model after lowbit.qat.prepare")
-        self.fused = [(w, fq, group_of[id(w)]) for w, fq in pairs if _steps_inside_adamw(optimizer, w, fq)]
-        fused = {id(w) for w, _, _ in self.fused}
+        self.fused = [(w, fq) for w, fq in pairs if _steps_inside_adamw(optimizer, w, fq)]
+        fused = {id(w) for w, _ in self.fused}
         self.pairs = [(w, fq) for w, fq in pairs if id(w) not in fused]
         self.optimizer = optimizer
         optimizer.register_step_pre_hook(self._before_step)
@@ -482,31 +484,43 @@ class UpdateScaling:
 
     @torch.no_grad()
     def _before_step(self, optimizer, args, kwargs) -> None:
-        # the fused weights' gradients held back, so the optimizer's own step skips them
-        self.grads = [w.grad for w, _, _ in self.fused]
-        for w, _, _ in self.fused:
-            w.grad = None
+        # B inside AdamW's step, unless this step's gradients are not final here: a closure
+        # recomputes them inside the step, and a GradScaler hands fused AdamW scaled gradients
+        # with its found-inf flag to unscale and skip inside the step; those steps (and the
+        # weights of any other optimizer) go the general way, whose copy takes every weight
+        closure = (args[0] if args else None) or kwargs.get("closure")
+        scaled = getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
+        self.inside = bool(self.fused) and closure is None and not scaled
+        general = self.pairs if self.inside else self.pairs + self.fused
+        if self.inside:   # the fused weights' gradients held back, so AdamW's own step skips them
+            self.grads = [w.grad for w, _ in self.fused]
+            for w, _ in self.fused:
+                w.grad = None
         # a copy of every other weight in one multi-tensor pass (x * 1.0 is x, bit for bit)
-        self.before = torch._foreach_mul([w for w, _ in self.pairs], 1.0) if self.pairs else []
+        self.before = torch._foreach_mul([w for w, _ in general], 1.0) if general else []
 
     @torch.no_grad()
     def _after_step(self, optimizer, args, kwargs) -> None:
         before, self.before = self.before, None
-        scale_updates(self.pairs, before)
-        grads, self.grads = self.grads, []
-        for (w, _, _), grad in zip(self.fused, grads):
-            w.grad = grad
-        self._fused_step(grads)
+        scale_updates(self.pairs if self.inside else self.pairs + self.fused, before)
+        if self.inside:
+            grads, self.grads = self.grads, []
+            for (w, _), grad in zip(self.fused, grads, strict=True):
+                w.grad = grad
+            self._fused_step(grads)
 
     def _fused_step(self, grads: list[torch.Tensor | None]) -> None:
         """AdamW's step of the fused weights with B inside it, one call per (param group, B's
-        storage); weights without a gradient are skipped, as AdamW skips them."""
+        storage, device), each weight under its group as the optimizer holds it now (a
+        load_state_dict after attach replaces the groups); weights without a gradient are
+        skipped, as AdamW skips them."""
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         batches: dict[tuple, list] = {}
-        for (w, fq, group), grad in zip(self.fused, grads):
+        for (w, fq), grad in zip(self.fused, grads, strict=True):
             if grad is None:
                 continue
-            uint8 = fq.b.dtype == torch.uint8
-            batches.setdefault((id(group), uint8, w.device), []).append((w, grad, fq, group))
+            group = group_of[id(w)]
+            batches.setdefault((id(group), fq.b.dtype == torch.uint8, w.device), []).append((w, grad, fq, group))
         state = self.optimizer.state
         for (_, uint8, device), items in batches.items():
             group = items[0][3]
@@ -515,11 +529,12 @@ class UpdateScaling:
                     state[w].update(_new_adamw_state(w, group))
             beta1, beta2 = group["betas"]
             # the group's learning rate into a tensor on the weights' device: a fill is one
-            # launch (no host synchronisation), and the compiled step takes a new value, not a
-            # new compilation
-            lr = self.lr.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+            # launch with the value as its argument, no host synchronisation
+            if device not in self.lr:
+                self.lr[device] = torch.zeros((), dtype=torch.float32, device=device)
+            lr = self.lr[device]
             if torch.is_tensor(group["lr"]):
-                lr.copy_(group["lr"])
+                lr.copy_(group["lr"], non_blocking=True)
             else:
                 lr.fill_(float(group["lr"]))
             levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
@@ -532,11 +547,13 @@ class UpdateScaling:
 
 def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
     """The state torch.optim.AdamW gives a parameter at its first step: a step count (a 0-d
-    tensor, on the parameter's device when the optimizer is fused or capturable) and zero
-    moments shaped like it, so a checkpoint of either way of stepping loads into the other."""
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    on_device = group.get("fused") or group.get("capturable")
-    step = torch.zeros((), dtype=dtype, device=p.device) if on_device else torch.tensor(0.0, dtype=dtype)
+    tensor: float32 on the parameter's device when the optimizer is fused or capturable, else
+    on the CPU in the default float dtype) and zero moments shaped like it, so a checkpoint of
+    either way of stepping loads into the other."""
+    if group.get("fused") or group.get("capturable"):
+        step = torch.zeros((), dtype=torch.float32, device=p.device)
+    else:
+        step = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
     return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
@@ -544,8 +561,8 @@ def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
 def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: FakeQuantWeight) -> bool:
     """Whether UpdateScaling takes this weight's step itself (lowbit.dispatch.adamw_step_times_b): asked for
     (JacQuantConfig.b_in_adamw, the default), AdamW as
-    lowbit builds it (no amsgrad, maximize or differentiable step; on CUDA fused or capturable,
-    so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B
+    lowbit builds it (no amsgrad, maximize or differentiable step, betas numbers; on CUDA fused
+    or capturable, so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B
     per element."""
     if type(optimizer) is not torch.optim.AdamW or not fq.config.jacquant.b_in_adamw:
         return False
@@ -553,7 +570,8 @@ def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: F
     plain = type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32
     counts_on_device = w.device.type == "cpu" or group.get("fused") or group.get("capturable")
     return bool(plain and counts_on_device and fq.b is not None and fq.b.shape == w.shape
-                and not group["amsgrad"] and not group["maximize"] and not group.get("differentiable"))
+                and not group["amsgrad"] and not group["maximize"] and not group.get("differentiable")
+                and not any(torch.is_tensor(beta) for beta in group["betas"]))
 
 
 class CodeFlips:

@@ -354,7 +354,7 @@ def _label(qat: QATConfig, lr_multiplier: float = 1.0, optimizer: str = "adamw")
         label += ("" if qat.jacquant.per_element else "+group") + ("+grad" if qat.jacquant.b_on == "grad" else "")
         label += "+shuffled" if qat.jacquant.shuffle_b else ""
         label += {"bfloat16": "+bf16b", "uint8": "+u8b"}.get(qat.jacquant.b_dtype, "")
-        label += "" if qat.jacquant.b_in_adamw else "+hooked"
+        label += "" if qat.jacquant.b_in_adamw else "+around"
     return label + suffix
 
 

@@ -38,8 +38,9 @@ class JobRecord(RunConfig):
     # Where the starting weights lie may change (a moved source run resumes); their fingerprint
     # is checked on its own, with its own message (check_same_start).
     FREE_ON_RESUME = frozenset({"init_from", "init_fingerprint"})
-    # QAT runs saved before these JacQuant options existed ran with them off and in float32.
-    ADDED_LATER = {"qat": {"jacquant": {"shuffle_b": False, "b_dtype": "float32"}}}
+    # QAT runs saved before these JacQuant options existed ran with them off, in float32, and
+    # with B around AdamW's step (resumed as they ran: --no-b-in-adamw)
+    ADDED_LATER = {"qat": {"jacquant": {"shuffle_b": False, "b_dtype": "float32", "b_in_adamw": False}}}
 
     kind: str = "train"
     """The job that made the run, one of KINDS. Part of the run: resume refuses a change."""
