@@ -13,7 +13,8 @@
    (--qat-args adds flags to each, e.g. '--batch-size 16';
    lowbit.qat.parse_qat_spec's options: kK, epsE, probe|dither|both, elem (per-element B),
    upd (B on the update), learned, mse (MSE scales), kd[A] (distillation from the BF16 model)),
-   all at once on the same device, each with the same steps, data order per seed and tokens;
+   all at once on the same device (or --max-procs N at a time), each with the same steps, data
+   order per seed and tokens;
    a process still running at the deadline is stopped and its last evaluation used; the summary
    (step 4) is written then, and again after one `--baselines-only` process per weight format
    (RTN, GPTQ), run after the QAT runs so their memory never adds to the QAT runs' (a command
@@ -294,6 +295,10 @@ def main() -> None:
     ap.add_argument("--overhead-steps", type=int, default=25, help="timed steps per block")
     ap.add_argument("--overhead-blocks", type=int, default=4,
                     help="blocks per setting, taking turns (lowbit bench train --interleave)")
+    ap.add_argument("--max-procs", type=int, default=None, metavar="N",
+                    help="at most N QAT processes at once, the next starting as one ends (default: all "
+                         "at once); twelve torch.compile builds at once on 16 cores left runs at step "
+                         "~150 where six finished 1,000 steps")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     if args.plot:
@@ -316,6 +321,8 @@ def main() -> None:
         raise SystemExit(2) from None
     if args.base and args.pretrain_steps:
         ap.error("--pretrain-steps trains a base, --base takes one: give one of them")
+    if args.max_procs is not None and args.max_procs < 1:
+        ap.error(f"--max-procs must be a positive integer (got {args.max_procs})")
     if args.base and not RunDir(Path(args.base)).finished:
         print(f"qat_experiment.py: error: --base {args.base} is not a finished `lowbit train` run (a "
               f"final.json and a checkpoint); train it to the end, or leave --base out to pretrain one",
@@ -380,7 +387,11 @@ def main() -> None:
               "--warmup-steps", "20" if not args.smoke else "1", "--eval-every",
               str(max(args.qat_steps // 6, 1)), "--checkpoint-every", "0", "--device", device,
               "--out-dir", str(qat_dir), "--no-progress", *shlex.split(args.qat_args)]
-    for config, seed, lr, name, optimizer in settings:
+    waiting = list(settings)
+    limit = args.max_procs or len(settings)
+
+    def start_next() -> None:
+        config, seed, lr, name, optimizer = waiting.pop(0)
         log = open(out / f"{name}.log", "w")
         procs.append((name, subprocess.Popen(
             lowbit(*common, *config_flags(config), "--seeds", str(seed), "--lr", str(lr or args.qat_lr),
@@ -388,8 +399,12 @@ def main() -> None:
                    "--no-baselines", "--run-name", name),
             env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.time() + args.qat_minutes * 60
-    while time.time() < deadline and any(p.poll() is None for _, p in procs):
-        time.sleep(2)
+    while time.time() < deadline and (waiting or any(p.poll() is None for _, p in procs)):
+        while waiting and sum(p.poll() is None for _, p in procs) < limit:
+            start_next()
+        time.sleep(2 if not args.smoke else 0.2)
+    for config, seed, lr, name, optimizer in waiting:   # never started: the summary marks them failed
+        print(f"{name} not started by the deadline (--max-procs {limit})", flush=True)
     for name, p in procs:
         if p.poll() is None:
             print(f"stopping {name} at the deadline", flush=True)

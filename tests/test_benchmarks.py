@@ -310,3 +310,20 @@ def test_rl_raw_refuses_bad_folders_in_one_line_and_writes_nothing(tmp_path, cap
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and message in err and "Traceback" not in err, args
         assert not out.exists()
+
+
+def test_qat_experiment_runs_at_most_max_procs_at_once(tmp_path):
+    # --smoke on the CPU, two settings one at a time: the second run starts (its folder's
+    # config) after the first has ended (its final.json), and both finish
+    out = tmp_path / "qe"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_experiment.py"), "--out", str(out),
+                        "--smoke", "--skip-overhead", "--settings", "bf16/ste/0,int2:g64/ste/0", "--max-procs", "1",
+                        "--qat-steps", "2"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (first,) = [p for p in (out / "qat").glob("bf16-ste-s0-*") if not p.name.endswith("summary")]
+    (second,) = [p for p in (out / "qat").glob("int2g64-ste-s0-*") if not p.name.endswith("summary")]
+    assert (first / "final.json").stat().st_mtime <= (second / "config.json").stat().st_mtime
+    assert json.loads((out / "summary.json").read_text())["meta"]["failed"] == {}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_experiment.py"), "--out", str(tmp_path / "x"),
+                        "--max-procs", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--max-procs must be a positive integer" in r.stderr
