@@ -318,7 +318,8 @@ def test_qat_experiment_runs_at_most_max_procs_at_once(tmp_path):
     out = tmp_path / "qe"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_experiment.py"), "--out", str(out),
                         "--smoke", "--skip-overhead", "--settings", "bf16/ste/0,int2:g64/ste/0", "--max-procs", "1",
-                        "--qat-steps", "2"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--qat-steps", "2"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (first,) = [p for p in (out / "qat").glob("bf16-ste-s0-*") if not p.name.endswith("summary")]
     (second,) = [p for p in (out / "qat").glob("int2g64-ste-s0-*") if not p.name.endswith("summary")]
