@@ -24,25 +24,16 @@ __all__ = ["adamw_step_scalars", "adamw_times_b_"]
 
 
 def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float,
-                       weight_decay: float) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per weight, from its step count t (a 0-d tensor, already incremented for this step):
-    step_size = -lr / (1 - beta1^t) and sqrt(1 - beta2^t), each a 0-d tensor on the count's
-    device, computed in float64 and rounded to float32 once; and decay = -lr * weight_decay (0-d
-    float32, on lr's device). No host synchronisation: lr is a 0-d tensor."""
-    steps = [t.double() for t in steps]                 # the corrections in float64, as AdamW's
-    correction1 = torch._foreach_pow(beta1, steps)
-    torch._foreach_neg_(correction1)
-    torch._foreach_add_(correction1, 1)                   # 1 - beta1^t
-    step_sizes = torch._foreach_div(correction1, lr.double())
-    torch._foreach_reciprocal_(step_sizes)                # lr / (1 - beta1^t)
-    torch._foreach_neg_(step_sizes)
-    correction2 = torch._foreach_pow(beta2, steps)
-    torch._foreach_neg_(correction2)
-    torch._foreach_add_(correction2, 1)
-    torch._foreach_sqrt_(correction2)                     # sqrt(1 - beta2^t)
-    step_sizes = [s.float() for s in step_sizes]
-    correction2 = [c.float() for c in correction2]
-    return step_sizes, correction2, lr.float() * (-weight_decay)
+                       weight_decay: float) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+    """Per weight, from its step count t (a 0-d tensor, already incremented for this step; all
+    on one device): step_size = -lr / (1 - beta1^t) and sqrt(1 - beta2^t), computed in float64
+    for all the weights at once and rounded to float32 once, each weight's a 0-d view of one
+    vector (a few launches however many weights); and decay = -lr * weight_decay (0-d float32,
+    on lr's device). No host synchronisation: lr is a 0-d tensor."""
+    t = torch.stack(steps).double()                      # the corrections in float64, as AdamW's
+    step_sizes = -(lr.double().to(t.device) / (1 - torch.pow(beta1, t)))
+    corrections = torch.sqrt(1 - torch.pow(beta2, t))
+    return step_sizes.float().unbind(0), corrections.float().unbind(0), lr.float() * (-weight_decay)
 
 
 @torch.no_grad()
