@@ -297,8 +297,7 @@ def main() -> None:
                     help="blocks per setting, taking turns (lowbit bench train --interleave)")
     ap.add_argument("--max-procs", type=int, default=None, metavar="N",
                     help="at most N QAT processes at once, the next starting as one ends (default: all "
-                         "at once); twelve torch.compile builds at once on 16 cores left runs at step "
-                         "~150 where six finished 1,000 steps")
+                         "at once; many compiling at once can starve each other of CPU cores)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU")
     args = ap.parse_args()
     if args.plot:
@@ -380,7 +379,7 @@ def main() -> None:
     meta["pretrain_final"] = final = RunDir(source).final_record()
     meta["pretrain_steps"] = final.get("steps", steps)
 
-    # 3. QAT, every setting at once, plus the baselines
+    # 3. QAT, every setting at once (or --max-procs at a time), plus the baselines
     procs = []
     qat_dir = out / "qat"
     common = ["qat", "--from", str(source), "--steps", str(args.qat_steps),

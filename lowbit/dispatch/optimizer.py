@@ -40,12 +40,11 @@ def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], ex
                          f"{[len(x) for x in lists]})")
     torch._foreach_add_(steps, 1)
     step_sizes, corrections, decay = adamw_step_scalars(steps, lr, beta1, beta2, weight_decay)
+    decay = decay if weight_decay != 0 else None
     for p, g, m, v, b, step_size, correction in zip(params, grads, exp_avgs, exp_avg_sqs, bs, step_sizes,
                                                     corrections, strict=True):
-        scalars = (step_size, correction) + ((decay,) if weight_decay != 0 else ())
-        args = (p, g, m, v, b, step_size, correction, decay if weight_decay != 0 else None,
-                beta1, beta2, eps, levels_per_unit)
-        if kernel_applies((p, g, m, v, b) + scalars):
+        args = (p, g, m, v, b, step_size, correction, decay, beta1, beta2, eps, levels_per_unit)
+        if kernel_applies(tuple(t for t in args[:8] if t is not None)):
             from lowbit.kernels.optimizer import adamw_times_b_triton
             adamw_times_b_triton(*args)
         else:

@@ -247,8 +247,12 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:
     """NVFP4 per-tensor scale: amax over the finite values / (448 * 6), at least 2^-120."""
-    finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
-    return tensor_scale_from_amax(finite_abs.amax())
+    return tensor_scale_from_amax(_finite_abs(xf).amax())
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and Inf as 0: what a tensor scale's amax is taken over."""
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
 
 
 def _block_tensor_scales(tensor_scale: torch.Tensor, xf: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -272,8 +276,7 @@ def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     segment), and its scale is `tensor_scale_of` those rows alone, as if quantized on their
     own. Computed on the device with no host read-back (a segment's amax by one segmented
     reduction)."""
-    finite_abs = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
-    return segment_scales_from_amax(finite_abs.amax(dim=-1).to(torch.float32), ends)[:, None]
+    return segment_scales_from_amax(_finite_abs(x).amax(dim=-1).to(torch.float32), ends)[:, None]
 
 
 def segment_scales_from_amax(amax: torch.Tensor, ends: torch.Tensor, rows_each: int = 1) -> torch.Tensor:

@@ -19,7 +19,7 @@ where it is not:
   tensor's edge does.
 - an operand that spans tokens (X, dY) under an FP32 tensor scale (NVFP4) takes one scale per
   expert's segment of rows (lowbit.formats.quantize.segment_tensor_scales: each segment's
-  amax by one scatter on the device), as quantizing each expert's rows alone does; and the
+  amax by one segmented reduction on the device), as quantizing each expert's rows alone does; and the
   random Hadamard transform of the wgrad operands rotates 16-row blocks, which lie within a
   segment, so each segment's rotated rows, under their own tensor scale, are the expert's own.
 So every emulated recipe groups (`groups_exactly`): the MX family (mxfp4, stable-fp4 and its
@@ -28,9 +28,9 @@ asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rou
 draws random numbers (stochastic rounding of dY) draws them in the grouped layout's order, and
 the Hadamard transform's 16 random signs are drawn once for the layer where the loop draws
 them expert by expert: the same distributions as the per-expert path, not the same draws.
-On CUDA the segments' scales go to the fused fake-quantize kernel (one per row, or per column
-for the operands transposed); the segmented rotation itself runs as PyTorch operations before
-it (no host read-back either way). The three GEMMs:
+On CUDA one kernel takes the rows' (or the rotated 16-row groups') maxima and the segments'
+scales go to the fused fake-quantize kernel (one per row, or per column for the operands
+transposed), which rotates in registers (no host read-back either way). The three GEMMs:
 
     fprop  Y  = X W_e^T      one grouped GEMM, 2D x 3D
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
