@@ -84,8 +84,9 @@ def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_the_kernel_on_cuda_is_the_reference_to_float32_rounding(b_dtype):
-    # the compiler may fuse a multiply and an add (FMA) where the reference rounds twice
+def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype):
+    # compiled with multiply-add fusion off, IEEE divisions and square root: the reference's
+    # bits (with fusion on, 13 of 264,967 elements once differed by up to 1.6e-5 relative)
     levels = 127.0 if b_dtype == torch.uint8 else None
     ref, ker = _case((257, 1031), b_dtype, device="cuda"), _case((257, 1031), b_dtype, device="cuda")
     scalars = _scalars("cuda", 0.1)
@@ -93,8 +94,8 @@ def test_the_kernel_on_cuda_is_the_reference_to_float32_rounding(b_dtype):
     steps = [torch.tensor(2.0, device="cuda")]
     dispatch.adamw_step_times_b([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
                                 torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
-    for a, b in zip(ref[:4], ker[:4]):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-30)
+    for name, a, b in zip(("p", "g", "m", "v"), ref[:4], ker[:4]):
+        assert torch.equal(a, b), (name, (a - b).abs().max().item())
 
 
 def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch):

@@ -460,11 +460,17 @@ def _b_on_update_runs(b_dtype: str, device: str, steps: int = 5):
 
 
 @pytest.mark.parametrize("b_dtype", ["float32", "bfloat16", "uint8"])
-def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype):
+def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype, monkeypatch):
     """UpdateScaling under torch.optim.AdamW takes the prepared weights' step itself, B inside
-    it (no copy of the weights); it trains as the general way does to float32 rounding, on
+    it (no copy of the weights; each step's calls counted, so a step that silently goes the
+    general way fails here); it trains as the general way does to float32 rounding, on
     AdamW's own state, and a checkpoint of one loads into the other."""
+    import lowbit.dispatch.optimizer as dispatch_optimizer
+    calls, real = [], dispatch_optimizer.adamw_times_b_
+    monkeypatch.setattr(dispatch_optimizer, "adamw_times_b_", lambda *a: (calls.append(a[0].shape), real(*a)))
     (fused_net, fused_opt, fused_hook), (net, opt, hook) = _b_on_update_runs(b_dtype, "cpu")
+    assert calls == [(32, 64), (64, 32)] * 5                    # a and b, each of five steps
+    assert fused_hook.scaling.inside and not hook.scaling.inside
     assert len(fused_hook.scaling.fused) == 2 and not fused_hook.scaling.pairs       # a and b
     assert not hook.scaling.fused and len(hook.scaling.pairs) == 2
     for (name, p), q in zip(fused_net.named_parameters(), net.parameters()):
@@ -911,5 +917,5 @@ def test_lowbit_qat_compiled_trains_as_eager_on_cuda(tmp_path, capsys, corpus_en
             losses[name, arm] = [r["val_loss"] for r in records if "val_loss" in r]
             assert json.loads((run / "config.json").read_text())["compile"] == (name == "compiled")
     for arm in ("ste", "jacquant"):
-        assert len(losses["compiled", arm]) == 2
+        assert len(losses["compiled", arm]) == 3                 # steps 0, 3 and 6
         assert losses["compiled", arm] == pytest.approx(losses["eager", arm], rel=2e-3)

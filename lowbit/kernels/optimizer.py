@@ -1,9 +1,10 @@
 """AdamW's step with the change times a per-element B, one pass over a weight tensor.
 
 The same arithmetic as lowbit.formats.optimizer.adamw_times_b_, operation for operation, the
-divisions and the square root rounded as IEEE's (tl.div_rn, tl.sqrt_rn): the same bits under
-Triton's interpreter; on the GPU the compiler may still fuse a multiply and an add into one
-rounding. One program takes BLOCK elements: it reads p, g, m, v and B once
+divisions and the square root rounded as IEEE's (tl.div_rn, tl.sqrt_rn), and compiled with
+multiply-add fusion off (`enable_fp_fusion=False`: a fused multiply-add rounds once where the
+reference rounds twice, which in m + (g - m)(1 - beta1) is a relative difference of 1e-5 where
+the sum cancels): the same bits as the reference. One program takes BLOCK elements: it reads p, g, m, v and B once
 and writes p, m and v once (30 bytes a weight with a bfloat16 B, against fused AdamW's 28), its
 three scalars (step_size, sqrt(1 - beta2^t), decay) read from the device, so nothing waits on
 the host.
@@ -66,4 +67,4 @@ def adamw_times_b_triton(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: t
     _adamw_times_b_kernel[(triton.cdiv(n, BLOCK),)](
         p, g, m, v, b, step_size, correction2_sqrt, decay_t, n, 1 - beta1, beta2, 1 - beta2, eps,
         float(levels_per_unit or 1.0), HAS_DECAY=decay is not None, HAS_LEVELS=levels_per_unit is not None,
-        BLOCK=BLOCK, num_warps=8)
+        BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)

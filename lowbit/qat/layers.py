@@ -488,7 +488,9 @@ class UpdateScaling:
         # recomputes them inside the step, and a GradScaler hands fused AdamW scaled gradients
         # with its found-inf flag to unscale and skip inside the step; those steps (and the
         # weights of any other optimizer) go the general way, whose copy takes every weight
-        closure = (args[0] if args else None) or kwargs.get("closure")
+        # torch calls a step pre-hook with the step's own arguments, the optimizer first
+        # (args = (optimizer, closure?)): the closure is the one after it
+        closure = _step_closure(optimizer, args, kwargs)
         scaled = getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
         self.inside = bool(self.fused) and closure is None and not scaled
         general = self.pairs if self.inside else self.pairs + self.fused
@@ -543,6 +545,13 @@ class UpdateScaling:
                 [state[w]["exp_avg_sq"] for w, *_ in items], [state[w]["step"] for w, *_ in items],
                 [fq.b for _, _, fq, _ in items], lr, float(beta1), float(beta2), float(group["eps"]),
                 float(group["weight_decay"]), None if levels is None else float(levels))
+
+
+def _step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
+    """The closure a step was given, from a step pre-hook's (args, kwargs): torch passes the
+    step's positional arguments with the optimizer itself first."""
+    rest = args[1:] if args and args[0] is optimizer else args
+    return (rest[0] if rest else None) or kwargs.get("closure")
 
 
 def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
