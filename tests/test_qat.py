@@ -544,6 +544,7 @@ def test_b_inside_adamw_follows_the_groups_and_skips_weights_without_gradients()
     a, b = net.a.parametrizations.weight.original, net.b.parametrizations.weight.original
     _loss(net).backward()
     opt.step()
+    assert hook.scaling.inside                                   # this step was inside AdamW's
     # load_state_dict after attach replaces the groups: a learning rate of 0 there stops every weight
     opt.load_state_dict(opt.state_dict())
     for group in opt.param_groups:
@@ -601,18 +602,22 @@ def test_a_checkpoint_moves_between_the_two_ways_and_trains_on():
     for first, then in ((torch.optim.AdamW, _AnyOptimizerAdamW), (_AnyOptimizerAdamW, torch.optim.AdamW)):
         net, cfg = _jacquant_net()
         opt = first(net.parameters(), lr=0.01, weight_decay=0.1)
-        refresh_hook(net, cfg, seed=0).attach(opt)
+        hook = refresh_hook(net, cfg, seed=0)
+        hook.attach(opt)
         for step in range(3):
             opt.zero_grad()
             _loss(net, step).backward()
             opt.step()
+        assert hook.scaling.inside == (first is torch.optim.AdamW)
         moved = then(net.parameters(), lr=0.01, weight_decay=0.1)
         moved.load_state_dict(opt.state_dict())
-        refresh_hook(net, cfg, seed=0).attach(moved)
+        hook = refresh_hook(net, cfg, seed=0)
+        hook.attach(moved)
         for step in range(3, 6):
             moved.zero_grad()
             _loss(net, step).backward()
             moved.step()
+        assert hook.scaling.inside == (then is torch.optim.AdamW)
         runs.append([p.detach().clone() for p in net.parameters()])
         assert all(moved.state[p]["step"].item() == 6 for p in net.parameters())
     for p, q in zip(*runs):

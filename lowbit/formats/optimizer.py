@@ -52,6 +52,6 @@ def adamw_times_b_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     if decay is not None:
         delta = delta + p * decay.to(p.device)
     delta = delta * b.float()
-    if levels_per_unit is not None:
-        delta = delta / float(levels_per_unit)
+    if levels_per_unit is not None:   # by a tensor: CUDA divides by a Python number as a product
+        delta = delta / delta.new_tensor(float(levels_per_unit))    # with its reciprocal
     p.copy_(p + delta)

@@ -449,7 +449,11 @@ class UpdateScaling:
     before the step a copy of it (W_before); after it, the scaling (`scale_updates`), which
     frees the copy. The copy lives while the optimizer steps, when the activations are gone,
     so it raises a run's peak only where the optimizer step's own memory (weights, gradients,
-    the copy) is above the forward and backward's."""
+    the copy) is above the forward and backward's.
+
+    Inside AdamW's step, another step pre-hook registered after `attach` sees the fused weights
+    without their gradients (held back), and a post-hook registered before it sees them not yet
+    stepped: clip or log gradients before `optimizer.step()`, as lowbit's training loop does."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -487,7 +491,7 @@ class UpdateScaling:
         # B inside AdamW's step, unless this step's gradients are not final here: a closure
         # recomputes them inside the step, and a GradScaler hands fused AdamW scaled gradients
         # with its found-inf flag to unscale and skip inside the step; those steps (and the
-        # weights of any other optimizer) go the general way, whose copy takes every weight
+        # weights of any other optimizer) go the general way, whose copy takes every weight.
         # torch calls a step pre-hook with the step's own arguments, the optimizer first
         # (args = (optimizer, closure?)): the closure is the one after it
         closure = _step_closure(optimizer, args, kwargs)
@@ -551,18 +555,20 @@ def _step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
     """The closure a step was given, from a step pre-hook's (args, kwargs): torch passes the
     step's positional arguments with the optimizer itself first."""
     rest = args[1:] if args and args[0] is optimizer else args
-    return (rest[0] if rest else None) or kwargs.get("closure")
+    closure = rest[0] if rest else None
+    return closure if closure is not None else kwargs.get("closure")
 
 
 def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
     """The state torch.optim.AdamW gives a parameter at its first step: a step count (a 0-d
-    tensor: float32 on the parameter's device when the optimizer is fused or capturable, else
-    on the CPU in the default float dtype) and zero moments shaped like it, so a checkpoint of
-    either way of stepping loads into the other."""
-    if group.get("fused") or group.get("capturable"):
-        step = torch.zeros((), dtype=torch.float32, device=p.device)
+    tensor on the parameter's device when the optimizer is fused (float32) or capturable (the
+    default float dtype), else on the CPU in the default float dtype) and zero moments shaped
+    like it, so a checkpoint of either way of stepping loads into the other."""
+    default = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    if group.get("fused") or group.get("capturable"):   # fused: float32; capturable alone: the default
+        step = torch.zeros((), dtype=torch.float32 if group.get("fused") else default, device=p.device)
     else:
-        step = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
+        step = torch.tensor(0.0, dtype=default)
     return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
