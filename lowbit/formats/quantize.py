@@ -45,7 +45,7 @@ from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "grid_values",
-           "grid_fake_quantize", "blocked", "unblocked", "tensor_scale_of", "tensor_scale_from_amax",
+           "grid_fake_quantize", "blocked", "unblocked", "finite_abs", "tensor_scale_of", "tensor_scale_from_amax",
            "segment_tensor_scales", "segment_scales_from_amax", "check_input", "check_generator",
            "NVFP4_TENSOR_SCALE_MIN"]
 
@@ -247,10 +247,10 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 def tensor_scale_of(xf: torch.Tensor) -> torch.Tensor:
     """NVFP4 per-tensor scale: amax over the finite values / (448 * 6), at least 2^-120."""
-    return tensor_scale_from_amax(_finite_abs(xf).amax())
+    return tensor_scale_from_amax(finite_abs(xf).amax())
 
 
-def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """|x| with NaN and Inf as 0: what a tensor scale's amax is taken over."""
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
 
@@ -276,7 +276,7 @@ def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     segment), and its scale is `tensor_scale_of` those rows alone, as if quantized on their
     own. Computed on the device with no host read-back (a segment's amax by one segmented
     reduction)."""
-    return segment_scales_from_amax(_finite_abs(x).amax(dim=-1).to(torch.float32), ends)[:, None]
+    return segment_scales_from_amax(finite_abs(x).amax(dim=-1).to(torch.float32), ends)[:, None]
 
 
 def segment_scales_from_amax(amax: torch.Tensor, ends: torch.Tensor, rows_each: int = 1) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch.nn.utils import parametrize
 
 from lowbit import dispatch
 from lowbit.formats import QTensor, load_qtensors
+from lowbit.formats.quantize import finite_abs
 from lowbit.nn import GEMM_KINDS, QuantExperts, QuantLinear, gemm_modules
 from lowbit.qat.config import QATConfig
 from lowbit.qat.jacquant import b_statistics, fit_b
@@ -142,7 +143,7 @@ class FakeQuantWeight(nn.Module):
         amaxes = []
         for module, pname in self.group:
             w = module.parametrizations[pname].original.detach().float()
-            amaxes.append(torch.where(torch.isfinite(w), w.abs(), torch.zeros_like(w)).amax())
+            amaxes.append(finite_abs(w).amax())
         return torch.stack(amaxes).amax()
 
     @torch.no_grad()
