@@ -460,7 +460,7 @@ class UpdateScaling:
         self.model = model
         self.pairs: list[tuple[torch.Tensor, FakeQuantWeight]] = []      # the general way
         self.fused: list[tuple[torch.Tensor, FakeQuantWeight]] = []   # stepped inside AdamW's step
-        self.before: list[torch.Tensor] | None = None
+        self.before: tuple[list, list[torch.Tensor]] | None = None   # (pairs, their copies) during a step
         self.grads: list[torch.Tensor | None] = []
         self.inside = False      # this step: the fused weights stepped here (False: the general way)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -492,10 +492,8 @@ class UpdateScaling:
         # B inside AdamW's step, unless this step's gradients are not final here: a closure
         # recomputes them inside the step, and a GradScaler hands fused AdamW scaled gradients
         # with its found-inf flag to unscale and skip inside the step; those steps (and the
-        # weights of any other optimizer) go the general way, whose copy takes every weight.
-        # torch calls a step pre-hook with the step's own arguments, the optimizer first
-        # (args = (optimizer, closure?)): the closure is the one after it
-        closure = _step_closure(optimizer, args, kwargs)
+        # weights of any other optimizer) go the general way, whose copy takes every weight
+        closure = _step_closure(args, kwargs)
         scaled = getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None
         self.inside = bool(self.fused) and closure is None and not scaled
         general = self.pairs if self.inside else self.pairs + self.fused
@@ -504,12 +502,12 @@ class UpdateScaling:
             for w, _ in self.fused:
                 w.grad = None
         # a copy of every other weight in one multi-tensor pass (x * 1.0 is x, bit for bit)
-        self.before = torch._foreach_mul([w for w, _ in general], 1.0) if general else []
+        self.before = (general, torch._foreach_mul([w for w, _ in general], 1.0) if general else [])
 
     @torch.no_grad()
     def _after_step(self, optimizer, args, kwargs) -> None:
-        before, self.before = self.before, None
-        scale_updates(self.pairs if self.inside else self.pairs + self.fused, before)
+        (general, before), self.before = self.before, None
+        scale_updates(general, before)
         if self.inside:
             grads, self.grads = self.grads, []
             for (w, _), grad in zip(self.fused, grads, strict=True):
@@ -552,12 +550,10 @@ class UpdateScaling:
                 float(group["weight_decay"]), None if levels is None else float(levels))
 
 
-def _step_closure(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict):
+def _step_closure(args: tuple, kwargs: dict):
     """The closure a step was given, from a step pre-hook's (args, kwargs): torch passes the
-    step's positional arguments with the optimizer itself first."""
-    rest = args[1:] if args and args[0] is optimizer else args
-    closure = rest[0] if rest else None
-    return closure if closure is not None else kwargs.get("closure")
+    step's positional arguments with the optimizer itself first, args = (optimizer, closure?)."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
 
 
 def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
