@@ -4,10 +4,10 @@ The same arithmetic as lowbit.formats.optimizer.adamw_times_b_, operation for op
 divisions and the square root rounded as IEEE's (tl.div_rn, tl.sqrt_rn), and compiled with
 multiply-add fusion off (`enable_fp_fusion=False`: a fused multiply-add rounds once where the
 reference rounds twice, which in m + (g - m)(1 - beta1) is a relative difference of 1e-5 where
-the sum cancels): the same bits as the reference. One program takes BLOCK elements: it reads p, g, m, v and B once
-and writes p, m and v once (30 bytes a weight with a bfloat16 B, against fused AdamW's 28), its
-three scalars (step_size, sqrt(1 - beta2^t), decay) read from the device, so nothing waits on
-the host.
+the sum cancels): the same bits as the reference. One program takes BLOCK elements: it reads
+p, g, m, v and B once and writes p, m and v once (30 bytes a weight with a bfloat16 B, against
+fused AdamW's 28), its three scalars (step_size, sqrt(1 - beta2^t), decay) read from the
+device, so nothing waits on the host.
 """
 
 from __future__ import annotations
