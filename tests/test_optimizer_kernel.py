@@ -32,6 +32,11 @@ def _scalars(device, weight_decay, t=3):
     return sizes[0], corr[0], (decay if weight_decay else None)
 
 
+def _sizes(scalars, n):
+    """One weight's (step_size, correction) as the kernel's (n,) vectors of n weights."""
+    return scalars[0].expand(n).contiguous(), scalars[1].expand(n).contiguous(), scalars[2]
+
+
 @pytest.mark.parametrize("shape", [(3, 700), (1, 1), (64, 64), (5,)])
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -46,7 +51,7 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
     ker[1].view(-1)[-1] = ref[1].view(-1)[-1] = float("nan")          # a NaN gradient
     scalars = _scalars("cpu", weight_decay)
     adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
-    adamw_times_b_triton(*ker, *scalars, 0.9, 0.95, 1e-8, levels)
+    adamw_times_b_triton(*([t] for t in ker), *_sizes(scalars, 1), 0.9, 0.95, 1e-8, levels)
     for name, a, b in zip(("p", "g", "m", "v", "b"), ref, ker):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
@@ -58,16 +63,45 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
     assert not torch.equal(ref[0][ref[0].isfinite()], _case(shape, b_dtype)[0][ref[0].isfinite()])
 
 
+def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars():
+    # the multi-weight launch: weights from one element to several blocks (and an empty one),
+    # each at its own step count, each its reference's bits; a block never reaches the next
+    # weight's memory
+    if not interpret_mode():
+        pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
+    from lowbit.kernels import optimizer as kernel
+
+    shapes = [(1,), (3, 700), (0, 4), (2 * kernel.BLOCK + 5,), (7, 9)]
+    ref = [_case(s, torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
+    ker = [_case(s, torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
+    steps = [torch.tensor(float(t)) for t in (1, 3, 2, 7, 5)]
+    sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003), 0.9, 0.95, 0.1)
+    for i, case in enumerate(ref):
+        adamw_times_b_(*case, sizes[i], corr[i], decay, 0.9, 0.95, 1e-8, None)
+    kernel.adamw_times_b_triton(*([c[j] for c in ker] for j in range(5)), sizes, corr, decay,
+                                0.9, 0.95, 1e-8, None)
+    for i, (a, b) in enumerate(zip(ref, ker)):
+        for name, x, y in zip(("p", "g", "m", "v", "b"), a, b):
+            assert torch.equal(x, y), (shapes[i], name)
+    assert not torch.equal(ref[3][0], _case(shapes[3], torch.bfloat16, seed=3)[0])   # stepped past 2 blocks
+
+
 def test_the_kernel_refuses_what_it_does_not_take_and_dispatch_takes_the_reference_for_it():
     if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     from lowbit.kernels.optimizer import adamw_times_b_triton
 
     p, g, m, v, b = _case((8, 6), torch.float32)
+    sizes = _sizes(_scalars("cpu", 0.1), 1)
     with pytest.raises(ValueError, match="contiguous tensors of one shape"):
-        adamw_times_b_triton(p.t(), g.t(), m.t(), v.t(), b.t(), *_scalars("cpu", 0.1), 0.9, 0.95, 1e-8, None)
+        adamw_times_b_triton([p.t()], [g.t()], [m.t()], [v.t()], [b.t()], *sizes, 0.9, 0.95, 1e-8, None)
     with pytest.raises(ValueError, match="float32"):
-        adamw_times_b_triton(p.double(), g, m, v, b, *_scalars("cpu", 0.1), 0.9, 0.95, 1e-8, None)
+        adamw_times_b_triton([p.double()], [g], [m], [v], [b], *sizes, 0.9, 0.95, 1e-8, None)
+    with pytest.raises(ValueError, match="one B dtype"):
+        adamw_times_b_triton([p, p.clone()], [g, g], [m, m.clone()], [v, v.clone()], [b, b.bfloat16()],
+                             *_sizes(_scalars("cpu", 0.1), 2), 0.9, 0.95, 1e-8, None)
+    with pytest.raises(ValueError, match="one float32 step size and correction a weight"):
+        adamw_times_b_triton([p], [g], [m], [v], [b], *_sizes(_scalars("cpu", 0.1), 2), 0.9, 0.95, 1e-8, None)
 
 
 def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
@@ -84,7 +118,9 @@ def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype):
+def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype, monkeypatch):
+    import lowbit.kernels.optimizer as kernel
+    real = kernel.adamw_times_b_triton
     # compiled with multiply-add fusion off, IEEE divisions and square root: the reference's
     # bits (with fusion on, 13 of 264,967 elements once differed by up to 1.6e-5 relative)
     levels = 127.0 if b_dtype == torch.uint8 else None
@@ -92,8 +128,11 @@ def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype):
     scalars = _scalars("cuda", 0.1)
     adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
     steps = [torch.tensor(2.0, device="cuda")]
+    calls = []
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(1), real(*a)))
     dispatch.adamw_step_times_b([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
                                 torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
+    assert calls == [1]
     for name, a, b in zip(("p", "g", "m", "v"), ref[:4], ker[:4]):
         assert torch.equal(a, b), (name, (a - b).abs().max().item())
 
@@ -105,16 +144,23 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     import lowbit.kernels.optimizer as kernel
     calls, real = [], kernel.adamw_times_b_triton
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(1), real(*a)))
-    monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_applies", lambda tensors: True)
-    got, want = _case((5, 300), torch.uint8), _case((5, 300), torch.uint8)
-    step = torch.tensor(2.0)
-    dispatch.adamw_step_times_b([got[0]], [got[1]], [got[2]], [got[3]], [step], [got[4]], torch.tensor(0.003),
-                                0.9, 0.95, 1e-8, 0.1, 127.0)
-    adamw_times_b_(*want, *_scalars("cpu", 0.1, t=3), 0.9, 0.95, 1e-8, 127.0)
-    assert calls == [1] and step.item() == 3
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(len(a[0])), real(*a)))
+    monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_applies", lambda tensors: tensors[4].dtype != torch.float32)
+    # three uint8 weights (one launch), a bfloat16 one (another) and a float32 one the rule
+    # sends to the reference
+    dtypes = [torch.uint8, torch.bfloat16, torch.uint8, torch.float32, torch.uint8]
+    got = [_case((5, 30 + i), d, seed=i) for i, d in enumerate(dtypes)]
+    want = [_case((5, 30 + i), d, seed=i) for i, d in enumerate(dtypes)]
+    steps = [torch.tensor(2.0 + i) for i in range(5)]
+    dispatch.adamw_step_times_b(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
+                                torch.tensor(0.003), 0.9, 0.95, 1e-8, 0.1, 127.0)
+    for i, case in enumerate(want):                      # the call's levels divide every B's change
+        adamw_times_b_(*case, *_scalars("cpu", 0.1, t=3 + i), 0.9, 0.95, 1e-8, 127.0)
+    assert sorted(calls) == [1, 3] and [s.item() for s in steps] == [3, 4, 5, 6, 7]
     for a, w in zip(got, want):
-        assert torch.equal(a, w)
+        for x, y in zip(a, w):
+            assert torch.equal(x, y)
     with pytest.raises(ValueError, match="one of each per weight"):
-        dispatch.adamw_step_times_b([got[0]], [], [got[2]], [got[3]], [step], [got[4]], torch.tensor(0.003),
+        p, _, m, v, b = got[0]
+        dispatch.adamw_step_times_b([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
                                     0.9, 0.95, 1e-8, 0.1, 127.0)

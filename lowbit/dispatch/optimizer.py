@@ -31,7 +31,8 @@ def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], ex
                        lr: torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
                        levels_per_unit: float | None) -> None:
     """One AdamW step of each float32 param with its change times its B, in place (params,
-    exp_avgs, exp_avg_sqs; steps, 0-d tensors, +1): lowbit.formats.optimizer's arithmetic.
+    exp_avgs, exp_avg_sqs; steps, 0-d tensors, +1): lowbit.formats.optimizer's arithmetic, the
+    kernel's weights in one launch a B dtype and device, the others one by one on the reference.
     bs: one B per element, float32 / bfloat16, or uint8 levels with levels_per_unit. lr: a 0-d
     float32 tensor on the params' device (a new value each step, no host synchronisation)."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps, bs)
@@ -41,11 +42,15 @@ def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     torch._foreach_add_(steps, 1)
     step_sizes, corrections, decay = adamw_step_scalars(steps, lr, beta1, beta2, weight_decay)
     decay = decay if weight_decay != 0 else None
-    for p, g, m, v, b, step_size, correction in zip(params, grads, exp_avgs, exp_avg_sqs, bs, step_sizes,
-                                                    corrections, strict=True):
-        args = (p, g, m, v, b, step_size, correction, decay, beta1, beta2, eps, levels_per_unit)
-        if kernel_applies(tuple(t for t in args[:8] if t is not None)):
-            from lowbit.kernels.optimizer import adamw_times_b_triton
-            adamw_times_b_triton(*args)
+    launches: dict[tuple, list[int]] = {}       # the kernel's weights, one launch a (B dtype, device)
+    for i, (p, g, m, v, b) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, bs, strict=True)):
+        scalars = (step_sizes[i], corrections[i])
+        if kernel_applies((p, g, m, v, b, *scalars, *([] if decay is None else [decay]))):
+            launches.setdefault((b.dtype, p.device), []).append(i)
         else:
-            adamw_times_b_(*args)
+            adamw_times_b_(p, g, m, v, b, *scalars, decay, beta1, beta2, eps, levels_per_unit)
+    if launches:
+        from lowbit.kernels.optimizer import adamw_times_b_triton
+    for index in launches.values():
+        adamw_times_b_triton(*([lst[i] for i in index] for lst in (params, grads, exp_avgs, exp_avg_sqs, bs)),
+                             step_sizes[index], corrections[index], decay, beta1, beta2, eps, levels_per_unit)

@@ -24,16 +24,16 @@ __all__ = ["adamw_step_scalars", "adamw_times_b_"]
 
 
 def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float,
-                       weight_decay: float) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+                       weight_decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per weight, from its step count t (a 0-d tensor, already incremented for this step; all
     on one device): step_size = -lr / (1 - beta1^t) and sqrt(1 - beta2^t), computed in float64
-    for all the weights at once and rounded to float32 once, each weight's a 0-d view of one
-    vector (a few launches however many weights); and decay = -lr * weight_decay (0-d float32,
+    for all the weights at once and rounded to float32 once, two (n,) vectors (a few launches
+    however many weights; weight i's are element i); and decay = -lr * weight_decay (0-d float32,
     on lr's device). No host synchronisation: lr is a 0-d tensor."""
     t = torch.stack(steps).double()                      # the corrections in float64, as AdamW's
     step_sizes = -(lr.double().to(t.device) / (1 - torch.pow(beta1, t)))
     corrections = torch.sqrt(1 - torch.pow(beta2, t))
-    return step_sizes.float().unbind(0), corrections.float().unbind(0), lr.float() * (-weight_decay)
+    return step_sizes.float(), corrections.float(), lr.float() * (-weight_decay)
 
 
 @torch.no_grad()

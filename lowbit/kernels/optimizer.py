@@ -1,13 +1,19 @@
-"""AdamW's step with the change times a per-element B, one pass over a weight tensor.
+"""AdamW's step with the change times a per-element B, every weight of a step in one launch.
 
 The same arithmetic as lowbit.formats.optimizer.adamw_times_b_, operation for operation, the
 divisions and the square root rounded as IEEE's (tl.div_rn, tl.sqrt_rn), and compiled with
 multiply-add fusion off (`enable_fp_fusion=False`: a fused multiply-add rounds once where the
 reference rounds twice, which in m + (g - m)(1 - beta1) is a relative difference of 1e-5 where
-the sum cancels): the same bits as the reference. One program takes BLOCK elements: it reads
-p, g, m, v and B once and writes p, m and v once (30 bytes a weight with a bfloat16 B, against
-fused AdamW's 28), its three scalars (step_size, sqrt(1 - beta2^t), decay) read from the
-device, so nothing waits on the host.
+the sum cancels): the same bits as the reference. One program takes BLOCK elements of one
+weight: it reads p, g, m, v and B once and writes p, m and v once (30 bytes a weight with a
+bfloat16 B, against fused AdamW's 28), its two scalars (step_size, sqrt(1 - beta2^t)) and the
+decay read from the device, so nothing waits on the host.
+
+Every weight of a step goes in one launch, as torch's multi-tensor AdamW goes (a launch a
+weight spends the host's time on each of a model's tens or hundreds of weights): the grid's
+second axis is the weight, its first the block within it, and each weight's five addresses and
+size are one row of a small int64 table copied to the device each step (the gradients are new
+tensors every step). A program past its weight's end returns at once.
 """
 
 from __future__ import annotations
@@ -19,18 +25,35 @@ import triton.language as tl
 __all__ = ["adamw_times_b_triton"]
 
 BLOCK = 2048
+_B_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
 @triton.jit
-def _adamw_times_b_kernel(p_ptr, g_ptr, m_ptr, v_ptr, b_ptr, step_size_ptr, corr2_ptr, decay_ptr, n,
-                          c1, beta2, c2, eps, levels, HAS_DECAY: tl.constexpr, HAS_LEVELS: tl.constexpr,
+def _adamw_times_b_kernel(table_ptr, step_size_ptr, corr2_ptr, decay_ptr, c1, beta2, c2, eps, levels,
+                          B_TYPE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_LEVELS: tl.constexpr,
                           BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    weight = tl.program_id(1)
+    row = table_ptr + weight.to(tl.int64) * 6          # p, g, m, v, b addresses; numel
+    n = tl.load(row + 5)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start >= n:
+        return
+    p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if B_TYPE == 0:
+        b_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    elif B_TYPE == 1:
+        b_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+    else:
+        b_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    step_size = tl.load(step_size_ptr)
-    corr2 = tl.load(corr2_ptr)
+    step_size = tl.load(step_size_ptr + weight)
+    corr2 = tl.load(corr2_ptr + weight)
     p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     m = m + (g - m) * c1
@@ -47,24 +70,40 @@ def _adamw_times_b_kernel(p_ptr, g_ptr, m_ptr, v_ptr, b_ptr, step_size_ptr, corr
     tl.store(p_ptr + offs, p + delta, mask=mask)
 
 
-def adamw_times_b_triton(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
-                         step_size: torch.Tensor, correction2_sqrt: torch.Tensor, decay: torch.Tensor | None,
-                         beta1: float, beta2: float, eps: float, levels_per_unit: float | None) -> None:
-    """lowbit.formats.optimizer.adamw_times_b_ in one launch: p, m, v float32 and contiguous, g
-    float32, b (float32, bfloat16 or uint8) contiguous and of p's shape, the scalars float32
-    0-d tensors on p's device."""
-    if not (p.dtype == m.dtype == v.dtype == g.dtype == torch.float32):
-        raise ValueError(f"the AdamW kernel takes float32 weights, gradients and moments (got {p.dtype}, "
-                         f"{g.dtype}, {m.dtype}, {v.dtype})")
-    tensors = (p, g, m, v, b)
-    if any(t.shape != p.shape or not t.is_contiguous() for t in tensors):
-        raise ValueError("the AdamW kernel takes contiguous tensors of one shape; give it those or "
-                         "take the reference (lowbit.formats.optimizer.adamw_times_b_)")
-    n = p.numel()
-    if n == 0:
+def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                         exp_avg_sqs: list[torch.Tensor], bs: list[torch.Tensor], step_sizes: torch.Tensor,
+                         corrections2_sqrt: torch.Tensor, decay: torch.Tensor | None, beta1: float, beta2: float,
+                         eps: float, levels_per_unit: float | None) -> None:
+    """lowbit.formats.optimizer.adamw_times_b_ of every weight in one launch: each p, g, m, v
+    float32 and contiguous, its b (float32, bfloat16 or uint8; one dtype for all) contiguous and
+    of p's shape, all on one device; step_sizes and corrections2_sqrt (n,) float32, one per
+    weight, and decay a 0-d float32 (or None), on that device."""
+    weights = list(zip(params, grads, exp_avgs, exp_avg_sqs, bs, strict=True))
+    if not weights:
         return
-    decay_t = step_size if decay is None else decay        # an unused pointer without decay
-    _adamw_times_b_kernel[(triton.cdiv(n, BLOCK),)](
-        p, g, m, v, b, step_size, correction2_sqrt, decay_t, n, 1 - beta1, beta2, 1 - beta2, eps,
-        float(levels_per_unit or 1.0), HAS_DECAY=decay is not None, HAS_LEVELS=levels_per_unit is not None,
-        BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+    device, b_dtype = params[0].device, bs[0].dtype
+    for p, g, m, v, b in weights:
+        if not (p.dtype == m.dtype == v.dtype == g.dtype == torch.float32):
+            raise ValueError(f"the AdamW kernel takes float32 weights, gradients and moments (got {p.dtype}, "
+                             f"{g.dtype}, {m.dtype}, {v.dtype})")
+        if any(t.shape != p.shape or not t.is_contiguous() or t.device != device for t in (p, g, m, v, b)):
+            raise ValueError("the AdamW kernel takes contiguous tensors of one shape on one device; give it "
+                             "those or take the reference (lowbit.formats.optimizer.adamw_times_b_)")
+        if b.dtype != b_dtype or b_dtype not in _B_TYPES:
+            raise ValueError(f"the AdamW kernel takes one B dtype of {list(_B_TYPES)} a launch (got {b.dtype})")
+    for s in (step_sizes, corrections2_sqrt):
+        if s.shape != (len(weights),) or s.dtype != torch.float32 or s.device != device:
+            raise ValueError(f"the AdamW kernel takes one float32 step size and correction a weight on "
+                             f"{device} (got {tuple(s.shape)} {s.dtype} on {s.device})")
+    # the addresses as they are now; the table copied without waiting on the GPU (a pageable
+    # source is staged at once, so the list may go)
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), p.numel()]
+                          for p, g, m, v, b in weights], dtype=torch.int64).to(device, non_blocking=True)
+    blocks = triton.cdiv(max(p.numel() for p in params), BLOCK)
+    if blocks == 0:
+        return
+    decay_t = step_sizes if decay is None else decay        # an unused pointer without decay
+    _adamw_times_b_kernel[(blocks, len(weights))](
+        table, step_sizes, corrections2_sqrt, decay_t, 1 - beta1, beta2, 1 - beta2, eps,
+        float(levels_per_unit or 1.0), B_TYPE=_B_TYPES[b_dtype], HAS_DECAY=decay is not None,
+        HAS_LEVELS=levels_per_unit is not None, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)

@@ -132,8 +132,8 @@ class JacQuantConfig:
     0.816 for ema 0.9, 0.992 for 0.99)."""
     b_in_adamw: bool = field(default=True, metadata=flag(
         "--b-in-adamw", "jacquant, B on the update: under AdamW, B inside the optimizer's step "
-        "(one Triton kernel a weight on CUDA; the default), or with --no-b-in-adamw a copy of the weights before "
-        "each step and three passes after it (the way any other optimizer takes), e.g. to time "
+        "(one Triton launch for all the weights on CUDA; the default), or with --no-b-in-adamw a copy "
+        "of the weights before each step and three passes after it (the way any other optimizer takes), e.g. to time "
         "the two", action=argparse.BooleanOptionalAction))
     """B on the update under torch.optim.AdamW: True, the prepared weights' step is AdamW's
     arithmetic with the change times B (lowbit.dispatch.adamw_step_times_b); False, the general way

@@ -439,7 +439,7 @@ class UpdateScaling:
     optimizer's step hooks.
 
     Under torch.optim.AdamW, float32 weights with one B per element (the default) take the step
-    with B inside it (lowbit.dispatch.adamw_step_times_b: one Triton kernel a weight on CUDA,
+    with B inside it (lowbit.dispatch.adamw_step_times_b: one Triton launch for all on CUDA,
     lowbit.formats.optimizer's reference elsewhere): before the optimizer's step the
     hook takes their gradients away, so AdamW steps only the other parameters, and after it
     steps these on AdamW's own state and learning rate, then gives the gradients back. No copy
