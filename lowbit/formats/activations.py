@@ -72,7 +72,7 @@ import math
 import torch
 
 from lowbit.formats.elements import e8m0_to_float
-from lowbit.formats.quantize import finite_abs, quantize_dequantize, quantize_with_spec, tensor_scale_from_amax
+from lowbit.formats.quantize import divide, finite_abs, quantize_dequantize, quantize_with_spec, tensor_scale_from_amax
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["per_token_nvfp4", "static_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
@@ -117,7 +117,7 @@ def per_token_nvfp4(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     amax = finite_abs(xf).amax(dim=-1, keepdim=True)               # (..., 1)
     # 2^e with amax / 2^e in (1344, 2688]: e = ceil(log2(amax / 2688)) on the float bits
-    mant, exp = torch.frexp(amax / NVFP4_ROW_AMAX)
+    mant, exp = torch.frexp(divide(amax, NVFP4_ROW_AMAX))
     exp = torch.where(mant == 0.5, exp - 1, exp)
     exp = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(-126, 127)
     up = torch.ldexp(torch.ones_like(amax), -exp)                  # 2^-e, exact

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.formats.quantize import divide
+
 __all__ = ["adamw_step_scalars", "adamw_times_b_"]
 
 
@@ -52,6 +54,6 @@ def adamw_times_b_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     if decay is not None:
         delta = delta + p * decay.to(p.device)
     delta = delta * b.float()
-    if levels_per_unit is not None:   # by a tensor: CUDA divides by a Python number as a product
-        delta = delta / delta.new_tensor(float(levels_per_unit))    # with its reciprocal
+    if levels_per_unit is not None:
+        delta = divide(delta, float(levels_per_unit))            # as IEEE divides, on CUDA too
     p.copy_(p + delta)

@@ -45,7 +45,8 @@ from lowbit.formats.qtensor import QTensor, saturate_to
 from lowbit.formats.spec import QuantSpec, Rounding, ScaleKind, ScaleRule
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "round_asymmetric", "grid_values",
-           "grid_fake_quantize", "blocked", "unblocked", "finite_abs", "tensor_scale_of", "tensor_scale_from_amax",
+           "grid_fake_quantize", "blocked", "unblocked", "finite_abs", "divide", "tensor_scale_of",
+           "tensor_scale_from_amax",
            "segment_tensor_scales", "segment_scales_from_amax", "check_input", "check_generator",
            "NVFP4_TENSOR_SCALE_MIN"]
 
@@ -255,6 +256,14 @@ def finite_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor rounded once, as IEEE divides, on every device: CUDA divides a tensor by a
+    Python number as a product with the number's rounded reciprocal, often a last place off
+    the quotient, which moves an NVFP4 tensor scale off the kernels' (they divide as IEEE
+    does) and with it many of the values it scales. By a tensor on x's device, CUDA divides."""
+    return x / x.new_tensor(divisor)
+
+
 def _block_tensor_scales(tensor_scale: torch.Tensor, xf: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """A given NVFP4 tensor scale as the blocks take it: () for one element, else each block's
     value at its first element ((..., nR, nC), as the block amaxes)."""
@@ -301,7 +310,7 @@ def tensor_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """NVFP4's FP32 tensor scale of a tensor whose largest magnitude is amax (float32):
     amax / (448 * 6) rounded once, at least 2^-120 -- a weight's `weight_scale_2`, and from a
     calibrated activation amax the static `input_scale` of a served W4A4 checkpoint."""
-    return torch.clamp(amax.to(torch.float32) / (448.0 * 6.0), min=NVFP4_TENSOR_SCALE_MIN)
+    return torch.clamp(divide(amax.to(torch.float32), 448.0 * 6.0), min=NVFP4_TENSOR_SCALE_MIN)
 
 
 def _nvfp4_scales(amax: torch.Tensor, t_scale: torch.Tensor | None):
@@ -311,7 +320,7 @@ def _nvfp4_scales(amax: torch.Tensor, t_scale: torch.Tensor | None):
     in float32, then x * ((1 / s_t) / block_scale) -- a multiply by one rounded reciprocal,
     not a division, so kernels that multiply give the same bits.
     """
-    block_scale = amax / 6.0
+    block_scale = divide(amax, 6.0)
     if t_scale is not None:
         block_scale = block_scale / t_scale
     codes = torch.clamp(block_scale, min=E4M3_MIN_NORMAL, max=448.0).to(torch.float8_e4m3fn)
@@ -329,7 +338,7 @@ def _mx_scales(amax: torch.Tensor, element: ElementFormat, rule: ScaleRule):
     else:
         # Round amax / max_elem (float32) up to a power of two on its bits, as cvt.rp.ue8m0 does:
         # 2^(e-1) when the significand is exactly 0.5, else 2^e.
-        descale = amax / element.max_value
+        descale = divide(amax, element.max_value)
         mant, exp = torch.frexp(descale)
         unbiased = torch.where(mant == 0.5, exp - 1, exp)
         # amax / max underflowing to 0 (amax <= max * 2^-150) takes the smallest scale too
@@ -344,7 +353,7 @@ def _mx_scales(amax: torch.Tensor, element: ElementFormat, rule: ScaleRule):
 def _float_scales(xf, blocks, amax, element, kind, block):
     """float32 scales for int (absmax / qmax) and ternary/binary (mean |x| over real values)."""
     if kind is ScaleKind.ABSMAX:
-        scales = amax / element.max_value
+        scales = divide(amax, element.max_value)
     else:
         # The mean counts only the values of the tensor, not the zero padding of the last block.
         counts = blocked(torch.ones_like(xf), block)[0].sum(dim=(-3, -1))
