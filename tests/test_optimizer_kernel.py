@@ -65,25 +65,30 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
 
 def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars():
     # the multi-weight launch: weights from one element to several blocks (and an empty one),
-    # each at its own step count, each its reference's bits; a block never reaches the next
-    # weight's memory
+    # each at its own step count, each its reference's bits; every weight's tensors are
+    # neighbouring slices of one buffer, so a block that stepped past its weight's end would
+    # change the next weight's first elements
     if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     from lowbit.kernels import optimizer as kernel
 
     shapes = [(1,), (3, 700), (0, 4), (2 * kernel.BLOCK + 5,), (7, 9)]
     ref = [_case(s, torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
-    ker = [_case(s, torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
+    sizes_ = [torch.Size(s).numel() for s in shapes]
+    ker = []                                         # the same values, as slices of one buffer each
+    for j in range(5):
+        flat = torch.cat([c[j].reshape(-1) for c in ref])
+        ker.append([v.view(s) for v, s in zip(flat.split(sizes_), shapes)])
     steps = [torch.tensor(float(t)) for t in (1, 3, 2, 7, 5)]
     sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003), 0.9, 0.95, 0.1)
+    kernel.adamw_times_b_triton(*ker, sizes, corr, decay, 0.9, 0.95, 1e-8, None)
     for i, case in enumerate(ref):
         adamw_times_b_(*case, sizes[i], corr[i], decay, 0.9, 0.95, 1e-8, None)
-    kernel.adamw_times_b_triton(*([c[j] for c in ker] for j in range(5)), sizes, corr, decay,
-                                0.9, 0.95, 1e-8, None)
-    for i, (a, b) in enumerate(zip(ref, ker)):
-        for name, x, y in zip(("p", "g", "m", "v", "b"), a, b):
+        for name, x, y in zip(("p", "g", "m", "v", "b"), case, (ker[j][i] for j in range(5))):
             assert torch.equal(x, y), (shapes[i], name)
     assert not torch.equal(ref[3][0], _case(shapes[3], torch.bfloat16, seed=3)[0])   # stepped past 2 blocks
+    with pytest.raises(ValueError, match="contiguous"):            # the scalars a view of one
+        kernel.adamw_times_b_triton(*ker, sizes[:1].expand(5), corr, decay, 0.9, 0.95, 1e-8, None)
 
 
 def test_the_kernel_refuses_what_it_does_not_take_and_dispatch_takes_the_reference_for_it():

@@ -404,8 +404,14 @@ def test_the_reference_on_cuda_is_the_cpus_bit_for_bit(fmt):
 
     g = torch.Generator().manual_seed(0)
     amax = (torch.rand(4096, generator=g) * 1000).to(torch.bfloat16).float()
-    assert torch.equal(tensor_scale_from_amax(amax.cuda()).cpu(), tensor_scale_from_amax(amax))
-    assert torch.equal(divide(amax.cuda(), 6.0).cpu(), (amax.double() / 6.0).float())
+    on_gpu = amax.cuda()
+    torch.cuda.set_sync_debug_mode("error")          # the divisor made on the device: no wait
+    try:
+        scales, sixths = tensor_scale_from_amax(on_gpu), divide(on_gpu, 6.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(scales.cpu(), tensor_scale_from_amax(amax))
+    assert torch.equal(sixths.cpu(), (amax.double() / 6.0).float())
     x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 3, 64)[:, None]
     x = x.to(torch.bfloat16)
     spec = QuantSpec.make(fmt, (1, 32) if fmt != "nvfp4" else (1, 16))

@@ -260,8 +260,10 @@ def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
     """x / divisor rounded once, as IEEE divides, on every device: CUDA divides a tensor by a
     Python number as a product with the number's rounded reciprocal, often a last place off
     the quotient, which moves an NVFP4 tensor scale off the kernels' (they divide as IEEE
-    does) and with it many of the values it scales. By a tensor on x's device, CUDA divides."""
-    return x / x.new_tensor(divisor)
+    does) and with it many of the values it scales. By a tensor on x's device, CUDA divides;
+    made by torch.full, which neither waits on the GPU nor breaks a CUDA graph's capture (a
+    tensor copied from the host would do both)."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
 
 
 def _block_tensor_scales(tensor_scale: torch.Tensor, xf: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -13,7 +13,9 @@ Every weight of a step goes in one launch, as torch's multi-tensor AdamW goes (a
 weight spends the host's time on each of a model's tens or hundreds of weights): the grid's
 second axis is the weight, its first the block within it, and each weight's five addresses and
 size are one row of a small int64 table copied to the device each step (the gradients are new
-tensors every step). A program past its weight's end returns at once.
+tensors every step). A program past its weight's end returns at once (the grid is as long as
+the largest weight's blocks on its first axis). The copy makes a step that CUDA graphs cannot
+capture; lowbit's loops keep the optimizer's step out of their graphs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from lowbit.kernels.quantize import on_device
 
 __all__ = ["adamw_times_b_triton"]
 
@@ -92,9 +96,12 @@ def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], 
         if b.dtype != b_dtype or b_dtype not in _B_TYPES:
             raise ValueError(f"the AdamW kernel takes one B dtype of {list(_B_TYPES)} a launch (got {b.dtype})")
     for s in (step_sizes, corrections2_sqrt):
-        if s.shape != (len(weights),) or s.dtype != torch.float32 or s.device != device:
+        if s.shape != (len(weights),) or s.dtype != torch.float32 or s.device != device or not s.is_contiguous():
             raise ValueError(f"the AdamW kernel takes one float32 step size and correction a weight on "
-                             f"{device} (got {tuple(s.shape)} {s.dtype} on {s.device})")
+                             f"{device}, contiguous (got {tuple(s.shape)} {s.dtype} on {s.device})")
+    if decay is not None and (decay.shape != () or decay.dtype != torch.float32 or decay.device != device):
+        raise ValueError(f"the AdamW kernel takes the decay as a 0-d float32 on {device} (got "
+                         f"{tuple(decay.shape)} {decay.dtype} on {decay.device})")
     # the addresses as they are now; the table copied without waiting on the GPU (a pageable
     # source is staged at once, so the list may go)
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), p.numel()]
@@ -103,7 +110,10 @@ def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], 
     if blocks == 0:
         return
     decay_t = step_sizes if decay is None else decay        # an unused pointer without decay
-    _adamw_times_b_kernel[(blocks, len(weights))](
-        table, step_sizes, corrections2_sqrt, decay_t, 1 - beta1, beta2, 1 - beta2, eps,
-        float(levels_per_unit or 1.0), B_TYPE=_B_TYPES[b_dtype], HAS_DECAY=decay is not None,
-        HAS_LEVELS=levels_per_unit is not None, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+    if len(weights) > 65535:
+        raise ValueError(f"the AdamW kernel takes at most 65535 weights a launch (got {len(weights)})")
+    with on_device(params[0]):
+        _adamw_times_b_kernel[(blocks, len(weights))](
+            table, step_sizes, corrections2_sqrt, decay_t, 1 - beta1, beta2, 1 - beta2, eps,
+            float(levels_per_unit or 1.0), B_TYPE=_B_TYPES[b_dtype], HAS_DECAY=decay is not None,
+            HAS_LEVELS=levels_per_unit is not None, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
