@@ -199,7 +199,7 @@ def _on_asymmetric_grid(blocks, nonfinite, element, spec, generator, pad_rows) -
     qmax = element.max_value
     hi = torch.clamp(blocks.amax(dim=(-3, -1)), min=0.0)
     lo = torch.clamp(blocks.amin(dim=(-3, -1)), max=0.0)
-    scales = hi / qmax - lo / qmax
+    scales = divide(hi, qmax) - divide(lo, qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     zeros = torch.clamp(torch.round(-lo / safe), 0.0, qmax)
     data = blocks / safe[..., :, None, :, None]

@@ -30,7 +30,7 @@ from torch.nn.utils import parametrize
 
 from lowbit import dispatch
 from lowbit.formats import QTensor, load_qtensors
-from lowbit.formats.quantize import finite_abs
+from lowbit.formats.quantize import divide, finite_abs
 from lowbit.nn import GEMM_KINDS, QuantExperts, QuantLinear, gemm_modules
 from lowbit.qat.config import QATConfig
 from lowbit.qat.jacquant import b_statistics, fit_b
@@ -127,7 +127,7 @@ class FakeQuantWeight(nn.Module):
         """A B buffer's values in float32 (uint8: its levels decoded)."""
         if stored.dtype != torch.uint8:
             return stored.float()
-        return stored.float() / self.config.jacquant.uint8_levels_per_unit
+        return divide(stored.float(), float(self.config.jacquant.uint8_levels_per_unit))
 
     def _encoded(self, values: torch.Tensor) -> torch.Tensor:
         """Float B values as B is stored, before the cast to its dtype (uint8: the nearest level)."""
