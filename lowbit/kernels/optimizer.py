@@ -10,15 +10,17 @@ bfloat16 B, against fused AdamW's 28), its two scalars (step_size, sqrt(1 - beta
 decay read from the device, so nothing waits on the host.
 
 Every weight of a step goes in one launch, as torch's multi-tensor AdamW goes (a launch a
-weight spends the host's time on each of a model's tens or hundreds of weights): the grid's
-second axis is the weight, its first the block within it, and each weight's five addresses and
-size are one row of a small int64 table copied to the device each step (the gradients are new
-tensors every step). A program past its weight's end returns at once (the grid is as long as
-the largest weight's blocks on its first axis). The copy makes a step that CUDA graphs cannot
-capture; lowbit's loops keep the optimizer's step out of their graphs.
+weight spends the host's time on each of a model's tens or hundreds of weights): one program
+a block of one weight, every weight's blocks in turn, each program's weight read from a map
+made once for the weights' sizes; each weight's five addresses, size and first block are one
+row of a small int64 table copied to the device each step (the gradients are new tensors
+every step). The copy makes a step that CUDA graphs cannot capture; lowbit's loops keep the
+optimizer's step out of their graphs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -33,15 +35,14 @@ _B_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
 @triton.jit
-def _adamw_times_b_kernel(table_ptr, step_size_ptr, corr2_ptr, decay_ptr, c1, beta2, c2, eps, levels,
-                          B_TYPE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_LEVELS: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    weight = tl.program_id(1)
-    row = table_ptr + weight.to(tl.int64) * 6          # p, g, m, v, b addresses; numel
+def _adamw_times_b_kernel(table_ptr, block_weight_ptr, step_size_ptr, corr2_ptr, decay_ptr, c1, beta2, c2,
+                          eps, levels, B_TYPE: tl.constexpr, HAS_DECAY: tl.constexpr,
+                          HAS_LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    block = tl.program_id(0)
+    weight = tl.load(block_weight_ptr + block)
+    row = table_ptr + weight.to(tl.int64) * 7          # p, g, m, v, b addresses; numel; first block
     n = tl.load(row + 5)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start >= n:
-        return
+    start = (block - tl.load(row + 6)) * BLOCK
     p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
@@ -74,6 +75,17 @@ def _adamw_times_b_kernel(table_ptr, step_size_ptr, corr2_ptr, decay_ptr, c1, be
     tl.store(p_ptr + offs, p + delta, mask=mask)
 
 
+@functools.lru_cache(maxsize=8)
+def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """For weights of these sizes: each program's weight ((blocks,) int32 on the device, made
+    once for a set of sizes, as a model's weights keep theirs) and each weight's first block."""
+    counts = [triton.cdiv(n, BLOCK) for n in numels]
+    firsts = tuple(int(x) for x in torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0))
+    block_weight = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
+                                           torch.tensor(counts, dtype=torch.int64))
+    return block_weight.to(device), firsts
+
+
 def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                          exp_avg_sqs: list[torch.Tensor], bs: list[torch.Tensor], step_sizes: torch.Tensor,
                          corrections2_sqrt: torch.Tensor, decay: torch.Tensor | None, beta1: float, beta2: float,
@@ -104,16 +116,16 @@ def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], 
                          f"{tuple(decay.shape)} {decay.dtype} on {decay.device})")
     # the addresses as they are now; the table copied without waiting on the GPU (a pageable
     # source is staged at once, so the list may go)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), p.numel()]
-                          for p, g, m, v, b in weights], dtype=torch.int64).to(device, non_blocking=True)
-    blocks = triton.cdiv(max(p.numel() for p in params), BLOCK)
-    if blocks == 0:
+    numels = tuple(p.numel() for p in params)
+    block_weight, firsts = _block_map(device, numels)
+    if not block_weight.numel():
         return
+    table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), n, first]
+                          for (p, g, m, v, b), n, first in zip(weights, numels, firsts)],
+                         dtype=torch.int64).to(device, non_blocking=True)
     decay_t = step_sizes if decay is None else decay        # an unused pointer without decay
-    if len(weights) > 65535:
-        raise ValueError(f"the AdamW kernel takes at most 65535 weights a launch (got {len(weights)})")
     with on_device(params[0]):
-        _adamw_times_b_kernel[(blocks, len(weights))](
-            table, step_sizes, corrections2_sqrt, decay_t, 1 - beta1, beta2, 1 - beta2, eps,
+        _adamw_times_b_kernel[(block_weight.numel(),)](
+            table, block_weight, step_sizes, corrections2_sqrt, decay_t, 1 - beta1, beta2, 1 - beta2, eps,
             float(levels_per_unit or 1.0), B_TYPE=_B_TYPES[b_dtype], HAS_DECAY=decay is not None,
             HAS_LEVELS=levels_per_unit is not None, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
