@@ -114,12 +114,12 @@ def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], 
     if decay is not None and (decay.shape != () or decay.dtype != torch.float32 or decay.device != device):
         raise ValueError(f"the AdamW kernel takes the decay as a 0-d float32 on {device} (got "
                          f"{tuple(decay.shape)} {decay.dtype} on {decay.device})")
-    # the addresses as they are now; the table copied without waiting on the GPU (a pageable
-    # source is staged at once, so the list may go)
     numels = tuple(p.numel() for p in params)
     block_weight, firsts = _block_map(device, numels)
     if not block_weight.numel():
         return
+    # the addresses as they are now; the table copied without waiting on the GPU (a pageable
+    # source is staged at once, so the list may go)
     table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), n, first]
                           for (p, g, m, v, b), n, first in zip(weights, numels, firsts)],
                          dtype=torch.int64).to(device, non_blocking=True)
