@@ -63,30 +63,31 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
     assert not torch.equal(ref[0][ref[0].isfinite()], _case(shape, b_dtype)[0][ref[0].isfinite()])
 
 
-def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars(device):
     # the multi-weight launch: weights from one element to several blocks (and an empty one),
     # each at its own step count, each its reference's bits; every weight's tensors are
     # neighbouring slices of one buffer, so a block that stepped past its weight's end would
     # change the next weight's first elements
-    if not interpret_mode():
+    if device == "cpu" and not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     from lowbit.kernels import optimizer as kernel
 
     shapes = [(1,), (3, 700), (0, 4), (2 * kernel.BLOCK + 5,), (7, 9)]
-    ref = [_case(s, torch.bfloat16, seed=i) for i, s in enumerate(shapes)]
+    ref = [_case(s, torch.bfloat16, seed=i, device=device) for i, s in enumerate(shapes)]
     sizes_ = [torch.Size(s).numel() for s in shapes]
     ker = []                                         # the same values, as slices of one buffer each
     for j in range(5):
         flat = torch.cat([c[j].reshape(-1) for c in ref])
         ker.append([v.view(s) for v, s in zip(flat.split(sizes_), shapes)])
-    steps = [torch.tensor(float(t)) for t in (1, 3, 2, 7, 5)]
-    sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003), 0.9, 0.95, 0.1)
+    steps = [torch.tensor(float(t), device=device) for t in (1, 3, 2, 7, 5)]
+    sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003, device=device), 0.9, 0.95, 0.1)
     kernel.adamw_times_b_triton(*ker, sizes, corr, decay, 0.9, 0.95, 1e-8, None)
     for i, case in enumerate(ref):
         adamw_times_b_(*case, sizes[i], corr[i], decay, 0.9, 0.95, 1e-8, None)
         for name, x, y in zip(("p", "g", "m", "v", "b"), case, (ker[j][i] for j in range(5))):
             assert torch.equal(x, y), (shapes[i], name)
-    assert not torch.equal(ref[3][0], _case(shapes[3], torch.bfloat16, seed=3)[0])   # stepped past 2 blocks
+    assert not torch.equal(ref[3][0], _case(shapes[3], torch.bfloat16, seed=3, device=device)[0])  # past 2 blocks
     with pytest.raises(ValueError, match="contiguous"):            # the scalars a view of one
         kernel.adamw_times_b_triton(*ker, sizes[:1].expand(5), corr, decay, 0.9, 0.95, 1e-8, None)
 
@@ -165,7 +166,7 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     for a, w in zip(got, want):
         for x, y in zip(a, w):
             assert torch.equal(x, y)
+    p, _, m, v, b = got[0]
     with pytest.raises(ValueError, match="one of each per weight"):
-        p, _, m, v, b = got[0]
         dispatch.adamw_step_times_b([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
                                     0.9, 0.95, 1e-8, 0.1, 127.0)
