@@ -63,14 +63,22 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
     assert not torch.equal(ref[0][ref[0].isfinite()], _case(shape, b_dtype)[0][ref[0].isfinite()])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars(device):
-    # the multi-weight launch: weights from one element to several blocks (and an empty one),
-    # each at its own step count, each its reference's bits; every weight's tensors are
-    # neighbouring slices of one buffer, so a block that stepped past its weight's end would
-    # change the next weight's first elements
-    if device == "cpu" and not interpret_mode():
+def test_one_launch_steps_weights_of_every_size_each_under_its_own_scalars():
+    if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
+    _one_launch_of_many_weights("cpu")
+
+
+@pytest.mark.gpu
+def test_one_launch_of_many_weights_on_cuda_is_the_reference_bit_for_bit():
+    _one_launch_of_many_weights("cuda")
+
+
+def _one_launch_of_many_weights(device):
+    """The multi-weight launch: weights from one element to several blocks (and an empty one),
+    each at its own step count, each its reference's bits; every weight's tensors are
+    neighbouring slices of one buffer, so a block that stepped past its weight's end would
+    change the next weight's first elements."""
     from lowbit.kernels import optimizer as kernel
 
     shapes = [(1,), (3, 700), (0, 4), (2 * kernel.BLOCK + 5,), (7, 9)]
