@@ -15,7 +15,8 @@ __all__ = ["adamw_step_times_b", "kernel_applies"]
 
 
 def kernel_applies(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """The rule for one weight's step (p, g, m, v, b, step_size, correction[, decay]): all on
+    """The rule for one weight's step (p, g, m, v, b, and the step's scalars: the step sizes' and
+    corrections' vectors[, decay]): all on
     one CUDA device, p, g, m, v, b contiguous and g float32, triton importable, the reference
     not forced. (A test hands CPU tensors to the kernel under Triton's interpreter by patching
     this.)"""
@@ -43,12 +44,13 @@ def adamw_step_times_b(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     step_sizes, corrections, decay = adamw_step_scalars(steps, lr, beta1, beta2, weight_decay)
     decay = decay if weight_decay != 0 else None
     launches: dict[tuple, list[int]] = {}       # the kernel's weights, one launch a (B dtype, device)
+    scalars = (step_sizes, corrections, *([] if decay is None else [decay]))   # one device for all weights
     for i, (p, g, m, v, b) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, bs, strict=True)):
-        scalars = (step_sizes[i], corrections[i])
-        if kernel_applies((p, g, m, v, b, *scalars, *([] if decay is None else [decay]))):
+        if kernel_applies((p, g, m, v, b, *scalars)):
             launches.setdefault((b.dtype, p.device), []).append(i)
-        else:
-            adamw_times_b_(p, g, m, v, b, *scalars, decay, beta1, beta2, eps, levels_per_unit)
+        else:   # the reference takes the weight's own 0-d scalars, indexed only here (off the kernel's path)
+            adamw_times_b_(p, g, m, v, b, step_sizes[i], corrections[i], decay, beta1, beta2, eps,
+                           levels_per_unit)
     if launches:
         from lowbit.kernels.optimizer import adamw_times_b_triton
     for index in launches.values():
