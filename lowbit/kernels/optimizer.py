@@ -21,6 +21,7 @@ optimizer's step out of their graphs.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -80,7 +81,7 @@ def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Ten
     """For weights of these sizes: each program's weight ((blocks,) int32 on the device, made
     once for a set of sizes, as a model's weights keep theirs) and each weight's first block."""
     counts = [triton.cdiv(n, BLOCK) for n in numels]
-    firsts = tuple(int(x) for x in torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0))
+    firsts = tuple(itertools.accumulate(counts[:-1], initial=0))
     block_weight = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
                                            torch.tensor(counts, dtype=torch.int64))
     return block_weight.to(device), firsts
