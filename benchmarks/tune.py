@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="num_stages values (default: %(default)s)")
             p.add_argument("--block-ms", default=None, type=counts,
                            help="BLOCK_M values (default: the default tile's, and 128 from 128 rows)")
+            p.add_argument("--one-dot", action="store_true",
+                           help="sweep every tensor-core tile also with ONE_DOT (a K-tile's 8 planes "
+                                "as one MMA chain, lowbit.kernels.nvfp4_gemm)")
         if name == "activation":
             p.add_argument("--rows", default="1,16,128,256", type=counts,
                            help="comma-separated row counts M (default: %(default)s)")
@@ -562,7 +565,9 @@ def sweep_engine_gemm(args, device: str) -> dict:
                              f"{', '.join(name for name, _, _ in shapes)}")
         shapes = [s for s in shapes if s[0] in keep]
     sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
-             for bn, sk, w, st in itertools.product((64, 128), args.splits, (4, 8), args.stages)]
+             | ({"ONE_DOT": True} if one else {})
+             for bn, sk, w, st, one in itertools.product((64, 128), args.splits, (4, 8), args.stages,
+                                                        (False, True) if args.one_dot else (False,))]
     if args.default_tiles:
         sweep = []
     if args.smoke:
