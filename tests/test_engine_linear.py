@@ -140,9 +140,12 @@ def test_non_contiguous_inputs_and_odd_shapes():
     torch.testing.assert_close(el.linear(x, w), F.linear(x, w.reference_values()), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt, one_dot", [(f, False) for f in FORMATS] + [("nvfp4", True)])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_grouped_experts_equal_one_gemm_per_expert(fmt, silu_mul):
+def test_grouped_experts_equal_one_gemm_per_expert(fmt, one_dot, silu_mul, monkeypatch):
+    # one_dot: NVFP4's default tiles take ONE_DOT from 16 rows (every grouped tile)
+    from lowbit.kernels import nvfp4_gemm
+    monkeypatch.setattr(nvfp4_gemm, "ONE_DOT_FROM_BLOCK_M", 16 if one_dot else None)
     g = torch.Generator().manual_seed(5)
     E, N, K, T, k = 5, 24, 48, 9, 2
     experts = LinearWeight.stack([_weight(fmt, torch.randn(N, K, generator=g), torch.float32, 1.0)
@@ -355,6 +358,18 @@ def test_nvfp4_one_dot_a_k_tile_is_the_plane_by_plane_tile(dtype):
         assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[:, 3]).all()
         torch.testing.assert_close(el.linear(x, lw, x2=x2, tile=one), el.linear(x, lw, x2=x2, tile=planes),
                                    equal_nan=True, **tol)
+    # the default tiles with the rule on (ONE_DOT from 16 rows) take it
+    from lowbit.kernels import nvfp4_gemm
+    want = el.linear(x, lw, bias, residual=res)
+    nvfp4_gemm.ONE_DOT_FROM_BLOCK_M = 16
+    try:
+        got = el.linear(x, lw, bias, residual=res)
+    finally:
+        nvfp4_gemm.ONE_DOT_FROM_BLOCK_M = None
+    torch.testing.assert_close(got, want, equal_nan=True, **tol)
+    with pytest.raises(ValueError, match="ONE_DOT"):
+        el.linear(x[:1], lw, tile={"BLOCK_M": 1, "BLOCK_N": 16, "SPLIT_K": 1, "USE_DOT": False,
+                                   "ONE_DOT": True, "num_warps": 4, "num_stages": 1})
 
 
 @pytest.mark.parametrize("one_dot", [False, True])

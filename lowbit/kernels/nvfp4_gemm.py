@@ -58,15 +58,14 @@ def nvfp4_tile(rows: int, N: int, tiles_k: int, row_tiles: int | None = None) ->
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 128 if (N >= 2560 and tiles_k >= 16) or N >= 8192 else 64
     tiles = (row_tiles or -(-rows // block_m)) * -(-N // block_n)
-    one_dot = ONE_DOT_FROM_BLOCK_M is not None and block_m >= ONE_DOT_FROM_BLOCK_M
     if block_m == 64 and tiles >= _SMS:
         # many rows whose tiles fill a wave: unsplit, 3 stages (TinyLlama's gate|up at 128 and
         # 256 rows: 28.4 and 41.5 us against 38.7 and 65.6 split 4 ways)
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": 1, "num_warps": 4,
-                "num_stages": 3, "ONE_DOT": one_dot}
+                "num_stages": 3}
     split = 4 if tiles_k >= 16 and tiles < 4 * _SMS else 1
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
-            "num_stages": 4, "ONE_DOT": one_dot}
+            "num_stages": 4}
 
 
 ONE_DOT_FROM_BLOCK_M: int | None = None
@@ -360,7 +359,8 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
     N, K = tiles.out_features, tiles.in_features
     grouped = tile_expert is not None
     row_tiles = tile_expert.numel() if grouped else None
-    if tile is None:
+    default = tile is None
+    if default:
         tile = (_interpreter_nvfp4_tile(rows, tiles.tiles_k) if interpret_mode() else
                 nvfp4_tile(rows, N, tiles.tiles_k, row_tiles))
     tile = dict(tile)
@@ -372,6 +372,8 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
                          "the CUDA-core tile's (USE_DOT False)")
     if grouped:
         tile["BLOCK_M"] = block_m
+    if default and ONE_DOT_FROM_BLOCK_M is not None:
+        tile["ONE_DOT"] = tile["BLOCK_M"] >= ONE_DOT_FROM_BLOCK_M
     split = tile["SPLIT_K"]
     grid = (row_tiles or triton.cdiv(rows, tile["BLOCK_M"]), triton.cdiv(N, tile["BLOCK_N"]), split)
     # only split tiles use the workspace: a prefill's many tiles never grow it
