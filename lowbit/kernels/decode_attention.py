@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from lowbit.kernels import interpret_mode
-from lowbit.kernels.launch import pdl_launch, wait_for_inputs
+from lowbit.kernels.launch import cdiv, pdl_launch, wait_for_inputs
 
 __all__ = ["decode_attention", "default_splits", "MIN_CHUNK"]
 
@@ -61,7 +61,7 @@ def default_splits(B: int, KV: int, L: int, device: torch.device | str) -> int:
     if device.type != "cuda" or interpret_mode():
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, B * KV), L // MIN_CHUNK))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * sms, B * KV), L // MIN_CHUNK))
 
 
 @triton.jit
@@ -250,7 +250,7 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _decode_attention_kernel[(B, KV, splits)](
         qkv, qk_norm.contiguous() if qk_norm is not None else qkv, cos, sin_signed, positions,
         k_cache, v_cache, out, m, l, acc, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), cos.stride(0), L, triton.cdiv(L, splits), splits,
+        k_cache.stride(2), out.stride(0), cos.stride(0), L, cdiv(L, splits), splits,
         1.0 / D ** 0.5, eps, H=H, KV=KV, D=D, QK_NORM=qk_norm is not None, DIRECT=direct,
         # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
         # float32 the products of dt's values are exact all the same

@@ -42,7 +42,7 @@ import triton.language as tl
 from lowbit.formats.linear_weight import LinearWeight, WeightStorage
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
-from lowbit.kernels.launch import pdl_launch, wait_for_inputs
+from lowbit.kernels.launch import cdiv, pdl_launch, wait_for_inputs
 from lowbit.kernels.nvfp4_gemm import nvfp4_linear
 from lowbit.kernels.quantize import to_output
 
@@ -344,8 +344,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     if not tile["USE_DOT"] and M != 1:
         raise ValueError("the CUDA-core tile (USE_DOT False) takes one row")
     wa = _weight_args(weight, x)
-    grid = ((triton.cdiv(M, block_m), triton.cdiv(N, tile["BLOCK_N"])) if tile["USE_DOT"]
-            else (triton.cdiv(N, tile["BLOCK_N"]),))
+    grid = ((cdiv(M, block_m), cdiv(N, tile["BLOCK_N"])) if tile["USE_DOT"]
+            else (cdiv(N, tile["BLOCK_N"]),))
     engine_linear_kernel[grid](
         x, x2 if x2 is not None else x, wa["w"], wa["rs"], bias if bias is not None else y,
         norm if norm is not None else y, residual if residual is not None else y, y, y, y, M, N,
@@ -438,7 +438,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, tile_expert: torch.Ten
                           "num_stages": 3}))
     tile.pop("BLOCK_M", None)
     wa = _weight_args(weight, x)
-    engine_linear_kernel[(tile_expert.numel(), triton.cdiv(N, tile["BLOCK_N"]))](
+    engine_linear_kernel[(tile_expert.numel(), cdiv(N, tile["BLOCK_N"]))](
         x, x2 if x2 is not None else x, wa["w"], wa["rs"], y, y, y, y, tile_expert, row_ids,
         n_rows, N, K, x.stride(0), x2.stride(0) if x2 is not None else 0, wa["stride_wn"],
         wa["stride_we"], wa["stride_rse"], 0, y.stride(0), 0.0, FORMAT=wa["FORMAT"],

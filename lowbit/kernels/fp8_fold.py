@@ -58,6 +58,7 @@ from lowbit.formats.quantize import check_input
 from lowbit.formats.spec import QuantSpec, ScaleKind, ScaleRule
 from lowbit.kernels import quantize as kq
 from lowbit.kernels import seed_tensor, supports
+from lowbit.kernels.launch import cdiv
 from lowbit.kernels.quantize import (
     SIGN_MASK, block_max, e8m0_exponent, expand_blocks, load_float32, philox_uniforms, pow2,
     pow2_wide, round_value,
@@ -385,7 +386,7 @@ class _Tiles:
         tile_r, tile_c, num_warps = config
         if tile_r % block[0] or tile_c % block[1]:
             raise ValueError(f"tile {tuple(config)} does not hold whole {block} blocks")
-        self.grid = (triton.cdiv(k, tile_c), triton.cdiv(rows, tile_r))
+        self.grid = (cdiv(k, tile_c), cdiv(rows, tile_r))
         if self.grid[1] > 65535:
             raise ValueError(f"shape {(rows, k)} needs {self.grid[1]} row tiles, past CUDA's "
                              "65535")

@@ -28,6 +28,7 @@ import triton.language as tl
 from lowbit.formats.elements import BINARY, SEQ2, ElementFormat
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.quantize import to_output, widen
+from lowbit.kernels.launch import cdiv
 
 __all__ = ["grid_fake_quantize", "BLOCK"]
 
@@ -97,7 +98,7 @@ def grid_fake_quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     mask = torch.empty(wc.shape, dtype=torch.bool, device=w.device) if inside else out
     n = wc.numel()
     if n:
-        _grid_kernel[(triton.cdiv(n, BLOCK),)](
+        _grid_kernel[(cdiv(n, BLOCK),)](
             wc, s, z, out, mask, n, K, K // group, float(element.max_value),
             GROUP=group, GRID=grid, INSIDE=inside, BLOCK=BLOCK, NATIVE_CAST=not interpret_mode())
     return out, (mask if inside else None)

@@ -32,6 +32,7 @@ import triton.language as tl
 from lowbit.formats.quantize import check_input
 from lowbit.kernels import quantize as kq
 from lowbit.kernels import seed_tensor
+from lowbit.kernels.launch import cdiv
 from lowbit.kernels.quantize import (
     TWO_POW_M24, dequantized, load_float32, nvfp4_scales, to_output, widen,
 )
@@ -164,7 +165,7 @@ def fake_quantize_rht_rows(t: torch.Tensor, spec, signs: torch.Tensor, seed=None
     if not all(v > 0 and v & (v - 1) == 0 for v in (g, tile_f, warps)):
         raise ValueError(f"config (groups, columns, warps) must be powers of two, got {config}")
     out = torch.empty(n, f, device=t.device, dtype=t.dtype)
-    grid = (triton.cdiv(f, tile_f) * triton.cdiv(n // 16, g),)
+    grid = (cdiv(f, tile_f) * cdiv(n // 16, g),)
     if grid[0] >= 2**31:
         raise ValueError(f"shape {(n, f)} needs {grid[0]} programs, past CUDA's 2^31 - 1; use "
                          "larger tiles (config)")

@@ -38,6 +38,7 @@ import triton.language as tl
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
 from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
+from lowbit.kernels.launch import cdiv
 
 __all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel", "split_k_workspace",
            "WORKSPACES", "RETIRED_WORKSPACES"]
@@ -375,7 +376,7 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
     if default and ONE_DOT_FROM_BLOCK_M is not None:
         tile["ONE_DOT"] = tile["BLOCK_M"] >= ONE_DOT_FROM_BLOCK_M
     split = tile["SPLIT_K"]
-    grid = (row_tiles or triton.cdiv(rows, tile["BLOCK_M"]), triton.cdiv(N, tile["BLOCK_N"]), split)
+    grid = (row_tiles or cdiv(rows, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"]), split)
     # only split tiles use the workspace: a prefill's many tiles never grow it
     part, count = split_k_workspace(x.device, rows * N if split > 1 else 0,
                              grid[0] * grid[1] if split > 1 else 0)
@@ -387,7 +388,7 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
         x2.stride(0) if x2 is not None else 0, wq.stride(-2), wq.stride(0) if grouped else 0,
         ws.stride(-2), ws.stride(0) if grouped else 0, rs.stride(0) if grouped else 0,
         residual.stride(0) if residual is not None else 0, y.stride(0), tiles.tiles_k,
-        triton.cdiv(tiles.tiles_k, split), HAS_X2=x2 is not None,
+        cdiv(tiles.tiles_k, split), HAS_X2=x2 is not None,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GROUPED=grouped,
         ROW_DIV=row_div, ASM=x.is_cuda and not interpret_mode(),
         F32_DOT=x.dtype != torch.bfloat16 or interpret_mode(), **tile)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lowbit.formats.nvfp4_tiles import ROW_BIAS, ROW_PAD, TILE_K, NVFP4Tiles, slot_table
+from lowbit.kernels.launch import cdiv
 
 __all__ = ["nvfp4_tiles_triton"]
 
@@ -114,7 +115,7 @@ def nvfp4_tiles_triton(codes: torch.Tensor, block_scales: torch.Tensor, row_scal
     scale_bytes = block_scales.contiguous().view(torch.uint8)
     rows = row_scales.to(torch.float32).contiguous()
     total = math.prod(lead) * n_pad
-    grid = (triton.cdiv(total, BLOCK_R), T)
+    grid = (cdiv(total, BLOCK_R), T)
     _nvfp4_tiles_kernel[grid](codes, scale_bytes, rows, table, out.words, out.scales,
                               out.row_scales, total, n, n_pad, code_bytes,
                               block_scales.shape[-1], T, ROW_BIAS=ROW_BIAS, BLOCK_R=BLOCK_R)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from lowbit.kernels.quantize import on_device
+from lowbit.kernels.launch import cdiv
 
 __all__ = ["adamw_times_b_triton"]
 
@@ -80,7 +81,7 @@ def _adamw_times_b_kernel(table_ptr, block_weight_ptr, step_size_ptr, corr2_ptr,
 def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
     """For weights of these sizes: each program's weight ((blocks,) int32 on the device, made
     once for a set of sizes, as a model's weights keep theirs) and each weight's first block."""
-    counts = [triton.cdiv(n, BLOCK) for n in numels]
+    counts = [cdiv(n, BLOCK) for n in numels]
     firsts = tuple(itertools.accumulate(counts[:-1], initial=0))
     block_weight = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
                                            torch.tensor(counts, dtype=torch.int64))

@@ -63,6 +63,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from lowbit.kernels.launch import cdiv
 
 __all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms", "pow2_at_least",
            "amax_config", "sm_count", "tensor_amax_kernel", "group_amax", "to_output"]
@@ -353,7 +354,7 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     if cols % 16 and not rows_max:
         raise ValueError(f"group_amax takes columns in groups of 16; got {cols}")
     tile_r, tile_c = (16, 128) if rows_max else (32, 64)
-    n_groups, n_tiles_r, n_tiles_c = cols // 16, triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c)
+    n_groups, n_tiles_r, n_tiles_c = cols // 16, cdiv(rows, tile_r), cdiv(cols, tile_c)
     out = torch.empty(*((n_tiles_c, rows) if rows_max else (n_tiles_r, n_groups)), device=x.device,
                       dtype=torch.int32)
     grid = (n_tiles_r, n_tiles_c) if rows_max else (n_tiles_c, n_tiles_r)
@@ -569,8 +570,8 @@ def amax_config(rows: int, cols: int, batch: int, cfg: TileConfig, hadamard: boo
     for the quantize tile with up to 64 tiles a program). With it: the quantize tile, several
     per program (the best of the few configs swept; the rotation's registers bound the tile)."""
     if hadamard:
-        n_tiles = triton.cdiv(cols, cfg[1]) * triton.cdiv(rows, cfg[0]) * batch
-        return cfg[0], cfg[1], cfg[2], pow2_at_least(triton.cdiv(n_tiles, 4 * sm_count))
+        n_tiles = cdiv(cols, cfg[1]) * cdiv(rows, cfg[0]) * batch
+        return cfg[0], cfg[1], cfg[2], pow2_at_least(cdiv(n_tiles, 4 * sm_count))
     tile_cols = min(256, pow2_at_least(cols))
     return min(16384 // tile_cols, pow2_at_least(rows)), tile_cols, 8, 1
 
@@ -680,7 +681,7 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
             val_t_buf = torch.empty(batch, cols, rows, device=dev, dtype=out_dtype)
             out["values_t"] = val_t_buf
 
-    grid = (triton.cdiv(cols, tile_c), triton.cdiv(rows, tile_r), batch)
+    grid = (cdiv(cols, tile_c), cdiv(rows, tile_r), batch)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"shape {tuple(x3.shape)} needs a grid {grid} past CUDA's 65535 limit "
                          "on grid dims 1 and 2; use larger tiles")
@@ -701,9 +702,9 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
         tensor_scale = torch.empty((), device=dev, dtype=torch.float32)
         a_rows, a_cols, a_warps, iters = amax_config(rows, cols, batch, cfg, hadamard is not None,
                                                       sm_count(dev))
-        n_tiles_c, n_tiles_r = triton.cdiv(cols, a_cols), triton.cdiv(rows, a_rows)
+        n_tiles_c, n_tiles_r = cdiv(cols, a_cols), cdiv(rows, a_rows)
         n_tiles = n_tiles_c * n_tiles_r * batch
-        tensor_amax_kernel[(triton.cdiv(n_tiles, iters),)](
+        tensor_amax_kernel[(cdiv(n_tiles, iters),)](
             x3, amax_buf, signs, rows, cols, *x3.stride(), n_tiles_c, n_tiles_r, n_tiles,
             ITERS=iters, TILE_R=a_rows, TILE_C=a_cols, NATIVE_CAST=not INTERPRET,
             HADAMARD=hadamard is not None, num_warps=a_warps)
@@ -731,7 +732,7 @@ def uniforms(rows: int, cols: int, seed: torch.Tensor,
     """(rows, cols) float32: the uniform each element of a (rows, cols) tensor draws."""
     tile_r, tile_c, num_warps = config or default_config(rows, cols, (1, 4))
     out = torch.empty(rows, cols, device=seed.device, dtype=torch.float32)
-    grid = (triton.cdiv(cols, tile_c), triton.cdiv(rows, tile_r))
+    grid = (cdiv(cols, tile_c), cdiv(rows, tile_r))
     _uniforms_kernel[grid](out, seed, rows, cols, GROUP4=(cols % 4 == 0 and tile_c % 4 == 0),
                            TILE_R=tile_r, TILE_C=tile_c, num_warps=num_warps)
     return out
