@@ -475,6 +475,15 @@ class GRPOTrainer:
                       f"--num-generations")
         return outcome
 
+    def _drain(self) -> None:
+        """Wait for the work queued on the trainer's and the engine's GPUs, so that each phase's
+        time/... holds its own GPU work: the optimizer's step is queued after train_on's last
+        read of the device, and a sync that reads the device (an NVFP4 engine's saturation
+        flags) would otherwise wait for it and count it."""
+        for device in {self.device, self.engine.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
     def one_step(self, step: int) -> StepOutcome:
         """Generate, score, train on and sync for RL step `step` (0-based); its record's
         numbers in self.last_record."""
@@ -489,8 +498,10 @@ class GRPOTrainer:
         if metrics is None:
             self.last_record = {}
             return StepOutcome(nonfinite_in_a_row=1)
+        self._drain()
         t3 = time.perf_counter()
         self.sync()
+        self._drain()
         t4 = time.perf_counter()
         lengths = rollout.lengths.float()
         group_std = rewards.view(-1, self.config.num_generations).std(dim=1)
