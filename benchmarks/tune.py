@@ -747,11 +747,13 @@ def engine_sass() -> dict:
         raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
     dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, nvfp4_gemm.nvfp4_linear_kernel
     # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
-    tiles = [("dense", 1, 2, 1024, 1, 4), ("dense", 16, 64, 128, 1, 4),
-             ("nvfp4", 16, 64, 128, 1, 4), ("nvfp4", 16, 64, 128, 4, 4), ("nvfp4", 16, 128, 128, 4, 4),
-             ("nvfp4", 32, 64, 128, 4, 4), ("nvfp4", 64, 128, 128, 1, 4)]
+    nvfp4 = [(16, 64, 128, 1, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4),
+             (64, 128, 128, 1, 4), (64, 128, 128, 1, 8)]
+    # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps, ONE_DOT)
+    tiles = ([("dense", 1, 2, 1024, 1, 4, False), ("dense", 16, 64, 128, 1, 4, False)]
+             + [("nvfp4", *t, one) for one in (False, True) for t in nvfp4])
     results = {}
-    for fmt, block_m, block_n, block_k, split, warps in tiles:
+    for fmt, block_m, block_n, block_k, split, warps, one_dot in tiles:
         fn = dense_fn if fmt == "dense" else nvfp4_fn
         pointers = {n: "*bf16" for n in ("x_ptr", "x2_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr", "w_ptr")}
         pointers.update(wq_ptr="*i32", ws_ptr="*bf16", rs_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
@@ -763,7 +765,8 @@ def engine_sass() -> dict:
                              USE_DOT=block_m > 1, PDL=False)
         else:
             constants = dict(HAS_X2=False, HAS_BIAS=False, HAS_RES=False, GROUPED=False, ROW_DIV=1,
-                             ASM=True, F32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split)
+                             ASM=True, F32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
+                             USE_DOT=True, ONE_DOT=one_dot)
         signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name,
                      "fp32" if p.name == "eps" else "i32") for p in fn.params}
         names = list(signature)
@@ -775,18 +778,23 @@ def engine_sass() -> dict:
             f.write(kernel.asm["cubin"])
             f.flush()
             text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
-        loop = 0
+        loop, body = 0, ""
         for label in set(re.findall(r"BRA `\((\.L_x_\d+)\)", text)):
             start, end = text.find(label + ":"), text.find("BRA `(" + label + ")")
-            if 0 <= start < end:
-                loop = max(loop, len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end])))
+            if 0 <= start < end and (n := len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end]))) > loop:
+                loop, body = n, text[start:end]
         per_trip = block_n * block_k / (32 * warps)            # weights a thread decodes a trip
         loads = collections.Counter(re.findall(r"\b(LDG[.A-Z0-9]*|LDGSTS[.A-Z0-9]*)", text))
-        label = f"{fmt} {block_m}x{block_n}x{block_k}" + (f" split {split}" if fmt == "nvfp4" else "") + f" w{warps}"
+        # the main loop's tensor-core MMAs and its waits for them (a wait after each: one
+        # after another)
+        mmas, waits = len(re.findall(r"\bHGMMA\.", body)), len(re.findall(r"\bWARPGROUP\.DEPBAR", body))
+        label = (f"{fmt} {block_m}x{block_n}x{block_k}" + (f" split {split}" if fmt == "nvfp4" else "")
+                 + f" w{warps}" + (" ONE_DOT" if one_dot else ""))
         results[label] = {"loop_instructions": loop, "weights_per_thread": per_trip,
-                          "per_weight": loop / per_trip, "loads": dict(loads)}
-        print(f"{label:34} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
-              f"{loop / per_trip:5.1f} a weight; loads {dict(loads)}", flush=True)
+                          "per_weight": loop / per_trip, "loads": dict(loads), "loop_mmas": mmas,
+                          "loop_mma_waits": waits}
+        print(f"{label:42} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
+              f"{loop / per_trip:5.1f} a weight; {mmas} MMAs, {waits} waits; loads {dict(loads)}", flush=True)
     return results
 
 
