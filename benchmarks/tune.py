@@ -93,9 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help="num_stages values (default: %(default)s)")
             p.add_argument("--block-ms", default=None, type=counts,
                            help="BLOCK_M values (default: the default tile's, and 128 from 128 rows)")
-            p.add_argument("--one-dot", action="store_true",
-                           help="sweep every tensor-core tile also with ONE_DOT (a K-tile's 8 planes "
-                                "as one MMA chain, lowbit.kernels.nvfp4_gemm)")
         if name == "activation":
             p.add_argument("--rows", default="1,16,128,256", type=counts,
                            help="comma-separated row counts M (default: %(default)s)")
@@ -565,9 +562,7 @@ def sweep_engine_gemm(args, device: str) -> dict:
                              f"{', '.join(name for name, _, _ in shapes)}")
         shapes = [s for s in shapes if s[0] in keep]
     sweep = [{"BLOCK_N": bn, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
-             | ({"ONE_DOT": True} if one else {})
-             for bn, sk, w, st, one in itertools.product((64, 128), args.splits, (4, 8), args.stages,
-                                                        (False, True) if args.one_dot else (False,))]
+             for bn, sk, w, st in itertools.product((64, 128), args.splits, (4, 8), args.stages)]
     if args.default_tiles:
         sweep = []
     if args.smoke:
@@ -728,8 +723,9 @@ def engine_sass() -> dict:
     disassembled with the nvdisasm Triton carries: per tile, the instructions of the main loop
     per weight element a thread handles in one trip (at one row a tile is instruction-bound
     above about 4.5 a weight on an H200: 132 SMs x 128 lanes x 1.98 GHz against the bytes
-    a weight costs), and its global loads by width. A lead to a kernel's cost before a GPU
-    times it, not a timing."""
+    a weight costs), its global loads by width, and its tensor-core MMAs and the waits for them
+    (`WARPGROUP.DEPBAR`). A lead to a kernel's cost before a GPU times it, not a timing; compiled
+    by this machine's triton, which may differ from the GPU machine's."""
     import collections
     import re
     import subprocess
@@ -747,13 +743,12 @@ def engine_sass() -> dict:
         raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
     dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, nvfp4_gemm.nvfp4_linear_kernel
     # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
-    nvfp4 = [(16, 64, 128, 1, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4),
-             (64, 128, 128, 1, 4), (64, 128, 128, 1, 8)]
-    # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps, ONE_DOT)
-    tiles = ([("dense", 1, 2, 1024, 1, 4, False), ("dense", 16, 64, 128, 1, 4, False)]
-             + [("nvfp4", *t, one) for one in (False, True) for t in nvfp4])
+    # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
+    tiles = [("dense", 1, 2, 1024, 1, 4), ("dense", 16, 64, 128, 1, 4),
+             ("nvfp4", 16, 64, 128, 1, 4), ("nvfp4", 16, 64, 128, 4, 4), ("nvfp4", 16, 128, 128, 4, 4),
+             ("nvfp4", 32, 64, 128, 4, 4), ("nvfp4", 64, 128, 128, 1, 4), ("nvfp4", 64, 128, 128, 1, 8)]
     results = {}
-    for fmt, block_m, block_n, block_k, split, warps, one_dot in tiles:
+    for fmt, block_m, block_n, block_k, split, warps in tiles:
         fn = dense_fn if fmt == "dense" else nvfp4_fn
         pointers = {n: "*bf16" for n in ("x_ptr", "x2_ptr", "bias_ptr", "norm_ptr", "res_ptr", "y_ptr", "w_ptr")}
         pointers.update(wq_ptr="*i32", ws_ptr="*bf16", rs_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
@@ -766,7 +761,7 @@ def engine_sass() -> dict:
         else:
             constants = dict(HAS_X2=False, HAS_BIAS=False, HAS_RES=False, GROUPED=False, ROW_DIV=1,
                              ASM=True, F32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split,
-                             USE_DOT=True, ONE_DOT=one_dot)
+                             USE_DOT=True)
         signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name,
                      "fp32" if p.name == "eps" else "i32") for p in fn.params}
         names = list(signature)
@@ -788,8 +783,7 @@ def engine_sass() -> dict:
         # the main loop's tensor-core MMAs and its waits for them (a wait after each: one
         # after another)
         mmas, waits = len(re.findall(r"\bHGMMA\.", body)), len(re.findall(r"\bWARPGROUP\.DEPBAR", body))
-        label = (f"{fmt} {block_m}x{block_n}x{block_k}" + (f" split {split}" if fmt == "nvfp4" else "")
-                 + f" w{warps}" + (" ONE_DOT" if one_dot else ""))
+        label = f"{fmt} {block_m}x{block_n}x{block_k}" + (f" split {split}" if fmt == "nvfp4" else "") + f" w{warps}"
         results[label] = {"loop_instructions": loop, "weights_per_thread": per_trip,
                           "per_weight": loop / per_trip, "loads": dict(loads), "loop_mmas": mmas,
                           "loop_mma_waits": waits}

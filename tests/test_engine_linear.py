@@ -140,12 +140,9 @@ def test_non_contiguous_inputs_and_odd_shapes():
     torch.testing.assert_close(el.linear(x, w), F.linear(x, w.reference_values()), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("fmt, one_dot", [(f, False) for f in FORMATS] + [("nvfp4", True)])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_grouped_experts_equal_one_gemm_per_expert(fmt, one_dot, silu_mul, monkeypatch):
-    # one_dot: NVFP4's default tiles take ONE_DOT from 16 rows (every grouped tile)
-    from lowbit.kernels import nvfp4_gemm
-    monkeypatch.setattr(nvfp4_gemm, "ONE_DOT_FROM_BLOCK_M", 16 if one_dot else None)
+def test_grouped_experts_equal_one_gemm_per_expert(fmt, silu_mul):
     g = torch.Generator().manual_seed(5)
     E, N, K, T, k = 5, 24, 48, 9, 2
     experts = LinearWeight.stack([_weight(fmt, torch.randn(N, K, generator=g), torch.float32, 1.0)
@@ -336,53 +333,14 @@ def test_nvfp4_one_row_on_the_cuda_cores_is_the_tensor_core_tile(dtype):
         el.linear(torch.cat([x, x]), lw, tile=gemv)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nvfp4_one_dot_a_k_tile_is_the_plane_by_plane_tile(dtype):
-    # ONE_DOT (one MMA chain a K-tile) against the default's 8 plane MMAs: the same sums up to
-    # their order, split over K or not, with RAC's second input, bias, residual, odd rows, a
-    # partial K-tile and a NaN block (NaN in the same outputs)
-    g = torch.Generator().manual_seed(17)
-    N, K, M = 72, 300, 5
-    raw = torch.randn(N, K, generator=g) / math.sqrt(K)
-    raw[3, 16:32] = float("nan")
-    lw = _weight("nvfp4", raw, dtype)
-    x, x2 = (torch.randn(M, K, generator=g).to(dtype).to(DEV) for _ in range(2))
-    bias, res = torch.randn(N, generator=g).to(dtype).to(DEV), torch.randn(M, N, generator=g).to(dtype).to(DEV)
-    tol = dict(atol=5e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
-    for split in (1, 2):
-        planes = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
-        one = dict(planes, ONE_DOT=True)
-        want = el.linear(x, lw, bias, residual=res, tile=planes)
-        got = el.linear(x, lw, bias, residual=res, tile=one)
-        torch.testing.assert_close(got, want, equal_nan=True, **tol)
-        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[:, 3]).all()
-        torch.testing.assert_close(el.linear(x, lw, x2=x2, tile=one), el.linear(x, lw, x2=x2, tile=planes),
-                                   equal_nan=True, **tol)
-    # the default tiles with the rule on (ONE_DOT from 16 rows) take it
-    from lowbit.kernels import nvfp4_gemm
-    want = el.linear(x, lw, bias, residual=res)
-    nvfp4_gemm.ONE_DOT_FROM_BLOCK_M = 16
-    try:
-        got = el.linear(x, lw, bias, residual=res)
-    finally:
-        nvfp4_gemm.ONE_DOT_FROM_BLOCK_M = None
-    torch.testing.assert_close(got, want, equal_nan=True, **tol)
-    with pytest.raises(ValueError, match="ONE_DOT"):
-        el.linear(x[:1], lw, tile={"BLOCK_M": 1, "BLOCK_N": 16, "SPLIT_K": 1, "USE_DOT": False,
-                                   "ONE_DOT": True, "num_warps": 4, "num_stages": 1})
-
-
-@pytest.mark.parametrize("one_dot", [False, True])
-def test_nvfp4_tiles_over_two_ks_multiply_the_exact_weight(one_dot):
+def test_nvfp4_tiles_over_two_ks_multiply_the_exact_weight():
     # one-hot rows show each value bit for bit over K of two tiles, the second partial; and a
-    # second input (RAC's) on the same decoded tiles. ONE_DOT: the 8 planes of a K-tile as one
-    # (BLOCK_N, 128) operand in tl.join's column order, the activations permuted to match --
-    # a wrong permutation puts a one-hot row's value in another column
+    # second input (RAC's) on the same decoded tiles
     g = torch.Generator().manual_seed(3)
     N, K = 40, 200
     w = _weight("nvfp4", _adversarial(N, K, g), torch.float32)
     expected = w.reference_values()
-    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, "ONE_DOT": one_dot}
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
     for start in range(0, K, 7):
         rows = torch.arange(start, min(start + 7, K))
         x = F.one_hot(rows, K).float().to(DEV)

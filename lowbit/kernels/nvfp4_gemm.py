@@ -20,13 +20,6 @@ At one row a tile may instead run on the CUDA cores (USE_DOT False, BLOCK_M 1, c
 caller's tile): the same decoded planes, each times its 16 columns of the row in float32,
 summed elementwise and once at the end, so no MMA lane is spent on the 15 rows an MMA tile
 pads (`python benchmarks/tune.py engine-gemm --rows 1` times it beside the MMA tiles).
-
-With a register operand, each tl.dot is waited on before the next (sm_90 machine code: one
-`WARPGROUP.DEPBAR` after every HGMMA), so a K-tile's 8 plane MMAs run one after another. ONE_DOT
-(a tile option; `ONE_DOT_FROM_BLOCK_M` for the default tiles) joins the 8 decoded planes into
-one (BLOCK_N, 128) operand in tl.join's column order and permutes the activations' 128 columns
-to match in registers: one MMA chain a K-tile and one wait, for about one more instruction a
-weight (`tune.py engine-gemm --one-dot` times both).
 """
 
 from __future__ import annotations
@@ -37,8 +30,8 @@ import triton.language as tl
 
 from lowbit.kernels import interpret_mode
 from lowbit.kernels.gemm_common import row_tile, store_output
-from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
 from lowbit.kernels.launch import cdiv
+from lowbit.kernels.nvfp4_tiles import nvfp4_tiles_triton
 
 __all__ = ["nvfp4_linear", "nvfp4_tile", "nvfp4_linear_kernel", "split_k_workspace",
            "WORKSPACES", "RETIRED_WORKSPACES"]
@@ -67,11 +60,6 @@ def nvfp4_tile(rows: int, N: int, tiles_k: int, row_tiles: int | None = None) ->
     split = 4 if tiles_k >= 16 and tiles < 4 * _SMS else 1
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 4}
-
-
-ONE_DOT_FROM_BLOCK_M: int | None = None
-"""Tiles of at least this many activation rows multiply a K-tile's 8 planes as one MMA chain
-(ONE_DOT) instead of 8 (None: never). Untimed as yet: off by default."""
 
 
 @triton.jit
@@ -155,25 +143,6 @@ def _plane_plain(words, s, J: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(acc, w, x_ptrs, x2_ptrs, k0, row_ok, K, HAS_X2: tl.constexpr, F32_DOT: tl.constexpr):
-    """acc + w @ x^T over a whole 128-column K-tile: w (BLOCK_N, 128) in _join8's column order;
-    the activations read in natural order and permuted to it in registers."""
-    kk = k0 + tl.arange(0, 128)[:, None]
-    ok = row_ok & (kk < K)
-    acc = _dot_t(w, _to_join8_order(tl.load(x_ptrs + kk, mask=ok, other=0.0)), acc, F32_DOT)
-    if HAS_X2:
-        acc = _dot_t(w, _to_join8_order(tl.load(x2_ptrs + kk, mask=ok, other=0.0)), acc, F32_DOT)
-    return acc
-
-
-@triton.jit
-def _to_join8_order(x):
-    """(128, M) rows in natural column order -> in _join8's order."""
-    r = tl.reshape(x, (2, 2, 2, 16, x.shape[1]))
-    return tl.reshape(tl.permute(r, (3, 2, 1, 0, 4)), (128, x.shape[1]))
-
-
-@triton.jit
 def _plane_dot(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr,
                F32_DOT: tl.constexpr):
     """acc + w @ x^T (+ w @ x2^T) over one plane's 16 columns: w (BLOCK_N, 16) bf16, the
@@ -212,14 +181,6 @@ def _plane_fma(acc, w, x_ptrs, x2_ptrs, cols, row_ok, K, HAS_X2: tl.constexpr):
 
 
 @triton.jit
-def _join8(w0, w1, w2, w3, w4, w5, w6, w7):
-    """The 8 decoded planes (BLOCK_N, 16) as one (BLOCK_N, 128) operand: its column f holds
-    plane 4 (f % 2) + 2 ((f // 2) % 2) + (f // 4) % 2, column f // 8 (tl.join's order)."""
-    r = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-    return tl.reshape(r, (r.shape[0], 128))
-
-
-@triton.jit
 def _dot_t(w, xv, acc, F32_DOT: tl.constexpr):
     """acc + w @ xv: w bf16 (N, k) times xv bf16 (k, M), or (F32_DOT) both in float32."""
     if F32_DOT:
@@ -237,8 +198,7 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
                         HAS_X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_RES: tl.constexpr, GROUPED: tl.constexpr, ROW_DIV: tl.constexpr,
                         ASM: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr = True,
-                        ONE_DOT: tl.constexpr = False):
+                        BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr = True):
     """Grid (row tiles, column tiles, SPLIT_K): y^T tile (BLOCK_N, BLOCK_M) = W tile x^T over
     this program's share of K's tiles (see the module doc). USE_DOT False (one row, BLOCK_M 1):
     on the CUDA cores, each decoded plane times the row's 16 columns accumulated elementwise in
@@ -287,20 +247,14 @@ def nvfp4_linear_kernel(x_ptr, x2_ptr, wq_ptr, ws_ptr, rs_ptr, bias_ptr, res_ptr
             w6 = _plane_plain(words, s6[:, None], 6)
             w7 = _plane_plain(words, s7[:, None], 7)
         c = t * 128 + ri
-        if ONE_DOT:
-            # the 8 planes side by side as one (BLOCK_N, 128) operand, the activations read in
-            # the same column order: one MMA chain a K-tile, waited on once
-            acc = _tile_dot(acc, _join8(w0, w1, w2, w3, w4, w5, w6, w7), x_ptrs, x2_ptrs, t * 128,
-                            row_ok, K, HAS_X2, F32_DOT)
-        else:
-            acc, acc_v = _plane(acc, acc_v, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
-            acc, acc_v = _plane(acc, acc_v, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w0, x_ptrs, x2_ptrs, c, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w1, x_ptrs, x2_ptrs, c + 16, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w2, x_ptrs, x2_ptrs, c + 32, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w3, x_ptrs, x2_ptrs, c + 48, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w4, x_ptrs, x2_ptrs, c + 64, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w5, x_ptrs, x2_ptrs, c + 80, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w6, x_ptrs, x2_ptrs, c + 96, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
+        acc, acc_v = _plane(acc, acc_v, w7, x_ptrs, x2_ptrs, c + 112, row_ok, K, HAS_X2, F32_DOT, USE_DOT)
     if not USE_DOT:
         acc = tl.sum(acc_v, axis=1)[:, None]              # (BLOCK_N, 1)
     n_ok = rn < N
@@ -360,21 +314,15 @@ def nvfp4_linear(x, x2, weight, y, bias, residual, rows, tile_expert, row_ids, r
     N, K = tiles.out_features, tiles.in_features
     grouped = tile_expert is not None
     row_tiles = tile_expert.numel() if grouped else None
-    default = tile is None
-    if default:
+    if tile is None:
         tile = (_interpreter_nvfp4_tile(rows, tiles.tiles_k) if interpret_mode() else
                 nvfp4_tile(rows, N, tiles.tiles_k, row_tiles))
     tile = dict(tile)
     if not tile.get("USE_DOT", True) and (grouped or rows != 1 or tile["BLOCK_M"] != 1):
         raise ValueError("the NVFP4 kernel's CUDA-core tile (USE_DOT False) takes one row, "
                          "BLOCK_M 1, not grouped")
-    if tile.get("ONE_DOT") and not tile.get("USE_DOT", True):
-        raise ValueError("ONE_DOT (one MMA chain a K-tile) is a tensor-core tile's option, not "
-                         "the CUDA-core tile's (USE_DOT False)")
     if grouped:
         tile["BLOCK_M"] = block_m
-    if default and ONE_DOT_FROM_BLOCK_M is not None:
-        tile["ONE_DOT"] = tile["BLOCK_M"] >= ONE_DOT_FROM_BLOCK_M
     split = tile["SPLIT_K"]
     grid = (row_tiles or cdiv(rows, tile["BLOCK_M"]), cdiv(N, tile["BLOCK_N"]), split)
     # only split tiles use the workspace: a prefill's many tiles never grow it
