@@ -223,9 +223,9 @@ def sweep_amax(args, device: str) -> dict:
     time, read GB/s against a copy's and whether the amax is torch's (of x, or of
     random_hadamard(x) with the fused transform); chose lowbit.kernels.quantize.amax_config."""
     import torch
-    import triton
 
     from lowbit.formats.hadamard import random_hadamard
+    from lowbit.kernels.launch import cdiv
     from lowbit.kernels.quantize import (INTERPRET, amax_config, default_config, sm_count,
                                          tensor_amax_kernel)
 
@@ -252,10 +252,10 @@ def sweep_amax(args, device: str) -> dict:
         row = {"copy_ms": copy_ms, "copy_GBs": copy_bw, "torch_abs_amax_ms":
                gpu_ms(lambda: x.abs().amax(), device), "configs": {}}
         for tr, tc, w, iters, had, note in launches:
-            n_tc, n_tr = triton.cdiv(cols, tc), triton.cdiv(rows, tr)
+            n_tc, n_tr = cdiv(cols, tc), cdiv(rows, tr)
 
             def launch(tr=tr, tc=tc, w=w, iters=iters, had=had, n_tc=n_tc, n_tr=n_tr):
-                tensor_amax_kernel[(triton.cdiv(n_tc * n_tr, iters),)](
+                tensor_amax_kernel[(cdiv(n_tc * n_tr, iters),)](
                     x, amax, signs, rows, cols, 0, *x.stride(), n_tc, n_tr, n_tc * n_tr,
                     ITERS=iters, TILE_R=tr, TILE_C=tc, NATIVE_CAST=not INTERPRET, HADAMARD=had,
                     num_warps=w)
@@ -369,13 +369,13 @@ def sweep_nvfp4(args, device: str) -> dict:
     kernel's configs (lowbit.kernels.hadamard, the same values) and, with --amax, the tensor-amax
     pass's. Chose quantize.py's and hadamard.py's nvfp4 configs."""
     import torch
-    import triton
 
     from lowbit.formats.hadamard import random_hadamard
     from lowbit.formats.spec import QuantSpec
     from lowbit.kernels import run_quantize_kernel, seed_tensor
     from lowbit.kernels import quantize as kq
     from lowbit.kernels.hadamard import fake_quantize_rht_rows
+    from lowbit.kernels.launch import cdiv
 
     dev = torch.device(device)
     configs = [(32, 128, 4), (16, 128, 4), (32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4),
@@ -440,10 +440,10 @@ def sweep_nvfp4(args, device: str) -> dict:
             amax = torch.zeros(1, device=dev, dtype=torch.int32)
             timings = {}
             for tr, tc, w, it in amax_grid:
-                n_tc, n_tr = triton.cdiv(c_, tc), triton.cdiv(r_, tr)
+                n_tc, n_tr = cdiv(c_, tc), cdiv(r_, tr)
 
                 def launch(tr=tr, tc=tc, w=w, it=it, n_tc=n_tc, n_tr=n_tr):
-                    kq.tensor_amax_kernel[(triton.cdiv(n_tc * n_tr, it),)](
+                    kq.tensor_amax_kernel[(cdiv(n_tc * n_tr, it),)](
                         x3, amax, signs, r_, c_, *x3.stride(), n_tc, n_tr, n_tc * n_tr, ITERS=it,
                         TILE_R=tr, TILE_C=tc, NATIVE_CAST=not kq.INTERPRET, HADAMARD=True,
                         num_warps=w)
@@ -774,7 +774,7 @@ def engine_sass() -> dict:
             f.flush()
             text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
         loop, body = 0, ""
-        for label in set(re.findall(r"BRA `\((\.L_x_\d+)\)", text)):
+        for label in sorted(set(re.findall(r"BRA `\((\.L_x_\d+)\)", text))):
             start, end = text.find(label + ":"), text.find("BRA `(" + label + ")")
             if 0 <= start < end and (n := len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end]))) > loop:
                 loop, body = n, text[start:end]

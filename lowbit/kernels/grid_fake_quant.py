@@ -27,8 +27,8 @@ import triton.language as tl
 
 from lowbit.formats.elements import BINARY, SEQ2, ElementFormat
 from lowbit.kernels import interpret_mode
-from lowbit.kernels.quantize import to_output, widen
 from lowbit.kernels.launch import cdiv
+from lowbit.kernels.quantize import to_output, widen
 
 __all__ = ["grid_fake_quantize", "BLOCK"]
 

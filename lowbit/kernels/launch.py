@@ -19,7 +19,7 @@ __all__ = ["cdiv", "pdl_supported", "pdl_launch", "wait_for_inputs"]
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for a grid's size on the host: triton.cdiv is a ConstexprFunction in triton
-    3.6, about 2 us a call, and a launch path calls it several times."""
+    3.9 (the CPU's), about 2 us a call, and a launch path calls it several times."""
     return -(-a // b)
 
 

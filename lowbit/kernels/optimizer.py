@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.kernels.quantize import on_device
 from lowbit.kernels.launch import cdiv
+from lowbit.kernels.quantize import on_device
 
 __all__ = ["adamw_times_b_triton"]
 

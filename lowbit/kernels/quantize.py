@@ -63,6 +63,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from lowbit.kernels.launch import cdiv
 
 __all__ = ["INTERPRET", "TileConfig", "default_config", "launch", "uniforms", "pow2_at_least",
