@@ -143,7 +143,7 @@ def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype, monkeypatch):
     adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
     steps = [torch.tensor(2.0, device="cuda")]
     calls = []
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(1), real(*a, **k)))
     dispatch.adamw_step_times_b([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
                                 torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
     assert calls == [1]
@@ -158,7 +158,8 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     import lowbit.kernels.optimizer as kernel
     calls, real = [], kernel.adamw_times_b_triton
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(len(a[0])), real(*a)))
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
+    monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_runs_on", lambda p, scalars: True)
     monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_applies", lambda tensors: tensors[4].dtype != torch.float32)
     # three uint8 weights (one launch), a bfloat16 one (another) and a float32 one the rule
     # sends to the reference
@@ -178,3 +179,18 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     with pytest.raises(ValueError, match="one of each per weight"):
         dispatch.adamw_step_times_b([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
                                     0.9, 0.95, 1e-8, 0.1, 127.0)
+
+
+def test_the_rule_for_a_weight_refuses_what_the_kernel_would():
+    # kernel_applies checks everything adamw_times_b_triton checks of a weight, since the
+    # weights it passes are not checked again: each defect alone sends the weight away
+    from lowbit.dispatch.optimizer import kernel_applies
+    p, g, m, v, b = _case((6, 40), torch.bfloat16)
+    assert kernel_applies((p, g, m, v, b))
+    assert kernel_applies((p, g, m, v, b.to(torch.uint8))) and kernel_applies((p, g, m, v, b.float()))
+    for i, bad in [(0, p.double()), (1, g.half()), (2, m.double()), (3, v.half()), (4, b.to(torch.int8)),
+                   (1, g[:, :39]), (4, b[:5]), (0, p.t().contiguous().t()), (2, m.t().contiguous().t()),
+                   (4, b.t().contiguous().t()), (1, torch.empty(6, 80)[:, ::2].copy_(g))]:
+        tensors = [p, g, m, v, b]
+        tensors[i] = bad
+        assert not kernel_applies(tuple(tensors)), (i, bad.dtype, tuple(bad.shape), bad.stride())

@@ -630,7 +630,7 @@ def test_b_inside_fused_adamws_step_on_cuda_is_the_copy_and_scale_way(b_dtype, m
     prepared weights (counted), against the general way around the same fused AdamW."""
     import lowbit.kernels.optimizer as kernel
     calls, real = [], kernel.adamw_times_b_triton
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a: (calls.append(len(a[0])), real(*a)))
+    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     (fused_net, fused_opt, fused_hook), (net, opt, _) = _b_on_update_runs(b_dtype, "cuda")
     assert calls == [2] * 5                                     # one launch for both weights, five steps
     assert len(fused_hook.scaling.fused) == 2

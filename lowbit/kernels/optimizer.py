@@ -91,16 +91,18 @@ def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Ten
 def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                          exp_avg_sqs: list[torch.Tensor], bs: list[torch.Tensor], step_sizes: torch.Tensor,
                          corrections2_sqrt: torch.Tensor, decay: torch.Tensor | None, beta1: float, beta2: float,
-                         eps: float, levels_per_unit: float | None) -> None:
+                         eps: float, levels_per_unit: float | None, checked: bool = False) -> None:
     """lowbit.formats.optimizer.adamw_times_b_ of every weight in one launch: each p, g, m, v
     float32 and contiguous, its b (float32, bfloat16 or uint8; one dtype for all) contiguous and
     of p's shape, all on one device; step_sizes and corrections2_sqrt (n,) float32, one per
-    weight, and decay a 0-d float32 (or None), on that device."""
+    weight, and decay a 0-d float32 (or None), on that device. checked: the caller has checked
+    each weight's tensors so (lowbit.dispatch.optimizer.kernel_applies), so they are not checked
+    again here (host time a weight, every step); the rest still is."""
     weights = list(zip(params, grads, exp_avgs, exp_avg_sqs, bs, strict=True))
     if not weights:
         return
     device, b_dtype = params[0].device, bs[0].dtype
-    for p, g, m, v, b in weights:
+    for p, g, m, v, b in ([] if checked else weights):
         if not (p.dtype == m.dtype == v.dtype == g.dtype == torch.float32):
             raise ValueError(f"the AdamW kernel takes float32 weights, gradients and moments (got {p.dtype}, "
                              f"{g.dtype}, {m.dtype}, {v.dtype})")
