@@ -11,12 +11,9 @@ import torch
 
 from lowbit import kernels
 from lowbit.dispatch._quantizers import reference_forced
-from lowbit.formats.optimizer import adamw_step_scalars, adamw_times_b_
+from lowbit.formats.optimizer import B_DTYPES, adamw_step_scalars, adamw_times_b_
 
-__all__ = ["adamw_step_times_b", "kernel_runs_on", "kernel_applies", "B_DTYPES"]
-
-B_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
-"""The B storages the kernel reads."""
+__all__ = ["adamw_step_times_b", "kernel_runs_on", "kernel_applies"]
 
 
 def kernel_runs_on(p: torch.Tensor, scalars: tuple[torch.Tensor, ...]) -> bool:

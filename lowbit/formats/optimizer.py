@@ -22,7 +22,10 @@ import torch
 
 from lowbit.formats.quantize import divide
 
-__all__ = ["adamw_step_scalars", "adamw_times_b_"]
+__all__ = ["adamw_step_scalars", "adamw_times_b_", "B_DTYPES"]
+
+B_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+"""The storages of B adamw_times_b_ takes (uint8: levels, with levels_per_unit)."""
 
 
 def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float,

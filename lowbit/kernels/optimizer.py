@@ -27,13 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.formats.optimizer import B_DTYPES
 from lowbit.kernels.launch import cdiv
 from lowbit.kernels.quantize import on_device
 
 __all__ = ["adamw_times_b_triton"]
 
 BLOCK = 2048
-_B_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+_B_TYPES = {dtype: code for code, dtype in enumerate(B_DTYPES)}   # B_TYPE: float32 0, bfloat16 1, uint8 2
 
 
 @triton.jit
