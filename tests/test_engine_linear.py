@@ -296,9 +296,10 @@ def test_nvfp4_split_over_k_sums_in_the_workspace_and_leaves_it_zeroed(M):
     for tile in ({"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 3, "num_warps": 4, "num_stages": 1},
                  {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1},
                  None):
-        for _ in range(2):
+        for _ in range(2):   # float32 sums of 300 products in another order: the reference's own
+            # error against float64 is up to 3.4e-5 here, the kernel's up to 5.9e-5 (one H100)
             torch.testing.assert_close(el.linear(x, lw, bias, residual=res, tile=tile), expected,
-                                       **TOL[torch.float32])
+                                       atol=1e-4, rtol=1e-4)
     assert nvfp4_tile(1, 2560, 16)["SPLIT_K"] == 4 and nvfp4_tile(1, 4096, 8)["SPLIT_K"] == 1
     # many rows: split while the tiles leave SMs idle, not once they fill a wave
     assert nvfp4_tile(128, 2048, 16)["SPLIT_K"] == 4 and nvfp4_tile(128, 11264, 16)["SPLIT_K"] == 1

@@ -160,7 +160,8 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     calls, real = [], kernel.adamw_times_b_triton
     monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_runs_on", lambda p, scalars: True)
-    monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_applies", lambda tensors: tensors[4].dtype != torch.float32)
+    monkeypatch.setattr("lowbit.dispatch.optimizer.state_applies", lambda tensors: tensors[3].dtype != torch.float32)
+    monkeypatch.setattr("lowbit.dispatch.optimizer._STATE_RULES", {})   # no answer kept from another test
     # three uint8 weights (one launch), a bfloat16 one (another) and a float32 one the rule
     # sends to the reference
     dtypes = [torch.uint8, torch.bfloat16, torch.uint8, torch.float32, torch.uint8]
@@ -176,6 +177,22 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
         for x, y in zip(a, w):
             assert torch.equal(x, y)
     p, _, m, v, b = got[0]
+    # a second step with new gradients (the table's column written each step), a bfloat16 B
+    # swapped for a float32 one (new addresses: the rule asked again, the weight to the reference)
+    got, want = [list(c) for c in got], [list(c) for c in want]
+    for c, w in zip(got, want):
+        c[1] = torch.randn_like(c[1])
+        w[1] = c[1].clone()
+    got[1][4], want[1][4] = got[1][4].float(), want[1][4].float()
+    calls.clear()
+    dispatch.adamw_step_times_b(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
+                                torch.tensor(0.003), 0.9, 0.95, 1e-8, 0.1, 127.0)
+    for i, case in enumerate(want):
+        adamw_times_b_(*case, *_scalars("cpu", 0.1, t=4 + i), 0.9, 0.95, 1e-8, 127.0)
+    assert calls == [3]
+    for a, w in zip(got, want):
+        for x, y in zip(a, w):
+            assert torch.equal(x, y)
     with pytest.raises(ValueError, match="one of each per weight"):
         dispatch.adamw_step_times_b([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
                                     0.9, 0.95, 1e-8, 0.1, 127.0)

@@ -14,8 +14,9 @@ weight spends the host's time on each of a model's tens or hundreds of weights):
 a block of one weight, every weight's blocks in turn, each program's weight read from a map
 made once for the weights' sizes; each weight's five addresses, size and first block are one
 row of a small int64 table copied to the device each step (the gradients are new tensors
-every step). The copy makes a step that CUDA graphs cannot capture; lowbit's loops keep the
-optimizer's step out of their graphs.
+every step; the rest of the table is kept for the addresses the optimizer's tensors hold).
+The copy makes a step that CUDA graphs cannot capture; lowbit's loops keep the optimizer's
+step out of their graphs.
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def _block_map(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Ten
     return block_weight.to(device), firsts
 
 
+@functools.lru_cache(maxsize=8)
+def _state_table(state_ptrs: tuple[int, ...], numels: tuple[int, ...], firsts: tuple[int, ...]) -> torch.Tensor:
+    """The (weights, 7) int64 host table of each weight's p, g, m, v, b addresses, size and first
+    block, the gradients' column zero (written each step): state_ptrs p, m, v, b a weight."""
+    table = torch.zeros(len(numels), 7, dtype=torch.int64)
+    state = torch.tensor(state_ptrs, dtype=torch.int64).view(-1, 4)
+    table[:, 0], table[:, 2:5] = state[:, 0], state[:, 1:]
+    table[:, 5], table[:, 6] = torch.tensor(numels, dtype=torch.int64), torch.tensor(firsts, dtype=torch.int64)
+    return table
+
+
 def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                          exp_avg_sqs: list[torch.Tensor], bs: list[torch.Tensor], step_sizes: torch.Tensor,
                          corrections2_sqrt: torch.Tensor, decay: torch.Tensor | None, beta1: float, beta2: float,
@@ -119,15 +131,16 @@ def adamw_times_b_triton(params: list[torch.Tensor], grads: list[torch.Tensor], 
     if decay is not None and (decay.shape != () or decay.dtype != torch.float32 or decay.device != device):
         raise ValueError(f"the AdamW kernel takes the decay as a 0-d float32 on {device} (got "
                          f"{tuple(decay.shape)} {decay.dtype} on {decay.device})")
-    numels = tuple(p.numel() for p in params)
+    numels = tuple([p.numel() for p in params])
     block_weight, firsts = _block_map(device, numels)
     if not block_weight.numel():
         return
-    # the addresses as they are now; the table copied without waiting on the GPU (a pageable
-    # source is staged at once, so the list may go)
-    table = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), b.data_ptr(), n, first]
-                          for (p, g, m, v, b), n, first in zip(weights, numels, firsts)],
-                         dtype=torch.int64).to(device, non_blocking=True)
+    # the addresses as they are now: the state's (p, m, v, b), sizes and first blocks kept for the
+    # addresses they hold, the gradients' written each step; the table copied without waiting on
+    # the GPU (a pageable source is staged at once, so the host copy may go)
+    table = _state_table(tuple([t.data_ptr() for w in weights for t in w[:1] + w[2:]]), numels, firsts).clone()
+    table[:, 1] = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    table = table.to(device, non_blocking=True)
     decay_t = step_sizes if decay is None else decay        # an unused pointer without decay
     with on_device(params[0]):
         _adamw_times_b_kernel[(block_weight.numel(),)](
