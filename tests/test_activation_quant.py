@@ -258,8 +258,9 @@ def test_rac_by_group_is_the_references_bit_for_bit(dtype, prologue):
     # RAC's channels chosen group by group (a sort within each group, no radix select): K a
     # multiple of the group, a last partial group, a group as wide as the row, and one wider;
     # random rows, ties, zeros, NaN / Inf, huge and tiny
+    # (16 chosen a group, G 64 at 0.25 and G 16 at 1.0, take the path whose blocks are the groups)
     for k, group, ratios in ((200, 64, (0.125, 0.25)), (200, 128, (0.25,)), (64, 64, (0.25,)),
-                             (40, 256, (0.25,)), (64, 16, (1.0, 0.25))):
+                             (40, 256, (0.25,)), (256, 64, (0.25, 0.2)), (64, 16, (1.0, 0.25))):
         x, norm = _operands(prologue, k, dtype, seed=k + group)
         kw = dict(norm=norm, eps=EPS, silu_mul=prologue == "silu_mul")
         inp = _prologue(x, **kw)

@@ -77,6 +77,12 @@ channel is quantized in place and r_hat is written where it lies, zero elsewhere
 memory, no barrier, no scatter. (The zero padding of a last partial block never raises its
 amax.)
 
+With channels chosen group by group (rac_group G), every full group keeps exactly its count;
+where that count is 16 (G = 64 at RAC 25%, the engine's setting) the compacted row's block g
+is group g's chosen channels (a last partial group keeps at most 16, its own block), so each
+block's amax is a plain max over the group's lanes (the others are 0) and neither the running
+count nor the two scans are needed.
+
 FP8
 ---
 One `rceil` E8M0 scale per row (2^ceil(log2(amax / 448)) on the bits, lowbit/kernels/
@@ -257,26 +263,36 @@ def _rac_channels(r, ok, count, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr, EARL
 
 
 @triton.jit
-def _rac_group_channels(r, ok, K, count, count_last, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+def _rac_group_chosen(r, ok, K, count, count_last, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     """The chosen mask of RAC's channels group by group (rac_group_channels): the top `count`
     |r| of each GROUP consecutive lanes, `count_last` in a last group of fewer than GROUP real
-    lanes (NaN largest, ties to the lower channel), and each lane's block in the compacted row.
-    Each group sorts its keys, made distinct by the lane (|r| bits << 16 | GROUP - 1 - lane),
-    and keeps those at or above its count-th largest: no selection spans the row."""
+    lanes (NaN largest, ties to the lower channel). Each group sorts its keys (int32 |r| bits)
+    for its count-th largest, the cut; it keeps every key above the cut and, of the keys equal
+    to it, the first ones along the group up to its count: no selection spans the row, and
+    every full group keeps exactly `count`."""
     NG: tl.constexpr = BLOCK_K // GROUP
     keys = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     keys = tl.where(keys > 0x7F800000, 0x7FFFFFFF, keys)            # every NaN alike
-    keys = tl.where(ok, keys, -1)                                    # padding: below all
+    keys = tl.reshape(tl.where(ok, keys, -1), (NG, GROUP))          # padding: below all
     lane = tl.arange(0, GROUP)
-    ranked = (tl.reshape(keys, (NG, GROUP)).to(tl.int64) << 16) | (GROUP - 1 - lane)[None, :]
-    ordered = tl.sort(ranked, dim=1, descending=True)
+    ordered = tl.sort(keys, dim=1, descending=True)
     length = K - tl.arange(0, NG) * GROUP                            # real lanes of each group
     take = tl.where(length >= GROUP, count, tl.where(length > 0, count_last, 0))
     cut = tl.sum(tl.where(lane[None, :] == take[:, None] - 1, ordered, 0), axis=1)
-    cut = tl.where(take > 0, cut, 0x7FFFFFFFFFFFFFFF)               # a group that takes none
-    chosen = tl.reshape(ranked >= cut[:, None], (BLOCK_K,)) & ok
-    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - chosen.to(tl.int32)
-    return chosen, rank // 16
+    above = keys > cut[:, None]
+    ties = keys == cut[:, None]
+    room = take - tl.sum(above.to(tl.int32), axis=1)
+    chosen = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=1) <= room[:, None]))
+    chosen = chosen & (take > 0)[:, None]                            # a group that takes none
+    return tl.reshape(chosen, (BLOCK_K,)) & ok
+
+
+@triton.jit
+def _group_amax(bits, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Each lane's max of bits (int32 >= 0) over its GROUP consecutive lanes."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    most = tl.max(tl.reshape(bits, (NG, GROUP)), axis=1)
+    return tl.reshape(tl.broadcast_to(most[:, None], (NG, GROUP)), (BLOCK_K,))
 
 
 @triton.jit
@@ -298,7 +314,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
                        BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
                        STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr, EARLY: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_IS_BLOCK: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -333,11 +349,17 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
             if GROUP == 0:
                 chosen, block = _rac_channels(r, ok, count, BLOCK_K, DIGIT, EARLY)
             else:
-                chosen, block = _rac_group_channels(r, ok, K, count, count_last, BLOCK_K, GROUP)
+                chosen = _rac_group_chosen(r, ok, K, count, count_last, BLOCK_K, GROUP)
             r = tl.where(chosen, r, 0.0)
             up_r, down_r = _prescale(r, chosen)
             rs = r * up_r
-            rs_amax = _segment_amax(rs.to(tl.int32, bitcast=True) & 0x7FFFFFFF, block, BLOCK_K)
+            rs_bits = rs.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            if GROUP_IS_BLOCK:   # 16 chosen a group: the compacted row's block g is group g
+                rs_amax = _group_amax(rs_bits, BLOCK_K, GROUP)
+            else:
+                if GROUP != 0:   # a chosen channel's block: its exclusive rank // 16
+                    block = (tl.cumsum(chosen.to(tl.int32), axis=0) - chosen.to(tl.int32)) // 16
+                rs_amax = _segment_amax(rs_bits, block, BLOCK_K)
             r_hat = to_output(_nvfp4_values(rs, rs_amax, down_r, rhat_ptr), rhat_ptr, NATIVE_CAST)
             tl.store(rhat_ptr + out, tl.where(chosen, r_hat, 0.0), mask=ok)
     else:
@@ -467,6 +489,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=early, GROUP=group,
+            GROUP_IS_BLOCK=group > 0 and group_count == 16,
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs
