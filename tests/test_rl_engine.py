@@ -359,8 +359,8 @@ def test_weight_sync_copies_and_changes_outputs():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     assert torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
-    # a sync's fresh weights know their saturation flags before anything reads them (one read
-    # from the device for all, at load; the engine's copy_ compares them next)
+    # fresh weights know their saturation flags before anything reads them (one read from the
+    # device for all, at load; a sync reads them again, once for all, after writing)
     fresh = EngineWeights.load(model.state_dict(), cfg, Precision.NVFP4, 0.0, torch.device("cpu"),
                                torch.float32)
     layer = fresh.layers[0]
@@ -370,6 +370,176 @@ def test_weight_sync_copies_and_changes_outputs():
     assert not torch.equal(engine.score([[1, 2, 3, 4, 5, 6]])[0], before)
     with pytest.raises(ValueError, match="no 'model.norm.weight'"):
         engine.load_state_dict({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})
+
+
+SYNC_MODES = {"bf16": dict(precision="bf16"), "fp8": dict(precision="fp8"),
+              "nvfp4-w4a16": dict(precision="nvfp4-w4a16"),
+              "nvfp4-w4a16-packed": dict(precision="nvfp4-w4a16", packed_gemm=True),
+              "nvfp4": dict(precision="nvfp4"), "nvfp4-packed": dict(precision="nvfp4", packed_gemm=True),
+              "rac": dict(precision="nvfp4", rac_ratio=0.25, rac_group=16),
+              "static": dict(precision="nvfp4", activation_scale="static", packed_gemm=True),
+              # the GEMMs on the kernels (Triton's interpreter on a CPU): tiles made by the kernel
+              "nvfp4-packed-kernels": dict(precision="nvfp4", packed_gemm=True, decode_kernels=True)}
+SEQS = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+
+
+def _stored(weights: EngineWeights) -> list[torch.Tensor]:
+    """Every tensor the engine's weights hold, and what is made from them on first use (an
+    NVFP4 weight's tiles, the values a reference GEMM multiplies), in a fixed order."""
+    from lowbit.formats.linear_weight import WeightStorage
+    out = []
+    for part in weights._parts():
+        if isinstance(part, torch.Tensor):
+            out.append(part)
+            continue
+        out += [t for t in (part.data, part.block_scales, part.row_scales, part.reference_values())
+                if t is not None]
+        if part.format is WeightStorage.NVFP4:
+            tiles = part.tiles()
+            out += [tiles.words, tiles.scales, tiles.row_scales]
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _perturbed(model) -> None:
+    with torch.no_grad():                                   # a trainer step
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def _amax(model, kw):
+    return (calibrate_input_amax(model, [torch.tensor(PROMPTS[1:2])])
+            if kw.get("activation_scale") == "static" else None)
+
+
+@pytest.mark.parametrize("mode", list(SYNC_MODES))
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_sync_writes_a_fresh_loads_bits_into_the_tensors_it_holds(mode, moe):
+    # the sync builds each part as load does and copies it into the live one: every stored
+    # tensor, tile and reference value is a fresh load's bit for bit, in the same storage (the
+    # CUDA graphs captured on it stay valid), and so are the outputs
+    kw = dict(SYNC_MODES[mode], dtype=torch.bfloat16)
+    cfg, model = _model(moe)
+    engine = _engine(cfg, model, **kw)
+    weights, decoder = engine.weights, engine.decoder
+    before = engine.score(SEQS)
+    pointers = [t.data_ptr() for t in _stored(weights)]    # tiles and values made: refreshed
+    _perturbed(model)
+    engine.sync(model.state_dict(), input_amax=_amax(model, kw))
+    fresh = _engine(cfg, model, **kw)                       # EngineWeights.load of the same dict
+    assert engine.weights is weights and engine.decoder is decoder
+    synced = _stored(engine.weights)
+    assert [t.data_ptr() for t in synced] == pointers
+    assert all(_same_bytes(a, b) for a, b in zip(synced, _stored(fresh.weights), strict=True))
+    assert [w.may_saturate for w in engine.weights._linear_weights()] == \
+        [w.may_saturate for w in fresh.weights._linear_weights()]
+    after = engine.score(SEQS)
+    assert all(torch.equal(a, b) for a, b in zip(after, fresh.score(SEQS)))
+    assert not torch.equal(after[0], before[0])            # the sync changed the weights
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_sync_holds_one_new_part_at_a_time(moe, monkeypatch):
+    # each part built from the state dict is freed once copied, before the next is built: the
+    # engine's weights are never held twice
+    import weakref
+    from lowbit.rl.engine.weights import EngineExperts
+    cfg, model = _model(moe)
+    engine = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16)
+    built = []
+
+    def counted(cls):
+        real = cls.copy_
+
+        def copy_(self, other):
+            assert all(ref() is None for ref in built)      # every earlier part freed
+            built.append(weakref.ref(other))
+            real(self, other)
+        monkeypatch.setattr(cls, "copy_", copy_)
+    counted(EngineLinear), counted(EngineExperts)
+    _perturbed(model)
+    engine.sync(model.state_dict())
+    assert len(built) == cfg.n_layers * (3 if moe else 4)   # q|k|v, o, gate|up, down or experts
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_refused_sync_says_why_in_one_line_and_writes_nothing(moe):
+    # every check runs before the first write: the last layer's weight of a wrong shape, a key
+    # missing or unknown, a packed weight of another format, a packed embedding
+    cfg, model = _model(moe)
+    engine = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16)
+    scores = engine.score(SEQS)
+    before = [t.clone() for t in _stored(engine.weights)]
+    _perturbed(model)
+    sd = model.state_dict()
+    last = "model.layers.1.mlp.experts.down_proj" if moe else "model.layers.1.mlp.down_proj.weight"
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    fp8 = RolloutEngine(cfg, precision="fp8", dtype=torch.bfloat16).pack_state_dict(sd)
+    nvfp4 = RolloutEngine(cfg, precision="nvfp4", dtype=torch.bfloat16).pack_state_dict(sd)
+    for bad, message in (({**sd, last: sd[last][..., :-1]}, f"state dict's '{last}' has shape"),
+                         ({k: v for k, v in sd.items() if k != "model.norm.weight"},
+                          "state dict has no 'model.norm.weight'"),
+                         ({**sd, "model.layers.1.mlp.extra": sd["model.norm.weight"]},
+                          "keys the engine's model does not: model.layers.1.mlp.extra"),
+                         ({**sd, o_proj: fp8[o_proj]}, "a packed weight must be what this engine stores"),
+                         ({**sd, "model.embed_tokens.weight": nvfp4[o_proj]}, "must be a tensor")):
+        with pytest.raises(ValueError, match=message) as refused:
+            engine.sync(bad)
+        assert "\n" not in str(refused.value)
+        assert engine.loaded
+        assert all(_same_bytes(a, b) for a, b in zip(_stored(engine.weights), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(engine.score(SEQS), scores))
+
+
+def test_a_sync_stopped_while_writing_leaves_the_engine_unloaded_until_the_next(monkeypatch):
+    # an error after the checks (out of memory building a part) leaves the weights part old,
+    # part new: the engine refuses to generate on them, and the next sync writes them whole
+    # (and asks for the kernels to be captured again: the flags they took are not known)
+    cfg, model = _model(False)
+    engine = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16)
+    _perturbed(model)
+    real, calls = EngineLinear.copy_, []
+
+    def fails_third(self, other):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        real(self, other)
+    monkeypatch.setattr(EngineLinear, "copy_", fails_third)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.sync(model.state_dict())
+    assert not engine.loaded
+    with pytest.raises(ValueError, match="stopped while writing"):
+        engine.score(SEQS)
+    monkeypatch.undo()
+    assert engine.weights.load_(model.state_dict()) is False
+    assert engine.loaded and engine.weights.load_(model.state_dict()) is True
+    fresh = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(engine.score(SEQS), fresh.score(SEQS)))
+
+
+def test_a_sync_that_changes_a_saturation_flag_says_so():
+    # a weight that reaches bf16's largest value saturates where it is dequantized: a kernel
+    # captured on the weight took the flag as a constant, so the sync asks for a new capture
+    cfg, model = _model(False)
+    sd, name = model.state_dict(), "model.layers.0.self_attn.o_proj.weight"
+    huge = sd[name].clone()
+    huge[3, 5] = torch.finfo(torch.bfloat16).max
+    args = (cfg, Precision.NVFP4, 0.0, torch.device("cpu"), torch.bfloat16)
+    weights = EngineWeights.load(sd, *args)
+    o_proj = weights.layers[0].o_proj.weight
+    assert not o_proj.may_saturate
+    assert weights.load_({**sd, name: huge}) is False and o_proj.may_saturate
+    assert weights.load_({**sd, name: huge}) is True
+    fresh = EngineWeights.load({**sd, name: huge}, *args)
+    assert all(_same_bytes(a, b) for a, b in zip(_stored(weights), _stored(fresh), strict=True))
+    assert weights.load_(sd) is False and not o_proj.may_saturate
+    with pytest.raises(ValueError, match="loaded without static activation scales"):
+        weights.load_(sd, input_amax={})
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4-w4a16", "nvfp4"])

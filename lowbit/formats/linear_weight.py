@@ -172,20 +172,23 @@ class LinearWeight:
 
     @torch.no_grad()
     def copy_(self, other: LinearWeight) -> None:
-        """Take other's stored weight into this one's tensors, in place (the same format and
-        shapes): what was built on this weight -- a CUDA graph reading its pointers -- stays
-        valid. What was made from it -- reference_values(), tiles() -- is refreshed in place too."""
+        """Take other's stored weight into this one's tensors, in place (the same format, shapes
+        and dtype): what was built on this weight -- a CUDA graph reading its pointers -- stays
+        valid. What was made from it -- reference_values(), tiles() -- is refreshed in place too.
+        may_saturate becomes other's, read from the device on next use (or by `settle`, for many
+        weights at once) where other's is not known: a kernel that took the flag as a constant
+        is the caller's to compare (a weight sync copies hundreds of weights, and reading each
+        one's flag here would stall the device's queue as many times)."""
         if (other.format is not self.format or other.data.shape != self.data.shape
-                or other.dtype != self.dtype or other.may_saturate != self.may_saturate):
-            raise ValueError(f"copy_ needs the same format, shape, dtype and saturation (got "
-                             f"{other.format.value} {tuple(other.data.shape)} {other.dtype} "
-                             f"saturating={other.may_saturate} for {self.format.value} "
-                             f"{tuple(self.data.shape)} {self.dtype} saturating={self.may_saturate}: "
-                             "a kernel built for one may not read the other)")
+                or other.dtype != self.dtype):
+            raise ValueError(f"copy_ needs the same format, shape and dtype (got "
+                             f"{other.format.value} {tuple(other.data.shape)} {other.dtype} for "
+                             f"{self.format.value} {tuple(self.data.shape)} {self.dtype})")
         for mine, theirs in ((self.data, other.data), (self.block_scales, other.block_scales),
                              (self.row_scales, other.row_scales)):
             if mine is not None:
                 mine.copy_(theirs)
+        self._saturates = other._saturates
         if self._values is not None:   # other's, where it made them already
             self._values.copy_(other._values if other._values is not None else other._gemm_values())
         if self._tiles is not None:   # re-laid from the new bytes, into the same tensors

@@ -104,7 +104,8 @@ class RolloutEngine:
 
     @property
     def loaded(self) -> bool:
-        return self.weights is not None
+        """The engine holds whole weights (none yet, or a sync that stopped while writing: not)."""
+        return self.weights is not None and not self.weights.partial
 
     def sync(self, state_dict: Mapping[str, torch.Tensor],
              input_amax: Mapping[str, float] | None = None) -> None:
@@ -133,7 +134,11 @@ class RolloutEngine:
         """Take a state dict by Hugging Face parameter names: every tensor is copied to the
         engine's device and dtype, then stored as the precision mode says (EngineWeights); a
         linear weight packed by pack_state_dict is moved as it is. The engine keeps no reference
-        to the given tensors. Missing or unexpected keys are refused.
+        to the given tensors. Missing or unexpected keys, and tensors of other shapes, are
+        refused in one line, before anything is written. After the first load, a sync writes
+        into the weights the engine holds, one part at a time (EngineWeights.load_): its CUDA
+        graphs stay valid, and the weights are never held twice; an error while writing (out of
+        memory) leaves the engine unloaded (`loaded` False) until a sync succeeds.
 
         input_amax: with activation_scale "static" (and only then), each linear's calibrated
         input amax by module name, as lowbit.export.calibrate_input_amax returns it for the
@@ -148,20 +153,23 @@ class RolloutEngine:
         if not static and input_amax is not None:
             raise ValueError("input_amax sets static activation scales; this engine's are "
                              f"{s.activation_scale.value} (pass activation_scale='static')")
-        weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
-                                     s.dtype, s.packed_gemm, input_amax, rac_group=s.rac_group)
-        # a sync into the tensors the CUDA graphs read keeps them (and a compiled step) valid
-        if self.weights is not None and self.weights.copy_(weights):
+        if self.weights is not None:
+            if not self.weights.load_(state_dict, input_amax):
+                # a weight's saturation flag changed: the captured kernels took it as a constant
+                self._graphs.clear()
+                self._compiled_decode = None
             return
-        self.weights = weights
+        self.weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
+                                          s.dtype, s.packed_gemm, input_amax, rac_group=s.rac_group)
         self.decoder = Decoder(self.config, self.weights, self.cache, s.decode_kernels,
                                self.decode_pdl)
-        self._graphs.clear()   # the graphs read the old weight tensors
-        self._compiled_decode = None
 
     def _loaded_weights(self) -> EngineWeights:
         if self.weights is None:
             raise ValueError("the engine has no weights yet; call load_state_dict first")
+        if self.weights.partial:
+            raise ValueError("the engine's last weight sync stopped while writing (its weights are "
+                             "part old, part new); sync again")
         return self.weights
 
     def weight_bytes(self) -> int:
@@ -188,8 +196,7 @@ class RolloutEngine:
 
     def _prepare(self, prompts: list[list[int]], new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded prompt tokens (B, T) and lengths (B,) on the device, after the checks."""
-        if not self.loaded:
-            raise ValueError("the engine has no weights yet; call load_state_dict first")
+        self._loaded_weights()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, each of at least one token")
         B, Tp = len(prompts), max(len(p) for p in prompts)

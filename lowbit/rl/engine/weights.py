@@ -20,6 +20,13 @@ expert quantized on its own.
 The engine never holds the trainer's tensors: every weight is copied to the engine's device
 and compute dtype first, so the trainer may step while the engine generates.
 
+A weight sync (`EngineWeights.load_`) writes into the tensors the engine holds, so that CUDA
+graphs captured on them stay valid: every key, shape and packed form of the state dict is
+checked first (a refused state dict leaves the weights as they were), then each part -- an
+EngineLinear, an MoE layer's EngineExperts, a norm or embedding tensor -- is built as `load`
+builds it and copied into its live twin before the next is built. So a sync holds at most one
+part twice, never the whole model, and stores the same bits as a fresh `load`.
+
 A weight sync may move packed bytes (for an engine on another device than the trainer's):
 `pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
 (after the cast to the engine's compute dtype, as `load` does), and `load` takes those
@@ -29,8 +36,10 @@ the same bits as quantizing on arrival.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -49,25 +58,34 @@ def _linear_weight(weights: list[torch.Tensor | QTensor], precision: Precision,
     """Parts (N_i, K) of any dtype and device, fused along N in the mode's storage; a part given
     packed (a QTensor of the mode's spec made from `dtype` values: pack_state_dict) is moved
     as it is, not quantized again."""
+    for w in weights:
+        _check_packed(w, precision, dtype)
     if precision is Precision.BF16:
-        if any(isinstance(w, QTensor) for w in weights):
-            raise ValueError("a bf16 engine stores dense weights: give it tensors, not packed QTensors")
         own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
         return LinearWeight.dense(own[0] if len(own) == 1 else torch.cat(own))
     return LinearWeight.from_qtensors([_packed(w, precision, device, dtype) for w in weights], dtype)
 
 
-def _packed(weight: torch.Tensor | QTensor, precision: Precision, device: torch.device,
-            dtype: torch.dtype) -> QTensor:
-    """One part as the mode stores it, on `device`: quantized here, or checked and moved."""
+def _check_packed(weight: torch.Tensor | QTensor, precision: Precision, dtype: torch.dtype) -> None:
+    """Refuses a packed part (pack_state_dict's QTensor) that is not what the mode stores from
+    `dtype` values; a tensor passes (it is quantized on arrival)."""
     if not isinstance(weight, QTensor):
-        return quantize_weight(weight.detach().to(device=device, dtype=dtype, copy=True), precision)
+        return
+    if precision is Precision.BF16:
+        raise ValueError("a bf16 engine stores dense weights: give it tensors, not packed QTensors")
     spec = stored_weight_spec(precision, weight.shape[-1])
     if len(weight.shape) != 2 or weight.spec != spec or weight.dtype != dtype:
         raise ValueError(f"a packed weight must be what this engine stores: {spec.format} "
                          f"blocks {spec.block} of {dtype} values, 2-D; got {weight.format} blocks "
                          f"{weight.spec.block} of {weight.dtype} values, shape {tuple(weight.shape)} "
                          f"(pack it with the engine's pack_state_dict)")
+
+
+def _packed(weight: torch.Tensor | QTensor, precision: Precision, device: torch.device,
+            dtype: torch.dtype) -> QTensor:
+    """One (checked) part as the mode stores it, on `device`: quantized here, or moved."""
+    if not isinstance(weight, QTensor):
+        return quantize_weight(weight.detach().to(device=device, dtype=dtype, copy=True), precision)
     return weight.to(device)   # from_qtensors copies the codes and scales into its own tensors
 
 
@@ -171,6 +189,15 @@ class EngineLinear:
         """Bytes of the stored weight (packed for quantizing modes)."""
         return self.weight.nbytes
 
+    @torch.no_grad()
+    def copy_(self, other: EngineLinear) -> None:
+        """other's weight, dequantized copy, bias and static scale into this layer's tensors, in
+        place (a weight sync, EngineWeights.load_: CUDA graphs captured on them stay valid);
+        other is of the same mode and shapes. The saturation flag follows other's
+        (LinearWeight.copy_)."""
+        _copy_parts(((self.weight, other.weight), (self.gemm_weight, other.gemm_weight),
+                     (self.bias, other.bias), (self.input_amax, other.input_amax)))
+
     def __call__(self, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 1e-6,
                  silu_mul: bool = False, residual: torch.Tensor | None = None,
                  pdl: bool = False, use_kernels: bool = True) -> torch.Tensor:
@@ -242,6 +269,14 @@ class EngineExperts:
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
 
+    @torch.no_grad()
+    def copy_(self, other: EngineExperts) -> None:
+        """other's stacks (and their dequantized copies, static scales) into this layer's
+        tensors, in place, as EngineLinear.copy_."""
+        _copy_parts(((self.gate_up, other.gate_up), (self.gate_up_gemm, other.gate_up_gemm),
+                     (self.down, other.down), (self.down_gemm, other.down_gemm),
+                     (self.gate_up_amax, other.gate_up_amax), (self.down_amax, other.down_amax)))
+
     def __call__(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                  use_kernels: bool = True) -> torch.Tensor:
         """x (T, C), index and weights (T, k) of the routed experts -> (T, C): every (token,
@@ -272,6 +307,19 @@ class EngineExperts:
         return (y.view(T, k, -1) * weights[:, :, None]).sum(dim=1)
 
 
+def _copy_parts(pairs) -> None:
+    """(mine, theirs) pairs of tensors or LinearWeights, None where a layer has none, copied in
+    place; a dequantized copy that is the stored weight itself (packed_gemm, fp8, bf16) once."""
+    done = set()
+    for mine, theirs in pairs:
+        if (mine is None) != (theirs is None):
+            raise ValueError("copy_ needs layers of one mode (one has a bias, a dequantized copy "
+                             "or a static scale the other has not)")
+        if mine is not None and id(mine) not in done:
+            done.add(id(mine))
+            mine.copy_(theirs)
+
+
 def _fp8_values(x: torch.Tensor, silu_mul: bool = False, use_kernels: bool = True) -> torch.Tensor:
     """The per-token FP8 activation's values in x's dtype (E4M3 times a power of two: exact)."""
     codes, scale = inference.quantize_activations(x, "fp8", silu_mul=silu_mul, use_kernels=use_kernels)
@@ -293,11 +341,16 @@ class EngineLayer:
 
 
 class EngineWeights:
-    """Every tensor the engine's decoder reads: embeddings, layers, final norm, output head."""
+    """Every tensor the engine's decoder reads: embeddings, layers, final norm, output head;
+    made by `load`, rewritten in place by a weight sync (`load_`)."""
 
     def __init__(self, embed: torch.Tensor, layers: list[EngineLayer], norm: torch.Tensor,
                  lm_head: torch.Tensor) -> None:
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.partial = False
+        """A load_ stopped while writing (an error after its checks passed, such as running out
+        of memory): the tensors hold part the old weights, part the new, until a load_ ends."""
+        self._reader: _Reader | None = None   # load's settings, which load_ reads with
 
     @classmethod
     @torch.no_grad()
@@ -313,126 +366,51 @@ class EngineWeights:
         refused); fused projections take the largest of their parts', an MoE layer's GEMMs
         the largest over the experts that saw tokens. None: per-token scales. rac_group: RAC's
         channel group (lowbit.rl.precision)."""
-        sd = _fuse_hf_experts(dict(state_dict), cfg)
-        if input_amax is not None and precision is not Precision.NVFP4:
-            raise ValueError(f"input_amax sets static NVFP4 activation scales; precision "
-                             f"{precision.value} has none")
-
-        def amax_of(*modules: str, any_of: bool = False) -> float | None:
-            # the largest calibrated amax of these modules (any_of: of those calibrated)
-            if input_amax is None:
-                return None
-            found = [input_amax[m] for m in modules if m in input_amax]
-            if not found or (len(found) < len(modules) and not any_of):
-                missing = next(m for m in modules if m not in input_amax)
-                raise ValueError(f"input_amax has no calibrated amax for {missing!r}; calibrate "
-                                 f"every linear (lowbit.export.calibrate_input_amax)")
-            for m in modules:   # one by one: Python's max() may skip a NaN
-                if m in input_amax and not (math.isfinite(float(input_amax[m])) and input_amax[m] >= 0):
-                    raise ValueError(f"calibrated input amax {input_amax[m]} for {m!r}: a static "
-                                     "scale needs a finite amax >= 0 (was the calibration finite?)")
-            return max(float(a) for a in found)
-        used: set[str] = set()
-        model = (f"{cfg.n_layers} layers, dim {cfg.dim}"
-                 + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
-
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor | QTensor | list[QTensor]:
-            # shape: what the config implies; a wrong one would fail (or compute garbage) later.
-            # A linear weight may come packed (pack_state_dict): an expert stack as a list
-            if name not in sd:
-                raise ValueError(f"state dict has no {name!r}; the engine's model has {model}")
-            value = sd[name]
-            if isinstance(value, (list, tuple)):
-                got = (len(value), *value[0].shape) if value else (0,)
-            else:
-                got = tuple(value.shape)
-            if tuple(got) != shape:
-                raise ValueError(f"state dict's {name!r} has shape {tuple(got)}, not "
-                                 f"the {shape} the engine's model expects ({model})")
-            used.add(name)
-            return value
-
-        def plain(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            value = take(name, shape)
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"state dict's {name!r} must be a tensor: only linear weights "
-                                 f"come packed")
-            return value.detach().to(device=device, dtype=dtype, copy=True)
-
-        def linear(*parts: tuple[str, tuple[int, int]], bias: bool = False) -> EngineLinear:
-            # parts: (weight name, (out, in)); bias: the config says these projections have
-            # one (Qwen2's q/k/v; attention_bias, mlp_bias), named as their weights are
-            biases = ([take(n.removesuffix("weight") + "bias", shape[:1]) for n, shape in parts]
-                      if bias else None)
-            return EngineLinear.fused([take(n, shape) for n, shape in parts], precision,
-                                      rac_ratio, device, dtype, biases, packed_gemm,
-                                      amax_of(*(n.removesuffix(".weight") for n, _ in parts)),
-                                      rac_group)
-
-        C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
-        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-        embed = plain("model.embed_tokens.weight", (V, C))
-        layers = []
-        for i in range(cfg.n_layers):
-            p, layer = f"model.layers.{i}.", EngineLayer()
-            layer.input_layernorm = plain(p + "input_layernorm.weight", (C,))
-            layer.post_attention_layernorm = plain(p + "post_attention_layernorm.weight", (C,))
-            layer.qkv_proj = linear((p + "self_attn.q_proj.weight", (q, C)),
-                                    (p + "self_attn.k_proj.weight", (kv, C)),
-                                    (p + "self_attn.v_proj.weight", (kv, C)), bias=cfg.qkv_bias)
-            layer.o_proj = linear((p + "self_attn.o_proj.weight", (C, q)), bias=cfg.o_bias)
-            if cfg.qk_norm:   # one per-head weight for q's and k's heads side by side
-                layer.qk_norm = torch.cat([plain(p + "self_attn.q_norm.weight", (hd,)).expand(cfg.n_heads, -1),
-                                           plain(p + "self_attn.k_norm.weight", (hd,)).expand(cfg.n_kv_heads, -1)])
-            if cfg.is_moe:
-                E, F = cfg.n_experts, cfg.moe_ffn_dim
-                layer.router = plain(p + "mlp.gate.weight", (E, C))
-                experts = [f"{p}mlp.experts.{e}." for e in range(E)]
-                amax = None if input_amax is None else (
-                    amax_of(*(e + proj for e in experts for proj in ("gate_proj", "up_proj")), any_of=True),
-                    amax_of(*(e + "down_proj" for e in experts), any_of=True))
-                layer.experts = EngineExperts(take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C)),
-                                              take(p + "mlp.experts.down_proj", (E, C, F)),
-                                              precision, rac_ratio, device, dtype, packed_gemm, amax,
-                                              rac_group)
-            else:
-                F = cfg.ffn_dim
-                layer.gate_up_proj = linear((p + "mlp.gate_proj.weight", (F, C)),
-                                            (p + "mlp.up_proj.weight", (F, C)), bias=cfg.mlp_bias)
-                layer.down_proj = linear((p + "mlp.down_proj.weight", (C, F)), bias=cfg.mlp_bias)
-            layers.append(layer)
-        norm = plain("model.norm.weight", (C,))
-        if cfg.tie_embeddings:   # one tensor for both (a tied state dict may list the head too)
-            used.add("lm_head.weight")
-            lm_head = embed
-        else:
-            lm_head = plain("lm_head.weight", (V, C))
-        unexpected = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
-        if unexpected:
-            raise ValueError(f"state dict has keys the engine's model does not: "
-                             f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
-        weights = cls(embed, layers, norm, lm_head)
+        reader = _Reader(cfg, precision, rac_ratio, device, dtype, packed_gemm, rac_group,
+                         static=input_amax is not None)
+        weights = cls(None, [EngineLayer() for _ in range(cfg.n_layers)], None, None)
+        for owner, name, make in reader.plan(state_dict, weights, input_amax):
+            setattr(owner, name, make())
+        if cfg.tie_embeddings:   # one tensor for both
+            weights.lm_head = weights.embed
+        weights._reader = reader
         # each weight's saturation flag, read from the device once for all of them
-        LinearWeight.settle([p for p in weights._parts() if isinstance(p, LinearWeight)])
+        LinearWeight.settle(weights._linear_weights())
         return weights
 
     @torch.no_grad()
-    def copy_(self, other: EngineWeights) -> bool:
-        """Take other's weights into this object's tensors, in place, so that CUDA graphs
-        captured on them stay valid (a weight sync every RL step would otherwise capture
-        them again). Returns False, copying nothing, where the two differ in a way a
-        captured kernel could see (a shape, or a weight's saturation)."""
-        mine, theirs = list(self._parts()), list(other._parts())
-        pairs = list(zip(mine, theirs))
-        if len(mine) != len(theirs) or any(
-                type(a) is not type(b) or (isinstance(a, torch.Tensor) and a.shape != b.shape)
-                or (isinstance(a, LinearWeight) and (a.data.shape != b.data.shape
-                                                     or a.may_saturate != b.may_saturate))
-                for a, b in pairs):
-            return False
-        for mine, theirs in pairs:
-            mine.copy_(theirs)
-        return True
+    def load_(self, state_dict: Mapping[str, torch.Tensor],
+              input_amax: Mapping[str, float] | None = None) -> bool:
+        """A weight sync: `state_dict` into these weights' own tensors, in place, read with the
+        settings `load` was given (input_amax: where load had it, this sync's calibration).
+        Every key, shape, packed form and calibrated amax is checked first, as load checks
+        them: a state dict load would refuse raises ValueError with nothing written. Then each
+        part is built as load builds it and copied into its live twin before the next is built
+        (EngineLinear.copy_, EngineExperts.copy_): the bits of a fresh load, at most one part
+        held twice. An error while writing leaves `partial` set.
+
+        Returns whether every linear weight's saturation flag is what it was: a kernel captured
+        on these weights (a CUDA graph, a compiled step) took the flag as a constant, so False
+        asks the caller to capture them again."""
+        reader = self._reader
+        if reader is None:
+            raise ValueError("load_ rewrites weights made by EngineWeights.load; load them first")
+        if (input_amax is not None) != reader.static:
+            raise ValueError(f"these weights were loaded {'with' if reader.static else 'without'} "
+                             f"static activation scales: a sync gives input_amax exactly where load had it")
+        parts = reader.plan(state_dict, self, input_amax)     # every check; nothing written yet
+        linears = self._linear_weights()
+        # the flags the kernels were captured with (after a load_ that stopped half-way, unknown)
+        saturates = None if self.partial else [w.may_saturate for w in linears]
+        self.partial = True
+        for owner, name, make in parts:
+            getattr(owner, name).copy_(make())                # the new part is freed here
+        LinearWeight.settle(linears)   # the new flags, one read from the device for all
+        self.partial = False
+        return saturates == [w.may_saturate for w in linears]
+
+    def _linear_weights(self) -> list[LinearWeight]:
+        return [p for p in self._parts() if isinstance(p, LinearWeight)]
 
     def _parts(self):
         """Every tensor and LinearWeight, in a fixed order (a tied head once; a dequantized
@@ -473,6 +451,143 @@ class EngineWeights:
                          layer.experts):
                 total += part.nbytes if part is not None else 0
         return total
+
+
+_Part = EngineLinear | EngineExperts | torch.Tensor   # what a state dict is read into
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """How an engine reads a state dict into its parts: load's settings, kept for load_."""
+
+    cfg: ModelConfig
+    precision: Precision
+    rac_ratio: float
+    device: torch.device
+    dtype: torch.dtype
+    packed_gemm: bool
+    rac_group: int
+    static: bool
+    """Static NVFP4 activation scales: every read takes the calibrated input_amax."""
+
+    def plan(self, state_dict: Mapping[str, torch.Tensor], into: EngineWeights,
+             input_amax: Mapping[str, float] | None) -> list[tuple[object, str, Callable[[], _Part]]]:
+        """Every part of `into` (new weights' empty layers, or the live ones) as (its owner:
+        `into` or one of its layers, the attribute, a function that builds it from the state
+        dict), once every check of the state dict has passed: what is refused raises here,
+        before anything is built."""
+        cfg, precision, device, dtype = self.cfg, self.precision, self.device, self.dtype
+        sd = _fuse_hf_experts(dict(state_dict), cfg)
+        if input_amax is not None and precision is not Precision.NVFP4:
+            raise ValueError(f"input_amax sets static NVFP4 activation scales; precision "
+                             f"{precision.value} has none")
+
+        def amax_of(*modules: str, any_of: bool = False) -> float | None:
+            # the largest calibrated amax of these modules (any_of: of those calibrated)
+            if input_amax is None:
+                return None
+            found = [input_amax[m] for m in modules if m in input_amax]
+            if not found or (len(found) < len(modules) and not any_of):
+                missing = next(m for m in modules if m not in input_amax)
+                raise ValueError(f"input_amax has no calibrated amax for {missing!r}; calibrate "
+                                 f"every linear (lowbit.export.calibrate_input_amax)")
+            for m in modules:   # one by one: Python's max() may skip a NaN
+                if m in input_amax and not (math.isfinite(float(input_amax[m])) and input_amax[m] >= 0):
+                    raise ValueError(f"calibrated input amax {input_amax[m]} for {m!r}: a static "
+                                     "scale needs a finite amax >= 0 (was the calibration finite?)")
+            return max(float(a) for a in found)
+        used: set[str] = set()
+        model = (f"{cfg.n_layers} layers, dim {cfg.dim}"
+                 + (f", {cfg.n_experts} experts" if cfg.is_moe else ""))
+
+        def take(name: str, shape: tuple[int, ...],
+                 linear: bool = False) -> torch.Tensor | QTensor | list[QTensor]:
+            # shape: what the config implies; a wrong one would fail (or compute garbage) later.
+            # Only a linear weight may come packed (pack_state_dict): an expert stack as a list
+            if name not in sd:
+                raise ValueError(f"state dict has no {name!r}; the engine's model has {model}")
+            value = sd[name]
+            if isinstance(value, (list, tuple)):
+                got = (len(value), *value[0].shape) if value else (0,)
+            else:
+                got = tuple(value.shape)
+            if tuple(got) != shape:
+                raise ValueError(f"state dict's {name!r} has shape {tuple(got)}, not "
+                                 f"the {shape} the engine's model expects ({model})")
+            if linear:
+                for part in value if isinstance(value, (list, tuple)) else [value]:
+                    _check_packed(part, precision, dtype)
+            elif not isinstance(value, torch.Tensor):
+                raise ValueError(f"state dict's {name!r} must be a tensor: only linear weights "
+                                 f"come packed")
+            used.add(name)
+            return value
+
+        def plain(name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+            return functools.partial(_own_copy, take(name, shape), device, dtype)
+
+        def linear(*parts: tuple[str, tuple[int, int]], bias: bool = False) -> Callable[[], EngineLinear]:
+            # parts: (weight name, (out, in)); bias: the config says these projections have
+            # one (Qwen2's q/k/v; attention_bias, mlp_bias), named as their weights are
+            biases = ([take(n.removesuffix("weight") + "bias", shape[:1]) for n, shape in parts]
+                      if bias else None)
+            return functools.partial(EngineLinear.fused, [take(n, shape, linear=True) for n, shape in parts],
+                                     precision, self.rac_ratio, device, dtype, biases, self.packed_gemm,
+                                     amax_of(*(n.removesuffix(".weight") for n, _ in parts)),
+                                     self.rac_group)
+
+        C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
+        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        plan = [(into, "embed", plain("model.embed_tokens.weight", (V, C)))]
+        for i, layer in enumerate(into.layers):
+            p = f"model.layers.{i}."
+            plan += [(layer, "input_layernorm", plain(p + "input_layernorm.weight", (C,))),
+                     (layer, "post_attention_layernorm", plain(p + "post_attention_layernorm.weight", (C,))),
+                     (layer, "qkv_proj", linear((p + "self_attn.q_proj.weight", (q, C)),
+                                                (p + "self_attn.k_proj.weight", (kv, C)),
+                                                (p + "self_attn.v_proj.weight", (kv, C)), bias=cfg.qkv_bias)),
+                     (layer, "o_proj", linear((p + "self_attn.o_proj.weight", (C, q)), bias=cfg.o_bias))]
+            if cfg.qk_norm:
+                plan.append((layer, "qk_norm", functools.partial(
+                    _qk_norm, plain(p + "self_attn.q_norm.weight", (hd,)), cfg.n_heads,
+                    plain(p + "self_attn.k_norm.weight", (hd,)), cfg.n_kv_heads)))
+            if cfg.is_moe:
+                E, F = cfg.n_experts, cfg.moe_ffn_dim
+                plan.append((layer, "router", plain(p + "mlp.gate.weight", (E, C))))
+                experts = [f"{p}mlp.experts.{e}." for e in range(E)]
+                amax = None if input_amax is None else (
+                    amax_of(*(e + proj for e in experts for proj in ("gate_proj", "up_proj")), any_of=True),
+                    amax_of(*(e + "down_proj" for e in experts), any_of=True))
+                plan.append((layer, "experts", functools.partial(
+                    EngineExperts, take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C), linear=True),
+                    take(p + "mlp.experts.down_proj", (E, C, F), linear=True), precision, self.rac_ratio,
+                    device, dtype, self.packed_gemm, amax, self.rac_group)))
+            else:
+                F = cfg.ffn_dim
+                plan += [(layer, "gate_up_proj", linear((p + "mlp.gate_proj.weight", (F, C)),
+                                                        (p + "mlp.up_proj.weight", (F, C)), bias=cfg.mlp_bias)),
+                         (layer, "down_proj", linear((p + "mlp.down_proj.weight", (C, F)), bias=cfg.mlp_bias))]
+        plan.append((into, "norm", plain("model.norm.weight", (C,))))
+        if cfg.tie_embeddings:   # the head is the embedding (a tied state dict may list it too)
+            used.add("lm_head.weight")
+        else:
+            plan.append((into, "lm_head", plain("lm_head.weight", (V, C))))
+        unexpected = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+        if unexpected:
+            raise ValueError(f"state dict has keys the engine's model does not: "
+                             f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
+        return plan
+
+
+def _own_copy(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The engine's own copy of a state dict tensor, on its device and in its dtype."""
+    return value.detach().to(device=device, dtype=dtype, copy=True)
+
+
+def _qk_norm(q_norm: Callable[[], torch.Tensor], n_heads: int, k_norm: Callable[[], torch.Tensor],
+             n_kv_heads: int) -> torch.Tensor:
+    """(H + KV, D): one per-head weight for q's and k's heads side by side."""
+    return torch.cat([q_norm().expand(n_heads, -1), k_norm().expand(n_kv_heads, -1)])
 
 
 def _fuse_hf_experts(sd: dict, cfg: ModelConfig) -> dict:
