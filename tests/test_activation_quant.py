@@ -20,7 +20,7 @@ from bits import same_bits
 pytest.importorskip("triton")
 
 from lowbit.formats.activations import (  # noqa: E402
-    per_token_fp8, per_token_nvfp4, rac_channel_count, rac_residual, static_nvfp4,
+    per_token_fp8, per_token_nvfp4, rac_channel_count, rac_folded, rac_residual, static_nvfp4,
 )
 from lowbit.kernels import activation_quant as aq  # noqa: E402
 from lowbit.kernels.activation_quant import MAX_K, quantize_activations  # noqa: E402
@@ -251,6 +251,25 @@ def test_the_threshold_search_stops_once_the_chosen_set_is_fixed():
                 assert t == int(top[count - 1]), (digit, row)
         early = [int(out[r]) != int(keys[r].sort(descending=True).values[count - 1]) for r in range(4)]
         assert any(early), digit   # distinct random keys: the search stopped before the last step
+
+
+@pytest.mark.parametrize("dtype,prologue", [(torch.bfloat16, "norm"), (torch.float16, "silu_mul"),
+                                            (torch.float32, "none")])
+def test_rac_folded_is_the_references_bit_for_bit(dtype, prologue):
+    # rac_fold: x_hat + r_hat added in float32, rounded once, written as the one output; row-wide
+    # and grouped channels (16 a group and not), random rows, ties, zeros, NaN / Inf, huge, tiny
+    for k, group, ratio in ((200, 0, 0.25), (256, 64, 0.25), (200, 16, 0.25), (40, 0, 0.01)):
+        x, norm = _operands(prologue, k, dtype, seed=k + group + 3)
+        kw = dict(norm=norm, eps=EPS, silu_mul=prologue == "silu_mul")
+        inp = _prologue(x, **kw)
+        x_hat = per_token_nvfp4(inp)
+        got, none = quantize_activations(x, "nvfp4", ratio, rac_group=group, rac_fold=True, **kw)
+        assert none is None
+        want = rac_folded(x_hat, rac_residual(inp, x_hat, ratio, group)) if rac_channel_count(k, ratio) else x_hat
+        assert same_bits(got, want), (k, group, ratio)
+        alone, _ = quantize_activations(x[2:3], "nvfp4", ratio, rac_group=group, rac_fold=True, **kw)
+        assert same_bits(alone, got[2:3])                          # a row is its own
+    assert not same_bits(got, x_hat)                               # the residual is in it
 
 
 @pytest.mark.parametrize("dtype,prologue", [(torch.float32, "none"), (torch.float16, "silu_mul")])

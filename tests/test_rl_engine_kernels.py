@@ -111,6 +111,45 @@ def test_racs_channel_groups_on_the_kernels_equal_the_reference_and_keep_a_row_i
         torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
 
 
+def test_racs_residual_folded_on_the_kernels_equals_the_reference_and_keeps_a_row_its_own():
+    # rac_fold: the linear multiplies rac_folded(x_hat, r_hat), one operand, on the kernels as on
+    # the reference (groups of 16 and row-wide); on the reference engine (MoE, groups of 16)
+    # a row alone equals the row in a batch and decode equals a re-score
+    from lowbit.dispatch import inference
+    from lowbit.formats.activations import rac_folded, rac_residual
+    from lowbit.formats.linear_weight import LinearWeight
+    from lowbit.rl.engine.weights import EngineLinear
+    from lowbit.rl.precision import Precision, quantize_activation
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(24, 80, generator=g), torch.randn(6, 80, generator=g) * 3
+    for group in (16, 0):
+        folded = EngineLinear(w, Precision.NVFP4, 0.25, torch.device(DEV), torch.float32,
+                              packed_gemm=True, rac_group=group, rac_fold=True)
+        xd = x.to(DEV)
+        torch.testing.assert_close(folded(xd), folded(xd, use_kernels=False), atol=1e-4, rtol=1e-5)
+        xq = quantize_activation(x, Precision.NVFP4)
+        want = inference.linear(rac_folded(xq, rac_residual(x, xq, 0.25, group)),
+                                LinearWeight.dense(folded.values), use_kernels=False)
+        torch.testing.assert_close(folded(x.to(DEV), use_kernels=False).cpu(), want, atol=1e-5, rtol=1e-5)
+    cfg, model = _model(True, seed=1)
+    engine = _engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16, rac_fold=True)
+    assert engine.weights.layers[0].experts.rac_fold and engine.weights.layers[0].qkv_proj.rac_fold
+    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
+    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
+    together = engine.score(sequences)
+    torch.testing.assert_close(engine.score(sequences[2:3])[0], together[2], atol=2e-5, rtol=0)
+    for b, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+    # in bfloat16 the fold rounds the compensated activation, so its scores are not the
+    # second operand's (in float32 the two sums agree to a last place)
+    bf16 = [_engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16, rac_fold=fold,
+                    dtype=torch.bfloat16).score(sequences[:1])[0] for fold in (False, True)]
+    assert not torch.equal(*bf16)
+    torch.testing.assert_close(bf16[0], bf16[1], atol=0.01, rtol=0)
+    with pytest.raises(ValueError, match="rac_fold adds RAC's residual"):
+        RolloutEngine(cfg, "nvfp4", 0.0, rac_fold=True)
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("precision,rac", MODES)
 def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(precision, rac, moe):

@@ -419,6 +419,11 @@ def test_the_trainers_engine_takes_racs_channel_group(tmp_path):
     engine = GRPOTrainer(_config(tmp_path, rac_group=16, **kw)).engine
     assert engine.rac_group == 16 and engine.rac_ratio == 0.25
     assert engine.weights.layers[0].qkv_proj.rac_group == 16
+    # and RAC's residual folded into the activation (--rac-fold); without RAC it is refused
+    engine = GRPOTrainer(_config(tmp_path, rac_fold=True, run_name="fold", **kw)).engine
+    assert engine.rac_fold and engine.weights.layers[0].qkv_proj.rac_fold
+    with pytest.raises(ValueError, match="--rac-fold adds RAC's residual into the activation: give a --rac-ratio"):
+        _config(tmp_path, rac_fold=True, align="none", rollout="nvfp4", run_name="nofold")
 
 
 def test_resume_is_exact(tmp_path):

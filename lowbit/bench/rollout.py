@@ -93,15 +93,18 @@ __all__ = ["MODES", "DEFAULT_MODES", "MODELS", "DecodeReads", "bench_rollout", "
            "decode_step_profile", "expected_distinct_experts", "format_rollout_rows", "parse_modes",
            "stored_weight_bytes", "hf_config"]
 
-# mode label -> (precision, rac_ratio, rac_group, packed_gemm): the NVFP4 modes twice,
+# mode label -> (precision, rac_ratio, rac_group, packed_gemm, rac_fold): the NVFP4 modes twice,
 # multiplying the dequantized copy (the engine's default) and the packed weights
-# (RolloutEngine(packed_gemm=True)); +g64: RAC's channels chosen in groups of 64 (rac_group)
-MODES = {"bf16": ("bf16", 0.0, 0, False), "fp8": ("fp8", 0.0, 0, False),
-         "nvfp4-w4a16": ("nvfp4-w4a16", 0.0, 0, False), "nvfp4": ("nvfp4", 0.0, 0, False),
-         "nvfp4+rac0.25": ("nvfp4", 0.25, 0, False), "nvfp4+rac0.25+g64": ("nvfp4", 0.25, 64, False),
-         "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, 0, True), "nvfp4 packed": ("nvfp4", 0.0, 0, True),
-         "nvfp4+rac0.25 packed": ("nvfp4", 0.25, 0, True),
-         "nvfp4+rac0.25+g64 packed": ("nvfp4", 0.25, 64, True)}
+# (RolloutEngine(packed_gemm=True)); +g64: RAC's channels chosen in groups of 64 (rac_group);
+# +fold: RAC's residual added into the activation, one GEMM operand (rac_fold)
+MODES = {"bf16": ("bf16", 0.0, 0, False, False), "fp8": ("fp8", 0.0, 0, False, False),
+         "nvfp4-w4a16": ("nvfp4-w4a16", 0.0, 0, False, False), "nvfp4": ("nvfp4", 0.0, 0, False, False),
+         "nvfp4+rac0.25": ("nvfp4", 0.25, 0, False, False),
+         "nvfp4+rac0.25+g64": ("nvfp4", 0.25, 64, False, False),
+         "nvfp4-w4a16 packed": ("nvfp4-w4a16", 0.0, 0, True, False), "nvfp4 packed": ("nvfp4", 0.0, 0, True, False),
+         "nvfp4+rac0.25 packed": ("nvfp4", 0.25, 0, True, False),
+         "nvfp4+rac0.25+g64 packed": ("nvfp4", 0.25, 64, True, False),
+         "nvfp4+rac0.25+g64+fold packed": ("nvfp4", 0.25, 64, True, True)}
 
 # what --modes times unless told: every mode but the grouped-RAC ones
 DEFAULT_MODES = [m for m in MODES if "+g" not in m]
@@ -111,6 +114,7 @@ RATIOS = ([(m, "bf16") for m in MODES if m != "bf16"]
           + [(f"nvfp4{p}", f"nvfp4-w4a16{p}") for p in ("", " packed")]
           + [(f"nvfp4+rac0.25{g}{p}", f"nvfp4{p}") for g in ("", "+g64") for p in ("", " packed")]
           + [(f"nvfp4+rac0.25+g64{p}", f"nvfp4+rac0.25{p}") for p in ("", " packed")]
+          + [("nvfp4+rac0.25+g64+fold packed", m) for m in ("nvfp4 packed", "nvfp4+rac0.25+g64 packed")]
           + [(f"nvfp4{p}", "fp8") for p in ("", " packed")])
 
 # --decode-kernels -> the engine's decode_kernels setting(s) to time
@@ -488,11 +492,11 @@ def bench_rollout(model: str = "llama-tiny", modes=("bf16",), *, batch_sizes=(1,
             for kernels in choices]
     bandwidth = result["bandwidth_bytes_per_s"]
     for mode, compiled, kernels in runs:
-        precision, rac, group, packed = MODES[mode]
+        precision, rac, group, packed, fold = MODES[mode]
         compile_mode = None if not compiled else "default" if compiled is True else compiled
         engine = RolloutEngine(config, precision, rac, dev, max_batch_size=max(batch_sizes),
                                max_seq_len=seq_len, compile_decode=compiled, packed_gemm=packed,
-                               decode_kernels=kernels, rac_group=group)
+                               decode_kernels=kernels, rac_group=group, rac_fold=fold)
         engine.load_state_dict(state)
         reads = DecodeReads.of(engine)
         result["weight_bytes"][mode] = engine.weight_bytes()

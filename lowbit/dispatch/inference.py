@@ -145,14 +145,15 @@ def _float32_mm(x: torch.Tensor) -> bool:
 def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
-                         rac_group: int = 0, use_kernels: bool = True):
+                         rac_group: int = 0, rac_fold: bool = False, use_kernels: bool = True):
     """A linear's input quantized after its prologue (lowbit.formats.activations): mode
     "nvfp4" -> (x_hat, r_hat or None), the NVFP4 values and RAC's compensated residual
     (rac_ratio > 0) in x's dtype -- per token, or with input_amax (the layer's calibrated
     amax, float32, one element) under its one static FP32 scale as a served checkpoint
     (static_nvfp4; RAC's residual keeps its per-token pre-scale); mode "fp8" -> (E4M3 codes,
     (M, 1) float32 power-of-two scales). rac_group: RAC's channels chosen over the whole row
-    (0) or group by group (rac_residual's `group`). One fused pass on the kernels."""
+    (0) or group by group (rac_residual's `group`). rac_fold: with RAC, (rac_folded(x_hat,
+    r_hat), None), the residual added into the one GEMM operand. One fused pass on the kernels."""
     if input_amax is not None and mode != "nvfp4":
         raise ValueError(f"a static input scale (input_amax) is NVFP4's; mode {mode!r} has none")
     reference_activations.check_rac_group(rac_group)   # on either path
@@ -162,13 +163,15 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         if k <= activation_quant.MAX_K:   # longer rows than one program holds: the reference
             return _kernels(activation_quant).quantize_activations(
                 x, mode, rac_ratio, norm=norm, eps=eps, silu_mul=silu_mul, input_amax=input_amax,
-                rac_group=rac_group)
+                rac_group=rac_group, rac_fold=rac_fold)
     xp = prologue(x, norm, eps, silu_mul)
     if mode == "fp8":
         return reference_activations.per_token_fp8(xp)
     x_hat = (reference_activations.per_token_nvfp4(xp) if input_amax is None else
              reference_activations.static_nvfp4(xp, input_amax))
     r_hat = reference_activations.rac_residual(xp, x_hat, rac_ratio, rac_group) if rac_ratio > 0 else None
+    if rac_fold and r_hat is not None and reference_activations.rac_channel_count(k, rac_ratio):
+        return reference_activations.rac_folded(x_hat, r_hat), None
     return x_hat, r_hat
 
 

@@ -58,6 +58,13 @@ row equals that row alone. Q(r[n, S_n]) is `per_token_nvfp4` of the compacted ro
 channels' residuals in increasing channel order, its 1x16 blocks running over them in that
 order (the last block zero-padded for its amax), as a GEMM with |S| appended columns holds them.
 
+Folded (`rac_folded`, the engine's `rac_fold`): x_hat + r_hat added in float32 and rounded
+once to x's dtype, one GEMM operand, Y = fold(x_hat, r_hat) Q(W)^T. The GEMM is then W4A4's
+without RAC (no second operand as wide as K, whose products double the GEMM's MMAs); the cost
+is one rounding of the compensated activation to x's dtype (bfloat16: a relative 2^-9, the
+precision every bf16 activation has; RAC's own remaining error is that of an NVFP4 residual,
+larger). Per row, so a row alone still equals the row in a batch.
+
 Choosing S_n over the whole row needs a selection across the row (a radix select in the
 kernel). `rac_residual(..., group=G)` chooses it group by group instead: the top
 ceil(ratio * G) channels of each G consecutive channels, found within the group. At G = 64
@@ -76,7 +83,7 @@ from lowbit.formats.quantize import divide, finite_abs, quantize_dequantize, qua
 from lowbit.formats.spec import QuantSpec
 
 __all__ = ["per_token_nvfp4", "static_nvfp4", "per_token_fp8", "fp8_values", "fp8_row_spec", "rac_channel_count",
-           "rac_residual", "rac_residual_on", "top_channels", "rac_group_channels", "check_rac_group",
+           "rac_residual", "rac_residual_on", "rac_folded", "top_channels", "rac_group_channels", "check_rac_group",
            "NVFP4_ROW", "NVFP4_ROW_AMAX", "NVFP4_STATIC"]
 
 NVFP4_ROW = QuantSpec.make("nvfp4", (1, 16), tensor_scale=False)
@@ -192,6 +199,15 @@ def rac_residual(x: torch.Tensor, x_hat: torch.Tensor, ratio: float, group: int 
     channels = (top_channels(r.abs(), count) if group == 0 or group >= k else
                 rac_group_channels(r.abs(), group, ratio))
     return rac_residual_on(x, x_hat, channels)                     # (N, c), increasing
+
+
+def rac_folded(x_hat: torch.Tensor, r_hat: torch.Tensor) -> torch.Tensor:
+    """RAC's compensated activation as one GEMM operand: x_hat + r_hat added in float32 and
+    rounded once to x_hat's dtype (the module doc's "folded")."""
+    if x_hat.shape != r_hat.shape or x_hat.dtype != r_hat.dtype:
+        raise ValueError(f"x_hat {tuple(x_hat.shape)} {x_hat.dtype} and r_hat {tuple(r_hat.shape)} "
+                         f"{r_hat.dtype} differ")
+    return (x_hat.float() + r_hat.float()).to(x_hat.dtype)
 
 
 def check_rac_group(group, name: str = "RAC's channel group") -> None:

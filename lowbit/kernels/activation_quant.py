@@ -314,7 +314,7 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
                        BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
                        STATIC: tl.constexpr, OUT_LIMIT: tl.constexpr, EARLY: tl.constexpr,
-                       GROUP: tl.constexpr, GROUP_IS_BLOCK: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_IS_BLOCK: tl.constexpr, FOLD: tl.constexpr):
     # x: (M, K) or (M, 2K) rows of stride stride_xm; outputs (M, K) contiguous, scale (M, 1)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -342,7 +342,8 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
                               NATIVE_CAST)
         else:
             x_hat = to_output(_nvfp4_values(xs, block_amax, down, xhat_ptr), xhat_ptr, NATIVE_CAST)
-        tl.store(xhat_ptr + out, x_hat, mask=ok)
+        if not FOLD:   # folded, x_hat goes out with RAC's residual added
+            tl.store(xhat_ptr + out, x_hat, mask=ok)
         if RAC:
             # ---- r_hat: per-token NVFP4 of the row's top-count residuals, compacted ------------
             r = v - widen(x_hat, NATIVE_CAST)
@@ -361,7 +362,11 @@ def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr
                     block = (tl.cumsum(chosen.to(tl.int32), axis=0) - chosen.to(tl.int32)) // 16
                 rs_amax = _segment_amax(rs_bits, block, BLOCK_K)
             r_hat = to_output(_nvfp4_values(rs, rs_amax, down_r, rhat_ptr), rhat_ptr, NATIVE_CAST)
-            tl.store(rhat_ptr + out, tl.where(chosen, r_hat, 0.0), mask=ok)
+            if FOLD:   # x_hat + r_hat in float32, rounded once (rac_folded)
+                folded = widen(x_hat, NATIVE_CAST) + widen(tl.where(chosen, r_hat, 0.0), NATIVE_CAST)
+                tl.store(xhat_ptr + out, to_output(folded, xhat_ptr, NATIVE_CAST), mask=ok)
+            else:
+                tl.store(rhat_ptr + out, tl.where(chosen, r_hat, 0.0), mask=ok)
     else:
         # ---- FP8: one rceil power-of-two scale per row, E4M3 codes -------------------------------
         amax_bits = tl.max(bits & 0x7FFFFFFF, axis=0)                  # NaN/Inf: >= 0x7F800000
@@ -394,7 +399,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: torch.Tensor | None = None, eps: float = 1e-6,
                          silu_mul: bool = False, input_amax: torch.Tensor | None = None,
                          num_warps: int | None = None, radix_bits: int = RADIX_BITS,
-                         early_stop: bool | None = None, rac_group: int = 0):
+                         early_stop: bool | None = None, rac_group: int = 0, rac_fold: bool = False):
     """Quantize each row of a linear's input in one pass, bit for bit as the references of
     lowbit.formats.activations on the prologue's output.
 
@@ -410,6 +415,8 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     rac_group: 0 chooses RAC's channels over the whole row (a radix select); G (a power of two,
         16 to 16384) the top of each G consecutive channels (rac_residual's `group`; a sort
         within each group).
+    rac_fold: with RAC, (rac_folded(x_hat, r_hat), None): the residual added into x_hat, one
+        GEMM operand (lowbit.formats.activations, "folded").
     norm: (K,) in x's dtype: the input is the engine's RMSNorm `norm * rms_norm(x, eps)`.
     silu_mul: the input is F.silu(gate) * up.
     num_warps: warps per row instead of the default's; radix_bits: RAC's threshold bits per
@@ -442,6 +449,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     last_count = rac_channel_count(K % group, rac_ratio) if group and K % group else group_count
     if count and mode != "nvfp4":
         raise ValueError("RAC compensates NVFP4 activations: rac_ratio needs mode 'nvfp4'")
+    fold = bool(rac_fold) and count > 0   # a ratio of no channel at this K: x_hat as it is
     if norm is not None and (norm.shape != (K,) or norm.dtype != x.dtype
                              or norm.device != x.device):
         raise ValueError(f"norm must be ({K},) in x's dtype and device ({x.dtype}, {x.device}), "
@@ -462,7 +470,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     dev = x.device
     if mode in ("nvfp4", "none"):
         x_hat = torch.empty(M, K, dtype=x.dtype, device=dev)
-        r_hat = torch.empty(M, K, dtype=x.dtype, device=dev) if count else None
+        r_hat = torch.empty(M, K, dtype=x.dtype, device=dev) if count and not fold else None
         outputs = (x_hat, r_hat)
         buffers = dict(xhat_ptr=x_hat, rhat_ptr=x_hat if r_hat is None else r_hat,
                        codes_ptr=kq.empty_arg(dev, torch.uint8),
@@ -489,7 +497,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
             PROLOGUE=prologue, BLOCK_K=block_k, NATIVE_CAST=not kq.INTERPRET, DIGIT=radix_bits,
             STATIC=input_amax is not None, OUT_LIMIT=kq.OUT_LIMIT[x.dtype], EARLY=early, GROUP=group,
-            GROUP_IS_BLOCK=group > 0 and group_count == 16,
+            GROUP_IS_BLOCK=group > 0 and group_count == 16, FOLD=fold,
             num_warps=_num_warps(block_k, count > 0) if num_warps is None else num_warps,
             enable_fp_fusion=False)   # no product folded into an add: the reference's roundings
     return outputs

@@ -48,12 +48,12 @@ def linear(x: Tensor, weight: LinearWeight, bias: Tensor | None = None, *,
 
 def quantize_activations(x: Tensor, mode: str, rac_ratio: float = 0.0, *,
                          norm: Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-                         input_amax: Tensor | None = None, rac_group: int = 0):
+                         input_amax: Tensor | None = None, rac_group: int = 0, rac_fold: bool = False):
     """lowbit.kernels.activation_quant.quantize_activations as one operator: the same pair
     (x_hat, r_hat or None), (codes, scale) or (input, None)."""
     a, b = torch.ops.lowbit.quantize_activations(x, norm, input_amax, mode, rac_ratio, eps,
-                                                 silu_mul, rac_group)
-    return a, (b if _second_output(x, mode, rac_ratio, silu_mul) else None)
+                                                 silu_mul, rac_group, rac_fold)
+    return a, (b if _second_output(x, mode, rac_ratio, silu_mul, rac_fold) else None)
 
 
 def decode_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor,
@@ -65,10 +65,10 @@ def decode_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, positions: T
                                              qk_norm, n_heads, n_kv_heads, eps, pdl)
 
 
-def _second_output(x: Tensor, mode: str, rac_ratio: float, silu_mul: bool) -> bool:
-    """quantize_activations gives a second tensor: fp8's scales, or RAC's residual."""
+def _second_output(x: Tensor, mode: str, rac_ratio: float, silu_mul: bool, rac_fold: bool) -> bool:
+    """quantize_activations gives a second tensor: fp8's scales, or RAC's residual (not folded)."""
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
-    return mode == "fp8" or (mode == "nvfp4" and rac_channel_count(k, rac_ratio) > 0)
+    return mode == "fp8" or (mode == "nvfp4" and not rac_fold and rac_channel_count(k, rac_ratio) > 0)
 
 
 # ---- the operators --------------------------------------------------------------------------------
@@ -96,21 +96,21 @@ def _(x, data, block_scales, row_scales, tile_words, tile_scales, tile_row_scale
 @torch.library.custom_op("lowbit::quantize_activations", mutates_args=())
 def _quantize_activations(x: Tensor, norm: Tensor | None, input_amax: Tensor | None, mode: str,
                           rac_ratio: float, eps: float, silu_mul: bool,
-                          rac_group: int) -> tuple[Tensor, Tensor]:
+                          rac_group: int, rac_fold: bool) -> tuple[Tensor, Tensor]:
     from lowbit.kernels import activation_quant
     a, b = activation_quant.quantize_activations(x, mode, rac_ratio, norm=norm, eps=eps,
                                                  silu_mul=silu_mul, input_amax=input_amax,
-                                                 rac_group=rac_group)
+                                                 rac_group=rac_group, rac_fold=rac_fold)
     return a, (b if b is not None else x.new_empty(0))   # an operator returns tensors only
 
 
 @_quantize_activations.register_fake
-def _(x, norm, input_amax, mode, rac_ratio, eps, silu_mul, rac_group):
+def _(x, norm, input_amax, mode, rac_ratio, eps, silu_mul, rac_group, rac_fold):
     M, K = x.shape[0], x.shape[-1] // 2 if silu_mul else x.shape[-1]
     if mode == "fp8":
         return (x.new_empty(M, K, dtype=torch.float8_e4m3fn),
                 x.new_empty(M, 1, dtype=torch.float32))
-    second = _second_output(x, mode, rac_ratio, silu_mul)
+    second = _second_output(x, mode, rac_ratio, silu_mul, rac_fold)
     return x.new_empty(M, K), (x.new_empty(M, K) if second else x.new_empty(0))
 
 

@@ -21,7 +21,8 @@ ALIGNMENTS = ("none", "qat", "quads")
 DEFAULT_RAC_RATIO = 0.25
 # RolloutMode's refusals, in `lowbit rl`'s words
 FLAG_NAMES = {"precision": "--rollout", "rac_ratio": "--rac-ratio", "rac_group": "--rac-group",
-              "activation_scale": "--rollout-activation-scale", "packed_gemm": "--packed-gemm"}
+              "rac_fold": "--rac-fold", "activation_scale": "--rollout-activation-scale",
+              "packed_gemm": "--packed-gemm"}
 # observation and placement only: a resumed run may change them
 FREE_ON_RESUME = frozenset({"eval_every", "eval_w4a16", "log_every", "checkpoint_every",
                             "progress", "out_dir", "run_name", "data_dir", "max_steps_per_session",
@@ -98,6 +99,11 @@ class RLConfig(RunConfig):
         metavar="G"))
     """0: RAC chooses a token's channels over the whole row; G: the top of each G consecutive
     channels (lowbit.rl.precision)."""
+    rac_fold: bool = field(default=False, metadata=flag(
+        "--rac-fold", "with RAC: add its quantized residual into the quantized activation, one GEMM "
+        "operand rounded once to the compute dtype, instead of multiplying it as a second operand "
+        "into the same sums (which doubles the GEMM's tensor-core work)", action="store_true"))
+    """RAC's residual folded into the activation (lowbit.formats.activations.rac_folded)."""
     num_generations: int = field(default=8, metadata=flag(
         "--num-generations", "completions per prompt (default: %(default)s)"))
     prompts_per_step: int = field(default=8, metadata=flag(
@@ -237,7 +243,8 @@ class RLConfig(RunConfig):
         if self.rac_ratio is None:
             self.rac_ratio = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
         RolloutMode.make(mode.precision, self.rac_ratio, mode.activation_scale, mode.packed_gemm,
-                         self.rac_group, names=FLAG_NAMES)   # the group against the ratio RAC runs at
+                         self.rac_group, names=FLAG_NAMES,
+                         rac_fold=self.rac_fold)   # the group and fold against the ratio RAC runs at
         require(self.loss_type in LOSS_TYPES,
                 f"unknown --loss-type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
         require(self.scale_rewards in SCALE_REWARDS,

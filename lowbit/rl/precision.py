@@ -109,7 +109,7 @@ class ActivationScale(str, Enum):
 
 
 # how RolloutMode's refusals name each setting: the engine's keywords, or `lowbit rl`'s flags
-ENGINE_NAMES = {"precision": "precision", "rac_ratio": "rac_ratio", "rac_group": "rac_group",
+ENGINE_NAMES = {"precision": "precision", "rac_ratio": "rac_ratio", "rac_group": "rac_group", "rac_fold": "rac_fold",
                 "activation_scale": "activation scale", "packed_gemm": "packed_gemm"}
 
 
@@ -130,10 +130,13 @@ class RolloutMode:
     rac_group: int = 0
     """0: RAC chooses each token's channels over the whole row (the paper's); G: within each
     group of G consecutive channels (lowbit.formats.activations.rac_residual)."""
+    rac_fold: bool = False
+    """RAC's residual added into the quantized activation, one GEMM operand rounded once to the
+    compute dtype (lowbit.formats.activations.rac_folded), instead of a second operand."""
 
     @classmethod
     def make(cls, precision, rac_ratio=0.0, activation_scale="per-token", packed_gemm=False,
-             rac_group=0, names: dict[str, str] = ENGINE_NAMES) -> RolloutMode:
+             rac_group=0, names: dict[str, str] = ENGINE_NAMES, rac_fold=False) -> RolloutMode:
         """Each value checked alone and against the others; one-line ValueErrors."""
         p, r, a, pg, rg = (names[k] for k in ("precision", "rac_ratio", "activation_scale",
                                               "packed_gemm", "rac_group"))
@@ -151,6 +154,11 @@ class RolloutMode:
         if rac_group and not rac_ratio:
             raise ValueError(f"{rg} groups RAC's channels: give a {r} above 0 "
                              f"(got {rac_ratio})")
+        if not isinstance(rac_fold, bool):
+            raise ValueError(f"{names['rac_fold']} is True or False (got {rac_fold!r})")
+        if rac_fold and not rac_ratio:
+            raise ValueError(f"{names['rac_fold']} adds RAC's residual into the activation: give a {r} "
+                             f"above 0 (got {rac_ratio})")
         if activation_scale is ActivationScale.STATIC and precision is not Precision.NVFP4:
             raise ValueError(f"{a} static scales NVFP4 activations as a served W4A4 checkpoint "
                              f"does: use {p} nvfp4 (got {precision.value})")
@@ -158,7 +166,7 @@ class RolloutMode:
             raise ValueError(f"{pg} multiplies packed NVFP4 weights, so it needs {p} nvfp4 or "
                              f"nvfp4-w4a16 (got {precision.value}: bf16 weights are dense, FP8 "
                              f"runs torch._scaled_mm)")
-        return cls(precision, float(rac_ratio), activation_scale, bool(packed_gemm), rac_group)
+        return cls(precision, float(rac_ratio), activation_scale, bool(packed_gemm), rac_group, rac_fold)
 
 
 _NVFP4_WEIGHT = QuantSpec.make("nvfp4", (1, 16))                       # + FP32 tensor scale

@@ -258,7 +258,7 @@ class GRPOTrainer:
                                     max_batch_size=max(c.batch_size, min(c.eval_problems, 256)),
                                     compile_decode=c.compile_decode, packed_gemm=c.packed_gemm,
                                     activation_scale=c.rollout_activation_scale,
-                                    rac_group=c.rac_group)
+                                    rac_group=c.rac_group, rac_fold=c.rac_fold)
         self.calibration = None
         if c.rollout_activation_scale == "static":
             self.calibration = calibration_batches(

@@ -64,12 +64,16 @@ class EngineConfig:
     """0: RAC chooses a token's channels over the whole row; G (a power of two from 16): the top
     of each G consecutive channels (lowbit.rl.precision)."""
 
+    rac_fold: bool = False
+    """RAC's residual added into the quantized activation (one GEMM operand, rounded once to the
+    compute dtype) instead of multiplied as a second operand (lowbit.rl.precision)."""
+
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Check every setting against the model, fill the defaults; refuses in one line."""
         mode = RolloutMode.make(self.precision, self.rac_ratio, self.activation_scale,
-                                self.packed_gemm, self.rac_group)
-        self.precision, self.rac_ratio, self.activation_scale, self.rac_group = (
-            mode.precision, mode.rac_ratio, mode.activation_scale, mode.rac_group)
+                                self.packed_gemm, self.rac_group, rac_fold=self.rac_fold)
+        self.precision, self.rac_ratio, self.activation_scale, self.rac_group, self.rac_fold = (
+            mode.precision, mode.rac_ratio, mode.activation_scale, mode.rac_group, mode.rac_fold)
         self.device = torch.device(self.device)
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             # "cuda" as the tensors it holds will say it, so that a device comparison (a weight

@@ -67,20 +67,22 @@ class RolloutEngine:
                  max_seq_len: int | None = None, cuda_graph: bool | None = None,
                  compile_decode: bool | str = False, packed_gemm: bool = False,
                  decode_kernels: bool | None = None,
-                 activation_scale: str | ActivationScale = "per-token", rac_group: int = 0) -> None:
+                 activation_scale: str | ActivationScale = "per-token", rac_group: int = 0,
+                 rac_fold: bool = False) -> None:
         """config: the decoder's shape (lowbit.models.ModelConfig); the rest are
         lowbit.rl.engine.EngineConfig's settings (precision mode, RAC ratio, device, compute
         dtype, the cache's max_batch_size and max_seq_len, CUDA graphs, compile_decode,
-        packed_gemm, decode_kernels, activation_scale, RAC's channel group), checked here."""
+        packed_gemm, decode_kernels, activation_scale, RAC's channel group and fold), checked
+        here."""
         self.config = config
         self.settings = EngineConfig(
-            precision=precision, rac_ratio=rac_ratio, rac_group=rac_group, device=device,
+            precision=precision, rac_ratio=rac_ratio, rac_group=rac_group, rac_fold=rac_fold, device=device,
             dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
             cuda_graph=cuda_graph, compile_decode=compile_decode, packed_gemm=packed_gemm,
             decode_kernels=decode_kernels, activation_scale=activation_scale).resolve(config)
         s = self.settings
         self.precision, self.rac_ratio, self.device, self.dtype = s.precision, s.rac_ratio, s.device, s.dtype
-        self.rac_group = s.rac_group
+        self.rac_group, self.rac_fold = s.rac_group, s.rac_fold
         self.activation_scale = s.activation_scale
         self.max_batch_size, self.max_seq_len = s.max_batch_size, s.max_seq_len
         self.cuda_graph, self.compile_decode, self.decode_kernels = s.cuda_graph, s.compile_decode, s.decode_kernels
@@ -160,7 +162,8 @@ class RolloutEngine:
                 self._compiled_decode = None
             return
         self.weights = EngineWeights.load(state_dict, self.config, s.precision, s.rac_ratio, s.device,
-                                          s.dtype, s.packed_gemm, input_amax, rac_group=s.rac_group)
+                                          s.dtype, s.packed_gemm, input_amax, rac_group=s.rac_group,
+                                          rac_fold=s.rac_fold)
         self.decoder = Decoder(self.config, self.weights, self.cache, s.decode_kernels,
                                self.decode_pdl)
 

@@ -131,28 +131,30 @@ class EngineLinear:
     def __init__(self, weight: torch.Tensor, precision: Precision, rac_ratio: float,
                  device: torch.device, dtype: torch.dtype, bias: torch.Tensor | None = None,
                  packed_gemm: bool = False, input_amax: float | None = None,
-                 rac_group: int = 0) -> None:
+                 rac_group: int = 0, rac_fold: bool = False) -> None:
         self._build([weight], precision, rac_ratio, device, dtype, None if bias is None else [bias],
-                    packed_gemm, input_amax, rac_group)
+                    packed_gemm, input_amax, rac_group, rac_fold)
 
     @classmethod
     def fused(cls, weights: list[torch.Tensor], precision: Precision, rac_ratio: float,
               device: torch.device, dtype: torch.dtype, biases: list[torch.Tensor] | None = None,
               packed_gemm: bool = False, input_amax: float | None = None,
-              rac_group: int = 0) -> EngineLinear:
+              rac_group: int = 0, rac_fold: bool = False) -> EngineLinear:
         """One GEMM for several weights (out_i, in) of the same in_features; its output is the
         parts' outputs side by side, in order. biases: one (out_i,) per part, or None;
         input_amax: nvfp4's static scale, the calibrated amax of the input (None: per token);
-        rac_group: RAC's channel group (lowbit.rl.precision)."""
+        rac_group, rac_fold: RAC's channel group, its residual folded into the activation
+        (lowbit.rl.precision)."""
         self = cls.__new__(cls)
         self._build(list(weights), precision, rac_ratio, device, dtype, biases, packed_gemm,
-                    input_amax, rac_group)
+                    input_amax, rac_group, rac_fold)
         return self
 
     def _build(self, weights, precision, rac_ratio, device, dtype, biases, packed_gemm,
-               input_amax, rac_group) -> None:
-        # RAC needs nvfp4, its group a ratio: the engine's one place for the rules
-        self.rac_group = RolloutMode.make(precision, rac_ratio, rac_group=rac_group).rac_group
+               input_amax, rac_group, rac_fold) -> None:
+        # RAC needs nvfp4, its group and fold a ratio: the engine's one place for the rules
+        mode = RolloutMode.make(precision, rac_ratio, rac_group=rac_group, rac_fold=rac_fold)
+        self.rac_group, self.rac_fold = mode.rac_group, mode.rac_fold
         self.input_amax = _static_amax(input_amax, precision, device)
         """nvfp4 with static scales: (1,) float32, the input's calibrated amax; else None."""
         if len({w.shape[-1] for w in weights}) != 1:
@@ -212,7 +214,8 @@ class EngineLinear:
             x_hat, r_hat = inference.quantize_activations(x2d, "nvfp4", self.rac_ratio, norm=norm,
                                                           eps=eps, silu_mul=silu_mul,
                                                           input_amax=self.input_amax,
-                                                          rac_group=self.rac_group, **kw)
+                                                          rac_group=self.rac_group,
+                                                          rac_fold=self.rac_fold, **kw)
             y = inference.linear(x_hat, self.gemm_weight, self.bias, x2=r_hat, residual=res, **kw)
         elif self.precision is Precision.FP8:
             codes, scale = inference.quantize_activations(x2d, "fp8", norm=norm, eps=eps,
@@ -250,11 +253,13 @@ class EngineExperts:
                  precision: Precision,
                  rac_ratio: float, device: torch.device, dtype: torch.dtype,
                  packed_gemm: bool = False,
-                 input_amax: tuple[float, float] | None = None, rac_group: int = 0) -> None:
+                 input_amax: tuple[float, float] | None = None, rac_group: int = 0,
+                 rac_fold: bool = False) -> None:
         """input_amax: nvfp4's static scales, the calibrated amax of the gate|up GEMM's input and
-        of the down GEMM's, each shared by all experts (None: per token); rac_group: RAC's
-        channel group (lowbit.rl.precision)."""
-        self.rac_group = RolloutMode.make(precision, rac_ratio, rac_group=rac_group).rac_group
+        of the down GEMM's, each shared by all experts (None: per token); rac_group, rac_fold:
+        RAC's channel group, its residual folded into the activation (lowbit.rl.precision)."""
+        mode = RolloutMode.make(precision, rac_ratio, rac_group=rac_group, rac_fold=rac_fold)
+        self.rac_group, self.rac_fold = mode.rac_group, mode.rac_fold
         self.precision, self.rac_ratio = precision, float(rac_ratio)
         gate_up_amax, down_amax = (None, None) if input_amax is None else input_amax
         self.gate_up_amax = _static_amax(gate_up_amax, precision, device)
@@ -290,11 +295,13 @@ class EngineExperts:
         if self.precision is Precision.NVFP4:
             x_hat, r_hat = inference.quantize_activations(x, "nvfp4", self.rac_ratio,
                                                           input_amax=self.gate_up_amax,
-                                                          rac_group=self.rac_group, **kw)
+                                                          rac_group=self.rac_group,
+                                                          rac_fold=self.rac_fold, **kw)
             gate_up = inference.grouped_linear(x_hat, self.gate_up_gemm, expert_of_row, k, x2=r_hat, **gw)
             h_hat, rh_hat = inference.quantize_activations(gate_up, "nvfp4", self.rac_ratio,
                                                            silu_mul=True, input_amax=self.down_amax,
-                                                           rac_group=self.rac_group, **kw)
+                                                           rac_group=self.rac_group,
+                                                           rac_fold=self.rac_fold, **kw)
             y = inference.grouped_linear(h_hat, self.down_gemm, expert_of_row, x2=rh_hat, **gw)
         elif self.precision is Precision.FP8:
             gate_up = inference.grouped_linear(_fp8_values(x, **kw), self.gate_up_gemm, expert_of_row,
@@ -357,17 +364,19 @@ class EngineWeights:
     def load(cls, state_dict: dict[str, torch.Tensor], cfg: ModelConfig, precision: Precision,
              rac_ratio: float, device: torch.device, dtype: torch.dtype,
              packed_gemm: bool = False,
-             input_amax: Mapping[str, float] | None = None, rac_group: int = 0) -> EngineWeights:
+             input_amax: Mapping[str, float] | None = None, rac_group: int = 0,
+             rac_fold: bool = False) -> EngineWeights:
         """From a state dict by Hugging Face parameter names; missing or unexpected keys, and
         tensors of another shape than the config implies, are refused. packed_gemm: the GEMMs
         read the packed NVFP4 weights (else their dequantized values, kept beside them).
         input_amax: nvfp4 with static activation scales: module name -> calibrated amax of its
         input (lowbit.export.calibrate_input_amax's; a missing linear or a non-finite amax is
         refused); fused projections take the largest of their parts', an MoE layer's GEMMs
-        the largest over the experts that saw tokens. None: per-token scales. rac_group: RAC's
-        channel group (lowbit.rl.precision)."""
+        the largest over the experts that saw tokens. None: per-token scales. rac_group,
+        rac_fold: RAC's channel group, its residual folded into the activation
+        (lowbit.rl.precision)."""
         reader = _Reader(cfg, precision, rac_ratio, device, dtype, packed_gemm, rac_group,
-                         static=input_amax is not None)
+                         rac_fold, static=input_amax is not None)
         weights = cls(None, [EngineLayer() for _ in range(cfg.n_layers)], None, None)
         for owner, name, make in reader.plan(state_dict, weights, input_amax):
             setattr(owner, name, make())
@@ -467,6 +476,7 @@ class _Reader:
     dtype: torch.dtype
     packed_gemm: bool
     rac_group: int
+    rac_fold: bool
     static: bool
     """Static NVFP4 activation scales: every read takes the calibrated input_amax."""
 
@@ -534,7 +544,7 @@ class _Reader:
             return functools.partial(EngineLinear.fused, [take(n, shape, linear=True) for n, shape in parts],
                                      precision, self.rac_ratio, device, dtype, biases, self.packed_gemm,
                                      amax_of(*(n.removesuffix(".weight") for n, _ in parts)),
-                                     self.rac_group)
+                                     self.rac_group, self.rac_fold)
 
         C, V, hd = cfg.dim, cfg.vocab_size, cfg.head_dim
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -561,7 +571,7 @@ class _Reader:
                 plan.append((layer, "experts", functools.partial(
                     EngineExperts, take(p + "mlp.experts.gate_up_proj", (E, 2 * F, C), linear=True),
                     take(p + "mlp.experts.down_proj", (E, C, F), linear=True), precision, self.rac_ratio,
-                    device, dtype, self.packed_gemm, amax, self.rac_group)))
+                    device, dtype, self.packed_gemm, amax, self.rac_group, self.rac_fold)))
             else:
                 F = cfg.ffn_dim
                 plan += [(layer, "gate_up_proj", linear((p + "mlp.gate_proj.weight", (F, C)),
