@@ -90,6 +90,18 @@ def test_static_activation_scales_on_the_kernels_score_what_the_reference_scores
                                atol=1e-4, rtol=0)
 
 
+def _sampled_row_is_its_own(engine) -> tuple[list, list]:
+    """Sample PROMPTS, then check a row scored alone equals it scored in the batch and decode's
+    log-probs equal a re-score; the sequences and their scores."""
+    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
+    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
+    together = engine.score(sequences)
+    torch.testing.assert_close(engine.score(sequences[2:3])[0], together[2], atol=2e-5, rtol=0)
+    for b, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+    return sequences, together
+
+
 def test_racs_channel_groups_on_the_kernels_equal_the_reference_and_keep_a_row_its_own():
     # rac_group 16 on an engine linear (K = 80: five groups a token): the kernels compute what
     # the reference computes; on the reference engine a row alone equals the row in a batch
@@ -103,12 +115,7 @@ def test_racs_channel_groups_on_the_kernels_equal_the_reference_and_keep_a_row_i
     torch.testing.assert_close(linear(x), linear(x, use_kernels=False), atol=1e-4, rtol=1e-5)
     cfg, model = _model(True, seed=1)
     engine = _engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16)
-    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
-    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
-    together = engine.score(sequences)
-    torch.testing.assert_close(engine.score(sequences[2:3])[0], together[2], atol=2e-5, rtol=0)
-    for b, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+    _sampled_row_is_its_own(engine)
 
 
 def test_racs_residual_folded_on_the_kernels_equals_the_reference_and_keeps_a_row_its_own():
@@ -134,12 +141,7 @@ def test_racs_residual_folded_on_the_kernels_equals_the_reference_and_keeps_a_ro
     cfg, model = _model(True, seed=1)
     engine = _engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16, rac_fold=True)
     assert engine.weights.layers[0].experts.rac_fold and engine.weights.layers[0].qkv_proj.rac_fold
-    batch = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
-    sequences = [p + c for p, c in zip(PROMPTS, batch.completion_lists())]
-    together = engine.score(sequences)
-    torch.testing.assert_close(engine.score(sequences[2:3])[0], together[2], atol=2e-5, rtol=0)
-    for b, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(together[b][len(prompt) - 1:], batch.logprobs[b], atol=2e-5, rtol=0)
+    sequences, together = _sampled_row_is_its_own(engine)
     # in bfloat16 the fold rounds the compensated activation, so its scores are not the
     # second operand's (in float32 the two sums agree to a last place)
     bf16 = [_engine(cfg, model, "nvfp4", 0.25, device="cpu", rac_group=16, rac_fold=fold,
