@@ -24,7 +24,8 @@ from lowbit.rl.config import RLConfig
 from lowbit.train.metrics import read_metrics
 from lowbit.train.run_dir import RunDir
 
-CONFIG_KEYS = ("rollout", "align", "rac_ratio", "rac_group", "importance_sampling", "rollout_activation_scale", "lr",
+CONFIG_KEYS = ("rollout", "align", "rac_ratio", "rac_group", "rac_fold", "importance_sampling",
+               "rollout_activation_scale", "lr",
                "steps", "eval_every", "eval_problems", "max_completion_length", "routing_replay", "n_experts",
                "task", "task_size", "seed", "eval_w4a16")
 EVAL_KEYS = {"accuracy_own_engine": "eval/accuracy", "accuracy_bf16": "eval/accuracy_bf16",

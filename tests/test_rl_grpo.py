@@ -424,6 +424,12 @@ def test_the_trainers_engine_takes_racs_channel_group(tmp_path):
     assert engine.rac_fold and engine.weights.layers[0].qkv_proj.rac_fold
     with pytest.raises(ValueError, match="--rac-fold adds RAC's residual into the activation: give a --rac-ratio"):
         _config(tmp_path, rac_fold=True, align="none", rollout="nvfp4", run_name="nofold")
+    # its setting label, and --compare's setting read back from it
+    from lowbit.rl.compare import config_for_setting
+    folded = _config(tmp_path, rac_fold=True, rac_group=64)
+    assert folded.setting == "nvfp4+quads+g64+fold"
+    back = config_for_setting(_config(tmp_path), folded.setting)
+    assert (back.rac_fold, back.rac_group, back.setting) == (True, 64, folded.setting)
 
 
 def test_resume_is_exact(tmp_path):
@@ -641,6 +647,7 @@ def test_cli_rl_compare_over_seeds_pairs_the_common_evaluators_change(tmp_path, 
                            (["--compare", "bf16,nvfp4", "--seeds", "0,0"], "distinct non-negative"),
                            (["--compare-window", "3"], "--compare-window goes with"),
                            (["--compare", "bf16,nvfp4", "--rac-group", "64"], "drop --rac-group"),
+                           (["--compare", "bf16,nvfp4", "--rac-fold"], "drop --rac-fold"),
                            (["--compare", "bf16,nvfp4", "--rollout", "bf16"], "drop --rollout"),
                            (["--compare", "bf16,nvfp4", "--seeds", "0,1", "--compare-window", "0"],
                             "window is a number of evaluations")):

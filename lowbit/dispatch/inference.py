@@ -169,10 +169,10 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
         return reference_activations.per_token_fp8(xp)
     x_hat = (reference_activations.per_token_nvfp4(xp) if input_amax is None else
              reference_activations.static_nvfp4(xp, input_amax))
-    r_hat = reference_activations.rac_residual(xp, x_hat, rac_ratio, rac_group) if rac_ratio > 0 else None
-    if rac_fold and r_hat is not None and reference_activations.rac_channel_count(k, rac_ratio):
-        return reference_activations.rac_folded(x_hat, r_hat), None
-    return x_hat, r_hat
+    if not reference_activations.rac_channel_count(k, rac_ratio):   # no channel: as the kernel, no residual
+        return x_hat, None
+    r_hat = reference_activations.rac_residual(xp, x_hat, rac_ratio, rac_group)
+    return (reference_activations.rac_folded(x_hat, r_hat), None) if rac_fold else (x_hat, r_hat)
 
 
 def fp8_linear(codes: torch.Tensor, scale: torch.Tensor, weight: LinearWeight,

@@ -4,10 +4,10 @@ rule of this package: a CUDA weight takes the kernel when triton imports and the
 not forced; a CPU weight, or one the kernel does not take (not contiguous, say), the reference.
 The rule is asked once a device and once a weight, each weight's tensors checked once (the
 kernel is told so), since a step of a model's weights runs it for every weight on the host; the
-optimizer's own tensors (p, m, v, B) are checked once for the addresses, dtypes and sizes they
-hold and the answer kept (they keep their storage from step to step; a state tensor made
-non-contiguous in place, at the same address and size, would not be seen), the gradients (new
-tensors each step) every step."""
+optimizer's own tensors (p, m, v, B) are checked once for the addresses, dtypes, sizes and
+contiguity they hold and the answer kept (they keep their storage from step to step; a state
+tensor reshaped in place to another shape of the same size is still read as the flat memory
+it is), the gradients (new tensors each step) every step."""
 
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ def grad_applies(p: torch.Tensor, g: torch.Tensor) -> bool:
     return g.dtype == torch.float32 and g.shape == p.shape and g.device == p.device and g.is_contiguous()
 
 
-_STATE_RULES: dict[tuple, tuple[bool, ...]] = {}   # state_applies for each weight, by addresses, dtypes, sizes
+_STATE_RULES: dict[tuple, tuple[bool, ...]] = {}   # state_applies a weight, by its state's addresses and layout
 
 
 def _state_rules(params, exp_avgs, exp_avg_sqs, bs) -> tuple[bool, ...]:
-    """state_applies of each weight, kept for the addresses, dtypes and sizes the state tensors
-    hold (a few sets of them)."""
+    """state_applies of each weight, kept for the addresses, dtypes, sizes and contiguity the
+    state tensors hold (a few sets of them)."""
     key = tuple([x for w in zip(params, exp_avgs, exp_avg_sqs, bs) for t in w
-                 for x in (t.data_ptr(), t.dtype, t.numel())])
+                 for x in (t.data_ptr(), t.dtype, t.numel(), t.is_contiguous())])
     rules = _STATE_RULES.get(key)
     if rules is None:
         if len(_STATE_RULES) >= 8:

@@ -21,7 +21,7 @@ QUICK = dict(warmstart_steps=20, steps=3, prompts_per_step=2, num_generations=4,
 
 # the flags a --compare setting names (lowbit.rl.compare.config_for_setting), by RLConfig field
 SETTING_FLAGS = {"rollout": "--rollout", "align": "--align", "rac_ratio": "--rac-ratio",
-                 "rac_group": "--rac-group", "importance_sampling": "--is",
+                 "rac_group": "--rac-group", "rac_fold": "--rac-fold", "importance_sampling": "--is",
                  "rollout_activation_scale": "--rollout-activation-scale"}
 
 
@@ -78,7 +78,7 @@ def run_rl_command(args: argparse.Namespace) -> None:
     named = [flag for name, flag in SETTING_FLAGS.items() if getattr(args, name, None) is not None]
     if args.compare and named:
         raise ValueError(f"each --compare setting names its own rollout (ROLLOUT[+ALIGN][@RATIO]"
-                         f"[+gG][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64): drop "
+                         f"[+gG][+fold][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64+fold): drop "
                          f"{', '.join(named)}")
     config = config_from_args(args)
     seeds = None

@@ -64,9 +64,9 @@ def paired_metric(window: int, key: str = "eval/accuracy_bf16") -> str:
 
 
 def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
-    """`base` with the rollout, alignment, RAC ratio and channel group, IS correction and
+    """`base` with the rollout, alignment, RAC ratio, channel group and fold, IS correction and
     activation scale `setting` names: the inverse of RLConfig.setting,
-    ROLLOUT[+ALIGN][@RATIO][+gG][+is[-LEVEL]][+static-act] (`+is` alone is token-level IS)."""
+    ROLLOUT[+ALIGN][@RATIO][+gG][+fold][+is[-LEVEL]][+static-act] (`+is` alone is token-level IS)."""
     text = setting.strip()
     scale = "per-token"
     if text.endswith("+static-act"):
@@ -75,6 +75,9 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     head, sep, level = text.rpartition("+is")
     if sep and (level == "" or level.startswith("-")):
         text, importance = head, level[1:] or "token"
+    fold = text.endswith("+fold")
+    if fold:
+        text = text[: -len("+fold")]
     group = 0
     head, sep, value = text.rpartition("+g")
     if sep and re.fullmatch(r"[1-9][0-9]*", value):
@@ -89,12 +92,12 @@ def config_for_setting(base: RLConfig, setting: str) -> RLConfig:
     rollout, _, align = text.partition("+")
     try:
         return dataclasses.replace(base, rollout=rollout, align=align or "none", rac_ratio=ratio,
-                                   rac_group=group,
+                                   rac_group=group, rac_fold=fold,
                                    importance_sampling=importance, rollout_activation_scale=scale,
                                    run_name="")
     except ValueError as e:
         raise ValueError(f"--compare setting {setting!r}: {e} (settings are ROLLOUT[+ALIGN]"
-                         f"[@RATIO][+gG][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64)") from None
+                         f"[@RATIO][+gG][+fold][+is[-LEVEL]][+static-act], e.g. nvfp4+quads+g64)") from None
 
 
 @dataclass(frozen=True)

@@ -301,14 +301,16 @@ class RLConfig(RunConfig):
 
     @property
     def setting(self) -> str:
-        """rollout[+align][@rac_ratio][+gG][+is-level][+static-act], the label --compare uses
-        (and run folders are named by)."""
+        """rollout[+align][@rac_ratio][+gG][+fold][+is-level][+static-act], the label --compare
+        uses (and run folders are named by)."""
         out = self.rollout + ("" if self.align == "none" else f"+{self.align}")
         default = DEFAULT_RAC_RATIO if self.align == "quads" else 0.0
         if self.rac_ratio != default:
             out += f"@{self.rac_ratio:g}"
         if self.rac_group:
             out += f"+g{self.rac_group}"
+        if self.rac_fold:
+            out += "+fold"
         if self.importance_sampling != "none":
             out += f"+is-{self.importance_sampling}"
         if self.rollout_activation_scale != "per-token":

@@ -25,7 +25,9 @@ graphs captured on them stay valid: every key, shape and packed form of the stat
 checked first (a refused state dict leaves the weights as they were), then each part -- an
 EngineLinear, an MoE layer's EngineExperts, a norm or embedding tensor -- is built as `load`
 builds it and copied into its live twin before the next is built. So a sync holds at most one
-part twice, never the whole model, and stores the same bits as a fresh `load`.
+of the engine's parts twice, never the whole model, and stores the same bits as a fresh `load`
+(a state dict with experts stored one by one, older Qwen3-MoE files', is stacked whole first,
+as `load` stacks it).
 
 A weight sync may move packed bytes (for an engine on another device than the trainer's):
 `pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
