@@ -8,6 +8,8 @@ from, to re-run when a kernel, Triton or the GPU changes.
     python benchmarks/tune.py engine-gemm                   # the rollout engine's GEMM tiles
     python benchmarks/tune.py activation                    # its activation pass's warps, RAC on/off
     python benchmarks/tune.py host-overhead [--profile R]   # lowbit's host time per linear
+    python benchmarks/tune.py engine-sass                   # the engine GEMM's sm_90 code, on the CPU
+    python benchmarks/tune.py activation-sass               # the activation pass's sm_90 code, RAC's forms
     python benchmarks/tune.py compile-sm90                  # every kernel variant, for sm_90
     python benchmarks/tune.py SWEEP --smoke                 # tiny shapes on the CPU
 
@@ -32,7 +34,7 @@ import sys
 import time
 import traceback
 
-SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "activation", "engine-sass",
+SWEEPS = ("amax", "fold", "nvfp4", "fp8-gemm", "engine-gemm", "activation", "engine-sass", "activation-sass",
           "host-overhead", "compile-sm90")
 
 
@@ -71,10 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
              "host-overhead": "host time of one quantized linear's forward + backward per recipe",
              "engine-sass": "the rollout engine GEMM's sm_90 machine code, compiled on this CPU: "
                             "instructions per weight in each tile's main loop, and its loads",
+             "activation-sass": "the rollout engine's activation pass's sm_90 machine code, compiled "
+                                "on this CPU: instructions, barriers and shuffles a row, without RAC "
+                                "and with each of RAC's forms (row-wide, groups of 64, folded)",
              "compile-sm90": "compile every Triton kernel variant for sm_90 on this CPU"}
     for name in SWEEPS:
         p = sub.add_parser(name, help=helps[name], description=helps[name])
-        if name not in ("compile-sm90", "engine-sass"):
+        if name not in ("compile-sm90", "engine-sass", "activation-sass"):
             p.add_argument("--smoke", action="store_true",
                            help="a few iterations, to check the harness" if name == "host-overhead"
                            else "tiny shapes on the CPU under Triton's interpreter, untimed")
@@ -112,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(rotated, transposed views)")
             p.add_argument("--amax", action="store_true",
                            help="also sweep the tensor-amax pass on the rotated operands")
+        if name == "activation-sass":
+            p.add_argument("--widths", default="1024,2048,3072,4096", type=counts,
+                           help="comma-separated row widths K (default: %(default)s)")
         if name == "compile-sm90":
             p.add_argument("--limit", type=int, default=None, metavar="N",
                            help="compile N of the variants, spread over every kernel (a quick "
@@ -130,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             device = "cpu"
         elif args.sweep == "engine-sass":
             results = engine_sass()
+            device = "cpu"
+        elif args.sweep == "activation-sass":
+            results = activation_sass(args.widths)
             device = "cpu"
         elif args.sweep == "host-overhead":
             device = interpreter(args.sweep)
@@ -728,19 +739,9 @@ def engine_sass() -> dict:
     by this machine's triton, which may differ from the GPU machine's."""
     import collections
     import re
-    import subprocess
-    import tempfile
-
-    os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from lowbit.kernels import engine_linear, nvfp4_gemm
 
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.path.exists(nvdisasm):
-        raise ValueError(f"tune.py engine-sass needs the nvdisasm Triton ships ({nvdisasm} is missing)")
     dense_fn, nvfp4_fn = engine_linear.engine_linear_kernel, nvfp4_gemm.nvfp4_linear_kernel
     # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
     # (kernel, rows a tile, weight rows a tile, columns a trip, split over K, warps)
@@ -767,16 +768,12 @@ def engine_sass() -> dict:
         names = list(signature)
         aligned = [n for n in names if n.endswith("_ptr") or n in ("N", "K") or n.startswith("stride")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        kernel = triton.compile(ASTSource(fn, signature, constants, attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+        text = sm90_sass("engine-sass", fn, signature, constants, attrs,
+                         {"num_warps": warps, "num_stages": 3})
         loop, body = 0, ""
         for label in sorted(set(re.findall(r"BRA `\((\.L_x_\d+)\)", text))):
             start, end = text.find(label + ":"), text.find("BRA `(" + label + ")")
-            if 0 <= start < end and (n := len(re.findall(r"/\*[0-9a-f]{4}\*/", text[start:end]))) > loop:
+            if 0 <= start < end and (n := len(instructions(text[start:end]))) > loop:
                 loop, body = n, text[start:end]
         per_trip = block_n * block_k / (32 * warps)            # weights a thread decodes a trip
         loads = collections.Counter(re.findall(r"\b(LDG[.A-Z0-9]*|LDGSTS[.A-Z0-9]*)", text))
@@ -789,6 +786,77 @@ def engine_sass() -> dict:
                           "loop_mma_waits": waits}
         print(f"{label:42} loop {loop:5} instructions, {per_trip:4.0f} weights a thread: "
               f"{loop / per_trip:5.1f} a weight; {mmas} MMAs, {waits} waits; loads {dict(loads)}", flush=True)
+    return results
+
+
+def sm90_sass(sweep: str, fn, signature: dict, constants: dict, attrs: dict | None, options: dict) -> str:
+    """A Triton kernel compiled for sm_90 on this CPU (no GPU) and disassembled by the nvdisasm
+    Triton carries: the SASS text."""
+    import subprocess
+    import tempfile
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        raise ValueError(f"tune.py {sweep} needs the nvdisasm Triton ships ({nvdisasm} is missing)")
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def instructions(sass: str) -> list[str]:
+    """The instruction lines of nvdisasm's text (each opens with its address, /*0000*/, four
+    hex digits or more: a kernel past 64 KiB of code has five)."""
+    import re
+
+    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/.*$", sass, re.M)
+
+
+# ---- activation-sass -----------------------------------------------------------------------
+
+def activation_sass(widths: tuple[int, ...] = (1024, 2048, 3072, 4096)) -> dict:
+    """lowbit.kernels.activation_quant's pass compiled for sm_90 on this CPU, as the engine
+    launches it for a bf16 row with the RMSNorm prologue, per-token NVFP4, at each width K:
+    without RAC, and with RAC 25% chosen over the row (every radix step), in groups of 64,
+    and in groups of 64 folded into the activation (rac_fold). Per variant: its instructions,
+    barriers (BAR) and shuffles (SHFL); the kernel has no loops, so about what a thread runs a
+    row. A lead to the pass's cost before a GPU times it (`tune.py activation`), not a timing;
+    compiled by this machine's triton, which may differ from the GPU machine's."""
+    import torch
+    import triton
+
+    from lowbit.kernels import activation_quant as aq
+    from lowbit.kernels import quantize as kq
+
+    fn = aq.activation_kernel
+    variants = {"no RAC": (False, 0, False), "RAC over the row": (True, 0, False),
+                "RAC in groups of 64": (True, 64, False), "RAC in groups of 64, folded": (True, 64, True)}
+    pointers = dict(x_ptr="*bf16", norm_ptr="*bf16", xhat_ptr="*bf16", rhat_ptr="*bf16", codes_ptr="*u8",
+                    scale_ptr="*fp32", amax_ptr="*i32")
+    results = {}
+    for k in widths:
+        block_k = max(16, triton.next_power_of_2(k))
+        for label, (rac, group, fold) in variants.items():
+            constants = dict(MODE=0, RAC=rac, PROLOGUE=1, BLOCK_K=block_k, NATIVE_CAST=True,
+                             DIGIT=aq.RADIX_BITS, STATIC=False, OUT_LIMIT=kq.OUT_LIMIT[torch.bfloat16],
+                             EARLY=False, GROUP=group, GROUP_IS_BLOCK=group == 64, FOLD=fold)
+            signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "fp32" if p.name == "eps"
+                                                                                 else "i32") for p in fn.params}
+            text = sm90_sass("activation-sass", fn, signature, constants, None,
+                             {"num_warps": 8, "enable_fp_fusion": False})
+            lines = instructions(text)
+            row = {"instructions": len(lines), "BAR": sum("BAR" in line for line in lines),
+                   "SHFL": sum("SHFL" in line for line in lines)}
+            results[f"K={k} {label}"] = row
+            print(f"K={k:5} {label:28} {row['instructions']:6} instructions, {row['BAR']:3} barriers, "
+                  f"{row['SHFL']:4} shuffles", flush=True)
     return results
 
 

@@ -150,7 +150,25 @@ def test_every_kernel_variant_compiles_for_hopper(tmp_path):
                                        "engine_linear_kernel", "nvfp4_linear_kernel",
                                        "_decode_attention_kernel",
                                        "_decode_attention_combine_kernel",
-                                       "_activation_kernel", "_nvfp4_tiles_kernel"}   # the rollout engine's
+                                       "activation_kernel", "_nvfp4_tiles_kernel"}   # the rollout engine's
+
+
+def test_activation_sass_counts_racs_forms_compiled_for_sm90(tmp_path):
+    """tune.py activation-sass: the activation pass compiled for sm_90 on this CPU in each of
+    RAC's forms (in a fresh process: the kernels compiled, not interpreted); RAC costs
+    instructions, its groups of 64 fewer than the row-wide choice (at K 256 too)."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this triton build has no nvdisasm")
+    out = tmp_path / "sass.json"
+    run = subprocess.run([sys.executable, str(TUNE), "activation-sass", "--widths", "256", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {k.removeprefix("K=256 "): v["instructions"] for k, v in json.loads(out.read_text())["results"].items()}
+    assert set(rows) == {"no RAC", "RAC over the row", "RAC in groups of 64", "RAC in groups of 64, folded"}
+    assert rows["no RAC"] < rows["RAC in groups of 64"] < rows["RAC over the row"]
+    assert rows["RAC in groups of 64, folded"] <= rows["RAC in groups of 64"]
 
 
 def test_stable_fp4_seeds_smoke_writes_the_tables_to_paste(tmp_path, corpus_env, capsys):

@@ -104,7 +104,7 @@ from lowbit.kernels.quantize import (
     dequantized, e8m0_exponent, nvfp4_scales, pow2_wide, round_value, to_output, widen,
 )
 
-__all__ = ["quantize_activations", "rac_threshold", "MAX_K"]
+__all__ = ["quantize_activations", "activation_kernel", "rac_threshold", "MAX_K"]
 
 MAX_K = 16384
 """The longest row one program holds in registers; longer rows take the reference."""
@@ -309,7 +309,7 @@ def _segment_amax(bits, block, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr, amax_ptr,
+def activation_kernel(x_ptr, norm_ptr, xhat_ptr, rhat_ptr, codes_ptr, scale_ptr, amax_ptr,
                        K, stride_xm, count, count_last, eps,
                        MODE: tl.constexpr, RAC: tl.constexpr, PROLOGUE: tl.constexpr,
                        BLOCK_K: tl.constexpr, NATIVE_CAST: tl.constexpr, DIGIT: tl.constexpr,
@@ -491,7 +491,7 @@ def quantize_activations(x: torch.Tensor, mode: str, rac_ratio: float = 0.0, *,
     amax_bits = (kq.empty_arg(dev, torch.int32) if input_amax is None else
                  input_amax.reshape(1).view(torch.int32))
     with kq.on_device(x):
-        _activation_kernel[(M,)](
+        activation_kernel[(M,)](
             x, norm if norm is not None else x, **buffers, amax_ptr=amax_bits, K=K,
             stride_xm=x.stride(0), count=group_count if group else count, count_last=last_count, eps=eps,
             MODE={"nvfp4": _NVFP4, "fp8": _FP8, "none": _PLAIN}[mode], RAC=count > 0,
