@@ -84,7 +84,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lowbit.bench.timing import gpu_events, kernel_category
+from lowbit.bench.timing import gpu_events, kernel_category, sync
 from lowbit.kernels import kernels_available
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
@@ -306,18 +306,13 @@ def _free_bytes(device: torch.device) -> int | None:
 
 # ---- timing ------------------------------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_s(fn, device: torch.device, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -354,7 +349,7 @@ def _profiled_ops(fn, device: torch.device) -> tuple[collections.Counter, collec
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         fn()
-        _sync(device)
+        sync(device)
     counts, micros = collections.Counter(), collections.Counter()
     if cuda:
         for e in gpu_events(prof):
