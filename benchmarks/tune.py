@@ -835,6 +835,9 @@ def activation_sass(widths: tuple[int, ...] = (1024, 2048, 3072, 4096)) -> dict:
     from lowbit.kernels import activation_quant as aq
     from lowbit.kernels import quantize as kq
 
+    if max(widths) > aq.MAX_K:
+        raise ValueError(f"--widths: the pass holds rows of up to {aq.MAX_K} values (longer ones take the "
+                         f"reference), got {max(widths)}")
     fn = aq.activation_kernel
     variants = {"no RAC": (False, 0, False), "RAC over the row": (True, 0, False),
                 "RAC in groups of 64": (True, 64, False), "RAC in groups of 64, folded": (True, 64, True)}
