@@ -17,7 +17,7 @@ from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_generator, check_input, segment_scales_from_amax
+from lowbit.formats.quantize import check_generator, check_input
 from lowbit.formats.quantize import segment_tensor_scales as reference_segment_tensor_scales
 from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
@@ -105,7 +105,7 @@ def segment_tensor_scales(x: torch.Tensor, ends: torch.Tensor, spec: QuantSpec) 
     """lowbit.formats.quantize.segment_tensor_scales (one NVFP4 tensor scale per segment of x's
     rows, (R, 1)), the rows' maxima in one kernel where the kernels take x for `spec`."""
     if x.dim() == 2 and use_kernels(x, spec, codes=False):
-        return segment_scales_from_amax(kernels.group_amax_triton(x, rows=True), ends)[:, None]
+        return kernels.segment_scales_triton(x, ends, rows=True)[:, None]
     return reference_segment_tensor_scales(x, ends)
 
 
@@ -127,8 +127,7 @@ def rotated_fake_quantize(t: torch.Tensor, spec: QuantSpec | None,
              and use_kernels(t_t, spec, codes=False))
     segmented = segment_ends is not None and spec is not None and spec.tensor_scale
     if fused and segmented:
-        group_amax = kernels.group_amax_triton(t_t, signs)         # (N / 16,)
-        scales = segment_scales_from_amax(group_amax, segment_ends, 16).repeat_interleave(16)
+        scales = kernels.segment_scales_triton(t_t, segment_ends, hadamard=signs)   # (N,)
         return kernels.fake_quantize_triton(t_t, spec, hadamard=signs, tensor_scale=scales[None, :]).mT
     if fused:
         from lowbit.kernels.hadamard import fake_quantize_rht_rows, rht_rows_supported

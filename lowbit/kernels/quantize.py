@@ -348,7 +348,13 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     rows (of its random Hadamard transform with `signs`, (16,) float32, if given); C a
     multiple of 16, any strides. rows_max: (R,) each row's max instead (any C, no rotation).
     An NVFP4 tensor scale per segment is the max of its groups' or rows'
-    (lowbit.formats.quantize.segment_scales_from_amax)."""
+    (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these tiles)."""
+    return group_amax_tiles(x, signs, rows_max).amax(dim=0).view(torch.float32)
+
+
+def group_amax_tiles(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False) -> torch.Tensor:
+    """group_amax before its last reduction: (tiles, n) int32, the float32 bits of each tile's
+    maxima (n = C // 16 groups, or R rows with rows_max), the max over the tiles group_amax's."""
     rows, cols = x.shape
     if rows_max and signs is not None:
         raise ValueError("group_amax rotates groups of columns, not rows: rows_max takes no signs")
@@ -366,7 +372,57 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
             x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
             *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
             HADAMARD=signs is not None, ROWS=rows_max, num_warps=4)
-    return out.amax(dim=0).view(torch.float32)
+    return out
+
+
+@triton.jit
+def segment_scales_kernel(amax_ptr, ends_ptr, out_ptr, n_tiles, n, n_ends, rows_each,
+                          BLOCK: tl.constexpr, REPEAT: tl.constexpr):
+    """NVFP4 tensor scales of segments, one program a segment: amax_ptr (n_tiles, n) int32, the
+    float32 bits of the finite maxima of n runs of `rows_each` rows, tile by tile
+    (group_amax_tiles); segment e holds the runs whose first row lies in [ends[e - 1], ends[e])
+    (ends (n_ends,) ascending; the runs past the last end are segment n_ends), i.e. runs
+    ceil(ends[e - 1] / rows_each) to ceil(ends[e] / rows_each). Its scale, max(amax / 2688,
+    2^-120) (an IEEE division), is written to each of its runs' REPEAT entries of out_ptr
+    (n * REPEAT,) float32: lowbit.formats.quantize.segment_scales_from_amax, repeated."""
+    e = tl.program_id(0)
+    lo = tl.load(ends_ptr + tl.maximum(e - 1, 0)).to(tl.int32)
+    hi = tl.load(ends_ptr + tl.minimum(e, n_ends - 1)).to(tl.int32)
+    start = tl.minimum(tl.where(e > 0, (lo + rows_each - 1) // rows_each, 0), n)
+    stop = tl.maximum(tl.minimum(tl.where(e < n_ends, (hi + rows_each - 1) // rows_each, n), n), start)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for t in range(n_tiles):
+        for first in range(start, stop, BLOCK):
+            runs = first + tl.arange(0, BLOCK)
+            acc = tl.maximum(acc, tl.load(amax_ptr + t * n + runs, mask=runs < stop, other=0))
+    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+    scale = tl.maximum(tl.math.div_rn(amax, 2688.0), TENSOR_SCALE_MIN)
+    for first in range(start, stop, BLOCK):
+        runs = first + tl.arange(0, BLOCK)
+        if REPEAT == 1:
+            tl.store(out_ptr + runs, tl.zeros((BLOCK,), dtype=tl.float32) + scale, mask=runs < stop)
+        else:
+            offs = runs[:, None] * REPEAT + tl.arange(0, REPEAT)[None, :]
+            tl.store(out_ptr + offs, tl.zeros((BLOCK, REPEAT), dtype=tl.float32) + scale,
+                     mask=runs[:, None] < stop)
+
+
+def segment_scales(amax_tiles: torch.Tensor, ends: torch.Tensor, rows_each: int, repeat: int) -> torch.Tensor:
+    """(n * repeat,) float32: the NVFP4 tensor scale of the segment each of the n runs lies in,
+    each written `repeat` times, from group_amax_tiles' (tiles, n) maxima and the segments'
+    ends (ascending, on the same device): one launch, no atomics, no host read-back. The
+    reference: lowbit.formats.quantize.segment_scales_from_amax(maxima, ends, rows_each)
+    .repeat_interleave(repeat)."""
+    n_tiles, n = amax_tiles.shape
+    if ends.dim() != 1 or ends.numel() == 0 or ends.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"segment_scales takes ends as a non-empty 1-D int32/int64 tensor, "
+                         f"not {ends.dtype} of shape {tuple(ends.shape)}")
+    out = torch.empty(n * repeat, device=amax_tiles.device, dtype=torch.float32)
+    with on_device(amax_tiles):
+        segment_scales_kernel[(ends.numel() + 1,)](
+            amax_tiles.contiguous(), ends.contiguous(), out, n_tiles, n, ends.numel(), rows_each,
+            BLOCK=256 if repeat == 1 else 64, REPEAT=repeat, num_warps=4)
+    return out
 
 
 @triton.jit
