@@ -126,6 +126,47 @@ def test_a_row_alone_equals_the_row_in_a_batch(splits):
     assert torch.equal(k[-1], k_cache[-1]) and torch.equal(v[-1], v_cache[-1])   # the spare row
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shared_prompt_read_from_its_row_equals_the_prompt_copied_into_every_row(splits, dtype):
+    # GRPO's completions of one prompt: rows 1 and 2 read the prompt's 30 columns from row 0
+    # (their own prompt columns hold other data, which must not be read), row 3 its own 12
+    # from row 4, row 4 itself; prefixes across chunk edges (3 splits of 27 columns), a row
+    # at the prefix's end; the same bits as the prompt copied into each row, and each row
+    # writes only its own row; both index dtypes; the PyTorch reference the same
+    from lowbit.dispatch import inference
+    H, KV, D = 4, 2, 16
+    qkv, k_cache, v_cache, positions, cos, sin, norm = _operands(H, KV, D, dtype, seed=21, qk_norm=True,
+                                                                 positions=[30, 45, 79, 12, 60])
+    rows = torch.tensor([0, 0, 0, 4, 4], device=DEV)
+    lens = torch.tensor([30, 30, 30, 12, 12], device=DEV)
+    copied_k, copied_v = k_cache.clone(), v_cache.clone()
+    for b, (r, n) in enumerate(zip(rows.tolist(), lens.tolist())):
+        copied_k[b, :, :n], copied_v[b, :, :n] = k_cache[r, :, :n], v_cache[r, :, :n]
+    want = da.decode_attention(qkv, copied_k, copied_v, positions, cos, sin, H, KV, norm, splits=splits)
+    for index in (torch.int64, torch.int32):
+        k, v = k_cache.clone(), v_cache.clone()
+        got = da.decode_attention(qkv, k, v, positions, cos, sin, H, KV, norm, splits=splits,
+                                  prefix_rows=rows.to(index), prefix_lens=lens.to(index))
+        assert torch.equal(got, want)
+        written = _written(k_cache, positions)
+        assert torch.equal(k[written], copied_k[written]) and torch.equal(k[~written], k_cache[~written])
+        assert torch.equal(v[~written], v_cache[~written])
+    k, v = k_cache.clone(), v_cache.clone()
+    ref = inference.decode_attention(qkv, k, v, positions, cos, sin, H, KV, norm, use_kernels=False,
+                                     prefix_rows=rows, prefix_lens=lens)
+    k, v = copied_k.clone(), copied_v.clone()
+    ref_copied = inference.decode_attention(qkv, k, v, positions, cos, sin, H, KV, norm, use_kernels=False)
+    assert torch.equal(ref, ref_copied)
+    torch.testing.assert_close(ref, want, **TOL[dtype])
+    with pytest.raises(ValueError, match="both or neither"):
+        da.decode_attention(qkv, k_cache.clone(), v_cache.clone(), positions, cos, sin, H, KV, norm,
+                            prefix_rows=rows)
+    with pytest.raises(ValueError, match=r"expected \(5,\) int32 or int64"):
+        da.decode_attention(qkv, k_cache.clone(), v_cache.clone(), positions, cos, sin, H, KV, norm,
+                            prefix_rows=rows.float(), prefix_lens=lens)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # numpy's, under the interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_nan_stays_in_its_head_and_row(splits):

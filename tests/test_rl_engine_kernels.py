@@ -169,14 +169,17 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_decode_equals_a_rescore(preci
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("precision,rac", [("bf16", 0.0), ("nvfp4", 0.25)])
-def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, rac, moe, monkeypatch):
-    # GRPO's num_generations copies of a prompt: one prefill row each distinct prompt, its
-    # cache rows (and MoE routing record) copied to the repeats; the same log-probs as
-    # prefilling every row up to accumulation order (here the same tokens and routing, and,
-    # at this size, equal bits), and decode still equals a re-score
+@pytest.mark.parametrize("precision,rac,kernels", [("bf16", 0.0, False), ("nvfp4", 0.25, False),
+                                                   ("bf16", 0.0, True)])
+def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, rac, kernels, moe, monkeypatch):
+    # GRPO's num_generations copies of a prompt: one prefill row each distinct prompt, in the
+    # first row that samples it, whose columns the repeats read in decode (their own prompt
+    # columns hold another prompt's here), the MoE routing record copied to them; the same
+    # log-probs as prefilling every row up to accumulation order (here the same tokens and
+    # routing, and, at this size, equal bits), and decode still equals a re-score; on the
+    # PyTorch reference and on the decode kernels
     cfg, model = _model(moe, seed=6)
-    engine = _engine(cfg, model, precision, rac, device="cpu")
+    engine = _engine(cfg, model, precision, rac, device="cpu", decode_kernels=kernels)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
     rows = []

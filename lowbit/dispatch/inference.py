@@ -199,15 +199,22 @@ def fp8_linear(codes: torch.Tensor, scale: torch.Tensor, weight: LinearWeight,
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                      n_heads: int, n_kv_heads: int, qk_norm: torch.Tensor | None = None,
-                     eps: float = 1e-6, pdl: bool = False, use_kernels: bool = True) -> torch.Tensor:
+                     eps: float = 1e-6, pdl: bool = False, use_kernels: bool = True,
+                     prefix_rows: torch.Tensor | None = None,
+                     prefix_lens: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention, (B, (H + 2 KV) D) q|k|v -> (B, H D): q/k norm, RoPE at
     each row's position, the new k and v written at that position of the row's cache, and
-    attention over the row's positions 0..p (lowbit.kernels.decode_attention). The reference
-    attends over the whole cache with a mask: the fixed shapes a compiled step needs."""
+    attention over the row's positions 0..p (lowbit.kernels.decode_attention). prefix_rows,
+    prefix_lens ((B,), both or neither): row b reads positions below prefix_lens[b] from cache
+    row prefix_rows[b], a shared prompt's one copy. The reference attends over the whole cache
+    with a mask: the fixed shapes a compiled step needs."""
     if use_inference_kernels(qkv, use_kernels):
         from lowbit.kernels import decode_attention as kernel
         return _kernels(kernel).decode_attention(qkv, k_cache, v_cache, positions, cos, sin_signed,
-                                                 n_heads, n_kv_heads, qk_norm=qk_norm, eps=eps, pdl=pdl)
+                                                 n_heads, n_kv_heads, qk_norm=qk_norm, eps=eps, pdl=pdl,
+                                                 prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+    if (prefix_rows is None) != (prefix_lens is None):
+        raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
     B = qkv.shape[0]
     H, KV, D = n_heads, n_kv_heads, k_cache.shape[-1]
     qkv = qkv.view(B, H + 2 * KV, D)
@@ -225,8 +232,13 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     # columns past a row's position hold what earlier generates left (maybe NaN): zeroed, so
     # only the row's own tokens reach the products
     hidden = ~visible[:, None, :, None]
-    keys = k_cache[:B].masked_fill(hidden, 0.0)
-    values = v_cache[:B].masked_fill(hidden, 0.0)
+    keys, values = k_cache[:B], v_cache[:B]
+    if prefix_rows is not None:   # the prompt's columns from the row that holds it
+        shared = (torch.arange(L, device=qkv.device)[None, :] < prefix_lens[:, None])[:, None, :, None]
+        keys = torch.where(shared, k_cache[prefix_rows], keys)
+        values = torch.where(shared, v_cache[prefix_rows], values)
+    keys = keys.masked_fill(hidden, 0.0)
+    values = values.masked_fill(hidden, 0.0)
     # the H / KV query heads that share a KV head are that head's queries (HF's repeat_kv
     # order: head h reads KV head h // (H / KV)), so the cache is read as it is
     q = qk[:, :H].reshape(B, KV, H // KV, D)

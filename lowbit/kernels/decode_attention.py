@@ -88,18 +88,22 @@ def _rotate(x_ptr, offs, rd, ok, D, norm_ptr, norm_offs, eps, cos, sin,
 
 @triton.jit
 def _decode_attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, out_ptr,
-                             m_ptr, l_ptr, acc_ptr, stride_qkv, stride_kb, stride_kh, stride_kl,
+                             m_ptr, l_ptr, acc_ptr, prefix_row_ptr, prefix_len_ptr,
+                             stride_qkv, stride_kb, stride_kh, stride_kl,
                              stride_out, stride_rope, L, chunk, splits, sm_scale, eps,
                              H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                              QK_NORM: tl.constexpr, DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
                              GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PDL: tl.constexpr):
+                             PREFIX: tl.constexpr, PDL: tl.constexpr):
     dt = qkv_ptr.dtype.element_ty
     G: tl.constexpr = H // KV
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < D
     pos = tl.load(pos_ptr + b)
+    if PREFIX:   # columns 0..prefix_len - 1 are read from the prompt's row
+        prefix_row = tl.load(prefix_row_ptr + b).to(tl.int64)
+        prefix_len = tl.load(prefix_len_ptr + b)
     cos = tl.load(cos_ptr + pos * stride_rope + rd, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_rope + rd, mask=d_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)     # q|k|v and the cache may be the kernel before's to write
@@ -133,7 +137,11 @@ def _decode_attention_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr
     for start in tl.range(lo, end, BLOCK_N):
         cols = start + rn
         col_ok = cols < end
-        offs = cache + cols[:, None] * stride_kl + rd[None, :]
+        if PREFIX:
+            rows = tl.where(cols < prefix_len, prefix_row, b.to(tl.int64))
+            offs = rows[:, None] * stride_kb + kvh * stride_kh + cols[:, None] * stride_kl + rd[None, :]
+        else:
+            offs = cache + cols[:, None] * stride_kl + rd[None, :]
         kv_ok = col_ok[:, None] & d_ok[None, :]
         keys = tl.load(k_ptr + offs, mask=kv_ok, other=0.0)                  # (BLOCK_N, BLOCK_D)
         values = tl.load(v_ptr + offs, mask=kv_ok, other=0.0)
@@ -193,7 +201,9 @@ def _decode_attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_out,
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                      n_heads: int, n_kv_heads: int, qk_norm: torch.Tensor | None = None,
-                     eps: float = 1e-6, splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                     eps: float = 1e-6, splits: int | None = None, pdl: bool = False,
+                     prefix_rows: torch.Tensor | None = None,
+                     prefix_lens: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention for B rows: (B, (H + 2 KV) D) q|k|v -> (B, H D) in qkv's dtype.
 
     k_cache, v_cache (B', KV, L, D), B' >= B, are read and written in place: row b's new k and
@@ -203,7 +213,13 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     the engine's RoPE tables (sin's first half negated). splits: how many chunks the L columns
     are cut into (`default_splits` where None). pdl: launch with programmatic dependent launch
     where lowbit.kernels.launch.pdl_supported (else ignored): the kernel reads positions and the
-    tables before it waits on the kernel before it, which must not write them."""
+    tables before it waits on the kernel before it, which must not write them.
+    prefix_rows, prefix_lens ((B,) int on the device, both or neither): a shared prompt. Row b
+    reads its columns 0..prefix_lens[b] - 1 from cache row prefix_rows[b] (which holds that
+    prompt) and the rest from its own row: GRPO's copies of a prompt read one copy of its keys
+    and values, not one each. The values are those of the prompt copied into every row; the
+    new column must lie past the prefix (p_b >= prefix_lens[b]), and no row may write into
+    another's prefix (each row writes its own row only, at its own position)."""
     H, KV = n_heads, n_kv_heads
     if qkv.dim() != 2 or qkv.dtype not in _DTYPES:
         raise ValueError(f"qkv is {tuple(qkv.shape)} {qkv.dtype}: expected (B, (H + 2 KV) * D) "
@@ -232,6 +248,14 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError(f"the caches and qk_norm need qkv's dtype ({qkv.dtype})")
     if any(t.device != qkv.device for t in tensors + [positions, cos, sin_signed]):
         raise ValueError(f"decode_attention needs every tensor on qkv's device ({qkv.device})")
+    if (prefix_rows is None) != (prefix_lens is None):
+        raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
+    prefix = prefix_rows is not None
+    if prefix and any(t.shape != (B,) or t.dtype not in (torch.int32, torch.int64) or t.device != qkv.device
+                      for t in (prefix_rows, prefix_lens)):
+        raise ValueError(f"prefix_rows and prefix_lens are {tuple(prefix_rows.shape)} {prefix_rows.dtype} "
+                         f"and {tuple(prefix_lens.shape)} {prefix_lens.dtype}: expected ({B},) int32 or "
+                         f"int64 each, on qkv's device")
     splits = default_splits(B, KV, L, qkv.device) if splits is None else splits
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"splits is {splits!r}: expected a positive int")
@@ -249,7 +273,8 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     launch = pdl_launch(pdl, qkv.device)
     _decode_attention_kernel[(B, KV, splits)](
         qkv, qk_norm.contiguous() if qk_norm is not None else qkv, cos, sin_signed, positions,
-        k_cache, v_cache, out, m, l, acc, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache, v_cache, out, m, l, acc, prefix_rows if prefix else positions,
+        prefix_lens if prefix else positions, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), cos.stride(0), L, cdiv(L, splits), splits,
         1.0 / D ** 0.5, eps, H=H, KV=KV, D=D, QK_NORM=qk_norm is not None, DIRECT=direct,
         # float32 operands get no TF32; the interpreter's bf16 / fp16 dot is wrong, and in
@@ -257,7 +282,7 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         F32_DOT=qkv.dtype == torch.float32 or interpret_mode(),
         GROUP=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D,
         # the interpreter: short tiles, so the tests cross tile and chunk edges
-        BLOCK_N=16 if interpret_mode() else 64, num_warps=4,
+        BLOCK_N=16 if interpret_mode() else 64, PREFIX=prefix, num_warps=4,
         # float32: no fused multiply-add where the eager ops round a product (RoPE)
         enable_fp_fusion=qkv.dtype != torch.float32, **launch)
     if not direct:

@@ -58,11 +58,13 @@ def quantize_activations(x: Tensor, mode: str, rac_ratio: float = 0.0, *,
 
 def decode_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor,
                      cos: Tensor, sin_signed: Tensor, n_heads: int, n_kv_heads: int,
-                     qk_norm: Tensor | None = None, eps: float = 1e-6, pdl: bool = False) -> Tensor:
+                     qk_norm: Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
+                     prefix_rows: Tensor | None = None, prefix_lens: Tensor | None = None) -> Tensor:
     """lowbit.kernels.decode_attention.decode_attention as one operator, which writes the new
     k and v into the caches in place (declared: the compiler orders the cache's readers)."""
     return torch.ops.lowbit.decode_attention(qkv, k_cache, v_cache, positions, cos, sin_signed,
-                                             qk_norm, n_heads, n_kv_heads, eps, pdl)
+                                             qk_norm, n_heads, n_kv_heads, eps, pdl, prefix_rows,
+                                             prefix_lens)
 
 
 def _second_output(x: Tensor, mode: str, rac_ratio: float, silu_mul: bool, rac_fold: bool) -> bool:
@@ -117,12 +119,14 @@ def _(x, norm, input_amax, mode, rac_ratio, eps, silu_mul, rac_group, rac_fold):
 @torch.library.custom_op("lowbit::decode_attention", mutates_args=("k_cache", "v_cache"))
 def _decode_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor,
                       cos: Tensor, sin_signed: Tensor, qk_norm: Tensor | None, n_heads: int,
-                      n_kv_heads: int, eps: float, pdl: bool) -> Tensor:
+                      n_kv_heads: int, eps: float, pdl: bool, prefix_rows: Tensor | None,
+                      prefix_lens: Tensor | None) -> Tensor:
     from lowbit.kernels.decode_attention import decode_attention as kernel
     return kernel(qkv, k_cache, v_cache, positions, cos, sin_signed, n_heads, n_kv_heads,
-                  qk_norm=qk_norm, eps=eps, pdl=pdl)
+                  qk_norm=qk_norm, eps=eps, pdl=pdl, prefix_rows=prefix_rows, prefix_lens=prefix_lens)
 
 
 @_decode_attention.register_fake
-def _(qkv, k_cache, v_cache, positions, cos, sin_signed, qk_norm, n_heads, n_kv_heads, eps, pdl):
+def _(qkv, k_cache, v_cache, positions, cos, sin_signed, qk_norm, n_heads, n_kv_heads, eps, pdl,
+      prefix_rows, prefix_lens):
     return qkv.new_empty(qkv.shape[0], n_heads * k_cache.shape[-1])

@@ -84,11 +84,13 @@ class Decoder:
         cfg, w = self.config, self.weights
         eps, pdl, kw = cfg.norm_eps, self.pdl, dict(use_kernels=self.use_kernels)
         x = F.embedding(tokens, w.embed)                                            # (B, C)
+        B = tokens.shape[0]   # each row's shared prompt (KVCache.share_prompts), if any
+        prefix = dict(prefix_rows=self.cache.prefix_rows[:B], prefix_lens=self.cache.prefix_lens[:B])
         for i, layer in enumerate(w.layers):
             qkv = layer.qkv_proj(x, norm=layer.input_layernorm, eps=eps, pdl=pdl, **kw)
             y = inference.decode_attention(qkv, self.cache.k[i], self.cache.v[i], positions,
                                            self.cos, self.sin_signed, cfg.n_heads, cfg.n_kv_heads,
-                                           layer.qk_norm, eps, pdl=pdl, **kw)        # (B, H D)
+                                           layer.qk_norm, eps, pdl=pdl, **prefix, **kw)   # (B, H D)
             x = layer.o_proj(y, residual=x, pdl=pdl, **kw)
             x = self._mlp(i, layer, x, positions[:, None], pdl)
         return inference.linear(x, self.lm_head, norm=w.norm, eps=eps, pdl=pdl, **kw)

@@ -6,6 +6,12 @@ decode-attention kernel stops at the row's position). A prompt batch is right-pa
 one prefill forward: a short row's pad tokens fill columns past its length, and the row's
 decode steps overwrite them, each writing its column before reading up to it.
 
+GRPO samples each prompt several times: the prompt is prefilled once, into the first row that
+samples it, and the other rows read its columns from that row (`share_prompts`: each row's
+prefix row and length, which the decode attention takes), so a decode step reads one copy of
+each prompt's keys and values, not one per completion. Each row writes only its own row, past
+its prompt, so no row writes into a prefix another reads.
+
 The cache is a slot per row, not pages: max_batch_size rows of `capacity` columns per layer
 (rows of very different lengths leave the unused end of their slots empty but never read
 it). The capacity grows to what a generate needs (`reserve`), up to max_seq_len, in steps that
@@ -40,6 +46,11 @@ class KVCache:
         self.routed: torch.Tensor | None = None
         """MoE only: (layers, max_batch_size, capacity, k) int64, the experts each row's token
         at each position was routed to (-1: none recorded)."""
+        rows = torch.arange(max_batch_size, device=device)
+        self.prefix_rows = rows.clone()
+        """(max_batch_size,) int64: the row that holds each row's prompt (itself unless shared)."""
+        self.prefix_lens = torch.zeros_like(rows)
+        """(max_batch_size,) int64: how many leading columns each row reads from prefix_rows."""
         self._allocate(min(capacity or max_seq_len, max_seq_len))
 
     @property
@@ -73,15 +84,27 @@ class KVCache:
         self.k[layer][:B, :, :T] = k
         self.v[layer][:B, :, :T] = v
 
-    def repeat_rows(self, source: torch.Tensor, columns: int) -> None:
-        """Rows 0..B-1, columns 0..columns-1, become copies of rows source[b] (source: (B,)
-        int64 on the device, each < B): a prompt prefilled once lands in every row that
-        generates from it. The routing record is copied with the keys and values."""
+    def unshare(self) -> None:
+        """Every row reads its own prompt (no shared prefixes): a generate's starting point."""
+        self.prefix_rows.copy_(torch.arange(self.max_batch_size, device=self.device))
+        self.prefix_lens.zero_()
+
+    def share_prompts(self, slots: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor,
+                      columns: int) -> None:
+        """Prompts prefilled once each into rows 0..U-1 serve rows 0..B-1: the prompt in row
+        i moves to row first[i] (the first row that samples it; first (U,) on the device), and
+        row b reads its first lengths[b] columns from row first[slots[b]] (slots, lengths (B,)
+        on the device). U rows are copied, not B. The routing record, read back per row, is
+        copied whole to every row."""
         for layer in range(self.n_layers):
             for t in (self.k[layer], self.v[layer]):
-                t[:source.shape[0], :, :columns] = t[source, :, :columns]   # gathers a copy first
+                t[first, :, :columns] = t[:first.shape[0], :, :columns].clone()   # read, then write
+        B = slots.shape[0]
+        self.unshare()
+        self.prefix_rows[:B] = first[slots]
+        self.prefix_lens[:B] = lengths
         if self.routed is not None:
-            self.routed[:, :source.shape[0], :columns] = self.routed[:, source, :columns]
+            self.routed[:, :B, :columns] = self.routed[:, slots, :columns]
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes across the layers (keys and values)."""

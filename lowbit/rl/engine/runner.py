@@ -218,6 +218,7 @@ class RolloutEngine:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         if self.cache.routed is not None:
             self.cache.routed[:, :B] = -1
+        self.cache.unshare()
         return tokens, lengths
 
     @torch.no_grad()
@@ -275,9 +276,10 @@ class RolloutEngine:
                           lengths: torch.Tensor) -> torch.Tensor:
         """The prefill's last-token logits (B, V), each distinct prompt forwarded once (GRPO
         samples every prompt num_generations times: vLLM's prefix caching, for whole prompts)
-        and its cache rows copied to the rows that repeat it. The engine's numerics are per
-        row, so a row's values are those of the full batch's prefill up to accumulation order
-        (GEMMs over fewer rows may sum in another order, as a row alone does)."""
+        into the first row that samples it, whose columns the rows repeating it read
+        (KVCache.share_prompts). The engine's numerics are per row, so a row's values are
+        those of the full batch's prefill up to accumulation order (GEMMs over fewer rows may
+        sum in another order, as a row alone does)."""
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p), b) for b, p in enumerate(prompts)]
         if len(first) == len(prompts):
@@ -286,7 +288,7 @@ class RolloutEngine:
         slot = {b: i for i, b in enumerate(distinct)}
         logits = self.decoder.prefill(tokens[distinct], lengths[distinct])   # cache rows 0..U-1
         index = torch.tensor([slot[b] for b in source], device=self.device)
-        self.cache.repeat_rows(index, tokens.shape[1])
+        self.cache.share_prompts(index, torch.tensor(distinct, device=self.device), lengths, tokens.shape[1])
         return logits[index]
 
     def _routed_by_position(self, lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
