@@ -30,8 +30,9 @@ the Hadamard transform's 16 random signs are drawn once for the layer where the 
 them expert by expert: the same distributions as the per-expert path, not the same draws.
 On CUDA one kernel takes the rows' (or the rotated 16-row groups') maxima, a second each
 segment's scale (one program a segment: its maximum, its scale, written to its rows;
-lowbit.kernels.segment_scales_triton), and the scales go to the fused fake-quantize kernel (one per row, or per column for the operands
-transposed), which rotates in registers (no host read-back either way). The three GEMMs:
+lowbit.kernels.segment_scales_triton), and the scales go to the fused fake-quantize kernel
+(one per row, or per column for the operands transposed), which rotates in registers (no
+host read-back either way). The three GEMMs:
 
     fprop  Y  = X W_e^T      one grouped GEMM, 2D x 3D
     dgrad  dX = dY W_e       one grouped GEMM, 2D x 3D
