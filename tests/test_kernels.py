@@ -650,13 +650,15 @@ def test_nvfp4_layer_fused_hadamard_equals_rotation_then_kernel(monkeypatch):
     assert_bits_equal(fused[1], plain[1])
 
 
-@pytest.mark.parametrize("ends", [[16, 16, 48, 64, 96], [0], [100], [7, 7, 33, 250], [0, 0, 3, 97]])
+@pytest.mark.parametrize("ends", [[16, 16, 48, 64, 96], [0], [100], [7, 7, 33, 250], [0, 0, 3, 97], [],
+                                  list(range(0, 100, 3))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_scales_in_two_launches_are_the_references_bits(ends, dtype):
+def test_segment_scales_on_the_kernels_are_the_references_bits(ends, dtype):
     # each segment's NVFP4 tensor scale, of its rows (any end) or of its runs of 16 columns
     # (rotated or not), against the reference's segmented reduction over the same maxima;
-    # empty segments, ends past the tensor, an all-zero segment, huge and tiny ones, NaN, Inf,
-    # a non-contiguous view; more runs than one block of the kernel's
+    # empty segments, ends past the tensor, no end (one segment), 34 segments, an all-zero
+    # segment, huge and tiny ones, NaN, Inf, a non-contiguous view; segments across the
+    # kernel's blocks of runs
     from bits import expert_segments
 
     from lowbit.formats import random_hadamard
@@ -664,7 +666,7 @@ def test_segment_scales_in_two_launches_are_the_references_bits(ends, dtype):
     from lowbit.kernels import segment_scales_triton
     x, _ = expert_segments(5, huge=1e30, tiny=1e-30)
     x = torch.cat([x] * 8).to(DEVICE, dtype)                      # (800, 40)
-    e = torch.tensor(ends, dtype=torch.int32, device=DEVICE) * 8
+    e = torch.tensor(ends, dtype=torch.int32, device=DEVICE).reshape(-1) * 8
     got = segment_scales_triton(x, e, rows=True)
     assert got.shape == (800,) and got.dtype == torch.float32
     assert torch.equal(got, segment_tensor_scales(x, e)[:, 0])
@@ -674,7 +676,7 @@ def test_segment_scales_in_two_launches_are_the_references_bits(ends, dtype):
         v = t if hadamard is None else random_hadamard(t, signs)
         maxima = torch.where(v.isfinite(), v.abs(), 0).float().view(32, 800 // 16, 16).amax(dim=(0, 2))
         assert torch.equal(g, segment_scales_from_amax(maxima, e.long(), 16).repeat_interleave(16))
-    with pytest.raises(ValueError, match="non-empty 1-D int32/int64"):
+    with pytest.raises(ValueError, match="a 1-D int32/int64 tensor"):
         segment_scales_triton(x, e.float(), rows=True)
 
 

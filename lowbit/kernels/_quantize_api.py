@@ -102,15 +102,15 @@ def segment_scales_triton(x: torch.Tensor, ends: torch.Tensor, hadamard: torch.T
     and the result is (R,) float32, each row its segment's scale (for fake_quantize_triton's
     tensor_scale (R, 1)); else x's columns do, in runs of 16 (C a multiple of 16; with the
     random Hadamard transform of each 16 under the signs `hadamard` if given), and the result
-    is (C,), each column its segment's (for tensor_scale (1, C)). Two launches, the maxima and
-    the scales, the bits of lowbit.formats.quantize.segment_scales_from_amax over
-    group_amax_triton's maxima."""
+    is (C,), each column its segment's (for tensor_scale (1, C)). The maxima (group_amax_triton),
+    then each segment's maximum and each row's scale, every launch over blocks in parallel: the
+    bits of lowbit.formats.quantize.segment_scales_from_amax over those maxima."""
     from lowbit.kernels import quantize as kq
 
     kq.require_kernel_tensor(x)
     signs = None if hadamard is None else hadamard.to(x.device, torch.float32)
-    tiles = kq.group_amax_tiles(x, signs, rows_max=rows)
-    return kq.segment_scales(tiles, ends, rows_each=1 if rows else 16, repeat=1 if rows else 16)
+    maxima = kq.group_amax(x, signs, rows_max=rows)
+    return kq.segment_scales(maxima, ends, rows_each=1 if rows else 16, repeat=1 if rows else 16)
 
 
 def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,

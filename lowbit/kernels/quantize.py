@@ -348,13 +348,7 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     rows (of its random Hadamard transform with `signs`, (16,) float32, if given); C a
     multiple of 16, any strides. rows_max: (R,) each row's max instead (any C, no rotation).
     An NVFP4 tensor scale per segment is the max of its groups' or rows'
-    (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these tiles)."""
-    return group_amax_tiles(x, signs, rows_max).amax(dim=0).view(torch.float32)
-
-
-def group_amax_tiles(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False) -> torch.Tensor:
-    """group_amax before its last reduction: (tiles, n) int32, the float32 bits of each tile's
-    maxima (n = C // 16 groups, or R rows with rows_max), the max over the tiles group_amax's."""
+    (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these maxima)."""
     rows, cols = x.shape
     if rows_max and signs is not None:
         raise ValueError("group_amax rotates groups of columns, not rows: rows_max takes no signs")
@@ -372,56 +366,78 @@ def group_amax_tiles(x: torch.Tensor, signs: torch.Tensor | None = None, rows_ma
             x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
             *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
             HADAMARD=signs is not None, ROWS=rows_max, num_warps=4)
-    return out
+    return out.amax(dim=0).view(torch.float32)
 
 
 @triton.jit
-def segment_scales_kernel(amax_ptr, ends_ptr, out_ptr, n_tiles, n, n_ends, rows_each,
-                          BLOCK: tl.constexpr, REPEAT: tl.constexpr):
-    """NVFP4 tensor scales of segments, one program a segment: amax_ptr (n_tiles, n) int32, the
-    float32 bits of the finite maxima of n runs of `rows_each` rows, tile by tile
-    (group_amax_tiles); segment e holds the runs whose first row lies in [ends[e - 1], ends[e])
-    (ends (n_ends,) ascending; the runs past the last end are segment n_ends), i.e. runs
-    ceil(ends[e - 1] / rows_each) to ceil(ends[e] / rows_each). Its scale, max(amax / 2688,
-    2^-120) (an IEEE division), is written to each of its runs' REPEAT entries of out_ptr
-    (n * REPEAT,) float32: lowbit.formats.quantize.segment_scales_from_amax, repeated."""
-    e = tl.program_id(0)
-    lo = tl.load(ends_ptr + tl.maximum(e - 1, 0)).to(tl.int32)
-    hi = tl.load(ends_ptr + tl.minimum(e, n_ends - 1)).to(tl.int32)
-    start = tl.minimum(tl.where(e > 0, (lo + rows_each - 1) // rows_each, 0), n)
-    stop = tl.maximum(tl.minimum(tl.where(e < n_ends, (hi + rows_each - 1) // rows_each, n), n), start)
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for t in range(n_tiles):
-        for first in range(start, stop, BLOCK):
-            runs = first + tl.arange(0, BLOCK)
-            acc = tl.maximum(acc, tl.load(amax_ptr + t * n + runs, mask=runs < stop, other=0))
-    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+def _segment_of(runs, ends_ptr, n_ends, rows_each, E_PAD: tl.constexpr):
+    """The segment of each run (BLOCK,): how many ends lie at or before its first row, i.e.
+    how many segments end before it (run i is in segment e when ceil(ends[e - 1] / rows_each)
+    <= i < ceil(ends[e] / rows_each); segment n_ends holds the runs past the last end)."""
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(ends_ptr + e, mask=e < n_ends, other=0).to(tl.int64)
+    stops = tl.where(e < n_ends, (ends + rows_each - 1) // rows_each, 2**62)
+    return tl.sum((stops[None, :] <= runs.to(tl.int64)[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def segment_max_kernel(amax_ptr, ends_ptr, seg_ptr, n, n_ends, rows_each,
+                       BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    """Each segment's maximum into seg_ptr ((n_ends + 1,) int32, zeroed by the caller), from
+    amax_ptr (n,) int32, the float32 bits of the finite maxima of n runs of `rows_each` rows:
+    one program a block of runs, one atomic max a segment it meets (a max: the same bits in
+    any order)."""
+    runs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(amax_ptr + runs, mask=runs < n, other=0)
+    segment = _segment_of(runs, ends_ptr, n_ends, rows_each, E_PAD)
+    e = tl.arange(0, E_PAD)
+    seg_max = tl.max(tl.where(segment[:, None] == e[None, :], bits[:, None], 0), axis=0)   # (E_PAD,)
+    tl.atomic_max(seg_ptr + e, seg_max, mask=(e <= n_ends) & (seg_max > 0))
+
+
+@triton.jit
+def segment_scales_kernel(seg_ptr, ends_ptr, out_ptr, n, n_ends, rows_each,
+                          BLOCK: tl.constexpr, E_PAD: tl.constexpr, REPEAT: tl.constexpr):
+    """Each run's segment's NVFP4 tensor scale, max(amax / 2688, 2^-120) (an IEEE division),
+    from segment_max_kernel's maxima, written to the run's REPEAT entries of out_ptr
+    (n * REPEAT,) float32."""
+    runs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    segment = _segment_of(runs, ends_ptr, n_ends, rows_each, E_PAD)
+    amax = tl.load(seg_ptr + segment, mask=runs < n, other=0).to(tl.float32, bitcast=True)
     scale = tl.maximum(tl.math.div_rn(amax, 2688.0), TENSOR_SCALE_MIN)
-    for first in range(start, stop, BLOCK):
-        runs = first + tl.arange(0, BLOCK)
-        if REPEAT == 1:
-            tl.store(out_ptr + runs, tl.zeros((BLOCK,), dtype=tl.float32) + scale, mask=runs < stop)
-        else:
-            offs = runs[:, None] * REPEAT + tl.arange(0, REPEAT)[None, :]
-            tl.store(out_ptr + offs, tl.zeros((BLOCK, REPEAT), dtype=tl.float32) + scale,
-                     mask=runs[:, None] < stop)
+    if REPEAT == 1:
+        tl.store(out_ptr + runs, scale, mask=runs < n)
+    else:
+        offs = runs[:, None] * REPEAT + tl.arange(0, REPEAT)[None, :]
+        tl.store(out_ptr + offs, tl.zeros((BLOCK, REPEAT), dtype=tl.float32) + scale[:, None],
+                 mask=runs[:, None] < n)
 
 
-def segment_scales(amax_tiles: torch.Tensor, ends: torch.Tensor, rows_each: int, repeat: int) -> torch.Tensor:
-    """(n * repeat,) float32: the NVFP4 tensor scale of the segment each of the n runs lies in,
-    each written `repeat` times, from group_amax_tiles' (tiles, n) maxima and the segments'
-    ends (ascending, on the same device): one launch, no atomics, no host read-back. The
-    reference: lowbit.formats.quantize.segment_scales_from_amax(maxima, ends, rows_each)
+def segment_scales(maxima: torch.Tensor, ends: torch.Tensor, rows_each: int, repeat: int) -> torch.Tensor:
+    """(n * repeat,) float32: the NVFP4 tensor scale of the segment each of n runs lies in,
+    each written `repeat` times, from the runs' maxima (n,) (group_amax's, as float32, or the
+    int32 bits of them) and the segments' ends ((E,) ascending int32 / int64, E >= 0, on the
+    same device): two launches after a zeroed (E + 1,) buffer, every block of runs in parallel
+    (no program walks a whole segment), no host read-back. The reference:
+    lowbit.formats.quantize.segment_scales_from_amax(maxima, ends, rows_each)
     .repeat_interleave(repeat)."""
-    n_tiles, n = amax_tiles.shape
-    if ends.dim() != 1 or ends.numel() == 0 or ends.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"segment_scales takes ends as a non-empty 1-D int32/int64 tensor, "
+    if ends.dim() != 1 or ends.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"segment_scales takes ends as a 1-D int32/int64 tensor, "
                          f"not {ends.dtype} of shape {tuple(ends.shape)}")
-    out = torch.empty(n * repeat, device=amax_tiles.device, dtype=torch.float32)
-    with on_device(amax_tiles):
-        segment_scales_kernel[(ends.numel() + 1,)](
-            amax_tiles.contiguous(), ends.contiguous(), out, n_tiles, n, ends.numel(), rows_each,
-            BLOCK=256 if repeat == 1 else 64, REPEAT=repeat, num_warps=4)
+    n, E = maxima.numel(), ends.numel()
+    bits = maxima.contiguous().view(torch.int32)
+    seg = torch.zeros(E + 1, device=maxima.device, dtype=torch.int32)
+    out = torch.empty(n * repeat, device=maxima.device, dtype=torch.float32)
+    if n == 0:
+        return out
+    e_pad = max(16, triton.next_power_of_2(E + 1))
+    block = max(16, min(256, 16384 // e_pad))
+    ends = ends.contiguous()
+    grid = (cdiv(n, block),)
+    with on_device(maxima):
+        segment_max_kernel[grid](bits, ends, seg, n, E, rows_each, BLOCK=block, E_PAD=e_pad, num_warps=4)
+        segment_scales_kernel[grid](seg, ends, out, n, E, rows_each, BLOCK=block, E_PAD=e_pad,
+                                    REPEAT=repeat, num_warps=4)
     return out
 
 

@@ -28,9 +28,9 @@ asymmetric QAT: NVFP4 weights in the forward, high-precision activations). A rou
 draws random numbers (stochastic rounding of dY) draws them in the grouped layout's order, and
 the Hadamard transform's 16 random signs are drawn once for the layer where the loop draws
 them expert by expert: the same distributions as the per-expert path, not the same draws.
-On CUDA one kernel takes the rows' (or the rotated 16-row groups') maxima, a second each
-segment's scale (one program a segment: its maximum, its scale, written to its rows;
-lowbit.kernels.segment_scales_triton), and the scales go to the fused fake-quantize kernel
+On CUDA one kernel takes the rows' (or the rotated 16-row groups') maxima, two more each
+segment's maximum and each row's scale (lowbit.kernels.segment_scales_triton, every block of
+rows in parallel), and the scales go to the fused fake-quantize kernel
 (one per row, or per column for the operands transposed), which rotates in registers (no
 host read-back either way). The three GEMMs:
 

@@ -8,8 +8,8 @@ decode steps overwrite them, each writing its column before reading up to it.
 
 GRPO samples each prompt several times: the prompt is prefilled once, into the first row that
 samples it, and the other rows read its columns from that row (`share_prompts`: each row's
-prefix row and length, which the decode attention takes), so a decode step reads one copy of
-each prompt's keys and values, not one per completion. Each row writes only its own row, past
+prefix row and length, which the decode attention takes): the rows of a group read the same
+memory for the prompt in the same step, not one copy each. Each row writes only its own row, past
 its prompt, so no row writes into a prefix another reads.
 
 The cache is a slot per row, not pages: max_batch_size rows of `capacity` columns per layer
