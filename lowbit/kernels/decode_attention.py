@@ -216,8 +216,8 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     tables before it waits on the kernel before it, which must not write them.
     prefix_rows, prefix_lens ((B,) int on the device, both or neither): a shared prompt. Row b
     reads its columns 0..prefix_lens[b] - 1 from cache row prefix_rows[b] (which holds that
-    prompt) and the rest from its own row: GRPO's copies of a prompt read one copy of its keys
-    and values, not one each. The values are those of the prompt copied into every row; the
+    prompt) and the rest from its own row: GRPO's copies of a prompt read the same memory
+    for it, not a copy each. The values are those of the prompt copied into every row; the
     new column must lie past the prefix (p_b >= prefix_lens[b]), and no row may write into
     another's prefix (each row writes its own row only, at its own position)."""
     H, KV = n_heads, n_kv_heads

@@ -31,8 +31,8 @@ float32 on the CPU).
 Batching. Prompts are right-padded for their one prefill forward (causal attention: a row's
 real tokens see only real tokens); a prompt given several times (GRPO's num_generations) is
 prefilled once, into the first row that samples it, and the rows that repeat it read its
-keys and values from there in decode (one copy of the prompt read per step, not one per
-completion). Each row's cache holds its own tokens at their positions, so a decode step
+keys and values from there in decode (the same memory for every completion of a prompt, not
+a copy each). Each row's cache holds its own tokens at their positions, so a decode step
 attends over each row's own length and reads nothing else. On CUDA the decode
 step (the forward from token ids to logits, positions advanced) replays from a CUDA graph
 captured per batch-size bucket (1, 2, 4, 8, then multiples of 16); sampling runs eagerly
