@@ -179,7 +179,9 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_rollout(precision, ra
     # routing, and, at this size, equal bits), and decode still equals a re-score; on the
     # PyTorch reference and on the decode kernels
     cfg, model = _model(moe, seed=6)
-    engine = _engine(cfg, model, precision, rac, device="cpu", decode_kernels=kernels)
+    # the kernels on DEV (the GPU where there is one, else the interpreter), in float32
+    engine = (_engine(cfg, model, precision, rac, decode_kernels=True, dtype=torch.float32) if kernels
+              else _engine(cfg, model, precision, rac, device="cpu"))
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[1]]
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
     rows = []
