@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowbit import dispatch
-from lowbit.formats.optimizer import adamw_step_scalars, adamw_times_b_
+from lowbit.formats.optimizer import adamw_step_scalars, adamw_step_
 from lowbit.kernels import interpret_mode
 
 
@@ -44,14 +44,14 @@ def test_the_kernel_is_the_reference_bit_for_bit(shape, b_dtype, weight_decay):
     if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors, which it takes under Triton's interpreter only "
                     "(TRITON_INTERPRET=1, which tests/conftest.py sets on a machine without a GPU)")
-    from lowbit.kernels.optimizer import adamw_times_b_triton
+    from lowbit.kernels.optimizer import adamw_step_triton
 
     levels = 127.0 if b_dtype == torch.uint8 else None
     ref, ker = _case(shape, b_dtype), _case(shape, b_dtype)
     ker[1].view(-1)[-1] = ref[1].view(-1)[-1] = float("nan")          # a NaN gradient
     scalars = _scalars("cpu", weight_decay)
-    adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
-    adamw_times_b_triton(*([t] for t in ker), *_sizes(scalars, 1), 0.9, 0.95, 1e-8, levels)
+    adamw_step_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
+    adamw_step_triton(*([t] for t in ker), *_sizes(scalars, 1), 0.9, 0.95, 1e-8, levels)
     for name, a, b in zip(("p", "g", "m", "v", "b"), ref, ker):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
@@ -90,41 +90,41 @@ def _one_launch_of_many_weights(device):
         ker.append([v.view(s) for v, s in zip(flat.split(sizes_), shapes)])
     steps = [torch.tensor(float(t), device=device) for t in (1, 3, 2, 7, 5)]
     sizes, corr, decay = adamw_step_scalars(steps, torch.tensor(0.003, device=device), 0.9, 0.95, 0.1)
-    kernel.adamw_times_b_triton(*ker, sizes, corr, decay, 0.9, 0.95, 1e-8, None)
+    kernel.adamw_step_triton(*ker, sizes, corr, decay, 0.9, 0.95, 1e-8, None)
     for i, case in enumerate(ref):
-        adamw_times_b_(*case, sizes[i], corr[i], decay, 0.9, 0.95, 1e-8, None)
+        adamw_step_(*case, sizes[i], corr[i], decay, 0.9, 0.95, 1e-8, None)
         for name, x, y in zip(("p", "g", "m", "v", "b"), case, (ker[j][i] for j in range(5))):
             assert torch.equal(x, y), (shapes[i], name)
     assert not torch.equal(ref[3][0], _case(shapes[3], torch.bfloat16, seed=3, device=device)[0])  # past 2 blocks
     with pytest.raises(ValueError, match="contiguous"):            # the scalars a view of one
-        kernel.adamw_times_b_triton(*ker, sizes[:1].expand(5), corr, decay, 0.9, 0.95, 1e-8, None)
+        kernel.adamw_step_triton(*ker, sizes[:1].expand(5), corr, decay, 0.9, 0.95, 1e-8, None)
 
 
 def test_the_kernel_refuses_what_it_does_not_take_and_dispatch_takes_the_reference_for_it():
     if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
-    from lowbit.kernels.optimizer import adamw_times_b_triton
+    from lowbit.kernels.optimizer import adamw_step_triton
 
     p, g, m, v, b = _case((8, 6), torch.float32)
     sizes = _sizes(_scalars("cpu", 0.1), 1)
     with pytest.raises(ValueError, match="contiguous tensors of one shape"):
-        adamw_times_b_triton([p.t()], [g.t()], [m.t()], [v.t()], [b.t()], *sizes, 0.9, 0.95, 1e-8, None)
+        adamw_step_triton([p.t()], [g.t()], [m.t()], [v.t()], [b.t()], *sizes, 0.9, 0.95, 1e-8, None)
     with pytest.raises(ValueError, match="float32"):
-        adamw_times_b_triton([p.double()], [g], [m], [v], [b], *sizes, 0.9, 0.95, 1e-8, None)
+        adamw_step_triton([p.double()], [g], [m], [v], [b], *sizes, 0.9, 0.95, 1e-8, None)
     with pytest.raises(ValueError, match="one B dtype"):
-        adamw_times_b_triton([p, p.clone()], [g, g], [m, m.clone()], [v, v.clone()], [b, b.bfloat16()],
+        adamw_step_triton([p, p.clone()], [g, g], [m, m.clone()], [v, v.clone()], [b, b.bfloat16()],
                              *_sizes(_scalars("cpu", 0.1), 2), 0.9, 0.95, 1e-8, None)
     with pytest.raises(ValueError, match="one float32 step size and correction a weight"):
-        adamw_times_b_triton([p], [g], [m], [v], [b], *_sizes(_scalars("cpu", 0.1), 2), 0.9, 0.95, 1e-8, None)
+        adamw_step_triton([p], [g], [m], [v], [b], *_sizes(_scalars("cpu", 0.1), 2), 0.9, 0.95, 1e-8, None)
 
 
 def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
     p, g, m, v, b = _case((4, 33), torch.bfloat16)
     want = [t.clone() for t in (p, g, m, v, b)]
     step = torch.tensor(2.0)
-    dispatch.adamw_step_times_b([p.t()], [g.t()], [m.t()], [v.t()], [step], [b.t()], torch.tensor(0.003),
+    dispatch.adamw_step([p.t()], [g.t()], [m.t()], [v.t()], [step], [b.t()], torch.tensor(0.003),
                                 0.9, 0.95, 1e-8, 0.1, None)          # non-contiguous views, in place
-    adamw_times_b_(*want, *_scalars("cpu", 0.1, t=3), 0.9, 0.95, 1e-8, None)
+    adamw_step_(*want, *_scalars("cpu", 0.1, t=3), 0.9, 0.95, 1e-8, None)
     assert step.item() == 3
     for a, w in zip((p, m, v), (want[0], want[2], want[3])):
         assert torch.equal(a, w)
@@ -134,17 +134,17 @@ def test_dispatch_steps_cpu_weights_on_the_reference_and_counts_the_step():
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_the_kernel_on_cuda_is_the_reference_bit_for_bit(b_dtype, monkeypatch):
     import lowbit.kernels.optimizer as kernel
-    real = kernel.adamw_times_b_triton
+    real = kernel.adamw_step_triton
     # compiled with multiply-add fusion off, IEEE divisions and square root: the reference's
     # bits (with fusion on, 13 of 264,967 elements once differed by up to 1.6e-5 relative)
     levels = 127.0 if b_dtype == torch.uint8 else None
     ref, ker = _case((257, 1031), b_dtype, device="cuda"), _case((257, 1031), b_dtype, device="cuda")
     scalars = _scalars("cuda", 0.1)
-    adamw_times_b_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
+    adamw_step_(*ref, *scalars, 0.9, 0.95, 1e-8, levels)
     steps = [torch.tensor(2.0, device="cuda")]
     calls = []
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(1), real(*a, **k)))
-    dispatch.adamw_step_times_b([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
+    monkeypatch.setattr(kernel, "adamw_step_triton", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    dispatch.adamw_step([ker[0]], [ker[1]], [ker[2]], [ker[3]], steps, [ker[4]],
                                 torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, levels)
     assert calls == [1]
     for name, a, b in zip(("p", "g", "m", "v"), ref[:4], ker[:4]):
@@ -157,8 +157,8 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     if not interpret_mode():
         pytest.skip("runs the kernel on CPU tensors: Triton's interpreter only")
     import lowbit.kernels.optimizer as kernel
-    calls, real = [], kernel.adamw_times_b_triton
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
+    calls, real = [], kernel.adamw_step_triton
+    monkeypatch.setattr(kernel, "adamw_step_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     monkeypatch.setattr("lowbit.dispatch.optimizer.kernel_runs_on", lambda p, scalars: True)
     monkeypatch.setattr("lowbit.dispatch.optimizer.state_applies", lambda tensors: tensors[3].dtype != torch.float32)
     monkeypatch.setattr("lowbit.dispatch.optimizer._STATE_RULES", {})   # no answer kept from another test
@@ -168,10 +168,10 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     got = [_case((5, 30 + i), d, seed=i) for i, d in enumerate(dtypes)]
     want = [_case((5, 30 + i), d, seed=i) for i, d in enumerate(dtypes)]
     steps = [torch.tensor(2.0 + i) for i in range(5)]
-    dispatch.adamw_step_times_b(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
+    dispatch.adamw_step(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
                                 torch.tensor(0.003), 0.9, 0.95, 1e-8, 0.1, 127.0)
     for i, case in enumerate(want):                      # the call's levels divide every B's change
-        adamw_times_b_(*case, *_scalars("cpu", 0.1, t=3 + i), 0.9, 0.95, 1e-8, 127.0)
+        adamw_step_(*case, *_scalars("cpu", 0.1, t=3 + i), 0.9, 0.95, 1e-8, 127.0)
     assert sorted(calls) == [1, 3] and [s.item() for s in steps] == [3, 4, 5, 6, 7]
     for a, w in zip(got, want):
         for x, y in zip(a, w):
@@ -186,21 +186,21 @@ def test_dispatch_hands_a_weight_to_the_kernel_when_the_rule_says_so(monkeypatch
     got[2][2] = got[2][2].clone()   # a kernel weight's moment moved: its row of the table rebuilt
     got[1][4], want[1][4] = got[1][4].float(), want[1][4].float()
     calls.clear()
-    dispatch.adamw_step_times_b(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
+    dispatch.adamw_step(*([c[j] for c in got] for j in range(4)), steps, [c[4] for c in got],
                                 torch.tensor(0.003), 0.9, 0.95, 1e-8, 0.1, 127.0)
     for i, case in enumerate(want):
-        adamw_times_b_(*case, *_scalars("cpu", 0.1, t=4 + i), 0.9, 0.95, 1e-8, 127.0)
+        adamw_step_(*case, *_scalars("cpu", 0.1, t=4 + i), 0.9, 0.95, 1e-8, 127.0)
     assert calls == [3]
     for a, w in zip(got, want):
         for x, y in zip(a, w):
             assert torch.equal(x, y)
     with pytest.raises(ValueError, match="one of each per weight"):
-        dispatch.adamw_step_times_b([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
+        dispatch.adamw_step([p], [], [m], [v], [steps[0]], [b], torch.tensor(0.003),
                                     0.9, 0.95, 1e-8, 0.1, 127.0)
 
 
 def test_the_rule_for_a_weight_refuses_what_the_kernel_would():
-    # kernel_applies checks everything adamw_times_b_triton checks of a weight, since the
+    # kernel_applies checks everything adamw_step_triton checks of a weight, since the
     # weights it passes are not checked again: each defect alone sends the weight away
     from lowbit.dispatch.optimizer import kernel_applies
     p, g, m, v, b = _case((6, 40), torch.bfloat16)
@@ -212,3 +212,75 @@ def test_the_rule_for_a_weight_refuses_what_the_kernel_would():
         tensors = [p, g, m, v, b]
         tensors[i] = bad
         assert not kernel_applies(tuple(tensors)), (i, bad.dtype, tuple(bad.shape), bad.stride())
+
+
+def _no_b_case(shape, seed=0, device="cpu"):
+    p, g, m, v, _ = _case(shape, torch.float32, seed, device)
+    return [p, g, m, v]
+
+
+@pytest.mark.parametrize("shape", [(3, 700), (1, 1), (5,)])
+@pytest.mark.parametrize("coef", [None, 0.37, 0.0])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_kernel_without_b_and_with_the_clips_coefficient_is_the_reference_bit_for_bit(shape, coef, weight_decay):
+    # plain AdamW (no B) and the gradient clip's coefficient taken inside the step: the
+    # reference's bits, the stored gradient left as it was (the coefficient applies in registers)
+    if not interpret_mode():
+        pytest.skip("runs the kernel on CPU tensors, which it takes under Triton's interpreter only "
+                    "(TRITON_INTERPRET=1, which tests/conftest.py sets on a machine without a GPU)")
+    from lowbit.kernels.optimizer import adamw_step_triton
+
+    ref, ker = _no_b_case(shape), _no_b_case(shape)
+    ker[1].view(-1)[-1] = ref[1].view(-1)[-1] = float("nan")          # a NaN gradient
+    grad_before = ker[1].clone()
+    scalars = _scalars("cpu", weight_decay)
+    c = None if coef is None else torch.tensor(coef)
+    adamw_step_(*ref, None, *scalars, 0.9, 0.95, 1e-8, None, c)
+    adamw_step_triton(*([t] for t in ker), None, *_sizes(scalars, 1), 0.9, 0.95, 1e-8, None, grad_coef=c)
+    for name, a, b in zip(("p", "g", "m", "v"), ref, ker):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), name
+    assert torch.equal(torch.nan_to_num(ker[1]), torch.nan_to_num(grad_before))
+    # the coefficient is the clip's multiply: the same bits as clipping the gradient first
+    clipped = _no_b_case(shape)
+    clipped[1].view(-1)[-1] = float("nan")
+    if c is not None:
+        clipped[1].mul_(c)
+    adamw_step_(*clipped, None, *scalars, 0.9, 0.95, 1e-8, None)
+    for a, b in zip(ref, clipped):
+        if a is not ref[1]:
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_plain_adamw_agrees_with_torchs_to_float32_rounding(weight_decay):
+    # an independent implementation: torch.optim.AdamW, three steps on a clipped gradient
+    torch.manual_seed(0)
+    p = torch.randn(40, 33)
+    mine, theirs = p.clone(), torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([theirs], lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay,
+                            foreach=False)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)
+    for _ in range(3):
+        g = torch.randn_like(p)
+        coef = torch.tensor(0.25)
+        theirs.grad = g * coef
+        opt.step()
+        dispatch.adamw_step([mine], [g], [m], [v], [step], None, torch.tensor(0.003), 0.9, 0.95, 1e-8,
+                            weight_decay, None, grad_coef=coef)
+    assert step.item() == 3 and not torch.equal(mine, p)
+    torch.testing.assert_close(mine, theirs.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(m, opt.state[theirs]["exp_avg"], rtol=2e-6, atol=1e-8)   # lerp cancels
+    torch.testing.assert_close(v, opt.state[theirs]["exp_avg_sq"], rtol=2e-6, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("coef", [None, 0.37])
+def test_the_kernel_without_b_on_cuda_is_the_reference_bit_for_bit(coef):
+    ref, ker = _no_b_case((257, 1031), device="cuda"), _no_b_case((257, 1031), device="cuda")
+    c = None if coef is None else torch.tensor(coef, device="cuda")
+    adamw_step_(*ref, None, *_scalars("cuda", 0.1), 0.9, 0.95, 1e-8, None, c)
+    dispatch.adamw_step([ker[0]], [ker[1]], [ker[2]], [ker[3]], [torch.tensor(2.0, device="cuda")], None,
+                        torch.tensor(0.003, device="cuda"), 0.9, 0.95, 1e-8, 0.1, None, grad_coef=c)
+    for name, a, b in zip(("p", "g", "m", "v"), ref, ker):
+        assert torch.equal(a, b), (name, (a - b).abs().max().item())

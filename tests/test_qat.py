@@ -432,7 +432,7 @@ class _AnyOptimizerAdamW(torch.optim.AdamW):
 
 def _b_on_update_runs(b_dtype: str, device: str, steps: int = 5):
     """The same JacQuant (B on the update) run under torch's AdamW (B inside the step,
-    lowbit.dispatch.adamw_step_times_b) and under an AdamW subclass (the general way): both models, both
+    lowbit.dispatch.adamw_step) and under an AdamW subclass (the general way): both models, both
     optimizers, after `steps` steps with the learning rate changing and B refit in between."""
     cfg = QATConfig(weights="int2:g32", estimator="jacquant",
                     jacquant=JacQuantConfig(refresh_every=2, b_dtype=b_dtype))
@@ -466,8 +466,8 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype, monkeypatch):
     general way fails here); it trains as the general way does to float32 rounding, on
     AdamW's own state, and a checkpoint of one loads into the other."""
     import lowbit.dispatch.optimizer as dispatch_optimizer
-    calls, real = [], dispatch_optimizer.adamw_times_b_
-    monkeypatch.setattr(dispatch_optimizer, "adamw_times_b_", lambda *a: (calls.append(a[0].shape), real(*a)))
+    calls, real = [], dispatch_optimizer.adamw_step_
+    monkeypatch.setattr(dispatch_optimizer, "adamw_step_", lambda *a: (calls.append(a[0].shape), real(*a)))
     (fused_net, fused_opt, fused_hook), (net, opt, hook) = _b_on_update_runs(b_dtype, "cpu")
     assert calls == [(32, 64), (64, 32)] * 5                    # a and b, each of five steps
     assert fused_hook.scaling.inside and not hook.scaling.inside
@@ -497,7 +497,7 @@ def test_b_inside_adamws_step_is_the_copy_and_scale_way(b_dtype, monkeypatch):
 
 def test_b_inside_adamws_step_equals_b_times_adamws_change():
     """One step against its formula: p + B * (AdamW's own change of p), weight decay included."""
-    from lowbit.dispatch import adamw_step_times_b
+    from lowbit.dispatch import adamw_step
 
     torch.manual_seed(0)
     p = torch.randn(3, 40)
@@ -508,7 +508,7 @@ def test_b_inside_adamws_step_equals_b_times_adamws_change():
     adamw.step()
     m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)
     out = p.clone()
-    adamw_step_times_b([out], [g], [m], [v], [step], [b], torch.tensor(0.01), 0.8, 0.9, 1e-6, 0.3, None)
+    adamw_step([out], [g], [m], [v], [step], [b], torch.tensor(0.01), 0.8, 0.9, 1e-6, 0.3, None)
     torch.testing.assert_close(out, p + b * (ref.detach() - p), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, adamw.state[ref]["exp_avg"])
     torch.testing.assert_close(v, adamw.state[ref]["exp_avg_sq"])
@@ -516,7 +516,7 @@ def test_b_inside_adamws_step_equals_b_times_adamws_change():
     # a uint8 B: its level over the levels per unit
     out8 = p.clone()
     level = torch.randint(0, 255, (3, 40), dtype=torch.uint8)
-    adamw_step_times_b([out8], [g], [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.tensor(0.0)],
+    adamw_step([out8], [g], [torch.zeros_like(p)], [torch.zeros_like(p)], [torch.tensor(0.0)],
                        [level], torch.tensor(0.01), 0.8, 0.9, 1e-6, 0.3, 127.0)
     torch.testing.assert_close(out8, p + level.float() / 127 * (ref.detach() - p), rtol=1e-6, atol=1e-7)
 
@@ -629,8 +629,8 @@ def test_b_inside_fused_adamws_step_on_cuda_is_the_copy_and_scale_way(b_dtype, m
     """On CUDA: torch's fused AdamW for the other parameters, the Triton kernel with B for the
     prepared weights (counted), against the general way around the same fused AdamW."""
     import lowbit.kernels.optimizer as kernel
-    calls, real = [], kernel.adamw_times_b_triton
-    monkeypatch.setattr(kernel, "adamw_times_b_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
+    calls, real = [], kernel.adamw_step_triton
+    monkeypatch.setattr(kernel, "adamw_step_triton", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     (fused_net, fused_opt, fused_hook), (net, opt, _) = _b_on_update_runs(b_dtype, "cuda")
     assert calls == [2] * 5                                     # one launch for both weights, five steps
     assert len(fused_hook.scaling.fused) == 2

@@ -5,7 +5,8 @@
     w_hat, _ = dispatch.grid_fake_quantize(w, s, None, element, 64)   # QAT's, under given scales
     r = dispatch.rotated_fake_quantize(t, spec, signs)  # nvfp4's wgrad operands (RHT + quantize)
     a, a_t = dispatch.quantize_fold(x, spec, transpose_too=True)   # FP8-GEMM operands
-    dispatch.adamw_step_times_b(params, grads, ...)   # AdamW's step, each change times its B
+    dispatch.adamw_step(params, grads, ...)   # AdamW's step (the clip's coefficient, B: optional)
+    optimizer = dispatch.AdamW(groups, lr=3e-4)         # torch's fused AdamW, stepped by adamw_step
 
 The rule: a CUDA tensor takes the kernels (lowbit.kernels) when triton imports, the kernels
 cover the spec (`lowbit.kernels.supports`) and the reference is not forced (inside
@@ -26,8 +27,8 @@ from lowbit.dispatch._quantizers import (
     force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_with_spec,
     reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
 )
-from lowbit.dispatch.optimizer import adamw_step_times_b
+from lowbit.dispatch.optimizer import AdamW, adamw_step, new_adamw_state
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "grid_fake_quantize", "rotated_fake_quantize",
            "quantize_fold", "use_kernels", "force_reference", "reference_forced", "segment_tensor_scales",
-           "adamw_step_times_b"]
+           "adamw_step", "AdamW", "new_adamw_state"]

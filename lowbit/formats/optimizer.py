@@ -1,12 +1,16 @@
-"""AdamW's step with each weight's change multiplied by a per-element factor B: the reference.
+"""AdamW's step, optionally with the gradient times a clip coefficient and the change times a
+per-element factor B: the reference.
 
 JacQuant's B on the update (lowbit.qat) scales each optimizer step's change of a weight,
-W <- W + B * (AdamW's change of W). Inside AdamW's step, per weight tensor, in float32:
+W <- W + B * (AdamW's change of W); the gradient clip's coefficient c (min(1, max_norm / (norm +
+1e-6)), as torch.nn.utils.clip_grad_norm_ computes it) may be taken here instead of a pass that
+multiplies every gradient in memory. Inside AdamW's step, per weight tensor, in float32:
 
+    g <- g c                                          # with a coefficient; the stored g unchanged
     m <- m + (g - m) (1 - beta1)                      # torch's lerp for a weight below 0.5
     v <- v beta2 + g^2 (1 - beta2)
     delta = m / (sqrt(v) / sqrt(1 - beta2^t) + eps) * step_size  (+ p * decay; sqrt rounded once)
-    p <- p + delta * B                                # a uint8 B: delta * level / levels per unit
+    p <- p + delta * B                                # without B: p + delta; a uint8 B: delta * level / levels per unit
 
 with step_size = -lr / (1 - beta1^t) and decay = -lr * weight_decay (AdamW's decoupled decay),
 t the weight's step count after this step's increment (`adamw_step_scalars`). Each line is
@@ -22,10 +26,10 @@ import torch
 
 from lowbit.formats.quantize import divide
 
-__all__ = ["adamw_step_scalars", "adamw_times_b_", "B_DTYPES"]
+__all__ = ["adamw_step_scalars", "adamw_step_", "B_DTYPES"]
 
 B_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
-"""The storages of B adamw_times_b_ takes (uint8: levels, with levels_per_unit)."""
+"""The storages of B adamw_step_ takes (uint8: levels, with levels_per_unit)."""
 
 
 def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float,
@@ -42,12 +46,16 @@ def adamw_step_scalars(steps: list[torch.Tensor], lr: torch.Tensor, beta1: float
 
 
 @torch.no_grad()
-def adamw_times_b_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
-                   step_size: torch.Tensor, correction2_sqrt: torch.Tensor, decay: torch.Tensor | None,
-                   beta1: float, beta2: float, eps: float, levels_per_unit: float | None) -> None:
-    """One weight's AdamW step, its change times B (the module doc), in place on p, m and v
-    (float32, one shape); b that shape (float32, bfloat16, or uint8 levels with levels_per_unit);
-    the scalars from adamw_step_scalars; decay None for no weight decay."""
+def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b: torch.Tensor | None,
+                step_size: torch.Tensor, correction2_sqrt: torch.Tensor, decay: torch.Tensor | None,
+                beta1: float, beta2: float, eps: float, levels_per_unit: float | None,
+                grad_coef: torch.Tensor | None = None) -> None:
+    """One weight's AdamW step (the module doc), in place on p, m and v (float32, one shape); b
+    that shape (float32, bfloat16, or uint8 levels with levels_per_unit) or None; the scalars
+    from adamw_step_scalars; decay None for no weight decay; grad_coef a 0-d float32 the
+    gradient is multiplied by first (the clip's coefficient), or None."""
+    if grad_coef is not None:
+        g = g * grad_coef.to(g.device)
     m.copy_(m + (g - m) * (1 - beta1))
     v.copy_(v * beta2 + (g * g) * (1 - beta2))
     # sqrt correctly rounded (through float64, exact for a float32 input): torch's float32 sqrt
@@ -56,7 +64,8 @@ def adamw_times_b_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     delta = m / (root / correction2_sqrt.to(v.device) + eps) * step_size.to(v.device)
     if decay is not None:
         delta = delta + p * decay.to(p.device)
-    delta = delta * b.float()
-    if levels_per_unit is not None:
+    if b is not None:
+        delta = delta * b.float()
+    if b is not None and levels_per_unit is not None:
         delta = divide(delta, float(levels_per_unit))            # as IEEE divides, on CUDA too
     p.copy_(p + delta)

@@ -136,7 +136,7 @@ class JacQuantConfig:
         "of the weights before each step and three passes after it (the way any other optimizer takes), e.g. to time "
         "the two", action=argparse.BooleanOptionalAction))
     """B on the update under torch.optim.AdamW: True, the prepared weights' step is AdamW's
-    arithmetic with the change times B (lowbit.dispatch.adamw_step_times_b); False, the general way
+    arithmetic with the change times B (lowbit.dispatch.adamw_step); False, the general way
     (lowbit.qat.layers.UpdateScaling: W <- W_before + B (W - W_before) around the optimizer's
     own step). The same training to float32 rounding; they differ in time."""
 

@@ -439,7 +439,7 @@ class UpdateScaling:
     optimizer's step hooks.
 
     Under torch.optim.AdamW, float32 weights with one B per element (the default) take the step
-    with B inside it (lowbit.dispatch.adamw_step_times_b: one Triton launch for all on CUDA,
+    with B inside it (lowbit.dispatch.adamw_step: one Triton launch for all on CUDA,
     lowbit.formats.optimizer's reference elsewhere): before the optimizer's step the
     hook takes their gradients away, so AdamW steps only the other parameters, and after it
     steps these on AdamW's own state and learning rate, then gives the gradients back. No copy
@@ -531,7 +531,7 @@ class UpdateScaling:
             group = items[0][3]
             for w, *_ in items:
                 if not state[w]:
-                    state[w].update(_new_adamw_state(w, group))
+                    state[w].update(dispatch.new_adamw_state(w, group))
             beta1, beta2 = group["betas"]
             # the group's learning rate into a tensor on the weights' device: a fill is one
             # launch with the value as its argument, no host synchronisation
@@ -543,11 +543,12 @@ class UpdateScaling:
             else:
                 lr.fill_(float(group["lr"]))
             levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
-            dispatch.adamw_step_times_b(
+            dispatch.adamw_step(
                 [w for w, *_ in items], [g for _, g, *_ in items], [state[w]["exp_avg"] for w, *_ in items],
                 [state[w]["exp_avg_sq"] for w, *_ in items], [state[w]["step"] for w, *_ in items],
                 [fq.b for _, _, fq, _ in items], lr, float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), None if levels is None else float(levels))
+                float(group["weight_decay"]), None if levels is None else float(levels),
+                grad_coef=getattr(self.optimizer, "grad_coef", None))
 
 
 def _step_closure(args: tuple, kwargs: dict):
@@ -556,27 +557,13 @@ def _step_closure(args: tuple, kwargs: dict):
     return args[1] if len(args) > 1 else kwargs.get("closure")
 
 
-def _new_adamw_state(p: torch.Tensor, group: dict) -> dict:
-    """The state torch.optim.AdamW gives a parameter at its first step: a step count (a 0-d
-    tensor on the parameter's device when the optimizer is fused (float32) or capturable (the
-    default float dtype), else on the CPU in the default float dtype) and zero moments shaped
-    like it, so a checkpoint of either way of stepping loads into the other."""
-    default = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    if group.get("fused") or group.get("capturable"):   # fused: float32; capturable alone: the default
-        step = torch.zeros((), dtype=torch.float32 if group.get("fused") else default, device=p.device)
-    else:
-        step = torch.tensor(0.0, dtype=default)
-    return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-
-
 def _steps_inside_adamw(optimizer: torch.optim.Optimizer, w: torch.Tensor, fq: FakeQuantWeight) -> bool:
-    """Whether UpdateScaling takes this weight's step itself (lowbit.dispatch.adamw_step_times_b): asked for
+    """Whether UpdateScaling takes this weight's step itself (lowbit.dispatch.adamw_step): asked for
     (JacQuantConfig.b_in_adamw, the default), AdamW as
     lowbit builds it (no amsgrad, maximize or differentiable step, betas numbers; on CUDA fused
     or capturable, so its step counts live on the device), a plain float32 weight (not a DTensor shard), one B
     per element."""
-    if type(optimizer) is not torch.optim.AdamW or not fq.config.jacquant.b_in_adamw:
+    if type(optimizer) not in (torch.optim.AdamW, dispatch.AdamW) or not fq.config.jacquant.b_in_adamw:
         return False
     group = next(g for g in optimizer.param_groups if any(p is w for p in g["params"]))
     plain = type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32

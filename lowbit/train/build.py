@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from lowbit import dispatch
 from lowbit.train.config import TrainConfig
 from lowbit.train.step import StepConfig
 
@@ -191,13 +192,17 @@ def build_optimizer(model: nn.Module, config: StepConfig | TrainConfig, device: 
                     sharded: bool = False) -> torch.optim.Optimizer:
     """The config's optimizer over param_groups (a StepConfig's, or a TrainConfig's: the same
     fields): AdamW at its lr, betas and weight_decay, or SGD at its lr and momentum, the weight
-    decay as an L2 term; fused on CUDA, except over FSDP's DTensor parameters (`sharded`),
-    which take the foreach implementation."""
+    decay as an L2 term. On CUDA AdamW is lowbit.dispatch.AdamW (fused AdamW's state, every
+    weight of a group in one launch, the gradient clip's coefficient taken inside the step) and
+    SGD torch's fused one; on the CPU, and over FSDP's DTensor parameters (`sharded`), torch's
+    foreach implementations."""
     groups = param_groups(model, config.weight_decay)
     fused = device.type == "cuda" and not sharded
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, fused=fused)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused)
+    if fused:
+        return dispatch.AdamW(groups, lr=config.lr, betas=config.betas)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
 
 
 def seed_everything(seed: int) -> None:

@@ -48,7 +48,7 @@ import torch.nn as nn
 from lowbit.dispatch.fold_check import deferred_fold_check
 from lowbit.models.moe import Experts
 
-__all__ = ["GraphedGradients", "accumulate_gradients", "cuda_graph_refusal", "experts_refusal",
+__all__ = ["GraphedGradients", "accumulate_gradients", "clip_gradients", "cuda_graph_refusal", "experts_refusal",
            "map_batch", "split_batch"]
 
 
@@ -111,15 +111,30 @@ def experts_refusal(model: nn.Module, device: torch.device, bf16_autocast: bool)
     return None
 
 
+def clip_gradients(params, max_norm: float, coef: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_: the gradients' total 2-norm before clipping (returned) and
+    the coefficient min(1, max_norm / (norm + 1e-6)), the gradients multiplied by it in place;
+    or, given `coef` (a 0-d float32 an optimizer takes inside its step: lowbit.dispatch.AdamW's
+    grad_coef), the coefficient written into it and the gradients left as they are. The same
+    norm and coefficient either way (torch's get_total_norm and its clamp), no host
+    synchronisation."""
+    if coef is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    coef.copy_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 class GraphedGradients:
     """`grads(batch) -> (loss, grad_norm, inexact)`, all device scalars: the mean loss over
     the step's micro-batches, the gradient norm before clipping (gradients clipped to
-    `max_norm` in place), and the count of values the sync-free FP8 folds left inexact
+    `max_norm` in place, or the clip's coefficient written into `grad_coef`: clip_gradients),
+    and the count of values the sync-free FP8 folds left inexact
     (nonzero: redo the step's gradients eagerly with exact folds). batch: the whole step's, on
     the device (see map_batch); its rows split into `accum` micro-batches."""
 
     def __init__(self, model: nn.Module, loss_fn, batch: tuple, *, accum: int = 1,
-                 max_norm: float = math.inf, warmup: int = 2):
+                 max_norm: float = math.inf, warmup: int = 2, grad_coef: torch.Tensor | None = None):
         """loss_fn(micro_batch) -> the scalar loss of one micro-batch; any autocast goes inside
         it, with cache_enabled=False. `batch` (a first step's) shapes the buffers and warms the
         kernels up (Triton compiles, cuBLAS picks) in `warmup` eager runs (at least 2: the
@@ -128,7 +143,7 @@ class GraphedGradients:
         device = next(t for t in batch if t is not None).device
         params = [p for p in model.parameters() if p.requires_grad]
         self.batch = map_batch(torch.clone, batch)
-        self.accum, self.max_norm, self.device = accum, max_norm, device
+        self.accum, self.max_norm, self.device, self.grad_coef = accum, max_norm, device, grad_coef
         self._loss_fn = loss_fn
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
@@ -215,7 +230,7 @@ class GraphedGradients:
         with deferred_fold_check(self.device) as check:
             step_loss = self._micro_batches()
         self.grads = [p.grad for p in self.params]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        grad_norm = clip_gradients(self.params, self.max_norm, self.grad_coef)
         return step_loss, grad_norm, check.counter
 
 

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 
+from lowbit import dispatch
 from lowbit.config import require
 from lowbit.dispatch.fold_check import deferred_fold_check, watch_chunked_folds
 from lowbit.train.config import require_optimizer
 from lowbit.train.distributed import Distributed
 from lowbit.train.fold_policy import FoldPolicy
-from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, cuda_graph_refusal,
+from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, clip_gradients, cuda_graph_refusal,
                                  map_batch, split_batch)
 
 __all__ = ["TrainStep", "StepConfig", "StepResult", "LossFn", "next_token_loss",
@@ -168,6 +169,9 @@ class TrainStep:
                          if self.device.type == "cuda" and config.bf16_autocast
                          else contextlib.nullcontext())
         self.max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        # lowbit's AdamW takes the clip's coefficient inside its step (no pass over the gradients)
+        self.grad_coef = (torch.ones((), dtype=torch.float32, device=self.device)
+                          if isinstance(optimizer, dispatch.AdamW) else None)
         self.graphed: GraphedGradients | None = None   # --cuda-graph: captured at the first call
         self.nonfinite_run = 0
         """Optimizer steps in a row whose loss or gradient norm was not finite."""
@@ -235,7 +239,7 @@ class TrainStep:
                         f"now multiply on the emulated path: {', '.join(moved)}")
         result.loss, result.grad_norm = loss, grad_norm
         if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
+            self._optimizer_step()
             self.nonfinite_run = 0
         else:
             self.nonfinite_run += 1
@@ -257,10 +261,22 @@ class TrainStep:
         step_loss = accumulate_gradients(  # DDP/FSDP sync the last backward only
             self.loss, batch, accum,
             sync=lambda i: process.sync_gradients(i == accum - 1, self.model))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        grad_norm = clip_gradients(list(self.model.parameters()), self.max_norm, self.grad_coef)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards' norms
             grad_norm = grad_norm.full_tensor()
         return step_loss, grad_norm.item()
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step, handed the clip's coefficient where it takes it (as GradScaler
+        hands a fused optimizer its scale: set for the step, deleted after)."""
+        if self.grad_coef is None:
+            self.optimizer.step()
+            return
+        self.optimizer.grad_coef = self.grad_coef
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_coef
 
     def _capture(self, batch: tuple) -> GraphedGradients:
         """The step's gradients as one CUDA graph (lowbit.train.graphs), built on its first batch."""
@@ -273,7 +289,7 @@ class TrainStep:
                 return self.loss_fn(self.forward, micro_batch)
 
         return GraphedGradients(self.model, loss_fn, batch, accum=self.config.grad_accum_steps,
-                                max_norm=self.max_norm)
+                                max_norm=self.max_norm, grad_coef=self.grad_coef)
 
     def _rng_state(self) -> tuple:
         """What a training step draws from: torch's CPU generator and the device's. (Not
