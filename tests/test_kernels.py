@@ -711,3 +711,48 @@ def test_nvfp4_under_given_tensor_scales_per_row_or_column_is_the_reference(bloc
     rotated = random_hadamard(x.mT[:, :96], signs).float()
     assert torch.equal(group_amax_triton(x.mT[:, :96], signs),
                        torch.where(rotated.isfinite(), rotated.abs(), 0).view(40, 6, 16).amax(dim=(0, 2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_quantize_rows_on_the_kernels_is_each_runs_own_quantize(dtype, layout, monkeypatch):
+    # runs of rows each under its own NVFP4 tensor scale, in one pass (a weight sync's fused
+    # projections, an MoE layer's experts): each run's QTensor the bits of quantizing the run
+    # alone, by the kernel and by the reference; a huge run with an Inf, an all-zero run, a tiny
+    # run with a NaN, a run of one row, 40 columns (a padded block), a strided view
+    from bits import expert_segments
+
+    from lowbit import dispatch
+    from lowbit.formats import quantize_with_spec
+    from lowbit.kernels import quantize_rows_triton, quantize_triton
+    x, _ = expert_segments(7, huge=1e4 if dtype == torch.float16 else 1e30, tiny=1e-9)
+    x = x.to(DEVICE, dtype)
+    if layout == "strided":
+        x = torch.stack([x, -x], dim=-1).flatten(-2)[:, ::2]             # (100, 40), column stride 2
+        assert not x.is_contiguous()
+    spec = QuantSpec.make("nvfp4", (1, 16))
+    runs = [16, 32, 16, 32, 3, 1]
+    got = quantize_rows_triton(x, spec, runs)
+    start = 0
+    for n, q in zip(runs, got):
+        part = x[start:start + n]
+        for want in (quantize_triton(part, spec), quantize_with_spec(part, spec)):
+            assert q.shape == want.shape == (n, 40)
+            assert torch.equal(q.codes, want.codes), (start, n)
+            assert torch.equal(q.scales.view(torch.uint8), want.scales.view(torch.uint8)), (start, n)
+            assert torch.equal(q.tensor_scale.reshape(()), want.tensor_scale.reshape(())), (start, n)
+        start += n
+    assert got[2].codes.eq(0).all() and got[1].tensor_scale > 1e3 * got[0].tensor_scale   # runs apart
+    # dispatch's rule: the kernels take the runs in one pass where they apply (patched in for
+    # CPU tensors, which otherwise take the reference run by run: the same bits)
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels", lambda *a, **k: True)
+    calls = []
+    monkeypatch.setattr("lowbit.kernels.quantize_rows_triton",
+                        lambda *a: (calls.append(a[2]), quantize_rows_triton(*a))[1])
+    for q, want in zip(dispatch.quantize_rows(x, spec, runs), got):
+        assert torch.equal(q.codes, want.codes) and torch.equal(q.tensor_scale, want.tensor_scale)
+    assert calls == [runs]
+    with pytest.raises(ValueError, match="runs of rows"):
+        quantize_rows_triton(x, spec, [50, 49])
+    with pytest.raises(ValueError, match="NVFP4 with a tensor scale"):
+        quantize_rows_triton(x, QuantSpec.make("mxfp4", (1, 32), scale_rule="floor"), [100])

@@ -443,6 +443,29 @@ def test_a_sync_writes_a_fresh_loads_bits_into_the_tensors_it_holds(mode, moe):
 
 
 @pytest.mark.parametrize("moe", [False, True])
+def test_a_load_quantizes_fused_parts_and_experts_in_one_pass_each_with_their_own_bits(moe, monkeypatch):
+    # NVFP4 weights quantized on the kernels (CPU tensors under Triton's interpreter, patched
+    # in): q|k|v, gate|up and an MoE layer's expert stacks each one pass (quantize_rows), every
+    # stored tensor the bits of the reference's part-by-part quantization
+    from lowbit import kernels
+
+    if not kernels.interpret_mode():
+        pytest.skip("runs the kernels on CPU tensors: Triton's interpreter only")
+    cfg, model = _model(moe)
+    ref = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16, packed_gemm=True)
+    calls, real = [], kernels.quantize_rows_triton
+    monkeypatch.setattr("lowbit.kernels.quantize_rows_triton", lambda *a: (calls.append(list(a[2])), real(*a))[1])
+    monkeypatch.setattr("lowbit.dispatch._quantizers.use_kernels",
+                        lambda x, spec, codes=True: spec.format == "nvfp4")
+    got = _engine(cfg, model, precision="nvfp4", dtype=torch.bfloat16, packed_gemm=True)
+    assert all(_same_bytes(a, b) for a, b in zip(_stored(got.weights), _stored(ref.weights), strict=True))
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    mlp = ([[2 * cfg.moe_ffn_dim] * cfg.n_experts, [cfg.dim] * cfg.n_experts] if moe
+           else [[cfg.ffn_dim, cfg.ffn_dim]])
+    assert calls == [[q, kv, kv], *mlp] * cfg.n_layers
+
+
+@pytest.mark.parametrize("moe", [False, True])
 def test_a_sync_holds_one_new_part_at_a_time(moe, monkeypatch):
     # each part built from the state dict is freed once copied, before the next is built: the
     # engine's weights are never held twice

@@ -1,6 +1,7 @@
 """The one place that chooses between the Triton kernels and the reference numerics.
 
     q = dispatch.quantize(x, "nvfp4")                   # what lowbit.quantize is
+    qs = dispatch.quantize_rows(w, spec, [n1, n2])      # runs of rows, each its own tensor scale
     x_hat = dispatch.quantize_dequantize(x, spec)       # fake quantization (emulated GEMMs)
     w_hat, _ = dispatch.grid_fake_quantize(w, s, None, element, 64)   # QAT's, under given scales
     r = dispatch.rotated_fake_quantize(t, spec, signs)  # nvfp4's wgrad operands (RHT + quantize)
@@ -24,11 +25,11 @@ kernels patches `use_kernels`.
 """
 
 from lowbit.dispatch._quantizers import (
-    force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_with_spec,
-    reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
+    force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_rows,
+    quantize_with_spec, reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
 )
 from lowbit.dispatch.optimizer import AdamW, adamw_step, new_adamw_state
 
-__all__ = ["quantize", "quantize_with_spec", "quantize_dequantize", "grid_fake_quantize", "rotated_fake_quantize",
-           "quantize_fold", "use_kernels", "force_reference", "reference_forced", "segment_tensor_scales",
-           "adamw_step", "AdamW", "new_adamw_state"]
+__all__ = ["quantize", "quantize_with_spec", "quantize_rows", "quantize_dequantize", "grid_fake_quantize",
+           "rotated_fake_quantize", "quantize_fold", "use_kernels", "force_reference", "reference_forced",
+           "segment_tensor_scales", "adamw_step", "AdamW", "new_adamw_state"]

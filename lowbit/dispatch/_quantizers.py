@@ -73,6 +73,23 @@ def quantize_with_spec(x: torch.Tensor, spec: QuantSpec,
     return reference_quantize(x, spec, generator)
 
 
+def quantize_rows(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> list[QTensor]:
+    """x (R, C) in runs of `rows` rows (summing to R): each run's QTensor, as quantize_with_spec
+    gives it for that run alone (its own NVFP4 tensor scale). NVFP4 with a tensor scale in
+    blocks of 16 on CUDA, several runs: every run in one pass of the kernels
+    (kernels.quantize_rows_triton, the same bits); one run, any other spec or device: run by
+    run."""
+    if sum(rows) != x.shape[0] or any(n <= 0 for n in rows) or x.dim() != 2:
+        raise ValueError(f"quantize_rows takes a 2-D x and runs of rows (each > 0) that sum to its "
+                         f"rows; got {tuple(x.shape)} and {list(rows)}")
+    check_input(x, spec)
+    x = x.detach()
+    if (len(rows) > 1 and spec.format == "nvfp4" and spec.block == (1, 16) and spec.tensor_scale
+            and spec.rounding.value == "rne" and use_kernels(x, spec)):
+        return kernels.quantize_rows_triton(x, spec, list(rows))
+    return [quantize_with_spec(run, spec) for run in x.split(list(rows))]
+
+
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, generator: torch.Generator | None = None,
                         dtype: torch.dtype | None = None, *,
                         tensor_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,7 @@ stochastic-rounding seeds, the one launch, and the QTensors and values it return
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -12,7 +13,7 @@ from lowbit.formats.quantize import check_input
 from lowbit.formats.spec import QuantSpec, ScaleKind
 from lowbit.kernels._support import supports
 
-__all__ = ["quantize_triton", "quantize_triton_with_transpose", "fake_quantize_triton",
+__all__ = ["quantize_triton", "quantize_rows_triton", "quantize_triton_with_transpose", "fake_quantize_triton",
            "fake_quantize_triton_with_transpose", "stochastic_uniforms", "seed_tensor",
            "run_quantize_kernel", "segment_scales_triton"]
 
@@ -27,6 +28,31 @@ def quantize_triton(x: torch.Tensor, spec: QuantSpec, seed=None, *,
     device), so torch.manual_seed fixes it.
     """
     return run_quantize_kernel(x, spec, seed, generator, codes=True, values=False, transpose=False)[0]
+
+
+def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> list[QTensor]:
+    """x (R, C) in runs of `rows` rows (summing to R), each run its own QTensor, equal bit for
+    bit to quantize_triton(run, spec): NVFP4 with a tensor scale (1D blocks), each run under
+    the tensor scale of its own rows (segment_scales_triton), in three launches for all the
+    runs: the rows' maxima, the runs' scales, the quantize kernel under them. The QTensors'
+    codes, block scales and tensor scales are views of one buffer each."""
+    if x.dim() != 2 or sum(rows) != x.shape[0] or any(n <= 0 for n in rows):
+        raise ValueError(f"quantize_rows_triton takes a 2-D x and runs of rows (each > 0) that sum to "
+                         f"its rows; got {tuple(x.shape)} and {list(rows)}")
+    if spec.format != "nvfp4" or spec.block != (1, 16) or not spec.tensor_scale or spec.rounding.value != "rne":
+        raise ValueError(f"quantize_rows_triton quantizes NVFP4 with a tensor scale, blocks of 16, "
+                         f"round to nearest; got {spec}")
+    check_input(x, spec)
+    ends = torch.tensor(list(itertools.accumulate(rows))[:-1], dtype=torch.int32, device=x.device)
+    scales = segment_scales_triton(x, ends, rows=True)                      # (R,) float32
+    q = run_quantize_kernel(x, spec, None, None, codes=True, values=False, transpose=False,
+                            tensor_scales=("rows", scales))[0]
+    out, start = [], 0
+    for n in rows:
+        out.append(QTensor(q.codes[start:start + n], q.scales[start:start + n], scales[start],
+                           spec, (n, x.shape[1]), x.dtype))
+        start += n
+    return out
 
 
 def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,

@@ -714,7 +714,8 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     of x^T. hadamard: (16,) float32 signs: quantize the random Hadamard transform of each
     group of 16 along C instead of x (C a multiple of 16). tensor_scales: NVFP4 under given
     FP32 tensor scales, ("rows", (B * R,)) one per row or ("cols", (C,)) one per column, float32
-    (each block takes its first row's or column's); no tensor_scale is returned."""
+    (each block takes its first row's or column's; codes under "rows" only); no tensor_scale is
+    returned."""
     batch, rows, cols = x3.shape
     const = _launch_constants(spec)
     br, bc, per_byte = const["BR"], const["BC"], const["PER_BYTE"]
@@ -764,10 +765,10 @@ def launch(x3: torch.Tensor, spec, *, seed: torch.Tensor | None, codes: bool, va
     if tensor_scales is not None:
         axis, amax_buf = tensor_scales
         given = {"rows": 1, "cols": 2}.get(axis, 0)
-        if not given or codes or not two_level or amax_buf.dtype != torch.float32 or amax_buf.numel() != (
-                batch * rows if given == 1 else cols):
-            raise ValueError(f"given tensor scales are NVFP4's, for fake quantization, float32, one per "
-                             f"row or column ('rows' or 'cols'); got {axis!r}, {amax_buf.numel()} "
+        if (not given or (codes and given != 1) or not two_level or amax_buf.dtype != torch.float32
+                or amax_buf.numel() != (batch * rows if given == 1 else cols)):
+            raise ValueError(f"given tensor scales are NVFP4's, float32, one per row or column ('rows' or "
+                             f"'cols'; codes under 'rows' only); got {axis!r}, {amax_buf.numel()} "
                              f"{amax_buf.dtype} for a {tuple(x3.shape)} tensor, codes={codes}")
         amax_buf = amax_buf.contiguous()
     elif two_level:

@@ -84,7 +84,7 @@ from lowbit.formats.activations import check_rac_group, fp8_row_spec, per_token_
 from lowbit.formats.linear_weight import LinearWeight
 
 __all__ = ["Precision", "ActivationScale", "RolloutMode", "weight_spec", "stored_weight_spec",
-           "quantize_weight", "quantize_activation", "rac_linear"]
+           "quantize_weight", "quantize_weight_rows", "quantize_activation", "rac_linear"]
 
 
 class Precision(str, Enum):
@@ -189,6 +189,15 @@ def quantize_weight(weight: torch.Tensor, precision: Precision) -> QTensor | Non
     """The packed weight of a quantizing mode (None for bf16). weight (out, in)."""
     spec = stored_weight_spec(precision, weight.shape[-1])
     return None if spec is None else dispatch.quantize_with_spec(weight, spec)
+
+
+def quantize_weight_rows(weights: torch.Tensor, rows: list[int], precision: Precision) -> list[QTensor] | None:
+    """quantize_weight of each run of `rows` rows of `weights` (R, in) -- projections fused
+    along their outputs, an MoE layer's experts -- each run its own weight (its own NVFP4 tensor
+    scale), the same bits as quantize_weight of that run alone; NVFP4 on CUDA in one pass for
+    all the runs (lowbit.dispatch.quantize_rows). None for bf16."""
+    spec = stored_weight_spec(precision, weights.shape[-1])
+    return None if spec is None else dispatch.quantize_rows(weights, spec, rows)
 
 
 def quantize_activation(x: torch.Tensor, precision: Precision,

@@ -50,7 +50,7 @@ from lowbit.formats import QTensor
 from lowbit.formats.activations import fp8_values
 from lowbit.formats.linear_weight import LinearWeight
 from lowbit.models.config import ModelConfig
-from lowbit.rl.precision import Precision, RolloutMode, quantize_weight, stored_weight_spec
+from lowbit.rl.precision import Precision, RolloutMode, quantize_weight, quantize_weight_rows, stored_weight_spec
 
 __all__ = ["EngineLinear", "EngineExperts", "EngineLayer", "EngineWeights", "pack_state_dict"]
 
@@ -59,13 +59,38 @@ def _linear_weight(weights: list[torch.Tensor | QTensor], precision: Precision,
                    device: torch.device, dtype: torch.dtype) -> LinearWeight:
     """Parts (N_i, K) of any dtype and device, fused along N in the mode's storage; a part given
     packed (a QTensor of the mode's spec made from `dtype` values: pack_state_dict) is moved
-    as it is, not quantized again."""
+    as it is, not quantized again. Parts given as tensors are quantized each on its own, all in
+    one pass (quantize_weight_rows)."""
     for w in weights:
         _check_packed(w, precision, dtype)
     if precision is Precision.BF16:
         own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
         return LinearWeight.dense(own[0] if len(own) == 1 else torch.cat(own))
+    if not any(isinstance(w, QTensor) for w in weights):
+        return LinearWeight.from_qtensors(_quantized_rows([w.detach() for w in weights], precision, device, dtype),
+                                          dtype)
     return LinearWeight.from_qtensors([_packed(w, precision, device, dtype) for w in weights], dtype)
+
+
+def _quantized_rows(parts: list[torch.Tensor], precision: Precision, device: torch.device,
+                    dtype: torch.dtype) -> list[QTensor]:
+    """Each part (N_i, K) quantized on its own, on `device` from `dtype` values, in one pass."""
+    x = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return quantize_weight_rows(x.to(device=device, dtype=dtype), [p.shape[0] for p in parts], precision)
+
+
+def _expert_stack(w: torch.Tensor | list[QTensor], precision: Precision, device: torch.device,
+                  dtype: torch.dtype) -> LinearWeight:
+    """An MoE layer's expert stack (E, N, K), or its experts packed (pack_state_dict), as one
+    (E, N, ...) LinearWeight, each expert quantized on its own (all in one pass)."""
+    if precision is Precision.BF16 or not isinstance(w, torch.Tensor):
+        return LinearWeight.stack([_linear_weight([e], precision, device, dtype) for e in w])
+    E, N, K = w.shape
+    x = w.detach().reshape(E * N, K).to(device=device, dtype=dtype)
+    fused = LinearWeight.from_qtensors(quantize_weight_rows(x, [N] * E, precision), dtype)
+    return LinearWeight(fused.format, fused.data.view(E, N, -1),
+                        None if fused.block_scales is None else fused.block_scales.view(E, N, -1),
+                        fused.row_scales.view(E, N), K, dtype)
 
 
 def _check_packed(weight: torch.Tensor | QTensor, precision: Precision, dtype: torch.dtype) -> None:
@@ -118,7 +143,8 @@ def pack_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, pr
     for name in _linear_names(cfg):
         w = sd.get(name)
         if isinstance(w, torch.Tensor):   # a missing one is load's to refuse, by name
-            sd[name] = ([quantize_weight(e.to(dtype), precision) for e in w.detach()] if w.dim() == 3
+            sd[name] = (quantize_weight_rows(w.detach().reshape(-1, w.shape[-1]).to(dtype), [w.shape[1]] * w.shape[0],
+                                             precision) if w.dim() == 3
                         else quantize_weight(w.detach().to(dtype), precision))
     return sd
 
@@ -266,8 +292,8 @@ class EngineExperts:
         gate_up_amax, down_amax = (None, None) if input_amax is None else input_amax
         self.gate_up_amax = _static_amax(gate_up_amax, precision, device)
         self.down_amax = _static_amax(down_amax, precision, device)
-        self.gate_up = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in gate_up])
-        self.down = LinearWeight.stack([_linear_weight([w], precision, device, dtype) for w in down])
+        self.gate_up = _expert_stack(gate_up, precision, device, dtype)
+        self.down = _expert_stack(down, precision, device, dtype)
         self.gate_up_gemm = _gemm_weight(self.gate_up, precision, packed_gemm)
         self.down_gemm = _gemm_weight(self.down, precision, packed_gemm)
         self.n_experts = len(gate_up)
