@@ -33,9 +33,10 @@ def kernel_runs_on(p: torch.Tensor, scalars: tuple[torch.Tensor, ...]) -> bool:
 
 def kernel_applies(tensors: tuple[torch.Tensor, ...]) -> bool:
     """The rule for one weight (p, g, m, v, b) on a device kernel_runs_on allows (b: p itself
-    where there is no B): p, g, m, v float32, b of B_DTYPES, all of p's shape, contiguous, on p's device -- everything
-    lowbit.kernels.optimizer.adamw_step_triton checks, so the weights it is handed need no
-    second check. It is state_applies for the optimizer's tensors and grad_applies for g."""
+    where there is no B): p, g, m, v float32, b of B_DTYPES, all of p's shape, contiguous, on
+    p's device -- everything lowbit.kernels.optimizer.adamw_step_triton checks, so the weights
+    it is handed need no second check. It is state_applies for the optimizer's tensors and
+    grad_applies for g."""
     p, g, m, v, b = tensors
     return state_applies((p, m, v, b)) and grad_applies(p, g)
 
