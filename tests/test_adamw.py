@@ -54,7 +54,7 @@ def _steps(net, opt, steps, first=0, max_norm=None, inside=False):
 
 def _close(a: nn.Module, b: nn.Module) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)   # float32 rounding, any torch
 
 
 def test_lowbit_adamw_trains_as_torchs_fused_adamw_and_their_checkpoints_load_into_each_other():

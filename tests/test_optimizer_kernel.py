@@ -269,9 +269,9 @@ def test_plain_adamw_agrees_with_torchs_to_float32_rounding(weight_decay):
         dispatch.adamw_step([mine], [g], [m], [v], [step], None, torch.tensor(0.003), 0.9, 0.95, 1e-8,
                             weight_decay, None, grad_coef=coef)
     assert step.item() == 3 and not torch.equal(mine, p)
-    torch.testing.assert_close(mine, theirs.detach(), rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(m, opt.state[theirs]["exp_avg"], rtol=2e-6, atol=1e-8)   # lerp cancels
-    torch.testing.assert_close(v, opt.state[theirs]["exp_avg_sq"], rtol=2e-6, atol=1e-12)
+    torch.testing.assert_close(mine, theirs.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m, opt.state[theirs]["exp_avg"], rtol=1e-5, atol=1e-8)   # lerp cancels
+    torch.testing.assert_close(v, opt.state[theirs]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
 
 
 @pytest.mark.gpu
