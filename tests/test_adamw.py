@@ -166,10 +166,38 @@ def test_lowbit_adamw_refuses_what_it_does_not_step():
     with pytest.raises(ValueError, match="no GradScaler"):
         opt.step()
     del opt.grad_scale
-    opt.param_groups[0]["amsgrad"] = True
+    opt = dispatch.AdamW(_groups(net))
+    opt.param_groups[1]["amsgrad"] = True                           # the second group's
     with pytest.raises(ValueError, match="no amsgrad"):
         opt.step()
-    assert not opt.state                                            # nothing stepped
+    assert not opt.state                                            # nothing stepped, not even group 0
+
+
+def test_lowbit_adamw_copies_pickles_takes_a_tensor_lr_and_loads_a_non_fused_checkpoint():
+    net = _net()
+    opt = dispatch.AdamW(_groups(net), lr=torch.tensor([0.01]))     # one element, 1-D: torch takes it
+    _steps(net, opt, 1)
+    for other in (copy.deepcopy(opt), _unpickled(opt)):
+        other.step()                                                # its learning rate made anew
+    # a checkpoint of torch's non-fused AdamW (the CPU's, FSDP's): the groups become fused and
+    # the step counts float32 on their weights' devices, as fused AdamW keeps them
+    plain_net = _net()
+    plain = torch.optim.AdamW(_groups(plain_net), lr=0.01, betas=(0.9, 0.95), foreach=False)
+    _steps(plain_net, plain, 2)
+    mine = dispatch.AdamW(_groups(plain_net), lr=0.01, betas=(0.9, 0.95))
+    mine.load_state_dict(copy.deepcopy(plain.state_dict()))
+    assert all(g["fused"] for g in mine.param_groups)
+    step = mine.state[next(plain_net.parameters())]["step"]
+    assert step.dtype == torch.float32 and step.item() == 2
+    _steps(plain_net, mine, 1, first=2)
+    assert mine.state[next(plain_net.parameters())]["step"].item() == 3
+
+
+def _unpickled(opt):
+    """What unpickling makes of opt: a new object given opt's pickled state."""
+    other = type(opt).__new__(type(opt))
+    other.__setstate__(opt.__getstate__())
+    return other
 
 
 @pytest.mark.gpu

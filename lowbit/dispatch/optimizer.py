@@ -134,24 +134,36 @@ def new_adamw_state(p: torch.Tensor, group: dict) -> dict:
 
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused: its param groups, state and state dict are fused AdamW's, so a
-    checkpoint of either loads into the other) whose step is `adamw_step`: every weight of a
-    param group in one launch of lowbit's kernel on CUDA, the reference elsewhere. The same
-    update to float32 rounding (the order of a few operations differs).
+    checkpoint of either loads into the other; one of torch's non-fused AdamW loads too, its
+    step counts moved to their weights' devices) whose step is `adamw_step`: every float32
+    weight of a param group and device in one launch of lowbit's kernel on CUDA, the reference
+    elsewhere (in the weight's own dtype). The same update to float32 rounding (the order of a
+    few operations differs).
 
     The gradient clip's coefficient may be handed to the step, as torch's GradScaler hands a
     fused optimizer its scale: set `optimizer.grad_coef` (a 0-d float32 on the weights' device)
     before `step()` and delete it after; the step multiplies each gradient by it in registers,
     so no pass multiplies the gradients in memory (lowbit.train.graphs.clip_gradients computes
     it; the stored gradients keep their unclipped values). Without it, the gradients as they
-    are. amsgrad, maximize, a differentiable step, tensor betas and a GradScaler's scaled
-    gradients are refused: build torch.optim.AdamW for those."""
+    are. amsgrad, maximize, a differentiable step, tensor betas, sparse gradients and a
+    GradScaler's scaled gradients are refused, before any weight is stepped: build
+    torch.optim.AdamW for those."""
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
         if any(torch.is_tensor(b) for b in betas):
             raise ValueError("lowbit.dispatch.AdamW takes betas as numbers; build torch.optim.AdamW for tensors")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-        self._lr: dict[torch.device, torch.Tensor] = {}   # each device's learning rate, a 0-d tensor
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:   # a non-fused AdamW's groups and CPU step counts, as fused's
+            group["fused"] = True
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and torch.is_tensor(state.get("step")) and (
+                        state["step"].device != p.device or state["step"].dtype != torch.float32):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,31 +174,36 @@ class AdamW(torch.optim.AdamW):
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise ValueError("lowbit.dispatch.AdamW takes unscaled gradients (no GradScaler); build "
                              "torch.optim.AdamW(fused=True) to step a GradScaler's")
-        coef = getattr(self, "grad_coef", None)
-        for group in self.param_groups:
+        for group in self.param_groups:   # every refusal before anything is stepped
             if group["amsgrad"] or group["maximize"] or group["differentiable"]:
                 raise ValueError("lowbit.dispatch.AdamW has no amsgrad, maximize or differentiable step; "
                                  "build torch.optim.AdamW for those")
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                if p.grad.is_sparse:
-                    raise ValueError("lowbit.dispatch.AdamW takes dense gradients")
-                if not self.state[p]:
-                    self.state[p].update(new_adamw_state(p, group))
-            state = [self.state[p] for p in params]
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                raise ValueError("lowbit.dispatch.AdamW takes dense gradients")
+        coef = getattr(self, "grad_coef", None)
+        for group in self.param_groups:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.device, []).append(p)
+                    if not self.state[p]:
+                        self.state[p].update(new_adamw_state(p, group))
             beta1, beta2 = group["betas"]
-            adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in state],
-                       [s["exp_avg_sq"] for s in state], [s["step"] for s in state], None,
-                       self._lr_tensor(group["lr"], params[0].device), float(beta1), float(beta2),
-                       float(group["eps"]), float(group["weight_decay"]), None, grad_coef=coef)
+            for device, params in by_device.items():
+                state = [self.state[p] for p in params]
+                adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in state],
+                           [s["exp_avg_sq"] for s in state], [s["step"] for s in state], None,
+                           self._lr_tensor(group["lr"], device), float(beta1), float(beta2),
+                           float(group["eps"]), float(group["weight_decay"]), None,
+                           grad_coef=None if coef is None else coef.to(device, non_blocking=True))
         return loss
 
     def _lr_tensor(self, lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
         """The group's learning rate in a 0-d float32 on `device`: a fill (one launch with the
-        value as its argument) or a copy, no host synchronisation."""
-        if device not in self._lr:
-            self._lr[device] = torch.zeros((), dtype=torch.float32, device=device)
-        out = self._lr[device]
-        return out.copy_(lr, non_blocking=True) if torch.is_tensor(lr) else out.fill_(float(lr))
+        value as its argument) or a copy, no host synchronisation. Kept per device, made on first
+        use (a copied or unpickled optimizer has none yet)."""
+        lrs = self.__dict__.setdefault("_lr", {})
+        if device not in lrs:
+            lrs[device] = torch.zeros((), dtype=torch.float32, device=device)
+        out = lrs[device]
+        return out.copy_(lr.reshape(()), non_blocking=True) if torch.is_tensor(lr) else out.fill_(float(lr))

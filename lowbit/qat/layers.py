@@ -539,7 +539,7 @@ class UpdateScaling:
                 self.lr[device] = torch.zeros((), dtype=torch.float32, device=device)
             lr = self.lr[device]
             if torch.is_tensor(group["lr"]):
-                lr.copy_(group["lr"], non_blocking=True)
+                lr.copy_(group["lr"].reshape(()), non_blocking=True)
             else:
                 lr.fill_(float(group["lr"]))
             levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
