@@ -19,6 +19,8 @@ def test_bench_train_rows_and_table():
                        progress=lambda message: None)
     assert [r["recipe"] for r in rows] == ["bf16", "stable-fp4"]
     assert rows[0]["time_vs_base"] == 1.0 and rows[1]["step_ms"] > 0
+    # the optimizer the step ran (lowbit.train.build.build_optimizer's: torch's AdamW on the CPU)
+    assert {r["optimizer"] for r in rows} == {"torch.optim.adamw.AdamW"}
     table = format_rows(rows)
     assert "time vs bf16" in table and "stable-fp4" in table
 

@@ -179,7 +179,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
         step_fn = TrainStep(net, optimizer, step_config, process, loss_fn=loss_fn)
         tokens = torch.randint(0, net.config.vocab_size, (batch_size, seq_len + 1), device=dev)
         unit = {"name": name, "net": net, "results": [], "blocks": [], "times": [],
-                "note": note, "quantized_nothing": quantized_nothing}
+                "note": note, "quantized_nothing": quantized_nothing,
+                "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"}
 
         def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if data is not None:
@@ -232,7 +233,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                "cuda_graph": cuda_graph, "corpus": corpus, "note": unit["note"],
                "quantized_nothing": unit["quantized_nothing"],
                "fold_redo_steps": len(redone), "steps_run": len(results),
-               "fold_redo_at": redone, "block_ms": unit["blocks"]}
+               "fold_redo_at": redone, "block_ms": unit["blocks"], "optimizer": unit["optimizer"]}
         if profile and dev.type == "cuda":
             if process.is_main:
                 path = None
