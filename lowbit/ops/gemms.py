@@ -92,7 +92,8 @@ def wgrad_operands(dy, dy_d, x_saved, r: LinearRecipe, segment_ends: torch.Tenso
     transform, both rotated by the same random orthonormal R along N (N padded to 16k).
     segment_ends: `operand`'s (an MoE layer's experts; one draw of R for all of them)."""
     if r.wgrad_hadamard:
-        signs = torch.randint(0, 2, (16,), device=dy.device) * 2 - 1
+        # float32, as the kernels and the reference read them (not cast again at each use)
+        signs = torch.randint(0, 2, (16,), device=dy.device, dtype=torch.float32).mul_(2).sub_(1)
         return (dispatch.rotated_fake_quantize(dy, r.wgrad_dy, signs, segment_ends),
                 dispatch.rotated_fake_quantize(x_saved, r.wgrad_x, signs, segment_ends))
     dy_w = dy_d if shared(r.dgrad_dy, r.wgrad_dy) else operand(dy, r.wgrad_dy, 0, segment_ends)
