@@ -4,6 +4,7 @@ stochastic-rounding seeds, the one launch, and the QTensors and values it return
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
@@ -43,8 +44,7 @@ def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> l
         raise ValueError(f"quantize_rows_triton quantizes NVFP4 with a tensor scale, blocks of 16, "
                          f"round to nearest; got {spec}")
     check_input(x, spec)
-    ends = torch.tensor(list(itertools.accumulate(rows))[:-1], dtype=torch.int32, device=x.device)
-    scales = segment_scales_triton(x, ends, rows=True)                      # (R,) float32
+    scales = segment_scales_triton(x, _run_ends(x.device, tuple(rows)), rows=True)   # (R,) float32
     q = run_quantize_kernel(x, spec, None, None, codes=True, values=False, transpose=False,
                             tensor_scales=("rows", scales))[0]
     out, start = [], 0
@@ -53,6 +53,14 @@ def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> l
                            spec, (n, x.shape[1]), x.dtype))
         start += n
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _run_ends(device: torch.device, rows: tuple[int, ...]) -> torch.Tensor:
+    """The runs' ends but the last, (len(rows) - 1,) int32 on `device`: made once for a set of
+    runs (a weight sync quantizes the same shapes every time), so no host-to-device copy, which
+    would wait for the GPU's queue, on later calls."""
+    return torch.tensor(list(itertools.accumulate(rows))[:-1], dtype=torch.int32, device=device)
 
 
 def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,
