@@ -756,3 +756,20 @@ def test_quantize_rows_on_the_kernels_is_each_runs_own_quantize(dtype, layout, m
         quantize_rows_triton(x, spec, [50, 49])
     with pytest.raises(ValueError, match="NVFP4 with a tensor scale"):
         quantize_rows_triton(x, QuantSpec.make("mxfp4", (1, 32), scale_rule="floor"), [100])
+
+
+def test_the_maxima_kernel_zeroes_the_segments_buffer_and_leaves_the_tiles_to_reduce():
+    # segment_scales_triton's launches: the maxima kernel zeroes the segment maxima's buffer
+    # (whatever it held) and, for rows, hands its tiles' maxima unreduced to the segment-max
+    # kernel, which reduces them: the bits of the maxima reduced first
+    from lowbit.kernels import quantize as kq
+    x = torch.randn(70, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)   # 3 column tiles a row
+    seg = torch.full((5,), 0x7F000000, dtype=torch.int32, device=DEVICE)               # garbage
+    tiles = kq.group_amax(x, rows_max=True, zero=seg, reduce=False)
+    assert torch.equal(seg, torch.zeros_like(seg)) and tiles.shape == (3, 70) and tiles.dtype == torch.int32
+    assert torch.equal(tiles.amax(dim=0).view(torch.float32), kq.group_amax(x, rows_max=True))
+    ends = torch.tensor([10, 10, 40, 69], dtype=torch.int32, device=DEVICE)
+    reduced = kq.segment_scales(kq.group_amax(x, rows_max=True), ends, 1, 1)
+    assert torch.equal(kq.segment_scales(tiles, ends, 1, 1, seg=seg), reduced)
+    with pytest.raises(ValueError, match="int32 buffer of at most 4096"):
+        kq.group_amax(x, rows_max=True, zero=torch.zeros(5, device=DEVICE))

@@ -143,8 +143,12 @@ def segment_scales_triton(x: torch.Tensor, ends: torch.Tensor, hadamard: torch.T
 
     kq.require_kernel_tensor(x)
     signs = None if hadamard is None else hadamard.to(x.device, torch.float32)
-    maxima = kq.group_amax(x, signs, rows_max=rows)
-    return kq.segment_scales(maxima, ends, rows_each=1 if rows else 16, repeat=1 if rows else 16)
+    # the maxima kernel zeroes the segments' buffer; a row's maxima over its few column tiles
+    # are reduced by the segment-max kernel (no launch of their own), a column group's over its
+    # many row tiles by one reduction
+    seg = torch.empty(ends.numel() + 1, device=x.device, dtype=torch.int32) if ends.numel() < 4096 else None
+    maxima = kq.group_amax(x, signs, rows_max=rows, zero=seg, reduce=not rows)
+    return kq.segment_scales(maxima, ends, rows_each=1 if rows else 16, repeat=1 if rows else 16, seg=seg)
 
 
 def fake_quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,

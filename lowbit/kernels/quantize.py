@@ -310,16 +310,22 @@ def rotate16(x, x_ptr, signs_ptr, cols, TILE_R: tl.constexpr, TILE_C: tl.constex
 
 
 @triton.jit
-def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_groups,
+def group_amax_kernel(x_ptr, out_ptr, signs_ptr, zero_ptr, n_zero, R, C, stride_r, stride_c, n_groups,
                       TILE_R: tl.constexpr, TILE_C: tl.constexpr, NATIVE_CAST: tl.constexpr,
-                      HADAMARD: tl.constexpr, ROWS: tl.constexpr):
+                      HADAMARD: tl.constexpr, ROWS: tl.constexpr, ZERO_PAD: tl.constexpr):
     """The finite |x|'s max (int32 bits) of each (row tile, group of 16 columns) of x (R, C),
     C a multiple of 16, into out (cdiv(R, TILE_R), n_groups): with HADAMARD, of the random
     Hadamard transform of each group (rotate16), as the quantize kernel sees it. ROWS: instead
     each row's max over each column tile, into out (cdiv(C, TILE_C), R) (any C). No atomics:
     the caller reduces over the tiles (and the groups or rows into segments). The grid's first
     axis runs along the longer count (rows with ROWS, the column tiles without): CUDA caps the
-    others at 65535."""
+    others at 65535. ZERO_PAD > 0: the first program also zeroes zero_ptr's n_zero int32 (<=
+    ZERO_PAD; the segment maxima's buffer, which segment_max_kernel, launched after, fills with
+    atomics), so it needs no launch of its own."""
+    if ZERO_PAD > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            z = tl.arange(0, ZERO_PAD)
+            tl.store(zero_ptr + z, tl.zeros((ZERO_PAD,), dtype=tl.int32), mask=z < n_zero)
     if ROWS:
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -343,12 +349,16 @@ def group_amax_kernel(x_ptr, out_ptr, signs_ptr, R, C, stride_r, stride_c, n_gro
         tl.store(out_ptr + pid_r * n_groups + groups, group_max, mask=groups < n_groups)
 
 
-def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False) -> torch.Tensor:
+def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False,
+               zero: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
     """(C // 16,) float32: the finite |x|'s max over each group of 16 columns of x (R, C), all
     rows (of its random Hadamard transform with `signs`, (16,) float32, if given); C a
     multiple of 16, any strides. rows_max: (R,) each row's max instead (any C, no rotation).
     An NVFP4 tensor scale per segment is the max of its groups' or rows'
-    (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these maxima)."""
+    (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these maxima).
+    zero: a contiguous int32 buffer (at most 4096 entries) the same launch zeroes (segment_scales's).
+    reduce=False: the tiles' maxima as they are, (tiles, n) int32 bits, for segment_scales to
+    reduce (no launch of their own)."""
     rows, cols = x.shape
     if rows_max and signs is not None:
         raise ValueError("group_amax rotates groups of columns, not rows: rows_max takes no signs")
@@ -361,12 +371,18 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     grid = (n_tiles_r, n_tiles_c) if rows_max else (n_tiles_c, n_tiles_r)
     if grid[1] > 65535:
         raise ValueError(f"group_amax of a {tuple(x.shape)} tensor needs a grid {grid} past CUDA's 65535")
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous() or zero.numel() > 4096
+                             or zero.device != x.device):
+        raise ValueError(f"group_amax zeroes a contiguous int32 buffer of at most 4096 on {x.device}; got "
+                         f"{zero.numel()} {zero.dtype} on {zero.device}")
+    zero_pad = 0 if zero is None or not zero.numel() else max(16, triton.next_power_of_2(zero.numel()))
     with on_device(x):
         group_amax_kernel[grid](
-            x, out, empty_arg(x.device, torch.float32) if signs is None else signs, rows, cols,
+            x, out, empty_arg(x.device, torch.float32) if signs is None else signs,
+            out if zero is None else zero, 0 if zero is None else zero.numel(), rows, cols,
             *x.stride(), n_groups, TILE_R=tile_r, TILE_C=tile_c, NATIVE_CAST=not INTERPRET,
-            HADAMARD=signs is not None, ROWS=rows_max, num_warps=4)
-    return out.amax(dim=0).view(torch.float32)
+            HADAMARD=signs is not None, ROWS=rows_max, ZERO_PAD=zero_pad, num_warps=4)
+    return out.amax(dim=0).view(torch.float32) if reduce else out
 
 
 @triton.jit
@@ -381,14 +397,16 @@ def _segment_of(runs, ends_ptr, n_ends, rows_each, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def segment_max_kernel(amax_ptr, ends_ptr, seg_ptr, n, n_ends, rows_each,
+def segment_max_kernel(amax_ptr, ends_ptr, seg_ptr, n, n_tiles, n_ends, rows_each,
                        BLOCK: tl.constexpr, E_PAD: tl.constexpr):
-    """Each segment's maximum into seg_ptr ((n_ends + 1,) int32, zeroed by the caller), from
-    amax_ptr (n,) int32, the float32 bits of the finite maxima of n runs of `rows_each` rows:
-    one program a block of runs, one atomic max a segment it meets (a max: the same bits in
-    any order)."""
+    """Each segment's maximum into seg_ptr ((n_ends + 1,) int32, zeroed before), from amax_ptr
+    (n_tiles, n) int32, the float32 bits of the finite maxima of n runs of `rows_each` rows in
+    each of n_tiles tiles (reduced over the tiles here): one program a block of runs, one
+    atomic max a segment it meets (a max: the same bits in any order)."""
     runs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    bits = tl.load(amax_ptr + runs, mask=runs < n, other=0)
+    bits = tl.zeros((BLOCK,), dtype=tl.int32)
+    for t in range(n_tiles):
+        bits = tl.maximum(bits, tl.load(amax_ptr + t * n + runs, mask=runs < n, other=0))
     segment = _segment_of(runs, ends_ptr, n_ends, rows_each, E_PAD)
     e = tl.arange(0, E_PAD)
     seg_max = tl.max(tl.where(segment[:, None] == e[None, :], bits[:, None], 0), axis=0)   # (E_PAD,)
@@ -413,20 +431,27 @@ def segment_scales_kernel(seg_ptr, ends_ptr, out_ptr, n, n_ends, rows_each,
                  mask=runs[:, None] < n)
 
 
-def segment_scales(maxima: torch.Tensor, ends: torch.Tensor, rows_each: int, repeat: int) -> torch.Tensor:
+def segment_scales(maxima: torch.Tensor, ends: torch.Tensor, rows_each: int, repeat: int,
+                   seg: torch.Tensor | None = None) -> torch.Tensor:
     """(n * repeat,) float32: the NVFP4 tensor scale of the segment each of n runs lies in,
     each written `repeat` times, from the runs' maxima (n,) (group_amax's, as float32, or the
-    int32 bits of them) and the segments' ends ((E,) ascending int32 / int64, E >= 0, on the
-    same device): two launches after a zeroed (E + 1,) buffer, every block of runs in parallel
-    (no program walks a whole segment), no host read-back. The reference:
+    int32 bits of them; or (tiles, n) int32 bits, group_amax's with reduce=False, reduced here)
+    and the segments' ends ((E,) ascending int32 / int64, E >= 0, on the same device): two
+    launches after a zeroed (E + 1,) buffer, every block of runs in parallel (no program walks
+    a whole segment), no host read-back. seg: that buffer, (E + 1,) int32, zeroed already
+    (group_amax's `zero`), else one is zeroed here. The reference:
     lowbit.formats.quantize.segment_scales_from_amax(maxima, ends, rows_each)
     .repeat_interleave(repeat)."""
     if ends.dim() != 1 or ends.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"segment_scales takes ends as a 1-D int32/int64 tensor, "
                          f"not {ends.dtype} of shape {tuple(ends.shape)}")
-    n, E = maxima.numel(), ends.numel()
+    E = ends.numel()
+    n, n_tiles = maxima.shape[-1], (maxima.shape[0] if maxima.dim() == 2 else 1)
     bits = maxima.contiguous().view(torch.int32)
-    seg = torch.zeros(E + 1, device=maxima.device, dtype=torch.int32)
+    if seg is None:
+        seg = torch.zeros(E + 1, device=maxima.device, dtype=torch.int32)
+    elif seg.shape != (E + 1,) or seg.dtype != torch.int32:
+        raise ValueError(f"segment_scales's buffer is ({E + 1},) int32; got {tuple(seg.shape)} {seg.dtype}")
     out = torch.empty(n * repeat, device=maxima.device, dtype=torch.float32)
     if n == 0:
         return out
@@ -435,7 +460,8 @@ def segment_scales(maxima: torch.Tensor, ends: torch.Tensor, rows_each: int, rep
     ends = ends.contiguous()
     grid = (cdiv(n, block),)
     with on_device(maxima):
-        segment_max_kernel[grid](bits, ends, seg, n, E, rows_each, BLOCK=block, E_PAD=e_pad, num_warps=4)
+        segment_max_kernel[grid](bits, ends, seg, n, n_tiles, E, rows_each, BLOCK=block, E_PAD=e_pad,
+                                 num_warps=4)
         segment_scales_kernel[grid](seg, ends, out, n, E, rows_each, BLOCK=block, E_PAD=e_pad,
                                     REPEAT=repeat, num_warps=4)
     return out
