@@ -28,8 +28,8 @@ from lowbit.dispatch._quantizers import (
     force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_rows,
     quantize_with_spec, reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
 )
-from lowbit.dispatch.optimizer import AdamW, adamw_step, new_adamw_state
+from lowbit.dispatch.optimizer import AdamW, adamw_step, lr_tensor, new_adamw_state
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_rows", "quantize_dequantize", "grid_fake_quantize",
            "rotated_fake_quantize", "quantize_fold", "use_kernels", "force_reference", "reference_forced",
-           "segment_tensor_scales", "adamw_step", "AdamW", "new_adamw_state"]
+           "segment_tensor_scales", "adamw_step", "AdamW", "new_adamw_state", "lr_tensor"]

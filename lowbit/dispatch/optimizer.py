@@ -18,7 +18,7 @@ from lowbit import kernels
 from lowbit.dispatch._quantizers import reference_forced
 from lowbit.formats.optimizer import B_DTYPES, adamw_step_scalars, adamw_step_
 
-__all__ = ["AdamW", "adamw_step", "new_adamw_state", "kernel_runs_on", "kernel_applies", "state_applies",
+__all__ = ["AdamW", "adamw_step", "new_adamw_state", "lr_tensor", "kernel_runs_on", "kernel_applies", "state_applies",
            "grad_applies"]
 
 
@@ -199,11 +199,16 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _lr_tensor(self, lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The group's learning rate in a 0-d float32 on `device`: a fill (one launch with the
-        value as its argument) or a copy, no host synchronisation. Kept per device, made on first
-        use (a copied or unpickled optimizer has none yet)."""
-        lrs = self.__dict__.setdefault("_lr", {})
-        if device not in lrs:
-            lrs[device] = torch.zeros((), dtype=torch.float32, device=device)
-        out = lrs[device]
-        return out.copy_(lr.reshape(()), non_blocking=True) if torch.is_tensor(lr) else out.fill_(float(lr))
+        """lr_tensor into this optimizer's tensors, made on first use (a copied or unpickled
+        optimizer has none yet)."""
+        return lr_tensor(lr, self.__dict__.setdefault("_lr", {}), device)
+
+
+def lr_tensor(lr: float | torch.Tensor, kept: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A param group's learning rate (a number, or a one-element tensor) in a 0-d float32 on
+    `device`, for adamw_step: kept[device], made there on first use and refilled each call -- a
+    fill (one launch with the value as its argument) or a copy, no host synchronisation."""
+    if device not in kept:
+        kept[device] = torch.zeros((), dtype=torch.float32, device=device)
+    out = kept[device]
+    return out.copy_(lr.reshape(()), non_blocking=True) if torch.is_tensor(lr) else out.fill_(float(lr))

@@ -533,15 +533,7 @@ class UpdateScaling:
                 if not state[w]:
                     state[w].update(dispatch.new_adamw_state(w, group))
             beta1, beta2 = group["betas"]
-            # the group's learning rate into a tensor on the weights' device: a fill is one
-            # launch with the value as its argument, no host synchronisation
-            if device not in self.lr:
-                self.lr[device] = torch.zeros((), dtype=torch.float32, device=device)
-            lr = self.lr[device]
-            if torch.is_tensor(group["lr"]):
-                lr.copy_(group["lr"].reshape(()), non_blocking=True)
-            else:
-                lr.fill_(float(group["lr"]))
+            lr = dispatch.lr_tensor(group["lr"], self.lr, device)   # no host synchronisation
             levels = items[0][2].config.jacquant.uint8_levels_per_unit if uint8 else None
             dispatch.adamw_step(
                 [w for w, *_ in items], [g for _, g, *_ in items], [state[w]["exp_avg"] for w, *_ in items],
