@@ -67,16 +67,20 @@ def _linear_weight(weights: list[torch.Tensor | QTensor], precision: Precision,
         own = [w.detach().to(device=device, dtype=dtype, copy=True) for w in weights]   # our copies
         return LinearWeight.dense(own[0] if len(own) == 1 else torch.cat(own))
     if not any(isinstance(w, QTensor) for w in weights):
-        return LinearWeight.from_qtensors(_quantized_rows([w.detach() for w in weights], precision, device, dtype),
-                                          dtype)
-    return LinearWeight.from_qtensors([_packed(w, precision, device, dtype) for w in weights], dtype)
+        x = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+        return LinearWeight.from_qtensors(_quantized_rows(x, [w.shape[0] for w in weights], precision, device,
+                                                          dtype), dtype)
+    # packed by the sender (pack_state_dict): moved as they are (from_qtensors copies them)
+    return LinearWeight.from_qtensors([w.to(device) if isinstance(w, QTensor) else
+                                       _quantized_rows(w.detach(), [w.shape[0]], precision, device, dtype)[0]
+                                       for w in weights], dtype)
 
 
-def _quantized_rows(parts: list[torch.Tensor], precision: Precision, device: torch.device,
+def _quantized_rows(x: torch.Tensor, rows: list[int], precision: Precision, device: torch.device,
                     dtype: torch.dtype) -> list[QTensor]:
-    """Each part (N_i, K) quantized on its own, on `device` from `dtype` values, in one pass."""
-    x = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return quantize_weight_rows(x.to(device=device, dtype=dtype), [p.shape[0] for p in parts], precision)
+    """Each run of `rows` rows of x (R, K) -- fused parts, or an expert stack's experts --
+    quantized on its own, on `device` from `dtype` values, all in one pass."""
+    return quantize_weight_rows(x.to(device=device, dtype=dtype), rows, precision)
 
 
 def _expert_stack(w: torch.Tensor | list[QTensor], precision: Precision, device: torch.device,
@@ -86,8 +90,8 @@ def _expert_stack(w: torch.Tensor | list[QTensor], precision: Precision, device:
     if precision is Precision.BF16 or not isinstance(w, torch.Tensor):
         return LinearWeight.stack([_linear_weight([e], precision, device, dtype) for e in w])
     E, N, K = w.shape
-    x = w.detach().reshape(E * N, K).to(device=device, dtype=dtype)
-    fused = LinearWeight.from_qtensors(quantize_weight_rows(x, [N] * E, precision), dtype)
+    fused = LinearWeight.from_qtensors(_quantized_rows(w.detach().reshape(E * N, K), [N] * E, precision,
+                                                       device, dtype), dtype)
     return LinearWeight(fused.format, fused.data.view(E, N, -1),
                         None if fused.block_scales is None else fused.block_scales.view(E, N, -1),
                         fused.row_scales.view(E, N), K, dtype)
@@ -106,14 +110,6 @@ def _check_packed(weight: torch.Tensor | QTensor, precision: Precision, dtype: t
                          f"blocks {spec.block} of {dtype} values, 2-D; got {weight.format} blocks "
                          f"{weight.spec.block} of {weight.dtype} values, shape {tuple(weight.shape)} "
                          f"(pack it with the engine's pack_state_dict)")
-
-
-def _packed(weight: torch.Tensor | QTensor, precision: Precision, device: torch.device,
-            dtype: torch.dtype) -> QTensor:
-    """One (checked) part as the mode stores it, on `device`: quantized here, or moved."""
-    if not isinstance(weight, QTensor):
-        return quantize_weight(weight.detach().to(device=device, dtype=dtype, copy=True), precision)
-    return weight.to(device)   # from_qtensors copies the codes and scales into its own tensors
 
 
 def _linear_names(cfg: ModelConfig) -> list[str]:
