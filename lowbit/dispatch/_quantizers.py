@@ -84,8 +84,7 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> list[QTe
                          f"rows; got {tuple(x.shape)} and {list(rows)}")
     check_input(x, spec)
     x = x.detach()
-    if (len(rows) > 1 and spec.format == "nvfp4" and spec.block == (1, 16) and spec.tensor_scale
-            and spec.rounding.value == "rne" and use_kernels(x, spec)):
+    if len(rows) > 1 and kernels.quantize_rows_takes(spec) and use_kernels(x, spec):
         return kernels.quantize_rows_triton(x, spec, list(rows))
     return [quantize_with_spec(run, spec) for run in x.split(list(rows))]
 

@@ -18,8 +18,8 @@ above live in _quantize_api, `supports` and `kernels_available` in _support.
 
 from lowbit.kernels._quantize_api import (
     fake_quantize_triton, fake_quantize_triton_with_transpose, given_scales_axis, group_amax_triton,
-    quantize_rows_triton, quantize_triton, quantize_triton_with_transpose, run_quantize_kernel, seed_tensor,
-    segment_scales_triton, stochastic_uniforms,
+    quantize_rows_takes, quantize_rows_triton, quantize_triton, quantize_triton_with_transpose, run_quantize_kernel,
+    seed_tensor, segment_scales_triton, stochastic_uniforms,
 )
 from lowbit.kernels._support import interpret_mode, kernels_available, supports, triton_importable
 
@@ -27,4 +27,4 @@ __all__ = ["quantize_triton", "fake_quantize_triton", "quantize_triton_with_tran
            "fake_quantize_triton_with_transpose", "kernels_available", "supports",
            "triton_importable", "stochastic_uniforms", "seed_tensor", "interpret_mode",
            "run_quantize_kernel", "group_amax_triton", "given_scales_axis", "segment_scales_triton",
-           "quantize_rows_triton"]
+           "quantize_rows_triton", "quantize_rows_takes"]

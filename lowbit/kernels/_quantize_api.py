@@ -14,7 +14,8 @@ from lowbit.formats.quantize import check_input
 from lowbit.formats.spec import QuantSpec, ScaleKind
 from lowbit.kernels._support import supports
 
-__all__ = ["quantize_triton", "quantize_rows_triton", "quantize_triton_with_transpose", "fake_quantize_triton",
+__all__ = ["quantize_triton", "quantize_rows_triton", "quantize_rows_takes", "quantize_triton_with_transpose",
+           "fake_quantize_triton",
            "fake_quantize_triton_with_transpose", "stochastic_uniforms", "seed_tensor",
            "run_quantize_kernel", "segment_scales_triton"]
 
@@ -40,7 +41,7 @@ def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> l
     if x.dim() != 2 or sum(rows) != x.shape[0] or any(n <= 0 for n in rows):
         raise ValueError(f"quantize_rows_triton takes a 2-D x and runs of rows (each > 0) that sum to "
                          f"its rows; got {tuple(x.shape)} and {list(rows)}")
-    if spec.format != "nvfp4" or spec.block != (1, 16) or not spec.tensor_scale or spec.rounding.value != "rne":
+    if not quantize_rows_takes(spec):
         raise ValueError(f"quantize_rows_triton quantizes NVFP4 with a tensor scale, blocks of 16, "
                          f"round to nearest; got {spec}")
     check_input(x, spec)
@@ -53,6 +54,13 @@ def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> l
                            spec, (n, x.shape[1]), x.dtype))
         start += n
     return out
+
+
+def quantize_rows_takes(spec: QuantSpec) -> bool:
+    """Whether quantize_rows_triton takes `spec`: NVFP4 with a tensor scale, blocks of 16, round
+    to nearest."""
+    return (spec.format == "nvfp4" and spec.block == (1, 16) and spec.tensor_scale
+            and spec.rounding.value == "rne")
 
 
 @functools.lru_cache(maxsize=64)
