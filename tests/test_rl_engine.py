@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from bits import same_bits
+from kernel_paths import interpreted_kernels
 from lowbit import dispatch
 from lowbit.export import calibrate_input_amax
 from lowbit.models import ModelConfig, build_model
@@ -422,6 +423,8 @@ def test_a_sync_writes_a_fresh_loads_bits_into_the_tensors_it_holds(mode, moe):
     # the sync builds each part as load does and copies it into the live one: every stored
     # tensor, tile and reference value is a fresh load's bit for bit, in the same storage (the
     # CUDA graphs captured on it stay valid), and so are the outputs
+    if SYNC_MODES[mode].get("decode_kernels"):
+        interpreted_kernels()     # a CPU engine on the kernels
     kw = dict(SYNC_MODES[mode], dtype=torch.bfloat16)
     cfg, model = _model(moe)
     engine = _engine(cfg, model, **kw)
@@ -637,6 +640,82 @@ def test_an_engine_on_cuda_syncs_weights_on_its_own_card_without_packing_them_fi
     monkeypatch.setattr(engine, "pack_state_dict", lambda sd: pytest.fail("packed on one card"))
     engine.sync(model.state_dict())
     assert engine.loaded
+
+
+def _captured_sync_matches_fresh_loads(cfg, model, kw, steps: int):
+    """Syncs from the model's own parameters, stepped in place between them, on a CUDA engine:
+    each leaves a fresh eager load's bits and flags; returns the engine."""
+    engine = RolloutEngine(cfg, max_batch_size=8, device="cuda", **kw)
+    for i in range(steps):
+        engine.sync(model.state_dict())
+        assert engine.weights.captured_sync == (i >= 1), i   # the second is captured, then replayed
+        fresh = RolloutEngine(cfg, max_batch_size=8, device="cuda", cuda_graph=False, **kw)
+        fresh.load_state_dict(model.state_dict())
+        assert all(_same_bytes(a, b) for a, b in zip(_stored(engine.weights), _stored(fresh.weights),
+                                                     strict=True)), i
+        assert [w.may_saturate for w in engine.weights._linear_weights()] == \
+            [w.may_saturate for w in fresh.weights._linear_weights()]
+        assert all(torch.equal(a, b) for a, b in zip(engine.score(SEQS), fresh.score(SEQS)))
+        _perturbed(model)
+    assert engine.weights.sync_graph_off is None and engine.weights.replayed_syncs == steps - 2
+    return engine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4-w4a16", "nvfp4-packed-kernels", "rac-fold"])
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_captured_sync_replays_a_fresh_loads_bits(mode, moe):
+    # a trainer's sync hands the same tensors each step: the second sync is captured in a CUDA
+    # graph and later ones replay it, each the bits and saturation flags of a fresh load.
+    # _stored makes each weight's reference values after the first sync (and the tiles, where
+    # a score had not): the graph captured before them would not refresh them, so the sync
+    # after runs eagerly and captures again -- every sync here is compared after _stored
+    kw = dict(dtype=torch.bfloat16, **({"rac-fold": dict(precision="nvfp4", rac_ratio=0.25, rac_group=64,
+                                                        rac_fold=True, packed_gemm=True)}.get(mode)
+                                        or SYNC_MODES[mode]))
+    cfg, model = _model(moe)
+    engine = _captured_sync_matches_fresh_loads(cfg, model.cuda(), kw, steps=4)
+    # other tensors (a copy of the dict): eager, the same bits; the graph is dropped
+    copy = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.sync(copy)
+    assert not engine.weights.captured_sync
+    fresh = RolloutEngine(cfg, max_batch_size=8, device="cuda", cuda_graph=False, **kw)
+    fresh.load_state_dict(copy)
+    assert all(_same_bytes(a, b) for a, b in zip(_stored(engine.weights), _stored(fresh.weights), strict=True))
+
+
+@pytest.mark.gpu
+def test_a_replayed_sync_that_changes_a_saturation_flag_says_so():
+    # the flags come from the maxima the graph leaves on the device: a weight made to reach
+    # bf16's largest value after the capture is seen, and the engine's decode graphs dropped
+    cfg, model = _model(False)
+    model = model.cuda()
+    engine = RolloutEngine(cfg, precision="nvfp4", packed_gemm=True, device="cuda", max_batch_size=8,
+                           dtype=torch.bfloat16)
+    engine.sync(model.state_dict())
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))    # tiles made, graphs captured
+    engine.sync(model.state_dict())
+    assert engine.weights.captured_sync and engine._graphs
+    o_proj = engine.weights.layers[0].o_proj.weight
+    assert not o_proj.may_saturate
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[3, 5] = torch.finfo(torch.bfloat16).max
+    engine.sync(model.state_dict())                                       # replayed
+    assert engine.weights.replayed_syncs == 1 and o_proj.may_saturate and not engine._graphs
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_sync_on_the_cpu_or_with_static_scales_is_never_captured(moe):
+    # graphs need CUDA, and static scales' amax are the host's numbers: such syncs run eagerly
+    cfg, model = _model(moe)
+    for kw in (dict(precision="nvfp4", packed_gemm=True), SYNC_MODES["static"]):
+        engine = _engine(cfg, model, **kw)
+        for _ in range(3):
+            engine.sync(model.state_dict(), input_amax=_amax(model, kw))
+            assert not engine.weights.captured_sync and engine.weights.sync_graph_off is None
+        weights = engine.weights
+        assert weights.load_(model.state_dict(), input_amax=_amax(model, kw), graph=True) is True
+        assert not weights.captured_sync
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -82,23 +82,54 @@ class LinearWeight:
         return self._saturates is not None
 
     @staticmethod
-    def settle(weights: list[LinearWeight]) -> None:
+    def settle(weights: list[LinearWeight], maxima: list[float] | None = None) -> None:
         """Fix may_saturate for every weight not yet settled, with one read from each device
         for all of them (a weight sync makes hundreds of weights; one read each would stall
-        the GPU's queue as many times)."""
+        the GPU's queue as many times). maxima: `row_scale_maxima(weights)` read already (a
+        captured weight sync computes it in its graph): every weight's flag is set from it,
+        settled or not."""
+        if maxima is not None:
+            scaled = [w for w in weights if w.has_row_scales]
+            if len(scaled) != len(maxima):
+                raise ValueError(f"{len(maxima)} maxima for {len(scaled)} weights with row scales")
+            for w in weights:
+                w._saturates = False
+            for w, top in zip(scaled, maxima):
+                w._saturates = w._saturates_at(top)
+            return
         todo: dict[torch.device, list[LinearWeight]] = {}
         for w in weights:
             if w._saturates is not None:
                 continue
-            if w.row_scales is None or not w.row_scales.numel():
+            if not w.has_row_scales:
                 w._saturates = False
             else:
                 todo.setdefault(w.row_scales.device, []).append(w)
         for group in todo.values():
-            largest = torch.stack([w.row_scales.abs().max().float() for w in group]).tolist()
-            for w, top in zip(group, largest):
-                element_max = 448.0 * 6.0 if w.format is WeightStorage.NVFP4 else 448.0
-                w._saturates = not top * element_max < torch.finfo(w.dtype).max   # NaN: True
+            for w, top in zip(group, LinearWeight.row_scale_maxima(group).tolist()):
+                w._saturates = w._saturates_at(top)
+
+    @staticmethod
+    def row_scale_maxima(weights: list[LinearWeight]) -> torch.Tensor | None:
+        """(n,) float32: the largest |row scale| of each weight that has row scales, in order,
+        on their device (one device); None where none has. What `settle` reads."""
+        scaled = [w.row_scales.abs().max().float() for w in weights if w.has_row_scales]
+        return torch.stack(scaled) if scaled else None
+
+    def forget_saturation(self) -> None:
+        """may_saturate is read from the device again on next use (or by `settle`): the tensors
+        were rewritten where this object did not see it (a captured weight sync's replay)."""
+        self._saturates = None
+
+    @property
+    def has_row_scales(self) -> bool:
+        return self.row_scales is not None and self.row_scales.numel() > 0
+
+    def _saturates_at(self, top: float) -> bool:
+        # the largest value, row scale times the format's largest element, reaches the
+        # compute dtype's largest finite one (NaN: True)
+        element_max = 448.0 * 6.0 if self.format is WeightStorage.NVFP4 else 448.0
+        return not top * element_max < torch.finfo(self.dtype).max
 
     # ---- building ------------------------------------------------------------------------
 
@@ -204,6 +235,13 @@ class LinearWeight:
         if self._values is None:
             self._values = self._gemm_values()
         return self._values
+
+    @property
+    def made_forms(self) -> tuple[bool, bool]:
+        """Which forms made from the stored weight on first use exist: (tiles(),
+        reference_values()). A copy_ refreshes those that exist, so a captured weight sync
+        made before one of them existed would not refresh it."""
+        return self._tiles is not None, self._values is not None
 
     def _gemm_values(self) -> torch.Tensor:
         if self.format is not WeightStorage.NVFP4:

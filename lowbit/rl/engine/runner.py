@@ -140,7 +140,9 @@ class RolloutEngine:
         refused in one line, before anything is written. After the first load, a sync writes
         into the weights the engine holds, one part at a time (EngineWeights.load_): its CUDA
         graphs stay valid, and the weights are never held twice; an error while writing (out of
-        memory) leaves the engine unloaded (`loaded` False) until a sync succeeds.
+        memory) leaves the engine unloaded (`loaded` False) until a sync succeeds. With
+        `cuda_graph`, syncs from the same tensors (a trainer's parameters, stepped in place)
+        are captured once and replayed (EngineWeights.load_'s `graph`).
 
         input_amax: with activation_scale "static" (and only then), each linear's calibrated
         input amax by module name, as lowbit.export.calibrate_input_amax returns it for the
@@ -156,7 +158,7 @@ class RolloutEngine:
             raise ValueError("input_amax sets static activation scales; this engine's are "
                              f"{s.activation_scale.value} (pass activation_scale='static')")
         if self.weights is not None:
-            if not self.weights.load_(state_dict, input_amax):
+            if not self.weights.load_(state_dict, input_amax, graph=self.cuda_graph):
                 # a weight's saturation flag changed: the captured kernels took it as a constant
                 self._graphs.clear()
                 self._compiled_decode = None

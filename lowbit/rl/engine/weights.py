@@ -29,6 +29,12 @@ of the engine's parts twice, never the whole model, and stores the same bits as 
 (a state dict with experts stored one by one, older Qwen3-MoE files', is stacked whole first,
 as `load` stacks it).
 
+A trainer that syncs from its own parameters, stepped in place, hands the engine the same
+tensors each time: on CUDA the second such sync is captured in a CUDA graph (`load_`'s
+`graph`, which RolloutEngine passes with `cuda_graph`), and later ones replay it, every part's
+kernels in one launch from the host instead of a few thousand, the same bits. The graph's
+memory pool keeps one part's temporaries (what an eager sync holds while it builds a part).
+
 A weight sync may move packed bytes (for an engine on another device than the trainer's):
 `pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
 (after the cast to the engine's compute dtype, as `load` does), and `load` takes those
@@ -382,6 +388,13 @@ class EngineWeights:
         """A load_ stopped while writing (an error after its checks passed, such as running out
         of memory): the tensors hold part the old weights, part the new, until a load_ ends."""
         self._reader: _Reader | None = None   # load's settings, which load_ reads with
+        self._last_sources: tuple | None = None   # what the last sync read (_sources)
+        self._sync_graph: _SyncGraph | None = None
+        self.replayed_syncs = 0
+        """Syncs that replayed a captured one (load_'s `graph`)."""
+        self.sync_graph_off: str | None = None
+        """Why a sync could not be captured in a CUDA graph (None: it could, or was not tried);
+        syncs then run eagerly."""
 
     @classmethod
     @torch.no_grad()
@@ -402,7 +415,8 @@ class EngineWeights:
         reader = _Reader(cfg, precision, rac_ratio, device, dtype, packed_gemm, rac_group,
                          rac_fold, static=input_amax is not None)
         weights = cls(None, [EngineLayer() for _ in range(cfg.n_layers)], None, None)
-        for owner, name, make in reader.plan(state_dict, weights, input_amax):
+        parts, weights._last_sources = reader.plan(state_dict, weights, input_amax)
+        for owner, name, make in parts:
             setattr(owner, name, make())
         if cfg.tie_embeddings:   # one tensor for both
             weights.lm_head = weights.embed
@@ -413,7 +427,7 @@ class EngineWeights:
 
     @torch.no_grad()
     def load_(self, state_dict: Mapping[str, torch.Tensor],
-              input_amax: Mapping[str, float] | None = None) -> bool:
+              input_amax: Mapping[str, float] | None = None, graph: bool = False) -> bool:
         """A weight sync: `state_dict` into these weights' own tensors, in place, read with the
         settings `load` was given (input_amax: where load had it, this sync's calibration).
         Every key, shape, packed form and calibrated amax is checked first, as load checks
@@ -421,6 +435,15 @@ class EngineWeights:
         part is built as load builds it and copied into its live twin before the next is built
         (EngineLinear.copy_, EngineExperts.copy_): the bits of a fresh load, at most one part
         held twice. An error while writing leaves `partial` set.
+
+        graph: on CUDA, the second sync in a row from the same tensors (a trainer's parameters,
+        stepped in place) is also captured in a CUDA graph, and each later sync from them
+        replays it: every part's kernels in one launch from the host, the same bits (see
+        `captured_sync`). A sync from other tensors, packed parts, or with static activation
+        scales (their amax are the host's numbers) runs eagerly, and so does one after a form
+        of a weight was first made (its tiles, at a first decode: the graph would not refresh
+        them), which the next sync captures again; a capture that fails turns the graph off
+        for these weights (`sync_graph_off` says why).
 
         Returns whether every linear weight's saturation flag is what it was: a kernel captured
         on these weights (a CUDA graph, a compiled step) took the flag as a constant, so False
@@ -431,16 +454,51 @@ class EngineWeights:
         if (input_amax is not None) != reader.static:
             raise ValueError(f"these weights were loaded {'with' if reader.static else 'without'} "
                              f"static activation scales: a sync gives input_amax exactly where load had it")
-        parts = reader.plan(state_dict, self, input_amax)     # every check; nothing written yet
+        parts, sources = reader.plan(state_dict, self, input_amax)   # every check; nothing written yet
         linears = self._linear_weights()
         # the flags the kernels were captured with (after a load_ that stopped half-way, unknown)
         saturates = None if self.partial else [w.may_saturate for w in linears]
-        self.partial = True
-        for owner, name, make in parts:
-            getattr(owner, name).copy_(make())                # the new part is freed here
-        LinearWeight.settle(linears)   # the new flags, one read from the device for all
-        self.partial = False
+        if not (graph and reader.device.type == "cuda" and not reader.static and self.sync_graph_off is None):
+            sources = None
+        if (sources is not None and self._sync_graph is not None and self._sync_graph.sources == sources
+                and self._sync_graph.forms == [w.made_forms for w in linears]):
+            self._sync_graph.replay(linears)
+            self.replayed_syncs += 1
+        else:
+            self._sync_graph = None                           # another sync's, or none
+            self.partial = True
+            for owner, name, make in parts:
+                getattr(owner, name).copy_(make())            # the new part is freed here
+            self.partial = False
+            if sources is not None and sources == self._last_sources:
+                self._sync_graph = self._capture(parts, linears, sources)
+            LinearWeight.settle(linears)   # the new flags, one read from the device for all
+        self._last_sources = sources
         return saturates == [w.may_saturate for w in linears]
+
+    @property
+    def captured_sync(self) -> bool:
+        """A sync is held in a CUDA graph (load_'s `graph`): the next sync from the same tensors
+        replays it."""
+        return self._sync_graph is not None
+
+    def _capture(self, parts, linears: list[LinearWeight], sources: tuple) -> _SyncGraph | None:
+        """The sync just run, captured (recorded, not run: the weights hold its result already);
+        None, with `sync_graph_off` set, where it cannot be (a part that reads the host)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for owner, name, make in parts:
+                    getattr(owner, name).copy_(make())
+                maxima = LinearWeight.row_scale_maxima(linears)
+        except Exception as e:   # noqa: BLE001 -- any failure: the eager sync stays, as it was
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            self.sync_graph_off = f"capture failed ({type(e).__name__}: {first})"
+            return None
+        finally:
+            for w in linears:   # copy_ under capture took each flag as unknown: read it again
+                w.forget_saturation()
+        return _SyncGraph(sources, graph, maxima, [w.made_forms for w in linears])
 
     def _linear_weights(self) -> list[LinearWeight]:
         return [p for p in self._parts() if isinstance(p, LinearWeight)]
@@ -489,6 +547,22 @@ class EngineWeights:
 _Part = EngineLinear | EngineExperts | torch.Tensor   # what a state dict is read into
 
 
+class _SyncGraph:
+    """A weight sync captured in a CUDA graph (EngineWeights.load_'s `graph`): the tensors it
+    reads (`_sources`), the graph, each weight's largest row scale, which the graph leaves on
+    the device for `LinearWeight.settle`, and the forms made from each weight that it refreshes
+    (LinearWeight.made_forms: one made since, tiles at a first decode, is not, so the graph is
+    not replayed then: that sync runs eagerly and the next is captured again)."""
+
+    def __init__(self, sources: tuple, graph: torch.cuda.CUDAGraph, maxima: torch.Tensor | None,
+                 forms: list[tuple[bool, bool]]) -> None:
+        self.sources, self.graph, self.maxima, self.forms = sources, graph, maxima, forms
+
+    def replay(self, linears: list[LinearWeight]) -> None:
+        self.graph.replay()
+        LinearWeight.settle(linears, [] if self.maxima is None else self.maxima.tolist())
+
+
 @dataclass(frozen=True)
 class _Reader:
     """How an engine reads a state dict into its parts: load's settings, kept for load_."""
@@ -505,11 +579,12 @@ class _Reader:
     """Static NVFP4 activation scales: every read takes the calibrated input_amax."""
 
     def plan(self, state_dict: Mapping[str, torch.Tensor], into: EngineWeights,
-             input_amax: Mapping[str, float] | None) -> list[tuple[object, str, Callable[[], _Part]]]:
+             input_amax: Mapping[str, float] | None
+             ) -> tuple[list[tuple[object, str, Callable[[], _Part]]], tuple | None]:
         """Every part of `into` (new weights' empty layers, or the live ones) as (its owner:
         `into` or one of its layers, the attribute, a function that builds it from the state
         dict), once every check of the state dict has passed: what is refused raises here,
-        before anything is built."""
+        before anything is built; and what the parts read (`_sources`: a captured sync's key)."""
         cfg, precision, device, dtype = self.cfg, self.precision, self.device, self.dtype
         sd = _fuse_hf_experts(dict(state_dict), cfg)
         if input_amax is not None and precision is not Precision.NVFP4:
@@ -610,7 +685,19 @@ class _Reader:
         if unexpected:
             raise ValueError(f"state dict has keys the engine's model does not: "
                              f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
-        return plan
+        return plan, _sources(sd, device)
+
+
+def _sources(sd: Mapping[str, object], device: torch.device) -> tuple | None:
+    """What a sync's parts read: each tensor's name, address, shape, strides and dtype, in order
+    -- a captured sync replays on the same tensors only. None where a value is not a tensor on
+    the engine's device (packed parts, a CPU trainer's tensors: their syncs run eagerly)."""
+    key = []
+    for name, value in sd.items():
+        if not isinstance(value, torch.Tensor) or value.device != device:
+            return None
+        key.append((name, value.data_ptr(), tuple(value.shape), value.stride(), value.dtype))
+    return tuple(key)
 
 
 def _own_copy(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
