@@ -173,13 +173,23 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
 
 
 _E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """E2M1's magnitudes on `device`, copied there once (a copy from the host at every call
+    would also stop a CUDA graph's capture: a captured weight sync decodes NVFP4 weights)."""
+    table = _E2M1_TABLES.get(device)
+    if table is None:
+        table = _E2M1_TABLES[device] = _E2M1_TABLE.to(device)
+    return table
 
 
 def encode(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """Codes (uint8) of float32 values that already lie on fmt's grid (see module docstring)."""
     if fmt is E2M1:
         mag = values.abs()
-        index = torch.bucketize(mag.contiguous(), _E2M1_TABLE.to(values.device))  # exact hits: the grid index
+        index = torch.bucketize(mag.contiguous(), _e2m1_table(values.device))  # exact hits: the grid index
         index = torch.where(torch.isnan(mag), torch.zeros_like(index), index)
         negative = torch.signbit(values).to(torch.uint8)
         return (negative << 3) | index.to(torch.uint8)
@@ -199,7 +209,7 @@ def encode(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
 def decode(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """float32 values of uint8 codes."""
     if fmt is E2M1:
-        mag = _E2M1_TABLE.to(codes.device)[(codes & 0x7).long()]
+        mag = _e2m1_table(codes.device)[(codes & 0x7).long()]
         return torch.where((codes & 0x8) != 0, -mag, mag)
     if fmt is E4M3:
         return codes.view(torch.float8_e4m3fn).to(torch.float32)
