@@ -665,11 +665,10 @@ def _captured_sync_matches_fresh_loads(cfg, model, kw, steps: int):
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "nvfp4-w4a16", "nvfp4-packed-kernels", "rac-fold"])
 @pytest.mark.parametrize("moe", [False, True])
 def test_a_captured_sync_replays_a_fresh_loads_bits(mode, moe):
-    # a trainer's sync hands the same tensors each step: the second sync is captured in a CUDA
-    # graph and later ones replay it, each the bits and saturation flags of a fresh load.
-    # _stored makes each weight's reference values after the first sync (and the tiles, where
-    # a score had not): the graph captured before them would not refresh them, so the sync
-    # after runs eagerly and captures again -- every sync here is compared after _stored
+    # a trainer's sync hands the same tensors each step: the first sync after the load is
+    # captured in a CUDA graph and later ones replay it, each the bits and saturation flags of
+    # a fresh load (_stored makes each weight's reference values and tiles at the load, before
+    # the capture: a form made after it is the test below's)
     kw = dict(dtype=torch.bfloat16, **({"rac-fold": dict(precision="nvfp4", rac_ratio=0.25, rac_group=64,
                                                         rac_fold=True, packed_gemm=True)}.get(mode)
                                         or SYNC_MODES[mode]))
@@ -704,18 +703,54 @@ def test_a_replayed_sync_that_changes_a_saturation_flag_says_so():
     assert engine.weights.replayed_syncs == 1 and o_proj.may_saturate and not engine._graphs
 
 
+@pytest.mark.gpu
+def test_a_form_made_after_the_capture_makes_the_next_sync_eager_and_captured_anew():
+    # the graph refreshes the forms a weight had when it was captured: one made after (here
+    # the reference values, at a first use) would go stale, so that sync runs eagerly (and
+    # captures itself again), and the one after replays the new graph
+    cfg, model = _model(False)
+    model = model.cuda()
+    kw = dict(precision="nvfp4", packed_gemm=True, dtype=torch.bfloat16)
+    engine = RolloutEngine(cfg, max_batch_size=8, device="cuda", **kw)
+    engine.sync(model.state_dict())
+    engine.sync(model.state_dict())                                       # captured
+    assert engine.weights.captured_sync and engine.weights.replayed_syncs == 0
+    lin = engine.weights.layers[0].o_proj.weight
+    assert lin.made_forms[1] is False
+    lin.reference_values()                                                # made after the capture
+    _perturbed(model)
+    engine.sync(model.state_dict())
+    assert engine.weights.replayed_syncs == 0 and engine.weights.captured_sync   # eager, captured anew
+    fresh = RolloutEngine(cfg, max_batch_size=8, device="cuda", cuda_graph=False, **kw)
+    fresh.load_state_dict(model.state_dict())
+    torch.testing.assert_close(lin.reference_values(), fresh.weights.layers[0].o_proj.weight.reference_values(),
+                               rtol=0, atol=0)
+    _perturbed(model)
+    engine.sync(model.state_dict())
+    assert engine.weights.replayed_syncs == 1
+    fresh.load_state_dict(model.state_dict())
+    assert all(_same_bytes(a, b) for a, b in zip(_stored(engine.weights), _stored(fresh.weights), strict=True))
+
+
+@pytest.mark.gpu
+def test_a_sync_with_static_scales_on_cuda_is_never_captured():
+    # static scales' amax are the host's numbers, baked into a graph: such syncs run eagerly
+    cfg, model = _model(False)
+    model = model.cuda()
+    engine = RolloutEngine(cfg, max_batch_size=8, device="cuda", **SYNC_MODES["static"])
+    for _ in range(3):
+        engine.sync(model.state_dict(), input_amax=_amax(model, SYNC_MODES["static"]))
+        assert not engine.weights.captured_sync and engine.weights.sync_graph_off is None
+
+
 @pytest.mark.parametrize("moe", [False, True])
-def test_a_sync_on_the_cpu_or_with_static_scales_is_never_captured(moe):
-    # graphs need CUDA, and static scales' amax are the host's numbers: such syncs run eagerly
+def test_a_sync_on_the_cpu_is_never_captured(moe):
+    # graphs need CUDA: asked for one, a CPU engine's sync runs eagerly
     cfg, model = _model(moe)
-    for kw in (dict(precision="nvfp4", packed_gemm=True), SYNC_MODES["static"]):
-        engine = _engine(cfg, model, **kw)
-        for _ in range(3):
-            engine.sync(model.state_dict(), input_amax=_amax(model, kw))
-            assert not engine.weights.captured_sync and engine.weights.sync_graph_off is None
-        weights = engine.weights
-        assert weights.load_(model.state_dict(), input_amax=_amax(model, kw), graph=True) is True
-        assert not weights.captured_sync
+    engine = _engine(cfg, model, precision="nvfp4", packed_gemm=True)
+    for _ in range(3):
+        assert engine.weights.load_(model.state_dict(), graph=True) is True
+        assert not engine.weights.captured_sync and engine.weights.sync_graph_off is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

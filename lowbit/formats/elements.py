@@ -177,8 +177,9 @@ _E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """E2M1's magnitudes on `device`, copied there once (a copy from the host at every call
-    would also stop a CUDA graph's capture: a captured weight sync decodes NVFP4 weights)."""
+    """E2M1's magnitudes on `device`, copied there once and kept for the process (a copy from
+    the host at every call would also stop a CUDA graph's capture, and a captured weight sync,
+    which decodes NVFP4 weights, reads the table at every replay)."""
     table = _E2M1_TABLES.get(device)
     if table is None:
         table = _E2M1_TABLES[device] = _E2M1_TABLE.to(device)

@@ -117,8 +117,9 @@ class LinearWeight:
         return torch.stack(scaled) if scaled else None
 
     def forget_saturation(self) -> None:
-        """may_saturate is read from the device again on next use (or by `settle`): the tensors
-        were rewritten where this object did not see it (a captured weight sync's replay)."""
+        """may_saturate is read from the device again on next use (or by `settle`): what this
+        object knew of its tensors no longer holds (a weight sync captured in a CUDA graph:
+        its copy_ calls were recorded, not run)."""
         self._saturates = None
 
     @property

@@ -124,7 +124,8 @@ def slot_table() -> torch.Tensor:
 
 
 _SLOT_TABLE = slot_table()
-_TABLES: dict[torch.device, torch.Tensor] = {}   # the table on each device (no copy a call)
+# the table on each device, kept for the process (no copy a call; a captured weight sync reads it)
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 @torch.no_grad()

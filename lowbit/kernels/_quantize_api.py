@@ -4,7 +4,6 @@ stochastic-rounding seeds, the one launch, and the QTensors and values it return
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 
 import torch
@@ -63,12 +62,20 @@ def quantize_rows_takes(spec: QuantSpec) -> bool:
             and spec.rounding.value == "rne")
 
 
-@functools.lru_cache(maxsize=64)
+_RUN_ENDS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
 def _run_ends(device: torch.device, rows: tuple[int, ...]) -> torch.Tensor:
     """The runs' ends but the last, (len(rows) - 1,) int32 on `device`: made once for a set of
     runs (a weight sync quantizes the same shapes every time), so no host-to-device copy, which
-    would wait for the GPU's queue, on later calls."""
-    return torch.tensor(list(itertools.accumulate(rows))[:-1], dtype=torch.int32, device=device)
+    would wait for the GPU's queue, on later calls. Kept for the process, never evicted: a
+    weight sync captured in a CUDA graph reads the tensor at every replay (a model has a
+    few sets of runs, so the cache stays small)."""
+    ends = _RUN_ENDS.get((device, rows))
+    if ends is None:
+        ends = _RUN_ENDS[(device, rows)] = torch.tensor(list(itertools.accumulate(rows))[:-1],
+                                                        dtype=torch.int32, device=device)
+    return ends
 
 
 def quantize_triton_with_transpose(x: torch.Tensor, spec: QuantSpec, seed=None, *,

@@ -698,7 +698,7 @@ def on_device(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}   # kept for the process (CUDA graphs hold them)
 
 
 def empty_arg(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

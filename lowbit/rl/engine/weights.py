@@ -32,8 +32,9 @@ as `load` stacks it).
 A trainer that syncs from its own parameters, stepped in place, hands the engine the same
 tensors each time: on CUDA the second such sync is captured in a CUDA graph (`load_`'s
 `graph`, which RolloutEngine passes with `cuda_graph`), and later ones replay it, every part's
-kernels in one launch from the host instead of a few thousand, the same bits. The graph's
-memory pool keeps one part's temporaries (what an eager sync holds while it builds a part).
+kernels in one launch from the host, the same bits. The graph's
+memory pool keeps what the capture needed at its peak (the largest part's build: an embedding's
+copy, an expert stack's buffers) while the graph lives.
 
 A weight sync may move packed bytes (for an engine on another device than the trainer's):
 `pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
@@ -415,7 +416,7 @@ class EngineWeights:
         reader = _Reader(cfg, precision, rac_ratio, device, dtype, packed_gemm, rac_group,
                          rac_fold, static=input_amax is not None)
         weights = cls(None, [EngineLayer() for _ in range(cfg.n_layers)], None, None)
-        parts, weights._last_sources = reader.plan(state_dict, weights, input_amax)
+        parts, weights._last_sources = reader.plan(state_dict, weights, input_amax, sources=reader.graphable)
         for owner, name, make in parts:
             setattr(owner, name, make())
         if cfg.tie_embeddings:   # one tensor for both
@@ -442,8 +443,10 @@ class EngineWeights:
         `captured_sync`). A sync from other tensors, packed parts, or with static activation
         scales (their amax are the host's numbers) runs eagerly, and so does one after a form
         of a weight was first made (its tiles, at a first decode: the graph would not refresh
-        them), which the next sync captures again; a capture that fails turns the graph off
-        for these weights (`sync_graph_off` says why).
+        them), which captures itself again as it ends; a capture that fails turns the graph off
+        for these weights (`sync_graph_off` says why). The graph's memory pool keeps the
+        capture's peak (the largest part's build: an embedding's copy, an expert stack's
+        buffers) while the graph lives.
 
         Returns whether every linear weight's saturation flag is what it was: a kernel captured
         on these weights (a CUDA graph, a compiled step) took the flag as a constant, so False
@@ -454,15 +457,21 @@ class EngineWeights:
         if (input_amax is not None) != reader.static:
             raise ValueError(f"these weights were loaded {'with' if reader.static else 'without'} "
                              f"static activation scales: a sync gives input_amax exactly where load had it")
-        parts, sources = reader.plan(state_dict, self, input_amax)   # every check; nothing written yet
+        graph = graph and reader.graphable and self.sync_graph_off is None
+        parts, sources = reader.plan(state_dict, self, input_amax, sources=graph)   # every check
         linears = self._linear_weights()
         # the flags the kernels were captured with (after a load_ that stopped half-way, unknown)
         saturates = None if self.partial else [w.may_saturate for w in linears]
-        if not (graph and reader.device.type == "cuda" and not reader.static and self.sync_graph_off is None):
-            sources = None
         if (sources is not None and self._sync_graph is not None and self._sync_graph.sources == sources
                 and self._sync_graph.forms == [w.made_forms for w in linears]):
-            self._sync_graph.replay(linears)
+            self.partial = True
+            try:
+                with torch.cuda.device(reader.device):
+                    self._sync_graph.replay(linears)
+            except BaseException:
+                self._sync_graph = None       # eager from the next sync on; `partial` stays set
+                raise
+            self.partial = False
             self.replayed_syncs += 1
         else:
             self._sync_graph = None                           # another sync's, or none
@@ -484,10 +493,11 @@ class EngineWeights:
 
     def _capture(self, parts, linears: list[LinearWeight], sources: tuple) -> _SyncGraph | None:
         """The sync just run, captured (recorded, not run: the weights hold its result already);
-        None, with `sync_graph_off` set, where it cannot be (a part that reads the host)."""
+        None, with `sync_graph_off` set, where it cannot be (a part that reads the host, or no
+        memory left for the graph's pool)."""
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
+        try:   # on the engine's device; other threads (a trainer's) may use the GPU meanwhile
+            with torch.cuda.device(self._reader.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 for owner, name, make in parts:
                     getattr(owner, name).copy_(make())
                 maxima = LinearWeight.row_scale_maxima(linears)
@@ -552,7 +562,8 @@ class _SyncGraph:
     reads (`_sources`), the graph, each weight's largest row scale, which the graph leaves on
     the device for `LinearWeight.settle`, and the forms made from each weight that it refreshes
     (LinearWeight.made_forms: one made since, tiles at a first decode, is not, so the graph is
-    not replayed then: that sync runs eagerly and the next is captured again)."""
+    not replayed then: that sync runs eagerly and is captured anew). Besides its sources, the
+    graph reads tensors that the kernels' modules keep for the process (run ends, tables)."""
 
     def __init__(self, sources: tuple, graph: torch.cuda.CUDAGraph, maxima: torch.Tensor | None,
                  forms: list[tuple[bool, bool]]) -> None:
@@ -578,13 +589,20 @@ class _Reader:
     static: bool
     """Static NVFP4 activation scales: every read takes the calibrated input_amax."""
 
+    @property
+    def graphable(self) -> bool:
+        """A sync may be captured in a CUDA graph (load_'s `graph`): a CUDA engine without
+        static scales, whose amax are the host's numbers."""
+        return self.device.type == "cuda" and not self.static
+
     def plan(self, state_dict: Mapping[str, torch.Tensor], into: EngineWeights,
-             input_amax: Mapping[str, float] | None
+             input_amax: Mapping[str, float] | None, sources: bool = False
              ) -> tuple[list[tuple[object, str, Callable[[], _Part]]], tuple | None]:
         """Every part of `into` (new weights' empty layers, or the live ones) as (its owner:
         `into` or one of its layers, the attribute, a function that builds it from the state
         dict), once every check of the state dict has passed: what is refused raises here,
-        before anything is built; and what the parts read (`_sources`: a captured sync's key)."""
+        before anything is built; and with `sources`, what the parts read (`_sources`: a
+        captured sync's key; else None)."""
         cfg, precision, device, dtype = self.cfg, self.precision, self.device, self.dtype
         sd = _fuse_hf_experts(dict(state_dict), cfg)
         if input_amax is not None and precision is not Precision.NVFP4:
@@ -685,7 +703,7 @@ class _Reader:
         if unexpected:
             raise ValueError(f"state dict has keys the engine's model does not: "
                              f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
-        return plan, _sources(sd, device)
+        return plan, (_sources({k: sd[k] for k in sd if k in used}, device) if sources else None)
 
 
 def _sources(sd: Mapping[str, object], device: torch.device) -> tuple | None:
@@ -694,7 +712,7 @@ def _sources(sd: Mapping[str, object], device: torch.device) -> tuple | None:
     the engine's device (packed parts, a CPU trainer's tensors: their syncs run eagerly)."""
     key = []
     for name, value in sd.items():
-        if not isinstance(value, torch.Tensor) or value.device != device:
+        if type(value) is not torch.Tensor or value.device != device:   # no subclasses (DTensor)
             return None
         key.append((name, value.data_ptr(), tuple(value.shape), value.stride(), value.dtype))
     return tuple(key)
