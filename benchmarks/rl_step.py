@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 MODES = {
@@ -146,9 +144,12 @@ def main(argv=None) -> int:
     for label in modes:
         rows.append(run_mode(label, MODES[label], model, args, out / "runs"))
         print(json.dumps(rows[-1]), flush=True)
-    from lowbit.bench import git_commit
-    meta = {"date": date.today().isoformat(), "commit": git_commit(),
-            "machine": os.environ.get("LOWBIT_MACHINE", "unknown"),
+    import torch
+
+    from lowbit.bench import run_meta
+    # the machine in words ("one H100"), its versions, the commit (LOWBIT_COMMIT where the code
+    # runs from a copy without its git history)
+    meta = {**run_meta("cuda" if torch.cuda.is_available() else "cpu"),
             "command": "python benchmarks/rl_step.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "rl-step.json").write_text(json.dumps({"meta": meta, "results": {
         "model": args.model, "task": args.task, "prompts": args.prompts,

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from lowbit.bench import run_meta
 from run_helpers import ROOT, script_module
 
 TUNE = ROOT / "benchmarks" / "tune.py"
@@ -303,6 +305,9 @@ def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "rl-step.json").read_text())
     assert set(result["meta"]) >= {"date", "commit", "machine", "command"}
     assert result["meta"]["commit"] == "0123abc"
+    # the machine in words ("2-core CPU", "one H100"), never "unknown"
+    assert result["meta"]["machine"] == run_meta("cuda" if torch.cuda.is_available() else "cpu")["machine"]
+    assert result["meta"]["command"].startswith("python benchmarks/rl_step.py --smoke")
     rows = {r["mode"]: r for r in result["results"]["rows"]}
     assert set(rows) == {"bf16", "quads"} and all(r["steps_timed"] == 1 for r in rows.values())
     for r in rows.values():

@@ -736,10 +736,11 @@ def test_a_form_made_after_the_capture_makes_the_next_sync_eager_and_captured_an
 def test_a_sync_with_static_scales_on_cuda_is_never_captured():
     # static scales' amax are the host's numbers, baked into a graph: such syncs run eagerly
     cfg, model = _model(False)
+    amax = _amax(model, SYNC_MODES["static"])                             # calibrated on the CPU
     model = model.cuda()
     engine = RolloutEngine(cfg, max_batch_size=8, device="cuda", **SYNC_MODES["static"])
     for _ in range(3):
-        engine.sync(model.state_dict(), input_amax=_amax(model, SYNC_MODES["static"]))
+        engine.sync(model.state_dict(), input_amax=amax)
         assert not engine.weights.captured_sync and engine.weights.sync_graph_off is None
 
 

@@ -30,11 +30,11 @@ of the engine's parts twice, never the whole model, and stores the same bits as 
 as `load` stacks it).
 
 A trainer that syncs from its own parameters, stepped in place, hands the engine the same
-tensors each time: on CUDA the second such sync is captured in a CUDA graph (`load_`'s
-`graph`, which RolloutEngine passes with `cuda_graph`), and later ones replay it, every part's
-kernels in one launch from the host, the same bits. The graph's
-memory pool keeps what the capture needed at its peak (the largest part's build: an embedding's
-copy, an expert stack's buffers) while the graph lives.
+tensors each time: on CUDA the second read in a row of the same tensors (the load and a first
+sync, or two syncs) is also captured in a CUDA graph (`load_`'s `graph`, which RolloutEngine
+passes with `cuda_graph`), and later syncs replay it, every part's kernels in one launch from
+the host, the same bits. The graph's memory pool keeps what the capture needed at its peak (the
+largest part's build: an embedding's copy, an expert stack's buffers) while the graph lives.
 
 A weight sync may move packed bytes (for an engine on another device than the trainer's):
 `pack_state_dict` quantizes each weight the engine stores quantized where the trainer holds it
@@ -437,16 +437,16 @@ class EngineWeights:
         (EngineLinear.copy_, EngineExperts.copy_): the bits of a fresh load, at most one part
         held twice. An error while writing leaves `partial` set.
 
-        graph: on CUDA, the second sync in a row from the same tensors (a trainer's parameters,
-        stepped in place) is also captured in a CUDA graph, and each later sync from them
-        replays it: every part's kernels in one launch from the host, the same bits (see
-        `captured_sync`). A sync from other tensors, packed parts, or with static activation
-        scales (their amax are the host's numbers) runs eagerly, and so does one after a form
-        of a weight was first made (its tiles, at a first decode: the graph would not refresh
-        them), which captures itself again as it ends; a capture that fails turns the graph off
-        for these weights (`sync_graph_off` says why). The graph's memory pool keeps the
-        capture's peak (the largest part's build: an embedding's copy, an expert stack's
-        buffers) while the graph lives.
+        graph: on CUDA, the second read in a row of the same tensors (a trainer's parameters,
+        stepped in place: the load and a first sync, or two syncs) is also captured in a CUDA
+        graph, and each later sync from them replays it: every part's kernels in one launch
+        from the host, the same bits (see `captured_sync`). A sync from other tensors, packed
+        parts, or with static activation scales (their amax are the host's numbers) runs
+        eagerly, and so does one after a form of a weight was first made (its tiles, at a
+        first decode: the graph would not refresh them), which captures itself again as it
+        ends; a capture that fails turns the graph off for these weights (`sync_graph_off`
+        says why). The graph's memory pool keeps the capture's peak (the largest part's build:
+        an embedding's copy, an expert stack's buffers) while the graph lives.
 
         Returns whether every linear weight's saturation flag is what it was: a kernel captured
         on these weights (a CUDA graph, a compiled step) took the flag as a constant, so False
