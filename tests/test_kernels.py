@@ -754,6 +754,8 @@ def test_quantize_rows_on_the_kernels_is_each_runs_own_quantize(dtype, layout, m
     assert calls == [runs]
     with pytest.raises(ValueError, match="runs of rows"):
         quantize_rows_triton(x, spec, [50, 49])
+    with pytest.raises(ValueError, match="^quantize_rows takes a 2-D x"):   # dispatch's, the same rule
+        dispatch.quantize_rows(x, spec, [50, 49])
     with pytest.raises(ValueError, match="NVFP4 with a tensor scale"):
         quantize_rows_triton(x, QuantSpec.make("mxfp4", (1, 32), scale_rule="floor"), [100])
 

@@ -17,7 +17,7 @@ from lowbit.formats.elements import ElementFormat
 from lowbit.formats.fold import FoldedOperand, fold_operand
 from lowbit.formats.hadamard import random_hadamard
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_generator, check_input
+from lowbit.formats.quantize import check_generator, check_input, check_row_runs
 from lowbit.formats.quantize import segment_tensor_scales as reference_segment_tensor_scales
 from lowbit.formats.quantize import grid_fake_quantize as reference_grid_fake_quantize
 from lowbit.formats.spec import QuantSpec
@@ -79,9 +79,7 @@ def quantize_rows(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> list[QTe
     blocks of 16 on CUDA, several runs: every run in one pass of the kernels
     (kernels.quantize_rows_triton, the same bits); one run, any other spec or device: run by
     run."""
-    if sum(rows) != x.shape[0] or any(n <= 0 for n in rows) or x.dim() != 2:
-        raise ValueError(f"quantize_rows takes a 2-D x and runs of rows (each > 0) that sum to its "
-                         f"rows; got {tuple(x.shape)} and {list(rows)}")
+    check_row_runs(x, rows, "quantize_rows")
     check_input(x, spec)
     x = x.detach()
     if len(rows) > 1 and kernels.quantize_rows_takes(spec) and use_kernels(x, spec):

@@ -408,6 +408,14 @@ def check_generator(spec: QuantSpec, generator) -> None:
                          "rounding='stochastic', or no generator for round-to-nearest")
 
 
+def check_row_runs(x: torch.Tensor, rows, name: str) -> None:
+    """Refuse runs of rows that do not split x: x must be 2-D and `rows` positive counts that
+    sum to its rows (quantize_rows and its kernel; `name` says which refused)."""
+    if x.dim() != 2 or sum(rows) != x.shape[0] or any(n <= 0 for n in rows):
+        raise ValueError(f"{name} takes a 2-D x and runs of rows (each > 0) that sum to its rows; "
+                         f"got {tuple(x.shape)} and {list(rows)}")
+
+
 def check_input(x, spec: QuantSpec) -> None:
     """Refuse what no quantizer takes: not a float32/bfloat16/float16 tensor, an empty or 0-dim
     one, or a 1-D one with 2D tiles (one line that says what to do)."""

@@ -9,7 +9,7 @@ import itertools
 import torch
 
 from lowbit.formats.qtensor import QTensor
-from lowbit.formats.quantize import check_input
+from lowbit.formats.quantize import check_input, check_row_runs
 from lowbit.formats.spec import QuantSpec, ScaleKind
 from lowbit.kernels._support import supports
 
@@ -37,9 +37,7 @@ def quantize_rows_triton(x: torch.Tensor, spec: QuantSpec, rows: list[int]) -> l
     the tensor scale of its own rows (segment_scales_triton), in three launches for all the
     runs: the rows' maxima, the runs' scales, the quantize kernel under them. The QTensors'
     codes, block scales and tensor scales are views of one buffer each."""
-    if x.dim() != 2 or sum(rows) != x.shape[0] or any(n <= 0 for n in rows):
-        raise ValueError(f"quantize_rows_triton takes a 2-D x and runs of rows (each > 0) that sum to "
-                         f"its rows; got {tuple(x.shape)} and {list(rows)}")
+    check_row_runs(x, rows, "quantize_rows_triton")
     if not quantize_rows_takes(spec):
         raise ValueError(f"quantize_rows_triton quantizes NVFP4 with a tensor scale, blocks of 16, "
                          f"round to nearest; got {spec}")
@@ -161,7 +159,8 @@ def segment_scales_triton(x: torch.Tensor, ends: torch.Tensor, hadamard: torch.T
     # the maxima kernel zeroes the segments' buffer; a row's maxima over its few column tiles
     # are reduced by the segment-max kernel (no launch of their own), a column group's over its
     # many row tiles by one reduction
-    seg = torch.empty(ends.numel() + 1, device=x.device, dtype=torch.int32) if ends.numel() < 4096 else None
+    seg = (torch.empty(ends.numel() + 1, device=x.device, dtype=torch.int32)
+           if ends.numel() + 1 <= kq.ZEROED_MAX else None)
     maxima = kq.group_amax(x, signs, rows_max=rows, zero=seg, reduce=not rows)
     return kq.segment_scales(maxima, ends, rows_each=1 if rows else 16, repeat=1 if rows else 16, seg=seg)
 

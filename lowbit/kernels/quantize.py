@@ -349,6 +349,10 @@ def group_amax_kernel(x_ptr, out_ptr, signs_ptr, zero_ptr, n_zero, R, C, stride_
         tl.store(out_ptr + pid_r * n_groups + groups, group_max, mask=groups < n_groups)
 
 
+ZEROED_MAX = 4096
+"""The most int32 entries group_amax's first program zeroes (`zero`: a segment maxima's buffer)."""
+
+
 def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: bool = False,
                zero: torch.Tensor | None = None, reduce: bool = True) -> torch.Tensor:
     """(C // 16,) float32: the finite |x|'s max over each group of 16 columns of x (R, C), all
@@ -356,7 +360,7 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     multiple of 16, any strides. rows_max: (R,) each row's max instead (any C, no rotation).
     An NVFP4 tensor scale per segment is the max of its groups' or rows'
     (lowbit.formats.quantize.segment_scales_from_amax; `segment_scales` from these maxima).
-    zero: a contiguous int32 buffer (at most 4096 entries) the same launch zeroes (segment_scales's).
+    zero: a contiguous int32 buffer (at most ZEROED_MAX entries) the same launch zeroes (segment_scales's).
     reduce=False: the tiles' maxima as they are, (tiles, n) int32 bits, for segment_scales to
     reduce (no launch of their own)."""
     rows, cols = x.shape
@@ -371,9 +375,9 @@ def group_amax(x: torch.Tensor, signs: torch.Tensor | None = None, rows_max: boo
     grid = (n_tiles_r, n_tiles_c) if rows_max else (n_tiles_c, n_tiles_r)
     if grid[1] > 65535:
         raise ValueError(f"group_amax of a {tuple(x.shape)} tensor needs a grid {grid} past CUDA's 65535")
-    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous() or zero.numel() > 4096
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous() or zero.numel() > ZEROED_MAX
                              or zero.device != x.device):
-        raise ValueError(f"group_amax zeroes a contiguous int32 buffer of at most 4096 on {x.device}; got "
+        raise ValueError(f"group_amax zeroes a contiguous int32 buffer of at most {ZEROED_MAX} on {x.device}; got "
                          f"{zero.numel()} {zero.dtype} on {zero.device}")
     zero_pad = 0 if zero is None or not zero.numel() else max(16, triton.next_power_of_2(zero.numel()))
     with on_device(x):
