@@ -70,23 +70,26 @@ def test_completion_logprobs_in_chunks_equal_the_whole_batch_with_their_gradient
     # of the one-pass form, and the by-hand log-softmax
     g = torch.Generator().manual_seed(0)
     B, T, V = 5, 9, 11
-    logits = torch.randn(B, T, V, generator=g)
+    full = torch.randn(B, T, V, generator=g)
     lengths = torch.tensor([2, 3, 1, 4, 2])
     completions = torch.randint(0, V, (B, 4), generator=g)
+    positions = grpo.completion_positions(lengths, 4, T)
+    logits = full.gather(1, positions[:, :, None].expand(-1, -1, V))
     results = []
     for chunk in (None, 2, 1):
         x = logits.clone().requires_grad_()
-        logp, entropy = grpo.completion_logprobs(x, lengths, completions, 0.7, chunk_rows=chunk)
+        logp, entropy = grpo.completion_logprobs(x, completions, 0.7, chunk_rows=chunk)
         (logp.sum() + 0.3 * entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), x.grad))
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     b, j = 3, 2                        # completion token j of row b: logits at lengths[b] + j - 1
-    by_hand = torch.log_softmax(logits[b, lengths[b] + j - 1] / 0.7, -1)[completions[b, j]]
-    torch.testing.assert_close(results[1][0][b, j], by_hand)
+    by_hand = torch.log_softmax(full[b, lengths[b] + j - 1] / 0.7, -1)
+    torch.testing.assert_close(results[1][0][b, j], by_hand[completions[b, j]])
+    torch.testing.assert_close(results[1][1][b, j], -(by_hand.exp() * by_hand).sum())
     with torch.no_grad():              # no autograd: plain chunks, the same values
-        logp, _ = grpo.completion_logprobs(logits, lengths, completions, 0.7, chunk_rows=2)
+        logp, _ = grpo.completion_logprobs(logits, completions, 0.7, chunk_rows=2)
     torch.testing.assert_close(logp, results[0][0], rtol=0, atol=1e-6)
     # what autograd keeps for the backward: the one-pass form several float32 (B, Tc, V) copies,
     # the chunked form the logits it recomputes from (views of them) and small tensors
@@ -95,9 +98,26 @@ def test_completion_logprobs_in_chunks_equal_the_whole_batch_with_their_gradient
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-            grpo.completion_logprobs(logits.clone().requires_grad_(), lengths, completions,
-                                     chunk_rows=chunk)
-        assert sum(saved) > 4 * copy if most is None else sum(saved) <= most, (chunk, saved)
+            grpo.completion_logprobs(logits.clone().requires_grad_(), completions, chunk_rows=chunk)
+        assert sum(saved) > 3 * copy if most is None else sum(saved) <= most, (chunk, saved)
+    with pytest.raises(ValueError, match="completion_positions"):
+        grpo.completion_logprobs(full, completions)
+
+
+def test_the_models_logits_at_positions_equal_its_full_logits_there():
+    # logits_at runs the lm_head on the asked positions only: the same values as the full
+    # forward's logits at them, the gradient reaching the body the same way
+    from lowbit.models import ModelConfig, build_model
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=37, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    ids = torch.randint(0, 37, (3, 10))
+    positions = grpo.completion_positions(torch.tensor([2, 5, 9]), 4, 10)
+    assert positions.tolist()[2] == [8, 9, 9, 9]                 # clamped to the input
+    full = model(ids).logits
+    at = model(ids, logits_at=positions).logits
+    torch.testing.assert_close(at, full.gather(1, positions[:, :, None].expand(-1, -1, 37)), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="logits_at"):
+        model(ids, ids, logits_at=positions)
 
 
 def test_importance_weights_by_hand():

@@ -235,14 +235,23 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, mean=0.0, std=cfg.init_std)
         self.model.rotary_emb.reset()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
-        """idx (B, T) token ids; targets (B, T) next-token ids, -100 where no loss is wanted."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> ModelOutput:
+        """idx (B, T) token ids; targets (B, T) next-token ids, -100 where no loss is wanted.
+        logits_at (B, K) positions (int64, < T): the logits of those positions only, (B, K, V),
+        the lm_head run on nothing else (RL's log-probs of a completion need none of its
+        prompt's); not with targets."""
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
                              f"shorten the input or build the model with a larger max_seq_len")
+        if logits_at is not None and (targets is not None or logits_at.dim() != 2 or logits_at.shape[0] != B):
+            raise ValueError(f"logits_at takes (B, K) = ({B}, K) positions and no targets; got "
+                             f"{tuple(logits_at.shape)}{' with targets' if targets is not None else ''}")
         h, aux_loss = self.model(idx)  # (B, T, C), scalar
-        logits = self.lm_head(h)  # (B, T, V)
+        if logits_at is not None:
+            h = h.gather(1, logits_at[:, :, None].expand(-1, -1, h.shape[-1]))   # (B, K, C)
+        logits = self.lm_head(h)  # (B, T or K, V)
         loss = None
         if targets is not None:
             # Cross-entropy in fp32 even under bf16 autocast: with an 8-bit mantissa the

@@ -8,7 +8,9 @@ logits at position p_b + j - 1. Per-token tensors are (B, Tc), Tc the longest co
 `mask` (B, Tc) True on real completion tokens.
 
     advantages = group_advantages(rewards, num_generations, scale_rewards)        # (B,)
-    logp, entropy = completion_logprobs(logits, prompt_lengths, completions, T)   # (B, Tc)
+    positions = completion_positions(prompt_lengths, Tc, T)                       # (B, Tc)
+    logits = model(input_ids, logits_at=positions).logits                        # (B, Tc, V)
+    logp, entropy = completion_logprobs(logits, completions, temperature)         # (B, Tc)
     w, is_metrics = importance_weights(logp_old, logp_rollout, mask, "token", "truncate", 3.0)
     loss, metrics = policy_loss(logp, logp_old, advantages, mask, config, is_weights=w)
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LossConfig", "group_advantages", "completion_logprobs", "CHUNK_BYTES", "importance_weights",
+__all__ = ["LossConfig", "group_advantages", "completion_positions", "completion_logprobs", "CHUNK_BYTES", "importance_weights",
            "policy_loss", "mismatch_metrics", "LOSS_TYPES", "SCALE_REWARDS", "IS_LEVELS", "IS_MODES"]
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
@@ -89,22 +91,32 @@ memory does not grow with the batch: 128 completions of 128 tokens over Qwen's 1
 vocabulary are 10 GB a float32 copy, of which the unchunked form held several."""
 
 
-def completion_logprobs(logits: torch.Tensor, prompt_lengths: torch.Tensor,
-                        completions: torch.Tensor, temperature: float = 1.0,
+def completion_positions(prompt_lengths: torch.Tensor, completion_width: int, seq_len: int) -> torch.Tensor:
+    """(B, Tc) int64: the input position whose logits predict each completion token, p_b + j - 1
+    for token j of row b (clamped to the input's seq_len: past a row's end it is padding, which
+    the loss masks). The model computes logits there only (lowbit.models.Transformer's
+    `logits_at`): a prompt's own positions need none."""
+    positions = prompt_lengths[:, None].long() - 1 + torch.arange(completion_width, device=prompt_lengths.device)
+    return positions.clamp(max=seq_len - 1)
+
+
+def completion_logprobs(logits: torch.Tensor, completions: torch.Tensor, temperature: float = 1.0,
                         chunk_rows: int | None = None):
-    """logits (B, T, V) of the right-padded input, prompt_lengths (B,), completions (B, Tc) ->
-    (log-probs (B, Tc) float32 of the completion tokens, entropies (B, Tc) of those positions'
-    distributions), both of softmax(logits / temperature). Rows are taken chunk_rows at a time
-    (default: as many as CHUNK_BYTES allows); each row's values do not depend on the chunking."""
+    """logits (B, Tc, V) that predict the completions (the model's at completion_positions),
+    completions (B, Tc) -> (log-probs (B, Tc) float32 of the completion tokens, entropies
+    (B, Tc) of those positions' distributions), both of softmax(logits / temperature). Rows are
+    taken chunk_rows at a time (default: as many as CHUNK_BYTES allows), each chunk recomputed
+    in the backward; each row's values do not depend on the chunking."""
     B, Tc = completions.shape
-    positions = (prompt_lengths[:, None] - 1 + torch.arange(Tc, device=logits.device)[None, :])
-    positions = positions.clamp(max=logits.shape[1] - 1)
+    if logits.shape[:2] != (B, Tc):
+        raise ValueError(f"completion_logprobs takes the logits at the completions' positions, "
+                         f"{(B, Tc)} (completion_positions); got {tuple(logits.shape)}")
     rows = chunk_rows or max(1, CHUNK_BYTES // max(1, 4 * Tc * logits.shape[-1]))
     if rows >= B:
-        return _completion_logprobs(logits, positions, completions, temperature)
+        return _completion_logprobs(logits, completions, temperature)
     parts = []
     for i in range(0, B, rows):
-        args = (logits[i:i + rows], positions[i:i + rows], completions[i:i + rows], temperature)
+        args = (logits[i:i + rows], completions[i:i + rows], temperature)
         if torch.is_grad_enabled() and logits.requires_grad:
             parts.append(checkpoint(_completion_logprobs, *args, use_reentrant=False))
         else:
@@ -112,10 +124,8 @@ def completion_logprobs(logits: torch.Tensor, prompt_lengths: torch.Tensor,
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _completion_logprobs(logits, positions, completions, temperature):
-    b, Tc = completions.shape
-    picked = logits.gather(1, positions[:, :, None].expand(b, Tc, logits.shape[-1])).float()
-    logp_all = torch.log_softmax(picked / (temperature or 1.0), dim=-1)       # (b, Tc, V)
+def _completion_logprobs(logits, completions, temperature):
+    logp_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)       # (b, Tc, V)
     logp = logp_all.gather(-1, completions[:, :, None])[:, :, 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

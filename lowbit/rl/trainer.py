@@ -154,10 +154,11 @@ class GRPOLoss:
         self.metrics: list[tuple[dict, torch.Tensor]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
+        positions = grpo.completion_positions(batch.prompt_lengths, batch.completions.shape[1],
+                                              batch.input_ids.shape[1])
         with replay_routing(self.policy, batch.routed):
-            logits = model(batch.input_ids).logits
-        logp, entropy = grpo.completion_logprobs(logits, batch.prompt_lengths, batch.completions,
-                                                 self.temperature)
+            logits = model(batch.input_ids, logits_at=positions).logits   # (B, Tc, V)
+        logp, entropy = grpo.completion_logprobs(logits, batch.completions, self.temperature)
         logp_old, is_weights, measured = batch.logp_old, batch.is_weights, {}
         if logp_old is None:
             if batch.rollout_logp is None:
@@ -386,18 +387,18 @@ class GRPOTrainer:
         parts = split_batch((batch.input_ids, batch.prompt_lengths, batch.completions, batch.routed,
                              replayed), self.step_fn.config.grad_accum_steps)
         for input_ids, prompt_lengths, completions, routed, replay in parts:
+            positions = grpo.completion_positions(prompt_lengths, completions.shape[1], input_ids.shape[1])
             if policy:
                 with self.step_fn.autocast, replay_routing(self.policy, replay):
-                    logits = self.policy(input_ids).logits
-                lp, ent = grpo.completion_logprobs(logits, prompt_lengths, completions, c.temperature)
+                    logits = self.policy(input_ids, logits_at=positions).logits
+                lp, ent = grpo.completion_logprobs(logits, completions, c.temperature)
                 logp.append(lp), entropy.append(ent)
                 if routed is not None:
                     counts = routing_agreement_counts(self.policy, routed)
                     agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
             if self.reference is not None:
-                ref_logits = self.reference(input_ids).logits
-                ref_logp.append(grpo.completion_logprobs(ref_logits, prompt_lengths, completions,
-                                                         c.temperature)[0])
+                ref_logits = self.reference(input_ids, logits_at=positions).logits
+                ref_logp.append(grpo.completion_logprobs(ref_logits, completions, c.temperature)[0])
         if policy and batch.routed is not None:   # no MoE routers: 0 of 0 pairs, agreement None
             metrics["routing/agreeing_pairs"], metrics["routing/recorded_pairs"] = agreement or (0, 0)
         ref = torch.cat(ref_logp) if ref_logp else None
