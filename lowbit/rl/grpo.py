@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LossConfig", "group_advantages", "completion_positions", "completion_logprobs", "CHUNK_BYTES", "importance_weights",
-           "policy_loss", "mismatch_metrics", "LOSS_TYPES", "SCALE_REWARDS", "IS_LEVELS", "IS_MODES"]
+__all__ = ["LossConfig", "group_advantages", "completion_positions", "completion_logprobs", "CHUNK_BYTES",
+           "importance_weights", "policy_loss", "mismatch_metrics", "LOSS_TYPES", "SCALE_REWARDS",
+           "IS_LEVELS", "IS_MODES"]
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
