@@ -6,6 +6,7 @@
     w_hat, _ = dispatch.grid_fake_quantize(w, s, None, element, 64)   # QAT's, under given scales
     r = dispatch.rotated_fake_quantize(t, spec, signs)  # nvfp4's wgrad operands (RHT + quantize)
     a, a_t = dispatch.quantize_fold(x, spec, transpose_too=True)   # FP8-GEMM operands
+    logp, entropy = dispatch.token_logprobs(logits, targets, temperature)   # RL's, (N, V) logits
     dispatch.adamw_step(params, grads, ...)   # AdamW's step (the clip's coefficient, B: optional)
     optimizer = dispatch.AdamW(groups, lr=3e-4)         # torch's fused AdamW, stepped by adamw_step
 
@@ -28,8 +29,9 @@ from lowbit.dispatch._quantizers import (
     force_reference, grid_fake_quantize, quantize, quantize_dequantize, quantize_fold, quantize_rows,
     quantize_with_spec, reference_forced, rotated_fake_quantize, segment_tensor_scales, use_kernels,
 )
+from lowbit.dispatch.logprobs import token_logprobs
 from lowbit.dispatch.optimizer import AdamW, adamw_step, lr_tensor, new_adamw_state
 
 __all__ = ["quantize", "quantize_with_spec", "quantize_rows", "quantize_dequantize", "grid_fake_quantize",
            "rotated_fake_quantize", "quantize_fold", "use_kernels", "force_reference", "reference_forced",
-           "segment_tensor_scales", "adamw_step", "AdamW", "new_adamw_state", "lr_tensor"]
+           "segment_tensor_scales", "adamw_step", "AdamW", "new_adamw_state", "lr_tensor", "token_logprobs"]

@@ -31,9 +31,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LossConfig", "group_advantages", "completion_positions", "completion_logprobs", "CHUNK_BYTES",
+from lowbit import dispatch
+
+__all__ = ["LossConfig", "group_advantages", "completion_positions", "completion_logprobs",
            "importance_weights", "policy_loss", "mismatch_metrics", "LOSS_TYPES", "SCALE_REWARDS",
            "IS_LEVELS", "IS_MODES"]
 
@@ -85,13 +86,6 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     return advantages
 
 
-CHUNK_BYTES = 1 << 30
-"""completion_logprobs works on rows whose float32 (rows, Tc, V) log-softmax fits in this many
-bytes at a time, each chunk recomputed in the backward pass (activation checkpointing), so its
-memory does not grow with the batch: 128 completions of 128 tokens over Qwen's 151,936-entry
-vocabulary are 10 GB a float32 copy, of which the unchunked form held several."""
-
-
 def completion_positions(prompt_lengths: torch.Tensor, completion_width: int, seq_len: int) -> torch.Tensor:
     """(B, Tc) int64: the input position whose logits predict each completion token, p_b + j - 1
     for token j of row b (clamped to the input's seq_len: past a row's end it is padding, which
@@ -101,35 +95,18 @@ def completion_positions(prompt_lengths: torch.Tensor, completion_width: int, se
     return positions.clamp(max=seq_len - 1)
 
 
-def completion_logprobs(logits: torch.Tensor, completions: torch.Tensor, temperature: float = 1.0,
-                        chunk_rows: int | None = None):
+def completion_logprobs(logits: torch.Tensor, completions: torch.Tensor,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, Tc, V) that predict the completions (the model's at completion_positions),
     completions (B, Tc) -> (log-probs (B, Tc) float32 of the completion tokens, entropies
-    (B, Tc) of those positions' distributions), both of softmax(logits / temperature). Rows are
-    taken chunk_rows at a time (default: as many as CHUNK_BYTES allows), each chunk recomputed
-    in the backward; each row's values do not depend on the chunking."""
+    (B, Tc) of those positions' distributions), both of softmax(logits / temperature), on
+    lowbit.dispatch.token_logprobs (a GPU's kernels read each row once)."""
     B, Tc = completions.shape
     if logits.shape[:2] != (B, Tc):
         raise ValueError(f"completion_logprobs takes the logits at the completions' positions, "
                          f"{(B, Tc)} (completion_positions); got {tuple(logits.shape)}")
-    rows = chunk_rows or max(1, CHUNK_BYTES // max(1, 4 * Tc * logits.shape[-1]))
-    if rows >= B:
-        return _completion_logprobs(logits, completions, temperature)
-    parts = []
-    for i in range(0, B, rows):
-        args = (logits[i:i + rows], completions[i:i + rows], temperature)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            parts.append(checkpoint(_completion_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_completion_logprobs(*args))
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def _completion_logprobs(logits, completions, temperature):
-    logp_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)       # (b, Tc, V)
-    logp = logp_all.gather(-1, completions[:, :, None])[:, :, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    logp, entropy = dispatch.token_logprobs(logits.reshape(B * Tc, -1), completions.reshape(-1), temperature)
+    return logp.view(B, Tc), entropy.view(B, Tc)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""The log-probability of a chosen token and the entropy of each row of logits, in one read of
+the row and no float32 copy of it: RL's per-token log-probs over a vocabulary of 150k
+(lowbit.rl.grpo.completion_logprobs), forward and backward.
+
+    logp, entropy, lse = token_logprobs_triton(logits, targets, temperature)   # logits (N, V)
+    dlogits = token_logprobs_backward_triton(logits, targets, lse, temperature, g_logp, g_entropy)
+
+Forward, per row, z = logits / temperature in float32: an online max m, s = sum(exp(z - m))
+and w = sum(exp(z - m) z) over blocks of the row (each block's terms rescaled to the running
+max), then lse = m + log(s), logp = z[target] - lse and entropy = lse - w / s (the entropy
+-sum(p log p) with log p = z - lse). Backward, per element (p = exp(z - lse), H the entropy):
+    dz = g_logp (1[target] - p) - g_entropy p (z - lse + H),   dlogits = dz / temperature,
+written in the logits' dtype: one read of the row and one write. The reference is
+lowbit.rl.grpo's torch form (log_softmax in float32, then gather, exp, multiply, sum); the two
+agree to float32 rounding (the sums run in another order), not bit for bit. A row with a NaN,
+or a +inf logit, gives NaN, as the reference's log_softmax does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels.quantize import on_device
+
+__all__ = ["token_logprobs_triton", "token_logprobs_backward_triton"]
+
+BLOCK = 2048
+
+
+@triton.jit
+def _token_logprobs_kernel(x_ptr, target_ptr, logp_ptr, ent_ptr, lse_ptr, V, stride_row, inv_t,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_row
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), dtype=tl.float32)
+    w = tl.zeros((), dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        valid = cols < V
+        z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, axis=0))   # a NaN reaches s through exp, wherever max puts it
+        rescale = tl.exp(m - m_new)
+        e = tl.where(valid, tl.exp(z - m_new), 0.0)
+        s = s * rescale + tl.sum(e, axis=0)
+        w = w * rescale + tl.sum(tl.where(valid, e * z, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    z_t = tl.load(base + target).to(tl.float32) * inv_t
+    tl.store(logp_ptr + row, z_t - lse)
+    tl.store(ent_ptr + row, lse - w / s)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _token_logprobs_backward_kernel(x_ptr, dx_ptr, target_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr, V,
+                                    stride_row, stride_dx, inv_t, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_row
+    out = dx_ptr + row * stride_dx
+    lse = tl.load(lse_ptr + row)
+    entropy = tl.load(ent_ptr + row)
+    g_logp = tl.load(g_logp_ptr + row)
+    g_ent = tl.load(g_ent_ptr + row)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        valid = cols < V
+        z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_t
+        logp = z - lse
+        p = tl.exp(logp)
+        dz = g_logp * (tl.where(cols == target, 1.0, 0.0) - p) - g_ent * p * (logp + entropy)
+        tl.store(out + cols, (dz * inv_t).to(dx_ptr.dtype.element_ty), mask=valid)
+
+
+def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    if logits.dim() != 2 or targets.shape != logits.shape[:1] or logits.stride(-1) != 1:
+        raise ValueError(f"token_logprobs takes logits (N, V) with unit stride along V and targets (N,); "
+                         f"got {tuple(logits.shape)} strides {logits.stride()} and {tuple(targets.shape)}")
+
+
+def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """(logp, entropy, lse), each (N,) float32, of logits (N, V) (any float dtype, unit stride
+    along V) over targets (N,) int64 (see the module doc)."""
+    _check(logits, targets)
+    n, v = logits.shape
+    logp, entropy, lse = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(3))
+    if n:
+        with on_device(logits):
+            _token_logprobs_kernel[(n,)](logits, targets, logp, entropy, lse, v, logits.stride(0),
+                                         1.0 / (temperature or 1.0), BLOCK=min(BLOCK, triton.next_power_of_2(v)),
+                                         num_warps=8)
+    return logp, entropy, lse
+
+
+def token_logprobs_backward_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                   entropy: torch.Tensor, temperature: float, g_logp: torch.Tensor,
+                                   g_entropy: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits (N, V) in the logits' dtype, from the forward's lse and entropy and the
+    gradients of logp and entropy, each (N,) float32."""
+    _check(logits, targets)
+    n, v = logits.shape
+    dx = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if n:
+        with on_device(logits):
+            _token_logprobs_backward_kernel[(n,)](
+                logits, dx, targets, lse, entropy, g_logp.float().contiguous(), g_entropy.float().contiguous(),
+                v, logits.stride(0), dx.stride(0), 1.0 / (temperature or 1.0),
+                BLOCK=min(BLOCK, triton.next_power_of_2(v)), num_warps=8)
+    return dx
+
