@@ -65,43 +65,97 @@ def test_policy_loss_clipping_and_reductions_by_hand():
     assert float(m["kl"]) == pytest.approx(float((kl * mask).sum() / 3))
 
 
-def test_completion_logprobs_in_chunks_equal_the_whole_batch_with_their_gradients():
-    # the chunked form (checkpointed under autograd) gives each row the values and gradients
-    # of the one-pass form, and the by-hand log-softmax
+def test_token_logprobs_reference_in_chunks_equals_one_pass_with_gradients():
+    # the reference in row chunks (checkpointed under autograd) gives each row the values and
+    # gradients of the one-pass form, and the by-hand log-softmax
+    from lowbit.formats.logprobs import token_logprobs
     g = torch.Generator().manual_seed(0)
-    B, T, V = 5, 9, 11
-    full = torch.randn(B, T, V, generator=g)
-    lengths = torch.tensor([2, 3, 1, 4, 2])
-    completions = torch.randint(0, V, (B, 4), generator=g)
-    positions = grpo.completion_positions(lengths, 4, T)
-    logits = full.gather(1, positions[:, :, None].expand(-1, -1, V))
+    N, V = 7, 11
+    logits = torch.randn(N, V, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
     results = []
     for chunk in (None, 2, 1):
         x = logits.clone().requires_grad_()
-        logp, entropy = grpo.completion_logprobs(x, completions, 0.7, chunk_rows=chunk)
+        logp, entropy = token_logprobs(x, targets, 0.7, chunk_rows=chunk)
         (logp.sum() + 0.3 * entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), x.grad))
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    b, j = 3, 2                        # completion token j of row b: logits at lengths[b] + j - 1
-    by_hand = torch.log_softmax(full[b, lengths[b] + j - 1] / 0.7, -1)
-    torch.testing.assert_close(results[1][0][b, j], by_hand[completions[b, j]])
-    torch.testing.assert_close(results[1][1][b, j], -(by_hand.exp() * by_hand).sum())
+    by_hand = torch.log_softmax(logits[3] / 0.7, -1)
+    torch.testing.assert_close(results[1][0][3], by_hand[targets[3]])
+    torch.testing.assert_close(results[1][1][3], -(by_hand.exp() * by_hand).sum())
     with torch.no_grad():              # no autograd: plain chunks, the same values
-        logp, _ = grpo.completion_logprobs(logits, completions, 0.7, chunk_rows=2)
+        logp, _ = token_logprobs(logits, targets, 0.7, chunk_rows=2)
     torch.testing.assert_close(logp, results[0][0], rtol=0, atol=1e-6)
-    # what autograd keeps for the backward: the one-pass form several float32 (B, Tc, V) copies,
+    # what autograd keeps for the backward: the one-pass form several float32 (N, V) copies,
     # the chunked form the logits it recomputes from (views of them) and small tensors
-    copy = B * 4 * V * 4
+    copy = N * V * 4
     for chunk, most in ((None, None), (1, logits.numel() * 4 + copy // 2)):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
-            grpo.completion_logprobs(logits.clone().requires_grad_(), completions, chunk_rows=chunk)
+            token_logprobs(logits.clone().requires_grad_(), targets, chunk_rows=chunk)
         assert sum(saved) > 3 * copy if most is None else sum(saved) <= most, (chunk, saved)
-    with pytest.raises(ValueError, match="completion_positions"):
-        grpo.completion_logprobs(full, completions)
+
+
+def _logprob_cases():
+    """(logits, targets) cases: dtypes, a vocabulary not a multiple of the kernel's block, huge
+    and tiny magnitudes, a row of equal logits, a NaN row, a non-contiguous view."""
+    g = torch.Generator().manual_seed(1)
+    V = 2048 + 37
+    base = torch.randn(6, V, generator=g) * 4
+    base[1] *= 1e3                         # huge (within float16): a softmax of one spike
+    base[2] *= 1e-6                        # tiny: nearly uniform
+    base[3] = 0.5                          # exact ties: uniform, entropy log V
+    targets = torch.randint(0, V, (6,), generator=g)
+    cases = [(base.to(dtype), targets) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    wide = torch.randn(6, 2 * V, generator=g)
+    cases.append((wide[:, ::2], targets))  # a stride of 2 along V
+    return cases
+
+
+def _kernel_matches_reference(logits, targets, temperature=0.8):
+    from lowbit.formats.logprobs import token_logprobs as reference
+    x_ref = logits.clone().requires_grad_()
+    x_ker = logits.clone().requires_grad_()
+    ref = reference(x_ref, targets, temperature)
+    got = lowbit.dispatch.token_logprobs(x_ker, targets, temperature)
+    g = torch.Generator().manual_seed(2)
+    g_logp, g_ent = (torch.randn(targets.shape[0], generator=g).to(logits.device) for _ in range(2))
+    for t in (ref, got):
+        (t[0] * g_logp + t[1] * g_ent).sum().backward()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+    assert x_ker.grad.dtype == logits.dtype
+    tol = 1e-5 if logits.dtype == torch.float32 else 1e-2      # one rounding of the output
+    torch.testing.assert_close(x_ker.grad.float(), x_ref.grad.float(), rtol=tol, atol=tol)
+
+
+def test_token_logprobs_kernel_equals_the_reference_interpreted(monkeypatch):
+    from tests.kernel_paths import interpreted_kernels
+    interpreted_kernels()
+    monkeypatch.setattr("lowbit.dispatch.logprobs.logprob_kernels_for", lambda logits: True)
+    for logits, targets in _logprob_cases():
+        _kernel_matches_reference(logits, targets)
+    # a NaN anywhere in a row makes that row's values NaN (never made finite), its neighbours kept
+    logits = torch.randn(3, 100)
+    logits[1, 57] = float("nan")
+    logp, entropy = lowbit.dispatch.token_logprobs(logits, torch.tensor([0, 1, 2]))
+    assert logp[1].isnan() and entropy[1].isnan() and logp[[0, 2]].isfinite().all()
+    # the logits' own gradient is none where neither output is used
+    x = torch.randn(2, 40, requires_grad=True)
+    lowbit.dispatch.token_logprobs(x, torch.tensor([1, 2]))[0].sum().backward()
+    torch.testing.assert_close(x.grad.sum(-1), torch.zeros(2), atol=1e-6, rtol=0)   # d logp sums to 0
+
+
+@pytest.mark.gpu
+def test_token_logprobs_kernel_equals_the_reference_on_cuda():
+    for logits, targets in _logprob_cases():
+        _kernel_matches_reference(logits.cuda(), targets.cuda())
+    # Qwen's vocabulary, the bf16 logits of a micro-batch's rows
+    logits = (torch.randn(64, 151936, device="cuda") * 3).bfloat16()
+    _kernel_matches_reference(logits, torch.randint(0, 151936, (64,), device="cuda"), 1.0)
 
 
 def test_the_models_logits_at_positions_equal_its_full_logits_there():
