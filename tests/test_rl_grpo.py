@@ -258,6 +258,18 @@ def _config(tmp_path, **kw):
     return RLConfig(**base)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_reference_policy_runs_as_the_policy_does(tmp_path, device):
+    """The reference policy (beta > 0) is the warm-start policy, so at the first step its
+    log-probs are the policy's and the KL is 0: it runs under the trainer's autocast, as the
+    policy does (in float32 on a GPU, against the policy's bf16, the first step's KL was bf16's
+    rounding, not 0)."""
+    config = _config(tmp_path, steps=1, beta=0.04, rollout="bf16", align="none", checkpoint_every=0,
+                     device=device)
+    [record] = [r for r in run_rl(config).records if r["event"] == "train"]
+    assert record["kl"] == pytest.approx(0.0, abs=1e-7)   # bf16 against float32: about 1e-4
+
+
 def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
     import lowbit.rl.warmstart as warmstart
 

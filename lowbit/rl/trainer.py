@@ -396,8 +396,9 @@ class GRPOTrainer:
                 if routed is not None:
                     counts = routing_agreement_counts(self.policy, routed)
                     agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
-            if self.reference is not None:
-                ref_logits = self.reference(input_ids, logits_at=positions).logits
+            if self.reference is not None:   # under the policy's autocast: at the start, the same log-probs
+                with self.step_fn.autocast:
+                    ref_logits = self.reference(input_ids, logits_at=positions).logits
                 ref_logp.append(grpo.completion_logprobs(ref_logits, completions, c.temperature)[0])
         if policy and batch.routed is not None:   # no MoE routers: 0 of 0 pairs, agreement None
             metrics["routing/agreeing_pairs"], metrics["routing/recorded_pairs"] = agreement or (0, 0)
