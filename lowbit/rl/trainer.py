@@ -319,13 +319,13 @@ class GRPOTrainer:
         completions, mask = rollout.completions.to(dev), rollout.completion_mask.to(dev)
         if self.config.mask_truncated_completions:
             mask = mask & rollout.stopped.to(dev)[:, None]
+        rows = [prompt + completion for prompt, completion in zip(rollout.prompts, rollout.completion_lists())]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)   # made here, copied once
+        for b, row in enumerate(rows):
+            ids[b, :len(row)] = torch.tensor(row)
+        ids = ids.to(dev)
         lengths = torch.tensor([len(p) for p in rollout.prompts], device=dev)
-        total = lengths + rollout.completion_mask.sum(1).to(dev)
-        T = int(total.max())
-        ids = torch.zeros(len(rollout.prompts), T, dtype=torch.int64, device=dev)
-        for b, (prompt, completion) in enumerate(zip(rollout.prompts, rollout.completion_lists())):
-            row = prompt + completion
-            ids[b, :len(row)] = torch.tensor(row, device=dev)
+        T = ids.shape[1]
         routed = None
         if rollout.routed_experts is not None:
             routed = rollout.routed_experts[:, :T].to(dev)
