@@ -13,7 +13,7 @@ after the first, which captures the CUDA graphs) are tabulated against the bf16 
 Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric QAT +
 RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), quads+g64+fold (and
 its residual added into the activation, --rac-fold), each NVFP4 one
-also with --packed-gemm. Writes --out/rl-step.json ({meta, results}) and rl-step.md, and keeps
+also with --packed-gemm, and bf16 and the last with the trainer compiled (--compile). Writes --out/rl-step.json ({meta, results}) and rl-step.md, and keeps
 each run's metrics.jsonl under --out/runs/.
 """
 
@@ -37,6 +37,9 @@ MODES = {
     "quads+g64": "--rollout nvfp4 --align quads --rac-group 64",
     "quads+g64 packed": "--rollout nvfp4 --align quads --rac-group 64 --packed-gemm",
     "quads+g64+fold packed": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm",
+    "bf16 compiled": "--rollout bf16 --align none --compile",
+    "quads+g64+fold packed compiled": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm "
+                                      "--compile",
 }
 TIMES = ("time/generate_s", "time/score_s", "time/train_s", "time/sync_s")
 

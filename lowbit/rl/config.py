@@ -161,6 +161,12 @@ class RLConfig(RunConfig):
         "policies): a minute of compiling per batch size, faster decode after",
         action="store_true"))
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
+    compile: bool = field(default=False, metadata=flag(
+        "--compile", "the trainer's passes through torch.compile (lowbit train's --compile): "
+        "compiling takes the first steps' time, and again at the first new sequence length",
+        action="store_true"))
+    """Run the trainer's model through torch.compile (TrainStep's `compile`); the engine's decode
+    has its own, --compile-decode."""
     rollout_activation_scale: str = field(default="per-token", metadata=flag(
         "--rollout-activation-scale", "NVFP4 rollouts' activation scale: per-token (a power-of-two "
         "scale per token) or static (a served NVFP4 checkpoint's: one calibrated FP32 scale per "

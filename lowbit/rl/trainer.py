@@ -247,7 +247,7 @@ class GRPOTrainer:
         self.micro_batch_size = micro
         step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
-                                 weight_decay=c.weight_decay, grad_clip=c.grad_clip)
+                                 weight_decay=c.weight_decay, grad_clip=c.grad_clip, compile=c.compile)
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
         self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
             c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
