@@ -17,7 +17,7 @@ from lowbit.rl import grpo
 from lowbit.rl.config import RLConfig
 from lowbit.rl.engine import RolloutEngine
 from lowbit.rl.sampling import SamplingParams
-from lowbit.rl.trainer import run_rl
+from lowbit.rl.trainer import GRPOTrainer, run_rl
 from lowbit.rl.trainer_side import enable_routing_replay, replay_routing, routing_agreement
 
 
@@ -268,6 +268,22 @@ def test_the_reference_policy_runs_as_the_policy_does(tmp_path, device):
                      device=device)
     [record] = [r for r in run_rl(config).records if r["event"] == "train"]
     assert record["kl"] == pytest.approx(0.0, abs=1e-7)   # bf16 against float32: about 1e-4
+
+
+def test_the_compiled_trainer_takes_the_eager_steps(tmp_path):
+    """--compile runs the trainer's model through torch.compile: QUADS's steps (asymmetric QAT,
+    NVFP4 rollouts) have the eager run's losses and gradient norms, to float rounding."""
+    runs = []
+    for compiled in (False, True):
+        config = _config(tmp_path, run_name=f"compiled-{compiled}", steps=2, checkpoint_every=0,
+                         compile=compiled)
+        trainer = GRPOTrainer(config)
+        assert isinstance(trainer.step_fn.forward, torch._dynamo.eval_frame.OptimizedModule) == compiled
+        runs.append([(r["loss"], r["grad_norm"]) for r in trainer.run().records if r["event"] == "train"])
+    eager, compiled = runs
+    assert len(eager) == 2 and eager[0][1] > 0
+    for a, b in zip(eager, compiled):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
 
 
 def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
