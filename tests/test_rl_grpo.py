@@ -106,6 +106,8 @@ def _logprob_cases():
     V = 2048 + 37
     base = torch.randn(6, V, generator=g) * 4
     base[1] *= 1e3                         # huge (within float16): a softmax of one spike
+    base[4] += 2e4                         # offset: the same distribution, about 20,000 (float32's
+                                           # ulp there is 0.002: a form that subtracts lse from E[z] loses it)
     base[2] *= 1e-6                        # tiny: nearly uniform
     base[3] = 0.5                          # exact ties: uniform, entropy log V
     targets = torch.randint(0, V, (6,), generator=g)
@@ -371,7 +373,8 @@ def test_on_policy_old_logprobs_come_from_the_update_and_equal_a_separate_pass(t
     trainer = GRPOTrainer(cfg)
     problems, rollout = trainer.generate(0)
     batch = trainer.batch(rollout)
-    advantages = grpo.group_advantages(trainer.score(problems, rollout), 4, cfg.scale_rewards)
+    advantages = grpo.group_advantages(trainer.score(problems, rollout), 4,
+                                       cfg.scale_rewards).to(trainer.device)
     mask = batch.mask.float()
     separate: dict = {}
     logp_old, entropy, ref_logp = trainer.old_logprobs(batch, batch.routed, separate)

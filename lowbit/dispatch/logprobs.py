@@ -25,17 +25,17 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature):
         from lowbit.kernels.logprobs import token_logprobs_triton   # triton loads on first use
-        logp, entropy, lse = token_logprobs_triton(logits, targets, temperature)
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        logp, entropy, stats = token_logprobs_triton(logits, targets, temperature)
+        ctx.save_for_backward(logits, targets, stats, entropy)
         ctx.temperature = temperature
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         from lowbit.kernels.logprobs import token_logprobs_backward_triton
-        logits, targets, lse, entropy = ctx.saved_tensors
-        zeros = torch.zeros_like(lse)
-        dx = token_logprobs_backward_triton(logits, targets, lse, entropy, ctx.temperature,
+        logits, targets, stats, entropy = ctx.saved_tensors
+        zeros = torch.zeros_like(entropy)
+        dx = token_logprobs_backward_triton(logits, targets, stats, entropy, ctx.temperature,
                                             zeros if g_logp is None else g_logp,
                                             zeros if g_entropy is None else g_entropy)
         return dx, None, None

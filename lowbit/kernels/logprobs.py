@@ -2,16 +2,19 @@
 the row and no float32 copy of it: RL's per-token log-probs over a vocabulary of 150k
 (lowbit.rl.grpo.completion_logprobs), forward and backward.
 
-    logp, entropy, lse = token_logprobs_triton(logits, targets, temperature)   # logits (N, V)
-    dlogits = token_logprobs_backward_triton(logits, targets, lse, temperature, g_logp, g_entropy)
+    logp, entropy, stats = token_logprobs_triton(logits, targets, temperature)   # logits (N, V)
+    dlogits = token_logprobs_backward_triton(logits, targets, stats, entropy, temperature, g_logp, g_entropy)
 
-Forward, per row, z = logits / temperature in float32: an online max m, s = sum(exp(z - m))
-and w = sum(exp(z - m) z) over blocks of the row (each block's terms rescaled to the running
-max), then lse = m + log(s), logp = z[target] - lse and entropy = lse - w / s (the entropy
--sum(p log p) with log p = z - lse). Backward, per element (p = exp(z - lse), H the entropy):
-    dz = g_logp (1[target] - p) - g_entropy p (z - lse + H),   dlogits = dz / temperature,
+Forward, per row, z = logits / temperature in float32 (an IEEE division, as torch's): an
+online max m, s = sum(exp(z - m)) and w = sum(exp(z - m) (z - m)) over blocks of the row
+(each block's terms moved to the running max), then logp = (z[target] - m) - log(s) and
+entropy = log(s) - w / s (-sum(p log p), log p = z - m - log(s)): every term about the row's
+max, as the reference's log-softmax takes it, so logits far from 0 (a row offset by 20,000)
+lose nothing to cancellation. Backward, per element (log p = (z - m) - log(s) from the saved
+m and log(s), H the entropy):
+    dz = g_logp (1[target] - p) - g_entropy p (log p + H),   dlogits = dz / temperature,
 written in the logits' dtype: one read of the row and one write. The reference is
-lowbit.rl.grpo's torch form (log_softmax in float32, then gather, exp, multiply, sum); the two
+lowbit.formats.logprobs (log_softmax in float32, then gather, exp, multiply, sum); the two
 agree to float32 rounding (the sums run in another order), not bit for bit. A row with a NaN,
 or a +inf logit, gives NaN, as the reference's log_softmax does.
 """
@@ -30,7 +33,7 @@ BLOCK = 2048
 
 
 @triton.jit
-def _token_logprobs_kernel(x_ptr, target_ptr, logp_ptr, ent_ptr, lse_ptr, V, stride_row, inv_t,
+def _token_logprobs_kernel(x_ptr, target_ptr, logp_ptr, ent_ptr, shift_ptr, log_s_ptr, V, stride_row, t,
                            BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
@@ -41,28 +44,33 @@ def _token_logprobs_kernel(x_ptr, target_ptr, logp_ptr, ent_ptr, lse_ptr, V, str
     for start in range(0, V, BLOCK):
         cols = start + offs
         valid = cols < V
-        z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+        z = tl.math.div_rn(tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32), t)
         m_new = tl.maximum(m, tl.max(z, axis=0))   # a NaN reaches s through exp, wherever max puts it
         rescale = tl.exp(m - m_new)
-        e = tl.where(valid, tl.exp(z - m_new), 0.0)
+        d = z - m_new
+        e = tl.where(valid, tl.exp(d), 0.0)
+        # w = sum(e (z - m)) about the running max: moved to m_new, sum(e' (z - m_new)) =
+        # rescale (w + (m - m_new) s) (no term yet: none)
+        w = tl.where(s > 0, rescale * (w + (m - m_new) * s), 0.0) + tl.sum(tl.where(valid, e * d, 0.0), axis=0)
         s = s * rescale + tl.sum(e, axis=0)
-        w = w * rescale + tl.sum(tl.where(valid, e * z, 0.0), axis=0)
         m = m_new
-    lse = m + tl.log(s)
+    log_s = tl.log(s)
     target = tl.load(target_ptr + row).to(tl.int64)
-    z_t = tl.load(base + target).to(tl.float32) * inv_t
-    tl.store(logp_ptr + row, z_t - lse)
-    tl.store(ent_ptr + row, lse - w / s)
-    tl.store(lse_ptr + row, lse)
+    z_t = tl.math.div_rn(tl.load(base + target).to(tl.float32), t)
+    tl.store(logp_ptr + row, (z_t - m) - log_s)
+    tl.store(ent_ptr + row, log_s - w / s)
+    tl.store(shift_ptr + row, m)
+    tl.store(log_s_ptr + row, log_s)
 
 
 @triton.jit
-def _token_logprobs_backward_kernel(x_ptr, dx_ptr, target_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr, V,
-                                    stride_row, stride_dx, inv_t, BLOCK: tl.constexpr):
+def _token_logprobs_backward_kernel(x_ptr, dx_ptr, target_ptr, shift_ptr, log_s_ptr, ent_ptr, g_logp_ptr,
+                                    g_ent_ptr, V, stride_row, stride_dx, t, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     out = dx_ptr + row * stride_dx
-    lse = tl.load(lse_ptr + row)
+    shift = tl.load(shift_ptr + row)
+    log_s = tl.load(log_s_ptr + row)
     entropy = tl.load(ent_ptr + row)
     g_logp = tl.load(g_logp_ptr + row)
     g_ent = tl.load(g_ent_ptr + row)
@@ -71,11 +79,11 @@ def _token_logprobs_backward_kernel(x_ptr, dx_ptr, target_ptr, lse_ptr, ent_ptr,
     for start in range(0, V, BLOCK):
         cols = start + offs
         valid = cols < V
-        z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_t
-        logp = z - lse
+        z = tl.math.div_rn(tl.load(base + cols, mask=valid, other=0.0).to(tl.float32), t)
+        logp = (z - shift) - log_s
         p = tl.exp(logp)
         dz = g_logp * (tl.where(cols == target, 1.0, 0.0) - p) - g_ent * p * (logp + entropy)
-        tl.store(out + cols, (dz * inv_t).to(dx_ptr.dtype.element_ty), mask=valid)
+        tl.store(out + cols, tl.math.div_rn(dz, t).to(dx_ptr.dtype.element_ty), mask=valid)
 
 
 def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -85,32 +93,34 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
 
 
 def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """(logp, entropy, lse), each (N,) float32, of logits (N, V) (any float dtype, unit stride
-    along V) over targets (N,) int64 (see the module doc)."""
+    """(logp, entropy, stats), each (N,) float32 but stats, of logits (N, V) (any float dtype,
+    unit stride along V) over targets (N,) int64 (see the module doc); stats (2, N) float32,
+    each row's max of z and log(sum(exp(z - max))), for the backward."""
     _check(logits, targets)
     n, v = logits.shape
-    logp, entropy, lse = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(3))
+    logp, entropy = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(2))
+    stats = torch.empty(2, n, device=logits.device, dtype=torch.float32)
     if n:
         with on_device(logits):
-            _token_logprobs_kernel[(n,)](logits, targets, logp, entropy, lse, v, logits.stride(0),
-                                         1.0 / (temperature or 1.0), BLOCK=min(BLOCK, triton.next_power_of_2(v)),
+            _token_logprobs_kernel[(n,)](logits, targets, logp, entropy, stats[0], stats[1], v, logits.stride(0),
+                                         float(temperature or 1.0), BLOCK=min(BLOCK, triton.next_power_of_2(v)),
                                          num_warps=8)
-    return logp, entropy, lse
+    return logp, entropy, stats
 
 
-def token_logprobs_backward_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+def token_logprobs_backward_triton(logits: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor,
                                    entropy: torch.Tensor, temperature: float, g_logp: torch.Tensor,
                                    g_entropy: torch.Tensor) -> torch.Tensor:
-    """d loss / d logits (N, V) in the logits' dtype, from the forward's lse and entropy and the
-    gradients of logp and entropy, each (N,) float32."""
+    """d loss / d logits (N, V) in the logits' dtype, from the forward's stats and entropy and
+    the gradients of logp and entropy, each (N,) float32."""
     _check(logits, targets)
     n, v = logits.shape
     dx = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if n:
         with on_device(logits):
             _token_logprobs_backward_kernel[(n,)](
-                logits, dx, targets, lse, entropy, g_logp.float().contiguous(), g_entropy.float().contiguous(),
-                v, logits.stride(0), dx.stride(0), 1.0 / (temperature or 1.0),
+                logits, dx, targets, stats[0], stats[1], entropy, g_logp.float().contiguous(),
+                g_entropy.float().contiguous(), v, logits.stride(0), dx.stride(0), float(temperature or 1.0),
                 BLOCK=min(BLOCK, triton.next_power_of_2(v)), num_warps=8)
     return dx
 
