@@ -12,9 +12,9 @@ after the first, which captures the CUDA graphs) are tabulated against the bf16 
 
 Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric QAT +
 RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), quads+g64+fold (and
-its residual added into the activation, --rac-fold), each NVFP4 one
-also with --packed-gemm, and bf16 and the last with the trainer compiled (--compile). Writes --out/rl-step.json ({meta, results}) and rl-step.md, and keeps
-each run's metrics.jsonl under --out/runs/.
+its residual added into the activation, --rac-fold), each NVFP4 one also with --packed-gemm,
+and bf16 and the last with the trainer compiled (--compile). Writes --out/rl-step.json ({meta,
+results}) and rl-step.md, and keeps each run's metrics.jsonl under --out/runs/.
 """
 
 from __future__ import annotations
