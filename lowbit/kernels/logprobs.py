@@ -95,7 +95,8 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
 def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """(logp, entropy, stats), each (N,) float32 but stats, of logits (N, V) (any float dtype,
     unit stride along V) over targets (N,) int64 (see the module doc); stats (2, N) float32,
-    each row's max of z and log(sum(exp(z - max))), for the backward."""
+    each row's max of z and log(sum(exp(z - max))), for the backward. The targets must lie in
+    [0, V): the kernel does not check them (a sampled token's id always does)."""
     _check(logits, targets)
     n, v = logits.shape
     logp, entropy = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(2))
@@ -123,4 +124,3 @@ def token_logprobs_backward_triton(logits: torch.Tensor, targets: torch.Tensor, 
                 g_entropy.float().contiguous(), v, logits.stride(0), dx.stride(0), float(temperature or 1.0),
                 BLOCK=min(BLOCK, triton.next_power_of_2(v)), num_warps=8)
     return dx
-
