@@ -379,3 +379,28 @@ def test_aux_loss_is_hugging_face_divided_by_top_k():
         ours = load_balancing_loss(logits, torch.topk(logits, k, dim=-1).indices)
         hf = load_balancing_loss_func((logits,), num_experts=8, top_k=k)
         torch.testing.assert_close(k * ours, hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hugging_faces_bit_for_bit(dtype):
+    # lowbit's RMSNorm (F.rms_norm in float32, scaled in the input dtype) against transformers'
+    # LlamaRMSNorm, forward and the input's and weight's gradients, on a non-contiguous view too
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from lowbit.models.transformer import RMSNorm
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(48, 1e-6), LlamaRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(48))
+        theirs.weight.copy_(ours.weight)
+    base = (torch.randn(5, 96) * 3).to(dtype)
+    for x in (base[:, :48], base[:, ::2]):
+        grads = []
+        for norm in (ours, theirs):
+            xi = x.detach().clone().requires_grad_()
+            norm.weight.grad = None
+            y = norm(xi)
+            y.backward(torch.linspace(-1, 1, y.numel()).view_as(y).to(y.dtype))
+            grads.append((y.detach(), xi.grad, norm.weight.grad))
+        for a, b in zip(*grads):
+            assert a.dtype == b.dtype and torch.equal(a, b)
