@@ -13,6 +13,8 @@ Arms (any of them, in order, each in a fresh model):
     bf16            as lowbit rl runs now: logits at the completion positions only (logits_at),
                     the log-prob kernel (lowbit.dispatch.token_logprobs)
     bf16-mbN        the same in micro-batches of N
+    bf16-norm-ops   bf16 with RMSNorm's operations written out (x * rsqrt(mean(x^2) + eps)), as
+                    before it went through F.rms_norm (75c5677)
     qat             asymmetric QAT (QUADS's trainer side), as lowbit rl runs it
     qat-ste         asymmetric QAT as plain autograd: F.linear(x, W_f) with W_f's gradient passed
                     straight to W (an experiment; dX then uses W_f)
@@ -38,6 +40,7 @@ from lowbit import dispatch
 from lowbit.bench.rollout import hf_config
 from lowbit.models import build_model
 from lowbit.models.hf import config_from_hf
+from lowbit.models.transformer import RMSNorm
 from lowbit.nn import reuse_weight_operands
 from lowbit.ops.gemms import operand
 from lowbit.ops.linear import quant_linear
@@ -80,6 +83,16 @@ def straight_through_linear(x, weight, bias, recipe, layer="", cache=None):
     return F.linear(x, StraightThrough.apply(weight, w_f), bias)
 
 
+fused_rms_norm = RMSNorm.forward
+
+
+def rms_norm_written_out(self, x):
+    """lowbit's RMSNorm before 75c5677 (the bf16-norm-ops arm)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight * x32.to(x.dtype)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("arms", nargs="+")
@@ -111,6 +124,7 @@ def main() -> None:
         if arm.startswith("qat"):
             apply_asymmetric_qat(model)
         layers_module.quant_linear = straight_through_linear if arm == "qat-ste" else quant_linear
+        RMSNorm.forward = rms_norm_written_out if arm == "bf16-norm-ops" else fused_rms_norm
         mb = int(arm.split("-mb")[1]) if "-mb" in arm else micro
         sc = StepConfig(batch_size=mb, grad_accum_steps=B // mb, lr=1e-6, total_steps=100)
         opt = build_optimizer(model, sc, dev)
