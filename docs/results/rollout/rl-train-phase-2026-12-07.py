@@ -174,7 +174,7 @@ def main() -> None:
               flush=True)
         with open(os.path.join(args.out, "rl-train-phase.json"), "w") as f:
             json.dump(out, f, indent=1)
-        del model, opt, step
+        model = opt = step = loss_fn = None   # the arm's GPU memory freed before the next
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
