@@ -24,6 +24,7 @@ Codes (what is stored):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "round_to_grid",
     "encode",
     "decode",
+    "device_table",
     "e8m0_to_float",
     "pack_codes",
     "unpack_codes",
@@ -172,18 +174,24 @@ def round_to_grid(x: torch.Tensor, fmt: ElementFormat, rounding: str = "rne",
     return torch.copysign(out, x)
 
 
+def device_table(device: torch.device, tables: dict[torch.device, torch.Tensor],
+                 make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A constant table on `device`: `make()` copied there on first use and kept in `tables`
+    for the process. No copy from the host at every call, which would wait for the GPU's queue
+    and stop a CUDA graph's capture; and the same tensor for a captured graph (a weight sync)
+    that reads it at every replay."""
+    table = tables.get(device)
+    if table is None:
+        table = tables[device] = make().to(device)
+    return table
+
+
 _E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}   # E2M1's magnitudes on each device
 
 
 def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """E2M1's magnitudes on `device`, copied there once and kept for the process (a copy from
-    the host at every call would also stop a CUDA graph's capture, and a captured weight sync,
-    which decodes NVFP4 weights, reads the table at every replay)."""
-    table = _E2M1_TABLES.get(device)
-    if table is None:
-        table = _E2M1_TABLES[device] = _E2M1_TABLE.to(device)
-    return table
+    return device_table(device, _E2M1_TABLES, lambda: _E2M1_TABLE)
 
 
 def encode(values: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:

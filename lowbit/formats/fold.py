@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats.elements import E2M1_VALUES, unpack_codes
+from lowbit.formats.elements import E2M1_VALUES, device_table, unpack_codes
 from lowbit.formats.qtensor import QTensor
 from lowbit.formats.spec import ScaleKind
 
@@ -90,19 +90,19 @@ def power_of_two(f: torch.Tensor) -> torch.Tensor:
 def shift_table(device: torch.device) -> torch.Tensor:
     """uint8 (16 * 16,): entry (t - SHIFT_MIN) * 16 + code is the E4M3 bits of E2M1(code) * 2^t;
     row 15 is NaN. Built with torch's own E4M3 cast and checked exact, entry by entry."""
-    table = _TABLES.get(device)
-    if table is None:
-        mags = torch.tensor(E2M1_VALUES, dtype=torch.float64)
-        values = torch.cat([mags, -mags])                                   # codes 0..15
-        shifts = torch.arange(SHIFT_MIN, SHIFT_MAX + 1, dtype=torch.float64)
-        exact = values[None, :] * torch.exp2(shifts)[:, None]               # (15, 16)
-        fp8 = exact.to(torch.float32).to(torch.float8_e4m3fn)
-        if not torch.equal(fp8.to(torch.float64), exact):
-            raise AssertionError("E2M1 * 2^t is not exact in E4M3 for some t in the window")
-        nan_row = torch.full((1, 16), E4M3_NAN, dtype=torch.uint8)
-        table = torch.cat([fp8.view(torch.uint8), nan_row]).reshape(-1).to(device)
-        _TABLES[device] = table
-    return table
+    return device_table(device, _TABLES, _shift_table)
+
+
+def _shift_table() -> torch.Tensor:
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    values = torch.cat([mags, -mags])                                   # codes 0..15
+    shifts = torch.arange(SHIFT_MIN, SHIFT_MAX + 1, dtype=torch.float64)
+    exact = values[None, :] * torch.exp2(shifts)[:, None]               # (15, 16)
+    fp8 = exact.to(torch.float32).to(torch.float8_e4m3fn)
+    if not torch.equal(fp8.to(torch.float64), exact):
+        raise AssertionError("E2M1 * 2^t is not exact in E4M3 for some t in the window")
+    nan_row = torch.full((1, 16), E4M3_NAN, dtype=torch.uint8)
+    return torch.cat([fp8.view(torch.uint8), nan_row]).reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats.elements import E2M1, decode
+from lowbit.formats.elements import E2M1, decode, device_table
 
-__all__ = ["NVFP4Tiles", "TilesMaker", "nvfp4_tiles", "slot_table", "TILE_K", "ROW_PAD", "SLOT_BITS", "SCALE_BIAS",
-           "ROW_BIAS"]
+__all__ = ["NVFP4Tiles", "TilesMaker", "nvfp4_tiles", "slot_table", "slot_table_on", "TILE_K", "ROW_PAD",
+           "SLOT_BITS", "SCALE_BIAS", "ROW_BIAS"]
 
 TILE_K = 128
 ROW_PAD = 128
@@ -124,8 +124,13 @@ def slot_table() -> torch.Tensor:
 
 
 _SLOT_TABLE = slot_table()
-# the table on each device, kept for the process (no copy a call; a captured weight sync reads it)
 _TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def slot_table_on(device: torch.device) -> torch.Tensor:
+    """slot_table() on `device`, copied once and kept for the process (elements.device_table):
+    the reference and the kernel (lowbit.kernels.nvfp4_tiles) read the same copy."""
+    return device_table(device, _TABLES, lambda: _SLOT_TABLE)
 
 
 @torch.no_grad()
@@ -142,9 +147,7 @@ def nvfp4_tiles(codes: torch.Tensor, block_scales: torch.Tensor, row_scales: tor
     n_pad = -(-n // ROW_PAD) * ROW_PAD
     nib = torch.stack((codes & 15, codes >> 4), dim=-1).view(*lead, n, kp)        # uint8 codes
     nib = F.pad(nib, (0, T * TILE_K - kp, 0, n_pad - n)).view(*lead, n_pad, T, 8, 16)
-    table = _TABLES.get(codes.device)
-    if table is None:
-        table = _TABLES[codes.device] = _SLOT_TABLE.to(codes.device)
+    table = slot_table_on(codes.device)
     words = torch.zeros(*lead, n_pad, T, 16, dtype=torch.int32, device=codes.device)
     for j in range(8):
         words |= table[j][nib[..., j, :].int()]

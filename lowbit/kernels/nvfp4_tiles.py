@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.formats.nvfp4_tiles import ROW_BIAS, ROW_PAD, TILE_K, NVFP4Tiles, slot_table
+from lowbit.formats.nvfp4_tiles import ROW_BIAS, ROW_PAD, TILE_K, NVFP4Tiles, slot_table_on
 from lowbit.kernels.launch import cdiv
 
 __all__ = ["nvfp4_tiles_triton"]
 
 BLOCK_R = 32
-_TABLES: dict[torch.device, torch.Tensor] = {}   # the slot table on each device
 
 
 @triton.jit
@@ -108,9 +107,7 @@ def nvfp4_tiles_triton(codes: torch.Tensor, block_scales: torch.Tensor, row_scal
         raise ValueError(f"out holds tiles of shape {tuple(out.words.shape)}, not the "
                          f"{(*lead, n_pad, T * 16)} these codes make (or tensors of another "
                          f"shape, dtype or device, or not contiguous)")
-    table = _TABLES.get(codes.device)
-    if table is None:
-        table = _TABLES[codes.device] = slot_table().to(codes.device)
+    table = slot_table_on(codes.device)
     codes = codes.contiguous()
     scale_bytes = block_scales.contiguous().view(torch.uint8)
     rows = row_scales.to(torch.float32).contiguous()
