@@ -163,8 +163,8 @@ class RLConfig(RunConfig):
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
     compile: bool = field(default=False, metadata=flag(
         "--compile", "the trainer's passes through torch.compile (lowbit train's --compile): "
-        "the first step compiles (83 s for a Qwen3-0.6B shape on one H100), and a step of a new "
-        "sequence length may compile again",
+        "the first step compiles (83 s for a Qwen3-0.6B shape on one H100, 2026-12-07), and a step "
+        "of a new sequence length may compile again",
         action="store_true"))
     """Run the trainer's model through torch.compile (TrainStep's `compile`); the engine's decode
     has its own, --compile-decode."""
