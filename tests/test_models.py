@@ -404,3 +404,32 @@ def test_rms_norm_is_hugging_faces_bit_for_bit(dtype):
             grads.append((y.detach(), xi.grad, norm.weight.grad))
         for a, b in zip(*grads):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_compiled_layers_are_one_graph_for_every_layer_and_length():
+    # Transformer.compile_layers: each decoder layer compiled in place, the layers sharing one
+    # graph (their weights its inputs), dynamic=True one graph for every sequence length; the
+    # loss and gradients those of the eager model, the state dict's keys unchanged
+    from torch._dynamo.utils import counters
+
+    cfg = ModelConfig(**dict(TINY, n_layers=3, qk_norm=True, n_kv_heads=2))
+    torch.manual_seed(0)
+    eager = build_model(cfg)
+    compiled = build_model(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    keys = list(compiled.state_dict())
+    compiled.compile_layers(dynamic=True)
+    assert list(compiled.state_dict()) == keys
+    graphs = counters["stats"]["unique_graphs"]
+    for T in (9, 14, 21):
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(_tokens(2, T), targets=_tokens(2, T, seed=1)).loss
+            loss.backward()
+            losses.append((loss.detach(), [p.grad for p in model.parameters()]))
+        (a, grads_a), (b, grads_b) = losses
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        for ga, gb in zip(grads_a, grads_b):
+            torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - graphs == 1

@@ -273,17 +273,26 @@ def test_the_reference_policy_runs_as_the_policy_does(tmp_path, device):
 
 
 def test_the_compiled_trainer_takes_the_eager_steps(tmp_path):
-    """--compile runs the trainer's model through torch.compile: QUADS's steps (asymmetric QAT,
-    NVFP4 rollouts) have the eager run's losses and gradient norms, to float rounding."""
+    """--compile runs each of the trainer's decoder layers through torch.compile: QUADS's steps
+    (asymmetric QAT, NVFP4 rollouts) have the eager run's losses and gradient norms, to float
+    rounding, and every layer, micro-batch and step runs the one graph compiled for the first
+    layer (with a gradient, and without for the old log-probs)."""
+    from torch._dynamo.utils import counters
+
     runs = []
     for compiled in (False, True):
-        config = _config(tmp_path, run_name=f"compiled-{compiled}", steps=2, checkpoint_every=0,
-                         compile=compiled)
+        config = _config(tmp_path, run_name=f"compiled-{compiled}", steps=3, checkpoint_every=0,
+                         num_iterations=2, compile=compiled)
         trainer = GRPOTrainer(config)
-        assert isinstance(trainer.step_fn.forward, torch._dynamo.eval_frame.OptimizedModule) == compiled
+        layers = trainer.policy.model.layers
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+        assert len(layers) > 1 and trainer.step_fn.forward is trainer.policy   # the model itself eager
+        graphs = counters["stats"]["unique_graphs"]
         runs.append([(r["loss"], r["grad_norm"]) for r in trainer.run().records if r["event"] == "train"])
+        if compiled:   # one graph with a gradient, one without (the old log-probs)
+            assert counters["stats"]["unique_graphs"] - graphs == 2
     eager, compiled = runs
-    assert len(eager) == 2 and eager[0][1] > 0
+    assert len(eager) == 3 and eager[0][1] > 0
     for a, b in zip(eager, compiled):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
 

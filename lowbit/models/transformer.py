@@ -262,6 +262,17 @@ class Transformer(nn.Module):
                 loss = loss + self.config.moe_aux_loss_coef * aux_loss
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss)
 
+    def compile_layers(self, dynamic: bool | None = None) -> None:
+        """torch.compile each decoder layer in place (regional compilation, as torchtitan
+        compiles its blocks). The layers run one code and their weights are the graph's inputs,
+        so one compiled graph serves every layer: compiling costs one layer's time whatever the
+        depth, where the whole model compiled inlines every layer (28 layers: 14 s against 71 s on
+        a 2-core CPU). The embedding, the final norm and the head stay eager; the state dict's
+        keys do not change. dynamic=True: one graph for every sequence length (RL's change from
+        step to step)."""
+        for layer in self.model.layers:
+            layer.compile(dynamic=dynamic)
+
     def num_parameters(self) -> int:
         """Parameters actually held (a tied matrix counted once); equals config.num_parameters()."""
         return sum(p.numel() for p in self.parameters())

@@ -162,12 +162,12 @@ class RLConfig(RunConfig):
         action="store_true"))
     """Compile the engine's decode step (torch.compile, once per batch size; dense policies)."""
     compile: bool = field(default=False, metadata=flag(
-        "--compile", "the trainer's passes through torch.compile (lowbit train's --compile): "
-        "the first step compiles (83 s for a Qwen3-0.6B shape on one H100, 2026-12-07), and a step "
-        "of a new sequence length may compile again",
+        "--compile", "the trainer's decoder layers through torch.compile, one graph for every "
+        "layer and sequence length: the first step compiles one layer (forward and backward)",
         action="store_true"))
-    """Run the trainer's model through torch.compile (TrainStep's `compile`); the engine's decode
-    has its own, --compile-decode."""
+    """Run each of the trainer's decoder layers (the policy's and the reference's) through
+    torch.compile (Transformer.compile_layers, dynamic shapes); the engine's decode has its
+    own, --compile-decode."""
     rollout_activation_scale: str = field(default="per-token", metadata=flag(
         "--rollout-activation-scale", "NVFP4 rollouts' activation scale: per-token (a power-of-two "
         "scale per token) or static (a served NVFP4 checkpoint's: one calibrated FP32 scale per "

@@ -235,6 +235,10 @@ class GRPOTrainer:
         elif self.model_config.is_moe:
             enable_routing_replay(self.policy)   # records own choices for routing agreement; replays nothing
         self.policy.to(self.device)
+        if c.compile:   # one graph for every layer and every sequence length, the policy's passes
+            self.policy.compile_layers(dynamic=True)
+            if self.reference is not None:
+                self.reference.compile_layers(dynamic=True)
 
         # a constant LR; the step's completions in micro-batches of micro_batch_size
         if c.micro_batch_size is not None:
@@ -247,7 +251,7 @@ class GRPOTrainer:
         self.micro_batch_size = micro
         step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
-                                 weight_decay=c.weight_decay, grad_clip=c.grad_clip, compile=c.compile)
+                                 weight_decay=c.weight_decay, grad_clip=c.grad_clip)
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
         self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
             c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
