@@ -6,6 +6,9 @@ by transformers, saved with a byte-level BPE tokenizer trained on the task's own
 nothing is downloaded) is saved as a Hugging Face folder; then one `lowbit rl --model FOLDER`
 process per mode runs, one after the other, and each mode's median per-step times (steps
 after the first, which captures the CUDA graphs) are tabulated against the bf16 mode's.
+`--rounds R` runs the modes in turns R times and takes each mode's ratio to bf16 round by round
+(the same round's bf16 run), so a drift of the machine hits every mode alike; the table gives
+each time's median over the rounds and the ratios' median and range.
 
     PYTHONPATH=. python benchmarks/rl_step.py --out rl-step          # one H200: GSM8K, 16 x 8 x 128
     python benchmarks/rl_step.py --smoke --out /tmp/rl-step           # CPU, a tiny shape, a minute
@@ -67,9 +70,9 @@ def save_model(name: str, folder: Path, data_dir: str | None, vocab: int) -> Pat
     return folder
 
 
-def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
+def run_mode(label: str, flags: str, model: Path, args, runs: Path, round_: int = 0) -> dict:
     """One `lowbit rl` process; its per-step times (medians over the steps after the first)."""
-    name = label.replace(" ", "-")
+    name = label.replace(" ", "-") + (f"-round{round_}" if args.rounds > 1 else "")
     cmd = [sys.executable, "-m", "lowbit", "rl", "--model", str(model), "--task", args.task,
            "--prompts-per-step", str(args.prompts), "--num-generations", str(args.generations),
            "--max-completion-length", str(args.tokens), "--steps", str(args.steps),
@@ -82,9 +85,9 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:   # this mode fails; the others' rows are kept
-        return {"mode": label, "flags": flags, "returncode": None, "wall_s": round(time.perf_counter() - t0, 1),
-                "error": f"stopped after --timeout {args.timeout:g} s"}
-    row = {"mode": label, "flags": flags, "returncode": proc.returncode,
+        return {"mode": label, "round": round_, "flags": flags, "returncode": None,
+                "wall_s": round(time.perf_counter() - t0, 1), "error": f"stopped after --timeout {args.timeout:g} s"}
+    row = {"mode": label, "round": round_, "flags": flags, "returncode": proc.returncode,
            "wall_s": round(time.perf_counter() - t0, 1)}
     if proc.returncode != 0:
         row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
@@ -101,17 +104,37 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path) -> dict:
     return row
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per mode (in the order run): each time's median over the rounds that ran, and its step's
+    ratio to bf16's of the same round, round by round (none where either failed)."""
+    bf16 = {r["round"]: r["step_s"] for r in rows if r["mode"] == "bf16" and "step_s" in r}
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        done = [r for r in rows if r["mode"] == mode and "step_s" in r]
+        entry = {"mode": mode, "rounds": len(done),
+                 "errors": [r["error"] for r in rows if r["mode"] == mode and "step_s" not in r]}
+        if done:
+            for key in (*TIMES, "step_s", "rollout_tokens_per_s"):
+                values = [r[key] for r in done if r[key] is not None]
+                entry[key] = statistics.median(values) if values else None
+            entry["vs_bf16"] = [r["step_s"] / bf16[r["round"]] for r in done if r["round"] in bf16]
+        out.append(entry)
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["mode"] == "bf16" and "step_s" in r), None)
     lines = ["| mode | generate s | score s | train s | sync s | step s | vs bf16 | rollout tok/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        if "step_s" not in r:
-            lines.append(f"| {r['mode']} | failed: {r.get('error', '')} | | | | | | |")
+    for r in summarize(rows):
+        if not r["rounds"]:
+            lines.append(f"| {r['mode']} | failed: {r['errors'][0]} | | | | | | |")
             continue
-        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+        ratios = r["vs_bf16"]
+        ratio = "-" if not ratios else f"{statistics.median(ratios):.2f}x" + (
+            f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
         cells = " | ".join("-" if r[k] is None else f"{r[k]:.3f}" for k in TIMES)
-        lines.append(f"| {r['mode']} | {cells} | {r['step_s']:.3f} | {ratio} | "
+        failed = f", {len(r['errors'])} failed" if r["errors"] else ""
+        lines.append(f"| {r['mode']}{failed} | {cells} | {r['step_s']:.3f} | {ratio} | "
                      f"{r['rollout_tokens_per_s']:,.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -129,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4000, help="the BPE tokenizer's entries")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mode")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes in turns this many times")
     p.add_argument("--extra-flags", default="", help="lowbit rl flags added to every mode, e.g. "
                    "'--micro-batch-size 32'")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (checks the script)")
@@ -136,6 +160,8 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in MODES]:
         p.error(f"unknown --modes {unknown}; use some of {', '.join(MODES)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1 (got {args.rounds})")
     if args.smoke:
         args.model, args.prompts, args.generations, args.tokens, args.steps = "qwen3-tiny", 2, 2, 8, 2
         args.task, args.vocab = "add", 300
@@ -144,9 +170,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = save_model(args.model, out / f"model-{args.model}", args.data_dir, args.vocab)
     rows = []
-    for label in modes:
-        rows.append(run_mode(label, MODES[label], model, args, out / "runs"))
-        print(json.dumps(rows[-1]), flush=True)
+    for round_ in range(args.rounds):
+        for label in modes:
+            rows.append(run_mode(label, MODES[label], model, args, out / "runs", round_))
+            print(json.dumps(rows[-1]), flush=True)
     import torch
 
     from lowbit.bench import run_meta
@@ -157,8 +184,8 @@ def main(argv=None) -> int:
     (out / "rl-step.json").write_text(json.dumps({"meta": meta, "results": {
         "model": args.model, "task": args.task, "prompts": args.prompts,
         "generations": args.generations, "tokens": args.tokens, "steps": args.steps,
-        "extra_flags": args.extra_flags,
-        "rows": rows}}, indent=1) + "\n")
+        "extra_flags": args.extra_flags, "rounds": args.rounds,
+        "rows": rows, "summary": summarize(rows)}}, indent=1) + "\n")
     (out / "rl-step.md").write_text(table(rows))
     print(table(rows), end="")
     return 0 if all(r["returncode"] == 0 for r in rows) else 1

@@ -301,18 +301,28 @@ def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     monkeypatch.setenv("LOWBIT_COMMIT", "0123abc")
     rl_step = script_module(ROOT / "benchmarks" / "rl_step.py")
-    assert rl_step.main(["--smoke", "--out", str(tmp_path), "--modes", "bf16,quads"]) == 0
+    assert rl_step.main(["--smoke", "--out", str(tmp_path), "--modes", "bf16,quads", "--rounds", "2"]) == 0
     result = json.loads((tmp_path / "rl-step.json").read_text())
     assert set(result["meta"]) >= {"date", "commit", "machine", "command"}
     assert result["meta"]["commit"] == "0123abc"
     # the machine in words ("2-core CPU", "one H100"), never "unknown"
     assert result["meta"]["machine"] == run_meta("cuda" if torch.cuda.is_available() else "cpu")["machine"]
     assert result["meta"]["command"].startswith("python benchmarks/rl_step.py --smoke")
-    rows = {r["mode"]: r for r in result["results"]["rows"]}
-    assert set(rows) == {"bf16", "quads"} and all(r["steps_timed"] == 1 for r in rows.values())
-    for r in rows.values():
+    rows = result["results"]["rows"]
+    assert [(r["mode"], r["round"]) for r in rows] == [("bf16", 0), ("quads", 0), ("bf16", 1), ("quads", 1)]
+    assert all(r["steps_timed"] == 1 for r in rows)
+    for r in rows:
         assert r["step_s"] == pytest.approx(sum(r[k] for k in rl_step.TIMES))
+    # --rounds 2: the modes in turns, each round's ratio against that round's bf16
+    bf16, quads = result["results"]["summary"]
+    assert bf16["vs_bf16"] == [1.0, 1.0] and quads["rounds"] == 2
+    assert quads["vs_bf16"] == pytest.approx([rows[1]["step_s"] / rows[0]["step_s"],
+                                              rows[3]["step_s"] / rows[2]["step_s"]])
+    assert quads["step_s"] == pytest.approx((rows[1]["step_s"] + rows[3]["step_s"]) / 2)
+    assert (tmp_path / "runs" / "quads-round1" / "metrics.jsonl").is_file()
     assert "| quads |" in (tmp_path / "rl-step.md").read_text()
+    with pytest.raises(SystemExit):
+        rl_step.main(["--smoke", "--out", str(tmp_path), "--rounds", "0"])
 
 
 def test_rl_raw_refuses_bad_folders_in_one_line_and_writes_nothing(tmp_path, capsys):

@@ -18,6 +18,8 @@ Arms (any of them, in order, each in a fresh model):
     qat             asymmetric QAT (QUADS's trainer side), as lowbit rl runs it
     qat-ste         asymmetric QAT as plain autograd: F.linear(x, W_f) with W_f's gradient passed
                     straight to W (an experiment; dX then uses W_f)
+    ARM-compiled    bf16 or qat with each decoder layer compiled (lowbit rl --compile since
+                    3774726: Transformer.compile_layers(dynamic=True)); the first step compiles
 
     PYTHONPATH=. python docs/results/rollout/rl-train-phase-2026-12-07.py --out DIR bf16-full-ref bf16
     PYTHONPATH=. python docs/results/rollout/rl-train-phase-2026-12-07.py --smoke --out /tmp/x bf16   # CPU
@@ -123,6 +125,8 @@ def main() -> None:
         model = build_model(cfg).to(dev)
         if arm.startswith("qat"):
             apply_asymmetric_qat(model)
+        if arm.endswith("-compiled"):
+            model.compile_layers(dynamic=True)
         layers_module.quant_linear = straight_through_linear if arm == "qat-ste" else quant_linear
         RMSNorm.forward = rms_norm_written_out if arm == "bf16-norm-ops" else fused_rms_norm
         mb = int(arm.split("-mb")[1]) if "-mb" in arm else micro
