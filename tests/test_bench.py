@@ -25,6 +25,24 @@ def test_bench_train_rows_and_table():
     assert "time vs bf16" in table and "stable-fp4" in table
 
 
+def test_bench_train_compiles_the_whole_model_or_each_layer(capsys):
+    # --compile (the whole model, lowbit train's) and --compile layers (each decoder layer,
+    # lowbit rl's): the same losses as eager on the same batches
+    rows = {}
+    for compile in (None, "model", "layers"):
+        [row] = bench_train("tiny", ["bf16"], seq_len=16, batch_size=2, steps=1, warmup=1,
+                            compile=compile, progress=lambda message: None)
+        assert row["compile"] == compile
+        rows[compile] = row
+    for compile in ("model", "layers"):
+        assert rows[compile]["loss"] == pytest.approx(rows[None]["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="--compile must be model or layers"):
+        bench_train("tiny", ["bf16"], compile="blocks")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "train", "--compile", "blocks"])
+    assert exit_.value.code == 2 and "invalid choice: 'blocks'" in capsys.readouterr().err
+
+
 def test_bench_train_interleave_times_blocks_in_turns():
     order = []
     rows = bench_train("tiny", ["bf16", "qat/int2:g32/jacquant/k2/elem/upd", "qat/int2:g32/ste/kd"],

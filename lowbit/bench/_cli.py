@@ -36,7 +36,9 @@ def add_train_bench(sub) -> None:
                    help="keep every recipe's model on the device and time R blocks of --steps "
                         "in turns, so drift hits every recipe alike (default: %(default)s)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const="model", default=None, choices=("model", "layers"),
+                   help="torch.compile the whole model, as lowbit train --compile; --compile "
+                        "layers: each decoder layer on its own, as lowbit rl --compile")
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA: replay the step's forward, backward and clip from one CUDA graph, "
                         "as lowbit train --cuda-graph (AdamW eager); with --compile, the "

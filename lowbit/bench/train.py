@@ -69,7 +69,7 @@ def training_flops_per_token(net: torch.nn.Module, seq_len: int) -> tuple[float,
 
 def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len: int = 128,
                 batch_size: int = 4, steps: int = 10, warmup: int = 3, device: str = "auto",
-                compile: bool = False, n_experts: int | None = None, profile: bool = False,
+                compile: bool | str | None = None, n_experts: int | None = None, profile: bool = False,
                 cuda_graph: bool = False, corpus: str | None = None,
                 progress=print, interleave: int = 1, parallel: str = "ddp",
                 trace: str | None = None) -> list[dict]:
@@ -86,7 +86,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
     or "fsdp", how the model is spread over the processes when launched by torchrun (see the
     module doc); one process ignores it. trace: a folder; with profile, each recipe's profiled
     step is also written there as a Chrome trace, <recipe>.json.gz (characters other than
-    letters, digits and . + - _ in the name as _)."""
+    letters, digits and . + - _ in the name as _). compile: "model" (or True) the whole model
+    through torch.compile, as lowbit train --compile; "layers" each decoder layer on its own
+    (Transformer.compile_layers, as lowbit rl --compile); None (or False) eager."""
     from lowbit.recipes import get_recipe
     from lowbit.train.config import resolve_device
     from lowbit.train.distributed import setup
@@ -95,6 +97,9 @@ def bench_train(model: str = "tiny", recipes=("bf16", "stable-fp4"), *, seq_len:
                                ("--seq-len", seq_len, 1), ("--batch-size", batch_size, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} (got {value})")
+    compile = {True: "model", False: None}.get(compile, compile)
+    if compile not in (None, "model", "layers"):
+        raise ValueError(f"--compile must be model or layers (got {compile!r})")
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"--parallel must be ddp or fsdp (got {parallel!r})")
     if trace and not profile:
@@ -135,7 +140,7 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
                        max_steps=warmup + steps * interleave + (1 if profile else 0),
                        warmup_steps=min(warmup, 1),
-                       compile=compile, cuda_graph=cuda_graph, device=str(dev),
+                       compile=compile == "model", cuda_graph=cuda_graph, device=str(dev),
                        corpus=corpus or "tinyshakespeare",
                        tokenizer="model" if is_model_folder(model) else "bytes", progress=False,
                        diagnostics=False, parallel=parallel)
@@ -168,6 +173,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
                 note = (f"{name} quantized no module of this model ({summary}); its row is bf16 "
                         f"training")
         net.train()
+        if compile == "layers":
+            net.compile_layers()
         if cuda_graph:
             refuse_cuda_graph(process, net, base.bf16_autocast)
         if process.enabled and parallel == "fsdp":
