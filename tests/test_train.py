@@ -868,3 +868,23 @@ def test_fold_inexact_adapt_moves_chunked_layers_off_the_fp8_path_and_resumes(tm
     assert [r["step"] for r in records(tmp_path / "cut", "fold_adapted")] == [2]
     assert models[-1].mix.linear_recipe.gemm is Gemm.EMULATED
     assert resumed.train_losses == whole.train_losses
+
+
+def test_compile_without_a_cpp_compiler_is_refused_in_one_line_before_anything(tmp_path, monkeypatch, capsys):
+    # torch.compile writes C++ on the CPU: with no working compiler, lowbit train, lowbit rl and
+    # lowbit bench train say so in one line (exit 2) before they build or write anything
+    from torch._inductor import cpp_builder
+
+    from lowbit.cli import main
+
+    def no_compiler():
+        raise RuntimeError("no working C++ compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    for argv in (["train", "--steps", "1", "--out-dir", str(tmp_path), "--device", "cpu", "--compile"],
+                 ["rl", "--steps", "1", "--out-dir", str(tmp_path), "--device", "cpu", "--compile"],
+                 ["bench", "train", "--device", "cpu", "--steps", "1", "--compile", "layers"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "--compile on the CPU needs a C++ compiler" in err and len(err.strip().splitlines()) == 1, err
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

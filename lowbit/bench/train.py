@@ -134,7 +134,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     from lowbit.train.build import (apply_recipe, build_data, build_model, build_optimizer,
                                     resolve_recipe)
     from lowbit.diagnostics.training import quantized_weights
-    from lowbit.train.step import StepConfig, TrainStep, next_token_loss, refuse_cuda_graph
+    from lowbit.train.step import (StepConfig, TrainStep, next_token_loss, refuse_compile,
+                                   refuse_cuda_graph)
 
     dev = process.device
     base = TrainConfig(model=model, seq_len=seq_len, batch_size=batch_size, n_experts=n_experts,
@@ -149,6 +150,8 @@ def _bench(process, *, model, recipes, seq_len, batch_size, steps, warmup, compi
     vocab_size = data.vocab_size if data is not None else None
     if cuda_graph:   # the device and processes; each model's MoE experts once it is built
         refuse_cuda_graph(process)
+    if compile is not None:
+        refuse_compile(dev)
     units = []
 
     def build(name: str) -> dict:

@@ -65,7 +65,7 @@ from lowbit.train.distributed import Distributed
 from lowbit.train.graphs import split_batch
 from lowbit.train.run_dir import RunDir
 from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
-from lowbit.train.step import StepConfig, TrainStep
+from lowbit.train.step import StepConfig, TrainStep, refuse_compile
 
 __all__ = ["GRPOTrainer", "GRPOLoss", "GRPOBatch", "RLResult", "run_rl", "RLBatch", "RUN_FILES",
            "task_fingerprint", "collapsed", "COLLAPSE_EVALS", "calibration_batches",
@@ -220,6 +220,8 @@ class GRPOTrainer:
                       f"answer; raise it to at least {max(solutions)}")
         if c.routing_replay and not self.model_config.is_moe:
             raise ValueError("--routing-replay needs an MoE policy")
+        if c.compile:   # before the warm start, which may take minutes
+            refuse_compile(self.device)
 
         # the policy: warm start, then the trainer-side alignment
         state = warm_start(c, self.task, self.model_config, str(self.device), self.say)

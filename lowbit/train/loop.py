@@ -44,7 +44,7 @@ from lowbit.train.job_record import JobRecord
 from lowbit.train.run_dir import RunDir
 from lowbit.train.runner import Cadence, RunLoop, Start, StepOutcome
 from lowbit.train.step import (LossFn, StepConfig, StepResult, TrainStep, learning_rate_at,
-                               next_token_loss, refuse_cuda_graph)
+                               next_token_loss, refuse_compile, refuse_cuda_graph)
 
 __all__ = ["train", "RunResult", "TrainingData", "evaluate", "learning_rate_at",
            "data_fingerprint", "describe_numerics"]
@@ -149,6 +149,8 @@ class _TrainJob:
         checkpoint = run_dir.check(config, resume, overwrite, warn=warn, lock=main, job=job)
         if config.cuda_graph:   # the device and processes; the model's experts once it is built
             refuse_cuda_graph(process)
+        if config.compile:
+            refuse_compile(device)
         self.say = say = tqdm.write if config.progress and main else (lambda message: None)
         if diagnostics_fn is None and config.diagnostics and quantizes(config.recipe):
             diagnostics_fn = _recipe_diagnostics

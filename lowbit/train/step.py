@@ -28,6 +28,7 @@ torch.compile. The loss, gradient norm and inexact-fold count come back in one r
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from lowbit.train.graphs import (GraphedGradients, accumulate_gradients, clip_gr
                                  map_batch, split_batch)
 
 __all__ = ["TrainStep", "StepConfig", "StepResult", "LossFn", "next_token_loss",
-           "learning_rate_at", "refuse_cuda_graph"]
+           "learning_rate_at", "refuse_cuda_graph", "refuse_compile"]
 
 LossFn = Callable[[Callable, tuple], torch.Tensor]
 """loss_fn(model, micro_batch) -> one micro-batch's scalar loss; `model` is the step's forward
@@ -114,6 +115,24 @@ def learning_rate_at(step: int, config: StepConfig) -> float:
     progress = 1.0 if decay_steps <= 0 else min(1.0, (step - config.warmup_steps) / decay_steps)
     min_lr = config.lr * config.min_lr_ratio
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
+
+
+def refuse_compile(device: torch.device) -> None:
+    """Raise the one-line reason (ValueError) why --compile cannot run on `device`, if there is
+    one, before a run builds anything: torch.compile writes C++ for the CPU, which needs a
+    working C++ compiler (the one torch's inductor finds: CXX, else g++ or clang++), and Triton
+    kernels for a GPU."""
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception:   # inductor's InvalidCxxCompiler, or a compiler that fails to run
+            raise ValueError("--compile on the CPU needs a C++ compiler (torch.compile writes C++ "
+                             "there) and found none that works: install g++ or set CXX to one, "
+                             "or drop --compile") from None
+    elif device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError("--compile on a GPU needs Triton (torch.compile writes Triton kernels): "
+                         "pip install triton, or drop --compile")
 
 
 def refuse_cuda_graph(process: Distributed, model: nn.Module | None = None,
