@@ -39,6 +39,7 @@ MODES = {
     "quads packed": "--rollout nvfp4 --align quads --packed-gemm",
     "quads+g64": "--rollout nvfp4 --align quads --rac-group 64",
     "quads+g64 packed": "--rollout nvfp4 --align quads --rac-group 64 --packed-gemm",
+    "quads+g64+fold": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold",
     "quads+g64+fold packed": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm",
     "bf16 compiled": "--rollout bf16 --align none --compile",
     "quads+g64+fold packed compiled": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm "
