@@ -546,20 +546,22 @@ def test_the_trainers_engine_takes_racs_channel_group(tmp_path):
     assert (back.rac_fold, back.rac_group, back.setting) == (True, 64, folded.setting)
 
 
-def test_resume_is_exact(tmp_path):
-    straight = run_rl(_config(tmp_path, run_name="a"))     # both read one cached warm start
-    first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2))
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_resume_is_exact(tmp_path, compile):
+    # --compile: the resumed run compiles its layers again and takes the same steps
+    straight = run_rl(_config(tmp_path, run_name="a", compile=compile))     # both read one cached warm start
+    first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2, compile=compile))
     assert first.steps == 2
     assert not (first.run_dir / "final.json").exists()     # a session's end is not the run's
-    resumed = run_rl(_config(tmp_path, run_name="b"), resume=True)
+    resumed = run_rl(_config(tmp_path, run_name="b", compile=compile), resume=True)
     keys = ("reward", "loss", "grad_norm", "sampling/sampling_logp_difference/mean")
     pick = lambda result: [[r[k] for k in keys] for r in result.records if r["event"] == "train"]
     assert pick(straight) == pick(resumed) and len(pick(resumed)) == 4
     assert any(r["grad_norm"] > 0 for r in straight.records if r["event"] == "train")
     with pytest.raises(ValueError, match="config differs"):
-        run_rl(_config(tmp_path, run_name="b", lr=1e-4), resume=True)
+        run_rl(_config(tmp_path, run_name="b", lr=1e-4, compile=compile), resume=True)
     with pytest.raises(ValueError, match="already holds a run"):
-        run_rl(_config(tmp_path, run_name="b"))
+        run_rl(_config(tmp_path, run_name="b", compile=compile))
 
 
 def test_moe_policy_through_rl_with_routing_replay(tmp_path):
