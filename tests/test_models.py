@@ -433,3 +433,58 @@ def test_compiled_layers_are_one_graph_for_every_layer_and_length():
         for ga, gb in zip(grads_a, grads_b):
             torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def _prompt_rows(prompts, prompt_lengths, completions):
+    # each completion's row: its group's prompt (prompt_lengths[g] tokens) + the completion
+    G = completions.shape[0] // prompts.shape[0]
+    rows = [torch.cat((prompts[b // G, :prompt_lengths[b // G]], c)) for b, c in enumerate(completions)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = row
+    lengths = prompt_lengths.repeat_interleave(G)
+    positions = lengths[:, None] - 1 + torch.arange(completions.shape[1])   # predicting each token
+    return ids, positions
+
+
+@pytest.mark.parametrize("kw", [dict(TINY, n_kv_heads=2, qk_norm=True), TINY], ids=["gqa-qknorm", "mha"])
+def test_shared_prompts_give_each_rows_logits_and_gradients(kw):
+    # Transformer(completions, prompts=(prompt_ids, lengths)): each prompt run once for its group
+    # of completions (SharedPrompts); the logits predicting every completion token and the
+    # gradients are those of the rows of prompt + completion, prompts of unequal lengths
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**kw))
+    prompt_lengths = torch.tensor([3, 9, 1])
+    prompts = _tokens(3, 9, seed=1)
+    completions = _tokens(12, 5, seed=2)
+    ids, positions = _prompt_rows(prompts, prompt_lengths, completions)
+    weights = torch.randn(12, 5, 64)
+    results = []
+    for run in (lambda: model(ids, logits_at=positions), lambda: model(completions, prompts=(prompts, prompt_lengths))):
+        model.zero_grad()
+        logits = run().logits
+        (logits * weights).sum().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (rows, grads_rows), (shared, grads_shared) = results
+    assert shared.shape == (12, 5, 64)
+    torch.testing.assert_close(shared, rows, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_shared, grads_rows):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # a prompt's padding is never read: other tokens there change nothing
+    padded = prompts.clone()
+    padded[0, 3:], padded[2, 1:] = 7, 11
+    torch.testing.assert_close(model(completions, prompts=(padded, prompt_lengths)).logits, shared)
+
+
+def test_shared_prompts_refuse_what_they_cannot_run():
+    model = build_model(ModelConfig(**TINY))
+    prompts, lengths = _tokens(2, 4), torch.tensor([4, 2])
+    for completions, prompt_lengths, message in ((_tokens(5, 3), lengths, "same number of completions"),
+                                                 (_tokens(4, 3), lengths[:1], "same number of completions"),
+                                                 (_tokens(4, 30), lengths, "exceed max_seq_len=32")):
+        with pytest.raises(ValueError, match=message):
+            model(completions, prompts=(prompts, prompt_lengths))
+    with pytest.raises(ValueError, match="not an MoE model"):
+        build_model(ModelConfig(**TINY_MOE))(_tokens(4, 3), prompts=(prompts, lengths))
+    with pytest.raises(ValueError, match="nor with targets"):
+        model(_tokens(4, 3), targets=_tokens(4, 3), prompts=(prompts, lengths))

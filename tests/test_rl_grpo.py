@@ -297,6 +297,41 @@ def test_the_compiled_trainer_takes_the_eager_steps(tmp_path):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
+    """--share-prompts runs each prompt once for its group of completions: the policy's loss
+    pass, its no-grad pass (num_iterations 2) and the reference policy's (beta > 0) give the
+    losses and gradient norms of each completion's whole row, to float rounding, QUADS's
+    asymmetric QAT and NVFP4 rollouts included; compiled too (one graph a pass)."""
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for share in (False, True):
+        config = _config(tmp_path, run_name=f"share-{share}-{compile}", steps=2, checkpoint_every=0,
+                         num_iterations=2, beta=0.04, micro_batch_size=4, share_prompts=share,
+                         compile=compile)
+        trainer = GRPOTrainer(config)
+        graphs = counters["stats"]["unique_graphs"]
+        records = [r for r in trainer.run().records if r["event"] == "train"]
+        runs.append([(r["loss"], r["grad_norm"], r["kl"]) for r in records])
+        if compile and share:   # the policy's two passes and the reference's
+            assert counters["stats"]["unique_graphs"] - graphs <= 3
+    rows, shared = runs
+    assert len(rows) == 2 and rows[0][1] > 0
+    assert shared[0] == pytest.approx(rows[0], rel=1e-4, abs=1e-6)
+    # Adam's steps divide by the gradients' own size, so their rounding grows from step to step
+    assert shared[1] == pytest.approx(rows[1], rel=1e-2, abs=1e-4)
+
+
+def test_shared_prompts_refuse_an_moe_policy_and_split_groups(tmp_path):
+    with pytest.raises(ValueError, match="this policy is MoE: drop --share-prompts"):
+        GRPOTrainer(_config(tmp_path, run_name="moe", share_prompts=True, n_experts=4, warmstart_steps=4))
+    with pytest.raises(ValueError, match="a micro-batch of 2 completions is not a multiple of "
+                                         "--num-generations 4"):
+        GRPOTrainer(_config(tmp_path, run_name="split", share_prompts=True, micro_batch_size=2))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "split" in str(p)]
+
+
 def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
     import lowbit.rl.warmstart as warmstart
 

@@ -107,6 +107,63 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+@dataclass
+class SharedPrompts:
+    """A batch of completions whose prompts come in groups (GRPO's G samples of a prompt), run
+    with each prompt once: the tokens are the Gp prompts (Gp, P), right-padded, then the
+    B = Gp * G completions (B, Tc), flattened into one row (1, Gp * P + B * Tc). A prompt's
+    tokens attend causally within it; a completion's attend to its group's prompt (its first
+    prompt_lengths[g] positions) and causally to its own earlier tokens, at the positions
+    they hold in prompt + completion. The same attention, so the same logits, as each row of
+    prompt + completion run alone, with the prompt's work done once a group instead of G times."""
+
+    prompt_lengths: torch.Tensor
+    """(Gp,) int64, each prompt's tokens (1..P)."""
+    prompt_len: int
+    """P, the prompts' padded length."""
+    completion_len: int
+    """Tc, the completions' padded length."""
+    group_size: int
+    """G, completions a prompt."""
+
+    @property
+    def group(self) -> torch.Tensor:
+        """(B,) each completion's prompt."""
+        return torch.arange(self.prompt_lengths.shape[0] * self.group_size,
+                            device=self.prompt_lengths.device) // self.group_size
+
+    def positions(self) -> torch.Tensor:
+        """(N,) each token's position: 0..P-1 in a prompt, p_g + j for completion token j."""
+        P, Tc, dev = self.prompt_len, self.completion_len, self.prompt_lengths.device
+        prompt = torch.arange(P, device=dev).repeat(self.prompt_lengths.shape[0])
+        completion = self.prompt_lengths[self.group][:, None] + torch.arange(Tc, device=dev)
+        return torch.cat((prompt, completion.reshape(-1)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q (1, H, N, D), k and v (1, KV, N, D) of the flattened tokens -> (1, H, N, D)."""
+        Gp, P, Tc = self.prompt_lengths.shape[0], self.prompt_len, self.completion_len
+        B, Np = Gp * self.group_size, Gp * P
+
+        def prompts(t):   # (Gp, heads, P, D)
+            return t[0, :, :Np].unflatten(1, (Gp, P)).transpose(0, 1)
+
+        def completions(t):   # (B, heads, Tc, D)
+            return t[0, :, Np:].unflatten(1, (B, Tc)).transpose(0, 1)
+
+        y_prompt = F.scaled_dot_product_attention(prompts(q), prompts(k), prompts(v), is_causal=True,
+                                                  enable_gqa=gqa)
+        group = self.group
+        keys = torch.cat((prompts(k)[group], completions(k)), dim=2)     # (B, KV, P + Tc, D)
+        values = torch.cat((prompts(v)[group], completions(v)), dim=2)
+        in_prompt = torch.arange(P, device=q.device) < self.prompt_lengths[group][:, None]   # (B, P)
+        causal = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).tril()
+        mask = torch.cat((in_prompt[:, None, :].expand(B, Tc, P), causal.expand(B, Tc, Tc)), dim=2)
+        y_completion = F.scaled_dot_product_attention(completions(q), keys, values,
+                                                      attn_mask=mask[:, None], enable_gqa=gqa)
+        return torch.cat((y_prompt.transpose(0, 1).flatten(1, 2),
+                          y_completion.transpose(0, 1).flatten(1, 2)), dim=1)[None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -120,17 +177,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                shared: SharedPrompts | None = None) -> torch.Tensor:
+        """x (B, T, C); shared: x is SharedPrompts' one row of prompts then completions."""
         B, T, C = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,  # each KV head serves H / KV query heads
-        )  # (B, H, T, D)
+        gqa = self.n_kv_heads != self.n_heads  # each KV head serves H / KV query heads
+        if shared is not None:
+            y = shared.attend(q, k, v, gqa)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=gqa,
+            )  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
@@ -164,10 +226,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.dim, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                shared: SharedPrompts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> x (B, T, C), aux_loss (scalar; 0 for a dense layer)."""
-        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin, shared))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             h, aux_loss = self.mlp(h)
@@ -188,14 +250,19 @@ class Decoder(nn.Module):
                                           cfg.rope_scaling)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """idx (B, T) -> hidden states (B, T, C), aux_loss averaged over MoE layers."""
+    def forward(self, idx: torch.Tensor,
+                shared: SharedPrompts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx (B, T) -> hidden states (B, T, C), aux_loss averaged over MoE layers. shared:
+        idx is its one row of prompts then completions, each token at its own position."""
         T = idx.shape[1]
         cos, sin = self.rotary_emb.cos[:T], self.rotary_emb.sin[:T]  # (T, D)
+        if shared is not None:
+            positions = shared.positions()
+            cos, sin = self.rotary_emb.cos[positions], self.rotary_emb.sin[positions]  # (N, D)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         aux_losses = []
         for layer in self.layers:
-            x, aux_loss = layer(x, cos, sin)
+            x, aux_loss = layer(x, cos, sin, shared)
             if layer.is_moe:
                 aux_losses.append(aux_loss)
         # Averaged rather than summed, so moe_aux_loss_coef means the same at every depth.
@@ -237,11 +304,20 @@ class Transformer(nn.Module):
         self.model.rotary_emb.reset()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> ModelOutput:
+                logits_at: torch.Tensor | None = None,
+                prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelOutput:
         """idx (B, T) token ids; targets (B, T) next-token ids, -100 where no loss is wanted.
         logits_at (B, K) positions (int64, < T): the logits of those positions only, (B, K, V),
         the lm_head run on nothing else (RL's log-probs of a completion need none of its
-        prompt's); not with targets."""
+        prompt's); not with targets.
+
+        prompts: (prompt_ids (Gp, P) right-padded, prompt_lengths (Gp,)) shared by groups of
+        B / Gp consecutive rows of idx, which are then completions (B, Tc) that follow them:
+        the logits that predict each completion token, (B, Tc, V), each prompt run once for its
+        group (SharedPrompts); what `logits_at` at completion positions gives for the rows of
+        prompt + completion. Dense models; not with targets or logits_at."""
+        if prompts is not None:
+            return self._completion_logits(idx, *prompts, targets=targets, logits_at=logits_at)
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
@@ -261,6 +337,28 @@ class Transformer(nn.Module):
             if self.config.is_moe:
                 loss = loss + self.config.moe_aux_loss_coef * aux_loss
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+    def _completion_logits(self, completions: torch.Tensor, prompt_ids: torch.Tensor,
+                           prompt_lengths: torch.Tensor, targets=None, logits_at=None) -> ModelOutput:
+        (Gp, P), (B, Tc) = prompt_ids.shape, completions.shape
+        if self.config.is_moe or targets is not None or logits_at is not None:
+            raise ValueError("prompts (shared prompts) run a dense model's completion logits; "
+                             "not an MoE model, nor with targets or logits_at")
+        if Gp == 0 or B % Gp or prompt_lengths.shape != (Gp,):
+            raise ValueError(f"prompts: {Gp} prompts (with {tuple(prompt_lengths.shape)} lengths) "
+                             f"for {B} completions; each prompt needs the same number of "
+                             f"completions and one length")
+        if P + Tc > self.config.max_seq_len:
+            raise ValueError(f"prompts of {P} tokens and completions of {Tc} exceed "
+                             f"max_seq_len={self.config.max_seq_len}")
+        shared = SharedPrompts(prompt_lengths, P, Tc, B // Gp)
+        tokens = torch.cat((prompt_ids.reshape(-1), completions.reshape(-1)))[None]   # (1, N)
+        h, aux_loss = self.model(tokens, shared)   # (1, N, C)
+        # completion token j is predicted at the token before it: its prompt's last for j = 0
+        last = (torch.arange(Gp, device=h.device) * P + prompt_lengths - 1)[shared.group]   # (B,)
+        rest = Gp * P + torch.arange(B, device=h.device)[:, None] * Tc + torch.arange(Tc - 1, device=h.device)
+        at = torch.cat((last[:, None], rest), dim=1)   # (B, Tc)
+        return ModelOutput(logits=self.lm_head(h[0, at]), loss=None, aux_loss=aux_loss)
 
     def compile_layers(self, dynamic: bool | None = None) -> None:
         """torch.compile each decoder layer in place (regional compilation, as torchtitan

@@ -168,6 +168,13 @@ class RLConfig(RunConfig):
     """Run each of the trainer's decoder layers (the policy's and the reference's) through
     torch.compile (Transformer.compile_layers, dynamic shapes); the engine's decode has its
     own, --compile-decode."""
+    share_prompts: bool = field(default=False, metadata=flag(
+        "--share-prompts", "the trainer runs each prompt once for its --num-generations "
+        "completions (their attention reads its keys), not once a completion: the same "
+        "log-probs with a prompt's share of the work divided by the group (dense policies)",
+        action="store_true"))
+    """The trainer's passes run each prompt once a group (lowbit.models.transformer.SharedPrompts,
+    lowbit.rl.trainer.completion_logits); False: each completion's row, prompt included."""
     rollout_activation_scale: str = field(default="per-token", metadata=flag(
         "--rollout-activation-scale", "NVFP4 rollouts' activation scale: per-token (a power-of-two "
         "scale per token) or static (a served NVFP4 checkpoint's: one calibrated FP32 scale per "

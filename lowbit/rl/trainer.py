@@ -100,6 +100,7 @@ class RLBatch:
     mask: torch.Tensor               # (B, Tc) tokens in the loss
     rollout_logprobs: torch.Tensor   # (B, Tc)
     routed: torch.Tensor | None      # (B, T, layers, k) or None
+    prompt_ids: torch.Tensor         # (B, P) each row's prompt, right-padded to the longest
 
 
 @dataclass
@@ -132,6 +133,22 @@ class GRPOBatch(NamedTuple):
                                                 #   tokens (needed on-policy)
     engine_routed: torch.Tensor | None = None   # (B, T, layers, k) the engine's experts (MoE),
                                                 #   for the routing agreement on-policy
+    prompt_ids: torch.Tensor | None = None      # (B, P) each row's prompt (--share-prompts)
+
+
+def completion_logits(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
+                      completions: torch.Tensor, prompt_ids: torch.Tensor | None = None,
+                      shared_group: int = 0) -> torch.Tensor:
+    """(B, Tc, V): the logits that predict each completion token. shared_group G > 0 (with
+    prompt_ids, each row's prompt; the rows in groups of G consecutive ones that share it, as
+    GRPO samples them): each prompt runs once for its group (Transformer's `prompts`,
+    lowbit.models.transformer.SharedPrompts); else each row's prompt + completion runs
+    (`logits_at`, the completion positions only)."""
+    if shared_group:
+        return model(completions, prompts=(prompt_ids[::shared_group],
+                                           prompt_lengths[::shared_group])).logits
+    positions = grpo.completion_positions(prompt_lengths, completions.shape[1], input_ids.shape[1])
+    return model(input_ids, logits_at=positions).logits
 
 
 class GRPOLoss:
@@ -148,16 +165,17 @@ class GRPOLoss:
     agreement are then measured here, per micro-batch, and no separate no-grad pass is run."""
 
     def __init__(self, policy: torch.nn.Module, config: grpo.LossConfig, temperature: float,
-                 importance: tuple[str, str, float] = ("none", "truncate", 3.0)) -> None:
+                 importance: tuple[str, str, float] = ("none", "truncate", 3.0),
+                 shared_group: int = 0) -> None:
+        """shared_group: G > 0 runs each group of G rows' prompt once (completion_logits)."""
         self.policy, self.config, self.temperature = policy, config, temperature
-        self.importance = importance
+        self.importance, self.shared_group = importance, shared_group
         self.metrics: list[tuple[dict, torch.Tensor]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
-        positions = grpo.completion_positions(batch.prompt_lengths, batch.completions.shape[1],
-                                              batch.input_ids.shape[1])
         with replay_routing(self.policy, batch.routed):
-            logits = model(batch.input_ids, logits_at=positions).logits   # (B, Tc, V)
+            logits = completion_logits(model, batch.input_ids, batch.prompt_lengths, batch.completions,
+                                       batch.prompt_ids, self.shared_group)   # (B, Tc, V)
         logp, entropy = grpo.completion_logprobs(logits, batch.completions, self.temperature)
         logp_old, is_weights, measured = batch.logp_old, batch.is_weights, {}
         if logp_old is None:
@@ -255,9 +273,17 @@ class GRPOTrainer:
                                  total_steps=c.steps * c.num_iterations,
                                  weight_decay=c.weight_decay, grad_clip=c.grad_clip)
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
+        if c.share_prompts and self.model_config.is_moe:
+            raise ValueError("--share-prompts runs a dense policy's prompts once a group; this "
+                             "policy is MoE: drop --share-prompts")
+        if c.share_prompts and micro % c.num_generations:
+            raise ValueError(f"--share-prompts needs whole groups in a micro-batch: a micro-batch "
+                             f"of {micro} completions is not a multiple of --num-generations "
+                             f"{c.num_generations}; set --micro-batch-size to one")
         self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
             c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
-            c.temperature, (c.importance_sampling, c.is_mode, c.is_cap))
+            c.temperature, (c.importance_sampling, c.is_mode, c.is_cap),
+            shared_group=c.num_generations if c.share_prompts else 0)
         self.step_fn = TrainStep(self.policy, self.optimizer, step_config,
                                  Distributed(device=self.device), loss_fn=self.loss_fn)
 
@@ -327,15 +353,21 @@ class GRPOTrainer:
             mask = mask & rollout.stopped.to(dev)[:, None]
         rows = [prompt + completion for prompt, completion in zip(rollout.prompts, rollout.completion_lists())]
         ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)   # made here, copied once
-        for b, row in enumerate(rows):
+        prompt_ids = torch.zeros(len(rows), max(map(len, rollout.prompts)), dtype=torch.int64)
+        for b, (row, prompt) in enumerate(zip(rows, rollout.prompts)):
             ids[b, :len(row)] = torch.tensor(row)
-        ids = ids.to(dev)
+            prompt_ids[b, :len(prompt)] = torch.tensor(prompt)
+        G = self.loss_fn.shared_group
+        if G and any(rollout.prompts[b] != rollout.prompts[b - b % G] for b in range(len(rows))):
+            raise RuntimeError(f"--share-prompts: the rollout's rows are not in groups of {G} "
+                               f"that share a prompt")
+        ids, prompt_ids = ids.to(dev), prompt_ids.to(dev)
         lengths = torch.tensor([len(p) for p in rollout.prompts], device=dev)
         T = ids.shape[1]
         routed = None
         if rollout.routed_experts is not None:
             routed = rollout.routed_experts[:, :T].to(dev)
-        return RLBatch(ids, lengths, completions, mask, rollout.logprobs.to(dev), routed)
+        return RLBatch(ids, lengths, completions, mask, rollout.logprobs.to(dev), routed, prompt_ids)
 
     def train_on(self, step: int, batch: RLBatch, rewards: torch.Tensor) -> dict | None:
         """num_iterations optimizer steps on the step's rollouts: their metrics, or None when
@@ -361,7 +393,7 @@ class GRPOTrainer:
         step_batch = GRPOBatch(batch.input_ids, batch.prompt_lengths, batch.completions, mask,
                                logp_old, advantages, weights, ref_logp, replayed,
                                tokens.expand(mask.shape[0]), batch.rollout_logprobs,
-                               batch.routed if on_policy else None)
+                               batch.routed if on_policy else None, batch.prompt_ids)
         losses, grad_norms = [], []
         for i in range(c.num_iterations):
             self.loss_fn.metrics = []
@@ -391,12 +423,12 @@ class GRPOTrainer:
         logp, entropy, ref_logp, agreement = [], [], [], [0, 0]
         # the step's micro-batches, as TrainStep splits its batch (lowbit.train.graphs)
         parts = split_batch((batch.input_ids, batch.prompt_lengths, batch.completions, batch.routed,
-                             replayed), self.step_fn.config.grad_accum_steps)
-        for input_ids, prompt_lengths, completions, routed, replay in parts:
-            positions = grpo.completion_positions(prompt_lengths, completions.shape[1], input_ids.shape[1])
+                             replayed, batch.prompt_ids), self.step_fn.config.grad_accum_steps)
+        for input_ids, prompt_lengths, completions, routed, replay, prompt_ids in parts:
+            rows = (input_ids, prompt_lengths, completions, prompt_ids, self.loss_fn.shared_group)
             if policy:
                 with self.step_fn.autocast, replay_routing(self.policy, replay):
-                    logits = self.policy(input_ids, logits_at=positions).logits
+                    logits = completion_logits(self.policy, *rows)
                 lp, ent = grpo.completion_logprobs(logits, completions, c.temperature)
                 logp.append(lp), entropy.append(ent)
                 if routed is not None:
@@ -404,7 +436,7 @@ class GRPOTrainer:
                     agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
             if self.reference is not None:   # under the policy's autocast: at the start, the same log-probs
                 with self.step_fn.autocast:
-                    ref_logits = self.reference(input_ids, logits_at=positions).logits
+                    ref_logits = completion_logits(self.reference, *rows)
                 ref_logp.append(grpo.completion_logprobs(ref_logits, completions, c.temperature)[0])
         if policy and batch.routed is not None:   # no MoE routers: 0 of 0 pairs, agreement None
             metrics["routing/agreeing_pairs"], metrics["routing/recorded_pairs"] = agreement or (0, 0)
