@@ -16,7 +16,8 @@ each time's median over the rounds and the ratios' median and range.
 Modes (--modes, each `name=lowbit rl flags`): bf16, nvfp4 (naive W4A4), quads (asymmetric QAT +
 RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), quads+g64+fold (and
 its residual added into the activation, --rac-fold), each NVFP4 one also with --packed-gemm,
-and bf16 and the last with the trainer compiled (--compile). Writes --out/rl-step.json ({meta,
+and bf16 and the last with the trainer compiled (--compile) or running each prompt once a group
+(--share-prompts). Writes --out/rl-step.json ({meta,
 results}) and rl-step.md, and keeps each run's metrics.jsonl under --out/runs/.
 """
 
@@ -42,6 +43,9 @@ MODES = {
     "quads+g64+fold": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold",
     "quads+g64+fold packed": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm",
     "bf16 compiled": "--rollout bf16 --align none --compile",
+    "bf16 shared": "--rollout bf16 --align none --share-prompts",
+    "quads+g64+fold packed shared": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm "
+                                    "--share-prompts",
     "quads+g64+fold packed compiled": "--rollout nvfp4 --align quads --rac-group 64 --rac-fold --packed-gemm "
                                       "--compile",
 }

@@ -20,6 +20,8 @@ Arms (any of them, in order, each in a fresh model):
                     straight to W (an experiment; dX then uses W_f)
     ARM-compiled    bf16 or qat with each decoder layer compiled (lowbit rl --compile since
                     3774726: Transformer.compile_layers(dynamic=True)); the first step compiles
+    ARM-shared      with each prompt run once for its group of 8 (lowbit rl --share-prompts);
+                    with such an arm every arm's rows come in groups of 8 sharing a prompt
 
     PYTHONPATH=. python docs/results/rollout/rl-train-phase-2026-12-07.py --out DIR bf16-full-ref bf16
     PYTHONPATH=. python docs/results/rollout/rl-train-phase-2026-12-07.py --smoke --out /tmp/x bf16   # CPU
@@ -31,6 +33,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import statistics
 import time
 
@@ -114,6 +117,11 @@ def main() -> None:
     T = int(prompt_lengths.max()) + Tc
     ids = torch.randint(0, vocab, (B, T), generator=g)
     completions = torch.randint(0, vocab, (B, Tc), generator=g)
+    G = 8 if any("-shared" in arm for arm in args.arms) else 0
+    if G:   # GRPO's groups: each prompt (row b - b % G's) sampled G times, for every arm
+        prompt_lengths = prompt_lengths[torch.arange(B) // G * G]
+        ids = ids[torch.arange(B) // G * G]
+    prompt_ids = ids[:, :int(prompt_lengths.max())].clone()
     for b in range(B):
         ids[b, prompt_lengths[b]:prompt_lengths[b] + Tc] = completions[b]
     lengths = torch.randint(Tc // 2, Tc + 1, (B,), generator=g)
@@ -125,20 +133,21 @@ def main() -> None:
         model = build_model(cfg).to(dev)
         if arm.startswith("qat"):
             apply_asymmetric_qat(model)
-        if arm.endswith("-compiled"):
+        if "-compiled" in arm:
             model.compile_layers(dynamic=True)
         layers_module.quant_linear = straight_through_linear if arm == "qat-ste" else quant_linear
         RMSNorm.forward = rms_norm_written_out if arm == "bf16-norm-ops" else fused_rms_norm
-        mb = int(arm.split("-mb")[1]) if "-mb" in arm else micro
+        mb = int(re.search(r"-mb(\d+)", arm)[1]) if "-mb" in arm else micro
         sc = StepConfig(batch_size=mb, grad_accum_steps=B // mb, lr=1e-6, total_steps=100)
         opt = build_optimizer(model, sc, dev)
         loss_class = FullLogitsLoss if "full" in arm else GRPOLoss
-        loss_fn = loss_class(model, grpo.LossConfig("dapo", 0.2, 0.28, 0.0, Tc), 1.0)
+        loss_fn = loss_class(model, grpo.LossConfig("dapo", 0.2, 0.28, 0.0, Tc), 1.0,
+                             shared_group=G if "-shared" in arm else 0)
         step = TrainStep(model, opt, sc, Distributed(device=dev), loss_fn=loss_fn)
         tokens = (mask.sum() / (B // mb)).expand(B)
         batch = GRPOBatch(*(t.to(dev) if t is not None else None for t in (
             ids, prompt_lengths, completions, mask, None, advantages, None, None, None, tokens,
-            torch.full((B, Tc), -1.0), None)))
+            torch.full((B, Tc), -1.0), None, prompt_ids)))
         forced = dispatch.force_reference() if arm.endswith("ref") else contextlib.nullcontext()
         times = []
 
