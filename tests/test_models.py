@@ -433,6 +433,13 @@ def test_compiled_layers_are_one_graph_for_every_layer_and_length():
         for ga, gb in zip(grads_a, grads_b):
             torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    # shared prompts (RL's --share-prompts): one more graph, for every prompt and completion length
+    for P, Tc in ((5, 4), (9, 6), (3, 2)):
+        prompts, lengths = _tokens(2, P), torch.tensor([P, max(1, P - 2)])
+        completions = _tokens(6, Tc, seed=P)
+        a, b = (model(completions, prompts=(prompts, lengths)).logits for model in (eager, compiled))
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
 
 
 def _prompt_rows(prompts, prompt_lengths, completions):

@@ -139,7 +139,8 @@ class SharedPrompts:
         completion = self.prompt_lengths[self.group][:, None] + torch.arange(Tc, device=dev)
         return torch.cat((prompt, completion.reshape(-1)))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
+               dropout_p: float = 0.0) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, KV, N, D) of the flattened tokens -> (1, H, N, D)."""
         Gp, P, Tc = self.prompt_lengths.shape[0], self.prompt_len, self.completion_len
         B, Np = Gp * self.group_size, Gp * P
@@ -151,15 +152,15 @@ class SharedPrompts:
             return t[0, :, Np:].unflatten(1, (B, Tc)).transpose(0, 1)
 
         y_prompt = F.scaled_dot_product_attention(prompts(q), prompts(k), prompts(v), is_causal=True,
-                                                  enable_gqa=gqa)
+                                                  dropout_p=dropout_p, enable_gqa=gqa)
         group = self.group
         keys = torch.cat((prompts(k)[group], completions(k)), dim=2)     # (B, KV, P + Tc, D)
         values = torch.cat((prompts(v)[group], completions(v)), dim=2)
         in_prompt = torch.arange(P, device=q.device) < self.prompt_lengths[group][:, None]   # (B, P)
         causal = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).tril()
         mask = torch.cat((in_prompt[:, None, :].expand(B, Tc, P), causal.expand(B, Tc, Tc)), dim=2)
-        y_completion = F.scaled_dot_product_attention(completions(q), keys, values,
-                                                      attn_mask=mask[:, None], enable_gqa=gqa)
+        y_completion = F.scaled_dot_product_attention(completions(q), keys, values, attn_mask=mask[:, None],
+                                                      dropout_p=dropout_p, enable_gqa=gqa)
         return torch.cat((y_prompt.transpose(0, 1).flatten(1, 2),
                           y_completion.transpose(0, 1).flatten(1, 2)), dim=1)[None]
 
@@ -187,12 +188,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads  # each KV head serves H / KV query heads
+        dropout_p = self.dropout if self.training else 0.0
         if shared is not None:
-            y = shared.attend(q, k, v, gqa)
+            y = shared.attend(q, k, v, gqa, dropout_p)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=gqa,
-            )  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                               enable_gqa=gqa)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
