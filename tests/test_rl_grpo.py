@@ -323,9 +323,25 @@ def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
     assert shared[1] == pytest.approx(rows[1], rel=1e-2, abs=1e-4)
 
 
-def test_shared_prompts_refuse_an_moe_policy_and_split_groups(tmp_path):
-    with pytest.raises(ValueError, match="this policy is MoE: drop --share-prompts"):
-        GRPOTrainer(_config(tmp_path, run_name="moe", share_prompts=True, n_experts=4, warmstart_steps=4))
+def test_shared_prompts_replay_an_moe_policys_routing(tmp_path):
+    """--share-prompts on an MoE policy with routing replay: the engine's experts, recorded at
+    each row's positions, are replayed at the shared layout's tokens (shared_tokens), so with a
+    bf16 engine (float32 on the CPU) every recorded position agrees and the log-probs are the
+    engine's; the steps are the rows' (two iterations: the no-grad pass replays too)."""
+    runs = []
+    for share in (False, True):
+        config = _config(tmp_path, run_name=f"moe-share-{share}", rollout="bf16", align="none",
+                         n_experts=4, warmstart_steps=40, steps=2, prompts_per_step=4,
+                         checkpoint_every=0, routing_replay=True, share_prompts=share)
+        runs.append([r for r in run_rl(config).records if r["event"] == "train"])
+    rows, shared = runs
+    assert all(r["routing/agreement"] == 1.0 for r in shared)
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-5 for r in shared)
+    keys = ("loss", "grad_norm")
+    assert [shared[0][k] for k in keys] == pytest.approx([rows[0][k] for k in keys], rel=1e-4, abs=1e-6)
+
+
+def test_shared_prompts_refuse_split_groups(tmp_path):
     with pytest.raises(ValueError, match="a micro-batch of 2 completions is not a multiple of "
                                          "--num-generations 4"):
         GRPOTrainer(_config(tmp_path, run_name="split", share_prompts=True, micro_batch_size=2))

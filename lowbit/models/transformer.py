@@ -316,7 +316,8 @@ class Transformer(nn.Module):
         B / Gp consecutive rows of idx, which are then completions (B, Tc) that follow them:
         the logits that predict each completion token, (B, Tc, V), each prompt run once for its
         group (SharedPrompts); what `logits_at` at completion positions gives for the rows of
-        prompt + completion. Dense models; not with targets or logits_at."""
+        prompt + completion (an MoE model's aux_loss then counts each prompt token once). Not
+        with targets or logits_at."""
         if prompts is not None:
             return self._completion_logits(idx, *prompts, targets=targets, logits_at=logits_at)
         B, T = idx.shape
@@ -342,9 +343,9 @@ class Transformer(nn.Module):
     def _completion_logits(self, completions: torch.Tensor, prompt_ids: torch.Tensor,
                            prompt_lengths: torch.Tensor, targets=None, logits_at=None) -> ModelOutput:
         (Gp, P), (B, Tc) = prompt_ids.shape, completions.shape
-        if self.config.is_moe or targets is not None or logits_at is not None:
-            raise ValueError("prompts (shared prompts) run a dense model's completion logits; "
-                             "not an MoE model, nor with targets or logits_at")
+        if targets is not None or logits_at is not None:
+            raise ValueError("prompts (shared prompts) give the completions' logits; not with "
+                             "targets or logits_at")
         if Gp == 0 or B % Gp or prompt_lengths.shape != (Gp,):
             raise ValueError(f"prompts: {Gp} prompts (with {tuple(prompt_lengths.shape)} lengths) "
                              f"for {B} completions; each prompt needs the same number of "

@@ -171,7 +171,7 @@ class RLConfig(RunConfig):
     share_prompts: bool = field(default=False, metadata=flag(
         "--share-prompts", "the trainer runs each prompt once for its --num-generations "
         "completions (their attention reads its keys), not once a completion: the same "
-        "log-probs with a prompt's share of the work divided by the group (dense policies)",
+        "log-probs with a prompt's share of the work divided by the group",
         action="store_true"))
     """The trainer's passes run each prompt once a group (lowbit.models.transformer.SharedPrompts,
     lowbit.rl.trainer.completion_logits); False: each completion's row, prompt included."""
