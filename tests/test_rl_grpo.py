@@ -341,11 +341,6 @@ def test_shared_prompts_replay_an_moe_policys_routing(tmp_path):
     assert [shared[0][k] for k in keys] == pytest.approx([rows[0][k] for k in keys], rel=1e-4, abs=1e-6)
 
 
-def test_shared_prompts_refuse_split_groups(tmp_path):
-    with pytest.raises(ValueError, match="a micro-batch of 2 completions is not a multiple of "
-                                         "--num-generations 4"):
-        GRPOTrainer(_config(tmp_path, run_name="split", share_prompts=True, micro_batch_size=2))
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "split" in str(p)]
 
 
 def test_warm_start_stops_at_its_target_accuracy(tmp_path, monkeypatch):
@@ -564,6 +559,7 @@ def test_without_a_micro_batch_size_the_step_is_split_to_a_token_budget(tmp_path
     assert auto_micro_batch(128, 122 + 128) == 32      # a 0.6B GSM8K step of 128 (8,192 tokens)
     assert auto_micro_batch(128, 64) == 128 and auto_micro_batch(8, 10**6) == 1
     assert auto_micro_batch(12, 8_192 // 5) == 4       # 5 fit; 4 is the largest divisor that does
+    assert auto_micro_batch(12, 8_192 // 5, group=3) == 3 and auto_micro_batch(8, 10**6, group=4) == 4
     kw = dict(steps=1, prompts_per_step=2, num_generations=4, checkpoint_every=0)
     assert GRPOTrainer(_config(tmp_path, run_name="whole", **kw)).micro_batch_size == 8
     monkeypatch.setattr(trainer, "MICRO_BATCH_TOKENS", 1)           # every completion alone

@@ -283,6 +283,10 @@ class RLConfig(RunConfig):
             and self.batch_size % self.micro_batch_size == 0),
             f"--micro-batch-size must divide a step's {self.batch_size} completions "
             f"(--prompts-per-step x --num-generations; got {self.micro_batch_size})")
+        require(not self.share_prompts or self.micro_batch_size is None
+                or self.micro_batch_size % self.num_generations == 0,
+                f"--share-prompts needs whole groups in a micro-batch: --micro-batch-size "
+                f"{self.micro_batch_size} is not a multiple of --num-generations {self.num_generations}")
         if self.warmstart_seed is None:
             self.warmstart_seed = self.seed
         require(self.warmstart_target is None or (0 < self.warmstart_target <= 1 and self.warmstart_steps > 0),

@@ -289,16 +289,13 @@ class GRPOTrainer:
             micro = checkpoint.get("micro_batch_size", c.batch_size)
         else:
             longest = max(len(self.tokenizer.encode(p.prompt)) for p in self.eval_set)
-            micro = auto_micro_batch(c.batch_size, longest + c.max_completion_length)
+            micro = auto_micro_batch(c.batch_size, longest + c.max_completion_length,
+                                     group=c.num_generations if c.share_prompts else 1)
         self.micro_batch_size = micro
         step_config = StepConfig(batch_size=micro, grad_accum_steps=c.batch_size // micro, lr=c.lr,
                                  total_steps=c.steps * c.num_iterations,
                                  weight_decay=c.weight_decay, grad_clip=c.grad_clip)
         self.optimizer = build_optimizer(self.policy, step_config, self.device)
-        if c.share_prompts and micro % c.num_generations:
-            raise ValueError(f"--share-prompts needs whole groups in a micro-batch: a micro-batch "
-                             f"of {micro} completions is not a multiple of --num-generations "
-                             f"{c.num_generations}; set --micro-batch-size to one")
         self.loss_fn = GRPOLoss(self.policy, grpo.LossConfig(
             c.loss_type, c.epsilon, c.epsilon_high, c.beta, c.max_completion_length),
             c.temperature, (c.importance_sampling, c.is_mode, c.is_cap),
@@ -652,13 +649,14 @@ COLLAPSE_EVALS = 3
 """Evaluations in a row below half the running peak that flag a collapse."""
 
 
-def auto_micro_batch(batch_size: int, tokens_per_completion: int, budget: int | None = None) -> int:
-    """The largest divisor of batch_size whose completions hold at most `budget` tokens
-    (MICRO_BATCH_TOKENS by default; tokens_per_completion each), at least 1: the micro-batch
-    when none is given."""
+def auto_micro_batch(batch_size: int, tokens_per_completion: int, budget: int | None = None,
+                     group: int = 1) -> int:
+    """The largest divisor of batch_size, a multiple of `group` (whole groups: --share-prompts),
+    whose completions hold at most `budget` tokens (MICRO_BATCH_TOKENS by default;
+    tokens_per_completion each), at least one group: the micro-batch when none is given."""
     budget = MICRO_BATCH_TOKENS if budget is None else budget
-    fits = max(1, budget // max(1, tokens_per_completion))
-    return max(d for d in range(1, min(batch_size, fits) + 1) if batch_size % d == 0)
+    fits = max(group, budget // max(1, tokens_per_completion))
+    return max(d for d in range(group, min(batch_size, fits) + 1, group) if batch_size % d == 0)
 
 
 def collapsed(accuracies: list[float], evals: int = COLLAPSE_EVALS) -> bool:
