@@ -368,9 +368,8 @@ class Transformer(nn.Module):
         so one compiled graph serves every layer: compiling costs one layer's time whatever the
         depth, where the whole model compiled inlines every layer (a Qwen3-0.6B shape's 28: about
         32 s against 186 s on a 2-core CPU, docs/results/rollout.md). The embedding, the final
-        norm and the head stay eager; the state dict's
-        keys do not change. dynamic=True: one graph for every sequence length (RL's change from
-        step to step)."""
+        norm and the head stay eager; the state dict's keys do not change. dynamic=True: one
+        graph for every sequence length (RL's change from step to step)."""
         for layer in self.model.layers:
             layer.compile(dynamic=dynamic)
 
