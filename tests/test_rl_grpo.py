@@ -323,6 +323,20 @@ def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
     assert shared[1] == pytest.approx(rows[1], rel=1e-2, abs=1e-4)
 
 
+def test_shared_tokens_put_the_recorded_experts_where_the_shared_layout_runs_them():
+    # two prompts (2 and 3 tokens, padded to 3) of two completions each (2 tokens); rows of
+    # prompt + completion, T = 5; one layer, k = 1: each row's recorded expert is 10 * row + position
+    from lowbit.rl.trainer import shared_tokens
+
+    routed = (10 * torch.arange(4)[:, None] + torch.arange(5)).reshape(4, 5, 1, 1)
+    routed[:2, 4] = -1                               # rows 0 and 1 end at 4 tokens: nothing recorded
+    lengths = torch.tensor([2, 2, 3, 3])
+    got = shared_tokens(routed, lengths, 3, 2, 2).reshape(-1).tolist()
+    assert got == [0, 1, -1,  20, 21, 22,            # prompts from rows 0 and 2, padding -1
+                   2, 3,  12, 13,  23, 24,  33, 34]  # completions at p_b + j
+    assert shared_tokens(routed, lengths, 3, 2, 0) is routed and shared_tokens(None, lengths, 3, 2, 2) is None
+
+
 def test_shared_prompts_replay_an_moe_policys_routing(tmp_path):
     """--share-prompts on an MoE policy with routing replay: the engine's experts, recorded at
     each row's positions, are replayed at the shared layout's tokens (shared_tokens), so with a
