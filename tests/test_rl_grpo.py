@@ -282,7 +282,7 @@ def test_the_compiled_trainer_takes_the_eager_steps(tmp_path):
     runs = []
     for compiled in (False, True):
         config = _config(tmp_path, run_name=f"compiled-{compiled}", steps=3, checkpoint_every=0,
-                         num_iterations=2, compile=compiled)
+                         num_iterations=2, compile=compiled, device="cpu")
         trainer = GRPOTrainer(config)
         layers = trainer.policy.model.layers
         assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
@@ -309,7 +309,7 @@ def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
     for share in (False, True):
         config = _config(tmp_path, run_name=f"share-{share}-{compile}", steps=2, checkpoint_every=0,
                          num_iterations=2, beta=0.04, micro_batch_size=4, share_prompts=share,
-                         compile=compile)
+                         compile=compile, device="cpu")
         trainer = GRPOTrainer(config)
         graphs = counters["stats"]["unique_graphs"]
         records = [r for r in trainer.run().records if r["event"] == "train"]
@@ -346,7 +346,7 @@ def test_shared_prompts_replay_an_moe_policys_routing(tmp_path):
     for share in (False, True):
         config = _config(tmp_path, run_name=f"moe-share-{share}", rollout="bf16", align="none",
                          n_experts=4, warmstart_steps=40, steps=2, prompts_per_step=4,
-                         checkpoint_every=0, routing_replay=True, share_prompts=share)
+                         checkpoint_every=0, routing_replay=True, share_prompts=share, device="cpu")
         runs.append([r for r in run_rl(config).records if r["event"] == "train"])
     rows, shared = runs
     assert all(r["routing/agreement"] == 1.0 for r in shared)
@@ -609,20 +609,21 @@ def test_the_trainers_engine_takes_racs_channel_group(tmp_path):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_resume_is_exact(tmp_path, compile):
-    # --compile: the resumed run compiles its layers again and takes the same steps
-    straight = run_rl(_config(tmp_path, run_name="a", compile=compile))     # both read one cached warm start
-    first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2, compile=compile))
+    # --compile (on the CPU): the resumed run compiles its layers again and takes the same steps
+    kw = dict(compile=True, device="cpu") if compile else {}
+    straight = run_rl(_config(tmp_path, run_name="a", **kw))     # both read one cached warm start
+    first = run_rl(_config(tmp_path, run_name="b", max_steps_per_session=2, **kw))
     assert first.steps == 2
     assert not (first.run_dir / "final.json").exists()     # a session's end is not the run's
-    resumed = run_rl(_config(tmp_path, run_name="b", compile=compile), resume=True)
+    resumed = run_rl(_config(tmp_path, run_name="b", **kw), resume=True)
     keys = ("reward", "loss", "grad_norm", "sampling/sampling_logp_difference/mean")
     pick = lambda result: [[r[k] for k in keys] for r in result.records if r["event"] == "train"]
     assert pick(straight) == pick(resumed) and len(pick(resumed)) == 4
     assert any(r["grad_norm"] > 0 for r in straight.records if r["event"] == "train")
     with pytest.raises(ValueError, match="config differs"):
-        run_rl(_config(tmp_path, run_name="b", lr=1e-4, compile=compile), resume=True)
+        run_rl(_config(tmp_path, run_name="b", lr=1e-4, **kw), resume=True)
     with pytest.raises(ValueError, match="already holds a run"):
-        run_rl(_config(tmp_path, run_name="b", compile=compile))
+        run_rl(_config(tmp_path, run_name="b", **kw))
 
 
 def test_moe_policy_through_rl_with_routing_replay(tmp_path):

@@ -125,12 +125,18 @@ class SharedPrompts:
     """Tc, the completions' padded length."""
     group_size: int
     """G, completions a prompt."""
+    group: torch.Tensor | None = None
+    """(B,) each completion's prompt; made once a forward (__post_init__), not once a layer."""
+    mask: torch.Tensor | None = None
+    """(B, 1, Tc, P + Tc) bool: the keys a completion's token reads, its prompt's then its own."""
 
-    @property
-    def group(self) -> torch.Tensor:
-        """(B,) each completion's prompt."""
-        return torch.arange(self.prompt_lengths.shape[0] * self.group_size,
-                            device=self.prompt_lengths.device) // self.group_size
+    def __post_init__(self) -> None:
+        Gp, P, Tc, dev = self.prompt_lengths.shape[0], self.prompt_len, self.completion_len, self.prompt_lengths.device
+        B = Gp * self.group_size
+        self.group = torch.arange(B, device=dev) // self.group_size
+        in_prompt = torch.arange(P, device=dev) < self.prompt_lengths[self.group][:, None]   # (B, P)
+        causal = torch.ones(Tc, Tc, dtype=torch.bool, device=dev).tril()
+        self.mask = torch.cat((in_prompt[:, None, :].expand(B, Tc, P), causal.expand(B, Tc, Tc)), dim=2)[:, None]
 
     def positions(self) -> torch.Tensor:
         """(N,) each token's position: 0..P-1 in a prompt, p_g + j for completion token j."""
@@ -153,13 +159,9 @@ class SharedPrompts:
 
         y_prompt = F.scaled_dot_product_attention(prompts(q), prompts(k), prompts(v), is_causal=True,
                                                   dropout_p=dropout_p, enable_gqa=gqa)
-        group = self.group
-        keys = torch.cat((prompts(k)[group], completions(k)), dim=2)     # (B, KV, P + Tc, D)
-        values = torch.cat((prompts(v)[group], completions(v)), dim=2)
-        in_prompt = torch.arange(P, device=q.device) < self.prompt_lengths[group][:, None]   # (B, P)
-        causal = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).tril()
-        mask = torch.cat((in_prompt[:, None, :].expand(B, Tc, P), causal.expand(B, Tc, Tc)), dim=2)
-        y_completion = F.scaled_dot_product_attention(completions(q), keys, values, attn_mask=mask[:, None],
+        keys = torch.cat((prompts(k)[self.group], completions(k)), dim=2)     # (B, KV, P + Tc, D)
+        values = torch.cat((prompts(v)[self.group], completions(v)), dim=2)
+        y_completion = F.scaled_dot_product_attention(completions(q), keys, values, attn_mask=self.mask,
                                                       dropout_p=dropout_p, enable_gqa=gqa)
         return torch.cat((y_prompt.transpose(0, 1).flatten(1, 2),
                           y_completion.transpose(0, 1).flatten(1, 2)), dim=1)[None]
