@@ -331,10 +331,12 @@ def test_shared_tokens_put_the_recorded_experts_where_the_shared_layout_runs_the
     routed = (10 * torch.arange(4)[:, None] + torch.arange(5)).reshape(4, 5, 1, 1)
     routed[:2, 4] = -1                               # rows 0 and 1 end at 4 tokens: nothing recorded
     lengths = torch.tensor([2, 2, 3, 3])
-    got = shared_tokens(routed, lengths, 3, 2, 2).reshape(-1).tolist()
+    prompt_ids, completions = torch.zeros(4, 3, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.int64)
+    got = shared_tokens(routed, lengths, completions, prompt_ids, 2).reshape(-1).tolist()
     assert got == [0, 1, -1,  20, 21, 22,            # prompts from rows 0 and 2, padding -1
                    2, 3,  12, 13,  23, 24,  33, 34]  # completions at p_b + j
-    assert shared_tokens(routed, lengths, 3, 2, 0) is routed and shared_tokens(None, lengths, 3, 2, 2) is None
+    assert shared_tokens(routed, lengths, completions, prompt_ids, 0) is routed
+    assert shared_tokens(None, lengths, completions, prompt_ids, 2) is None
 
 
 def test_shared_prompts_replay_an_moe_policys_routing(tmp_path):

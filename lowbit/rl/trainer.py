@@ -151,16 +151,17 @@ def completion_logits(model, input_ids: torch.Tensor, prompt_lengths: torch.Tens
     return model(input_ids, logits_at=positions).logits
 
 
-def shared_tokens(routed: torch.Tensor | None, prompt_lengths: torch.Tensor, prompt_len: int,
-                  completion_len: int, shared_group: int) -> torch.Tensor | None:
+def shared_tokens(routed: torch.Tensor | None, prompt_lengths: torch.Tensor, completions: torch.Tensor,
+                  prompt_ids: torch.Tensor | None, shared_group: int) -> torch.Tensor | None:
     """routed (B, T, layers, k), recorded at each row's positions (-1: none), in the token order
-    completion_logits runs with shared_group G > 0 (SharedPrompts: the prompts, each from its
-    group's first row, then the completions): (1, Gp * P + B * Tc, layers, k), -1 at a prompt's
-    padding and past a row's end. routed as it is (None too) when shared_group is 0."""
+    completion_logits runs with shared_group G > 0 and the same prompt_lengths, completions
+    (B, Tc) and prompt_ids (B, P) (SharedPrompts: the prompts, each from its group's first row,
+    then the completions): (1, Gp * P + B * Tc, layers, k), -1 at a prompt's padding and past a
+    row's end. routed as it is (None too) when shared_group is 0."""
     if routed is None or not shared_group:
         return routed
     B, T = routed.shape[:2]
-    P, Tc, dev = prompt_len, completion_len, routed.device
+    P, Tc, dev = prompt_ids.shape[1], completions.shape[1], routed.device
     first = routed[::shared_group]                                           # (Gp, T, layers, k)
     at = torch.arange(P, device=dev)
     prompts = first[:, at.clamp(max=T - 1)]                                  # (Gp, P, layers, k)
@@ -193,11 +194,9 @@ class GRPOLoss:
         self.metrics: list[tuple[dict, torch.Tensor]] = []
 
     def __call__(self, model, batch: GRPOBatch) -> torch.Tensor:
-        layout = (batch.prompt_lengths, None if batch.prompt_ids is None else batch.prompt_ids.shape[1],
-                  batch.completions.shape[1], self.shared_group)
-        with replay_routing(self.policy, shared_tokens(batch.routed, *layout)):
-            logits = completion_logits(model, batch.input_ids, batch.prompt_lengths, batch.completions,
-                                       batch.prompt_ids, self.shared_group)   # (B, Tc, V)
+        rows = (batch.input_ids, batch.prompt_lengths, batch.completions, batch.prompt_ids, self.shared_group)
+        with replay_routing(self.policy, shared_tokens(batch.routed, *rows[1:])):
+            logits = completion_logits(model, *rows)   # (B, Tc, V)
         logp, entropy = grpo.completion_logprobs(logits, batch.completions, self.temperature)
         logp_old, is_weights, measured = batch.logp_old, batch.is_weights, {}
         if logp_old is None:
@@ -208,7 +207,7 @@ class GRPOLoss:
             is_weights, measured = measure_old_policy(logp_old, entropy, batch.rollout_logp,
                                                       batch.mask, self.importance)
             if batch.engine_routed is not None:
-                counts = routing_agreement_counts(self.policy, shared_tokens(batch.engine_routed, *layout))
+                counts = routing_agreement_counts(self.policy, shared_tokens(batch.engine_routed, *rows[1:]))
                 if counts is not None:
                     measured["routing/agreeing_pairs"], measured["routing/recorded_pairs"] = counts
         loss, metrics = grpo.policy_loss(logp, logp_old, batch.advantages, batch.mask,
@@ -441,16 +440,14 @@ class GRPOTrainer:
         parts = split_batch((batch.input_ids, batch.prompt_lengths, batch.completions, batch.routed,
                              replayed, batch.prompt_ids), self.step_fn.config.grad_accum_steps)
         for input_ids, prompt_lengths, completions, routed, replay, prompt_ids in parts:
-            G = self.loss_fn.shared_group
-            rows = (input_ids, prompt_lengths, completions, prompt_ids, G)
-            layout = (prompt_lengths, None if prompt_ids is None else prompt_ids.shape[1], completions.shape[1], G)
+            rows = (input_ids, prompt_lengths, completions, prompt_ids, self.loss_fn.shared_group)
             if policy:
-                with self.step_fn.autocast, replay_routing(self.policy, shared_tokens(replay, *layout)):
+                with self.step_fn.autocast, replay_routing(self.policy, shared_tokens(replay, *rows[1:])):
                     logits = completion_logits(self.policy, *rows)
                 lp, ent = grpo.completion_logprobs(logits, completions, c.temperature)
                 logp.append(lp), entropy.append(ent)
                 if routed is not None:
-                    counts = routing_agreement_counts(self.policy, shared_tokens(routed, *layout))
+                    counts = routing_agreement_counts(self.policy, shared_tokens(routed, *rows[1:]))
                     agreement = None if counts is None else [a + b for a, b in zip(agreement, counts)]
             if self.reference is not None:   # under the policy's autocast: at the start, the same log-probs
                 with self.step_fn.autocast:
