@@ -305,16 +305,21 @@ def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
     asymmetric QAT and NVFP4 rollouts included; compiled too (one graph a pass)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()   # the graphs counted are this test's, whatever compiled before it
+
     runs = []
     for share in (False, True):
         config = _config(tmp_path, run_name=f"share-{share}-{compile}", steps=2, checkpoint_every=0,
-                         num_iterations=2, beta=0.04, micro_batch_size=4, share_prompts=share,
-                         compile=compile, device="cpu")
+                         num_iterations=2, beta=0.04, micro_batch_size=8, share_prompts=share,
+                         max_completion_length=6, compile=compile, device="cpu")
         trainer = GRPOTrainer(config)
         graphs = counters["stats"]["unique_graphs"]
         records = [r for r in trainer.run().records if r["event"] == "train"]
         runs.append([(r["loss"], r["grad_norm"], r["kl"]) for r in records])
-        if compile and share:   # the policy's two passes and the reference's
+        # the policy's two passes and the reference's; at most 6 tokens, not the 8 rows of a micro-batch:
+        # torch.compile takes sizes equal when first traced as equal always (duck sizing), and
+        # compiles once more when they part
+        if compile and share:
             assert counters["stats"]["unique_graphs"] - graphs <= 3
     rows, shared = runs
     assert len(rows) == 2 and rows[0][1] > 0

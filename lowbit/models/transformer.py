@@ -148,8 +148,11 @@ class SharedPrompts:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
                dropout_p: float = 0.0) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, KV, N, D) of the flattened tokens -> (1, H, N, D)."""
-        Gp, P, Tc = self.prompt_lengths.shape[0], self.prompt_len, self.completion_len
-        B, Np = Gp * self.group_size, Gp * P
+        # the sizes from group and mask, not prompt_lengths: a compiled layer reads only what
+        # it is given here, so it guards on no view's strides of the caller's lengths
+        (B, _, Tc, _), P = self.mask.shape, self.prompt_len
+        Gp = B // self.group_size
+        Np = Gp * P
 
         def prompts(t):   # (Gp, heads, P, D)
             return t[0, :, :Np].unflatten(1, (Gp, P)).transpose(0, 1)
@@ -371,7 +374,9 @@ class Transformer(nn.Module):
         depth, where the whole model compiled inlines every layer (a Qwen3-0.6B shape's 28: about
         32 s against 186 s on a 2-core CPU, docs/results/rollout.md). The embedding, the final
         norm and the head stay eager; the state dict's keys do not change. dynamic=True: one
-        graph for every sequence length (RL's change from step to step)."""
+        graph for every sequence length (RL's change from step to step); sizes that are equal
+        when first traced are taken as equal (torch's duck sizing), so the layer compiles once
+        more on the first step they differ."""
         for layer in self.model.layers:
             layer.compile(dynamic=dynamic)
 
