@@ -412,6 +412,8 @@ def test_compiled_layers_are_one_graph_for_every_layer_and_length():
     # loss and gradients those of the eager model, the state dict's keys unchanged
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()   # the graphs counted are this test's, whatever compiled before it
+
     cfg = ModelConfig(**dict(TINY, n_layers=3, qk_norm=True, n_kv_heads=2))
     torch.manual_seed(0)
     eager = build_model(cfg)

@@ -279,6 +279,8 @@ def test_the_compiled_trainer_takes_the_eager_steps(tmp_path):
     layer (with a gradient, and without for the old log-probs)."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()   # the graphs counted are this test's, whatever compiled before it
+
     runs = []
     for compiled in (False, True):
         config = _config(tmp_path, run_name=f"compiled-{compiled}", steps=3, checkpoint_every=0,
