@@ -5,7 +5,8 @@ the row and no float32 copy of it: RL's per-token log-probs over a vocabulary of
     logp, entropy, stats = token_logprobs_triton(logits, targets, temperature)   # logits (N, V)
     dlogits = token_logprobs_backward_triton(logits, targets, stats, entropy, temperature, g_logp, g_entropy)
 
-Forward, per row, z = logits / temperature in float32 (an IEEE division, as torch's): an
+Forward, per row, z = logits / temperature in float32 (an IEEE division, as torch's on the CPU;
+torch on CUDA multiplies by the temperature's reciprocal, which can differ by one bit): an
 online max m, s = sum(exp(z - m)) and w = sum(exp(z - m) (z - m)) over blocks of the row
 (each block's terms moved to the running max), then logp = (z[target] - m) - log(s) and
 entropy = log(s) - w / s (-sum(p log p), log p = z - m - log(s)): every term about the row's
