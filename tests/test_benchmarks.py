@@ -320,6 +320,8 @@ def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
                                               rows[3]["step_s"] / rows[2]["step_s"]])
     assert quads["step_s"] == pytest.approx((rows[1]["step_s"] + rows[3]["step_s"]) / 2)
     assert (tmp_path / "runs" / "quads-round1" / "metrics.jsonl").is_file()
+    # each run's checkpoint removed once read (gigabytes each at a real shape)
+    assert not any((tmp_path / "runs").glob("*/checkpoints"))
     assert "| quads |" in (tmp_path / "rl-step.md").read_text()
     with pytest.raises(SystemExit):
         rl_step.main(["--smoke", "--out", str(tmp_path), "--rounds", "0"])
