@@ -164,8 +164,14 @@ class SharedPrompts:
                                                   dropout_p=dropout_p, enable_gqa=gqa)
         keys = torch.cat((prompts(k)[self.group], completions(k)), dim=2)     # (B, KV, P + Tc, D)
         values = torch.cat((prompts(v)[self.group], completions(v)), dim=2)
+        if gqa:
+            # each KV head repeated for its H / KV query heads (enable_gqa's pairing), as
+            # transformers' repeat_kv does under a mask: SDPA's fused kernels that take a mask
+            # take no enable_gqa, so on CUDA it would fall back to the math kernel
+            H = q.shape[1]
+            keys, values = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (keys, values))
         y_completion = F.scaled_dot_product_attention(completions(q), keys, values, attn_mask=self.mask,
-                                                      dropout_p=dropout_p, enable_gqa=gqa)
+                                                      dropout_p=dropout_p)
         return torch.cat((y_prompt.transpose(0, 1).flatten(1, 2),
                           y_completion.transpose(0, 1).flatten(1, 2)), dim=1)[None]
 
