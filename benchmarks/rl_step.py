@@ -92,6 +92,7 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path, round_: int 
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:   # this mode fails; the others' rows are kept
+        shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)
         return {"mode": label, "round": round_, "flags": flags, "returncode": None,
                 "wall_s": round(time.perf_counter() - t0, 1), "error": f"stopped after --timeout {args.timeout:g} s"}
     row = {"mode": label, "round": round_, "flags": flags, "returncode": proc.returncode,

@@ -315,15 +315,15 @@ def test_shared_prompts_take_the_steps_of_whole_rows(tmp_path, compile):
     runs = []
     for share in (False, True):
         config = _config(tmp_path, run_name=f"share-{share}-{compile}", steps=2, checkpoint_every=0,
-                         num_iterations=2, beta=0.04, micro_batch_size=8, share_prompts=share,
-                         max_completion_length=6, compile=compile, device="cpu")
+                         num_iterations=2, beta=0.04, prompts_per_step=4, micro_batch_size=8,
+                         share_prompts=share, max_completion_length=6, compile=compile, device="cpu")
         trainer = GRPOTrainer(config)
         graphs = counters["stats"]["unique_graphs"]
         records = [r for r in trainer.run().records if r["event"] == "train"]
         runs.append([(r["loss"], r["grad_norm"], r["kl"]) for r in records])
-        # the policy's two passes and the reference's; at most 6 tokens, not the 8 rows of a micro-batch:
-        # torch.compile takes sizes equal when first traced as equal always (duck sizing), and
-        # compiles once more when they part
+        # the policy's two passes and the reference's, over two micro-batches of two groups; at
+        # most 6 completion tokens, never the 8 rows of a micro-batch: torch.compile takes sizes
+        # equal when first traced as equal always (duck sizing), and compiles once more when they part
         if compile and share:
             assert counters["stats"]["unique_graphs"] - graphs <= 3
     rows, shared = runs
