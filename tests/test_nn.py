@@ -528,46 +528,6 @@ def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(
         assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("needs", ["x", "weight", "both"])
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_a_compiled_weight_only_linear_traces_its_gemms_and_equals_eager(
-        monkeypatch, needs, autocast, compiled_quant_linear):
-    """A weight-only recipe (QUADS' asymmetric QAT: NVFP4 W in the forward, all else high
-    precision) compiles to one op for the quantized W with its three GEMMs traced, not the
-    forward/backward op pair (whose emulated GEMMs never run); the output and the gradients
-    (dX through W itself, dW, db) are eager's bit for bit, under bf16 autocast too, with a bias
-    and odd sizes (45 rows of 100)."""
-    import lowbit.ops.compiled as compiled_ops
-    from lowbit.ops import quant_linear
-    from lowbit.rl.trainer_side import asymmetric_qat_recipe
-
-    lin = asymmetric_qat_recipe().linear
-    assert lin.weight_only and not get_recipe("nvfp4").linear.weight_only
-    g = torch.Generator().manual_seed(3)
-    x, w, b, dy = (torch.randn(*shape, generator=g) for shape in ((45, 100), (24, 100), (24,), (45, 24)))
-
-    def run(fn):
-        xi = x.clone().requires_grad_(needs in ("x", "both"))
-        wi = w.clone().requires_grad_(needs in ("weight", "both"))
-        bi = b.clone().requires_grad_(needs in ("weight", "both"))
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            y = fn(xi, wi, bi, lin, "l")
-        y.backward(dy.to(y.dtype))
-        return y.detach(), xi.grad, wi.grad, bi.grad
-
-    eager = run(quant_linear)
-    pair = []
-    monkeypatch.setattr(compiled_ops, "emulated_forward", lambda *a, **k: pair.append("forward"))
-    monkeypatch.setattr(compiled_ops, "emulated_backward", lambda *a, **k: pair.append("backward"))
-    compiled = run(compiled_quant_linear)
-    assert pair == []
-    assert eager[0].dtype == (torch.bfloat16 if autocast else torch.float32)
-    assert all((a is None and c is None) or (a.dtype == c.dtype and torch.equal(a, c))
-               for a, c in zip(compiled, eager))
-    torch.library.opcheck(torch.ops.lowbit.weight_operand.default, (w, op_key(lin)),
-                          test_utils=("test_schema", "test_faketensor"))
-
-
 def _converted_tiny_model(recipe):
     """A fresh tiny model converted to `recipe` (dynamo's caches reset), and
     loss_and_grads(forward) -> (loss, [gradients]) of one step on a fixed batch, seeded."""

@@ -29,11 +29,6 @@ threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-A weight-only recipe (QUADS' asymmetric QAT: only the forward's W quantized) is one op,
-`lowbit::weight_operand`, for the quantized W, and its GEMMs are plain operations the compiler
-traces (`_WeightOnlyLinear`: Y = X W_f^T + b, dX = dY W, dW = dY^T X): the op pair's Python cost
-3.5x the eager Function's host time a call (2-core CPU), and that training is host-bound.
-
 The ops take the recipe as a string (`op_key(recipe)`: the recipe serialized; a custom op takes
 no Python objects) and rebuild it from that (`recipe_for_op_key`, cached). Under torch.compile
 the string is an attribute of the recipe, which the graph holds as a constant.
@@ -47,13 +42,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.dispatch.fold_check import (active_fold_check, active_observer, active_watch,
                                         canonical_device, folding_for)
 from lowbit.formats.fold import FoldedOperand
 from lowbit.ops.gemms import (autocast_operands, emulated_backward, emulated_forward,
-                              fp8_backward, fp8_forward, kept_operands, operand, saved_operands)
+                              fp8_backward, fp8_forward, kept_operands, saved_operands)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear_compiled", "op_key", "recipe_for_op_key"]
@@ -87,13 +81,6 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     grad_x = torch.is_grad_enabled() and x.requires_grad      # dX will be asked for
     grad_w = torch.is_grad_enabled() and weight.requires_grad  # dW will be
     keep_x, keep_w = kept_operands(recipe, grad_x, grad_w)
-    if recipe.weight_only:
-        # one op for the quantized W, and the GEMMs traced (_WeightOnlyLinear), which the
-        # compiler fuses around: the forward/backward op pair cost 3.5x the eager Function's
-        # host time a call (2-core CPU), and asymmetric QAT's RL training is host-bound
-        w_f = torch.ops.lowbit.weight_operand(weight.detach(), op_key(recipe))
-        y = _WeightOnlyLinear.apply(x2, weight, w_f, bias)
-        return y.reshape(*lead, weight.shape[0])
     if recipe.gemm is Gemm.FP8:
         y = torch.ops.lowbit.quant_linear_fp8(x2, weight, op_key(recipe), layer, keep_x, keep_w,
                                               grad_x or grad_w)[0]
@@ -102,40 +89,6 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
-
-
-class _WeightOnlyLinear(torch.autograd.Function):
-    """A weight-only recipe's three GEMMs as the eager Function computes them (lowbit.ops.gemms'
-    emulated_forward and emulated_backward with every operand but W high-precision): Y = X W_f^T
-    + b, dX = dY W (the weight itself: straight through), dW = dY^T X, db = dY summed. Plain
-    torch operations, so torch.compile traces them."""
-
-    @staticmethod
-    def forward(ctx, x, weight, w_f, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, w_f, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = dy.mT @ x if ctx.needs_input_grad[1] else None
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return dx, dw, None, db
-
-
-@torch.library.custom_op("lowbit::weight_operand", mutates_args=())
-def _weight_operand(weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """The forward's quantized W of a weight-only recipe (no gradient: _WeightOnlyLinear
-    passes W's straight through)."""
-    with torch.autocast(weight.device.type, enabled=False):
-        return operand(weight, recipe_for_op_key(recipe).fprop_w, reduce_dim=1).contiguous()
-
-
-@_weight_operand.register_fake
-def _(weight, recipe):
-    return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("lowbit::quant_linear", mutates_args=())

@@ -7,7 +7,11 @@ _WeightOnlyLinear), or, arm `qat-op-pair`, through the forward/backward custom-o
 emulated recipe used before. Prints and writes each arm's median step in three rounds (the
 arms in turns) and the extra per linear call against F.linear's.
 
-    PYTHONPATH=. python docs/results/rollout/qat-host-overhead-cpu-2026-12-08.py --out FILE.json
+The traced weight-only path (LinearRecipe.weight_only, _WeightOnlyLinear) was at commit
+18b5314, which the raw file's numbers are from; it tied with the op pair and was backed out, so
+run this at that commit.
+
+    git checkout 18b5314 && PYTHONPATH=. python docs/results/rollout/qat-host-overhead-cpu-2026-12-08.py --out FILE.json
 """
 
 from __future__ import annotations
