@@ -18,7 +18,8 @@ RAC 25%), quads+g64 (RAC's channels chosen in groups of 64, --rac-group 64), qua
 its residual added into the activation, --rac-fold), each NVFP4 one also with --packed-gemm,
 and bf16 and the last with the trainer compiled (--compile) or running each prompt once a group
 (--share-prompts). Writes --out/rl-step.json ({meta,
-results}) and rl-step.md, and keeps each run's metrics.jsonl under --out/runs/.
+results}: each run's medians and every timed step's times) and rl-step.md, and keeps each
+run's metrics.jsonl under --out/runs/.
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ def run_mode(label: str, flags: str, model: Path, args, runs: Path, round_: int 
         return row
     records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("event") == "train"][1:]   # the first captures graphs
+    row["per_step"] = {}   # every timed step's times, so the raw file shows their spread
     for key in TIMES:
         values = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
         row[key] = statistics.median(values) if values else None
+        row["per_step"][key] = values
     row["step_s"] = sum(row[k] or 0.0 for k in TIMES)
     row["steps_timed"] = len(steps)
     row["rollout_tokens_per_s"] = statistics.median(

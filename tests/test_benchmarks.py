@@ -313,6 +313,7 @@ def test_rl_step_smoke_times_every_mode_against_bf16(tmp_path, monkeypatch):
     assert all(r["steps_timed"] == 1 for r in rows)
     for r in rows:
         assert r["step_s"] == pytest.approx(sum(r[k] for k in rl_step.TIMES))
+        assert all(len(r["per_step"][k]) == 1 and r["per_step"][k][0] == r[k] for k in rl_step.TIMES)
     # --rounds 2: the modes in turns, each round's ratio against that round's bf16
     bf16, quads = result["results"]["summary"]
     assert bf16["vs_bf16"] == [1.0, 1.0] and quads["rounds"] == 2
