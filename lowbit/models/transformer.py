@@ -20,7 +20,7 @@ pairs), so converted checkpoints need no permutation of q_proj / k_proj.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -125,9 +125,9 @@ class SharedPrompts:
     """Tc, the completions' padded length."""
     group_size: int
     """G, completions a prompt."""
-    group: torch.Tensor | None = None
+    group: torch.Tensor = field(init=False)
     """(B,) each completion's prompt; made once a forward (__post_init__), not once a layer."""
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor = field(init=False)
     """(B, 1, Tc, P + Tc) bool: the keys a completion's token reads, its prompt's then its own."""
 
     def __post_init__(self) -> None:
