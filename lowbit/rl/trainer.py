@@ -100,7 +100,8 @@ class RLBatch:
     mask: torch.Tensor               # (B, Tc) tokens in the loss
     rollout_logprobs: torch.Tensor   # (B, Tc)
     routed: torch.Tensor | None      # (B, T, layers, k) or None
-    prompt_ids: torch.Tensor         # (B, P) each row's prompt, right-padded to the longest
+    prompt_ids: torch.Tensor | None  # (B, P) each row's prompt, right-padded to the longest
+                                     #   (--share-prompts; None without)
 
 
 @dataclass
@@ -368,15 +369,18 @@ class GRPOTrainer:
             mask = mask & rollout.stopped.to(dev)[:, None]
         rows = [prompt + completion for prompt, completion in zip(rollout.prompts, rollout.completion_lists())]
         ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)   # made here, copied once
-        prompt_ids = torch.zeros(len(rows), max(map(len, rollout.prompts)), dtype=torch.int64)
-        for b, (row, prompt) in enumerate(zip(rows, rollout.prompts)):
+        for b, row in enumerate(rows):
             ids[b, :len(row)] = torch.tensor(row)
-            prompt_ids[b, :len(prompt)] = torch.tensor(prompt)
+        ids, prompt_ids = ids.to(dev), None
         G = self.loss_fn.shared_group
-        if G and any(rollout.prompts[b] != rollout.prompts[b - b % G] for b in range(len(rows))):
-            raise RuntimeError(f"--share-prompts: the rollout's rows are not in groups of {G} "
-                               f"that share a prompt")
-        ids, prompt_ids = ids.to(dev), prompt_ids.to(dev)
+        if G:   # each row's prompt, for the shared passes
+            if any(rollout.prompts[b] != rollout.prompts[b - b % G] for b in range(len(rows))):
+                raise RuntimeError(f"--share-prompts: the rollout's rows are not in groups of {G} "
+                                   f"that share a prompt")
+            prompt_ids = torch.zeros(len(rows), max(map(len, rollout.prompts)), dtype=torch.int64)
+            for b, prompt in enumerate(rollout.prompts):
+                prompt_ids[b, :len(prompt)] = torch.tensor(prompt)
+            prompt_ids = prompt_ids.to(dev)
         lengths = torch.tensor([len(p) for p in rollout.prompts], device=dev)
         T = ids.shape[1]
         routed = None
