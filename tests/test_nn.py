@@ -1,8 +1,8 @@
 """Quantized linear layers, recipes and the converter."""
 
 import contextlib
-
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -526,6 +526,122 @@ def test_the_compiled_linear_equals_eager_when_only_one_input_needs_a_gradient(
             grads.append(torch.ops.lowbit.quant_linear_backward(dy, a, b, op_key(lin), kept,
                                                                 kept, True, True))
         assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("needs", ["x", "weight", "both"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_compiled_weight_only_linear_traces_its_gemms_on_the_weight_it_is_handed(
+        monkeypatch, needs, autocast, compiled_quant_linear):
+    """A weight-only recipe (QUADS' asymmetric QAT: NVFP4 W in the forward, all else high
+    precision) handed its quantized W compiles to its three GEMMs traced, no op at all (the
+    op pair's emulated GEMMs never run, nothing is quantized): the output and the gradients
+    (dX through W itself, dW, db) are eager's bit for bit, under bf16 autocast too, with a bias
+    and odd sizes (45 rows of 100). Without the weight it compiles to the op pair, as other
+    recipes."""
+    import lowbit.ops.compiled as compiled_ops
+    import lowbit.ops.gemms as gemms
+    from lowbit.rl.trainer_side import asymmetric_qat_recipe
+
+    lin = asymmetric_qat_recipe().linear
+    assert lin.weight_only and not get_recipe("nvfp4").linear.weight_only
+    assert not get_recipe("stable-fp4-fp8").linear.weight_only
+    g = torch.Generator().manual_seed(3)
+    x, w, b, dy = (torch.randn(*shape, generator=g) for shape in ((45, 100), (24, 100), (24,), (45, 24)))
+    dtype = torch.bfloat16 if autocast else torch.float32
+    w_f = operand(w.to(dtype), lin.fprop_w, reduce_dim=1)
+
+    def run(fn, handed):
+        xi = x.clone().requires_grad_(needs in ("x", "both"))
+        wi = w.clone().requires_grad_(needs in ("weight", "both"))
+        bi = b.clone().requires_grad_(needs in ("weight", "both"))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = fn(xi, wi, bi, lin, "l", None, handed)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), xi.grad, wi.grad, bi.grad
+
+    eager = run(quant_linear, None)
+    assert eager[0].dtype == dtype
+    assert all(torch.equal(a, c) for a, c in zip(run(quant_linear, w_f), eager) if a is not None)
+    pair, quantized = [], []
+    monkeypatch.setattr(compiled_ops, "emulated_forward", lambda *a, **k: pair.append("forward"))
+    monkeypatch.setattr(compiled_ops, "emulated_backward", lambda *a, **k: pair.append("backward"))
+    monkeypatch.setattr(gemms, "operand", lambda *a, **k: quantized.append(a))
+    compiled = run(compiled_quant_linear, w_f)
+    assert pair == [] and quantized == []
+    assert all((a is None and c is None) or (a.dtype == c.dtype and torch.equal(a, c))
+               for a, c in zip(compiled, eager))
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    pair = []
+    monkeypatch.setattr(compiled_ops, "emulated_forward",
+                        lambda *a, **k: pair.append("forward") or gemms.emulated_forward(*a, **k))
+    run(compiled_quant_linear, None)
+    assert pair == ["forward"]
+
+
+def test_reused_weight_operands_reach_compiled_layers_once_a_step():
+    """A model whose decoder layers are compiled (as lowbit rl --compile), trained under
+    reuse_weight_operands with asymmetric QAT: each weight is quantized once an update (by the
+    model's forward hook, outside the compiled layers), the second update compiles nothing new,
+    and the losses, gradients and updated weights are the eager model's bit for
+    bit (two updates of two micro-batches and a no-grad pass, bf16 autocast). A layer called
+    on its own after its weight changed in place quantizes the new weight."""
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import lowbit.nn._convert as convert_module
+    import lowbit.ops.compiled as compiled_ops
+    from lowbit.rl.trainer_side import apply_asymmetric_qat
+
+    base = tiny_model()
+    apply_asymmetric_qat(base)
+    idx = torch.randint(0, 128, (3, 4, 32), generator=torch.Generator().manual_seed(1))
+    results, counter = [], CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        if compiled:
+            for layer in model.model.layers:
+                layer.compile(backend=counter, dynamic=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads, taken, frames = [], [], [], []
+        real, pair = convert_module.operand, compiled_ops.emulated_forward
+        with mock.patch.object(convert_module, "operand",
+                               lambda t, *a, **k: taken.append(tuple(t.shape)) or real(t, *a, **k)), \
+                mock.patch.object(compiled_ops, "emulated_forward",
+                                  lambda *a, **k: taken.append("op pair") or pair(*a, **k)):
+            with reuse_weight_operands(model, opt):
+                for _ in range(2):
+                    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+                        losses.append(model(idx[0], idx[0]).loss)
+                    for b in (1, 2):
+                        with torch.autocast("cpu", torch.bfloat16):
+                            loss = model(idx[b], idx[b]).loss
+                        loss.backward()
+                        losses.append(loss.detach())
+                    grads += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                    opt.step()
+                    opt.zero_grad()
+                    frames.append(counter.frame_count)
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.linear_recipe]
+        assert len(taken) == 2 * len(linears) and "op pair" not in taken   # each weight once an update
+        assert all(m.weight_operand is None for m in linears)
+        results.append((torch.stack(losses), grads, [p.detach().clone() for p in model.parameters()]))
+    assert frames[0] > 0 and frames[1] == frames[0]   # new weights and operands: no new graph
+    for a, b in zip(results[0], results[1]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    torch._dynamo.reset()
+    # eagerly, an operand taken before an in-place change of its weight is not used
+    layer = linears[0]
+    with reuse_weight_operands(model, opt):
+        with torch.no_grad():
+            model(idx[0], idx[0])
+            layer.weight.mul_(2)
+        x = torch.randn(3, layer.in_features)
+        fresh = quant_linear(x, layer.weight, layer.bias, layer.linear_recipe)
+        assert layer.weight_operand is not None and torch.equal(layer(x), fresh)
 
 
 def _converted_tiny_model(recipe):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lowbit.nn._layers import QuantExperts, QuantLinear, expert_dims, is_experts
-from lowbit.ops.gemms import WeightOperandCache
+from lowbit.ops.gemms import WeightOperandCache, operand
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
 __all__ = ["convert_to_quantized_training", "convert", "gemm_modules", "GEMM_KINDS",
@@ -217,11 +217,15 @@ def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
     between two steps of `optimizer` instead of once per forward (lowbit.ops.gemms.
     WeightOperandCache, emptied by a hook as each optimizer step begins): the same values, fewer
     launches, one quantized copy of each weight held between steps (2 bytes a parameter under
-    bf16 autocast). Eager forwards with round-to-nearest weight specs only; others quantize as
-    usual. Weights must change only through `optimizer` or in-place ops inside the block
-    (load_state_dict); a write through .data goes unseen. FSDP-sharded models are refused:
-    their gathered weights reuse freed memory, which the cache's keys (a weight's storage)
-    cannot tell apart. Yields the cache."""
+    bf16 autocast). Round-to-nearest weight specs only; others quantize as usual. A hook
+    before each forward of `model` takes every weight-only QuantLinear's (QUADS' asymmetric
+    QAT) from the cache into the layer (`weight_operand`), the one way a layer compiled by
+    torch.compile, where the cache's Python cannot run, gets it; other layers ask the cache at
+    each eager forward (compiled, they quantize at every forward). So compile `model`'s layers,
+    not `model` itself, for that hook to run eagerly. Weights must change only through
+    `optimizer` or in-place ops inside the block (load_state_dict); a write through .data goes
+    unseen. FSDP-sharded models are refused: their gathered weights reuse freed memory, which
+    the cache's keys (a weight's storage) cannot tell apart. Yields the cache."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -229,13 +233,39 @@ def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
                          "their gathered weights reuse freed memory; quantize per forward instead")
     cache = WeightOperandCache()
     modules = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
-    hook = optimizer.register_step_pre_hook(lambda *_: cache.clear())
+    weight_only = [m for m in modules if isinstance(m, QuantLinear)
+                   and m.linear_recipe is not None and m.linear_recipe.weight_only]
+
+    def clear(*_) -> None:
+        cache.clear()
+        for m in weight_only:
+            m.weight_operand = None
+
+    @torch.compiler.disable
+    def take_operands(*_) -> None:
+        for m in weight_only:
+            m.weight_operand = _cached_operand(m, cache) if m.quantize else None
+            m.weight_operand_version = m.weight._version
+
+    hooks = [optimizer.register_step_pre_hook(clear), model.register_forward_pre_hook(take_operands)]
     for m in modules:
         m.weight_cache = cache
     try:
         yield cache
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         for m in modules:
             m.weight_cache = None
-        cache.clear()
+        clear()
+
+
+def _cached_operand(layer: QuantLinear, cache: WeightOperandCache) -> torch.Tensor | None:
+    """The layer's quantized forward weight from `cache`, in the dtype its GEMM runs in now
+    (autocast's where autocast is on), as an eager forward would take it; None where the cache
+    keeps none (a stochastic spec, a CUDA graph's capture)."""
+    w, spec = layer.weight, layer.linear_recipe.fprop_w
+    device = w.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
+    with torch.autocast(device, enabled=False):
+        return cache.get(w, dtype, spec, lambda: operand(w.detach().to(dtype), spec, reduce_dim=1))

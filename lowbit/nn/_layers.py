@@ -23,7 +23,12 @@ class QuantLinear(nn.Linear):
     layer_name: the name lowbit.dispatch.fold_check.watch_chunked_folds() reports for this layer;
     "" (the default) is not reported. lowbit.train sets the module names under --fold-inexact
     adapt only: torch.compile reads the name as a constant, so blocks compiled one by one (the
-    same code, other names) would each compile again."""
+    same code, other names) would each compile again.
+
+    weight_cache / weight_operand: set by lowbit.nn.reuse_weight_operands: the cache of quantized
+    forward weights, and this layer's, taken from it as the model's forward began (a weight-only
+    recipe's: the one a compiled forward can multiply, lowbit.ops.quant_linear), with the
+    weight's version then (eagerly, a weight changed in place since is quantized afresh)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  linear_recipe: LinearRecipe | None = None, device=None, dtype=None,
@@ -33,6 +38,8 @@ class QuantLinear(nn.Linear):
         self.quantize = True
         self.layer_name = layer_name
         self.weight_cache: WeightOperandCache | None = None
+        self.weight_operand: torch.Tensor | None = None
+        self.weight_operand_version = -1
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, linear_recipe: LinearRecipe | None,
@@ -47,6 +54,8 @@ class QuantLinear(nn.Linear):
         q.quantize = True
         q.layer_name = layer_name
         q.weight_cache = None
+        q.weight_operand = None
+        q.weight_operand_version = -1
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +63,12 @@ class QuantLinear(nn.Linear):
         if (torch.compiler.is_compiling() and recipe is not None and recipe.is_quantized
                 and not compilable(recipe)):
             return self._forward_eagerly(x)
-        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name, self.weight_cache)
+        operand = self.weight_operand
+        if (operand is not None and not torch.compiler.is_compiling()
+                and self.weight._version != self.weight_operand_version):
+            operand = None      # the weight was changed in place since the operand was taken
+        return quant_linear(x, self.weight, self.bias, recipe, self.layer_name, self.weight_cache,
+                            operand)
 
     # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
     # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make

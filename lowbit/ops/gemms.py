@@ -221,9 +221,9 @@ class WeightOperandCache:
     trainer's log-prob passes and gradient accumulation: lowbit.nn.reuse_weight_operands, which
     clears it as each step of the optimizer it is given begins).
 
-    `get(master, weight, spec, quantize)` returns quantize(weight), computed once per `master`
-    (the parameter, or an expert's view of it: its device, storage, shape and stride) and dtype
-    of `weight` (master as autocast casts it) until `clear()`, or until master's autograd
+    `get(master, dtype, spec, make)` returns make(), the operand of `master` (the parameter,
+    or an expert's view of it: its device, storage, shape and stride) quantized in `dtype`
+    (master as autocast casts it), computed once until `clear()`, or until master's autograd
     version counter moves (an in-place op outside the optimizer: load_state_dict; fused
     optimizers and writes through .data do not move it, hence the clearing). It returns None
     (the caller quantizes as usual) for a spec that rounds stochastically (drawn afresh each
@@ -234,16 +234,16 @@ class WeightOperandCache:
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[int, torch.Tensor]] = {}
 
-    def get(self, master: torch.Tensor, weight: torch.Tensor, spec: QuantSpec | None,
-            quantize) -> torch.Tensor | None:
+    def get(self, master: torch.Tensor, dtype: torch.dtype, spec: QuantSpec | None,
+            make) -> torch.Tensor | None:
         if (spec is None or spec.rounding is not Rounding.RNE
                 or (master.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
-        where = (master.device, master.data_ptr(), tuple(master.shape), master.stride(), weight.dtype, spec)
+        where = (master.device, master.data_ptr(), tuple(master.shape), master.stride(), dtype, spec)
         held = self.entries.get(where)
         if held is None or held[0] != master._version:
             with torch.no_grad():
-                held = self.entries[where] = (master._version, quantize(weight.detach()))
+                held = self.entries[where] = (master._version, make())
         return held[1]
 
     def clear(self) -> None:

@@ -245,6 +245,7 @@ def grouped_quant_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tens
             return GroupedQuantLinearFP8Function.apply(x, weight, ends, recipe, torch.is_grad_enabled(),
                                                        layer)
     w_f = None if cache is None else cache.get(
-        master, weight, recipe.fprop_w, lambda w: _weights(w, recipe.fprop_w, reduce_dim=2))
+        master, weight.dtype, recipe.fprop_w,
+        lambda: _weights(weight.detach(), recipe.fprop_w, reduce_dim=2))
     with torch.autocast(x.device.type, enabled=False):
         return GroupedQuantLinearFunction.apply(x, weight, ends, recipe, w_f)

@@ -89,7 +89,8 @@ class QuantLinearFP8Function(torch.autograd.Function):
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  recipe: LinearRecipe | None, layer: str = "",
-                 cache: WeightOperandCache | None = None) -> torch.Tensor:
+                 cache: WeightOperandCache | None = None,
+                 weight_operand: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T + bias with the recipe's quantized GEMMs; x (..., in) -> (..., out).
 
     layer: the name watch_chunked_folds() reports when an exact FP8 fold of this layer needs
@@ -105,17 +106,22 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     cache: where an emulated recipe's round-to-nearest forward weight is kept while `weight`
     is unchanged (lowbit.ops.gemms.WeightOperandCache); eager only, the same values.
+    weight_operand: that quantized weight handed in by the caller (lowbit.nn.
+    reuse_weight_operands takes it from the cache as the model's forward begins), in the dtype
+    the GEMM runs in; under torch.compile, which cannot run the cache's Python, a weight-only
+    recipe then traces its GEMMs on it (lowbit.ops.compiled). Emulated recipes only.
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling() and compilable(recipe):
-        return quant_linear_compiled(x, weight, bias, recipe, layer)
-    return _quant_linear(x, weight, bias, recipe, layer, cache)
+        return quant_linear_compiled(x, weight, bias, recipe, layer, weight_operand)
+    return _quant_linear(x, weight, bias, recipe, layer, cache, weight_operand)
 
 
 @torch.compiler.disable
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  recipe: LinearRecipe, layer: str, cache: WeightOperandCache | None) -> torch.Tensor:
+                  recipe: LinearRecipe, layer: str, cache: WeightOperandCache | None,
+                  weight_operand: torch.Tensor | None) -> torch.Tensor:
     master = weight
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
@@ -124,7 +130,10 @@ def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if recipe.gemm is Gemm.FP8:
             y = QuantLinearFP8Function.apply(*args, torch.is_grad_enabled(), layer)
         else:
-            w_f = None if cache is None else cache.get(
-                master, weight, recipe.fprop_w, lambda w: operand(w, recipe.fprop_w, reduce_dim=1))
+            w_f = weight_operand
+            if w_f is None or w_f.dtype != weight.dtype:
+                w_f = None if cache is None else cache.get(
+                    master, weight.dtype, recipe.fprop_w,
+                    lambda: operand(weight.detach(), recipe.fprop_w, reduce_dim=1))
             y = QuantLinearFunction.apply(*args, w_f)
     return y.reshape(*lead, weight.shape[0])

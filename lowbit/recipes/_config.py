@@ -120,6 +120,13 @@ class LinearRecipe:
     def is_quantized(self) -> bool:
         return any(getattr(self, n) is not None for n in OPERANDS)
 
+    @property
+    def weight_only(self) -> bool:
+        """Only the forward's W is quantized, on emulated GEMMs (QUADS' asymmetric QAT): every
+        other operand, and so the whole backward, in high precision."""
+        return (self.gemm is Gemm.EMULATED and self.fprop_w is not None and not self.wgrad_hadamard
+                and all(getattr(self, n) is None for n in OPERANDS if n != "fprop_w"))
+
     def describe(self) -> str:
         def one(spec):
             if spec is None:
