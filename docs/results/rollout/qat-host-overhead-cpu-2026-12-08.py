@@ -2,16 +2,18 @@
 matrices so small (width 32) that the time is the layers' Python and dispatch, forward and
 backward, in float32 on the CPU, with the weight cache on (lowbit.nn.reuse_weight_operands, as
 lowbit rl trains). Eager, and with each decoder layer compiled (Transformer.compile_layers, as
-lowbit rl --compile): the weight-only layer's GEMMs traced (lowbit.ops.compiled's
-_WeightOnlyLinear), or, arm `qat-op-pair`, through the forward/backward custom-op pair every
-emulated recipe used before. Prints and writes each arm's median step in three rounds (the
-arms in turns) and the extra per linear call against F.linear's.
+lowbit rl --compile): the weight-only layer's GEMMs traced on the quantized weight that
+reuse_weight_operands' hook hands it once an update (lowbit.ops.compiled's _WeightOnlyLinear),
+or, arm `qat-op-pair`, through the forward/backward custom-op pair every other emulated recipe
+compiles to, which quantizes the weight at every forward. Prints and writes each arm's median
+step in three rounds (the arms in turns) and the extra per linear call against F.linear's.
 
-The traced weight-only path (LinearRecipe.weight_only, _WeightOnlyLinear) was at commit
-18b5314, which the raw file's numbers are from; it tied with the op pair and was backed out, so
-run this at that commit.
+Two raw files: qat-host-overhead-operand-cpu-2026-12-08.json (this script as it is), and
+qat-host-overhead-cpu-2026-12-08.json from its form at commit 18b5314, where the compiled
+weight-only layer quantized its weight itself at every forward (one custom op) and traced its
+GEMMs; to reproduce that one, run the script at that commit.
 
-    git checkout 18b5314 && PYTHONPATH=. python docs/results/rollout/qat-host-overhead-cpu-2026-12-08.py --out FILE.json
+    PYTHONPATH=. python docs/results/rollout/qat-host-overhead-cpu-2026-12-08.py --out FILE.json
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ def step_times(arm: str, steps: int) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     idx = torch.randint(0, CFG.vocab_size, (2, 16))
     times = []
-    # the op pair: the weight-only path turned off, as every recipe compiled before it
+    # the op pair: the weight-only path turned off, as every other emulated recipe compiles
     pair = (mock.patch.object(LinearRecipe, "weight_only", property(lambda self: False))
             if "op-pair" in arm else contextlib.nullcontext())
-    with reuse_weight_operands(model, opt), pair:
+    with pair, reuse_weight_operands(model, opt):
         for _ in range(3 + steps):
             t = time.perf_counter()
             model(idx, targets=idx).loss.backward()
