@@ -29,12 +29,9 @@ threads training on one GPU at once would share it.
 (A forward on another thread without a check, an evaluation say, makes a backward that
 follows it fold exactly: slower, never inexact.)
 
-A weight-only recipe (QUADS' asymmetric QAT: only the forward's W quantized) whose quantized W
-the caller hands in (`w_f`: lowbit.nn.reuse_weight_operands quantizes each weight once a
-step, outside the compiled layers) is no op at all: its three GEMMs are plain operations the
-compiler traces (`_WeightOnlyLinear`: Y = X W_f^T + b, dX = dY W, dW = dY^T X), as the eager
-Function computes them. The op pair would quantize W at every forward, in Python the host
-pays for at every call (about 300 us a call on a 2-core CPU, against 77 for the eager layer).
+A weight-only recipe (QUADS' asymmetric QAT) whose quantized W the caller hands in needs no
+op at all (lowbit.ops.gemms.weight_only_linear, plain operations the compiler traces); the op
+pair would quantize W at every forward, in Python the host pays for at every call.
 
 The ops take the recipe as a string (`op_key(recipe)`: the recipe serialized; a custom op takes
 no Python objects) and rebuild it from that (`recipe_for_op_key`, cached). Under torch.compile
@@ -49,7 +46,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.dispatch.fold_check import (active_fold_check, active_observer, active_watch,
                                         canonical_device, folding_for)
@@ -79,18 +75,11 @@ def recipe_for_op_key(key: str) -> LinearRecipe:
 
 
 def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          recipe: LinearRecipe, layer: str = "",
-                          w_f: torch.Tensor | None = None) -> torch.Tensor:
-    """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo.
-    w_f: a weight-only recipe's quantized W, held by the caller in the dtype the GEMM runs in
-    (autocast's, else weight's); its GEMMs are then traced (_WeightOnlyLinear)."""
+                          recipe: LinearRecipe, layer: str = "") -> torch.Tensor:
+    """quant_linear through the custom ops (x (..., in) -> (..., out)); traceable by dynamo."""
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if recipe.weight_only and w_f is not None and w_f.dtype == weight.dtype:
-        with torch.autocast(x.device.type, enabled=False):
-            y = _WeightOnlyLinear.apply(x2, weight, w_f.detach(), bias)
-        return y.reshape(*lead, weight.shape[0])
     # keep, for the backward, the quantized (emulated) or folded transposed (FP8) operands of
     # X and W where square tiles let it reuse them and it will need them
     grad_x = torch.is_grad_enabled() and x.requires_grad      # dX will be asked for
@@ -104,27 +93,6 @@ def quant_linear_compiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
-
-
-class _WeightOnlyLinear(torch.autograd.Function):
-    """A weight-only recipe's three GEMMs as the eager Function computes them (lowbit.ops.gemms'
-    emulated_forward and emulated_backward with every operand but the forward's W in high
-    precision): Y = X W_f^T + b, dX = dY W (the weight itself: straight through), dW = dY^T X,
-    db = dY summed. Plain torch operations, so torch.compile traces them."""
-
-    @staticmethod
-    def forward(ctx, x, weight, w_f, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, w_f, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = dy.mT @ x if ctx.needs_input_grad[1] else None
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return dx, dw, None, db
 
 
 @torch.library.custom_op("lowbit::quant_linear", mutates_args=())

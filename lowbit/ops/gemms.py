@@ -35,7 +35,7 @@ from lowbit.recipes import LinearRecipe
 __all__ = ["fake_quantize", "operand", "shared", "saved_operands", "dgrad_weight",
            "wgrad_operands", "gemm_operands", "kept_operands", "emulated_forward",
            "emulated_backward", "fp8_forward", "fp8_backward", "compilable", "autocast_operands",
-           "WeightOperandCache", "fold_for_gemm", "fold_transposed"]
+           "WeightOperandCache", "fold_for_gemm", "fold_transposed", "weight_only_linear"]
 
 
 def fake_quantize(t: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
@@ -213,6 +213,43 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     return x, weight, bias
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       w_f: torch.Tensor) -> torch.Tensor | None:
+    """A weight-only recipe's layer (LinearRecipe.weight_only: QUADS' asymmetric QAT) on its
+    quantized forward weight `w_f`, held by the caller (WeightOperandCache): x (..., in) ->
+    (..., out). Y = X W_f^T + b, dX = dY W (the weight itself: straight through), dW = dY^T X,
+    db = dY summed: the GEMMs emulated_forward and emulated_backward make when every operand
+    but the forward's W is high precision, the same bits. Plain torch operations, so
+    torch.compile traces them, and an eager call runs one small autograd.Function. Under
+    autocast the operands are cast to its dtype first, as quant_linear casts them; None where
+    w_f is not in the dtype the GEMM runs in (the caller quantizes instead)."""
+    x, weight, bias = autocast_operands(x, weight, bias)
+    if w_f.dtype != weight.dtype:
+        return None
+    lead = x.shape[:-1]
+    with torch.autocast(x.device.type, enabled=False):
+        y = _WeightOnlyLinear.apply(x.reshape(-1, x.shape[-1]), weight, w_f.detach(), bias)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class _WeightOnlyLinear(torch.autograd.Function):
+    """weight_only_linear's GEMMs (see there): x (N, in), weight and w_f (out, in)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_f, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, w_f, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = dy.mT @ x if ctx.needs_input_grad[1] else None
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, dw, None, db
 
 
 class WeightOperandCache:

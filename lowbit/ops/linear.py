@@ -19,7 +19,7 @@ from lowbit.dispatch.fold_check import (active_fold_check, active_observer, acti
 from lowbit.ops.compiled import quant_linear_compiled
 from lowbit.ops.gemms import (WeightOperandCache, autocast_operands, compilable,
                               emulated_backward, emulated_forward, fp8_backward, fp8_forward,
-                              kept_operands, operand, saved_operands)
+                              kept_operands, operand, saved_operands, weight_only_linear)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "QuantLinearFunction", "QuantLinearFP8Function"]
@@ -106,22 +106,26 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     cache: where an emulated recipe's round-to-nearest forward weight is kept while `weight`
     is unchanged (lowbit.ops.gemms.WeightOperandCache); eager only, the same values.
-    weight_operand: that quantized weight handed in by the caller (lowbit.nn.
-    reuse_weight_operands takes it from the cache as the model's forward begins), in the dtype
-    the GEMM runs in; under torch.compile, which cannot run the cache's Python, a weight-only
-    recipe then traces its GEMMs on it (lowbit.ops.compiled). Emulated recipes only.
+    weight_operand: a weight-only recipe's quantized forward weight (LinearRecipe.weight_only:
+    QUADS' asymmetric QAT) handed in by the caller, in the dtype the GEMM runs in (lowbit.nn.
+    reuse_weight_operands takes it from the cache as the model's forward begins): the layer is
+    then lowbit.ops.gemms.weight_only_linear, eagerly and under torch.compile (which cannot run
+    the cache's Python), plain operations it traces. Other recipes ignore it.
     """
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
+    if weight_operand is not None and recipe.weight_only:
+        y = weight_only_linear(x, weight, bias, weight_operand)
+        if y is not None:
+            return y
     if torch.compiler.is_compiling() and compilable(recipe):
-        return quant_linear_compiled(x, weight, bias, recipe, layer, weight_operand)
-    return _quant_linear(x, weight, bias, recipe, layer, cache, weight_operand)
+        return quant_linear_compiled(x, weight, bias, recipe, layer)
+    return _quant_linear(x, weight, bias, recipe, layer, cache)
 
 
 @torch.compiler.disable
 def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  recipe: LinearRecipe, layer: str, cache: WeightOperandCache | None,
-                  weight_operand: torch.Tensor | None) -> torch.Tensor:
+                  recipe: LinearRecipe, layer: str, cache: WeightOperandCache | None) -> torch.Tensor:
     master = weight
     x, weight, bias = autocast_operands(x, weight, bias)
     lead = x.shape[:-1]
@@ -130,10 +134,8 @@ def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if recipe.gemm is Gemm.FP8:
             y = QuantLinearFP8Function.apply(*args, torch.is_grad_enabled(), layer)
         else:
-            w_f = weight_operand
-            if w_f is None or w_f.dtype != weight.dtype:
-                w_f = None if cache is None else cache.get(
-                    master, weight.dtype, recipe.fprop_w,
-                    lambda: operand(weight.detach(), recipe.fprop_w, reduce_dim=1))
+            w_f = None if cache is None else cache.get(
+                master, weight.dtype, recipe.fprop_w,
+                lambda: operand(weight.detach(), recipe.fprop_w, reduce_dim=1))
             y = QuantLinearFunction.apply(*args, w_f)
     return y.reshape(*lead, weight.shape[0])
