@@ -267,5 +267,8 @@ def _cached_operand(layer: QuantLinear, cache: WeightOperandCache) -> torch.Tens
     w, spec = layer.weight, layer.linear_recipe.fprop_w
     device = w.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
-    with torch.autocast(device, enabled=False):
-        return cache.get(w, dtype, spec, lambda: operand(w.detach().to(dtype), spec, reduce_dim=1))
+
+    def make() -> torch.Tensor:
+        with torch.autocast(device, enabled=False):
+            return operand(w.detach().to(dtype), spec, reduce_dim=1)
+    return cache.get(w, dtype, spec, make)

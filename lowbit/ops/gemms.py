@@ -223,15 +223,14 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     db = dY summed: the GEMMs emulated_forward and emulated_backward make when every operand
     but the forward's W is high precision, the same bits. Plain torch operations, so
     torch.compile traces them, and an eager call runs one small autograd.Function. Under
-    autocast the operands are cast to its dtype first, as quant_linear casts them; None where
-    w_f is not in the dtype the GEMM runs in (the caller quantizes instead)."""
+    autocast the operands are cast to its dtype first, as quant_linear casts them (autocast
+    then leaves the GEMM's operands as they are); None where w_f is not in the dtype the GEMM
+    runs in (the caller quantizes instead)."""
     x, weight, bias = autocast_operands(x, weight, bias)
     if w_f.dtype != weight.dtype:
         return None
-    lead = x.shape[:-1]
-    with torch.autocast(x.device.type, enabled=False):
-        y = _WeightOnlyLinear.apply(x.reshape(-1, x.shape[-1]), weight, w_f.detach(), bias)
-    return y.reshape(*lead, weight.shape[0])
+    y = _WeightOnlyLinear.apply(x.reshape(-1, x.shape[-1]), weight, w_f.detach(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _WeightOnlyLinear(torch.autograd.Function):
