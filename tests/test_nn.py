@@ -535,8 +535,9 @@ def test_a_compiled_weight_only_linear_traces_its_gemms_on_the_weight_it_is_hand
     """A weight-only recipe (QUADS' asymmetric QAT: NVFP4 W in the forward, all else high
     precision) handed its quantized W compiles to its three GEMMs traced, no op at all (the
     op pair's emulated GEMMs never run, nothing is quantized): the output and the gradients
-    (dX through W itself, dW, db) are eager's bit for bit, under bf16 autocast too, with a bias
-    and odd sizes (45 rows of 100). Without the weight it compiles to the op pair, as other
+    (dX through W itself, dW, db) are eager's bit for bit under AOTAutograd's eager backend,
+    under bf16 autocast too, with a bias and odd sizes (45 rows of 100). (Inductor may sum db
+    in another order: float rounding.) Without the weight it compiles to the op pair, as other
     recipes."""
     import lowbit.ops.compiled as compiled_ops
     import lowbit.ops.gemms as gemms
@@ -642,6 +643,37 @@ def test_reused_weight_operands_reach_compiled_layers_once_a_step():
         x = torch.randn(3, layer.in_features)
         fresh = quant_linear(x, layer.weight, layer.bias, layer.linear_recipe)
         assert layer.weight_operand is not None and torch.equal(layer(x), fresh)
+
+
+def test_reused_weight_operands_leave_copies_and_loads_alone():
+    """The operand hook serves the model it was put on: a deepcopy made inside the block (an
+    old-policy snapshot, say) carries an inert one and none of the layers' operands, and its
+    forwards leave the original's layers alone inside the block and after it; the model
+    pickles inside the block; load_state_dict drops the layers' operands (a compiled layer
+    could not tell its weight changed)."""
+    import copy
+    import io
+
+    from lowbit.rl.trainer_side import apply_asymmetric_qat
+
+    model = tiny_model()
+    apply_asymmetric_qat(model)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.linear_recipe]
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with reuse_weight_operands(model, opt):
+        model(idx, idx)
+        assert all(m.weight_operand is not None for m in linears)
+        snapshot = copy.deepcopy(model)
+        torch.save(model, io.BytesIO())
+        model.load_state_dict(model.state_dict())
+        assert all(m.weight_operand is None for m in linears)
+        snapshot(idx, idx)
+        assert all(m.weight_operand is None for m in linears)
+        model(idx, idx)
+    snapshot(idx, idx)
+    assert all(m.weight_operand is None for m in linears)
+    assert all(m.weight_operand is None for m in snapshot.modules() if isinstance(m, QuantLinear))
 
 
 def _converted_tiny_model(recipe):

@@ -220,11 +220,13 @@ def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
     bf16 autocast). Round-to-nearest weight specs only; others quantize as usual. A hook
     before each forward of `model` takes every weight-only QuantLinear's (QUADS' asymmetric
     QAT) from the cache into the layer (`weight_operand`), the one way a layer compiled by
-    torch.compile, where the cache's Python cannot run, gets it; other layers ask the cache at
-    each eager forward (compiled, they quantize at every forward). So compile `model`'s layers,
-    not `model` itself, for that hook to run eagerly. Weights must change only through
-    `optimizer` or in-place ops inside the block (load_state_dict); a write through .data goes
-    unseen. FSDP-sharded models are refused: their gathered weights reuse freed memory, which
+    torch.compile, where the cache's Python cannot run, gets it (the hook itself always runs
+    eagerly); other layers ask the cache at each eager forward (compiled, they quantize at every
+    forward). Weights must change only through `optimizer` or in-place ops inside the block; a
+    write through .data goes unseen. `model.load_state_dict` drops the layers' operands; after
+    another in-place change run `model` before calling a compiled layer on its own (eagerly a
+    layer checks its weight's version; compiled it cannot). A copy of `model` made inside the
+    block carries none of this. FSDP-sharded models are refused: their gathered weights reuse freed memory, which
     the cache's keys (a weight's storage) cannot tell apart. Yields the cache."""
     from torch.distributed.tensor import DTensor
 
@@ -236,18 +238,20 @@ def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
     weight_only = [m for m in modules if isinstance(m, QuantLinear)
                    and m.linear_recipe is not None and m.linear_recipe.weight_only]
 
-    def clear(*_) -> None:
+    def clear() -> None:
         cache.clear()
         for m in weight_only:
             m.weight_operand = None
 
     @torch.compiler.disable
-    def take_operands(*_) -> None:
+    def take_operands() -> None:
         for m in weight_only:
             m.weight_operand = _cached_operand(m, cache) if m.quantize else None
             m.weight_operand_version = m.weight._version
 
-    hooks = [optimizer.register_step_pre_hook(clear), model.register_forward_pre_hook(take_operands)]
+    hooks = [optimizer.register_step_pre_hook(lambda *_: clear()),
+             model.register_forward_pre_hook(_ModelHook(model, take_operands)),
+             model.register_load_state_dict_post_hook(_ModelHook(model, clear))]
     for m in modules:
         m.weight_cache = cache
     try:
@@ -258,6 +262,29 @@ def reuse_weight_operands(model: nn.Module, optimizer: torch.optim.Optimizer):
         for m in modules:
             m.weight_cache = None
         clear()
+
+
+class _ModelHook:
+    """A hook reuse_weight_operands puts on the model: `fn()` when called for that model. A
+    copy of the model made inside the block (deepcopy, pickle) carries an inert one instead,
+    since `fn` serves the original's layers and cache."""
+
+    def __init__(self, model: nn.Module, fn: Callable[[], None]) -> None:
+        self.model, self.fn = model, fn
+
+    def __call__(self, module: nn.Module, *_) -> None:
+        if module is self.model:
+            self.fn()
+
+    def __reduce__(self):
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a copied _ModelHook becomes: does nothing."""
+
+    def __call__(self, *_) -> None:
+        return None
 
 
 def _cached_operand(layer: QuantLinear, cache: WeightOperandCache) -> torch.Tensor | None:

@@ -64,11 +64,20 @@ class QuantLinear(nn.Linear):
                 and not compilable(recipe)):
             return self._forward_eagerly(x)
         operand = self.weight_operand
-        if (operand is not None and not torch.compiler.is_compiling()
-                and self.weight._version != self.weight_operand_version):
-            operand = None      # the weight was changed in place since the operand was taken
+        if operand is not None and not torch.compiler.is_compiling() and (
+                self.weight._version != self.weight_operand_version
+                or (operand.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # the weight was changed in place since the operand was taken; or a CUDA graph is
+            # being captured, whose replays would read a tensor the cache frees
+            operand = None
         return quant_linear(x, self.weight, self.bias, recipe, self.layer_name, self.weight_cache,
                             operand)
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) leaves reuse_weight_operands' state behind: it serves the
+        # original's weights
+        return {**self.__dict__, "weight_cache": None, "weight_operand": None,
+                "weight_operand_version": -1}
 
     # Under torch.compile a recipe whose forward rounds stochastically runs eagerly, the whole
     # layer a graph break (see lowbit.ops.compiled): a break inside this frame would make
@@ -104,6 +113,9 @@ class QuantExperts(Experts):
         self.quantize = True
         self.layer_name = ""
         self.weight_cache: WeightOperandCache | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "weight_cache": None}   # as QuantLinear's
 
     def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor, expert_idx: int) -> torch.Tensor:
         return quant_linear(x, weight[expert_idx], None, self.linear_recipe if self.quantize else None,

@@ -3,7 +3,7 @@ matrices so small (width 32) that the time is the layers' Python and dispatch, f
 backward, in float32 on the CPU, with the weight cache on (lowbit.nn.reuse_weight_operands, as
 lowbit rl trains). Eager, and with each decoder layer compiled (Transformer.compile_layers, as
 lowbit rl --compile): the weight-only layer's GEMMs traced on the quantized weight that
-reuse_weight_operands' hook hands it once an update (lowbit.ops.compiled's _WeightOnlyLinear),
+reuse_weight_operands' hook hands it once an update (lowbit.ops.gemms.weight_only_linear),
 or, arm `qat-op-pair`, through the forward/backward custom-op pair every other emulated recipe
 compiles to, which quantizes the weight at every forward. Prints and writes each arm's median
 step in three rounds (the arms in turns) and the extra per linear call against F.linear's.

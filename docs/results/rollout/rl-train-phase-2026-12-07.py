@@ -79,12 +79,13 @@ class StraightThrough(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
-def straight_through_linear(x, weight, bias, recipe, layer="", cache=None):
+def straight_through_linear(x, weight, bias, recipe, layer="", cache=None, weight_operand=None):
     """Weight-only QAT as plain autograd (the qat-ste arm)."""
     if recipe is None or not recipe.is_quantized:
         return F.linear(x, weight, bias)
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
-    w_f = cache.get(weight, weight, recipe.fprop_w, lambda w: operand(w.to(dtype), recipe.fprop_w, reduce_dim=1))
+    w_f = cache.get(weight, dtype, recipe.fprop_w,
+                    lambda: operand(weight.detach().to(dtype), recipe.fprop_w, reduce_dim=1))
     return F.linear(x, StraightThrough.apply(weight, w_f), bias)
 
 
