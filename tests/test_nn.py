@@ -592,8 +592,8 @@ def test_reused_weight_operands_reach_compiled_layers_once_a_step():
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    import lowbit.nn._convert as convert_module
     import lowbit.ops.compiled as compiled_ops
+    import lowbit.ops.gemms as gemms
     from lowbit.rl.trainer_side import apply_asymmetric_qat
 
     base = tiny_model()
@@ -608,8 +608,8 @@ def test_reused_weight_operands_reach_compiled_layers_once_a_step():
                 layer.compile(backend=counter, dynamic=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, grads, taken, frames = [], [], [], []
-        real, pair = convert_module.operand, compiled_ops.emulated_forward
-        with mock.patch.object(convert_module, "operand",
+        real, pair = gemms.operand, compiled_ops.emulated_forward
+        with mock.patch.object(gemms, "operand",
                                lambda t, *a, **k: taken.append(tuple(t.shape)) or real(t, *a, **k)), \
                 mock.patch.object(compiled_ops, "emulated_forward",
                                   lambda *a, **k: taken.append("op pair") or pair(*a, **k)):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lowbit.nn._layers import QuantExperts, QuantLinear, expert_dims, is_experts
-from lowbit.ops.gemms import WeightOperandCache, operand
+from lowbit.ops.gemms import WeightOperandCache
 from lowbit.recipes import LinearRecipe, Recipe, get_recipe
 
 __all__ = ["convert_to_quantized_training", "convert", "gemm_modules", "GEMM_KINDS",
@@ -291,11 +291,6 @@ def _cached_operand(layer: QuantLinear, cache: WeightOperandCache) -> torch.Tens
     """The layer's quantized forward weight from `cache`, in the dtype its GEMM runs in now
     (autocast's where autocast is on), as an eager forward would take it; None where the cache
     keeps none (a stochastic spec, a CUDA graph's capture)."""
-    w, spec = layer.weight, layer.linear_recipe.fprop_w
-    device = w.device.type
+    w, device = layer.weight, layer.weight.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w.dtype
-
-    def make() -> torch.Tensor:
-        with torch.autocast(device, enabled=False):
-            return operand(w.detach().to(dtype), spec, reduce_dim=1)
-    return cache.get(w, dtype, spec, make)
+    return cache.forward_weight(w, dtype, layer.linear_recipe.fprop_w)

@@ -282,5 +282,14 @@ class WeightOperandCache:
                 held = self.entries[where] = (master._version, make())
         return held[1]
 
+    def forward_weight(self, master: torch.Tensor, dtype: torch.dtype,
+                       spec: QuantSpec | None) -> torch.Tensor | None:
+        """get() of a layer's forward operand: `master` cast to `dtype` and quantized along its
+        input dim (operand(w, spec, reduce_dim=1)), autocast off."""
+        def make() -> torch.Tensor:
+            with torch.autocast(master.device.type, enabled=False):
+                return operand(master.detach().to(dtype), spec, reduce_dim=1)
+        return self.get(master, dtype, spec, make)
+
     def clear(self) -> None:
         self.entries.clear()

@@ -19,7 +19,7 @@ from lowbit.dispatch.fold_check import (active_fold_check, active_observer, acti
 from lowbit.ops.compiled import quant_linear_compiled
 from lowbit.ops.gemms import (WeightOperandCache, autocast_operands, compilable,
                               emulated_backward, emulated_forward, fp8_backward, fp8_forward,
-                              kept_operands, operand, saved_operands, weight_only_linear)
+                              kept_operands, saved_operands, weight_only_linear)
 from lowbit.recipes import Gemm, LinearRecipe
 
 __all__ = ["quant_linear", "QuantLinearFunction", "QuantLinearFP8Function"]
@@ -134,8 +134,6 @@ def _quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if recipe.gemm is Gemm.FP8:
             y = QuantLinearFP8Function.apply(*args, torch.is_grad_enabled(), layer)
         else:
-            w_f = None if cache is None else cache.get(
-                master, weight.dtype, recipe.fprop_w,
-                lambda: operand(weight.detach(), recipe.fprop_w, reduce_dim=1))
+            w_f = None if cache is None else cache.forward_weight(master, weight.dtype, recipe.fprop_w)
             y = QuantLinearFunction.apply(*args, w_f)
     return y.reshape(*lead, weight.shape[0])
